@@ -1,0 +1,1 @@
+//! Kimi model definitions.

@@ -1,0 +1,263 @@
+//! The backend interface that model code is written against.
+//!
+//! A [`Backend`] owns device memory and implements a small, closed set of model-level fused
+//! operations (RMSNorm, matmul, short convolution, KDA, MLA, MoE, ...). Model definitions in
+//! `kimi-model` are generic over `B: Backend` and never name a device; `kimi-cpu` and (later)
+//! `kimi-cuda` implement the trait.
+//!
+//! Activations are row-major `[num_tokens, width]` matrices of f32 (CPU) or bf16 (GPU). A
+//! forward pass over several sequences flattens their tokens into one matrix; the sequence
+//! boundaries travel as [`Segment`]s so that mixers with per-sequence state (KDA, MLA) can
+//! find their rows.
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+use kimi_core::config::KdaGate;
+use kimi_core::DType;
+
+/// Errors raised by backends.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Operands do not fit together.
+    #[error("{op}: {detail}")]
+    Shape {
+        /// The operation.
+        op: &'static str,
+        /// What does not fit.
+        detail: String,
+    },
+    /// The backend cannot run this operation or dtype.
+    #[error("{0} is not supported by this backend")]
+    Unsupported(String),
+    /// A device-level failure.
+    #[error("backend: {0}")]
+    Device(String),
+}
+
+/// Result alias for backend operations.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// A tensor in host memory, as read from a checkpoint, before upload.
+#[derive(Clone, Copy, Debug)]
+pub struct HostTensor<'a> {
+    /// Dimensions, outermost first (`[out_features, in_features]` for linear weights).
+    pub shape: &'a [usize],
+    /// Element type of `bytes`.
+    pub dtype: DType,
+    /// Little-endian elements, `shape.product() * dtype.size_bytes()` bytes.
+    pub bytes: &'a [u8],
+}
+
+/// The rows of one sequence inside a flattened activation matrix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment {
+    /// First row of this sequence's new tokens.
+    pub start: usize,
+    /// Number of new tokens.
+    pub len: usize,
+}
+
+/// How the KDA core processes a segment of several tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KdaMode {
+    /// Chunked (WY) form for more than one token, recurrent form for a single token.
+    #[default]
+    Auto,
+    /// Token-by-token recurrence for every segment.
+    Recurrent,
+    /// Chunked form for every segment, even single tokens.
+    Chunked,
+}
+
+/// How MLA attends over its latent cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MlaMode {
+    /// Expanded (per-head K/V) form for several tokens, absorbed form for one.
+    #[default]
+    Auto,
+    /// Decompress every cached latent to per-head keys and values (reference form).
+    Expanded,
+    /// Project queries into the latent space and attend over the 576-wide cache.
+    Absorbed,
+}
+
+/// Dimensions the MLA operation needs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MlaDims {
+    /// Attention heads.
+    pub num_heads: usize,
+    /// Latent width (`kv_lora_rank`).
+    pub kv_lora_rank: usize,
+    /// Per-head query/key width without position part.
+    pub qk_nope_head_dim: usize,
+    /// Shared key width (`k_pe`).
+    pub qk_rope_head_dim: usize,
+    /// Per-head value width.
+    pub v_head_dim: usize,
+    /// Softmax scale.
+    pub scale: f32,
+}
+
+/// Weights of one SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
+pub struct MlpWeights<T> {
+    /// `[intermediate, hidden]`.
+    pub gate: T,
+    /// `[intermediate, hidden]`.
+    pub up: T,
+    /// `[hidden, intermediate]`.
+    pub down: T,
+}
+
+/// Weights of one mixture-of-experts block.
+pub struct MoeWeights<T> {
+    /// Router `[num_experts, hidden]`.
+    pub router: T,
+    /// Selection bias `[num_experts]` (`e_score_correction_bias`), if the checkpoint has one.
+    pub correction_bias: Option<T>,
+    /// Routed experts.
+    pub experts: Vec<MlpWeights<T>>,
+    /// Shared experts, applied to every token unweighted.
+    pub shared: Option<MlpWeights<T>>,
+}
+
+/// Routing hyper-parameters of a MoE block.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MoeRouting {
+    /// Experts per token.
+    pub top_k: usize,
+    /// Expert groups (1 = ungrouped).
+    pub num_groups: usize,
+    /// Groups kept per token.
+    pub topk_group: usize,
+    /// Renormalise chosen weights.
+    pub renormalize: bool,
+    /// Multiplier on the routed weights.
+    pub scaling: f32,
+    /// Weight by biased scores (remote-code compatibility).
+    pub weights_use_bias: bool,
+}
+
+/// The operations a device must provide to run Kimi models.
+///
+/// Every method that takes an activation reads a row-major `[num_tokens, width]` matrix.
+/// Weights are `[out_features, in_features]` as stored in Hugging Face checkpoints, so
+/// `matmul(x, w)` computes `x · wᵀ`.
+pub trait Backend: Send + Sync {
+    /// A tensor in this backend's memory (activations, weights and states alike).
+    type Tensor: Send + Sync;
+
+    /// Short name for logs (`cpu`, `cuda:0`).
+    fn name(&self) -> String;
+
+    /// Copies a checkpoint tensor to the device. Matrices may keep their stored dtype.
+    fn upload(&self, host: HostTensor<'_>) -> Result<Self::Tensor>;
+    /// Creates an f32 tensor from host data.
+    fn from_f32(&self, shape: &[usize], data: &[f32]) -> Result<Self::Tensor>;
+    /// Creates an f32 tensor of zeros.
+    fn zeros(&self, shape: &[usize]) -> Result<Self::Tensor>;
+    /// Copies a tensor back to the host as f32.
+    fn to_f32(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
+    /// Dimensions of a tensor, outermost first.
+    fn shape<'a>(&self, t: &'a Self::Tensor) -> &'a [usize];
+    /// Bytes the tensor occupies on the device.
+    fn size_bytes(&self, t: &Self::Tensor) -> usize;
+
+    /// Rows of `table` `[vocab, d]` for `ids` → `[ids.len(), d]`.
+    fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
+    /// `x [n, in] · wᵀ` with `w [out, in]` → `[n, out]`.
+    fn matmul(&self, x: &Self::Tensor, w: &Self::Tensor) -> Result<Self::Tensor>;
+    /// Per-row RMSNorm of `x [n, d]` times `weight [d]`.
+    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32)
+        -> Result<Self::Tensor>;
+    /// `x += y`, both `[n, d]`.
+    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
+    /// Picks rows of `x [n, d]` → `[rows.len(), d]`.
+    fn select_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor>;
+    /// Splits `x [n, sum(widths)]` into column blocks `[n, widths[i]]`.
+    fn split_cols(&self, x: &Self::Tensor, widths: &[usize]) -> Result<Vec<Self::Tensor>>;
+    /// Concatenates `[n, w_i]` matrices along columns.
+    fn concat_cols(&self, parts: &[&Self::Tensor]) -> Result<Self::Tensor>;
+    /// Elementwise logistic sigmoid.
+    fn sigmoid(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
+
+    /// SwiGLU MLP `down(silu(x·gateᵀ) ⊙ x·upᵀ)` on `x [n, hidden]`.
+    fn mlp(&self, x: &Self::Tensor, w: &MlpWeights<Self::Tensor>) -> Result<Self::Tensor>;
+    /// Routed experts plus shared experts on `x [n, hidden]` → `[n, hidden]`.
+    /// Returns the output and the chosen expert ids, `top_k` per token.
+    fn moe(
+        &self,
+        x: &Self::Tensor,
+        w: &MoeWeights<Self::Tensor>,
+        routing: &MoeRouting,
+    ) -> Result<(Self::Tensor, Vec<u32>)>;
+
+    /// Causal depthwise convolution followed by SiLU, per segment.
+    ///
+    /// `x [n, C]`, `weight [C, W]` (tap `W-1` multiplies the current token). `states[s]` is
+    /// segment `s`'s `[W-1, C]` window of the previous pre-convolution inputs (oldest first);
+    /// it is read as left context and updated to the last `W-1` inputs.
+    fn short_conv_silu(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Tensor,
+        segments: &[Segment],
+        states: &mut [&mut Self::Tensor],
+    ) -> Result<Self::Tensor>;
+
+    /// KDA log-space forget gate from `f [n, H*K]`, `a_log [H]` and `dt_bias [H*K]`.
+    fn kda_gate(
+        &self,
+        f: &Self::Tensor,
+        a_log: &Self::Tensor,
+        dt_bias: &Self::Tensor,
+        num_heads: usize,
+        gate: KdaGate,
+    ) -> Result<Self::Tensor>;
+
+    /// The gated delta rule of KDA, per segment.
+    ///
+    /// `q, k, v, g [n, H*D]`, `beta [n, H]` (already sigmoid). q and k are L2-normalised per
+    /// head inside (`x·rsqrt(Σx²+1e-6)`) and q is scaled by `D^-1/2`. `states[s]` is segment
+    /// `s`'s `[H, D, D]` f32 state (key-major), updated in place. Returns `o [n, H*D]`.
+    #[allow(clippy::too_many_arguments)]
+    fn kda(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        g: &Self::Tensor,
+        beta: &Self::Tensor,
+        num_heads: usize,
+        segments: &[Segment],
+        states: &mut [&mut Self::Tensor],
+        mode: KdaMode,
+    ) -> Result<Self::Tensor>;
+
+    /// Per-head RMSNorm of `o [n, H*D]` times `weight [D]`, gated by `sigmoid(z)`.
+    fn gated_rms_norm(
+        &self,
+        o: &Self::Tensor,
+        z: &Self::Tensor,
+        weight: &Self::Tensor,
+        eps: f32,
+    ) -> Result<Self::Tensor>;
+
+    /// Causal MLA over a latent cache, per segment.
+    ///
+    /// `q [n, H*(nope+rope)]`; `latent [n, r+rope]` holds each new token's normalised latent
+    /// `c` followed by its shared key `k_pe`; `kv_b [H*(nope+v), r]`. `caches[s]` holds
+    /// segment `s`'s earlier latents `[past, r+rope]` and gets the new rows appended.
+    /// Returns `[n, H*v]`.
+    #[allow(clippy::too_many_arguments)]
+    fn mla(
+        &self,
+        q: &Self::Tensor,
+        latent: &Self::Tensor,
+        kv_b: &Self::Tensor,
+        dims: &MlaDims,
+        segments: &[Segment],
+        caches: &mut [&mut Self::Tensor],
+        mode: MlaMode,
+    ) -> Result<Self::Tensor>;
+}

@@ -1,0 +1,1 @@
+//! Tokenizers and chat templates for kimi-infer.

@@ -1,0 +1,1 @@
+//! Checkpoint loading for kimi-infer.
