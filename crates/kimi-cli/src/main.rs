@@ -1,1 +1,47 @@
-fn main() {}
+//! `kimi-infer`: run, chat with, inspect and benchmark Kimi models.
+#![forbid(unsafe_code)]
+
+mod args;
+mod bench;
+mod demo;
+mod inspect;
+mod load;
+mod logits;
+mod npy;
+mod run;
+
+use clap::Parser;
+
+use args::{Cli, Command};
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KIMI_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    if let Some(threads) = cli.threads {
+        if let Err(e) = rayon_threads(threads) {
+            eprintln!("error: {e:#}");
+            std::process::exit(2);
+        }
+    }
+    let result = match cli.command {
+        Command::Run(a) => run::run(a),
+        Command::Chat(a) => run::chat(a),
+        Command::Logits(a) => logits::logits(a),
+        Command::Inspect(a) => inspect::inspect(a),
+        Command::Bench(a) => bench::bench(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn rayon_threads(n: usize) -> anyhow::Result<()> {
+    anyhow::ensure!(n > 0, "--threads must be at least 1");
+    kimi_cpu::set_num_threads(n).map_err(|e| anyhow::anyhow!("cannot set the thread count: {e}"))
+}

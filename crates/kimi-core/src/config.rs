@@ -8,6 +8,13 @@
 
 use serde_json::Value;
 
+mod fields;
+mod k3;
+mod parse;
+mod schedule;
+#[cfg(test)]
+mod tests;
+
 /// Which token mixer a decoder layer uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mixer {
@@ -164,8 +171,12 @@ impl ModelConfig {
     }
 
     /// Parses and validates an already-decoded `config.json`.
-    pub fn from_json(_value: &Value) -> Result<Self, ConfigError> {
-        Err(ConfigError::Unsupported("config parsing not written yet".into()))
+    ///
+    /// Accepts the hub schema and the transformers-5 native schema (and both at once, when they
+    /// agree). Kimi K3 configs (`text_config`, `KimiK3ForConditionalGeneration`) and other model
+    /// types are recognised and rejected with [`ConfigError::Unsupported`]. Never panics.
+    pub fn from_json(value: &Value) -> Result<Self, ConfigError> {
+        parse::model_config(value)
     }
 
     /// Number of decoder layers.

@@ -1,1 +1,143 @@
-//! The CPU backend.
+//! The CPU backend of kimi-infer.
+//!
+//! Activations and recurrent states are f32; weights keep their checkpoint dtype (bf16, f16
+//! or f32) and are widened to f32 inside the matmul, block by block. Work is spread over the
+//! rayon thread pool (output features for matmuls, heads for attention).
+//!
+//! `unsafe` appears only in [`simd`], for AVX2/FMA intrinsics selected at run time.
+#![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod kda;
+mod matmul;
+mod mla;
+mod moe;
+mod norm;
+pub mod simd;
+mod tensor;
+
+pub use tensor::{CpuTensor, Storage};
+
+use kimi_core::config::KdaGate;
+use kimi_ops::{Backend, HostTensor, KdaMode, MlaDims, MlaMode, MlpWeights, MoeRouting, MoeWeights, Result, Segment};
+
+/// The CPU backend. Cheap to construct; holds no state besides the thread pool it uses.
+#[derive(Clone, Debug, Default)]
+pub struct CpuBackend;
+
+impl CpuBackend {
+    /// A backend using rayon's global thread pool.
+    pub fn new() -> Self {
+        Self
+    }
+}
+
+impl Backend for CpuBackend {
+    type Tensor = CpuTensor;
+
+    fn name(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+    fn upload(&self, host: HostTensor<'_>) -> Result<CpuTensor> {
+        CpuTensor::from_host(host)
+    }
+    fn upload_f32(&self, shape: &[usize], data: &[f32]) -> Result<CpuTensor> {
+        CpuTensor::f32(shape, data.to_vec())
+    }
+    fn zeros(&self, shape: &[usize]) -> Result<CpuTensor> {
+        CpuTensor::f32(shape, vec![0.0; shape.iter().product()])
+    }
+    fn to_f32(&self, t: &CpuTensor) -> Result<Vec<f32>> {
+        Ok(t.to_f32_vec())
+    }
+    fn shape<'a>(&self, t: &'a CpuTensor) -> &'a [usize] {
+        t.shape()
+    }
+    fn size_bytes(&self, t: &CpuTensor) -> usize {
+        t.size_bytes()
+    }
+    fn embedding(&self, table: &CpuTensor, ids: &[u32]) -> Result<CpuTensor> {
+        norm::embedding(table, ids)
+    }
+    fn matmul(&self, x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
+        matmul::matmul(x, w)
+    }
+    fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
+        norm::rms_norm(x, weight, eps)
+    }
+    fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
+        norm::add_assign(x, y)
+    }
+    fn select_rows(&self, x: &CpuTensor, rows: &[usize]) -> Result<CpuTensor> {
+        norm::select_rows(x, rows)
+    }
+    fn split_cols(&self, x: &CpuTensor, widths: &[usize]) -> Result<Vec<CpuTensor>> {
+        norm::split_cols(x, widths)
+    }
+    fn concat_cols(&self, parts: &[&CpuTensor]) -> Result<CpuTensor> {
+        norm::concat_cols(parts)
+    }
+    fn sigmoid(&self, x: &CpuTensor) -> Result<CpuTensor> {
+        let v = x.as_f32("sigmoid")?.iter().map(|&v| kda::sigmoid(v)).collect();
+        CpuTensor::f32(x.shape(), v)
+    }
+    fn mlp(&self, x: &CpuTensor, w: &MlpWeights<CpuTensor>) -> Result<CpuTensor> {
+        moe::mlp(x, w)
+    }
+    fn moe(&self, x: &CpuTensor, w: &MoeWeights<CpuTensor>, routing: &MoeRouting) -> Result<(CpuTensor, Vec<u32>)> {
+        moe::moe(x, w, routing)
+    }
+    fn short_conv_silu(
+        &self,
+        x: &CpuTensor,
+        weight: &CpuTensor,
+        segments: &[Segment],
+        states: &mut [&mut CpuTensor],
+    ) -> Result<CpuTensor> {
+        kda::short_conv_silu(x, weight, segments, states)
+    }
+    fn kda_gate(
+        &self,
+        f: &CpuTensor,
+        a_log: &CpuTensor,
+        dt_bias: &CpuTensor,
+        num_heads: usize,
+        gate: KdaGate,
+    ) -> Result<CpuTensor> {
+        kda::gate(f, a_log, dt_bias, num_heads, gate)
+    }
+    fn kda(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        g: &CpuTensor,
+        beta: &CpuTensor,
+        num_heads: usize,
+        segments: &[Segment],
+        states: &mut [&mut CpuTensor],
+        mode: KdaMode,
+    ) -> Result<CpuTensor> {
+        kda::kda(q, k, v, g, beta, num_heads, segments, states, mode)
+    }
+    fn gated_rms_norm(&self, o: &CpuTensor, z: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
+        kda::gated_rms_norm(o, z, weight, eps)
+    }
+    fn mla(
+        &self,
+        q: &CpuTensor,
+        latent: &CpuTensor,
+        kv_b: &CpuTensor,
+        dims: &MlaDims,
+        segments: &[Segment],
+        caches: &mut [&mut CpuTensor],
+        mode: MlaMode,
+    ) -> Result<CpuTensor> {
+        mla::mla(q, latent, kv_b, dims, segments, caches, mode)
+    }
+}
+
+/// Sets the number of worker threads the CPU backend uses. Call once, before any work.
+pub fn set_num_threads(n: usize) -> std::result::Result<(), String> {
+    rayon::ThreadPoolBuilder::new().num_threads(n).build_global().map_err(|e| e.to_string())
+}

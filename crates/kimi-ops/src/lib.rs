@@ -153,7 +153,7 @@ pub trait Backend: Send + Sync {
     /// Copies a checkpoint tensor to the device. Matrices may keep their stored dtype.
     fn upload(&self, host: HostTensor<'_>) -> Result<Self::Tensor>;
     /// Creates an f32 tensor from host data.
-    fn from_f32(&self, shape: &[usize], data: &[f32]) -> Result<Self::Tensor>;
+    fn upload_f32(&self, shape: &[usize], data: &[f32]) -> Result<Self::Tensor>;
     /// Creates an f32 tensor of zeros.
     fn zeros(&self, shape: &[usize]) -> Result<Self::Tensor>;
     /// Copies a tensor back to the host as f32.

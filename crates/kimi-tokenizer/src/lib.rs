@@ -1,1 +1,244 @@
 //! Tokenizers and chat templates for kimi-infer.
+//!
+//! [`Tokenizer::from_dir`] loads a model directory: Kimi's tiktoken BPE (`tiktoken.model` with
+//! `tokenizer_config.json`; spec §9.1–9.3) or any Hugging Face `tokenizer.json`. The chat
+//! template ([`ChatTemplate`]) comes from `chat_template.jinja` or the config's
+//! `chat_template` and renders like transformers' `apply_chat_template`. [`StreamDecoder`]
+//! turns generated ids into text without ever splitting a UTF-8 character.
+//!
+//! ```
+//! use kimi_tokenizer::{StreamDecoder, Tokenizer};
+//! # fn main() -> Result<(), kimi_tokenizer::TokenizerError> {
+//! let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/demo-tokenizer");
+//! let tok = Tokenizer::from_dir(&dir)?;
+//! let messages = [serde_json::json!({"role": "user", "content": "Hello!"})];
+//! let prompt = tok.chat_template().expect("demo has a template").render(&messages, None, true)?;
+//! assert!(prompt.ends_with("<|im_assistant|>assistant<|im_middle|>"));
+//! let ids = tok.encode(&prompt, true)?;
+//! assert_eq!(tok.decode(&ids, false)?, prompt);
+//!
+//! let mut stream = StreamDecoder::new(&tok, true);
+//! let text: String = ids.iter().map(|&id| stream.push(id)).collect::<String>() + &stream.finish();
+//! assert_eq!(text, "userHello!assistant");
+//! # Ok(()) }
+//! ```
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+#![cfg_attr(not(test), warn(clippy::unwrap_used))]
+
+mod chat_template;
+mod config;
+mod error;
+mod hf;
+mod pyjson;
+mod stream;
+mod tiktoken;
+
+use std::path::Path;
+
+pub use chat_template::ChatTemplate;
+pub use error::TokenizerError;
+pub use stream::StreamDecoder;
+
+use config::TokenizerConfig;
+use hf::HfTokenizer;
+use tiktoken::TiktokenBpe;
+
+/// End-of-message tokens that stop generation when present as special tokens, besides the
+/// config's `eos_token` (Kimi: `[EOS]` in tokenizer_config, `<|im_end|>` in config.json).
+const END_OF_MESSAGE_TOKENS: [&str; 6] = [
+    "<|im_end|>",
+    "[EOS]",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<end_of_turn>",
+];
+
+enum Backend {
+    Tiktoken(TiktokenBpe),
+    Hf(HfTokenizer),
+}
+
+/// A loaded tokenizer: vocabulary, special tokens, bos/eos ids and chat template.
+pub struct Tokenizer {
+    backend: Backend,
+    bos_id: Option<u32>,
+    eos_ids: Vec<u32>,
+    chat_template: Option<ChatTemplate>,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.backend {
+            Backend::Tiktoken(_) => "tiktoken",
+            Backend::Hf(_) => "tokenizer.json",
+        };
+        f.debug_struct("Tokenizer")
+            .field("kind", &kind)
+            .field("vocab_size", &self.vocab_size())
+            .field("bos_id", &self.bos_id)
+            .field("eos_ids", &self.eos_ids)
+            .field("chat_template", &self.chat_template)
+            .finish()
+    }
+}
+
+impl Tokenizer {
+    /// Loads from a model directory: `tiktoken.model` (+ `tokenizer_config.json`) → Kimi
+    /// tiktoken BPE; else `tokenizer.json` → HF tokenizers. The chat template is
+    /// `chat_template.jinja` if present (it overrides the config, as in transformers), else
+    /// `tokenizer_config.json` `chat_template` (a string, or a list of `{name, template}` of
+    /// which "default" is taken, else the first).
+    pub fn from_dir(dir: &Path) -> Result<Tokenizer, TokenizerError> {
+        let config_path = dir.join("tokenizer_config.json");
+        let config = TokenizerConfig::load_optional(&config_path)?;
+        let tiktoken_path = dir.join("tiktoken.model");
+        let hf_path = dir.join("tokenizer.json");
+        let backend = if tiktoken_path.is_file() {
+            Backend::Tiktoken(TiktokenBpe::load(
+                &tiktoken_path,
+                &config.added_tokens,
+                &config_path,
+            )?)
+        } else if hf_path.is_file() {
+            Backend::Hf(HfTokenizer::load(&hf_path)?)
+        } else {
+            return Err(TokenizerError::NotFound {
+                dir: dir.to_path_buf(),
+            });
+        };
+        let chat_template = match config::find_chat_template(dir, &config)? {
+            Some((source, origin)) => Some(
+                ChatTemplate::new(&source, config.bos_token.clone(), config.eos_token.clone())
+                    .map_err(|err| match err {
+                        TokenizerError::TemplateSyntax { source, .. } => {
+                            TokenizerError::TemplateSyntax {
+                                origin: Some(origin),
+                                source,
+                            }
+                        }
+                        other => other,
+                    })?,
+            ),
+            None => None,
+        };
+        let mut tokenizer = Tokenizer {
+            backend,
+            bos_id: None,
+            eos_ids: Vec::new(),
+            chat_template,
+        };
+        tokenizer.bos_id = config.bos_token.as_deref().and_then(|t| tokenizer.token_id(t));
+        tokenizer.eos_ids = tokenizer.find_eos_ids(config.eos_token.as_deref());
+        Ok(tokenizer)
+    }
+
+    fn find_eos_ids(&self, eos_token: Option<&str>) -> Vec<u32> {
+        let mut ids = Vec::new();
+        if let Some(id) = eos_token.and_then(|t| self.token_id(t)) {
+            ids.push(id);
+        }
+        for name in END_OF_MESSAGE_TOKENS {
+            if let Some(id) = self.token_id(name).filter(|&id| self.is_special(id)) {
+                if !ids.contains(&id) {
+                    ids.push(id);
+                }
+            }
+        }
+        ids
+    }
+
+    /// Encodes `text`. With `allow_special`, special-token strings in the text become their
+    /// special ids; otherwise they are encoded as plain text. Nothing (no BOS) is added.
+    pub fn encode(&self, text: &str, allow_special: bool) -> Result<Vec<u32>, TokenizerError> {
+        match &self.backend {
+            Backend::Tiktoken(bpe) => bpe.encode(text, allow_special),
+            Backend::Hf(hf) => hf.encode(text, allow_special),
+        }
+    }
+
+    /// Decodes `ids`; invalid UTF-8 becomes U+FFFD. Errors on ids outside the vocabulary.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {
+        match &self.backend {
+            Backend::Tiktoken(bpe) => {
+                let bytes = bpe.decode_bytes(ids, skip_special)?;
+                Ok(match String::from_utf8(bytes) {
+                    Ok(text) => text,
+                    Err(err) => String::from_utf8_lossy(err.as_bytes()).into_owned(),
+                })
+            }
+            Backend::Hf(hf) => hf.decode(ids, skip_special),
+        }
+    }
+
+    /// The raw bytes of one token (for special tokens, their text); `None` for unknown ids.
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        match &self.backend {
+            Backend::Tiktoken(bpe) => bpe.token_bytes(id).map(<[u8]>::to_vec),
+            Backend::Hf(hf) => hf.token_bytes(id).map(<[u8]>::to_vec),
+        }
+    }
+
+    /// Highest token id + 1 (Kimi: number of BPE tokens + 258 special ids).
+    pub fn vocab_size(&self) -> usize {
+        match &self.backend {
+            Backend::Tiktoken(bpe) => bpe.vocab_size(),
+            Backend::Hf(hf) => hf.vocab_size(),
+        }
+    }
+
+    /// The id of a token given as text, e.g. `"<|im_end|>"` (Kimi: a special token's name or a
+    /// base token's exact bytes; `tokenizer.json`: the vocabulary string).
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        match &self.backend {
+            Backend::Tiktoken(bpe) => bpe.token_id(token),
+            Backend::Hf(hf) => hf.token_id(token),
+        }
+    }
+
+    /// Whether `id` is a special token (Kimi: every id from the number of BPE tokens on).
+    pub fn is_special(&self, id: u32) -> bool {
+        match &self.backend {
+            Backend::Tiktoken(bpe) => bpe.is_special(id),
+            Backend::Hf(hf) => hf.is_special(id),
+        }
+    }
+
+    /// The id of tokenizer_config's `bos_token`. Kimi's chat template does not emit it.
+    pub fn bos_id(&self) -> Option<u32> {
+        self.bos_id
+    }
+
+    /// Stop tokens: tokenizer_config's `eos_token`, then whichever of `<|im_end|>`, `[EOS]`,
+    /// `<|endoftext|>`, `<|eot_id|>`, `<|end_of_text|>`, `<end_of_turn>` are special tokens.
+    pub fn eos_ids(&self) -> Vec<u32> {
+        self.eos_ids.clone()
+    }
+
+    /// The chat template, if the directory has one.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat_template.as_ref()
+    }
+
+    /// Kimi tiktoken only: the number of BPE tokens, i.e. the first special id.
+    pub fn num_base_tokens(&self) -> Option<u32> {
+        match &self.backend {
+            Backend::Tiktoken(bpe) => Some(bpe.n_base()),
+            Backend::Hf(_) => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokenizer_is_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<Tokenizer>();
+        check::<ChatTemplate>();
+        check::<StreamDecoder<'static>>();
+    }
+}

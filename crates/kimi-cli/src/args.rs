@@ -1,0 +1,207 @@
+//! Command-line arguments (plain data; validated where they are used).
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// Run Kimi models on your own hardware.
+#[derive(Parser, Debug)]
+#[command(name = "kimi-infer", version, about, propagate_version = true)]
+pub struct Cli {
+    /// Worker threads for the CPU backend (default: one per core).
+    #[arg(long, global = true)]
+    pub threads: Option<usize>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Generate a completion for a prompt and stream it to stdout.
+    Run(RunArgs),
+    /// Interactive multi-turn chat using the model's chat template.
+    Chat(ChatArgs),
+    /// Write the logits of every position of a token-id sequence as a NumPy .npy file.
+    Logits(LogitsArgs),
+    /// Print the architecture, parameter counts, weight bytes and cache sizes of a model.
+    Inspect(InspectArgs),
+    /// Measure prefill and decode speed and peak memory.
+    Bench(BenchArgs),
+}
+
+/// Where the model comes from.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Checkpoint directory (config.json + safetensors). Without it, the built-in demo model
+    /// (tiny, random weights: its text is gibberish) is used.
+    #[arg(long, short = 'm')]
+    pub model: Option<PathBuf>,
+}
+
+/// Sampling flags shared by `run` and `chat`.
+#[derive(Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// Sampling temperature; 0 means greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Nucleus sampling: keep the smallest set of tokens with this much probability.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Drop tokens less likely than min_p times the most likely one.
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Penalise tokens already present in prompt or output (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    /// Subtract this times the token's count in the output (OpenAI semantics).
+    #[arg(long, default_value_t = 0.0)]
+    pub frequency_penalty: f32,
+    /// Subtract this if the token already appeared in the output.
+    #[arg(long, default_value_t = 0.0)]
+    pub presence_penalty: f32,
+    /// Random seed: the same seed gives the same output.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Stop when this text appears (repeatable); the text itself is not printed.
+    #[arg(long = "stop")]
+    pub stop: Vec<String>,
+    /// Stop on this token id (repeatable).
+    #[arg(long = "stop-id")]
+    pub stop_ids: Vec<u32>,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Print each token's log-probability and this many alternatives to stderr (0–20).
+    #[arg(long)]
+    pub logprobs: Option<usize>,
+}
+
+/// `kimi-infer run`.
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The prompt text.
+    #[arg(long, short = 'p')]
+    pub prompt: String,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// System message (with --chat).
+    #[arg(long)]
+    pub system: Option<String>,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Print prompt and generation speed to stderr at the end.
+    #[arg(long)]
+    pub stats: bool,
+}
+
+/// `kimi-infer chat`.
+#[derive(Args, Debug)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// System message for the conversation.
+    #[arg(long)]
+    pub system: Option<String>,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+}
+
+/// KDA kernel form, for checking that every path agrees.
+#[derive(ValueEnum, Clone, Copy, Debug, Default)]
+pub enum KdaModeArg {
+    /// Chunked for several tokens, recurrent for one.
+    #[default]
+    Auto,
+    /// Token-by-token recurrence.
+    Recurrent,
+    /// Chunked (WY) form everywhere.
+    Chunked,
+}
+
+/// MLA attention form.
+#[derive(ValueEnum, Clone, Copy, Debug, Default)]
+pub enum MlaModeArg {
+    /// Expanded for several tokens, absorbed for one.
+    #[default]
+    Auto,
+    /// Per-head keys and values.
+    Expanded,
+    /// Attention in the latent space.
+    Absorbed,
+}
+
+/// `kimi-infer logits`.
+#[derive(Args, Debug)]
+pub struct LogitsArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Comma-separated token ids, e.g. 5,17,42.
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub ids: Vec<u32>,
+    /// Output .npy file (float32, shape [tokens, vocab]).
+    #[arg(long, short = 'o')]
+    pub out: PathBuf,
+    /// Feed the ids through the caches this many at a time (1 = decode path). Default: all at once.
+    #[arg(long)]
+    pub step: Option<usize>,
+    /// KDA kernel form.
+    #[arg(long, value_enum, default_value_t = KdaModeArg::Auto)]
+    pub kda_mode: KdaModeArg,
+    /// MLA attention form.
+    #[arg(long, value_enum, default_value_t = MlaModeArg::Auto)]
+    pub mla_mode: MlaModeArg,
+}
+
+/// `kimi-infer inspect`.
+#[derive(Args, Debug)]
+pub struct InspectArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `kimi-infer bench`.
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt tokens for the prefill measurement.
+    #[arg(long, default_value_t = 256)]
+    pub prompt_len: usize,
+    /// Tokens to decode for the decode measurement.
+    #[arg(long, default_value_t = 32)]
+    pub gen_len: usize,
+    /// Timed repetitions (the best is reported).
+    #[arg(long, default_value_t = 2)]
+    pub repeats: usize,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Benchmark a config.json with deterministic random weights instead of a checkpoint.
+    #[arg(long, conflicts_with = "model")]
+    pub random_config: Option<PathBuf>,
+    /// Stored dtype of the random weights.
+    #[arg(long, value_enum, default_value_t = RandomDType::Bf16)]
+    pub random_dtype: RandomDType,
+}
+
+/// Weight dtype for `bench --random-config`.
+#[derive(ValueEnum, Clone, Copy, Debug)]
+pub enum RandomDType {
+    /// bfloat16 (as released checkpoints).
+    Bf16,
+    /// f32.
+    F32,
+}

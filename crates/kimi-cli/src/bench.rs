@@ -1,0 +1,115 @@
+//! `kimi-infer bench`: prefill and decode throughput, peak memory, and decode bandwidth
+//! against the machine's measured memory bandwidth.
+
+use std::time::Instant;
+
+use kimi_engine::sampling::SamplingParams;
+use kimi_model::ModelSummary;
+use rayon::prelude::*;
+use serde_json::json;
+
+use crate::args::{BenchArgs, RandomDType};
+use crate::inspect::bytes;
+
+pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.prompt_len >= 1 && a.gen_len >= 2 && a.repeats >= 1, "need --prompt-len >= 1, --gen-len >= 2, --repeats >= 1");
+    let load_start = Instant::now();
+    let (loaded, bytes_per_param) = match &a.random_config {
+        Some(cfg) => {
+            let dtype = match a.random_dtype {
+                RandomDType::Bf16 => kimi_core::DType::BF16,
+                RandomDType::F32 => kimi_core::DType::F32,
+            };
+            (crate::load::load_random(cfg, dtype)?, Some(dtype.size_bytes() as f64))
+        }
+        None => (crate::load::load(&a.model, false)?, None),
+    };
+    let load_secs = load_start.elapsed().as_secs_f64();
+    let engine = &loaded.engine;
+    let cfg = engine.model().config();
+    let prompt: Vec<u32> = (0..a.prompt_len).map(|i| ((i as u64 * 2654435761) % cfg.vocab_size as u64) as u32).collect();
+    let params = SamplingParams { max_tokens: a.gen_len, ignore_eos: true, ..SamplingParams::default() };
+    let (mut best_prefill, mut best_decode) = (f64::MAX, f64::MAX);
+    for _ in 0..a.repeats {
+        let g = engine.generate(&prompt, &params, &[], |_| std::ops::ControlFlow::Continue(()))?;
+        best_prefill = best_prefill.min(g.prefill_secs);
+        // The first token comes from the prefill logits; each later one costs a decode step.
+        best_decode = best_decode.min(g.decode_secs / (g.tokens.len().max(2) - 1) as f64);
+    }
+    let summary = ModelSummary::new(cfg);
+    let ckpt_bytes_per_param =
+        bytes_per_param.unwrap_or_else(|| weight_bytes_per_param(&loaded.dir, summary.params.total));
+    let weight_bytes_per_token = summary.params.active as f64 * ckpt_bytes_per_param;
+    let state_bytes_per_token = 2.0 * 4.0 * summary.kda_state_elems_per_seq as f64
+        + 4.0 * summary.mla_cache_elems_per_token as f64 * (a.prompt_len + a.gen_len / 2) as f64;
+    let bytes_per_token = weight_bytes_per_token + state_bytes_per_token;
+    let decode_tps = 1.0 / best_decode;
+    let achieved = bytes_per_token * decode_tps;
+    let bandwidth = measure_read_bandwidth();
+    let peak_rss = peak_rss_bytes();
+    let result = json!({
+        "model": loaded.dir.display().to_string(),
+        "backend": format!("cpu ({} threads)", rayon::current_num_threads()),
+        "total_params": summary.params.total, "active_params": summary.params.active,
+        "load_secs": load_secs,
+        "prompt_len": a.prompt_len, "gen_len": a.gen_len,
+        "prefill_tokens_per_sec": a.prompt_len as f64 / best_prefill,
+        "decode_tokens_per_sec": decode_tps,
+        "decode_bytes_per_token": bytes_per_token,
+        "decode_bytes_per_sec": achieved,
+        "measured_read_bandwidth_bytes_per_sec": bandwidth,
+        "decode_bandwidth_fraction": achieved / bandwidth,
+        "peak_rss_bytes": peak_rss,
+    });
+    println!("model       {} ({} params, {} active)", loaded.dir.display(), summary.params.total, summary.params.active);
+    println!("backend     cpu, {} threads", rayon::current_num_threads());
+    println!("prefill     {:.1} tokens/s ({} tokens in {:.3} s)", a.prompt_len as f64 / best_prefill, a.prompt_len, best_prefill);
+    println!("decode      {:.2} tokens/s ({:.1} ms/token)", decode_tps, best_decode * 1e3);
+    println!(
+        "bandwidth   {} read per token -> {}/s, {:.0}% of the measured {}/s",
+        bytes(bytes_per_token as u64),
+        bytes(achieved as u64),
+        100.0 * achieved / bandwidth,
+        bytes(bandwidth as u64)
+    );
+    println!("peak RSS    {}", bytes(peak_rss));
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&result)?)?;
+        println!("saved       {}", path.display());
+    }
+    Ok(())
+}
+
+/// Average stored bytes per parameter (2 for bf16 checkpoints).
+fn weight_bytes_per_param(dir: &std::path::Path, total_params: u64) -> f64 {
+    match kimi_weights::Checkpoint::open(dir) {
+        Ok(c) if total_params > 0 => c.total_bytes() as f64 / total_params as f64,
+        _ => 2.0,
+    }
+}
+
+/// Bytes per second for summing a 512 MiB buffer on every worker thread.
+fn measure_read_bandwidth() -> f64 {
+    let data = vec![1.0f32; 128 << 20];
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let s: f32 = data.par_chunks(1 << 16).map(|c| c.iter().sum::<f32>()).sum();
+        std::hint::black_box(s);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (data.len() * 4) as f64 / best
+}
+
+/// Peak resident memory of this process (Linux `VmHWM`), 0 where unknown.
+fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}

@@ -1,0 +1,145 @@
+//! `kimi-infer inspect`: what a checkpoint holds and what it will cost to run.
+
+use std::collections::BTreeMap;
+
+use kimi_core::config::{Ffn, KdaGate, Mixer};
+use kimi_model::ModelSummary;
+use serde_json::json;
+
+use crate::args::InspectArgs;
+
+pub fn inspect(a: InspectArgs) -> anyhow::Result<()> {
+    let ckpt = crate::load::open_checkpoint(&a.model)?;
+    let cfg = ckpt.config();
+    let summary = ModelSummary::new(cfg);
+    let mut by_dtype: BTreeMap<String, u64> = BTreeMap::new();
+    let mut per_layer = vec![0u64; cfg.layers.len()];
+    let mut other_bytes = 0u64;
+    for name in ckpt.tensor_names() {
+        let (dtype, bytes) = match ckpt.get(name) {
+            Ok(view) => (view.dtype.to_string(), view.bytes.len() as u64),
+            Err(_) => ("unsupported".to_string(), 0),
+        };
+        *by_dtype.entry(dtype).or_default() += bytes;
+        match layer_of(name) {
+            Some(i) if i < per_layer.len() => per_layer[i] += bytes,
+            _ => other_bytes += bytes,
+        }
+    }
+    let mla_per_token = summary.mla_cache_elems_per_token;
+    let kda_state = summary.kda_state_elems_per_seq;
+    let kda_conv = summary.kda_conv_elems_per_seq;
+    if a.json {
+        let layers: Vec<_> = cfg
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                json!({"layer": i, "mixer": format!("{:?}", l.mixer), "ffn": format!("{:?}", l.ffn),
+                       "params": summary.params.per_layer[i], "bytes": per_layer[i]})
+            })
+            .collect();
+        let v = json!({
+            "model_type": cfg.model_type, "num_layers": cfg.layers.len(), "hidden_size": cfg.hidden_size,
+            "vocab_size": cfg.vocab_size, "total_params": summary.params.total, "active_params": summary.params.active,
+            "weight_bytes": ckpt.total_bytes(), "bytes_by_dtype": by_dtype, "layers": layers,
+            "non_layer_bytes": other_bytes,
+            "mla_cache_values_per_token": mla_per_token,
+            "mla_cache_bytes_per_token_bf16": mla_per_token * 2, "mla_cache_bytes_per_token_f32": mla_per_token * 4,
+            "kda_state_bytes_per_sequence_f32": kda_state * 4, "kda_conv_bytes_per_sequence_bf16": kda_conv * 2,
+            "kda_conv_bytes_per_sequence_f32": kda_conv * 4,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!("model        {}", ckpt.dir().display());
+    println!(
+        "architecture {} — {} layers, hidden {}, vocab {}, context {}",
+        cfg.model_type,
+        cfg.layers.len(),
+        cfg.hidden_size,
+        cfg.vocab_size,
+        cfg.max_position_embeddings
+    );
+    let mixers: String = cfg.layers.iter().map(|l| if l.mixer == Mixer::Kda { 'K' } else { 'M' }).collect();
+    let ffns: String = cfg.layers.iter().map(|l| if l.ffn == Ffn::Dense { 'D' } else { 'E' }).collect();
+    println!("mixers       {mixers}   (K = KDA, M = MLA)");
+    println!("ffn          {ffns}   (D = dense MLP, E = experts)");
+    if let Some(k) = &cfg.kda {
+        let gate = match k.gate {
+            KdaGate::Softplus => "softplus".to_string(),
+            KdaGate::LowerBound(b) => format!("safe gate, lower bound {b}"),
+        };
+        println!("KDA          {} heads x {}, conv width {}, gate {gate}", k.num_heads, k.head_dim, k.conv_kernel);
+    }
+    if let Some(m) = &cfg.mla {
+        println!(
+            "MLA          {} heads, latent {}, nope {}, rope {} (NoPE), v {}, q_lora {:?}",
+            m.num_heads, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.q_lora_rank
+        );
+    }
+    if let Some(m) = &cfg.moe {
+        println!(
+            "MoE          {} experts, top-{}, {} shared, width {}, groups {} keep {}, renormalize {}, scale {}",
+            m.num_experts,
+            m.top_k,
+            m.num_shared_experts,
+            m.expert_intermediate_size,
+            m.num_expert_groups,
+            m.topk_group,
+            m.renormalize,
+            m.routed_scaling_factor
+        );
+    }
+    println!("parameters   total {} , active per token {}", human(summary.params.total), human(summary.params.active));
+    println!("weights      {} on disk", bytes(ckpt.total_bytes()));
+    for (dtype, b) in &by_dtype {
+        println!("  {dtype:<11} {}", bytes(*b));
+    }
+    println!("per layer    (params, bytes)");
+    for (i, l) in cfg.layers.iter().enumerate() {
+        println!(
+            "  {i:>3} {:?}+{:?}  {:>10}  {:>10}",
+            l.mixer,
+            l.ffn,
+            human(summary.params.per_layer[i]),
+            bytes(per_layer[i])
+        );
+    }
+    println!("  embed/head/norm          {:>10}", bytes(other_bytes));
+    println!(
+        "cache        MLA latent {} values/token over {} layers = {} (bf16) / {} (f32) per token",
+        mla_per_token,
+        summary.num_mla_layers,
+        bytes(mla_per_token * 2),
+        bytes(mla_per_token * 4)
+    );
+    println!(
+        "             KDA state {} per sequence (f32) + conv window {} (f32), constant in length",
+        bytes(kda_state * 4),
+        bytes(kda_conv * 4)
+    );
+    Ok(())
+}
+
+fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("model.layers.")?.split('.').next()?.parse().ok()
+}
+
+fn human(n: u64) -> String {
+    match n {
+        n if n >= 1_000_000_000 => format!("{:.2} B", n as f64 / 1e9),
+        n if n >= 1_000_000 => format!("{:.2} M", n as f64 / 1e6),
+        n if n >= 1_000 => format!("{:.1} K", n as f64 / 1e3),
+        n => n.to_string(),
+    }
+}
+
+pub fn bytes(n: u64) -> String {
+    match n {
+        n if n >= 1 << 30 => format!("{:.2} GiB", n as f64 / (1u64 << 30) as f64),
+        n if n >= 1 << 20 => format!("{:.2} MiB", n as f64 / (1u64 << 20) as f64),
+        n if n >= 1 << 10 => format!("{:.1} KiB", n as f64 / 1024.0),
+        n => format!("{n} B"),
+    }
+}

@@ -1,0 +1,30 @@
+//! `kimi-infer logits`: the reference-comparison entry point.
+
+use kimi_model::ForwardOptions;
+use kimi_ops::{KdaMode, MlaMode};
+
+use crate::args::{KdaModeArg, LogitsArgs, MlaModeArg};
+
+pub fn logits(a: LogitsArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(!a.ids.is_empty(), "--ids needs at least one token id");
+    let mut loaded = crate::load::load(&a.model, false)?;
+    loaded.engine.options = ForwardOptions {
+        kda_mode: match a.kda_mode {
+            KdaModeArg::Auto => KdaMode::Auto,
+            KdaModeArg::Recurrent => KdaMode::Recurrent,
+            KdaModeArg::Chunked => KdaMode::Chunked,
+        },
+        mla_mode: match a.mla_mode {
+            MlaModeArg::Auto => MlaMode::Auto,
+            MlaModeArg::Expanded => MlaMode::Expanded,
+            MlaModeArg::Absorbed => MlaMode::Absorbed,
+        },
+    };
+    let step = a.step.unwrap_or(a.ids.len());
+    anyhow::ensure!(step >= 1, "--step must be at least 1");
+    let logits = loaded.engine.logits(&a.ids, step)?;
+    let vocab = loaded.engine.model().config().vocab_size;
+    crate::npy::write_f32(&a.out, &[a.ids.len(), vocab], &logits)?;
+    eprintln!("wrote {} x {vocab} logits to {}", a.ids.len(), a.out.display());
+    Ok(())
+}

@@ -1,0 +1,166 @@
+//! `kimi-infer run` and `kimi-infer chat`: streamed generation to stdout.
+
+use std::io::{BufRead, Write};
+use std::ops::ControlFlow;
+
+use anyhow::Context;
+use kimi_engine::sampling::SamplingParams;
+use kimi_engine::stop::StopMatcher;
+use kimi_engine::{Engine, FinishReason};
+use kimi_tokenizer::{StreamDecoder, Tokenizer};
+use serde_json::json;
+
+use crate::args::{ChatArgs, RunArgs, SamplingArgs};
+
+pub fn run(a: RunArgs) -> anyhow::Result<()> {
+    let loaded = crate::load::load(&a.model, true)?;
+    let tok = loaded.tokenizer.as_ref().context("no tokenizer")?;
+    let params = sampling_params(&a.sampling);
+    let prompt_text = if a.chat {
+        let mut messages = Vec::new();
+        if let Some(s) = &a.system {
+            messages.push(json!({"role": "system", "content": s}));
+        }
+        messages.push(json!({"role": "user", "content": a.prompt}));
+        render_chat(tok, &messages)?
+    } else {
+        a.prompt.clone()
+    };
+    let ids = tok.encode(&prompt_text, a.chat)?;
+    let out = generate_streaming(&loaded.engine, tok, &ids, &params)?;
+    println!();
+    if a.stats {
+        eprintln!(
+            "prompt: {} tokens in {:.3} s ({:.1} tok/s); generated: {} tokens in {:.3} s ({:.1} tok/s); finish: {:?}",
+            out.num_prompt_tokens,
+            out.prefill_secs,
+            out.num_prompt_tokens as f64 / out.prefill_secs.max(1e-9),
+            out.num_tokens,
+            out.decode_secs,
+            out.num_tokens.saturating_sub(1) as f64 / out.decode_secs.max(1e-9),
+            out.finish
+        );
+    }
+    Ok(())
+}
+
+pub fn chat(a: ChatArgs) -> anyhow::Result<()> {
+    let loaded = crate::load::load(&a.model, true)?;
+    let tok = loaded.tokenizer.as_ref().context("no tokenizer")?;
+    let params = sampling_params(&a.sampling);
+    let mut messages = Vec::new();
+    if let Some(s) = &a.system {
+        messages.push(json!({"role": "system", "content": s}));
+    }
+    eprintln!("chatting with {} — type a message, or /exit to quit", loaded.dir.display());
+    let stdin = std::io::stdin();
+    loop {
+        eprint!("> ");
+        std::io::stderr().flush().ok();
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            break;
+        }
+        let line = line.trim_end_matches(['\n', '\r']);
+        if line == "/exit" || line == "/quit" {
+            break;
+        }
+        if line.is_empty() {
+            continue;
+        }
+        messages.push(json!({"role": "user", "content": line}));
+        let ids = tok.encode(&render_chat(tok, &messages)?, true)?;
+        let out = generate_streaming(&loaded.engine, tok, &ids, &params)?;
+        println!();
+        messages.push(json!({"role": "assistant", "content": out.text}));
+    }
+    Ok(())
+}
+
+fn render_chat(tok: &Tokenizer, messages: &[serde_json::Value]) -> anyhow::Result<String> {
+    let template = tok.chat_template().context("this model has no chat template (tokenizer_config.json chat_template or chat_template.jinja)")?;
+    Ok(template.render(messages, None, true)?)
+}
+
+pub fn sampling_params(s: &SamplingArgs) -> SamplingParams {
+    SamplingParams {
+        temperature: s.temperature,
+        top_k: s.top_k,
+        top_p: s.top_p,
+        min_p: s.min_p,
+        repetition_penalty: s.repetition_penalty,
+        frequency_penalty: s.frequency_penalty,
+        presence_penalty: s.presence_penalty,
+        seed: s.seed,
+        max_tokens: s.max_tokens,
+        stop: s.stop.clone(),
+        stop_token_ids: s.stop_ids.clone(),
+        ignore_eos: s.ignore_eos,
+        logprobs: s.logprobs,
+    }
+}
+
+/// What a streamed generation produced.
+pub struct Streamed {
+    pub text: String,
+    pub num_prompt_tokens: usize,
+    pub num_tokens: usize,
+    pub prefill_secs: f64,
+    pub decode_secs: f64,
+    pub finish: FinishReason,
+}
+
+/// Generates and prints text as it becomes complete UTF-8, honouring stop strings.
+pub fn generate_streaming(
+    engine: &Engine<kimi_cpu::CpuBackend>,
+    tok: &Tokenizer,
+    prompt: &[u32],
+    params: &SamplingParams,
+) -> anyhow::Result<Streamed> {
+    let mut decoder = StreamDecoder::new(tok, true);
+    let mut stops = StopMatcher::new(&params.stop);
+    let mut text = String::new();
+    let stdout = std::io::stdout();
+    let mut emit = |s: &str, text: &mut String| {
+        if !s.is_empty() {
+            let mut out = stdout.lock();
+            let _ = out.write_all(s.as_bytes());
+            let _ = out.flush();
+            text.push_str(s);
+        }
+    };
+    let mut eos = tok.eos_ids();
+    eos.extend(engine.model().config().eos_token_ids.iter().copied());
+    let gen = engine.generate(prompt, params, &eos, |s| {
+        if let Some(n) = params.logprobs {
+            let alts: Vec<String> = s.top_logprobs.iter().take(n).map(|(id, lp)| format!("{id}:{lp:.3}")).collect();
+            eprintln!("[token {} logprob {:.4} top {}]", s.token, s.logprob, alts.join(" "));
+        }
+        let piece = decoder.push(s.token);
+        let out = stops.push(&piece);
+        emit(&out.emit, &mut text);
+        if out.stopped {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
+    })?;
+    let stopped_by_string = gen.finish == FinishReason::Cancelled;
+    if !stopped_by_string {
+        let tail = decoder.finish();
+        let out = stops.push(&tail);
+        emit(&out.emit, &mut text);
+        if !out.stopped {
+            let rest = stops.finish();
+            emit(&rest, &mut text);
+        }
+    }
+    Ok(Streamed {
+        text,
+        num_prompt_tokens: gen.num_prompt_tokens,
+        num_tokens: gen.tokens.len(),
+        prefill_secs: gen.prefill_secs,
+        decode_secs: gen.decode_secs,
+        finish: if stopped_by_string { FinishReason::Stop } else { gen.finish },
+    })
+}

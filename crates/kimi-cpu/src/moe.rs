@@ -1,0 +1,153 @@
+//! Mixture of experts: sigmoid router with bias-corrected, group-limited top-k selection,
+//! SwiGLU experts and shared experts (spec §5).
+
+use crate::matmul::matmul;
+use crate::tensor::{shape_err, CpuTensor};
+use kimi_ops::{MlpWeights, MoeRouting, MoeWeights, Result};
+
+/// See `Backend::mlp`.
+pub fn mlp(x: &CpuTensor, w: &MlpWeights<CpuTensor>) -> Result<CpuTensor> {
+    let mut gate = matmul(x, &w.gate)?;
+    let up = matmul(x, &w.up)?;
+    {
+        let g = gate.as_f32_mut("mlp")?;
+        let u = up.as_f32("mlp")?;
+        if g.len() != u.len() {
+            return Err(shape_err("mlp", "gate and up widths differ".into()));
+        }
+        for (gi, ui) in g.iter_mut().zip(u) {
+            *gi = crate::kda::silu(*gi) * ui;
+        }
+    }
+    matmul(&gate, &w.down)
+}
+
+/// Chosen experts and their weights for one token.
+#[derive(Debug, PartialEq)]
+pub struct Route {
+    /// Expert ids, best first.
+    pub experts: Vec<usize>,
+    /// Combine weights (after renormalisation and scaling).
+    pub weights: Vec<f32>,
+}
+
+/// Routes one token from its router logits.
+pub fn route(logits: &[f32], bias: Option<&[f32]>, r: &MoeRouting) -> Route {
+    let e = logits.len();
+    let scores: Vec<f32> = logits.iter().map(|&x| crate::kda::sigmoid(x)).collect();
+    let choice: Vec<f32> = match bias {
+        Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
+        None => scores.clone(),
+    };
+    let mut masked = choice.clone();
+    if r.num_groups > 1 {
+        // Group score = sum of the two best selection scores in the group; keep topk_group groups.
+        let per = e / r.num_groups;
+        let group_scores: Vec<f32> = (0..r.num_groups)
+            .map(|g| {
+                let top = top_indices(&choice[g * per..(g + 1) * per], 2.min(per));
+                top.iter().map(|&i| choice[g * per + i]).sum()
+            })
+            .collect();
+        let keep = top_indices(&group_scores, r.topk_group);
+        for g in 0..r.num_groups {
+            if !keep.contains(&g) {
+                masked[g * per..(g + 1) * per].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+            }
+        }
+    }
+    let experts = top_indices(&masked, r.top_k);
+    let source = if r.weights_use_bias { &choice } else { &scores };
+    let mut weights: Vec<f32> = experts.iter().map(|&i| source[i]).collect();
+    if r.renormalize && r.top_k > 1 {
+        let sum: f32 = weights.iter().sum::<f32>() + 1e-20;
+        weights.iter_mut().for_each(|w| *w /= sum);
+    }
+    weights.iter_mut().for_each(|w| *w *= r.scaling);
+    Route { experts, weights }
+}
+
+/// Indices of the `k` largest values, largest first; ties go to the lower index.
+fn top_indices(v: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..v.len()).collect();
+    idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+/// See `Backend::moe`. Tokens are grouped by expert so each expert runs one matmul.
+pub fn moe(x: &CpuTensor, w: &MoeWeights<CpuTensor>, r: &MoeRouting) -> Result<(CpuTensor, Vec<u32>)> {
+    let (n, d) = x.rows_cols("moe")?;
+    let num_experts = w.experts.len();
+    if w.router.shape() != [num_experts, d] || r.top_k == 0 || r.top_k > num_experts {
+        return Err(shape_err(
+            "moe",
+            format!("router {:?}, {num_experts} experts, top_k {}, hidden {d}", w.router.shape(), r.top_k),
+        ));
+    }
+    if r.num_groups == 0 || num_experts % r.num_groups != 0 || r.topk_group > r.num_groups {
+        return Err(shape_err("moe", format!("{num_experts} experts in {} groups", r.num_groups)));
+    }
+    let logits = matmul(x, &w.router)?.to_f32_vec();
+    let bias = w.correction_bias.as_ref().map(|b| b.to_f32_vec());
+    let xs = x.as_f32("moe")?;
+    let routes: Vec<Route> =
+        (0..n).map(|t| route(&logits[t * num_experts..(t + 1) * num_experts], bias.as_deref(), r)).collect();
+    let mut out = vec![0f32; n * d];
+    for (expert, ew) in w.experts.iter().enumerate() {
+        let users: Vec<(usize, f32)> = routes
+            .iter()
+            .enumerate()
+            .filter_map(|(t, rt)| rt.experts.iter().position(|&e| e == expert).map(|k| (t, rt.weights[k])))
+            .collect();
+        if users.is_empty() {
+            continue;
+        }
+        let mut rows = Vec::with_capacity(users.len() * d);
+        for (t, _) in &users {
+            rows.extend_from_slice(&xs[t * d..(t + 1) * d]);
+        }
+        let y = mlp(&CpuTensor::f32(&[users.len(), d], rows)?, ew)?;
+        let ys = y.as_f32("moe")?;
+        for (i, (t, wt)) in users.iter().enumerate() {
+            for j in 0..d {
+                out[t * d + j] += wt * ys[i * d + j];
+            }
+        }
+    }
+    if let Some(shared) = &w.shared {
+        let y = mlp(x, shared)?;
+        for (o, v) in out.iter_mut().zip(y.as_f32("moe")?) {
+            *o += v;
+        }
+    }
+    let chosen = routes.iter().flat_map(|rt| rt.experts.iter().map(|&e| e as u32)).collect();
+    Ok((CpuTensor::f32(&x.shape, out)?, chosen))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn routing(top_k: usize, groups: usize, topk_group: usize) -> MoeRouting {
+        MoeRouting { top_k, num_groups: groups, topk_group, renormalize: true, scaling: 2.0, weights_use_bias: false }
+    }
+
+    #[test]
+    fn bias_selects_but_does_not_weight() {
+        let logits = [0.0, 1.0, 2.0, -1.0];
+        let bias = [5.0, 0.0, 0.0, 0.0];
+        let rt = route(&logits, Some(&bias), &routing(2, 1, 1));
+        assert_eq!(rt.experts, vec![0, 2]);
+        let (s0, s2) = (0.5f32, 1.0 / (1.0 + (-2f32).exp()));
+        assert!((rt.weights[0] - 2.0 * s0 / (s0 + s2)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn groups_limit_selection() {
+        // Group 1 (experts 2,3) holds the single best expert but group 0 has the better pair.
+        let logits = [2.0, 2.0, 3.0, -5.0];
+        let rt = route(&logits, None, &routing(2, 2, 1));
+        assert_eq!(rt.experts, vec![0, 1]);
+    }
+}

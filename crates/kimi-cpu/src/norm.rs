@@ -1,0 +1,101 @@
+//! Small row-wise operations: embedding lookup, RMSNorm, residual add, row and column moves.
+
+use crate::tensor::{row_to_f32, shape_err, CpuTensor};
+use kimi_ops::Result;
+
+pub fn embedding(table: &CpuTensor, ids: &[u32]) -> Result<CpuTensor> {
+    let (vocab, d) = table.rows_cols("embedding")?;
+    let mut out = vec![0f32; ids.len() * d];
+    for (t, &id) in ids.iter().enumerate() {
+        let id = id as usize;
+        if id >= vocab {
+            return Err(shape_err("embedding", format!("token id {id} is outside the vocabulary of {vocab}")));
+        }
+        row_to_f32(&table.storage, id * d, &mut out[t * d..(t + 1) * d]);
+    }
+    CpuTensor::f32(&[ids.len(), d], out)
+}
+
+pub fn rms_norm(x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
+    let (n, d) = x.rows_cols("rms_norm")?;
+    let w = weight.to_f32_vec();
+    if w.len() != d {
+        return Err(shape_err("rms_norm", format!("x {:?}, weight {:?}", x.shape, weight.shape)));
+    }
+    let xs = x.as_f32("rms_norm")?;
+    let mut out = vec![0f32; n * d];
+    for (row, o) in xs.chunks_exact(d.max(1)).zip(out.chunks_exact_mut(d.max(1))) {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let r = 1.0 / (ms + eps).sqrt();
+        for ((oi, xi), wi) in o.iter_mut().zip(row).zip(&w) {
+            *oi = xi * r * wi;
+        }
+    }
+    CpuTensor::f32(&x.shape, out)
+}
+
+pub fn add_assign(x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
+    if x.shape != y.shape {
+        return Err(shape_err("add", format!("{:?} + {:?}", x.shape, y.shape)));
+    }
+    let ys = y.as_f32("add")?;
+    for (a, b) in x.as_f32_mut("add")?.iter_mut().zip(ys) {
+        *a += b;
+    }
+    Ok(())
+}
+
+pub fn select_rows(x: &CpuTensor, rows: &[usize]) -> Result<CpuTensor> {
+    let (n, d) = x.rows_cols("select_rows")?;
+    let xs = x.as_f32("select_rows")?;
+    let mut out = Vec::with_capacity(rows.len() * d);
+    for &r in rows {
+        if r >= n {
+            return Err(shape_err("select_rows", format!("row {r} of {n}")));
+        }
+        out.extend_from_slice(&xs[r * d..(r + 1) * d]);
+    }
+    CpuTensor::f32(&[rows.len(), d], out)
+}
+
+pub fn split_cols(x: &CpuTensor, widths: &[usize]) -> Result<Vec<CpuTensor>> {
+    let (n, d) = x.rows_cols("split_cols")?;
+    if widths.iter().sum::<usize>() != d {
+        return Err(shape_err("split_cols", format!("widths {widths:?} do not add up to {d}")));
+    }
+    let xs = x.as_f32("split_cols")?;
+    let mut offset = 0;
+    let mut parts = Vec::with_capacity(widths.len());
+    for &w in widths {
+        let mut v = Vec::with_capacity(n * w);
+        for t in 0..n {
+            v.extend_from_slice(&xs[t * d + offset..t * d + offset + w]);
+        }
+        parts.push(CpuTensor::f32(&[n, w], v)?);
+        offset += w;
+    }
+    Ok(parts)
+}
+
+pub fn concat_cols(parts: &[&CpuTensor]) -> Result<CpuTensor> {
+    let n = match parts.first() {
+        Some(p) => p.rows_cols("concat_cols")?.0,
+        None => return Err(shape_err("concat_cols", "nothing to concatenate".into())),
+    };
+    let mut dims = Vec::with_capacity(parts.len());
+    for p in parts {
+        let (pn, pw) = p.rows_cols("concat_cols")?;
+        if pn != n {
+            return Err(shape_err("concat_cols", format!("row counts {pn} and {n} differ")));
+        }
+        dims.push((p.as_f32("concat_cols")?, pw));
+    }
+    let total: usize = dims.iter().map(|d| d.1).sum();
+    let mut out = Vec::with_capacity(n * total);
+    for t in 0..n {
+        for (data, w) in &dims {
+            out.extend_from_slice(&data[t * w..(t + 1) * w]);
+        }
+    }
+    CpuTensor::f32(&[n, total], out)
+}

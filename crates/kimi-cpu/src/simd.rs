@@ -1,0 +1,139 @@
+//! Dot-product kernels with a scalar fallback and an AVX2+FMA variant chosen at run time.
+//!
+//! These are the inner loops of every matmul. The AVX2 functions are `unsafe` only because
+//! they need the CPU features that the dispatcher checks first.
+
+/// `Σ w[i]·x_t[i]` for four token rows `x_t` at once, so each weight element is loaded once
+/// per four tokens. Rows shorter than four tokens pass the same slice several times.
+pub fn dot4(w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx2_fma() {
+            // SAFETY: the AVX2 and FMA features were detected on this CPU just above.
+            return unsafe { avx2::dot4(w, x) };
+        }
+    }
+    dot4_scalar(w, x)
+}
+
+/// `Σ a[i]·b[i]`.
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    dot4(a, [b, b, b, b])[0]
+}
+
+/// Portable version: eight independent lanes per token so the compiler can vectorise
+/// without reassociating a single running sum.
+pub fn dot4_scalar(w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
+    let n = w.len();
+    let mut acc = [[0f32; 8]; 4];
+    let full = n / 8 * 8;
+    for i in (0..full).step_by(8) {
+        let wc = &w[i..i + 8];
+        for (t, xt) in x.iter().enumerate() {
+            let xc = &xt[i..i + 8];
+            for l in 0..8 {
+                acc[t][l] += wc[l] * xc[l];
+            }
+        }
+    }
+    let mut out = [0f32; 4];
+    for t in 0..4 {
+        let mut s: f32 = acc[t].iter().sum();
+        for i in full..n {
+            s += w[i] * x[t][i];
+        }
+        out[t] = s;
+    }
+    out
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2_fma() -> bool {
+    std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; every `x[t]` must be at least `w.len()` long.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot4(w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
+        let n = w.len();
+        assert!(x.iter().all(|r| r.len() >= n), "dot4: token row shorter than weight row");
+        let full = n / 16 * 16;
+        let mut a0 = _mm256_setzero_ps();
+        let mut a1 = _mm256_setzero_ps();
+        let mut a2 = _mm256_setzero_ps();
+        let mut a3 = _mm256_setzero_ps();
+        let mut b0 = _mm256_setzero_ps();
+        let mut b1 = _mm256_setzero_ps();
+        let mut b2 = _mm256_setzero_ps();
+        let mut b3 = _mm256_setzero_ps();
+        let wp = w.as_ptr();
+        let (p0, p1, p2, p3) = (x[0].as_ptr(), x[1].as_ptr(), x[2].as_ptr(), x[3].as_ptr());
+        let mut i = 0;
+        while i < full {
+            // SAFETY: i + 16 <= n and every row holds at least n elements (asserted above).
+            unsafe {
+                let w0 = _mm256_loadu_ps(wp.add(i));
+                let w1 = _mm256_loadu_ps(wp.add(i + 8));
+                a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(p0.add(i)), a0);
+                a1 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(p1.add(i)), a1);
+                a2 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(p2.add(i)), a2);
+                a3 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(p3.add(i)), a3);
+                b0 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(p0.add(i + 8)), b0);
+                b1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(p1.add(i + 8)), b1);
+                b2 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(p2.add(i + 8)), b2);
+                b3 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(p3.add(i + 8)), b3);
+            }
+            i += 16;
+        }
+        let mut out = [
+            hsum(_mm256_add_ps(a0, b0)),
+            hsum(_mm256_add_ps(a1, b1)),
+            hsum(_mm256_add_ps(a2, b2)),
+            hsum(_mm256_add_ps(a3, b3)),
+        ];
+        for j in full..n {
+            for (t, o) in out.iter_mut().enumerate() {
+                *o += w[j] * x[t][j];
+            }
+        }
+        out
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum(v: __m256) -> f32 {
+        let hi = _mm256_extractf128_ps(v, 1);
+        let lo = _mm256_castps256_ps128(v);
+        let s = _mm_add_ps(hi, lo);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dispatched_matches_scalar() {
+        for n in [1usize, 7, 16, 33, 100, 2304] {
+            let w: Vec<f32> = (0..n).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1).collect();
+            let rows: Vec<Vec<f32>> = (0..4)
+                .map(|t| (0..n).map(|i| ((i * 13 + t * 7) % 17) as f32 * 0.05 - 0.4).collect())
+                .collect();
+            let x = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
+            let a = dot4(&w, x);
+            let b = dot4_scalar(&w, x);
+            for t in 0..4 {
+                let exact: f64 = w.iter().zip(x[t]).map(|(a, b)| *a as f64 * *b as f64).sum();
+                assert!((a[t] as f64 - exact).abs() <= 1e-4 * (1.0 + exact.abs()), "n={n}");
+                assert!((b[t] as f64 - exact).abs() <= 1e-4 * (1.0 + exact.abs()), "n={n}");
+            }
+        }
+    }
+}

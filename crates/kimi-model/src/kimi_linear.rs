@@ -1,0 +1,229 @@
+//! Kimi Linear: a hybrid decoder of KDA and MLA layers with dense and MoE feed-forwards.
+//!
+//! ```text
+//! ids → embed → [ layer 0 … layer L-1 ] → norm → lm_head → logits
+//! layer i:  h = x + Mixer_i(RMSNorm_in(x))        Mixer = KDA | MLA
+//!           x = h + FFN_i(RMSNorm_post(h))        FFN   = dense SwiGLU | MoE
+//! ```
+
+use std::collections::HashSet;
+
+use kimi_core::config::{Ffn, Mixer};
+use kimi_core::ModelConfig;
+use kimi_ops::{Backend, KdaMode, MlaMode, Segment};
+use kimi_weights::Checkpoint;
+
+use crate::cache::{LayerCache, SeqCache};
+use crate::layers::{FfnLayer, KdaLayer, Loader, MlaLayer};
+use crate::source::WeightSource;
+use crate::{ModelError, Result};
+
+enum MixerLayer<T> {
+    Kda(KdaLayer<T>),
+    Mla(MlaLayer<T>),
+}
+
+struct DecoderLayer<T> {
+    input_norm: T,
+    post_norm: T,
+    mixer: MixerLayer<T>,
+    ffn: FfnLayer<T>,
+}
+
+/// A loaded Kimi Linear model on backend `B`.
+pub struct KimiLinear<B: Backend> {
+    backend: B,
+    config: ModelConfig,
+    embed: B::Tensor,
+    layers: Vec<DecoderLayer<B::Tensor>>,
+    norm: B::Tensor,
+    lm_head: Option<B::Tensor>,
+}
+
+/// The tokens of one forward pass: several sequences' new tokens, flattened.
+#[derive(Clone, Debug, Default)]
+pub struct Batch {
+    /// New token ids of every sequence, back to back.
+    pub tokens: Vec<u32>,
+    /// Where each sequence's tokens sit in `tokens`; segment `s` uses `caches[s]`.
+    pub segments: Vec<Segment>,
+    /// Rows of `tokens` whose logits are wanted (e.g. each segment's last row).
+    pub logits_rows: Vec<usize>,
+}
+
+/// Which kernels to use; the defaults pick the fast form for each case.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ForwardOptions {
+    /// KDA recurrence form.
+    pub kda_mode: KdaMode,
+    /// MLA attention form.
+    pub mla_mode: MlaMode,
+}
+
+/// Result of a forward pass.
+#[derive(Clone, Debug)]
+pub struct ForwardOutput {
+    /// `[logits_rows.len(), vocab]`, row-major.
+    pub logits: Vec<f32>,
+    /// Vocabulary size (row width of `logits`).
+    pub vocab_size: usize,
+    /// For each layer, how many times each expert was chosen in this pass (empty for dense layers).
+    pub expert_counts: Vec<Vec<u32>>,
+}
+
+impl<B: Backend> KimiLinear<B> {
+    /// Loads every tensor the config calls for, checking names and shapes, and rejects
+    /// checkpoints holding tensors the model does not use.
+    pub fn load(backend: B, ckpt: &Checkpoint) -> Result<Self> {
+        Self::load_from(backend, ckpt.config().clone(), ckpt)
+    }
+
+    /// Builds the model of `config` from any weight source (e.g. [`crate::RandomWeights`]).
+    pub fn load_from(backend: B, config: ModelConfig, source: &dyn WeightSource) -> Result<Self> {
+        let hidden = config.hidden_size;
+        let mut ld = Loader { backend: &backend, source, used: HashSet::new() };
+        let embed = ld.get("model.embed_tokens.weight", &[config.vocab_size, hidden])?;
+        let mut layers = Vec::with_capacity(config.layers.len());
+        for (i, spec) in config.layers.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            let mixer = match spec.mixer {
+                Mixer::Kda => {
+                    let c = config.kda.as_ref().ok_or_else(|| input("KDA layer without KDA dimensions"))?;
+                    MixerLayer::Kda(KdaLayer::load(&mut ld, &format!("{p}.self_attn"), hidden, c)?)
+                }
+                Mixer::Mla => {
+                    let c = config.mla.as_ref().ok_or_else(|| input("MLA layer without MLA dimensions"))?;
+                    MixerLayer::Mla(MlaLayer::load(&mut ld, &format!("{p}.self_attn"), hidden, c)?)
+                }
+            };
+            let ffn = match spec.ffn {
+                Ffn::Dense => FfnLayer::load_dense(&mut ld, &p, hidden, config.intermediate_size)?,
+                Ffn::Moe => {
+                    let c = config.moe.as_ref().ok_or_else(|| input("MoE layer without MoE configuration"))?;
+                    FfnLayer::load_moe(&mut ld, &p, hidden, c)?
+                }
+            };
+            layers.push(DecoderLayer {
+                input_norm: ld.get(&format!("{p}.input_layernorm.weight"), &[hidden])?,
+                post_norm: ld.get(&format!("{p}.post_attention_layernorm.weight"), &[hidden])?,
+                mixer,
+                ffn,
+            });
+        }
+        let norm = ld.get("model.norm.weight", &[hidden])?;
+        let lm_head = if config.tie_word_embeddings {
+            None
+        } else {
+            Some(ld.get("lm_head.weight", &[config.vocab_size, hidden])?)
+        };
+        source.check_all_used(&ld.used)?;
+        Ok(Self { backend, config, embed, layers, norm, lm_head })
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The backend the weights live on.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Fresh state for a new sequence.
+    pub fn new_cache(&self) -> Result<SeqCache<B>> {
+        SeqCache::new(&self.backend, &self.config)
+    }
+
+    /// Runs the new tokens of several sequences through the model, updating their caches.
+    pub fn forward(&self, batch: &Batch, caches: &mut [&mut SeqCache<B>], opts: ForwardOptions) -> Result<ForwardOutput> {
+        self.check_batch(batch, caches.len())?;
+        let be = &self.backend;
+        let segs = &batch.segments;
+        let mut x = be.embedding(&self.embed, &batch.tokens)?;
+        let mut expert_counts = Vec::with_capacity(self.layers.len());
+        for (i, layer) in self.layers.iter().enumerate() {
+            let normed = be.rms_norm(&x, &layer.input_norm, self.config.rms_norm_eps)?;
+            let mixed = self.run_mixer(i, layer, &normed, segs, caches, opts)?;
+            be.add_assign(&mut x, &mixed)?;
+            let normed = be.rms_norm(&x, &layer.post_norm, self.config.rms_norm_eps)?;
+            let (ffn_out, chosen) = layer.ffn.forward(be, &normed)?;
+            be.add_assign(&mut x, &ffn_out)?;
+            expert_counts.push(count_experts(&chosen, self.config.moe.as_ref().map_or(0, |m| m.num_experts)));
+        }
+        for (cache, seg) in caches.iter_mut().zip(segs) {
+            cache.num_tokens += seg.len;
+        }
+        let last = be.select_rows(&x, &batch.logits_rows)?;
+        let normed = be.rms_norm(&last, &self.norm, self.config.rms_norm_eps)?;
+        let logits = be.matmul(&normed, self.lm_head.as_ref().unwrap_or(&self.embed))?;
+        Ok(ForwardOutput { logits: be.to_f32(&logits)?, vocab_size: self.config.vocab_size, expert_counts })
+    }
+
+    fn run_mixer(
+        &self,
+        i: usize,
+        layer: &DecoderLayer<B::Tensor>,
+        x: &B::Tensor,
+        segs: &[Segment],
+        caches: &mut [&mut SeqCache<B>],
+        opts: ForwardOptions,
+    ) -> Result<B::Tensor> {
+        let be = &self.backend;
+        match &layer.mixer {
+            MixerLayer::Kda(m) => {
+                let c = self.config.kda.as_ref().ok_or_else(|| input("KDA layer without KDA dimensions"))?;
+                let mut states = Vec::with_capacity(caches.len());
+                for cache in caches.iter_mut() {
+                    match &mut cache.layers[i] {
+                        LayerCache::Kda { conv, state } => states.push((conv, state)),
+                        LayerCache::Mla { .. } => return Err(input("cache layout does not match the model")),
+                    }
+                }
+                m.forward(be, x, c, self.config.rms_norm_eps, segs, &mut states, opts.kda_mode)
+            }
+            MixerLayer::Mla(m) => {
+                let c = self.config.mla.as_ref().ok_or_else(|| input("MLA layer without MLA dimensions"))?;
+                let mut latents = Vec::with_capacity(caches.len());
+                for cache in caches.iter_mut() {
+                    match &mut cache.layers[i] {
+                        LayerCache::Mla { latent } => latents.push(latent),
+                        LayerCache::Kda { .. } => return Err(input("cache layout does not match the model")),
+                    }
+                }
+                m.forward(be, x, c, segs, &mut latents, opts.mla_mode)
+            }
+        }
+    }
+
+    fn check_batch(&self, batch: &Batch, num_caches: usize) -> Result<()> {
+        if batch.segments.len() != num_caches {
+            return Err(input(&format!("{} segments but {num_caches} caches", batch.segments.len())));
+        }
+        let n = batch.tokens.len();
+        if batch.segments.iter().any(|s| s.start + s.len > n) || batch.logits_rows.iter().any(|&r| r >= n) {
+            return Err(input("batch segments or logits rows fall outside its tokens"));
+        }
+        if let Some(&bad) = batch.tokens.iter().find(|&&t| t as usize >= self.config.vocab_size) {
+            return Err(input(&format!("token id {bad} is outside the vocabulary ({})", self.config.vocab_size)));
+        }
+        Ok(())
+    }
+}
+
+fn count_experts(chosen: &[u32], num_experts: usize) -> Vec<u32> {
+    if chosen.is_empty() {
+        return Vec::new();
+    }
+    let mut counts = vec![0u32; num_experts];
+    for &e in chosen {
+        if let Some(c) = counts.get_mut(e as usize) {
+            *c += 1;
+        }
+    }
+    counts
+}
+
+fn input(msg: &str) -> ModelError {
+    ModelError::Input(msg.to_string())
+}

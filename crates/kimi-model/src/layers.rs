@@ -1,0 +1,206 @@
+//! The building blocks of a Kimi Linear decoder layer: weights, loading and forward.
+//!
+//! Tensor names are the hub checkpoint names of `shared/docs/kimi-linear-spec.md` §2.
+
+use std::collections::HashSet;
+
+use kimi_core::config::{KdaConfig, MlaConfig, MoeConfig};
+use kimi_ops::{Backend, HostTensor, KdaMode, MlaDims, MlaMode, MlpWeights, MoeRouting, MoeWeights, Segment};
+
+use crate::source::WeightSource;
+use crate::Result;
+
+/// Loads tensors by name with shape checks, remembering which names were used.
+pub(crate) struct Loader<'a, B: Backend> {
+    pub backend: &'a B,
+    pub source: &'a dyn WeightSource,
+    pub used: HashSet<String>,
+}
+
+impl<B: Backend> Loader<'_, B> {
+    pub fn get(&mut self, name: &str, shape: &[usize]) -> Result<B::Tensor> {
+        let (dtype, bytes) = self.source.load(name, shape)?;
+        self.used.insert(name.to_string());
+        Ok(self.backend.upload(HostTensor { shape, dtype, bytes: &bytes })?)
+    }
+
+    pub fn mlp(&mut self, prefix: &str, names: [&str; 3], hidden: usize, width: usize) -> Result<MlpWeights<B::Tensor>> {
+        Ok(MlpWeights {
+            gate: self.get(&format!("{prefix}.{}.weight", names[0]), &[width, hidden])?,
+            up: self.get(&format!("{prefix}.{}.weight", names[1]), &[width, hidden])?,
+            down: self.get(&format!("{prefix}.{}.weight", names[2]), &[hidden, width])?,
+        })
+    }
+}
+
+/// KDA mixer weights.
+pub(crate) struct KdaLayer<T> {
+    q: T,
+    k: T,
+    v: T,
+    conv: [T; 3],
+    f_a: T,
+    f_b: T,
+    a_log: T,
+    dt_bias: T,
+    b: T,
+    g_a: T,
+    g_b: T,
+    o_norm: T,
+    o: T,
+}
+
+impl<T> KdaLayer<T> {
+    pub fn load<B: Backend<Tensor = T>>(ld: &mut Loader<'_, B>, p: &str, hidden: usize, c: &KdaConfig) -> Result<Self> {
+        let (h, d, w) = (c.num_heads, c.head_dim, c.conv_kernel);
+        let width = h * d;
+        Ok(Self {
+            q: ld.get(&format!("{p}.q_proj.weight"), &[width, hidden])?,
+            k: ld.get(&format!("{p}.k_proj.weight"), &[width, hidden])?,
+            v: ld.get(&format!("{p}.v_proj.weight"), &[width, hidden])?,
+            conv: [
+                ld.get(&format!("{p}.q_conv1d.weight"), &[width, 1, w])?,
+                ld.get(&format!("{p}.k_conv1d.weight"), &[width, 1, w])?,
+                ld.get(&format!("{p}.v_conv1d.weight"), &[width, 1, w])?,
+            ],
+            f_a: ld.get(&format!("{p}.f_a_proj.weight"), &[d, hidden])?,
+            f_b: ld.get(&format!("{p}.f_b_proj.weight"), &[width, d])?,
+            a_log: ld.get(&format!("{p}.A_log"), &[1, 1, h, 1])?,
+            dt_bias: ld.get(&format!("{p}.dt_bias"), &[width])?,
+            b: ld.get(&format!("{p}.b_proj.weight"), &[h, hidden])?,
+            g_a: ld.get(&format!("{p}.g_a_proj.weight"), &[d, hidden])?,
+            g_b: ld.get(&format!("{p}.g_b_proj.weight"), &[width, d])?,
+            o_norm: ld.get(&format!("{p}.o_norm.weight"), &[d])?,
+            o: ld.get(&format!("{p}.o_proj.weight"), &[hidden, width])?,
+        })
+    }
+
+    /// `x` is the normalised layer input `[n, hidden]`; `caches[s]` is segment `s`'s KDA state.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward<B: Backend<Tensor = T>>(
+        &self,
+        be: &B,
+        x: &T,
+        c: &KdaConfig,
+        eps: f32,
+        segments: &[Segment],
+        caches: &mut [(&mut [T; 3], &mut T)],
+        mode: KdaMode,
+    ) -> Result<T> {
+        let mut streams = Vec::with_capacity(3);
+        for (i, proj) in [&self.q, &self.k, &self.v].into_iter().enumerate() {
+            let pre = be.matmul(x, proj)?;
+            let mut states: Vec<&mut T> = caches.iter_mut().map(|(conv, _)| &mut conv[i]).collect();
+            streams.push(be.short_conv_silu(&pre, &self.conv[i], segments, &mut states)?);
+        }
+        let f = be.matmul(&be.matmul(x, &self.f_a)?, &self.f_b)?;
+        let g = be.kda_gate(&f, &self.a_log, &self.dt_bias, c.num_heads, c.gate)?;
+        let beta = be.sigmoid(&be.matmul(x, &self.b)?)?;
+        let z = be.matmul(&be.matmul(x, &self.g_a)?, &self.g_b)?;
+        let mut states: Vec<&mut T> = caches.iter_mut().map(|(_, s)| &mut **s).collect();
+        let o = be.kda(&streams[0], &streams[1], &streams[2], &g, &beta, c.num_heads, segments, &mut states, mode)?;
+        let y = be.gated_rms_norm(&o, &z, &self.o_norm, eps)?;
+        Ok(be.matmul(&y, &self.o)?)
+    }
+}
+
+/// MLA mixer weights.
+pub(crate) struct MlaLayer<T> {
+    q: T,
+    kv_a: T,
+    kv_a_norm: T,
+    kv_b: T,
+    o: T,
+}
+
+impl<T> MlaLayer<T> {
+    pub fn load<B: Backend<Tensor = T>>(ld: &mut Loader<'_, B>, p: &str, hidden: usize, c: &MlaConfig) -> Result<Self> {
+        let h = c.num_heads;
+        let qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+        Ok(Self {
+            q: ld.get(&format!("{p}.q_proj.weight"), &[h * qk, hidden])?,
+            kv_a: ld.get(&format!("{p}.kv_a_proj_with_mqa.weight"), &[c.kv_lora_rank + c.qk_rope_head_dim, hidden])?,
+            kv_a_norm: ld.get(&format!("{p}.kv_a_layernorm.weight"), &[c.kv_lora_rank])?,
+            kv_b: ld.get(
+                &format!("{p}.kv_b_proj.weight"),
+                &[h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank],
+            )?,
+            o: ld.get(&format!("{p}.o_proj.weight"), &[hidden, h * c.v_head_dim])?,
+        })
+    }
+
+    pub fn forward<B: Backend<Tensor = T>>(
+        &self,
+        be: &B,
+        x: &T,
+        c: &MlaConfig,
+        segments: &[Segment],
+        caches: &mut [&mut T],
+        mode: MlaMode,
+    ) -> Result<T> {
+        let q = be.matmul(x, &self.q)?;
+        let kv = be.matmul(x, &self.kv_a)?;
+        let parts = be.split_cols(&kv, &[c.kv_lora_rank, c.qk_rope_head_dim])?;
+        let latent_c = be.rms_norm(&parts[0], &self.kv_a_norm, c.latent_norm_eps)?;
+        let latent = be.concat_cols(&[&latent_c, &parts[1]])?;
+        let dims = MlaDims {
+            num_heads: c.num_heads,
+            kv_lora_rank: c.kv_lora_rank,
+            qk_nope_head_dim: c.qk_nope_head_dim,
+            qk_rope_head_dim: c.qk_rope_head_dim,
+            v_head_dim: c.v_head_dim,
+            scale: ((c.qk_nope_head_dim + c.qk_rope_head_dim) as f32).powf(-0.5),
+        };
+        let o = be.mla(&q, &latent, &self.kv_b, &dims, segments, caches, mode)?;
+        Ok(be.matmul(&o, &self.o)?)
+    }
+}
+
+/// The feed-forward block of a layer.
+pub(crate) enum FfnLayer<T> {
+    Dense(MlpWeights<T>),
+    Moe(MoeWeights<T>, MoeRouting),
+}
+
+impl<T> FfnLayer<T> {
+    pub fn load_dense<B: Backend<Tensor = T>>(ld: &mut Loader<'_, B>, p: &str, hidden: usize, width: usize) -> Result<Self> {
+        Ok(Self::Dense(ld.mlp(&format!("{p}.mlp"), ["gate_proj", "up_proj", "down_proj"], hidden, width)?))
+    }
+
+    pub fn load_moe<B: Backend<Tensor = T>>(ld: &mut Loader<'_, B>, p: &str, hidden: usize, c: &MoeConfig) -> Result<Self> {
+        let p = format!("{p}.block_sparse_moe");
+        let e = c.num_experts;
+        let router = ld.get(&format!("{p}.gate.weight"), &[e, hidden])?;
+        let bias_name = format!("{p}.gate.e_score_correction_bias");
+        let correction_bias = if ld.source.contains(&bias_name) { Some(ld.get(&bias_name, &[e])?) } else { None };
+        let experts = (0..e)
+            .map(|i| ld.mlp(&format!("{p}.experts.{i}"), ["w1", "w3", "w2"], hidden, c.expert_intermediate_size))
+            .collect::<Result<Vec<_>>>()?;
+        let shared = match c.num_shared_experts {
+            0 => None,
+            n => Some(ld.mlp(
+                &format!("{p}.shared_experts"),
+                ["gate_proj", "up_proj", "down_proj"],
+                hidden,
+                n * c.expert_intermediate_size,
+            )?),
+        };
+        let routing = MoeRouting {
+            top_k: c.top_k,
+            num_groups: c.num_expert_groups,
+            topk_group: c.topk_group,
+            renormalize: c.renormalize,
+            scaling: c.routed_scaling_factor,
+            weights_use_bias: c.weights_use_correction_bias,
+        };
+        Ok(Self::Moe(MoeWeights { router, correction_bias, experts, shared }, routing))
+    }
+
+    /// Returns the output and, for MoE, the chosen experts (`top_k` per token).
+    pub fn forward<B: Backend<Tensor = T>>(&self, be: &B, x: &T) -> Result<(T, Vec<u32>)> {
+        match self {
+            Self::Dense(w) => Ok((be.mlp(x, w)?, Vec::new())),
+            Self::Moe(w, r) => Ok(be.moe(x, w, r)?),
+        }
+    }
+}
