@@ -121,7 +121,7 @@ pub fn generate_streaming(
     let mut stops = StopMatcher::new(&params.stop);
     let mut text = String::new();
     let stdout = std::io::stdout();
-    let mut emit = |s: &str, text: &mut String| {
+    let emit = |s: &str, text: &mut String| {
         if !s.is_empty() {
             let mut out = stdout.lock();
             let _ = out.write_all(s.as_bytes());

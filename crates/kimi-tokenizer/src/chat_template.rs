@@ -110,7 +110,9 @@ pub(crate) fn json_to_value(json: &serde_json::Value) -> Value {
         },
         Json::String(s) => Value::from(s.as_str()),
         Json::Array(items) => json_list(items),
-        Json::Object(map) => Value::from_pairs(map.iter().map(|(k, v)| (k.as_str(), json_to_value(v)))),
+        Json::Object(map) => {
+            Value::from_pairs(map.iter().map(|(k, v)| (k.as_str(), json_to_value(v))))
+        }
     }
 }
 
@@ -249,7 +251,10 @@ mod tests {
         let t = 1_709_211_909;
         assert_eq!(strftime("%Y-%m-%d %H:%M:%S", t), "2024-02-29 13:05:09");
         assert_eq!(strftime("%d %b %Y", t), "29 Feb 2024");
-        assert_eq!(strftime("%A, %B %-d, %I%p %j %%", t), "Thursday, February 29, 01PM 060 %");
+        assert_eq!(
+            strftime("%A, %B %-d, %I%p %j %%", t),
+            "Thursday, February 29, 01PM 060 %"
+        );
         assert_eq!(strftime("%d %b %Y", 0), "01 Jan 1970");
         assert_eq!(strftime("%a %Q %", 0), "Thu %Q %");
         assert_eq!(strftime("%F", -1), "1969-12-31");
@@ -260,7 +265,10 @@ mod tests {
         let source = "{% for m in messages %}\n  {{ m.role | upper }}:{{ m['content'].strip() }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}";
         let template = ChatTemplate::new(source, None, None).unwrap();
         let messages = [json!({"role": "user", "content": "  hi  "})];
-        assert_eq!(template.render(&messages, None, true).unwrap(), "  USER:hi\n>");
+        assert_eq!(
+            template.render(&messages, None, true).unwrap(),
+            "  USER:hi\n>"
+        );
     }
 
     #[test]
@@ -268,7 +276,10 @@ mod tests {
         let source = "{{ bos_token }}{% if tools is none %}no tools{% endif %}{% if messages|length > 1 %}{{ raise_exception('only one message') }}{% endif %}{{ messages[0].get('name', 'anon') }}{{ eos_token }}";
         let template = ChatTemplate::new(source, Some("<s>".into()), Some("</s>".into())).unwrap();
         let one = [json!({"role": "user", "content": "x"})];
-        assert_eq!(template.render(&one, None, false).unwrap(), "<s>no toolsanon</s>");
+        assert_eq!(
+            template.render(&one, None, false).unwrap(),
+            "<s>no toolsanon</s>"
+        );
         let two = [one[0].clone(), one[0].clone()];
         let err = template.render(&two, None, false).unwrap_err().to_string();
         assert!(err.contains("only one message"), "{err}");

@@ -47,10 +47,14 @@ impl TokenizerConfig {
             };
             for (key, entry) in entries {
                 let id: u32 = key.parse().map_err(|_| {
-                    invalid(format!("`added_tokens_decoder` key {key:?} is not a token id"))
+                    invalid(format!(
+                        "`added_tokens_decoder` key {key:?} is not a token id"
+                    ))
                 })?;
                 let content = token_content(entry).ok_or_else(|| {
-                    invalid(format!("`added_tokens_decoder[{key}]` has no string `content`"))
+                    invalid(format!(
+                        "`added_tokens_decoder[{key}]` has no string `content`"
+                    ))
                 })?;
                 config.added_tokens.insert(id, content);
             }
@@ -81,10 +85,14 @@ fn special_token_field(
 ) -> Result<Option<String>, TokenizerError> {
     match root.get(field) {
         None | Some(Value::Null) => Ok(None),
-        Some(value) => token_content(value).map(Some).ok_or_else(|| TokenizerError::InvalidFile {
-            path: path.to_path_buf(),
-            reason: format!("`{field}` is neither a string nor an object with string `content`"),
-        }),
+        Some(value) => token_content(value)
+            .map(Some)
+            .ok_or_else(|| TokenizerError::InvalidFile {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "`{field}` is neither a string nor an object with string `content`"
+                ),
+            }),
     }
 }
 
@@ -152,7 +160,10 @@ mod tests {
                 "pad_token": null}"#,
         )
         .unwrap();
-        assert_eq!(config.added_tokens.get(&5).map(String::as_str), Some("[BOS]"));
+        assert_eq!(
+            config.added_tokens.get(&5).map(String::as_str),
+            Some("[BOS]")
+        );
         assert_eq!(config.bos_token.as_deref(), Some("[BOS]"));
         assert_eq!(config.eos_token.as_deref(), Some("[EOS]"));
         assert_eq!(config.chat_template, None);

@@ -56,8 +56,8 @@ const END_OF_MESSAGE_TOKENS: [&str; 6] = [
 ];
 
 enum Backend {
-    Tiktoken(TiktokenBpe),
-    Hf(HfTokenizer),
+    Tiktoken(Box<TiktokenBpe>),
+    Hf(Box<HfTokenizer>),
 }
 
 /// A loaded tokenizer: vocabulary, special tokens, bos/eos ids and chat template.
@@ -96,13 +96,13 @@ impl Tokenizer {
         let tiktoken_path = dir.join("tiktoken.model");
         let hf_path = dir.join("tokenizer.json");
         let backend = if tiktoken_path.is_file() {
-            Backend::Tiktoken(TiktokenBpe::load(
+            Backend::Tiktoken(Box::new(TiktokenBpe::load(
                 &tiktoken_path,
                 &config.added_tokens,
                 &config_path,
-            )?)
+            )?))
         } else if hf_path.is_file() {
-            Backend::Hf(HfTokenizer::load(&hf_path)?)
+            Backend::Hf(Box::new(HfTokenizer::load(&hf_path)?))
         } else {
             return Err(TokenizerError::NotFound {
                 dir: dir.to_path_buf(),
@@ -129,7 +129,10 @@ impl Tokenizer {
             eos_ids: Vec::new(),
             chat_template,
         };
-        tokenizer.bos_id = config.bos_token.as_deref().and_then(|t| tokenizer.token_id(t));
+        tokenizer.bos_id = config
+            .bos_token
+            .as_deref()
+            .and_then(|t| tokenizer.token_id(t));
         tokenizer.eos_ids = tokenizer.find_eos_ids(config.eos_token.as_deref());
         Ok(tokenizer)
     }

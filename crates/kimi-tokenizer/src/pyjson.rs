@@ -43,7 +43,10 @@ pub(crate) fn tojson_filter(value: &Value, kwargs: Kwargs) -> Result<Value, Erro
             Some(unit) => unit.to_owned(),
             None => {
                 let spaces = v.as_i64().ok_or_else(|| {
-                    Error::new(ErrorKind::InvalidOperation, "tojson: indent must be int or str")
+                    Error::new(
+                        ErrorKind::InvalidOperation,
+                        "tojson: indent must be int or str",
+                    )
                 })?;
                 " ".repeat(usize::try_from(spaces).unwrap_or(0))
             }
@@ -89,21 +92,38 @@ pub(crate) fn dumps(value: &Value, options: &DumpOptions) -> Result<String, Erro
 fn not_serializable(value: &Value) -> Error {
     Error::new(
         ErrorKind::InvalidOperation,
-        format!("tojson: object of type {} is not JSON serializable", value.kind()),
+        format!(
+            "tojson: object of type {} is not JSON serializable",
+            value.kind()
+        ),
     )
 }
 
-fn write_value(out: &mut String, value: &Value, options: &DumpOptions, depth: usize) -> Result<(), Error> {
+fn write_value(
+    out: &mut String,
+    value: &Value,
+    options: &DumpOptions,
+    depth: usize,
+) -> Result<(), Error> {
     match value.kind() {
         ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
         ValueKind::Number => write_number(out, value)?,
-        ValueKind::String => write_string(out, value.as_str().unwrap_or_default(), options.ensure_ascii),
+        ValueKind::String => write_string(
+            out,
+            value.as_str().unwrap_or_default(),
+            options.ensure_ascii,
+        ),
         ValueKind::Seq | ValueKind::Iterable => {
             let items: Vec<Value> = value.try_iter()?.collect();
-            write_container(out, ('[', ']'), &items, options, depth, |out, item, depth| {
-                write_value(out, item, options, depth)
-            })?;
+            write_container(
+                out,
+                ('[', ']'),
+                &items,
+                options,
+                depth,
+                |out, item, depth| write_value(out, item, options, depth),
+            )?;
         }
         ValueKind::Map => {
             let mut entries = Vec::new();
@@ -114,11 +134,18 @@ fn write_value(out: &mut String, value: &Value, options: &DumpOptions, depth: us
             if options.sort_keys {
                 entries.sort_by(|a, b| a.0.cmp(&b.0));
             }
-            write_container(out, ('{', '}'), &entries, options, depth, |out, (key, item), depth| {
-                write_string(out, key, options.ensure_ascii);
-                out.push_str(&options.key_separator);
-                write_value(out, item, options, depth)
-            })?;
+            write_container(
+                out,
+                ('{', '}'),
+                &entries,
+                options,
+                depth,
+                |out, (key, item), depth| {
+                    write_string(out, key, options.ensure_ascii);
+                    out.push_str(&options.key_separator);
+                    write_value(out, item, options, depth)
+                },
+            )?;
         }
         _ => return Err(not_serializable(value)),
     }
@@ -170,7 +197,10 @@ fn key_string(key: &Value) -> Result<String, Error> {
         }
         _ => Err(Error::new(
             ErrorKind::InvalidOperation,
-            format!("tojson: keys must be str, int, float, bool or None, not {}", key.kind()),
+            format!(
+                "tojson: keys must be str, int, float, bool or None, not {}",
+                key.kind()
+            ),
         )),
     }
 }
@@ -267,7 +297,10 @@ mod tests {
             r#"{"name": "get_weather", "b": [1, 2.5, true, null, "<é>\n\"", []], "a": {}, "x": 1e+20}"#
         );
         assert_eq!(
-            render("{{ d | tojson(separators=(',', ':')) }}", minijinja::context! { d => data() }),
+            render(
+                "{{ d | tojson(separators=(',', ':')) }}",
+                minijinja::context! { d => data() }
+            ),
             r#"{"name":"get_weather","b":[1,2.5,true,null,"<é>\n\"",[]],"a":{},"x":1e+20}"#
         );
         assert_eq!(
@@ -275,7 +308,10 @@ mod tests {
             "{\n  \"a\": {},\n  \"b\": [\n    1,\n    2.5,\n    true,\n    null,\n    \"<é>\\n\\\"\",\n    []\n  ],\n  \"name\": \"get_weather\",\n  \"x\": 1e+20\n}"
         );
         assert_eq!(
-            render("{{ 'é😀\x7f' | tojson(ensure_ascii=true) }}", Value::UNDEFINED),
+            render(
+                "{{ 'é😀\x7f' | tojson(ensure_ascii=true) }}",
+                Value::UNDEFINED
+            ),
             r#""\u00e9\ud83d\ude00\u007f""#
         );
     }
@@ -305,7 +341,11 @@ mod tests {
             env.add_filter("tojson", tojson_filter);
             env
         };
-        assert!(env.render_str("{{ missing | tojson }}", Value::UNDEFINED).is_err());
-        assert!(env.render_str("{{ 1 | tojson(bogus=1) }}", Value::UNDEFINED).is_err());
+        assert!(env
+            .render_str("{{ missing | tojson }}", Value::UNDEFINED)
+            .is_err());
+        assert!(env
+            .render_str("{{ 1 | tojson(bogus=1) }}", Value::UNDEFINED)
+            .is_err());
     }
 }

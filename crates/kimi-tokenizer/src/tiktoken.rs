@@ -72,7 +72,10 @@ impl TiktokenBpe {
             .zip(0u32..)
             .map(|(bytes, rank)| (bytes.clone(), rank))
             .collect();
-        let special_encoder = specials.iter().map(|(name, &id)| (name.clone(), id)).collect();
+        let special_encoder = specials
+            .iter()
+            .map(|(name, &id)| (name.clone(), id))
+            .collect();
         let bpe = CoreBPE::new(encoder, special_encoder, KIMI_PATTERN).map_err(|err| {
             TokenizerError::InvalidFile {
                 path: vocab_path.to_path_buf(),
@@ -148,10 +151,13 @@ impl TiktokenBpe {
     pub fn decode_bytes(&self, ids: &[u32], skip_special: bool) -> Result<Vec<u8>, TokenizerError> {
         let mut bytes = Vec::with_capacity(ids.len() * 4);
         for &id in ids {
-            let token = self.tokens.get(id as usize).ok_or(TokenizerError::UnknownId {
-                id,
-                vocab_size: self.tokens.len(),
-            })?;
+            let token = self
+                .tokens
+                .get(id as usize)
+                .ok_or(TokenizerError::UnknownId {
+                    id,
+                    vocab_size: self.tokens.len(),
+                })?;
             if !(skip_special && id >= self.n_base) {
                 bytes.extend_from_slice(token);
             }
@@ -177,8 +183,12 @@ fn parse_vocab(text: &str, path: &Path) -> Result<Vec<Vec<u8>>, TokenizerError> 
         }
         let line_no = index + 1;
         let mut fields = line.split_whitespace();
-        let (Some(encoded), Some(rank), None) = (fields.next(), fields.next(), fields.next()) else {
-            return Err(line_error(line_no, "expected `<base64 token> <rank>`".into()));
+        let (Some(encoded), Some(rank), None) = (fields.next(), fields.next(), fields.next())
+        else {
+            return Err(line_error(
+                line_no,
+                "expected `<base64 token> <rank>`".into(),
+            ));
         };
         let bytes = base64::engine::general_purpose::STANDARD
             .decode(encoded)
@@ -201,10 +211,16 @@ fn parse_vocab(text: &str, path: &Path) -> Result<Vec<Vec<u8>>, TokenizerError> 
         }
         if tokens[rank].is_some() {
             let first = rank_lines[rank];
-            return Err(line_error(line_no, format!("rank {rank} already used on line {first}")));
+            return Err(line_error(
+                line_no,
+                format!("rank {rank} already used on line {first}"),
+            ));
         }
         if let Some(first) = seen.insert(bytes.clone(), line_no) {
-            return Err(line_error(line_no, format!("token bytes repeat line {first}")));
+            return Err(line_error(
+                line_no,
+                format!("token bytes repeat line {first}"),
+            ));
         }
         rank_lines[rank] = line_no;
         tokens[rank] = Some(bytes);
@@ -241,7 +257,9 @@ fn special_tokens(
             return Err(invalid(format!("special token {id} has empty content")));
         }
         if let Some(other) = specials.insert(name.clone(), id) {
-            return Err(invalid(format!("special tokens {other} and {id} are both {name:?}")));
+            return Err(invalid(format!(
+                "special tokens {other} and {id} are both {name:?}"
+            )));
         }
     }
     Ok(specials)
@@ -255,7 +273,10 @@ fn char_chunks(text: &str, max_chars: usize) -> impl Iterator<Item = &str> {
         if done {
             return None;
         }
-        let cut = rest.char_indices().nth(max_chars).map_or(rest.len(), |(i, _)| i);
+        let cut = rest
+            .char_indices()
+            .nth(max_chars)
+            .map_or(rest.len(), |(i, _)| i);
         let (chunk, tail) = rest.split_at(cut);
         rest = tail;
         done = rest.is_empty();
@@ -299,7 +320,10 @@ mod tests {
 
     fn pieces(text: &str) -> Vec<String> {
         let regex = fancy_regex::Regex::new(KIMI_PATTERN).unwrap();
-        regex.find_iter(text).map(|m| m.unwrap().as_str().to_owned()).collect()
+        regex
+            .find_iter(text)
+            .map(|m| m.unwrap().as_str().to_owned())
+            .collect()
     }
 
     #[test]
@@ -321,7 +345,10 @@ mod tests {
         assert_eq!(split_long_runs("abcdefg", 3), ["abc", "def", "g"]);
         assert_eq!(split_long_runs("ab     cd", 3), ["ab   ", "  cd"]);
         // U+001F counts as space in Python but is not Unicode White_Space.
-        assert_eq!(split_long_runs("a\u{1f}\u{1f}\u{1f}\u{1f}", 3), ["a\u{1f}\u{1f}\u{1f}", "\u{1f}"]);
+        assert_eq!(
+            split_long_runs("a\u{1f}\u{1f}\u{1f}\u{1f}", 3),
+            ["a\u{1f}\u{1f}\u{1f}", "\u{1f}"]
+        );
         let chunks: Vec<&str> = char_chunks("ééééé", 2).collect();
         assert_eq!(chunks, ["éé", "éé", "é"]);
         assert_eq!(char_chunks("", 2).collect::<Vec<_>>(), [""]);
@@ -331,7 +358,12 @@ mod tests {
     fn vocab_errors_name_file_and_line() {
         let path = Path::new("dir/tiktoken.model");
         let single_bytes: String = (0..=255u8)
-            .map(|b| format!("{} {b}\n", base64::engine::general_purpose::STANDARD.encode([b])))
+            .map(|b| {
+                format!(
+                    "{} {b}\n",
+                    base64::engine::general_purpose::STANDARD.encode([b])
+                )
+            })
             .collect();
         assert_eq!(parse_vocab(&single_bytes, path).unwrap().len(), 256);
         for (extra, needle) in [

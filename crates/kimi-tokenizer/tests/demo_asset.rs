@@ -50,7 +50,10 @@ fn template_in_config_matches_jinja_file() {
         &std::fs::read_to_string(common::assets_dir().join("tokenizer_config.json")).unwrap(),
     )
     .unwrap();
-    assert_eq!(config["chat_template"].as_str().unwrap(), common::kimi_template());
+    assert_eq!(
+        config["chat_template"].as_str().unwrap(),
+        common::kimi_template()
+    );
 }
 
 #[test]
@@ -60,7 +63,11 @@ fn chat_round_trip_and_stream() {
         json!({"role": "system", "content": "You are a helpful assistant provided by Moonshot-AI."}),
         json!({"role": "user", "content": "Is 123 a prime? 🤔"}),
     ];
-    let prompt = tok.chat_template().unwrap().render(&messages, None, true).unwrap();
+    let prompt = tok
+        .chat_template()
+        .unwrap()
+        .render(&messages, None, true)
+        .unwrap();
     let ids = tok.encode(&prompt, true).unwrap();
     let n = n_base();
     assert_eq!(ids[0], n + 10);

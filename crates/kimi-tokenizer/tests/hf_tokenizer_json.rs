@@ -14,27 +14,37 @@ const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + message['
 /// Trains a small byte-level BPE and writes `tokenizer.json` (+ optional extra files).
 fn trained_dir(extra: &[(&str, &str)]) -> tempfile::TempDir {
     let byte_level = ByteLevel::new(false, true, true);
-    let mut tokenizer = TokenizerBuilder::<BPE, NormalizerWrapper, ByteLevel, ByteLevel, ByteLevel>::new()
-        .with_model(BPE::default())
-        .with_normalizer(None)
-        .with_pre_tokenizer(Some(byte_level.clone()))
-        .with_post_processor(Some(byte_level.clone()))
-        .with_decoder(Some(byte_level))
-        .build()
-        .unwrap();
+    let mut tokenizer =
+        TokenizerBuilder::<BPE, NormalizerWrapper, ByteLevel, ByteLevel, ByteLevel>::new()
+            .with_model(BPE::default())
+            .with_normalizer(None)
+            .with_pre_tokenizer(Some(byte_level))
+            .with_post_processor(Some(byte_level))
+            .with_decoder(Some(byte_level))
+            .build()
+            .unwrap();
     let specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
     let mut trainer = BpeTrainerBuilder::new()
         .vocab_size(400)
         .min_frequency(1)
         .show_progress(false)
         .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
-        .special_tokens(specials.iter().map(|s| AddedToken::from(*s, true)).collect())
+        .special_tokens(
+            specials
+                .iter()
+                .map(|s| AddedToken::from(*s, true))
+                .collect(),
+        )
         .build();
     let corpus: Vec<String> = common::varied_texts().into_iter().take(15).collect();
     tokenizer.train(&mut trainer, corpus.iter()).unwrap();
-    tokenizer.add_tokens([AddedToken::from("<custom>", false)]).unwrap();
+    tokenizer
+        .add_tokens([AddedToken::from("<custom>", false)])
+        .unwrap();
     let dir = common::write_dir(extra);
-    tokenizer.save(dir.path().join("tokenizer.json"), true).unwrap();
+    tokenizer
+        .save(dir.path().join("tokenizer.json"), true)
+        .unwrap();
     dir
 }
 
@@ -66,7 +76,10 @@ fn loads_and_round_trips() {
         let ids = tok.encode(&text, true).unwrap();
         assert_eq!(tok.decode(&ids, false).unwrap(), text);
         // Byte-level: the tokens' raw bytes are the text's bytes.
-        let bytes: Vec<u8> = ids.iter().flat_map(|&id| tok.token_bytes(id).unwrap()).collect();
+        let bytes: Vec<u8> = ids
+            .iter()
+            .flat_map(|&id| tok.token_bytes(id).unwrap())
+            .collect();
         assert_eq!(bytes, text.as_bytes());
         let mut stream = StreamDecoder::new(&tok, false);
         let mut out: String = ids.iter().map(|&id| stream.push(id)).collect();
@@ -90,7 +103,10 @@ fn special_tokens_only_when_allowed() {
     assert!(plain.iter().all(|&id| !tok.is_special(id)), "{plain:?}");
     assert_eq!(tok.decode(&plain, false).unwrap(), text);
     // Non-special added tokens are still matched as tokens.
-    assert_eq!(tok.encode("<custom>", false).unwrap(), [tok.token_id("<custom>").unwrap()]);
+    assert_eq!(
+        tok.encode("<custom>", false).unwrap(),
+        [tok.token_id("<custom>").unwrap()]
+    );
     let err = tok.decode(&[tok.vocab_size() as u32], false).unwrap_err();
     assert!(matches!(err, TokenizerError::UnknownId { .. }));
 }
@@ -100,14 +116,30 @@ fn chat_template_from_config_list_and_jinja_override() {
     let dir = trained_dir(&[("tokenizer_config.json", &config())]);
     let tok = Tokenizer::from_dir(dir.path()).unwrap();
     let messages = [json!({"role": "user", "content": "hi"})];
-    let prompt = tok.chat_template().unwrap().render(&messages, None, true).unwrap();
-    assert_eq!(prompt, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    let prompt = tok
+        .chat_template()
+        .unwrap()
+        .render(&messages, None, true)
+        .unwrap();
+    assert_eq!(
+        prompt,
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    );
     let ids = tok.encode(&prompt, true).unwrap();
     assert_eq!(tok.decode(&ids, false).unwrap(), prompt);
 
-    let dir = trained_dir(&[("tokenizer_config.json", &config()), ("chat_template.jinja", "jinja wins")]);
+    let dir = trained_dir(&[
+        ("tokenizer_config.json", &config()),
+        ("chat_template.jinja", "jinja wins"),
+    ]);
     let tok = Tokenizer::from_dir(dir.path()).unwrap();
-    assert_eq!(tok.chat_template().unwrap().render(&messages, None, true).unwrap(), "jinja wins");
+    assert_eq!(
+        tok.chat_template()
+            .unwrap()
+            .render(&messages, None, true)
+            .unwrap(),
+        "jinja wins"
+    );
 
     let dir = trained_dir(&[]);
     let tok = Tokenizer::from_dir(dir.path()).unwrap();

@@ -6,7 +6,12 @@ use kimi_tokenizer::{ChatTemplate, TokenizerError};
 use serde_json::json;
 
 fn template() -> ChatTemplate {
-    ChatTemplate::new(&common::kimi_template(), Some("[BOS]".into()), Some("[EOS]".into())).unwrap()
+    ChatTemplate::new(
+        &common::kimi_template(),
+        Some("[BOS]".into()),
+        Some("[EOS]".into()),
+    )
+    .unwrap()
 }
 
 #[test]
@@ -62,7 +67,10 @@ fn tools_tool_calls_and_results() {
         "<|im_user|>alice<|im_middle|>Thanks<|im_end|>",
         "<|im_assistant|>assistant<|im_middle|>",
     );
-    assert_eq!(template().render(&messages, Some(&tools), true).unwrap(), expected);
+    assert_eq!(
+        template().render(&messages, Some(&tools), true).unwrap(),
+        expected
+    );
 }
 
 #[test]

@@ -63,7 +63,10 @@ fn specials_follow_kimi_layout() {
     assert_eq!(tok.bos_id(), Some(n));
     assert_eq!(tok.eos_ids(), vec![n + 1, n + 2]);
     // Base tokens are found by their bytes.
-    assert_eq!(tok.token_id("hello"), cl100k().encode_ordinary("hello").first().copied());
+    assert_eq!(
+        tok.token_id("hello"),
+        cl100k().encode_ordinary("hello").first().copied()
+    );
     assert_eq!(tok.token_bytes(n + 258), None);
 }
 
@@ -73,7 +76,12 @@ fn varied_text_round_trips() {
     for text in common::varied_texts() {
         for allow_special in [false, true] {
             let ids = tok.encode(&text, allow_special).unwrap();
-            assert_eq!(tok.decode(&ids, false).unwrap(), text, "{:?}", &text[..text.len().min(60)]);
+            assert_eq!(
+                tok.decode(&ids, false).unwrap(),
+                text,
+                "{:?}",
+                &text[..text.len().min(60)]
+            );
         }
     }
     let ids = tok.encode("", true).unwrap();
@@ -92,7 +100,11 @@ fn plain_text_agrees_with_cl100k_where_the_regexes_split_alike() {
         "déjà vu, naïve café",
         "你好世界",
     ] {
-        assert_eq!(tok.encode(text, false).unwrap(), cl100k().encode_ordinary(text), "{text:?}");
+        assert_eq!(
+            tok.encode(text, false).unwrap(),
+            cl100k().encode_ordinary(text),
+            "{text:?}"
+        );
     }
 }
 
@@ -121,12 +133,18 @@ fn kimi_splits_differ_from_cl100k_as_the_regex_says() {
             .collect()
     };
     // Case change splits a word; Han is split from other letters; contractions stay attached.
-    for (word, parts) in [("getValue", ["get", "Value"]), ("JavaScript", ["Java", "Script"])] {
+    for (word, parts) in [
+        ("getValue", ["get", "Value"]),
+        ("JavaScript", ["Java", "Script"]),
+    ] {
         let kimi = tok.encode(word, false).unwrap();
         assert_eq!(kimi, [cl(parts[0]), cl(parts[1])].concat());
         assert_ne!(kimi, cl(word), "cl100k keeps {word:?} whole");
     }
-    assert_eq!(tok.encode("Hello世界abc", false).unwrap(), reference(&["Hello", "世界", "abc"]));
+    assert_eq!(
+        tok.encode("Hello世界abc", false).unwrap(),
+        reference(&["Hello", "世界", "abc"])
+    );
     assert_eq!(tok.encode("it's", false).unwrap(), reference(&["it's"]));
     assert_eq!(
         tok.encode("We're here, I'LL go", false).unwrap(),
@@ -153,7 +171,10 @@ fn special_tokens_only_when_allowed() {
     assert!(plain.iter().all(|&id| id < n));
     assert_eq!(tok.decode(&plain, false).unwrap(), text);
     // Reserved names are special too.
-    assert_eq!(tok.encode("<|reserved_token_100300|>", true).unwrap(), [100_300]);
+    assert_eq!(
+        tok.encode("<|reserved_token_100300|>", true).unwrap(),
+        [100_300]
+    );
 }
 
 #[test]
@@ -170,7 +191,11 @@ fn long_inputs_are_cut_like_kimi() {
     // Over 400,000 chars the text is encoded in 400,000-char chunks.
     let words = "lorem ipsum dolor ".repeat(25_000);
     let (head, tail) = words.split_at(400_000);
-    let expected = [tok.encode(head, false).unwrap(), tok.encode(tail, false).unwrap()].concat();
+    let expected = [
+        tok.encode(head, false).unwrap(),
+        tok.encode(tail, false).unwrap(),
+    ]
+    .concat();
     let ids = tok.encode(&words, false).unwrap();
     assert_eq!(ids, expected);
     assert_eq!(tok.decode(&ids, false).unwrap(), words);
@@ -185,9 +210,19 @@ fn decode_handles_partial_utf8_and_unknown_ids() {
     assert_eq!(tok.token_bytes(lone).unwrap(), [0xe4]);
     assert_eq!(tok.decode(&[lone], false).unwrap(), "\u{fffd}");
     let good = tok.encode("ok", false).unwrap();
-    assert_eq!(tok.decode(&[good.clone(), vec![lone], good].concat(), false).unwrap(), "ok\u{fffd}ok");
+    assert_eq!(
+        tok.decode(&[good.clone(), vec![lone], good].concat(), false)
+            .unwrap(),
+        "ok\u{fffd}ok"
+    );
     let err = tok.decode(&[1, CL100K_N_BASE + 258], false).unwrap_err();
-    assert!(matches!(err, TokenizerError::UnknownId { id: 100_514, vocab_size: 100_514 }));
+    assert!(matches!(
+        err,
+        TokenizerError::UnknownId {
+            id: 100_514,
+            vocab_size: 100_514
+        }
+    ));
 }
 
 #[test]
@@ -216,7 +251,11 @@ fn stream_decoder_matches_decode() {
                 state ^= state >> 7;
                 state ^= state << 17;
                 // Bias towards the single-byte tokens 0..256, where partial UTF-8 lives.
-                let id = if state % 3 == 0 { state % 256 } else { state % vocab };
+                let id = if state & 3 == 0 {
+                    state % 256
+                } else {
+                    state % vocab
+                };
                 id as u32
             })
             .collect();
@@ -235,7 +274,11 @@ fn stream_decoder_matches_decode() {
 #[test]
 fn stream_decoder_holds_back_split_characters() {
     let tok = tokenizer();
-    let byte_id = |b: u8| (0..CL100K_N_BASE).find(|&id| tok.token_bytes(id).unwrap() == [b]).unwrap();
+    let byte_id = |b: u8| {
+        (0..CL100K_N_BASE)
+            .find(|&id| tok.token_bytes(id).unwrap() == [b])
+            .unwrap()
+    };
     // "😀" = F0 9F 98 80, fed one byte-token at a time.
     let ids: Vec<u32> = "😀".bytes().map(byte_id).collect();
     let mut stream = StreamDecoder::new(tok, true);
@@ -264,7 +307,13 @@ fn chat_prompt_encodes_to_special_ids() {
     let prompt = template.render(&messages, None, true).unwrap();
     let ids = tok.encode(&prompt, true).unwrap();
     let n = CL100K_N_BASE;
-    assert_eq!(&ids[..3], [n + 10, tok.encode("system", false).unwrap()[0], n + 17]);
-    assert_eq!(&ids[ids.len() - 3..], [n + 4, tok.encode("assistant", false).unwrap()[0], n + 17]);
+    assert_eq!(
+        &ids[..3],
+        [n + 10, tok.encode("system", false).unwrap()[0], n + 17]
+    );
+    assert_eq!(
+        &ids[ids.len() - 3..],
+        [n + 4, tok.encode("assistant", false).unwrap()[0], n + 17]
+    );
     assert_eq!(tok.decode(&ids, false).unwrap(), prompt);
 }

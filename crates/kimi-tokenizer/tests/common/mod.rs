@@ -66,7 +66,10 @@ pub fn tiktoken_model(tokens: &[Vec<u8>]) -> String {
         .iter()
         .enumerate()
         .map(|(rank, bytes)| {
-            format!("{} {rank}\n", base64::engine::general_purpose::STANDARD.encode(bytes))
+            format!(
+                "{} {rank}\n",
+                base64::engine::general_purpose::STANDARD.encode(bytes)
+            )
         })
         .collect()
 }
