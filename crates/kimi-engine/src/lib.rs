@@ -8,6 +8,7 @@
 
 mod generate;
 pub mod sampling;
+pub mod serving;
 pub mod stop;
 
 pub use generate::{Engine, FinishReason, Generation};
