@@ -1,21 +1,55 @@
 //! `kimi-infer inspect`: what a checkpoint holds and what it will cost to run.
 
 use std::collections::BTreeMap;
+use std::io::Write;
 
+use anyhow::Context;
 use kimi_core::config::{Ffn, KdaGate, Mixer};
+use kimi_core::ModelConfig;
+use kimi_weights::{Checkpoint, WeightsError};
 use kimi_model::ModelSummary;
 use serde_json::json;
 
 use crate::args::InspectArgs;
 
 pub fn inspect(a: InspectArgs) -> anyhow::Result<()> {
-    let ckpt = crate::load::open_checkpoint(&a.model)?;
-    let cfg = ckpt.config();
+    match report(a) {
+        Err(e) if is_broken_pipe(&e) => Ok(()),
+        other => other,
+    }
+}
+
+/// A closed stdout (e.g. `| head`) is not an error worth reporting.
+pub fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+}
+
+fn report(a: InspectArgs) -> anyhow::Result<()> {
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let dir = crate::load::model_dir(&a.model)?;
+    // A directory with only config.json still gets the arithmetic (planning before download).
+    let ckpt = match Checkpoint::open(&dir) {
+        Ok(c) => Some(c),
+        Err(WeightsError::NoWeights { .. }) => None,
+        Err(e) => return Err(anyhow::Error::new(e).context(format!("cannot open the model in {}", dir.display()))),
+    };
+    let cfg = match &ckpt {
+        Some(c) => c.config().clone(),
+        None => {
+            let path = dir.join("config.json");
+            let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+            ModelConfig::from_json_str(&text).with_context(|| format!("in {}", path.display()))?
+        }
+    };
+    let cfg = &cfg;
     let summary = ModelSummary::new(cfg);
     let mut by_dtype: BTreeMap<String, u64> = BTreeMap::new();
     let mut per_layer = vec![0u64; cfg.layers.len()];
     let mut other_bytes = 0u64;
-    for name in ckpt.tensor_names() {
+    let names = ckpt.as_ref().map(|c| c.tensor_names()).unwrap_or_default();
+    for name in names {
+        let Some(ckpt) = &ckpt else { break };
         let (dtype, bytes) = match ckpt.get(name) {
             Ok(view) => (view.dtype.to_string(), view.bytes.len() as u64),
             Err(_) => ("unsupported".to_string(), 0),
@@ -42,44 +76,44 @@ pub fn inspect(a: InspectArgs) -> anyhow::Result<()> {
         let v = json!({
             "model_type": cfg.model_type, "num_layers": cfg.layers.len(), "hidden_size": cfg.hidden_size,
             "vocab_size": cfg.vocab_size, "total_params": summary.params.total, "active_params": summary.params.active,
-            "weight_bytes": ckpt.total_bytes(), "bytes_by_dtype": by_dtype, "layers": layers,
+            "weight_bytes": ckpt.as_ref().map(|c| c.total_bytes()), "bytes_by_dtype": by_dtype, "layers": layers,
             "non_layer_bytes": other_bytes,
             "mla_cache_values_per_token": mla_per_token,
             "mla_cache_bytes_per_token_bf16": mla_per_token * 2, "mla_cache_bytes_per_token_f32": mla_per_token * 4,
             "kda_state_bytes_per_sequence_f32": kda_state * 4, "kda_conv_bytes_per_sequence_bf16": kda_conv * 2,
             "kda_conv_bytes_per_sequence_f32": kda_conv * 4,
         });
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
         return Ok(());
     }
-    println!("model        {}", ckpt.dir().display());
-    println!(
+    writeln!(out, "model        {}", dir.display())?;
+    writeln!(out, 
         "architecture {} — {} layers, hidden {}, vocab {}, context {}",
         cfg.model_type,
         cfg.layers.len(),
         cfg.hidden_size,
         cfg.vocab_size,
         cfg.max_position_embeddings
-    );
+    )?;
     let mixers: String = cfg.layers.iter().map(|l| if l.mixer == Mixer::Kda { 'K' } else { 'M' }).collect();
     let ffns: String = cfg.layers.iter().map(|l| if l.ffn == Ffn::Dense { 'D' } else { 'E' }).collect();
-    println!("mixers       {mixers}   (K = KDA, M = MLA)");
-    println!("ffn          {ffns}   (D = dense MLP, E = experts)");
+    writeln!(out, "mixers       {mixers}   (K = KDA, M = MLA)")?;
+    writeln!(out, "ffn          {ffns}   (D = dense MLP, E = experts)")?;
     if let Some(k) = &cfg.kda {
         let gate = match k.gate {
             KdaGate::Softplus => "softplus".to_string(),
             KdaGate::LowerBound(b) => format!("safe gate, lower bound {b}"),
         };
-        println!("KDA          {} heads x {}, conv width {}, gate {gate}", k.num_heads, k.head_dim, k.conv_kernel);
+        writeln!(out, "KDA          {} heads x {}, conv width {}, gate {gate}", k.num_heads, k.head_dim, k.conv_kernel)?;
     }
     if let Some(m) = &cfg.mla {
-        println!(
+        writeln!(out, 
             "MLA          {} heads, latent {}, nope {}, rope {} (NoPE), v {}, q_lora {:?}",
             m.num_heads, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.q_lora_rank
-        );
+        )?;
     }
     if let Some(m) = &cfg.moe {
-        println!(
+        writeln!(out, 
             "MoE          {} experts, top-{}, {} shared, width {}, groups {} keep {}, renormalize {}, scale {}",
             m.num_experts,
             m.top_k,
@@ -89,36 +123,39 @@ pub fn inspect(a: InspectArgs) -> anyhow::Result<()> {
             m.topk_group,
             m.renormalize,
             m.routed_scaling_factor
-        );
+        )?;
     }
-    println!("parameters   total {} , active per token {}", human(summary.params.total), human(summary.params.active));
-    println!("weights      {} on disk", bytes(ckpt.total_bytes()));
+    writeln!(out, "parameters   total {} , active per token {}", human(summary.params.total), human(summary.params.active))?;
+    match &ckpt {
+        Some(c) => writeln!(out, "weights      {} of tensor data", bytes(c.total_bytes()))?,
+        None => writeln!(out, "weights      (no safetensors in this directory: sizes from config.json only)")?,
+    }
     for (dtype, b) in &by_dtype {
-        println!("  {dtype:<11} {}", bytes(*b));
+        writeln!(out, "  {dtype:<11} {}", bytes(*b))?;
     }
-    println!("per layer    (params, bytes)");
+    writeln!(out, "per layer    (params, bytes)")?;
     for (i, l) in cfg.layers.iter().enumerate() {
-        println!(
+        writeln!(out, 
             "  {i:>3} {:?}+{:?}  {:>10}  {:>10}",
             l.mixer,
             l.ffn,
             human(summary.params.per_layer[i]),
             bytes(per_layer[i])
-        );
+        )?;
     }
-    println!("  embed/head/norm          {:>10}", bytes(other_bytes));
-    println!(
+    writeln!(out, "  embed/head/norm          {:>10}", bytes(other_bytes))?;
+    writeln!(out, 
         "cache        MLA latent {} values/token over {} layers = {} (bf16) / {} (f32) per token",
         mla_per_token,
         summary.num_mla_layers,
         bytes(mla_per_token * 2),
         bytes(mla_per_token * 4)
-    );
-    println!(
+    )?;
+    writeln!(out, 
         "             KDA state {} per sequence (f32) + conv window {} (f32), constant in length",
         bytes(kda_state * 4),
         bytes(kda_conv * 4)
-    );
+    )?;
     Ok(())
 }
 

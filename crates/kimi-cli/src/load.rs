@@ -29,12 +29,6 @@ pub fn model_dir(args: &ModelArgs) -> anyhow::Result<PathBuf> {
     }
 }
 
-/// Opens the checkpoint without loading the weights.
-pub fn open_checkpoint(args: &ModelArgs) -> anyhow::Result<Checkpoint> {
-    let dir = model_dir(args)?;
-    Checkpoint::open(&dir).with_context(|| format!("cannot open the model in {}", dir.display()))
-}
-
 /// Loads weights onto the CPU backend, and the tokenizer if the directory has one.
 pub fn load(args: &ModelArgs, need_tokenizer: bool) -> anyhow::Result<Loaded> {
     let dir = model_dir(args)?;

@@ -3,15 +3,28 @@
 //! [`Engine::generate`] runs one sequence: the prompt is prefilled in chunks of
 //! `prefill_chunk` tokens, then tokens are sampled one at a time until a stop token, a stop
 //! request from the caller, or `max_tokens`.
+//!
+//! [`EngineHandle`] serves many requests at once: a thread owns the model and runs steps
+//! that batch every running sequence (decode first, then chunked prefill within a token
+//! budget), admitting and preempting by MLA cache blocks (`serving`, `scheduler`,
+//! `cache_manager`, `runner` and `engine_loop` modules).
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod cache_manager;
+mod engine_loop;
 mod generate;
+mod runner;
 pub mod sampling;
+mod scheduler;
 pub mod serving;
 pub mod stop;
 
 pub use generate::{Engine, FinishReason, Generation};
+pub use serving::{
+    EngineHandle, EngineMetrics, Event, LogitsProcessor, Request, RequestId, ServingConfig,
+    SubmitError,
+};
 
 /// Errors of the engine.
 #[derive(Debug, thiserror::Error)]

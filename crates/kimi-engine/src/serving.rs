@@ -8,10 +8,20 @@
 //! then chunked prefill within `max_num_batched_tokens`), one batched forward pass over
 //! every scheduled sequence, sample, and send [`Event`]s to each request's channel.
 
-use kimi_core::TokenId;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Sender};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Instant;
 
+use kimi_core::{ModelConfig, TokenId};
+use kimi_model::KimiLinear;
+use kimi_ops::Backend;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use crate::engine_loop::{Command, EngineLoop, Shared, Submission};
 use crate::sampling::{Sampled, SamplingParams};
-use crate::FinishReason;
+use crate::{EngineError, FinishReason};
 
 /// Engine-wide limits (validated `serve` flags).
 #[derive(Clone, Debug)]
@@ -115,21 +125,262 @@ pub struct EngineMetrics {
     pub expert_counts: Vec<Vec<u64>>,
 }
 
-// The handle (implemented by the engine-loop work; signatures fixed):
-//
-// pub struct EngineHandle { .. }            // Clone + Send + Sync
-// impl EngineHandle {
-//     /// Moves the model to a dedicated engine thread and starts the step loop.
-//     pub fn spawn<B: Backend + 'static>(model: KimiLinear<B>, config: ServingConfig) -> Result<Self, EngineError>;
-//     /// Queues a request; events arrive on the receiver. Dropping the receiver cancels it.
-//     pub fn submit(&self, request: Request)
-//         -> Result<(RequestId, tokio::sync::mpsc::UnboundedReceiver<Event>), SubmitError>;
-//     /// Cancels a request (idempotent); its capacity is freed before the next step.
-//     pub fn cancel(&self, id: RequestId);
-//     pub fn metrics(&self) -> EngineMetrics;
-//     pub fn vocab_size(&self) -> usize;
-//     pub fn max_model_len(&self) -> usize;
-//     /// Stops accepting requests; `graceful` lets running ones finish, else cancels them.
-//     /// Returns once the engine thread has exited.
-//     pub fn shutdown(&self, graceful: bool);
-// }
+/// Why a [`ServingConfig`] cannot run `model`, if it cannot.
+fn check_config(config: &ServingConfig, model: &ModelConfig) -> Result<(), String> {
+    let positive = [
+        ("max_model_len", config.max_model_len),
+        ("max_num_seqs", config.max_num_seqs),
+        ("max_num_batched_tokens", config.max_num_batched_tokens),
+        ("block_size", config.block_size),
+        ("num_blocks", config.num_blocks),
+        ("max_waiting", config.max_waiting),
+    ];
+    if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
+        return Err(format!("{name} must be at least 1"));
+    }
+    if config.max_model_len > model.max_position_embeddings {
+        return Err(format!(
+            "max_model_len {} is longer than the model's context of {} tokens",
+            config.max_model_len, model.max_position_embeddings
+        ));
+    }
+    if config.max_num_batched_tokens < config.max_num_seqs {
+        return Err(format!(
+            "max_num_batched_tokens ({}) must be at least max_num_seqs ({}), so that every \
+             running sequence can decode in each step",
+            config.max_num_batched_tokens, config.max_num_seqs
+        ));
+    }
+    let capacity = config.num_blocks.saturating_mul(config.block_size);
+    if capacity < config.max_model_len {
+        return Err(format!(
+            "the cache holds {capacity} tokens (num_blocks {} x block_size {}), fewer than \
+             max_model_len {}; one sequence of full length could never run",
+            config.num_blocks, config.block_size, config.max_model_len
+        ));
+    }
+    Ok(())
+}
+
+/// The handle's side of the engine thread.
+struct Inner {
+    control: Mutex<Control>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    shared: Arc<Shared>,
+    next_id: AtomicU64,
+    vocab_size: usize,
+    max_model_len: usize,
+    max_waiting: usize,
+}
+
+struct Control {
+    commands: Sender<Command>,
+    /// False once shutdown began; checked under the same lock as sending, so no request
+    /// reaches the engine after its `Shutdown`.
+    accepting: bool,
+}
+
+/// A handle to the serving engine: a thread that owns the model and batches every request
+/// submitted through any clone of the handle.
+///
+/// When the last clone is dropped without [`EngineHandle::shutdown`], the engine finishes
+/// the requests it has and its thread exits on its own.
+///
+/// ```no_run
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use kimi_engine::sampling::SamplingParams;
+/// use kimi_engine::{EngineHandle, Event, Request, ServingConfig};
+///
+/// let ckpt = kimi_weights::Checkpoint::open("model-dir".as_ref())?;
+/// let model = kimi_model::KimiLinear::load(kimi_cpu::CpuBackend::new(), &ckpt)?;
+/// let config = ServingConfig {
+///     max_model_len: 4096,
+///     max_num_seqs: 16,
+///     max_num_batched_tokens: 2048,
+///     block_size: 16,
+///     num_blocks: 1024,
+///     max_waiting: 256,
+/// };
+/// let engine = EngineHandle::spawn(model, config)?;
+/// let request = Request {
+///     prompt: vec![1, 2, 3],
+///     params: SamplingParams::default(),
+///     eos_ids: vec![2],
+///     logits_processor: None,
+/// };
+/// let (_id, mut events) = engine.submit(request)?;
+/// while let Some(event) = events.blocking_recv() {
+///     match event {
+///         Event::Token(t) => println!("{}", t.token),
+///         Event::Finished { .. } | Event::Error(_) => break,
+///         Event::Started { .. } => {}
+///     }
+/// }
+/// engine.shutdown(true);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct EngineHandle {
+    inner: Arc<Inner>,
+}
+
+impl EngineHandle {
+    /// Moves the model to a dedicated engine thread and starts the step loop.
+    ///
+    /// # Errors
+    ///
+    /// [`EngineError::Request`] when `config` has a zero limit, a `max_model_len` over the
+    /// model's context, fewer batched tokens than sequences, or fewer cache blocks than one
+    /// `max_model_len` sequence needs; or when the thread cannot be started.
+    pub fn spawn<B: Backend + 'static>(
+        model: KimiLinear<B>,
+        config: ServingConfig,
+    ) -> Result<Self, EngineError> {
+        check_config(&config, model.config())
+            .map_err(|e| EngineError::Request(format!("invalid serving configuration: {e}")))?;
+        let vocab_size = model.config().vocab_size;
+        let (commands, receiver) = mpsc::channel();
+        let shared = Arc::new(Shared::default());
+        let engine = EngineLoop::new(model, &config, receiver, Arc::clone(&shared));
+        let thread = std::thread::Builder::new()
+            .name("kimi-engine".into())
+            .spawn(move || engine.run())
+            .map_err(|e| EngineError::Request(format!("cannot start the engine thread: {e}")))?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                control: Mutex::new(Control {
+                    commands,
+                    accepting: true,
+                }),
+                thread: Mutex::new(Some(thread)),
+                shared,
+                next_id: AtomicU64::new(0),
+                vocab_size,
+                max_model_len: config.max_model_len,
+                max_waiting: config.max_waiting,
+            }),
+        })
+    }
+
+    /// Queues a request; events arrive on the receiver. Dropping the receiver cancels it.
+    ///
+    /// # Errors
+    ///
+    /// [`SubmitError::Invalid`] for an empty prompt, a prompt of `max_model_len` tokens or
+    /// more, a token id outside the vocabulary or invalid sampling parameters;
+    /// [`SubmitError::QueueFull`] when `max_waiting` requests wait already;
+    /// [`SubmitError::ShuttingDown`] once [`EngineHandle::shutdown`] was called.
+    pub fn submit(
+        &self,
+        request: Request,
+    ) -> Result<(RequestId, UnboundedReceiver<Event>), SubmitError> {
+        self.check_request(&request).map_err(SubmitError::Invalid)?;
+        let control = lock(&self.inner.control);
+        if !control.accepting {
+            return Err(SubmitError::ShuttingDown);
+        }
+        let shared = &self.inner.shared;
+        let num_waiting = shared.num_in_flight.load(Ordering::Relaxed)
+            + shared.num_waiting.load(Ordering::Relaxed);
+        if num_waiting >= self.inner.max_waiting {
+            return Err(SubmitError::QueueFull(num_waiting));
+        }
+        let id = RequestId(self.inner.next_id.fetch_add(1, Ordering::Relaxed));
+        let (events, receiver) = unbounded_channel();
+        let submission = Submission {
+            id,
+            request,
+            events,
+            arrival: Instant::now(),
+        };
+        shared.num_in_flight.fetch_add(1, Ordering::Relaxed);
+        if control
+            .commands
+            .send(Command::Submit(Box::new(submission)))
+            .is_err()
+        {
+            shared.num_in_flight.fetch_sub(1, Ordering::Relaxed);
+            return Err(SubmitError::ShuttingDown);
+        }
+        Ok((id, receiver))
+    }
+
+    /// Why `request` cannot be served, in words for the client.
+    fn check_request(&self, request: &Request) -> Result<(), String> {
+        let (vocab, max_len) = (self.inner.vocab_size, self.inner.max_model_len);
+        let n = request.prompt.len();
+        if n == 0 {
+            return Err("the prompt has no tokens".into());
+        }
+        if n >= max_len {
+            return Err(format!(
+                "the prompt has {n} tokens, but this server's context is {max_len} tokens for \
+                 the prompt and the output together; shorten the prompt"
+            ));
+        }
+        if let Some((i, id)) = request
+            .prompt
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id as usize >= vocab)
+        {
+            return Err(format!(
+                "prompt token {i} has id {id}, which is not in the vocabulary (ids 0..{vocab})"
+            ));
+        }
+        request.params.validate(vocab).map_err(|e| e.to_string())
+    }
+
+    /// Cancels a request (idempotent); its capacity is freed before the next step. Its
+    /// receiver gets `Event::Finished` with [`FinishReason::Cancelled`] unless it already ended.
+    pub fn cancel(&self, id: RequestId) {
+        let _ = lock(&self.inner.control).commands.send(Command::Cancel(id));
+    }
+
+    /// The latest metrics snapshot (updated at least once per step).
+    pub fn metrics(&self) -> EngineMetrics {
+        lock(&self.inner.shared.metrics).clone()
+    }
+
+    /// Vocabulary size of the model.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.vocab_size
+    }
+
+    /// Longest prompt + output a request may have.
+    pub fn max_model_len(&self) -> usize {
+        self.inner.max_model_len
+    }
+
+    /// Stops accepting requests; `graceful` lets running ones finish, else cancels them.
+    /// Returns once the engine thread has exited. Later calls return at once.
+    pub fn shutdown(&self, graceful: bool) {
+        {
+            let mut control = lock(&self.inner.control);
+            if control.accepting {
+                control.accepting = false;
+                let _ = control.commands.send(Command::Shutdown { graceful });
+            }
+        }
+        let mut thread = lock(&self.inner.thread);
+        if let Some(thread) = thread.take() {
+            // The loop never panics on requests; a panic would already have been reported.
+            let _ = thread.join();
+        }
+    }
+}
+
+impl std::fmt::Debug for EngineHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineHandle")
+            .field("vocab_size", &self.inner.vocab_size)
+            .field("max_model_len", &self.inner.max_model_len)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Locks a mutex, ignoring poisoning: every value behind these locks stays consistent.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}

@@ -101,3 +101,22 @@ impl ModelSummary {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The released checkpoint's table sums to 49,122,681,728 parameters (spec §0, [INV]).
+    #[test]
+    fn released_48b_parameter_count() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json");
+        let cfg = ModelConfig::from_json_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let s = ModelSummary::new(&cfg);
+        assert_eq!(s.params.total, 49_122_681_728);
+        assert_eq!((s.num_kda_layers, s.num_mla_layers, s.num_moe_layers), (20, 7, 26));
+        assert_eq!(s.mla_cache_elems_per_token, 576 * 7);
+        assert_eq!(s.kda_state_elems_per_seq * 4, 40 << 20);
+        // About 3 B active per token.
+        assert!((2_500_000_000..3_500_000_000).contains(&s.params.active), "{}", s.params.active);
+    }
+}

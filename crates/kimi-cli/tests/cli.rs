@@ -1,0 +1,255 @@
+//! Black-box tests of the `kimi-infer` binary.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn bin() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kimi-infer"));
+    c.env("XDG_CACHE_HOME", std::env::temp_dir().join("kimi-infer-cli-tests"));
+    c
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/kimi-linear").join(name)
+}
+
+fn run(args: &[&str]) -> Output {
+    bin().args(args).output().expect("binary runs")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Reads a little-endian `.npy` of f32 or f64 into f64.
+fn read_npy(path: &Path) -> (Vec<usize>, Vec<f64>) {
+    let bytes = std::fs::read(path).unwrap();
+    assert_eq!(&bytes[..6], b"\x93NUMPY");
+    let hlen = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    let header = std::str::from_utf8(&bytes[10..10 + hlen]).unwrap();
+    let shape_text = header.split("'shape': (").nth(1).unwrap().split(')').next().unwrap();
+    let shape = shape_text.split(',').filter_map(|s| s.trim().parse().ok()).collect();
+    let body = &bytes[10 + hlen..];
+    let data = if header.contains("'<f8'") {
+        body.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()
+    } else {
+        assert!(header.contains("'<f4'"), "{header}");
+        body.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64).collect()
+    };
+    (shape, data)
+}
+
+fn copy_fixture(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture(name)).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, dir.path().join(p.file_name().unwrap())).unwrap();
+    }
+    dir
+}
+
+#[test]
+fn logits_match_reference_in_every_feed_mode() {
+    let dir = fixture("hub-f32-sharded");
+    let reference: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let ids: Vec<String> =
+        reference["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap().to_string()).collect();
+    let (want_shape, want) = read_npy(&dir.join("logits.npy"));
+    let out_dir = tempfile::tempdir().unwrap();
+    for step in [None, Some("16"), Some("1")] {
+        let out = out_dir.path().join("logits.npy");
+        let mut args = vec!["logits", "--model", dir.to_str().unwrap(), "--out", out.to_str().unwrap()];
+        let joined = ids.join(",");
+        args.extend(["--ids", &joined]);
+        if let Some(s) = step {
+            args.extend(["--step", s]);
+        }
+        let o = run(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let (shape, got) = read_npy(&out);
+        assert_eq!(shape, want_shape);
+        let num: f64 = got.iter().zip(&want).map(|(g, w)| (g - w).powi(2)).sum();
+        let den: f64 = want.iter().map(|w| w * w).sum();
+        let err = (num / den).sqrt();
+        assert!(err < 1e-4, "step {step:?}: relative error {err:e}");
+    }
+}
+
+#[test]
+fn run_uses_the_demo_model_and_seeds_reproduce() {
+    let a = run(&["run", "--prompt", "Hello there", "--max-tokens", "12", "--temperature", "0.9", "--seed", "7"]);
+    assert!(a.status.success(), "{}", stderr(&a));
+    assert!(stderr(&a).contains("demo model"), "{}", stderr(&a));
+    assert!(!stdout(&a).trim().is_empty());
+    let b = run(&["run", "--prompt", "Hello there", "--max-tokens", "12", "--temperature", "0.9", "--seed", "7"]);
+    assert_eq!(stdout(&a), stdout(&b));
+    let c = run(&["run", "--prompt", "Hello there", "--max-tokens", "12", "--temperature", "0.9", "--seed", "8"]);
+    assert_ne!(stdout(&a), stdout(&c));
+}
+
+#[test]
+fn run_chat_with_stats_and_logprobs() {
+    let o = run(&["run", "--chat", "--system", "Be brief.", "--prompt", "Hi", "--max-tokens", "5", "--stats", "--logprobs", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("prompt:") && err.contains("tok/s"), "{err}");
+    assert!(err.contains("logprob"), "{err}");
+}
+
+#[test]
+fn invalid_sampling_values_are_refused_in_plain_words() {
+    let o = run(&["run", "--prompt", "x", "--top-p", "0"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("top_p"), "{}", stderr(&o));
+}
+
+#[test]
+fn chat_reads_turns_from_stdin() {
+    use std::io::Write;
+    let mut child = bin()
+        .args(["chat", "--max-tokens", "4"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"hello\nsecond turn\n/exit\n").unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+#[test]
+fn inspect_reports_layers_and_json() {
+    let dir = fixture("hub-bf16-irregular");
+    let o = run(&["inspect", "--model", dir.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(text.contains("KMKKM") && text.contains("DDEEE"), "{text}");
+    let o = run(&["inspect", "--model", dir.to_str().unwrap(), "--json"]);
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["num_layers"], 5);
+    assert!(v["total_params"].as_u64().unwrap() > v["active_params"].as_u64().unwrap());
+}
+
+#[test]
+fn inspect_works_from_config_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = Path::new(env!("CARGO_MANIFEST_DIR")).join("../kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json");
+    std::fs::copy(cfg, dir.path().join("config.json")).unwrap();
+    let o = run(&["inspect", "--model", dir.path().to_str().unwrap(), "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["total_params"], 49_122_681_728u64);
+    assert_eq!(v["mla_cache_bytes_per_token_bf16"], 8064);
+    assert_eq!(v["kda_state_bytes_per_sequence_f32"], 40u64 << 20);
+}
+
+#[test]
+fn bench_writes_json() {
+    let out = tempfile::tempdir().unwrap();
+    let json = out.path().join("bench.json");
+    let cfg = fixture("hub-bf16-irregular").join("config.json");
+    let o = run(&[
+        "bench", "--random-config", cfg.to_str().unwrap(), "--prompt-len", "20", "--gen-len", "4", "--repeats", "1",
+        "--json", json.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    assert!(v["prefill_tokens_per_sec"].as_f64().unwrap() > 0.0);
+    assert!(v["decode_tokens_per_sec"].as_f64().unwrap() > 0.0);
+    assert!(v["peak_rss_bytes"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn missing_model_directory_is_a_plain_error() {
+    let o = run(&["logits", "--model", "/nonexistent/model", "--ids", "1,2", "--out", "/tmp/x.npy"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(err.contains("/nonexistent/model") && !err.contains("panicked"), "{err}");
+}
+
+/// Edits a fixture's config.json with `edit` and returns the error `logits` prints.
+fn error_after_config_edit(edit: impl Fn(&mut Value)) -> String {
+    let dir = copy_fixture("hub-bf16-irregular");
+    let path = dir.path().join("config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(&path, serde_json::to_string(&cfg).unwrap()).unwrap();
+    let out = dir.path().join("l.npy");
+    let o = run(&["logits", "--model", dir.path().to_str().unwrap(), "--ids", "1,2", "--out", out.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(!err.contains("panicked"), "{err}");
+    err
+}
+
+#[test]
+fn mis_shaped_tensor_names_tensor_file_and_shapes() {
+    let err = error_after_config_edit(|c| c["intermediate_size"] = Value::from(33));
+    assert!(err.contains("model.layers.0.mlp.gate_proj.weight"), "{err}");
+    assert!(err.contains("model.safetensors"), "{err}");
+    assert!(err.contains("33"), "{err}");
+}
+
+#[test]
+fn missing_tensor_names_it() {
+    let err = error_after_config_edit(|c| {
+        c["num_hidden_layers"] = Value::from(6);
+        c["linear_attn_config"]["kda_layers"].as_array_mut().unwrap().push(Value::from(6));
+    });
+    assert!(err.contains("model.layers.5."), "{err}");
+}
+
+#[test]
+fn unexpected_tensors_are_named() {
+    let err = error_after_config_edit(|c| {
+        c["num_hidden_layers"] = Value::from(4);
+        c["linear_attn_config"]["full_attn_layers"] = serde_json::json!([2]);
+    });
+    assert!(err.contains("model.layers.4."), "{err}");
+}
+
+#[test]
+fn malformed_config_is_reported() {
+    let dir = copy_fixture("hub-bf16-irregular");
+    std::fs::write(dir.path().join("config.json"), "{ not json").unwrap();
+    let o = run(&["inspect", "--model", dir.path().to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("config.json"), "{}", stderr(&o));
+}
+
+#[test]
+fn truncated_safetensors_is_reported_with_its_file() {
+    let dir = copy_fixture("hub-bf16-irregular");
+    let path = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+    let out = dir.path().join("l.npy");
+    let o = run(&["logits", "--model", dir.path().to_str().unwrap(), "--ids", "1", "--out", out.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(err.contains("model.safetensors") && !err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn out_of_vocabulary_ids_are_refused() {
+    let dir = fixture("hub-bf16-irregular");
+    let o = run(&["logits", "--model", dir.to_str().unwrap(), "--ids", "1,99999", "--out", "/tmp/never.npy"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("99999"), "{}", stderr(&o));
+}
+
+#[test]
+fn every_subcommand_has_help() {
+    for sub in ["run", "chat", "logits", "inspect", "bench"] {
+        let o = run(&[sub, "--help"]);
+        assert!(o.status.success(), "{sub}");
+        assert!(stdout(&o).contains("Usage"), "{sub}");
+    }
+}

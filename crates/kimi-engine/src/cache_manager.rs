@@ -1,0 +1,144 @@
+//! Cache capacity: MLA latent rows in fixed-size blocks, and one KDA state slot per running
+//! sequence.
+//!
+//! Kimi Linear keeps two kinds of per-sequence state. MLA layers keep one latent row per
+//! token, so their cache grows with the sequence; it is counted in blocks of `block_size`
+//! tokens handed out from a free list, as vLLM's `BlockPool` and nano-vllm's `BlockManager`
+//! do. KDA layers keep a recurrent state of fixed size, one "slot" per sequence whatever its
+//! length (vLLM's `MambaSpec`).
+//!
+//! ```text
+//! block pool: num_blocks = 8, block_size = 4            KDA state slots: 3
+//! +----+----+----+----+----+----+----+----+             +----+----+----+
+//! | b0 | b1 | b2 | b3 | b4 | b5 | b6 | b7 |             | s0 | s1 | s2 |
+//! +----+----+----+----+----+----+----+----+             +----+----+----+
+//!   A    A    A    B    B
+//!
+//! seq A, 10 tokens: block table [b0, b1, b2]  slot s0   token i is row i % 4 of block i / 4;
+//! seq B,  5 tokens: block table [b3, b4]      slot s1   b2 holds 2 rows, b4 holds 1
+//! free blocks: [b5, b6, b7]                   free slots: [s2]
+//!
+//! A grows to 13 tokens: 13 > 3 * 4, so it takes b5 from the free list -> [b0, b1, b2, b5]
+//! ```
+//!
+//! On the CPU backend each sequence still stores its latent rows contiguously in its own
+//! `SeqCache`; this accounting is what admission and preemption decide by, and it is the
+//! block table a paged backend will index.
+
+use std::collections::VecDeque;
+
+/// Index of an MLA cache block.
+pub(crate) type BlockId = u32;
+
+/// The capacity one sequence holds: its block table and its KDA state slot.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct SeqBlocks {
+    /// Blocks in token order: token `i` lives in `block_ids[i / block_size]`.
+    pub(crate) block_ids: Vec<BlockId>,
+    /// KDA state slot, held while the sequence is running.
+    pub(crate) slot: Option<u32>,
+}
+
+/// Hands out blocks and slots, and takes them back.
+#[derive(Debug)]
+pub(crate) struct CacheManager {
+    block_size: usize,
+    num_blocks: usize,
+    /// Free blocks, reused oldest-freed first.
+    free_blocks: VecDeque<BlockId>,
+    /// Free KDA state slots.
+    free_slots: Vec<u32>,
+}
+
+impl CacheManager {
+    /// A pool of `num_blocks` blocks of `block_size` tokens and `num_slots` state slots.
+    pub(crate) fn new(num_blocks: usize, block_size: usize, num_slots: usize) -> Self {
+        Self {
+            block_size: block_size.max(1),
+            num_blocks,
+            free_blocks: (0..num_blocks as BlockId).collect(),
+            free_slots: (0..num_slots as u32).rev().collect(),
+        }
+    }
+
+    /// Blocks that hold `num_tokens` tokens.
+    pub(crate) fn blocks_for(&self, num_tokens: usize) -> usize {
+        num_tokens.div_ceil(self.block_size)
+    }
+
+    /// Grows `seq` to hold `num_tokens` tokens, taking a slot if it has none. Returns false,
+    /// changing nothing, when the free blocks or slots do not suffice.
+    pub(crate) fn allocate(&mut self, seq: &mut SeqBlocks, num_tokens: usize) -> bool {
+        let missing = self
+            .blocks_for(num_tokens)
+            .saturating_sub(seq.block_ids.len());
+        let needs_slot = seq.slot.is_none();
+        if missing > self.free_blocks.len() || (needs_slot && self.free_slots.is_empty()) {
+            return false;
+        }
+        if needs_slot {
+            seq.slot = self.free_slots.pop();
+        }
+        seq.block_ids.extend(self.free_blocks.drain(..missing));
+        true
+    }
+
+    /// Returns every block and the slot of `seq` to the free lists.
+    pub(crate) fn free(&mut self, seq: &mut SeqBlocks) {
+        self.free_blocks.extend(seq.block_ids.drain(..));
+        if let Some(slot) = seq.slot.take() {
+            self.free_slots.push(slot);
+        }
+    }
+
+    /// Blocks not held by any sequence.
+    pub(crate) fn num_free_blocks(&self) -> usize {
+        self.free_blocks.len()
+    }
+
+    /// Fraction of blocks in use, 0..1.
+    pub(crate) fn usage(&self) -> f64 {
+        if self.num_blocks == 0 {
+            return 0.0;
+        }
+        (self.num_blocks - self.free_blocks.len()) as f64 / self.num_blocks as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grows_block_by_block_and_frees_everything() {
+        let mut cm = CacheManager::new(8, 4, 3);
+        let mut a = SeqBlocks::default();
+        assert!(cm.allocate(&mut a, 10));
+        assert_eq!(a.block_ids, vec![0, 1, 2]);
+        assert_eq!(a.slot, Some(0));
+        assert!(cm.allocate(&mut a, 12), "12 tokens still fit in 3 blocks");
+        assert_eq!(a.block_ids.len(), 3);
+        assert!(cm.allocate(&mut a, 13));
+        assert_eq!(a.block_ids, vec![0, 1, 2, 3]);
+        assert_eq!(cm.num_free_blocks(), 4);
+        assert!((cm.usage() - 0.5).abs() < 1e-12);
+        cm.free(&mut a);
+        assert_eq!(a, SeqBlocks::default());
+        assert_eq!(cm.num_free_blocks(), 8);
+        assert_eq!(cm.usage(), 0.0);
+    }
+
+    #[test]
+    fn refuses_without_changing_anything() {
+        let mut cm = CacheManager::new(4, 4, 2);
+        let mut a = SeqBlocks::default();
+        assert!(cm.allocate(&mut a, 12));
+        let mut b = SeqBlocks::default();
+        assert!(!cm.allocate(&mut b, 8), "needs 2 blocks, 1 is free");
+        assert_eq!(b, SeqBlocks::default());
+        assert!(cm.allocate(&mut b, 4));
+        let mut c = SeqBlocks::default();
+        assert!(!cm.allocate(&mut c, 0), "no slot left");
+        assert_eq!(cm.num_free_blocks(), 0);
+    }
+}

@@ -1,0 +1,376 @@
+//! The engine thread: receives commands, runs steps, sends [`Event`]s.
+//!
+//! ```text
+//! loop:  commands (block only when idle) ─► drop requests whose receiver is gone
+//!        ─► scheduler.schedule() ─► runner.execute(chunks) ─► sample, send events
+//! ```
+//!
+//! Every request lives in two places: the [`Scheduler`] holds its tokens and capacity, and
+//! [`Live`] here holds what only the engine needs (sampler, constraint, event channel).
+//! [`EngineLoop::finish`] removes both together.
+
+use std::collections::HashMap;
+use std::ops::ControlFlow;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kimi_core::TokenId;
+use kimi_model::KimiLinear;
+use kimi_ops::Backend;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::cache_manager::CacheManager;
+use crate::runner::{panic_message, ModelRunner};
+use crate::sampling::{Sampler, SamplingParams};
+use crate::scheduler::{Chunk, Scheduler, StepPlan};
+use crate::serving::{EngineMetrics, Event, LogitsProcessor, Request, RequestId, ServingConfig};
+use crate::FinishReason;
+
+/// What the handle tells the engine thread.
+pub(crate) enum Command {
+    /// A validated request.
+    Submit(Box<Submission>),
+    /// Cancel a request (unknown ids are ignored).
+    Cancel(RequestId),
+    /// Stop: `graceful` finishes every request first, else all are cancelled.
+    Shutdown {
+        /// Let requests finish.
+        graceful: bool,
+    },
+}
+
+/// A request on its way to the engine thread.
+pub(crate) struct Submission {
+    pub(crate) id: RequestId,
+    pub(crate) request: Request,
+    pub(crate) events: UnboundedSender<Event>,
+    pub(crate) arrival: Instant,
+}
+
+/// State shared between the handles and the engine thread.
+#[derive(Default)]
+pub(crate) struct Shared {
+    /// The latest metrics snapshot.
+    pub(crate) metrics: Mutex<EngineMetrics>,
+    /// Submissions sent but not yet received by the engine thread.
+    pub(crate) num_in_flight: AtomicUsize,
+    /// The scheduler's waiting queue length, as of the last update.
+    pub(crate) num_waiting: AtomicUsize,
+}
+
+/// What only the engine loop keeps of a request.
+struct Live {
+    events: UnboundedSender<Event>,
+    sampler: Sampler,
+    params: SamplingParams,
+    eos_ids: Vec<TokenId>,
+    processor: Option<Box<dyn LogitsProcessor>>,
+    arrival: Instant,
+    /// Seconds in the queue, set when its first chunk is scheduled.
+    queued_secs: Option<f64>,
+    /// `Event::Started` was sent.
+    started: bool,
+}
+
+/// How a request leaves the engine.
+enum End {
+    Finished(FinishReason),
+    Error(String),
+    /// The receiver is gone: nothing to send.
+    Gone,
+}
+
+/// The step loop; runs on its own thread.
+pub(crate) struct EngineLoop<B: Backend> {
+    runner: ModelRunner<B>,
+    scheduler: Scheduler,
+    live: HashMap<RequestId, Live>,
+    commands: Receiver<Command>,
+    shared: Arc<Shared>,
+    max_model_len: usize,
+    /// Graceful shutdown: no new requests arrive; exit once idle.
+    draining: bool,
+    /// Counters since start (the queue fields are filled in when published).
+    totals: EngineMetrics,
+}
+
+impl<B: Backend> EngineLoop<B> {
+    pub(crate) fn new(
+        model: KimiLinear<B>,
+        config: &ServingConfig,
+        commands: Receiver<Command>,
+        shared: Arc<Shared>,
+    ) -> Self {
+        let cache = CacheManager::new(config.num_blocks, config.block_size, config.max_num_seqs);
+        Self {
+            runner: ModelRunner::new(model),
+            scheduler: Scheduler::new(config.max_num_seqs, config.max_num_batched_tokens, cache),
+            live: HashMap::new(),
+            commands,
+            shared,
+            max_model_len: config.max_model_len,
+            draining: false,
+            totals: EngineMetrics::default(),
+        }
+    }
+
+    /// Runs until shut down (or, once every handle is gone, until the last request ends).
+    pub(crate) fn run(mut self) {
+        while self.receive_commands().is_continue() {
+            if self.scheduler.is_idle() {
+                if self.draining {
+                    break;
+                }
+                continue;
+            }
+            self.step();
+        }
+        self.publish_metrics();
+    }
+
+    /// Handles pending commands, blocking for one when there is nothing to run. Breaks on
+    /// an immediate shutdown.
+    fn receive_commands(&mut self) -> ControlFlow<()> {
+        if self.scheduler.is_idle() && !self.draining {
+            match self.commands.recv() {
+                Ok(command) => self.handle(command)?,
+                Err(_) => self.draining = true,
+            }
+        }
+        loop {
+            match self.commands.try_recv() {
+                Ok(command) => self.handle(command)?,
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    self.draining = true;
+                    break;
+                }
+            }
+        }
+        self.drop_abandoned();
+        self.publish_metrics();
+        ControlFlow::Continue(())
+    }
+
+    fn handle(&mut self, command: Command) -> ControlFlow<()> {
+        match command {
+            Command::Submit(submission) => self.add(*submission),
+            Command::Cancel(id) => self.finish(id, End::Finished(FinishReason::Cancelled)),
+            Command::Shutdown { graceful: true } => self.draining = true,
+            Command::Shutdown { graceful: false } => {
+                let ids: Vec<RequestId> = self.scheduler.ids().collect();
+                for id in ids {
+                    self.finish(id, End::Finished(FinishReason::Cancelled));
+                }
+                return ControlFlow::Break(());
+            }
+        }
+        ControlFlow::Continue(())
+    }
+
+    fn add(&mut self, submission: Submission) {
+        self.shared.num_in_flight.fetch_sub(1, Ordering::Relaxed);
+        let Submission {
+            id,
+            request,
+            events,
+            arrival,
+        } = submission;
+        let live = Live {
+            events,
+            sampler: Sampler::new(&request.params),
+            params: request.params,
+            eos_ids: request.eos_ids,
+            processor: request.logits_processor,
+            arrival,
+            queued_secs: None,
+            started: false,
+        };
+        self.live.insert(id, live);
+        self.scheduler.add(id, request.prompt);
+    }
+
+    /// Removes requests whose event receiver was dropped.
+    fn drop_abandoned(&mut self) {
+        let gone: Vec<RequestId> = self
+            .live
+            .iter()
+            .filter(|(_, l)| l.events.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            self.finish(id, End::Gone);
+        }
+    }
+
+    /// One step: schedule, one forward pass, sample and report.
+    fn step(&mut self) {
+        let plan = self.scheduler.schedule();
+        for &id in &plan.preempted {
+            self.runner.release(id);
+        }
+        self.publish_metrics();
+        if plan.chunks.is_empty() {
+            // Cannot happen with a validated config; wait instead of spinning if it does.
+            self.wait_for_command(Duration::from_millis(10));
+            return;
+        }
+        self.note_first_schedule(&plan);
+        match self.runner.execute(&plan.chunks) {
+            Ok(out) => {
+                self.count_experts(&out.expert_counts);
+                self.sample_rows(&plan.chunks, out.logits, out.vocab_size);
+            }
+            Err(message) => {
+                for chunk in &plan.chunks {
+                    self.finish(chunk.id, End::Error(message.clone()));
+                }
+            }
+        }
+        self.publish_metrics();
+    }
+
+    fn wait_for_command(&mut self, timeout: Duration) {
+        match self.commands.recv_timeout(timeout) {
+            Ok(command) => {
+                if self.handle(command).is_break() {
+                    self.draining = true;
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => self.draining = true,
+        }
+    }
+
+    fn note_first_schedule(&mut self, plan: &StepPlan) {
+        for chunk in &plan.chunks {
+            if let Some(live) = self.live.get_mut(&chunk.id) {
+                live.queued_secs
+                    .get_or_insert_with(|| live.arrival.elapsed().as_secs_f64());
+            }
+        }
+    }
+
+    fn count_experts(&mut self, counts: &[Vec<u32>]) {
+        let totals = &mut self.totals.expert_counts;
+        if totals.len() < counts.len() {
+            totals.resize(counts.len(), Vec::new());
+        }
+        for (total, layer) in totals.iter_mut().zip(counts) {
+            if total.len() < layer.len() {
+                total.resize(layer.len(), 0);
+            }
+            for (t, &c) in total.iter_mut().zip(layer) {
+                *t += u64::from(c);
+            }
+        }
+    }
+
+    /// Samples the next token of every chunk that asked for logits; `logits` holds their
+    /// rows in chunk order.
+    fn sample_rows(&mut self, chunks: &[Chunk], mut logits: Vec<f32>, vocab_size: usize) {
+        let sampling = chunks.iter().filter(|c| c.samples);
+        for (chunk, row) in sampling.zip(logits.chunks_exact_mut(vocab_size.max(1))) {
+            if let Err(end) = self.sample_one(chunk.id, row) {
+                self.finish(chunk.id, end);
+            }
+        }
+    }
+
+    /// Samples one token for `id` and sends it; `Err` says how the request ends.
+    fn sample_one(&mut self, id: RequestId, logits: &mut [f32]) -> Result<(), End> {
+        let (Some(live), Some(seq)) = (self.live.get_mut(&id), self.scheduler.get(id)) else {
+            return Ok(());
+        };
+        if !live.started {
+            live.started = true;
+            self.totals.prompt_tokens_total += seq.num_prompt_tokens as u64;
+            let queued_secs = live.queued_secs.unwrap_or(0.0);
+            send(&live.events, Event::Started { queued_secs })?;
+        }
+        if let Some(processor) = live.processor.as_mut() {
+            guarded(|| processor.mask(logits))?;
+        }
+        let (prompt, output) = seq.prompt_and_output();
+        let sampled = live.sampler.sample(logits, prompt, output);
+        let token = sampled.token;
+        let is_stop = live.params.stop_token_ids.contains(&token)
+            || (!live.params.ignore_eos && live.eos_ids.contains(&token));
+        if is_stop {
+            return Err(End::Finished(FinishReason::Stop));
+        }
+        let mut constraint_done = false;
+        if let Some(processor) = live.processor.as_mut() {
+            guarded(|| processor.accept(token))?.map_err(End::Error)?;
+            constraint_done = guarded(|| processor.is_finished())?;
+        }
+        let num_output = output.len() + 1;
+        let num_tokens = seq.tokens.len() + 1;
+        self.scheduler.append_token(id, token);
+        self.totals.generation_tokens_total += 1;
+        send(&live.events, Event::Token(sampled))?;
+        if constraint_done {
+            Err(End::Finished(FinishReason::Stop))
+        } else if num_output >= live.params.max_tokens || num_tokens >= self.max_model_len {
+            Err(End::Finished(FinishReason::Length))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Removes `id` everywhere, frees its capacity and sends its last event. Idempotent.
+    fn finish(&mut self, id: RequestId, end: End) {
+        let seq = self.scheduler.remove(id);
+        self.runner.release(id);
+        let Some(live) = self.live.remove(&id) else {
+            return;
+        };
+        let (prompt_tokens, completion_tokens) =
+            seq.map_or((0, 0), |s| (s.num_prompt_tokens, s.num_output_tokens()));
+        let event = match end {
+            End::Finished(reason) => Event::Finished {
+                reason,
+                prompt_tokens,
+                completion_tokens,
+            },
+            End::Error(message) => Event::Error(message),
+            End::Gone => return,
+        };
+        let _ = live.events.send(event);
+    }
+
+    fn publish_metrics(&mut self) {
+        let m = &mut self.totals;
+        m.num_running = self.scheduler.num_running();
+        m.num_waiting = self.scheduler.num_waiting();
+        m.cache_usage = self.scheduler.cache_usage();
+        m.num_preemptions_total = self.scheduler.num_preemptions();
+        self.shared
+            .num_waiting
+            .store(m.num_waiting, Ordering::Relaxed);
+        let mut shared = self
+            .shared
+            .metrics
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        shared.clone_from(m);
+    }
+}
+
+/// Sends an event; a closed receiver means the client left.
+fn send(events: &UnboundedSender<Event>, event: Event) -> Result<(), End> {
+    events.send(event).map_err(|_| End::Gone)
+}
+
+/// Runs caller-supplied constraint code; a panic ends the request with an error.
+fn guarded<T>(f: impl FnOnce() -> T) -> Result<T, End> {
+    catch_unwind(AssertUnwindSafe(f)).map_err(|p| {
+        End::Error(format!(
+            "the logits processor failed: {}",
+            panic_message(&*p)
+        ))
+    })
+}

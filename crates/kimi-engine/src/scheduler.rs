@@ -1,0 +1,415 @@
+//! The continuous-batching scheduler: waiting and running queues, the token budget of a
+//! step, admission and preemption.
+//!
+//! As in vLLM v1 there are no phases: a sequence has `tokens` (prompt and output so far) and
+//! `num_computed_tokens` (those already in its cache), and each step moves the second
+//! toward the first. A running sequence with one token left is decoding; one with more is
+//! in (chunked) prefill. [`Scheduler::schedule`] fills one step:
+//!
+//! ```text
+//! budget = max_num_batched_tokens
+//! 1. decode   every running sequence with 1 token left, oldest first; when its cache
+//!             needs a block and none is free, preempt the newest running sequence
+//! 2. prefill  running sequences with more left: min(left, budget) tokens each
+//! 3. admit    waiting sequences in FIFO order while max_num_seqs, the budget and the free
+//!             blocks (for all their tokens) allow; skipped in a step that preempted
+//! ```
+//!
+//! Preemption is by recompute (vLLM's `PreemptionMode.RECOMPUTE`): the victim loses its
+//! cache and blocks and goes back to the front of the waiting queue with its output kept;
+//! when admitted again all its tokens are prefilled anew.
+//!
+//! The scheduler advances `num_computed_tokens` when it schedules (the forward pass is
+//! assumed to succeed; a failed step removes its sequences). The engine loop then appends
+//! each sampled token with [`Scheduler::append_token`] or removes finished sequences.
+
+use std::collections::{HashMap, VecDeque};
+
+use kimi_core::TokenId;
+
+use crate::cache_manager::{CacheManager, SeqBlocks};
+use crate::serving::RequestId;
+
+/// One request's tokens and progress.
+#[derive(Debug)]
+pub(crate) struct Sequence {
+    /// Prompt tokens followed by the output so far.
+    pub(crate) tokens: Vec<TokenId>,
+    /// How many of `tokens` are prompt.
+    pub(crate) num_prompt_tokens: usize,
+    /// Tokens already in the sequence's cache.
+    pub(crate) num_computed_tokens: usize,
+    blocks: SeqBlocks,
+}
+
+impl Sequence {
+    /// The prompt and the output so far.
+    pub(crate) fn prompt_and_output(&self) -> (&[TokenId], &[TokenId]) {
+        self.tokens.split_at(self.num_prompt_tokens)
+    }
+
+    /// Output tokens so far.
+    pub(crate) fn num_output_tokens(&self) -> usize {
+        self.tokens.len() - self.num_prompt_tokens
+    }
+
+    fn num_left(&self) -> usize {
+        self.tokens.len() - self.num_computed_tokens
+    }
+}
+
+/// The new tokens of one sequence in a step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Chunk {
+    /// Whose tokens.
+    pub(crate) id: RequestId,
+    /// Position of the first token in the sequence (0: its cache starts empty).
+    pub(crate) start: usize,
+    /// The tokens, `tokens[start..start + len]` of the sequence.
+    pub(crate) tokens: Vec<TokenId>,
+    /// The chunk ends the sequence's known tokens, so the next token is sampled from the
+    /// logits of its last row.
+    pub(crate) samples: bool,
+}
+
+/// What one step runs.
+#[derive(Debug, Default)]
+pub(crate) struct StepPlan {
+    /// Decodes first, then prefill chunks; segment `i` of the batch is `chunks[i]`.
+    pub(crate) chunks: Vec<Chunk>,
+    /// Sequences preempted by this step; their caches must be dropped.
+    pub(crate) preempted: Vec<RequestId>,
+}
+
+/// Queues, budget and preemption policy. Knows nothing of the model.
+#[derive(Debug)]
+pub(crate) struct Scheduler {
+    max_num_seqs: usize,
+    max_num_batched_tokens: usize,
+    cache: CacheManager,
+    seqs: HashMap<RequestId, Sequence>,
+    waiting: VecDeque<RequestId>,
+    /// Oldest admission first; preemption takes from the back.
+    running: Vec<RequestId>,
+    num_preemptions: u64,
+}
+
+impl Scheduler {
+    /// A scheduler over `cache`.
+    pub(crate) fn new(
+        max_num_seqs: usize,
+        max_num_batched_tokens: usize,
+        cache: CacheManager,
+    ) -> Self {
+        Self {
+            max_num_seqs,
+            max_num_batched_tokens,
+            cache,
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            num_preemptions: 0,
+        }
+    }
+
+    /// Queues a new sequence at the back of the waiting queue.
+    pub(crate) fn add(&mut self, id: RequestId, prompt: Vec<TokenId>) {
+        let seq = Sequence {
+            num_prompt_tokens: prompt.len(),
+            tokens: prompt,
+            num_computed_tokens: 0,
+            blocks: SeqBlocks::default(),
+        };
+        if self.seqs.insert(id, seq).is_none() {
+            self.waiting.push_back(id);
+        }
+    }
+
+    /// Removes a sequence wherever it is and frees its capacity. Returns it if it existed.
+    pub(crate) fn remove(&mut self, id: RequestId) -> Option<Sequence> {
+        let mut seq = self.seqs.remove(&id)?;
+        self.cache.free(&mut seq.blocks);
+        self.running.retain(|&r| r != id);
+        self.waiting.retain(|&w| w != id);
+        Some(seq)
+    }
+
+    /// The sequence `id`, if it is waiting or running.
+    pub(crate) fn get(&self, id: RequestId) -> Option<&Sequence> {
+        self.seqs.get(&id)
+    }
+
+    /// Appends a sampled token; the next step feeds it.
+    pub(crate) fn append_token(&mut self, id: RequestId, token: TokenId) {
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.tokens.push(token);
+        }
+    }
+
+    /// Every sequence, waiting or running.
+    pub(crate) fn ids(&self) -> impl Iterator<Item = RequestId> + '_ {
+        self.seqs.keys().copied()
+    }
+
+    /// No sequence is waiting or running.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    /// Sequences admitted and not preempted.
+    pub(crate) fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Sequences waiting for admission (new or preempted).
+    pub(crate) fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Fraction of cache blocks in use.
+    pub(crate) fn cache_usage(&self) -> f64 {
+        self.cache.usage()
+    }
+
+    /// Preemptions since start.
+    pub(crate) fn num_preemptions(&self) -> u64 {
+        self.num_preemptions
+    }
+
+    /// Plans the next step (see the module docs) and advances `num_computed_tokens` of every
+    /// scheduled sequence.
+    pub(crate) fn schedule(&mut self) -> StepPlan {
+        let mut plan = StepPlan::default();
+        let mut budget = self.max_num_batched_tokens;
+        self.schedule_decodes(&mut plan, &mut budget);
+        self.schedule_prefills(&mut plan, &mut budget);
+        if plan.preempted.is_empty() {
+            self.admit_waiting(&mut plan, &mut budget);
+        }
+        plan
+    }
+
+    /// Step 1: one token for every running sequence that has one left, growing its block
+    /// table, preempting the newest running sequences while no block is free.
+    fn schedule_decodes(&mut self, plan: &mut StepPlan, budget: &mut usize) {
+        let mut i = 0;
+        while i < self.running.len() && *budget > 0 {
+            let id = self.running[i];
+            if self.seqs.get(&id).is_none_or(|s| s.num_left() != 1) {
+                i += 1;
+                continue;
+            }
+            if self.grow_or_preempt(id, plan) {
+                self.schedule_chunk(id, 1, plan, budget);
+                i += 1;
+            }
+        }
+    }
+
+    /// Makes room for one more token of `id`; false if `id` itself had to be preempted.
+    fn grow_or_preempt(&mut self, id: RequestId, plan: &mut StepPlan) -> bool {
+        loop {
+            let Some(seq) = self.seqs.get_mut(&id) else {
+                return false;
+            };
+            if self
+                .cache
+                .allocate(&mut seq.blocks, seq.num_computed_tokens + 1)
+            {
+                return true;
+            }
+            let Some(victim) = self.running.pop() else {
+                return false;
+            };
+            self.preempt(victim, plan);
+            if victim == id {
+                return false;
+            }
+        }
+    }
+
+    fn preempt(&mut self, id: RequestId, plan: &mut StepPlan) {
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            self.cache.free(&mut seq.blocks);
+            seq.num_computed_tokens = 0;
+        }
+        self.running.retain(|&r| r != id);
+        self.waiting.push_front(id);
+        plan.preempted.push(id);
+        self.num_preemptions += 1;
+    }
+
+    /// Step 2: chunks for running sequences still in prefill. Their blocks were allocated
+    /// at admission.
+    fn schedule_prefills(&mut self, plan: &mut StepPlan, budget: &mut usize) {
+        for i in 0..self.running.len() {
+            if *budget == 0 {
+                return;
+            }
+            let id = self.running[i];
+            let left = self.seqs.get(&id).map_or(0, Sequence::num_left);
+            if left > 1 {
+                self.schedule_chunk(id, left.min(*budget), plan, budget);
+            }
+        }
+    }
+
+    /// Step 3: admits waiting sequences in order while a sequence slot, budget and blocks
+    /// for all of the next one's tokens are free.
+    fn admit_waiting(&mut self, plan: &mut StepPlan, budget: &mut usize) {
+        while *budget > 0 && self.running.len() < self.max_num_seqs {
+            let Some(&id) = self.waiting.front() else {
+                return;
+            };
+            let Some(seq) = self.seqs.get_mut(&id) else {
+                self.waiting.pop_front();
+                continue;
+            };
+            if !self.cache.allocate(&mut seq.blocks, seq.tokens.len()) {
+                return;
+            }
+            let left = seq.num_left();
+            self.waiting.pop_front();
+            self.running.push(id);
+            self.schedule_chunk(id, left.min(*budget), plan, budget);
+        }
+    }
+
+    fn schedule_chunk(
+        &mut self,
+        id: RequestId,
+        len: usize,
+        plan: &mut StepPlan,
+        budget: &mut usize,
+    ) {
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        let start = seq.num_computed_tokens;
+        seq.num_computed_tokens += len;
+        *budget -= len;
+        plan.chunks.push(Chunk {
+            id,
+            start,
+            tokens: seq.tokens[start..start + len].to_vec(),
+            samples: seq.num_computed_tokens == seq.tokens.len(),
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scheduler(
+        max_num_seqs: usize,
+        budget: usize,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Scheduler {
+        let cache = CacheManager::new(num_blocks, block_size, max_num_seqs);
+        Scheduler::new(max_num_seqs, budget, cache)
+    }
+
+    fn lens(plan: &StepPlan) -> Vec<(u64, usize, usize, bool)> {
+        plan.chunks
+            .iter()
+            .map(|c| (c.id.0, c.start, c.tokens.len(), c.samples))
+            .collect()
+    }
+
+    /// Plays the engine loop: every sampling chunk gets token 7 appended.
+    fn sample_all(s: &mut Scheduler, plan: &StepPlan) {
+        for c in plan.chunks.iter().filter(|c| c.samples) {
+            s.append_token(c.id, 7);
+        }
+    }
+
+    #[test]
+    fn chunks_prefill_within_the_budget_and_decodes_first() {
+        let mut s = scheduler(4, 8, 64, 4);
+        s.add(RequestId(0), vec![1; 11]);
+        s.add(RequestId(1), vec![1; 3]);
+        let plan = s.schedule();
+        assert_eq!(lens(&plan), vec![(0, 0, 8, false)]);
+        let plan = s.schedule();
+        assert_eq!(lens(&plan), vec![(0, 8, 3, true), (1, 0, 3, true)]);
+        sample_all(&mut s, &plan);
+        let plan = s.schedule();
+        assert_eq!(lens(&plan), vec![(0, 11, 1, true), (1, 3, 1, true)]);
+        assert_eq!(s.num_running(), 2);
+        assert_eq!(s.num_waiting(), 0);
+    }
+
+    #[test]
+    fn admission_respects_max_num_seqs_and_blocks() {
+        let mut s = scheduler(2, 64, 6, 4);
+        s.add(RequestId(0), vec![1; 8]);
+        s.add(RequestId(1), vec![1; 12]);
+        s.add(RequestId(2), vec![1; 1]);
+        let plan = s.schedule();
+        assert_eq!(
+            lens(&plan),
+            vec![(0, 0, 8, true)],
+            "request 1 needs 3 blocks, 4 are free"
+        );
+        assert_eq!(s.num_waiting(), 2);
+        s.remove(RequestId(0));
+        let plan = s.schedule();
+        assert_eq!(lens(&plan), vec![(1, 0, 12, true), (2, 0, 1, true)]);
+        assert!((s.cache_usage() - 4.0 / 6.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn preempts_the_newest_and_recomputes_its_output() {
+        let mut s = scheduler(4, 64, 4, 4);
+        s.add(RequestId(0), vec![1; 8]);
+        s.add(RequestId(1), vec![1; 8]);
+        let plan = s.schedule();
+        sample_all(&mut s, &plan);
+        assert_eq!(s.cache.num_free_blocks(), 0);
+        // Both need a third block for their 9th token: the newer one is preempted.
+        let plan = s.schedule();
+        assert_eq!(plan.preempted, vec![RequestId(1)]);
+        assert_eq!(lens(&plan), vec![(0, 8, 1, true)]);
+        assert_eq!(s.num_preemptions(), 1);
+        s.remove(RequestId(0));
+        // Readmitted with prompt and output: 9 tokens to prefill.
+        let plan = s.schedule();
+        assert_eq!(lens(&plan), vec![(1, 0, 9, true)]);
+        let seq = s.get(RequestId(1)).expect("running");
+        assert_eq!(seq.prompt_and_output().1, &[7]);
+    }
+
+    #[test]
+    fn a_sequence_preempts_itself_when_it_is_the_newest() {
+        let mut s = scheduler(4, 64, 4, 4);
+        s.add(RequestId(0), vec![1; 8]);
+        s.add(RequestId(1), vec![1; 4]);
+        let plan = s.schedule();
+        sample_all(&mut s, &plan);
+        // Request 0 takes the last free block for its 9th token; request 1 then needs one
+        // for its 5th and is itself the newest running sequence.
+        let plan = s.schedule();
+        assert_eq!(plan.preempted, vec![RequestId(1)]);
+        assert_eq!(lens(&plan), vec![(0, 8, 1, true)]);
+        assert_eq!(s.num_waiting(), 1);
+        assert_eq!(s.num_running(), 1);
+        assert_eq!(s.cache.num_free_blocks(), 1);
+    }
+
+    #[test]
+    fn removing_frees_blocks_and_queues() {
+        let mut s = scheduler(4, 64, 8, 4);
+        s.add(RequestId(0), vec![1; 8]);
+        s.add(RequestId(1), vec![1; 8]);
+        s.schedule();
+        assert!(s.remove(RequestId(0)).is_some());
+        assert!(s.remove(RequestId(0)).is_none(), "idempotent");
+        assert_eq!(s.num_running(), 1);
+        assert!((s.cache_usage() - 0.25).abs() < 1e-12);
+        s.remove(RequestId(1));
+        assert!(s.is_idle());
+        assert_eq!(s.cache_usage(), 0.0);
+    }
+}
