@@ -12,7 +12,10 @@ use crate::args::{BenchArgs, RandomDType};
 use crate::inspect::bytes;
 
 pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(a.prompt_len >= 1 && a.gen_len >= 2 && a.repeats >= 1, "need --prompt-len >= 1, --gen-len >= 2, --repeats >= 1");
+    anyhow::ensure!(
+        a.prompt_len >= 1 && a.gen_len >= 2 && a.repeats >= 1,
+        "need --prompt-len >= 1, --gen-len >= 2, --repeats >= 1"
+    );
     let load_start = Instant::now();
     let (loaded, bytes_per_param) = match &a.random_config {
         Some(cfg) => {
@@ -20,25 +23,36 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
                 RandomDType::Bf16 => kimi_core::DType::BF16,
                 RandomDType::F32 => kimi_core::DType::F32,
             };
-            (crate::load::load_random(cfg, dtype)?, Some(dtype.size_bytes() as f64))
+            (
+                crate::load::load_random(cfg, dtype)?,
+                Some(dtype.size_bytes() as f64),
+            )
         }
         None => (crate::load::load(&a.model, false)?, None),
     };
     let load_secs = load_start.elapsed().as_secs_f64();
     let engine = &loaded.engine;
     let cfg = engine.model().config();
-    let prompt: Vec<u32> = (0..a.prompt_len).map(|i| ((i as u64 * 2654435761) % cfg.vocab_size as u64) as u32).collect();
-    let params = SamplingParams { max_tokens: a.gen_len, ignore_eos: true, ..SamplingParams::default() };
+    let prompt: Vec<u32> = (0..a.prompt_len)
+        .map(|i| ((i as u64 * 2654435761) % cfg.vocab_size as u64) as u32)
+        .collect();
+    let params = SamplingParams {
+        max_tokens: a.gen_len,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
     let (mut best_prefill, mut best_decode) = (f64::MAX, f64::MAX);
     for _ in 0..a.repeats {
-        let g = engine.generate(&prompt, &params, &[], |_| std::ops::ControlFlow::Continue(()))?;
+        let g = engine.generate(&prompt, &params, &[], |_| {
+            std::ops::ControlFlow::Continue(())
+        })?;
         best_prefill = best_prefill.min(g.prefill_secs);
         // The first token comes from the prefill logits; each later one costs a decode step.
         best_decode = best_decode.min(g.decode_secs / (g.tokens.len().max(2) - 1) as f64);
     }
     let summary = ModelSummary::new(cfg);
-    let ckpt_bytes_per_param =
-        bytes_per_param.unwrap_or_else(|| weight_bytes_per_param(&loaded.dir, summary.params.total));
+    let ckpt_bytes_per_param = bytes_per_param
+        .unwrap_or_else(|| weight_bytes_per_param(&loaded.dir, summary.params.total));
     let weight_bytes_per_token = summary.params.active as f64 * ckpt_bytes_per_param;
     let state_bytes_per_token = 2.0 * 4.0 * summary.kda_state_elems_per_seq as f64
         + 4.0 * summary.mla_cache_elems_per_token as f64 * (a.prompt_len + a.gen_len / 2) as f64;
@@ -61,10 +75,24 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         "decode_bandwidth_fraction": achieved / bandwidth,
         "peak_rss_bytes": peak_rss,
     });
-    println!("model       {} ({} params, {} active)", loaded.dir.display(), summary.params.total, summary.params.active);
+    println!(
+        "model       {} ({} params, {} active)",
+        loaded.dir.display(),
+        summary.params.total,
+        summary.params.active
+    );
     println!("backend     cpu, {} threads", rayon::current_num_threads());
-    println!("prefill     {:.1} tokens/s ({} tokens in {:.3} s)", a.prompt_len as f64 / best_prefill, a.prompt_len, best_prefill);
-    println!("decode      {:.2} tokens/s ({:.1} ms/token)", decode_tps, best_decode * 1e3);
+    println!(
+        "prefill     {:.1} tokens/s ({} tokens in {:.3} s)",
+        a.prompt_len as f64 / best_prefill,
+        a.prompt_len,
+        best_prefill
+    );
+    println!(
+        "decode      {:.2} tokens/s ({:.1} ms/token)",
+        decode_tps,
+        best_decode * 1e3
+    );
     println!(
         "bandwidth   {} read per token -> {}/s, {:.0}% of the measured {}/s",
         bytes(bytes_per_token as u64),
@@ -94,7 +122,10 @@ fn measure_read_bandwidth() -> f64 {
     let mut best = f64::MAX;
     for _ in 0..3 {
         let t = Instant::now();
-        let s: f32 = data.par_chunks(1 << 16).map(|c| c.iter().sum::<f32>()).sum();
+        let s: f32 = data
+            .par_chunks(1 << 16)
+            .map(|c| c.iter().sum::<f32>())
+            .sum();
         std::hint::black_box(s);
         best = best.min(t.elapsed().as_secs_f64());
     }

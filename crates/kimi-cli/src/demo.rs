@@ -6,11 +6,26 @@ use std::path::PathBuf;
 use anyhow::Context;
 
 const FILES: &[(&str, &[u8])] = &[
-    ("config.json", include_bytes!("../../../assets/demo-model/config.json")),
-    ("model.safetensors", include_bytes!("../../../assets/demo-model/model.safetensors")),
-    ("tiktoken.model", include_bytes!("../../../assets/demo-tokenizer/tiktoken.model")),
-    ("tokenizer_config.json", include_bytes!("../../../assets/demo-tokenizer/tokenizer_config.json")),
-    ("chat_template.jinja", include_bytes!("../../../assets/demo-tokenizer/chat_template.jinja")),
+    (
+        "config.json",
+        include_bytes!("../../../assets/demo-model/config.json"),
+    ),
+    (
+        "model.safetensors",
+        include_bytes!("../../../assets/demo-model/model.safetensors"),
+    ),
+    (
+        "tiktoken.model",
+        include_bytes!("../../../assets/demo-tokenizer/tiktoken.model"),
+    ),
+    (
+        "tokenizer_config.json",
+        include_bytes!("../../../assets/demo-tokenizer/tokenizer_config.json"),
+    ),
+    (
+        "chat_template.jinja",
+        include_bytes!("../../../assets/demo-tokenizer/chat_template.jinja"),
+    ),
 ];
 
 /// Writes the demo files to a cache folder (once per content) and returns it.

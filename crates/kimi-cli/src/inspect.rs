@@ -6,8 +6,8 @@ use std::io::Write;
 use anyhow::Context;
 use kimi_core::config::{Ffn, KdaGate, Mixer};
 use kimi_core::ModelConfig;
-use kimi_weights::{Checkpoint, WeightsError};
 use kimi_model::ModelSummary;
+use kimi_weights::{Checkpoint, WeightsError};
 use serde_json::json;
 
 use crate::args::InspectArgs;
@@ -21,7 +21,8 @@ pub fn inspect(a: InspectArgs) -> anyhow::Result<()> {
 
 /// A closed stdout (e.g. `| head`) is not an error worth reporting.
 pub fn is_broken_pipe(e: &anyhow::Error) -> bool {
-    e.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    e.downcast_ref::<std::io::Error>()
+        .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
 }
 
 fn report(a: InspectArgs) -> anyhow::Result<()> {
@@ -32,13 +33,17 @@ fn report(a: InspectArgs) -> anyhow::Result<()> {
     let ckpt = match Checkpoint::open(&dir) {
         Ok(c) => Some(c),
         Err(WeightsError::NoWeights { .. }) => None,
-        Err(e) => return Err(anyhow::Error::new(e).context(format!("cannot open the model in {}", dir.display()))),
+        Err(e) => {
+            return Err(anyhow::Error::new(e)
+                .context(format!("cannot open the model in {}", dir.display())))
+        }
     };
     let cfg = match &ckpt {
         Some(c) => c.config().clone(),
         None => {
             let path = dir.join("config.json");
-            let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+            let text = std::fs::read_to_string(&path)
+                .with_context(|| format!("reading {}", path.display()))?;
             ModelConfig::from_json_str(&text).with_context(|| format!("in {}", path.display()))?
         }
     };
@@ -87,7 +92,8 @@ fn report(a: InspectArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     writeln!(out, "model        {}", dir.display())?;
-    writeln!(out, 
+    writeln!(
+        out,
         "architecture {} — {} layers, hidden {}, vocab {}, context {}",
         cfg.model_type,
         cfg.layers.len(),
@@ -95,8 +101,16 @@ fn report(a: InspectArgs) -> anyhow::Result<()> {
         cfg.vocab_size,
         cfg.max_position_embeddings
     )?;
-    let mixers: String = cfg.layers.iter().map(|l| if l.mixer == Mixer::Kda { 'K' } else { 'M' }).collect();
-    let ffns: String = cfg.layers.iter().map(|l| if l.ffn == Ffn::Dense { 'D' } else { 'E' }).collect();
+    let mixers: String = cfg
+        .layers
+        .iter()
+        .map(|l| if l.mixer == Mixer::Kda { 'K' } else { 'M' })
+        .collect();
+    let ffns: String = cfg
+        .layers
+        .iter()
+        .map(|l| if l.ffn == Ffn::Dense { 'D' } else { 'E' })
+        .collect();
     writeln!(out, "mixers       {mixers}   (K = KDA, M = MLA)")?;
     writeln!(out, "ffn          {ffns}   (D = dense MLP, E = experts)")?;
     if let Some(k) = &cfg.kda {
@@ -104,16 +118,26 @@ fn report(a: InspectArgs) -> anyhow::Result<()> {
             KdaGate::Softplus => "softplus".to_string(),
             KdaGate::LowerBound(b) => format!("safe gate, lower bound {b}"),
         };
-        writeln!(out, "KDA          {} heads x {}, conv width {}, gate {gate}", k.num_heads, k.head_dim, k.conv_kernel)?;
+        writeln!(
+            out,
+            "KDA          {} heads x {}, conv width {}, gate {gate}",
+            k.num_heads, k.head_dim, k.conv_kernel
+        )?;
     }
     if let Some(m) = &cfg.mla {
-        writeln!(out, 
+        writeln!(
+            out,
             "MLA          {} heads, latent {}, nope {}, rope {} (NoPE), v {}, q_lora {:?}",
-            m.num_heads, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.q_lora_rank
+            m.num_heads,
+            m.kv_lora_rank,
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.v_head_dim,
+            m.q_lora_rank
         )?;
     }
     if let Some(m) = &cfg.moe {
-        writeln!(out, 
+        writeln!(out,
             "MoE          {} experts, top-{}, {} shared, width {}, groups {} keep {}, renormalize {}, scale {}",
             m.num_experts,
             m.top_k,
@@ -125,17 +149,30 @@ fn report(a: InspectArgs) -> anyhow::Result<()> {
             m.routed_scaling_factor
         )?;
     }
-    writeln!(out, "parameters   total {} , active per token {}", human(summary.params.total), human(summary.params.active))?;
+    writeln!(
+        out,
+        "parameters   total {} , active per token {}",
+        human(summary.params.total),
+        human(summary.params.active)
+    )?;
     match &ckpt {
-        Some(c) => writeln!(out, "weights      {} of tensor data", bytes(c.total_bytes()))?,
-        None => writeln!(out, "weights      (no safetensors in this directory: sizes from config.json only)")?,
+        Some(c) => writeln!(
+            out,
+            "weights      {} of tensor data",
+            bytes(c.total_bytes())
+        )?,
+        None => writeln!(
+            out,
+            "weights      (no safetensors in this directory: sizes from config.json only)"
+        )?,
     }
     for (dtype, b) in &by_dtype {
         writeln!(out, "  {dtype:<11} {}", bytes(*b))?;
     }
     writeln!(out, "per layer    (params, bytes)")?;
     for (i, l) in cfg.layers.iter().enumerate() {
-        writeln!(out, 
+        writeln!(
+            out,
             "  {i:>3} {:?}+{:?}  {:>10}  {:>10}",
             l.mixer,
             l.ffn,
@@ -144,14 +181,16 @@ fn report(a: InspectArgs) -> anyhow::Result<()> {
         )?;
     }
     writeln!(out, "  embed/head/norm          {:>10}", bytes(other_bytes))?;
-    writeln!(out, 
+    writeln!(
+        out,
         "cache        MLA latent {} values/token over {} layers = {} (bf16) / {} (f32) per token",
         mla_per_token,
         summary.num_mla_layers,
         bytes(mla_per_token * 2),
         bytes(mla_per_token * 4)
     )?;
-    writeln!(out, 
+    writeln!(
+        out,
         "             KDA state {} per sequence (f32) + conv window {} (f32), constant in length",
         bytes(kda_state * 4),
         bytes(kda_conv * 4)
@@ -160,7 +199,11 @@ fn report(a: InspectArgs) -> anyhow::Result<()> {
 }
 
 fn layer_of(name: &str) -> Option<usize> {
-    name.strip_prefix("model.layers.")?.split('.').next()?.parse().ok()
+    name.strip_prefix("model.layers.")?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
 }
 
 fn human(n: u64) -> String {

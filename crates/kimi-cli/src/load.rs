@@ -32,22 +32,36 @@ pub fn model_dir(args: &ModelArgs) -> anyhow::Result<PathBuf> {
 /// Loads weights onto the CPU backend, and the tokenizer if the directory has one.
 pub fn load(args: &ModelArgs, need_tokenizer: bool) -> anyhow::Result<Loaded> {
     let dir = model_dir(args)?;
-    let ckpt = Checkpoint::open(&dir).with_context(|| format!("cannot open the model in {}", dir.display()))?;
+    let ckpt = Checkpoint::open(&dir)
+        .with_context(|| format!("cannot open the model in {}", dir.display()))?;
     let model = KimiLinear::load(CpuBackend::new(), &ckpt)
         .with_context(|| format!("cannot load the weights in {}", dir.display()))?;
     let tokenizer = if need_tokenizer {
-        Some(Tokenizer::from_dir(&dir).with_context(|| format!("cannot load the tokenizer in {}", dir.display()))?)
+        Some(
+            Tokenizer::from_dir(&dir)
+                .with_context(|| format!("cannot load the tokenizer in {}", dir.display()))?,
+        )
     } else {
         None
     };
-    Ok(Loaded { engine: Engine::new(model), tokenizer, dir })
+    Ok(Loaded {
+        engine: Engine::new(model),
+        tokenizer,
+        dir,
+    })
 }
 
 /// Builds the model of a config.json with deterministic random weights (for benchmarks).
 pub fn load_random(config: &std::path::Path, dtype: kimi_core::DType) -> anyhow::Result<Loaded> {
-    let text = std::fs::read_to_string(config).with_context(|| format!("reading {}", config.display()))?;
-    let cfg = kimi_core::ModelConfig::from_json_str(&text).with_context(|| format!("in {}", config.display()))?;
+    let text =
+        std::fs::read_to_string(config).with_context(|| format!("reading {}", config.display()))?;
+    let cfg = kimi_core::ModelConfig::from_json_str(&text)
+        .with_context(|| format!("in {}", config.display()))?;
     let source = kimi_model::RandomWeights { dtype, seed: 0 };
     let model = KimiLinear::load_from(CpuBackend::new(), cfg, &source)?;
-    Ok(Loaded { engine: Engine::new(model), tokenizer: None, dir: config.to_path_buf() })
+    Ok(Loaded {
+        engine: Engine::new(model),
+        tokenizer: None,
+        dir: config.to_path_buf(),
+    })
 }

@@ -25,6 +25,10 @@ pub fn logits(a: LogitsArgs) -> anyhow::Result<()> {
     let logits = loaded.engine.logits(&a.ids, step)?;
     let vocab = loaded.engine.model().config().vocab_size;
     crate::npy::write_f32(&a.out, &[a.ids.len(), vocab], &logits)?;
-    eprintln!("wrote {} x {vocab} logits to {}", a.ids.len(), a.out.display());
+    eprintln!(
+        "wrote {} x {vocab} logits to {}",
+        a.ids.len(),
+        a.out.display()
+    );
     Ok(())
 }

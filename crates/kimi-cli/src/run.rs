@@ -52,7 +52,10 @@ pub fn chat(a: ChatArgs) -> anyhow::Result<()> {
     if let Some(s) = &a.system {
         messages.push(json!({"role": "system", "content": s}));
     }
-    eprintln!("chatting with {} — type a message, or /exit to quit", loaded.dir.display());
+    eprintln!(
+        "chatting with {} — type a message, or /exit to quit",
+        loaded.dir.display()
+    );
     let stdin = std::io::stdin();
     loop {
         eprint!("> ");
@@ -133,8 +136,18 @@ pub fn generate_streaming(
     eos.extend(engine.model().config().eos_token_ids.iter().copied());
     let gen = engine.generate(prompt, params, &eos, |s| {
         if let Some(n) = params.logprobs {
-            let alts: Vec<String> = s.top_logprobs.iter().take(n).map(|(id, lp)| format!("{id}:{lp:.3}")).collect();
-            eprintln!("[token {} logprob {:.4} top {}]", s.token, s.logprob, alts.join(" "));
+            let alts: Vec<String> = s
+                .top_logprobs
+                .iter()
+                .take(n)
+                .map(|(id, lp)| format!("{id}:{lp:.3}"))
+                .collect();
+            eprintln!(
+                "[token {} logprob {:.4} top {}]",
+                s.token,
+                s.logprob,
+                alts.join(" ")
+            );
         }
         let piece = decoder.push(s.token);
         let out = stops.push(&piece);
@@ -161,6 +174,10 @@ pub fn generate_streaming(
         num_tokens: gen.tokens.len(),
         prefill_secs: gen.prefill_secs,
         decode_secs: gen.decode_secs,
-        finish: if stopped_by_string { FinishReason::Stop } else { gen.finish },
+        finish: if stopped_by_string {
+            FinishReason::Stop
+        } else {
+            gen.finish
+        },
     })
 }

@@ -7,12 +7,17 @@ use serde_json::Value;
 
 fn bin() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_kimi-infer"));
-    c.env("XDG_CACHE_HOME", std::env::temp_dir().join("kimi-infer-cli-tests"));
+    c.env(
+        "XDG_CACHE_HOME",
+        std::env::temp_dir().join("kimi-infer-cli-tests"),
+    );
     c
 }
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/kimi-linear").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures/kimi-linear")
+        .join(name)
 }
 
 fn run(args: &[&str]) -> Output {
@@ -33,14 +38,27 @@ fn read_npy(path: &Path) -> (Vec<usize>, Vec<f64>) {
     assert_eq!(&bytes[..6], b"\x93NUMPY");
     let hlen = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
     let header = std::str::from_utf8(&bytes[10..10 + hlen]).unwrap();
-    let shape_text = header.split("'shape': (").nth(1).unwrap().split(')').next().unwrap();
-    let shape = shape_text.split(',').filter_map(|s| s.trim().parse().ok()).collect();
+    let shape_text = header
+        .split("'shape': (")
+        .nth(1)
+        .unwrap()
+        .split(')')
+        .next()
+        .unwrap();
+    let shape = shape_text
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
     let body = &bytes[10 + hlen..];
     let data = if header.contains("'<f8'") {
-        body.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()
+        body.chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect()
     } else {
         assert!(header.contains("'<f4'"), "{header}");
-        body.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64).collect()
+        body.chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
+            .collect()
     };
     (shape, data)
 }
@@ -57,14 +75,26 @@ fn copy_fixture(name: &str) -> tempfile::TempDir {
 #[test]
 fn logits_match_reference_in_every_feed_mode() {
     let dir = fixture("hub-f32-sharded");
-    let reference: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
-    let ids: Vec<String> =
-        reference["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap().to_string()).collect();
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let ids: Vec<String> = reference["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap().to_string())
+        .collect();
     let (want_shape, want) = read_npy(&dir.join("logits.npy"));
     let out_dir = tempfile::tempdir().unwrap();
     for step in [None, Some("16"), Some("1")] {
         let out = out_dir.path().join("logits.npy");
-        let mut args = vec!["logits", "--model", dir.to_str().unwrap(), "--out", out.to_str().unwrap()];
+        let mut args = vec![
+            "logits",
+            "--model",
+            dir.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ];
         let joined = ids.join(",");
         args.extend(["--ids", &joined]);
         if let Some(s) = step {
@@ -83,19 +113,61 @@ fn logits_match_reference_in_every_feed_mode() {
 
 #[test]
 fn run_uses_the_demo_model_and_seeds_reproduce() {
-    let a = run(&["run", "--prompt", "Hello there", "--max-tokens", "12", "--temperature", "0.9", "--seed", "7"]);
+    let a = run(&[
+        "run",
+        "--prompt",
+        "Hello there",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "7",
+    ]);
     assert!(a.status.success(), "{}", stderr(&a));
     assert!(stderr(&a).contains("demo model"), "{}", stderr(&a));
     assert!(!stdout(&a).trim().is_empty());
-    let b = run(&["run", "--prompt", "Hello there", "--max-tokens", "12", "--temperature", "0.9", "--seed", "7"]);
+    let b = run(&[
+        "run",
+        "--prompt",
+        "Hello there",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "7",
+    ]);
     assert_eq!(stdout(&a), stdout(&b));
-    let c = run(&["run", "--prompt", "Hello there", "--max-tokens", "12", "--temperature", "0.9", "--seed", "8"]);
+    let c = run(&[
+        "run",
+        "--prompt",
+        "Hello there",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "8",
+    ]);
     assert_ne!(stdout(&a), stdout(&c));
 }
 
 #[test]
 fn run_chat_with_stats_and_logprobs() {
-    let o = run(&["run", "--chat", "--system", "Be brief.", "--prompt", "Hi", "--max-tokens", "5", "--stats", "--logprobs", "2"]);
+    let o = run(&[
+        "run",
+        "--chat",
+        "--system",
+        "Be brief.",
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "5",
+        "--stats",
+        "--logprobs",
+        "2",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let err = stderr(&o);
     assert!(err.contains("prompt:") && err.contains("tok/s"), "{err}");
@@ -119,7 +191,12 @@ fn chat_reads_turns_from_stdin() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    child.stdin.take().unwrap().write_all(b"hello\nsecond turn\n/exit\n").unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"hello\nsecond turn\n/exit\n")
+        .unwrap();
     let o = child.wait_with_output().unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
 }
@@ -140,7 +217,8 @@ fn inspect_reports_layers_and_json() {
 #[test]
 fn inspect_works_from_config_alone() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = Path::new(env!("CARGO_MANIFEST_DIR")).join("../kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json");
+    let cfg = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json");
     std::fs::copy(cfg, dir.path().join("config.json")).unwrap();
     let o = run(&["inspect", "--model", dir.path().to_str().unwrap(), "--json"]);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -156,8 +234,17 @@ fn bench_writes_json() {
     let json = out.path().join("bench.json");
     let cfg = fixture("hub-bf16-irregular").join("config.json");
     let o = run(&[
-        "bench", "--random-config", cfg.to_str().unwrap(), "--prompt-len", "20", "--gen-len", "4", "--repeats", "1",
-        "--json", json.to_str().unwrap(),
+        "bench",
+        "--random-config",
+        cfg.to_str().unwrap(),
+        "--prompt-len",
+        "20",
+        "--gen-len",
+        "4",
+        "--repeats",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
@@ -168,10 +255,21 @@ fn bench_writes_json() {
 
 #[test]
 fn missing_model_directory_is_a_plain_error() {
-    let o = run(&["logits", "--model", "/nonexistent/model", "--ids", "1,2", "--out", "/tmp/x.npy"]);
+    let o = run(&[
+        "logits",
+        "--model",
+        "/nonexistent/model",
+        "--ids",
+        "1,2",
+        "--out",
+        "/tmp/x.npy",
+    ]);
     assert_eq!(o.status.code(), Some(1));
     let err = stderr(&o);
-    assert!(err.contains("/nonexistent/model") && !err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("/nonexistent/model") && !err.contains("panicked"),
+        "{err}"
+    );
 }
 
 /// Edits a fixture's config.json with `edit` and returns the error `logits` prints.
@@ -182,7 +280,15 @@ fn error_after_config_edit(edit: impl Fn(&mut Value)) -> String {
     edit(&mut cfg);
     std::fs::write(&path, serde_json::to_string(&cfg).unwrap()).unwrap();
     let out = dir.path().join("l.npy");
-    let o = run(&["logits", "--model", dir.path().to_str().unwrap(), "--ids", "1,2", "--out", out.to_str().unwrap()]);
+    let o = run(&[
+        "logits",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--ids",
+        "1,2",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
     assert_eq!(o.status.code(), Some(1));
     let err = stderr(&o);
     assert!(!err.contains("panicked"), "{err}");
@@ -201,7 +307,10 @@ fn mis_shaped_tensor_names_tensor_file_and_shapes() {
 fn missing_tensor_names_it() {
     let err = error_after_config_edit(|c| {
         c["num_hidden_layers"] = Value::from(6);
-        c["linear_attn_config"]["kda_layers"].as_array_mut().unwrap().push(Value::from(6));
+        c["linear_attn_config"]["kda_layers"]
+            .as_array_mut()
+            .unwrap()
+            .push(Value::from(6));
     });
     assert!(err.contains("model.layers.5."), "{err}");
 }
@@ -231,16 +340,35 @@ fn truncated_safetensors_is_reported_with_its_file() {
     let bytes = std::fs::read(&path).unwrap();
     std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
     let out = dir.path().join("l.npy");
-    let o = run(&["logits", "--model", dir.path().to_str().unwrap(), "--ids", "1", "--out", out.to_str().unwrap()]);
+    let o = run(&[
+        "logits",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--ids",
+        "1",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
     assert_eq!(o.status.code(), Some(1));
     let err = stderr(&o);
-    assert!(err.contains("model.safetensors") && !err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("model.safetensors") && !err.contains("panicked"),
+        "{err}"
+    );
 }
 
 #[test]
 fn out_of_vocabulary_ids_are_refused() {
     let dir = fixture("hub-bf16-irregular");
-    let o = run(&["logits", "--model", dir.to_str().unwrap(), "--ids", "1,99999", "--out", "/tmp/never.npy"]);
+    let o = run(&[
+        "logits",
+        "--model",
+        dir.to_str().unwrap(),
+        "--ids",
+        "1,99999",
+        "--out",
+        "/tmp/never.npy",
+    ]);
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("99999"), "{}", stderr(&o));
 }

@@ -23,8 +23,11 @@ pub fn short_conv_silu(
 ) -> Result<CpuTensor> {
     let (n, c) = x.rows_cols("short_conv")?;
     let w = weight.to_f32_vec();
-    if w.len() % c.max(1) != 0 || w.is_empty() {
-        return Err(shape_err("short_conv", format!("weight {:?} for {c} channels", weight.shape)));
+    if !w.len().is_multiple_of(c.max(1)) || w.is_empty() {
+        return Err(shape_err(
+            "short_conv",
+            format!("weight {:?} for {c} channels", weight.shape),
+        ));
     }
     let width = w.len() / c;
     check_segments("short_conv", segments, states.len(), n)?;
@@ -51,7 +54,8 @@ pub fn short_conv_silu(
             for (ch, y) in row.iter_mut().enumerate() {
                 let mut acc = 0f32;
                 for j in 0..width {
-                    acc += w[ch * width + j] * input(t as isize - (width as isize - 1) + j as isize, ch);
+                    acc += w[ch * width + j]
+                        * input(t as isize - (width as isize - 1) + j as isize, ch);
                 }
                 *y = silu(acc);
             }
@@ -82,7 +86,10 @@ pub fn gate(
     if a.len() != num_heads || bias.len() != width || num_heads == 0 || width % num_heads != 0 {
         return Err(shape_err(
             "kda_gate",
-            format!("f width {width}, A_log {:?}, dt_bias {:?}, {num_heads} heads", a_log.shape, dt_bias.shape),
+            format!(
+                "f width {width}, A_log {:?}, dt_bias {:?}, {num_heads} heads",
+                a_log.shape, dt_bias.shape
+            ),
         ));
     }
     let d = width / num_heads;
@@ -126,11 +133,17 @@ pub fn kda(
     let (n, width) = q.rows_cols("kda")?;
     for (name, t) in [("k", k), ("v", v), ("g", g)] {
         if t.rows_cols("kda")? != (n, width) {
-            return Err(shape_err("kda", format!("{name} {:?} vs q {:?}", t.shape, q.shape)));
+            return Err(shape_err(
+                "kda",
+                format!("{name} {:?} vs q {:?}", t.shape, q.shape),
+            ));
         }
     }
     if num_heads == 0 || width % num_heads != 0 || beta.rows_cols("kda")? != (n, num_heads) {
-        return Err(shape_err("kda", format!("q {:?}, beta {:?}, {num_heads} heads", q.shape, beta.shape)));
+        return Err(shape_err(
+            "kda",
+            format!("q {:?}, beta {:?}, {num_heads} heads", q.shape, beta.shape),
+        ));
     }
     check_segments("kda", segments, states.len(), n)?;
     let d = width / num_heads;
@@ -145,7 +158,13 @@ pub fn kda(
     for (seg, state) in segments.iter().zip(states.iter_mut()) {
         let st = state.as_f32_mut("kda")?;
         if st.len() != num_heads * d * d {
-            return Err(shape_err("kda", format!("state has {} values, expected {num_heads}x{d}x{d}", st.len())));
+            return Err(shape_err(
+                "kda",
+                format!(
+                    "state has {} values, expected {num_heads}x{d}x{d}",
+                    st.len()
+                ),
+            ));
         }
         let chunked = match mode {
             KdaMode::Auto => seg.len > 1,
@@ -168,7 +187,9 @@ pub fn kda(
                     k: gather(ks),
                     v: gather(vs),
                     g: gather(gs),
-                    beta: (seg.start..seg.start + seg.len).map(|t| bs[t * num_heads + h]).collect(),
+                    beta: (seg.start..seg.start + seg.len)
+                        .map(|t| bs[t * num_heads + h])
+                        .collect(),
                 };
                 normalize_qk(&mut inp, d);
                 if chunked {
@@ -257,12 +278,21 @@ fn chunked_head(inp: &HeadInputs, s: &mut [f32], d: usize) -> Vec<f32> {
         for r in 0..l {
             for i in 0..d {
                 decay[r * d + i] = inp.g[(c0 + r) * d + i].exp();
-                from_start[r * d + i] = decay[r * d + i] * if r == 0 { 1.0 } else { from_start[(r - 1) * d + i] };
+                from_start[r * d + i] = decay[r * d + i]
+                    * if r == 0 {
+                        1.0
+                    } else {
+                        from_start[(r - 1) * d + i]
+                    };
             }
         }
         for c in (0..l).rev() {
             for i in 0..d {
-                to_end[c * d + i] = if c == l - 1 { 1.0 } else { to_end[(c + 1) * d + i] * decay[(c + 1) * d + i] };
+                to_end[c * d + i] = if c == l - 1 {
+                    1.0
+                } else {
+                    to_end[(c + 1) * d + i] * decay[(c + 1) * d + i]
+                };
             }
         }
         // L[r,c] (c < r, without β) and A[r,c] (c ≤ r), walking r upward from each c.
@@ -339,14 +369,22 @@ fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
 }
 
 /// Per-head RMSNorm times weight, gated by `sigmoid(z)`; see `Backend::gated_rms_norm`.
-pub fn gated_rms_norm(o: &CpuTensor, z: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
+pub fn gated_rms_norm(
+    o: &CpuTensor,
+    z: &CpuTensor,
+    weight: &CpuTensor,
+    eps: f32,
+) -> Result<CpuTensor> {
     let (n, width) = o.rows_cols("gated_rms_norm")?;
     let w = weight.to_f32_vec();
     let d = w.len();
     if d == 0 || width % d != 0 || z.rows_cols("gated_rms_norm")? != (n, width) {
         return Err(shape_err(
             "gated_rms_norm",
-            format!("o {:?}, z {:?}, weight {:?}", o.shape, z.shape, weight.shape),
+            format!(
+                "o {:?}, z {:?}, weight {:?}",
+                o.shape, z.shape, weight.shape
+            ),
         ));
     }
     let (os, zs) = (o.as_f32("gated_rms_norm")?, z.as_f32("gated_rms_norm")?);
@@ -361,9 +399,17 @@ pub fn gated_rms_norm(o: &CpuTensor, z: &CpuTensor, weight: &CpuTensor, eps: f32
     CpuTensor::f32(&o.shape, out)
 }
 
-pub(crate) fn check_segments(op: &'static str, segments: &[Segment], num_states: usize, n: usize) -> Result<()> {
+pub(crate) fn check_segments(
+    op: &'static str,
+    segments: &[Segment],
+    num_states: usize,
+    n: usize,
+) -> Result<()> {
     if segments.len() != num_states {
-        return Err(shape_err(op, format!("{} segments but {num_states} states", segments.len())));
+        return Err(shape_err(
+            op,
+            format!("{} segments but {num_states} states", segments.len()),
+        ));
     }
     for s in segments {
         if s.start + s.len > n {
@@ -398,10 +444,23 @@ mod tests {
 
     fn rand_tensor(rng: &mut ChaCha8Rng, shape: &[usize], scale: f32) -> CpuTensor {
         let n: usize = shape.iter().product();
-        CpuTensor::f32(shape, (0..n).map(|_| rng.random_range(-1.0..1.0) * scale).collect()).unwrap()
+        CpuTensor::f32(
+            shape,
+            (0..n)
+                .map(|_| rng.random_range(-1.0..1.0) * scale)
+                .collect(),
+        )
+        .unwrap()
     }
 
-    fn run(mode: KdaMode, segs: &[Segment], lens_total: usize, h: usize, d: usize, seed: u64) -> (Vec<f32>, Vec<Vec<f32>>) {
+    fn run(
+        mode: KdaMode,
+        segs: &[Segment],
+        lens_total: usize,
+        h: usize,
+        d: usize,
+        seed: u64,
+    ) -> (Vec<f32>, Vec<Vec<f32>>) {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let q = rand_tensor(&mut rng, &[lens_total, h * d], 1.0);
         let k = rand_tensor(&mut rng, &[lens_total, h * d], 1.0);
@@ -409,14 +468,34 @@ mod tests {
         // Strongly negative gates on some channels exercise the overflow-free form.
         let g = CpuTensor::f32(
             &[lens_total, h * d],
-            (0..lens_total * h * d).map(|i| if i % 7 == 0 { -30.0 } else { -rng.random_range(0.0..0.5f32) }).collect(),
+            (0..lens_total * h * d)
+                .map(|i| {
+                    if i % 7 == 0 {
+                        -30.0
+                    } else {
+                        -rng.random_range(0.0..0.5f32)
+                    }
+                })
+                .collect(),
         )
         .unwrap();
-        let beta = CpuTensor::f32(&[lens_total, h], (0..lens_total * h).map(|_| rng.random_range(0.0..1.0)).collect()).unwrap();
-        let mut states: Vec<CpuTensor> = segs.iter().map(|_| CpuTensor::f32(&[h, d, d], vec![0.0; h * d * d]).unwrap()).collect();
+        let beta = CpuTensor::f32(
+            &[lens_total, h],
+            (0..lens_total * h)
+                .map(|_| rng.random_range(0.0..1.0))
+                .collect(),
+        )
+        .unwrap();
+        let mut states: Vec<CpuTensor> = segs
+            .iter()
+            .map(|_| CpuTensor::f32(&[h, d, d], vec![0.0; h * d * d]).unwrap())
+            .collect();
         let mut refs: Vec<&mut CpuTensor> = states.iter_mut().collect();
         let o = kda(&q, &k, &v, &g, &beta, h, segs, &mut refs, mode).unwrap();
-        (o.to_f32_vec(), states.iter().map(|s| s.to_f32_vec()).collect())
+        (
+            o.to_f32_vec(),
+            states.iter().map(|s| s.to_f32_vec()).collect(),
+        )
     }
 
     fn rel(a: &[f32], b: &[f32]) -> f64 {
@@ -427,12 +506,50 @@ mod tests {
 
     #[test]
     fn chunked_equals_recurrent_over_several_chunks_and_segments() {
-        let segs = [Segment { start: 0, len: 150 }, Segment { start: 150, len: 3 }, Segment { start: 153, len: 64 }];
+        let segs = [
+            Segment { start: 0, len: 150 },
+            Segment { start: 150, len: 3 },
+            Segment {
+                start: 153,
+                len: 64,
+            },
+        ];
         let (o1, s1) = run(KdaMode::Recurrent, &segs, 217, 2, 12, 1);
         let (o2, s2) = run(KdaMode::Chunked, &segs, 217, 2, 12, 1);
         assert!(rel(&o2, &o1) < 1e-5, "outputs differ: {}", rel(&o2, &o1));
         for (a, b) in s2.iter().zip(&s1) {
             assert!(rel(a, b) < 1e-5);
+        }
+    }
+
+    #[test]
+    fn gates_follow_their_formulas() {
+        let f = CpuTensor::f32(&[1, 4], vec![-30.0, 0.5, 25.0, -1.0]).unwrap();
+        let a_log = CpuTensor::f32(&[1, 1, 2, 1], vec![0.0, 1.0]).unwrap();
+        let bias = CpuTensor::f32(&[4], vec![0.0, 0.1, -0.5, 0.2]).unwrap();
+        let soft = gate(&f, &a_log, &bias, 2, KdaGate::Softplus)
+            .unwrap()
+            .to_f32_vec();
+        let want = |x: f64, a: f64| -a.exp() * if x > 20.0 { x } else { x.exp().ln_1p() };
+        for (i, (x, a)) in [(-30.0, 0.0), (0.6, 0.0), (24.5, 1.0), (-0.8, 1.0)]
+            .iter()
+            .enumerate()
+        {
+            assert!(
+                (soft[i] as f64 - want(*x, *a)).abs() < 1e-6 * (1.0 + want(*x, *a).abs()),
+                "{i}"
+            );
+        }
+        let safe = gate(&f, &a_log, &bias, 2, KdaGate::LowerBound(-5.0))
+            .unwrap()
+            .to_f32_vec();
+        for (i, (x, a)) in [(-30.0f64, 0.0f64), (0.6, 0.0), (24.5, 1.0), (-0.8, 1.0)]
+            .iter()
+            .enumerate()
+        {
+            let w = -5.0 / (1.0 + (-(a.exp() * x)).exp());
+            assert!((safe[i] as f64 - w).abs() < 1e-6, "{i}");
+            assert!(safe[i] >= -5.0 && safe[i] <= 0.0);
         }
     }
 
@@ -443,13 +560,27 @@ mod tests {
         let x = rand_tensor(&mut rng, &[n, c], 1.0);
         let wt = rand_tensor(&mut rng, &[c, 1, w], 1.0);
         let mut st = CpuTensor::f32(&[w - 1, c], vec![0.0; (w - 1) * c]).unwrap();
-        let whole = short_conv_silu(&x, &wt, &[Segment { start: 0, len: n }], &mut [&mut st]).unwrap().to_f32_vec();
+        let whole = short_conv_silu(&x, &wt, &[Segment { start: 0, len: n }], &mut [&mut st])
+            .unwrap()
+            .to_f32_vec();
         let mut st2 = CpuTensor::f32(&[w - 1, c], vec![0.0; (w - 1) * c]).unwrap();
         let xs = x.to_f32_vec();
         let mut pieces = vec![];
         for (a, b) in [(0, 1), (1, 3), (3, 10)] {
             let part = CpuTensor::f32(&[b - a, c], xs[a * c..b * c].to_vec()).unwrap();
-            pieces.extend(short_conv_silu(&part, &wt, &[Segment { start: 0, len: b - a }], &mut [&mut st2]).unwrap().to_f32_vec());
+            pieces.extend(
+                short_conv_silu(
+                    &part,
+                    &wt,
+                    &[Segment {
+                        start: 0,
+                        len: b - a,
+                    }],
+                    &mut [&mut st2],
+                )
+                .unwrap()
+                .to_f32_vec(),
+            );
         }
         assert!(rel(&pieces, &whole) < 1e-6);
         assert!(rel(&st2.to_f32_vec(), &st.to_f32_vec()) < 1e-6);

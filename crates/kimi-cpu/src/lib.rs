@@ -19,7 +19,10 @@ mod tensor;
 pub use tensor::{CpuTensor, Storage};
 
 use kimi_core::config::KdaGate;
-use kimi_ops::{Backend, HostTensor, KdaMode, MlaDims, MlaMode, MlpWeights, MoeRouting, MoeWeights, Result, Segment};
+use kimi_ops::{
+    Backend, HostTensor, KdaMode, MlaDims, MlaMode, MlpWeights, MoeRouting, MoeWeights, Result,
+    Segment,
+};
 
 /// The CPU backend. Cheap to construct; holds no state besides the thread pool it uses.
 #[derive(Clone, Debug, Default)]
@@ -78,13 +81,22 @@ impl Backend for CpuBackend {
         norm::concat_cols(parts)
     }
     fn sigmoid(&self, x: &CpuTensor) -> Result<CpuTensor> {
-        let v = x.as_f32("sigmoid")?.iter().map(|&v| kda::sigmoid(v)).collect();
+        let v = x
+            .as_f32("sigmoid")?
+            .iter()
+            .map(|&v| kda::sigmoid(v))
+            .collect();
         CpuTensor::f32(x.shape(), v)
     }
     fn mlp(&self, x: &CpuTensor, w: &MlpWeights<CpuTensor>) -> Result<CpuTensor> {
         moe::mlp(x, w)
     }
-    fn moe(&self, x: &CpuTensor, w: &MoeWeights<CpuTensor>, routing: &MoeRouting) -> Result<(CpuTensor, Vec<u32>)> {
+    fn moe(
+        &self,
+        x: &CpuTensor,
+        w: &MoeWeights<CpuTensor>,
+        routing: &MoeRouting,
+    ) -> Result<(CpuTensor, Vec<u32>)> {
         moe::moe(x, w, routing)
     }
     fn short_conv_silu(
@@ -120,7 +132,13 @@ impl Backend for CpuBackend {
     ) -> Result<CpuTensor> {
         kda::kda(q, k, v, g, beta, num_heads, segments, states, mode)
     }
-    fn gated_rms_norm(&self, o: &CpuTensor, z: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
+    fn gated_rms_norm(
+        &self,
+        o: &CpuTensor,
+        z: &CpuTensor,
+        weight: &CpuTensor,
+        eps: f32,
+    ) -> Result<CpuTensor> {
         kda::gated_rms_norm(o, z, weight, eps)
     }
     fn mla(
@@ -139,5 +157,8 @@ impl Backend for CpuBackend {
 
 /// Sets the number of worker threads the CPU backend uses. Call once, before any work.
 pub fn set_num_threads(n: usize) -> std::result::Result<(), String> {
-    rayon::ThreadPoolBuilder::new().num_threads(n).build_global().map_err(|e| e.to_string())
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global()
+        .map_err(|e| e.to_string())
 }

@@ -24,34 +24,37 @@ pub fn matmul(x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
     let mut out_t = vec![0f32; o * n];
     let threads = rayon::current_num_threads().max(1);
     let block = (o / (threads * 8)).clamp(8, 128);
-    out_t.par_chunks_mut(block * n.max(1)).enumerate().for_each(|(b, chunk)| {
-        let row0 = b * block;
-        let rows = chunk.len() / n.max(1);
-        let mut wbuf;
-        let wrows: &[f32] = match &w.storage {
-            Storage::F32(v) => &v[row0 * k..(row0 + rows) * k],
-            other => {
-                wbuf = vec![0f32; rows * k];
-                for r in 0..rows {
-                    row_to_f32(other, (row0 + r) * k, &mut wbuf[r * k..(r + 1) * k]);
+    out_t
+        .par_chunks_mut(block * n.max(1))
+        .enumerate()
+        .for_each(|(b, chunk)| {
+            let row0 = b * block;
+            let rows = chunk.len() / n.max(1);
+            let mut wbuf;
+            let wrows: &[f32] = match &w.storage {
+                Storage::F32(v) => &v[row0 * k..(row0 + rows) * k],
+                other => {
+                    wbuf = vec![0f32; rows * k];
+                    for r in 0..rows {
+                        row_to_f32(other, (row0 + r) * k, &mut wbuf[r * k..(r + 1) * k]);
+                    }
+                    wbuf.as_slice()
                 }
-                wbuf.as_slice()
-            }
-        };
-        for t0 in (0..n).step_by(4) {
-            let tok = |i: usize| {
-                let t = (t0 + i).min(n - 1);
-                &xs[t * k..(t + 1) * k]
             };
-            let xrows = [tok(0), tok(1), tok(2), tok(3)];
-            for r in 0..rows {
-                let d = dot4(&wrows[r * k..(r + 1) * k], xrows);
-                for (i, v) in d.iter().enumerate().take((n - t0).min(4)) {
-                    chunk[r * n + t0 + i] = *v;
+            for t0 in (0..n).step_by(4) {
+                let tok = |i: usize| {
+                    let t = (t0 + i).min(n - 1);
+                    &xs[t * k..(t + 1) * k]
+                };
+                let xrows = [tok(0), tok(1), tok(2), tok(3)];
+                for r in 0..rows {
+                    let d = dot4(&wrows[r * k..(r + 1) * k], xrows);
+                    for (i, v) in d.iter().enumerate().take((n - t0).min(4)) {
+                        chunk[r * n + t0 + i] = *v;
+                    }
                 }
             }
-        }
-    });
+        });
     let mut out = vec![0f32; n * o];
     for r in 0..o {
         for t in 0..n {
@@ -67,7 +70,10 @@ pub fn matmul(x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
 fn weight_dims(w: &CpuTensor) -> Result<(usize, usize)> {
     match w.shape.as_slice() {
         [o, k] => Ok((*o, *k)),
-        _ => Err(shape_err("matmul", format!("weight must be 2-D, got {:?}", w.shape))),
+        _ => Err(shape_err(
+            "matmul",
+            format!("weight must be 2-D, got {:?}", w.shape),
+        )),
     }
 }
 
@@ -80,8 +86,9 @@ mod tests {
         let mut y = vec![0f32; n * o];
         for t in 0..n {
             for r in 0..o {
-                y[t * o + r] = (0..k).map(|i| x[t * k + i] as f64 * w[r * k + i] as f64).sum::<f64>()
-                    as f32;
+                y[t * o + r] = (0..k)
+                    .map(|i| x[t * k + i] as f64 * w[r * k + i] as f64)
+                    .sum::<f64>() as f32;
             }
         }
         y
@@ -90,8 +97,12 @@ mod tests {
     #[test]
     fn matches_naive_for_f32_and_bf16() {
         for (n, k, o) in [(1, 5, 3), (3, 64, 17), (9, 130, 257), (4, 8, 1)] {
-            let x: Vec<f32> = (0..n * k).map(|i| ((i * 7 % 23) as f32 - 11.0) * 0.03).collect();
-            let w: Vec<f32> = (0..o * k).map(|i| ((i * 5 % 19) as f32 - 9.0) * 0.02).collect();
+            let x: Vec<f32> = (0..n * k)
+                .map(|i| ((i * 7 % 23) as f32 - 11.0) * 0.03)
+                .collect();
+            let w: Vec<f32> = (0..o * k)
+                .map(|i| ((i * 5 % 19) as f32 - 9.0) * 0.02)
+                .collect();
             let xt = CpuTensor::f32(&[n, k], x.clone()).unwrap();
             let wt = CpuTensor::f32(&[o, k], w.clone()).unwrap();
             let y = matmul(&xt, &wt).unwrap().to_f32_vec();
@@ -101,7 +112,27 @@ mod tests {
             }
             let wb: Vec<u16> = w.iter().map(|v| bf16::from_f32(*v).to_bits()).collect();
             let wround: Vec<f32> = wb.iter().map(|b| bf16::from_bits(*b).to_f32()).collect();
-            let wt = CpuTensor { shape: vec![o, k], storage: Storage::Bf16(wb) };
+            let wt = CpuTensor {
+                shape: vec![o, k],
+                storage: Storage::Bf16(wb),
+            };
+            let y = matmul(&xt, &wt).unwrap().to_f32_vec();
+            let want = naive(&x, &wround, n, k, o);
+            for (a, b) in y.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+            }
+            let wh: Vec<u16> = w
+                .iter()
+                .map(|v| half::f16::from_f32(*v).to_bits())
+                .collect();
+            let wround: Vec<f32> = wh
+                .iter()
+                .map(|b| half::f16::from_bits(*b).to_f32())
+                .collect();
+            let wt = CpuTensor {
+                shape: vec![o, k],
+                storage: Storage::F16(wh),
+            };
             let y = matmul(&xt, &wt).unwrap().to_f32_vec();
             let want = naive(&x, &wround, n, k, o);
             for (a, b) in y.iter().zip(&want) {

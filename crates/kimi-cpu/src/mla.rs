@@ -21,14 +21,26 @@ pub fn mla(
     caches: &mut [&mut CpuTensor],
     mode: MlaMode,
 ) -> Result<CpuTensor> {
-    let MlaDims { num_heads: h, kv_lora_rank: r, qk_nope_head_dim: dn, qk_rope_head_dim: dr, v_head_dim: dv, .. } =
-        *dims;
+    let MlaDims {
+        num_heads: h,
+        kv_lora_rank: r,
+        qk_nope_head_dim: dn,
+        qk_rope_head_dim: dr,
+        v_head_dim: dv,
+        ..
+    } = *dims;
     let (n, qw) = q.rows_cols("mla")?;
     let lw = r + dr;
-    if qw != h * (dn + dr) || latent.rows_cols("mla")? != (n, lw) || kv_b.shape() != [h * (dn + dv), r] {
+    if qw != h * (dn + dr)
+        || latent.rows_cols("mla")? != (n, lw)
+        || kv_b.shape() != [h * (dn + dv), r]
+    {
         return Err(shape_err(
             "mla",
-            format!("q {:?}, latent {:?}, kv_b {:?} do not fit {dims:?}", q.shape, latent.shape, kv_b.shape),
+            format!(
+                "q {:?}, latent {:?}, kv_b {:?} do not fit {dims:?}",
+                q.shape, latent.shape, kv_b.shape
+            ),
         ));
     }
     check_segments("mla", segments, caches.len(), n)?;
@@ -38,7 +50,10 @@ pub fn mla(
     for (seg, cache) in segments.iter().zip(caches.iter_mut()) {
         let past = cache.shape.first().copied().unwrap_or(0);
         if cache.shape.len() != 2 || cache.shape[1] != lw {
-            return Err(shape_err("mla", format!("cache {:?} is not [tokens, {lw}]", cache.shape)));
+            return Err(shape_err(
+                "mla",
+                format!("cache {:?} is not [tokens, {lw}]", cache.shape),
+            ));
         }
         let buf = cache.as_f32_mut("mla")?;
         buf.extend_from_slice(&ls[seg.start * lw..(seg.start + seg.len) * lw]);
@@ -50,9 +65,21 @@ pub fn mla(
             MlaMode::Expanded => false,
         };
         let seg_out = if absorbed {
-            absorbed_attention(&qs[seg.start * qw..(seg.start + seg.len) * qw], cache_rows, &kvb, dims, past)
+            absorbed_attention(
+                &qs[seg.start * qw..(seg.start + seg.len) * qw],
+                cache_rows,
+                &kvb,
+                dims,
+                past,
+            )
         } else {
-            expanded_attention(&qs[seg.start * qw..(seg.start + seg.len) * qw], cache_rows, &kvb, dims, past)
+            expanded_attention(
+                &qs[seg.start * qw..(seg.start + seg.len) * qw],
+                cache_rows,
+                &kvb,
+                dims,
+                past,
+            )
         };
         out[seg.start * h * dv..(seg.start + seg.len) * h * dv].copy_from_slice(&seg_out);
     }
@@ -60,9 +87,21 @@ pub fn mla(
 }
 
 /// Reference form: decompress every cached latent into per-head keys and values.
-fn expanded_attention(q: &[f32], cache: &[f32], kvb: &[f32], dims: &MlaDims, past: usize) -> Vec<f32> {
-    let MlaDims { num_heads: h, kv_lora_rank: r, qk_nope_head_dim: dn, qk_rope_head_dim: dr, v_head_dim: dv, scale } =
-        *dims;
+fn expanded_attention(
+    q: &[f32],
+    cache: &[f32],
+    kvb: &[f32],
+    dims: &MlaDims,
+    past: usize,
+) -> Vec<f32> {
+    let MlaDims {
+        num_heads: h,
+        kv_lora_rank: r,
+        qk_nope_head_dim: dn,
+        qk_rope_head_dim: dr,
+        v_head_dim: dv,
+        scale,
+    } = *dims;
     let lw = r + dr;
     let total = cache.len() / lw;
     let new = total - past;
@@ -104,9 +143,21 @@ fn expanded_attention(q: &[f32], cache: &[f32], kvb: &[f32], dims: &MlaDims, pas
 }
 
 /// Absorbed form: queries move into the latent space, attention runs over the raw cache.
-fn absorbed_attention(q: &[f32], cache: &[f32], kvb: &[f32], dims: &MlaDims, past: usize) -> Vec<f32> {
-    let MlaDims { num_heads: h, kv_lora_rank: r, qk_nope_head_dim: dn, qk_rope_head_dim: dr, v_head_dim: dv, scale } =
-        *dims;
+fn absorbed_attention(
+    q: &[f32],
+    cache: &[f32],
+    kvb: &[f32],
+    dims: &MlaDims,
+    past: usize,
+) -> Vec<f32> {
+    let MlaDims {
+        num_heads: h,
+        kv_lora_rank: r,
+        qk_nope_head_dim: dn,
+        qk_rope_head_dim: dr,
+        v_head_dim: dv,
+        scale,
+    } = *dims;
     let lw = r + dr;
     let total = cache.len() / lw;
     let new = total - past;
@@ -154,7 +205,8 @@ fn interleave_heads(head_out: &[Vec<f32>], new: usize, h: usize, dv: usize) -> V
     let mut out = vec![0f32; new * h * dv];
     for (head, o) in head_out.iter().enumerate() {
         for t in 0..new {
-            out[(t * h + head) * dv..(t * h + head + 1) * dv].copy_from_slice(&o[t * dv..(t + 1) * dv]);
+            out[(t * h + head) * dv..(t * h + head + 1) * dv]
+                .copy_from_slice(&o[t * dv..(t + 1) * dv]);
         }
     }
     out
@@ -176,7 +228,14 @@ mod tests {
 
     #[test]
     fn absorbed_equals_expanded() {
-        let dims = MlaDims { num_heads: 3, kv_lora_rank: 10, qk_nope_head_dim: 6, qk_rope_head_dim: 4, v_head_dim: 5, scale: 0.3 };
+        let dims = MlaDims {
+            num_heads: 3,
+            kv_lora_rank: 10,
+            qk_nope_head_dim: 6,
+            qk_rope_head_dim: 4,
+            v_head_dim: 5,
+            scale: 0.3,
+        };
         let n = 7;
         let f = |i: usize, m: usize| ((i * m % 29) as f32 - 14.0) * 0.05;
         let q = CpuTensor::f32(&[n, 3 * 10], (0..n * 30).map(|i| f(i, 7)).collect()).unwrap();
@@ -186,7 +245,11 @@ mod tests {
         let mut outs = vec![];
         for mode in [MlaMode::Expanded, MlaMode::Absorbed] {
             let mut cache = CpuTensor::f32(&[0, 14], vec![]).unwrap();
-            outs.push(mla(&q, &lat, &kvb, &dims, &seg, &mut [&mut cache], mode).unwrap().to_f32_vec());
+            outs.push(
+                mla(&q, &lat, &kvb, &dims, &seg, &mut [&mut cache], mode)
+                    .unwrap()
+                    .to_f32_vec(),
+            );
             assert_eq!(cache.shape(), &[n, 14]);
         }
         for (a, b) in outs[0].iter().zip(&outs[1]) {

@@ -52,7 +52,9 @@ pub fn route(logits: &[f32], bias: Option<&[f32]>, r: &MoeRouting) -> Route {
         let keep = top_indices(&group_scores, r.topk_group);
         for g in 0..r.num_groups {
             if !keep.contains(&g) {
-                masked[g * per..(g + 1) * per].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+                masked[g * per..(g + 1) * per]
+                    .iter_mut()
+                    .for_each(|v| *v = f32::NEG_INFINITY);
             }
         }
     }
@@ -76,29 +78,53 @@ fn top_indices(v: &[f32], k: usize) -> Vec<usize> {
 }
 
 /// See `Backend::moe`. Tokens are grouped by expert so each expert runs one matmul.
-pub fn moe(x: &CpuTensor, w: &MoeWeights<CpuTensor>, r: &MoeRouting) -> Result<(CpuTensor, Vec<u32>)> {
+pub fn moe(
+    x: &CpuTensor,
+    w: &MoeWeights<CpuTensor>,
+    r: &MoeRouting,
+) -> Result<(CpuTensor, Vec<u32>)> {
     let (n, d) = x.rows_cols("moe")?;
     let num_experts = w.experts.len();
     if w.router.shape() != [num_experts, d] || r.top_k == 0 || r.top_k > num_experts {
         return Err(shape_err(
             "moe",
-            format!("router {:?}, {num_experts} experts, top_k {}, hidden {d}", w.router.shape(), r.top_k),
+            format!(
+                "router {:?}, {num_experts} experts, top_k {}, hidden {d}",
+                w.router.shape(),
+                r.top_k
+            ),
         ));
     }
-    if r.num_groups == 0 || num_experts % r.num_groups != 0 || r.topk_group > r.num_groups {
-        return Err(shape_err("moe", format!("{num_experts} experts in {} groups", r.num_groups)));
+    if r.num_groups == 0 || !num_experts.is_multiple_of(r.num_groups) || r.topk_group > r.num_groups
+    {
+        return Err(shape_err(
+            "moe",
+            format!("{num_experts} experts in {} groups", r.num_groups),
+        ));
     }
     let logits = matmul(x, &w.router)?.to_f32_vec();
     let bias = w.correction_bias.as_ref().map(|b| b.to_f32_vec());
     let xs = x.as_f32("moe")?;
-    let routes: Vec<Route> =
-        (0..n).map(|t| route(&logits[t * num_experts..(t + 1) * num_experts], bias.as_deref(), r)).collect();
+    let routes: Vec<Route> = (0..n)
+        .map(|t| {
+            route(
+                &logits[t * num_experts..(t + 1) * num_experts],
+                bias.as_deref(),
+                r,
+            )
+        })
+        .collect();
     let mut out = vec![0f32; n * d];
     for (expert, ew) in w.experts.iter().enumerate() {
         let users: Vec<(usize, f32)> = routes
             .iter()
             .enumerate()
-            .filter_map(|(t, rt)| rt.experts.iter().position(|&e| e == expert).map(|k| (t, rt.weights[k])))
+            .filter_map(|(t, rt)| {
+                rt.experts
+                    .iter()
+                    .position(|&e| e == expert)
+                    .map(|k| (t, rt.weights[k]))
+            })
             .collect();
         if users.is_empty() {
             continue;
@@ -121,7 +147,10 @@ pub fn moe(x: &CpuTensor, w: &MoeWeights<CpuTensor>, r: &MoeRouting) -> Result<(
             *o += v;
         }
     }
-    let chosen = routes.iter().flat_map(|rt| rt.experts.iter().map(|&e| e as u32)).collect();
+    let chosen = routes
+        .iter()
+        .flat_map(|rt| rt.experts.iter().map(|&e| e as u32))
+        .collect();
     Ok((CpuTensor::f32(&x.shape, out)?, chosen))
 }
 
@@ -130,7 +159,14 @@ mod tests {
     use super::*;
 
     fn routing(top_k: usize, groups: usize, topk_group: usize) -> MoeRouting {
-        MoeRouting { top_k, num_groups: groups, topk_group, renormalize: true, scaling: 2.0, weights_use_bias: false }
+        MoeRouting {
+            top_k,
+            num_groups: groups,
+            topk_group,
+            renormalize: true,
+            scaling: 2.0,
+            weights_use_bias: false,
+        }
     }
 
     #[test]

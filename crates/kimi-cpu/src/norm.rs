@@ -9,7 +9,10 @@ pub fn embedding(table: &CpuTensor, ids: &[u32]) -> Result<CpuTensor> {
     for (t, &id) in ids.iter().enumerate() {
         let id = id as usize;
         if id >= vocab {
-            return Err(shape_err("embedding", format!("token id {id} is outside the vocabulary of {vocab}")));
+            return Err(shape_err(
+                "embedding",
+                format!("token id {id} is outside the vocabulary of {vocab}"),
+            ));
         }
         row_to_f32(&table.storage, id * d, &mut out[t * d..(t + 1) * d]);
     }
@@ -20,11 +23,17 @@ pub fn rms_norm(x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor
     let (n, d) = x.rows_cols("rms_norm")?;
     let w = weight.to_f32_vec();
     if w.len() != d {
-        return Err(shape_err("rms_norm", format!("x {:?}, weight {:?}", x.shape, weight.shape)));
+        return Err(shape_err(
+            "rms_norm",
+            format!("x {:?}, weight {:?}", x.shape, weight.shape),
+        ));
     }
     let xs = x.as_f32("rms_norm")?;
     let mut out = vec![0f32; n * d];
-    for (row, o) in xs.chunks_exact(d.max(1)).zip(out.chunks_exact_mut(d.max(1))) {
+    for (row, o) in xs
+        .chunks_exact(d.max(1))
+        .zip(out.chunks_exact_mut(d.max(1)))
+    {
         let ms = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
         let r = 1.0 / (ms + eps).sqrt();
         for ((oi, xi), wi) in o.iter_mut().zip(row).zip(&w) {
@@ -61,7 +70,10 @@ pub fn select_rows(x: &CpuTensor, rows: &[usize]) -> Result<CpuTensor> {
 pub fn split_cols(x: &CpuTensor, widths: &[usize]) -> Result<Vec<CpuTensor>> {
     let (n, d) = x.rows_cols("split_cols")?;
     if widths.iter().sum::<usize>() != d {
-        return Err(shape_err("split_cols", format!("widths {widths:?} do not add up to {d}")));
+        return Err(shape_err(
+            "split_cols",
+            format!("widths {widths:?} do not add up to {d}"),
+        ));
     }
     let xs = x.as_f32("split_cols")?;
     let mut offset = 0;
@@ -86,7 +98,10 @@ pub fn concat_cols(parts: &[&CpuTensor]) -> Result<CpuTensor> {
     for p in parts {
         let (pn, pw) = p.rows_cols("concat_cols")?;
         if pn != n {
-            return Err(shape_err("concat_cols", format!("row counts {pn} and {n} differ")));
+            return Err(shape_err(
+                "concat_cols",
+                format!("row counts {pn} and {n} differ"),
+            ));
         }
         dims.push((p.as_f32("concat_cols")?, pw));
     }

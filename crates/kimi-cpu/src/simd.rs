@@ -61,7 +61,10 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dot4(w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
         let n = w.len();
-        assert!(x.iter().all(|r| r.len() >= n), "dot4: token row shorter than weight row");
+        assert!(
+            x.iter().all(|r| r.len() >= n),
+            "dot4: token row shorter than weight row"
+        );
         let full = n / 16 * 16;
         let mut a0 = _mm256_setzero_ps();
         let mut a1 = _mm256_setzero_ps();
@@ -124,15 +127,25 @@ mod tests {
         for n in [1usize, 7, 16, 33, 100, 2304] {
             let w: Vec<f32> = (0..n).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1).collect();
             let rows: Vec<Vec<f32>> = (0..4)
-                .map(|t| (0..n).map(|i| ((i * 13 + t * 7) % 17) as f32 * 0.05 - 0.4).collect())
+                .map(|t| {
+                    (0..n)
+                        .map(|i| ((i * 13 + t * 7) % 17) as f32 * 0.05 - 0.4)
+                        .collect()
+                })
                 .collect();
             let x = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
             let a = dot4(&w, x);
             let b = dot4_scalar(&w, x);
             for t in 0..4 {
                 let exact: f64 = w.iter().zip(x[t]).map(|(a, b)| *a as f64 * *b as f64).sum();
-                assert!((a[t] as f64 - exact).abs() <= 1e-4 * (1.0 + exact.abs()), "n={n}");
-                assert!((b[t] as f64 - exact).abs() <= 1e-4 * (1.0 + exact.abs()), "n={n}");
+                assert!(
+                    (a[t] as f64 - exact).abs() <= 1e-4 * (1.0 + exact.abs()),
+                    "n={n}"
+                );
+                assert!(
+                    (b[t] as f64 - exact).abs() <= 1e-4 * (1.0 + exact.abs()),
+                    "n={n}"
+                );
             }
         }
     }

@@ -33,7 +33,10 @@ impl CpuTensor {
                 detail: format!("shape {shape:?} needs {n} values, got {}", data.len()),
             });
         }
-        Ok(Self { shape: shape.to_vec(), storage: Storage::F32(data) })
+        Ok(Self {
+            shape: shape.to_vec(),
+            storage: Storage::F32(data),
+        })
     }
 
     /// Copies a checkpoint tensor, keeping its dtype.
@@ -52,7 +55,10 @@ impl CpuTensor {
             });
         }
         let halves = || -> Vec<u16> {
-            host.bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect()
+            host.bytes
+                .chunks_exact(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                .collect()
         };
         let storage = match host.dtype {
             DType::F32 => Storage::F32(
@@ -65,7 +71,10 @@ impl CpuTensor {
             DType::F16 => Storage::F16(halves()),
             other => return Err(Error::Unsupported(format!("dtype {other}"))),
         };
-        Ok(Self { shape: host.shape.to_vec(), storage })
+        Ok(Self {
+            shape: host.shape.to_vec(),
+            storage,
+        })
     }
 
     /// Dimensions, outermost first.
@@ -87,14 +96,20 @@ impl CpuTensor {
     pub(crate) fn as_f32(&self, op: &'static str) -> Result<&[f32]> {
         match &self.storage {
             Storage::F32(v) => Ok(v),
-            _ => Err(Error::Shape { op, detail: "expected an f32 tensor".into() }),
+            _ => Err(Error::Shape {
+                op,
+                detail: "expected an f32 tensor".into(),
+            }),
         }
     }
 
     pub(crate) fn as_f32_mut(&mut self, op: &'static str) -> Result<&mut Vec<f32>> {
         match &mut self.storage {
             Storage::F32(v) => Ok(v),
-            _ => Err(Error::Shape { op, detail: "expected an f32 tensor".into() }),
+            _ => Err(Error::Shape {
+                op,
+                detail: "expected an f32 tensor".into(),
+            }),
         }
     }
 
@@ -118,7 +133,10 @@ impl CpuTensor {
     /// `[rows, cols]` of a matrix-shaped tensor (leading dimensions folded into rows).
     pub(crate) fn rows_cols(&self, op: &'static str) -> Result<(usize, usize)> {
         match self.shape.as_slice() {
-            [] => Err(Error::Shape { op, detail: "scalar given where a matrix is needed".into() }),
+            [] => Err(Error::Shape {
+                op,
+                detail: "scalar given where a matrix is needed".into(),
+            }),
             [n] => Ok((1, *n)),
             [lead @ .., last] => Ok((lead.iter().product(), *last)),
         }

@@ -43,17 +43,26 @@ impl<B: Backend> SeqCache<B> {
                     let width = kda.num_heads * kda.head_dim;
                     let window = [kda.conv_kernel.saturating_sub(1), width];
                     LayerCache::Kda {
-                        conv: [backend.zeros(&window)?, backend.zeros(&window)?, backend.zeros(&window)?],
+                        conv: [
+                            backend.zeros(&window)?,
+                            backend.zeros(&window)?,
+                            backend.zeros(&window)?,
+                        ],
                         state: backend.zeros(&[kda.num_heads, kda.head_dim, kda.head_dim])?,
                     }
                 }
                 Mixer::Mla => {
                     let mla = cfg.mla.as_ref().ok_or_else(|| missing("mla"))?;
-                    LayerCache::Mla { latent: backend.zeros(&[0, mla.kv_lora_rank + mla.qk_rope_head_dim])? }
+                    LayerCache::Mla {
+                        latent: backend.zeros(&[0, mla.kv_lora_rank + mla.qk_rope_head_dim])?,
+                    }
                 }
             });
         }
-        Ok(Self { layers, num_tokens: 0 })
+        Ok(Self {
+            layers,
+            num_tokens: 0,
+        })
     }
 
     /// Bytes of device memory this sequence's state occupies now.
@@ -62,7 +71,8 @@ impl<B: Backend> SeqCache<B> {
             .iter()
             .map(|l| match l {
                 LayerCache::Kda { conv, state } => {
-                    conv.iter().map(|c| backend.size_bytes(c)).sum::<usize>() + backend.size_bytes(state)
+                    conv.iter().map(|c| backend.size_bytes(c)).sum::<usize>()
+                        + backend.size_bytes(state)
                 }
                 LayerCache::Mla { latent } => backend.size_bytes(latent),
             })
@@ -71,5 +81,7 @@ impl<B: Backend> SeqCache<B> {
 }
 
 fn missing(what: &str) -> crate::ModelError {
-    crate::ModelError::Input(format!("config has a {what} layer but no {what} dimensions"))
+    crate::ModelError::Input(format!(
+        "config has a {what} layer but no {what} dimensions"
+    ))
 }

@@ -81,25 +81,48 @@ impl<B: Backend> KimiLinear<B> {
     /// Builds the model of `config` from any weight source (e.g. [`crate::RandomWeights`]).
     pub fn load_from(backend: B, config: ModelConfig, source: &dyn WeightSource) -> Result<Self> {
         let hidden = config.hidden_size;
-        let mut ld = Loader { backend: &backend, source, used: HashSet::new() };
+        let mut ld = Loader {
+            backend: &backend,
+            source,
+            used: HashSet::new(),
+        };
         let embed = ld.get("model.embed_tokens.weight", &[config.vocab_size, hidden])?;
         let mut layers = Vec::with_capacity(config.layers.len());
         for (i, spec) in config.layers.iter().enumerate() {
             let p = format!("model.layers.{i}");
             let mixer = match spec.mixer {
                 Mixer::Kda => {
-                    let c = config.kda.as_ref().ok_or_else(|| input("KDA layer without KDA dimensions"))?;
-                    MixerLayer::Kda(KdaLayer::load(&mut ld, &format!("{p}.self_attn"), hidden, c)?)
+                    let c = config
+                        .kda
+                        .as_ref()
+                        .ok_or_else(|| input("KDA layer without KDA dimensions"))?;
+                    MixerLayer::Kda(KdaLayer::load(
+                        &mut ld,
+                        &format!("{p}.self_attn"),
+                        hidden,
+                        c,
+                    )?)
                 }
                 Mixer::Mla => {
-                    let c = config.mla.as_ref().ok_or_else(|| input("MLA layer without MLA dimensions"))?;
-                    MixerLayer::Mla(MlaLayer::load(&mut ld, &format!("{p}.self_attn"), hidden, c)?)
+                    let c = config
+                        .mla
+                        .as_ref()
+                        .ok_or_else(|| input("MLA layer without MLA dimensions"))?;
+                    MixerLayer::Mla(MlaLayer::load(
+                        &mut ld,
+                        &format!("{p}.self_attn"),
+                        hidden,
+                        c,
+                    )?)
                 }
             };
             let ffn = match spec.ffn {
                 Ffn::Dense => FfnLayer::load_dense(&mut ld, &p, hidden, config.intermediate_size)?,
                 Ffn::Moe => {
-                    let c = config.moe.as_ref().ok_or_else(|| input("MoE layer without MoE configuration"))?;
+                    let c = config
+                        .moe
+                        .as_ref()
+                        .ok_or_else(|| input("MoE layer without MoE configuration"))?;
                     FfnLayer::load_moe(&mut ld, &p, hidden, c)?
                 }
             };
@@ -117,7 +140,14 @@ impl<B: Backend> KimiLinear<B> {
             Some(ld.get("lm_head.weight", &[config.vocab_size, hidden])?)
         };
         source.check_all_used(&ld.used)?;
-        Ok(Self { backend, config, embed, layers, norm, lm_head })
+        Ok(Self {
+            backend,
+            config,
+            embed,
+            layers,
+            norm,
+            lm_head,
+        })
     }
 
     /// The model's configuration.
@@ -136,7 +166,12 @@ impl<B: Backend> KimiLinear<B> {
     }
 
     /// Runs the new tokens of several sequences through the model, updating their caches.
-    pub fn forward(&self, batch: &Batch, caches: &mut [&mut SeqCache<B>], opts: ForwardOptions) -> Result<ForwardOutput> {
+    pub fn forward(
+        &self,
+        batch: &Batch,
+        caches: &mut [&mut SeqCache<B>],
+        opts: ForwardOptions,
+    ) -> Result<ForwardOutput> {
         self.check_batch(batch, caches.len())?;
         let be = &self.backend;
         let segs = &batch.segments;
@@ -149,7 +184,10 @@ impl<B: Backend> KimiLinear<B> {
             let normed = be.rms_norm(&x, &layer.post_norm, self.config.rms_norm_eps)?;
             let (ffn_out, chosen) = layer.ffn.forward(be, &normed)?;
             be.add_assign(&mut x, &ffn_out)?;
-            expert_counts.push(count_experts(&chosen, self.config.moe.as_ref().map_or(0, |m| m.num_experts)));
+            expert_counts.push(count_experts(
+                &chosen,
+                self.config.moe.as_ref().map_or(0, |m| m.num_experts),
+            ));
         }
         for (cache, seg) in caches.iter_mut().zip(segs) {
             cache.num_tokens += seg.len;
@@ -157,7 +195,11 @@ impl<B: Backend> KimiLinear<B> {
         let last = be.select_rows(&x, &batch.logits_rows)?;
         let normed = be.rms_norm(&last, &self.norm, self.config.rms_norm_eps)?;
         let logits = be.matmul(&normed, self.lm_head.as_ref().unwrap_or(&self.embed))?;
-        Ok(ForwardOutput { logits: be.to_f32(&logits)?, vocab_size: self.config.vocab_size, expert_counts })
+        Ok(ForwardOutput {
+            logits: be.to_f32(&logits)?,
+            vocab_size: self.config.vocab_size,
+            expert_counts,
+        })
     }
 
     fn run_mixer(
@@ -172,23 +214,43 @@ impl<B: Backend> KimiLinear<B> {
         let be = &self.backend;
         match &layer.mixer {
             MixerLayer::Kda(m) => {
-                let c = self.config.kda.as_ref().ok_or_else(|| input("KDA layer without KDA dimensions"))?;
+                let c = self
+                    .config
+                    .kda
+                    .as_ref()
+                    .ok_or_else(|| input("KDA layer without KDA dimensions"))?;
                 let mut states = Vec::with_capacity(caches.len());
                 for cache in caches.iter_mut() {
                     match &mut cache.layers[i] {
                         LayerCache::Kda { conv, state } => states.push((conv, state)),
-                        LayerCache::Mla { .. } => return Err(input("cache layout does not match the model")),
+                        LayerCache::Mla { .. } => {
+                            return Err(input("cache layout does not match the model"))
+                        }
                     }
                 }
-                m.forward(be, x, c, self.config.rms_norm_eps, segs, &mut states, opts.kda_mode)
+                m.forward(
+                    be,
+                    x,
+                    c,
+                    self.config.rms_norm_eps,
+                    segs,
+                    &mut states,
+                    opts.kda_mode,
+                )
             }
             MixerLayer::Mla(m) => {
-                let c = self.config.mla.as_ref().ok_or_else(|| input("MLA layer without MLA dimensions"))?;
+                let c = self
+                    .config
+                    .mla
+                    .as_ref()
+                    .ok_or_else(|| input("MLA layer without MLA dimensions"))?;
                 let mut latents = Vec::with_capacity(caches.len());
                 for cache in caches.iter_mut() {
                     match &mut cache.layers[i] {
                         LayerCache::Mla { latent } => latents.push(latent),
-                        LayerCache::Kda { .. } => return Err(input("cache layout does not match the model")),
+                        LayerCache::Kda { .. } => {
+                            return Err(input("cache layout does not match the model"))
+                        }
                     }
                 }
                 m.forward(be, x, c, segs, &mut latents, opts.mla_mode)
@@ -198,14 +260,28 @@ impl<B: Backend> KimiLinear<B> {
 
     fn check_batch(&self, batch: &Batch, num_caches: usize) -> Result<()> {
         if batch.segments.len() != num_caches {
-            return Err(input(&format!("{} segments but {num_caches} caches", batch.segments.len())));
+            return Err(input(&format!(
+                "{} segments but {num_caches} caches",
+                batch.segments.len()
+            )));
         }
         let n = batch.tokens.len();
-        if batch.segments.iter().any(|s| s.start + s.len > n) || batch.logits_rows.iter().any(|&r| r >= n) {
-            return Err(input("batch segments or logits rows fall outside its tokens"));
+        if batch.segments.iter().any(|s| s.start + s.len > n)
+            || batch.logits_rows.iter().any(|&r| r >= n)
+        {
+            return Err(input(
+                "batch segments or logits rows fall outside its tokens",
+            ));
         }
-        if let Some(&bad) = batch.tokens.iter().find(|&&t| t as usize >= self.config.vocab_size) {
-            return Err(input(&format!("token id {bad} is outside the vocabulary ({})", self.config.vocab_size)));
+        if let Some(&bad) = batch
+            .tokens
+            .iter()
+            .find(|&&t| t as usize >= self.config.vocab_size)
+        {
+            return Err(input(&format!(
+                "token id {bad} is outside the vocabulary ({})",
+                self.config.vocab_size
+            )));
         }
         Ok(())
     }

@@ -5,7 +5,9 @@
 use std::collections::HashSet;
 
 use kimi_core::config::{KdaConfig, MlaConfig, MoeConfig};
-use kimi_ops::{Backend, HostTensor, KdaMode, MlaDims, MlaMode, MlpWeights, MoeRouting, MoeWeights, Segment};
+use kimi_ops::{
+    Backend, HostTensor, KdaMode, MlaDims, MlaMode, MlpWeights, MoeRouting, MoeWeights, Segment,
+};
 
 use crate::source::WeightSource;
 use crate::Result;
@@ -21,10 +23,20 @@ impl<B: Backend> Loader<'_, B> {
     pub fn get(&mut self, name: &str, shape: &[usize]) -> Result<B::Tensor> {
         let (dtype, bytes) = self.source.load(name, shape)?;
         self.used.insert(name.to_string());
-        Ok(self.backend.upload(HostTensor { shape, dtype, bytes: &bytes })?)
+        Ok(self.backend.upload(HostTensor {
+            shape,
+            dtype,
+            bytes: &bytes,
+        })?)
     }
 
-    pub fn mlp(&mut self, prefix: &str, names: [&str; 3], hidden: usize, width: usize) -> Result<MlpWeights<B::Tensor>> {
+    pub fn mlp(
+        &mut self,
+        prefix: &str,
+        names: [&str; 3],
+        hidden: usize,
+        width: usize,
+    ) -> Result<MlpWeights<B::Tensor>> {
         Ok(MlpWeights {
             gate: self.get(&format!("{prefix}.{}.weight", names[0]), &[width, hidden])?,
             up: self.get(&format!("{prefix}.{}.weight", names[1]), &[width, hidden])?,
@@ -51,7 +63,12 @@ pub(crate) struct KdaLayer<T> {
 }
 
 impl<T> KdaLayer<T> {
-    pub fn load<B: Backend<Tensor = T>>(ld: &mut Loader<'_, B>, p: &str, hidden: usize, c: &KdaConfig) -> Result<Self> {
+    pub fn load<B: Backend<Tensor = T>>(
+        ld: &mut Loader<'_, B>,
+        p: &str,
+        hidden: usize,
+        c: &KdaConfig,
+    ) -> Result<Self> {
         let (h, d, w) = (c.num_heads, c.head_dim, c.conv_kernel);
         let width = h * d;
         Ok(Self {
@@ -98,15 +115,33 @@ impl<T> KdaLayer<T> {
         let beta = be.sigmoid(&be.matmul(x, &self.b)?)?;
         let z = be.matmul(&be.matmul(x, &self.g_a)?, &self.g_b)?;
         let mut states: Vec<&mut T> = caches.iter_mut().map(|(_, s)| &mut **s).collect();
-        let o = be.kda(&streams[0], &streams[1], &streams[2], &g, &beta, c.num_heads, segments, &mut states, mode)?;
+        let o = be.kda(
+            &streams[0],
+            &streams[1],
+            &streams[2],
+            &g,
+            &beta,
+            c.num_heads,
+            segments,
+            &mut states,
+            mode,
+        )?;
         let y = be.gated_rms_norm(&o, &z, &self.o_norm, eps)?;
         Ok(be.matmul(&y, &self.o)?)
     }
 }
 
+/// How MLA forms its queries.
+enum QueryProj<T> {
+    /// A full `q_proj` (Kimi Linear).
+    Full(T),
+    /// q-LoRA: `q_b_proj(RMSNorm(q_a_proj(x)))` (Kimi K2/K3).
+    LowRank { a: T, norm: T, b: T },
+}
+
 /// MLA mixer weights.
 pub(crate) struct MlaLayer<T> {
-    q: T,
+    q: QueryProj<T>,
     kv_a: T,
     kv_a_norm: T,
     kv_b: T,
@@ -114,12 +149,28 @@ pub(crate) struct MlaLayer<T> {
 }
 
 impl<T> MlaLayer<T> {
-    pub fn load<B: Backend<Tensor = T>>(ld: &mut Loader<'_, B>, p: &str, hidden: usize, c: &MlaConfig) -> Result<Self> {
+    pub fn load<B: Backend<Tensor = T>>(
+        ld: &mut Loader<'_, B>,
+        p: &str,
+        hidden: usize,
+        c: &MlaConfig,
+    ) -> Result<Self> {
         let h = c.num_heads;
         let qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+        let q = match c.q_lora_rank {
+            None => QueryProj::Full(ld.get(&format!("{p}.q_proj.weight"), &[h * qk, hidden])?),
+            Some(rank) => QueryProj::LowRank {
+                a: ld.get(&format!("{p}.q_a_proj.weight"), &[rank, hidden])?,
+                norm: ld.get(&format!("{p}.q_a_layernorm.weight"), &[rank])?,
+                b: ld.get(&format!("{p}.q_b_proj.weight"), &[h * qk, rank])?,
+            },
+        };
         Ok(Self {
-            q: ld.get(&format!("{p}.q_proj.weight"), &[h * qk, hidden])?,
-            kv_a: ld.get(&format!("{p}.kv_a_proj_with_mqa.weight"), &[c.kv_lora_rank + c.qk_rope_head_dim, hidden])?,
+            q,
+            kv_a: ld.get(
+                &format!("{p}.kv_a_proj_with_mqa.weight"),
+                &[c.kv_lora_rank + c.qk_rope_head_dim, hidden],
+            )?,
             kv_a_norm: ld.get(&format!("{p}.kv_a_layernorm.weight"), &[c.kv_lora_rank])?,
             kv_b: ld.get(
                 &format!("{p}.kv_b_proj.weight"),
@@ -138,7 +189,13 @@ impl<T> MlaLayer<T> {
         caches: &mut [&mut T],
         mode: MlaMode,
     ) -> Result<T> {
-        let q = be.matmul(x, &self.q)?;
+        let q = match &self.q {
+            QueryProj::Full(w) => be.matmul(x, w)?,
+            QueryProj::LowRank { a, norm, b } => {
+                let low = be.rms_norm(&be.matmul(x, a)?, norm, c.latent_norm_eps)?;
+                be.matmul(&low, b)?
+            }
+        };
         let kv = be.matmul(x, &self.kv_a)?;
         let parts = be.split_cols(&kv, &[c.kv_lora_rank, c.qk_rope_head_dim])?;
         let latent_c = be.rms_norm(&parts[0], &self.kv_a_norm, c.latent_norm_eps)?;
@@ -163,18 +220,44 @@ pub(crate) enum FfnLayer<T> {
 }
 
 impl<T> FfnLayer<T> {
-    pub fn load_dense<B: Backend<Tensor = T>>(ld: &mut Loader<'_, B>, p: &str, hidden: usize, width: usize) -> Result<Self> {
-        Ok(Self::Dense(ld.mlp(&format!("{p}.mlp"), ["gate_proj", "up_proj", "down_proj"], hidden, width)?))
+    pub fn load_dense<B: Backend<Tensor = T>>(
+        ld: &mut Loader<'_, B>,
+        p: &str,
+        hidden: usize,
+        width: usize,
+    ) -> Result<Self> {
+        Ok(Self::Dense(ld.mlp(
+            &format!("{p}.mlp"),
+            ["gate_proj", "up_proj", "down_proj"],
+            hidden,
+            width,
+        )?))
     }
 
-    pub fn load_moe<B: Backend<Tensor = T>>(ld: &mut Loader<'_, B>, p: &str, hidden: usize, c: &MoeConfig) -> Result<Self> {
+    pub fn load_moe<B: Backend<Tensor = T>>(
+        ld: &mut Loader<'_, B>,
+        p: &str,
+        hidden: usize,
+        c: &MoeConfig,
+    ) -> Result<Self> {
         let p = format!("{p}.block_sparse_moe");
         let e = c.num_experts;
         let router = ld.get(&format!("{p}.gate.weight"), &[e, hidden])?;
         let bias_name = format!("{p}.gate.e_score_correction_bias");
-        let correction_bias = if ld.source.contains(&bias_name) { Some(ld.get(&bias_name, &[e])?) } else { None };
+        let correction_bias = if ld.source.contains(&bias_name) {
+            Some(ld.get(&bias_name, &[e])?)
+        } else {
+            None
+        };
         let experts = (0..e)
-            .map(|i| ld.mlp(&format!("{p}.experts.{i}"), ["w1", "w3", "w2"], hidden, c.expert_intermediate_size))
+            .map(|i| {
+                ld.mlp(
+                    &format!("{p}.experts.{i}"),
+                    ["w1", "w3", "w2"],
+                    hidden,
+                    c.expert_intermediate_size,
+                )
+            })
             .collect::<Result<Vec<_>>>()?;
         let shared = match c.num_shared_experts {
             0 => None,
@@ -193,7 +276,15 @@ impl<T> FfnLayer<T> {
             scaling: c.routed_scaling_factor,
             weights_use_bias: c.weights_use_correction_bias,
         };
-        Ok(Self::Moe(MoeWeights { router, correction_bias, experts, shared }, routing))
+        Ok(Self::Moe(
+            MoeWeights {
+                router,
+                correction_bias,
+                experts,
+                shared,
+            },
+            routing,
+        ))
     }
 
     /// Returns the output and, for MoE, the chosen experts (`top_k` per token).

@@ -70,13 +70,20 @@ impl WeightSource for RandomWeights {
             let a = fan_in.max(1.0).powf(-0.5);
             (0..n).map(|_| (2.0 * uniform() - 1.0) * a).collect()
         };
-        let keep_f32 = name.ends_with("A_log") || name.ends_with("dt_bias") || self.dtype == DType::F32;
+        let keep_f32 =
+            name.ends_with("A_log") || name.ends_with("dt_bias") || self.dtype == DType::F32;
         let bytes: Vec<u8> = if keep_f32 {
             values.iter().flat_map(|v| v.to_le_bytes()).collect()
         } else {
-            values.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect()
+            values
+                .iter()
+                .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+                .collect()
         };
-        Ok((if keep_f32 { DType::F32 } else { DType::BF16 }, Cow::Owned(bytes)))
+        Ok((
+            if keep_f32 { DType::F32 } else { DType::BF16 },
+            Cow::Owned(bytes),
+        ))
     }
 
     fn check_all_used(&self, _used: &HashSet<String>) -> Result<()> {
@@ -85,5 +92,7 @@ impl WeightSource for RandomWeights {
 }
 
 fn fnv(s: &str) -> u64 {
-    s.bytes().fold(0xcbf29ce484222325, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3))
+    s.bytes().fold(0xcbf29ce484222325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100000001b3)
+    })
 }

@@ -49,14 +49,29 @@ impl ModelSummary {
                     kda_n += 1;
                     let (h, hd, w) = (k.num_heads as u64, k.head_dim as u64, k.conv_kernel as u64);
                     let width = h * hd;
-                    3 * width * d + 3 * width * w + 2 * (hd * d + width * hd) + h + width + h * d + hd + d * width
+                    3 * width * d
+                        + 3 * width * w
+                        + 2 * (hd * d + width * hd)
+                        + h
+                        + width
+                        + h * d
+                        + hd
+                        + d * width
                 }
                 (Mixer::Mla, _, Some(m)) => {
                     mla_n += 1;
                     let h = m.num_heads as u64;
-                    let (r, dn, dr, dv) =
-                        (m.kv_lora_rank as u64, m.qk_nope_head_dim as u64, m.qk_rope_head_dim as u64, m.v_head_dim as u64);
-                    h * (dn + dr) * d + (r + dr) * d + r + h * (dn + dv) * r + d * h * dv
+                    let (r, dn, dr, dv) = (
+                        m.kv_lora_rank as u64,
+                        m.qk_nope_head_dim as u64,
+                        m.qk_rope_head_dim as u64,
+                        m.v_head_dim as u64,
+                    );
+                    let q = match m.q_lora_rank {
+                        None => h * (dn + dr) * d,
+                        Some(rank) => rank as u64 * (d + 1) + h * (dn + dr) * rank as u64,
+                    };
+                    q + (r + dr) * d + r + h * (dn + dv) * r + d * h * dv
                 }
                 _ => 0,
             };
@@ -85,10 +100,16 @@ impl ModelSummary {
         params.embedding_and_head = heads * cfg.vocab_size as u64 * d + d;
         params.total += params.embedding_and_head;
         params.active += params.embedding_and_head;
-        let mla_cache = cfg.mla.as_ref().map_or(0, |m| (m.kv_lora_rank + m.qk_rope_head_dim) as u64);
+        let mla_cache = cfg
+            .mla
+            .as_ref()
+            .map_or(0, |m| (m.kv_lora_rank + m.qk_rope_head_dim) as u64);
         let (state, conv) = cfg.kda.as_ref().map_or((0, 0), |k| {
             let width = (k.num_heads * k.head_dim) as u64;
-            (k.num_heads as u64 * (k.head_dim as u64).pow(2), 3 * (k.conv_kernel as u64).saturating_sub(1) * width)
+            (
+                k.num_heads as u64 * (k.head_dim as u64).pow(2),
+                3 * (k.conv_kernel as u64).saturating_sub(1) * width,
+            )
         });
         Self {
             params,
@@ -109,14 +130,24 @@ mod tests {
     /// The released checkpoint's table sums to 49,122,681,728 parameters (spec §0, [INV]).
     #[test]
     fn released_48b_parameter_count() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json");
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json"
+        );
         let cfg = ModelConfig::from_json_str(&std::fs::read_to_string(path).unwrap()).unwrap();
         let s = ModelSummary::new(&cfg);
         assert_eq!(s.params.total, 49_122_681_728);
-        assert_eq!((s.num_kda_layers, s.num_mla_layers, s.num_moe_layers), (20, 7, 26));
+        assert_eq!(
+            (s.num_kda_layers, s.num_mla_layers, s.num_moe_layers),
+            (20, 7, 26)
+        );
         assert_eq!(s.mla_cache_elems_per_token, 576 * 7);
         assert_eq!(s.kda_state_elems_per_seq * 4, 40 << 20);
         // About 3 B active per token.
-        assert!((2_500_000_000..3_500_000_000).contains(&s.params.active), "{}", s.params.active);
+        assert!(
+            (2_500_000_000..3_500_000_000).contains(&s.params.active),
+            "{}",
+            s.params.active
+        );
     }
 }

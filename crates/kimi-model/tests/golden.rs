@@ -27,7 +27,11 @@ fn fixture_dirs() -> Vec<PathBuf> {
         .filter(|p| p.join("reference.json").exists())
         .collect();
     dirs.sort();
-    assert!(dirs.len() >= 6, "expected the committed fixtures, found {}", dirs.len());
+    assert!(
+        dirs.len() >= 6,
+        "expected the committed fixtures, found {}",
+        dirs.len()
+    );
     dirs
 }
 
@@ -37,12 +41,25 @@ fn read_npy_f64(path: &Path) -> (Vec<usize>, Vec<f64>) {
     assert_eq!(&bytes[..6], b"\x93NUMPY");
     let (header_len, start) = match bytes[6] {
         1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
-        _ => (u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize, 12),
+        _ => (
+            u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize,
+            12,
+        ),
     };
     let header = std::str::from_utf8(&bytes[start..start + header_len]).expect("ascii header");
-    assert!(header.contains("'<f8'") && header.contains("'fortran_order': False"), "{header}");
-    let shape_text = header.split("'shape': (").nth(1).and_then(|s| s.split(')').next()).expect("shape");
-    let shape: Vec<usize> = shape_text.split(',').filter_map(|s| s.trim().parse().ok()).collect();
+    assert!(
+        header.contains("'<f8'") && header.contains("'fortran_order': False"),
+        "{header}"
+    );
+    let shape_text = header
+        .split("'shape': (")
+        .nth(1)
+        .and_then(|s| s.split(')').next())
+        .expect("shape");
+    let shape: Vec<usize> = shape_text
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
     let data = bytes[start + header_len..]
         .chunks_exact(8)
         .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
@@ -51,7 +68,11 @@ fn read_npy_f64(path: &Path) -> (Vec<usize>, Vec<f64>) {
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().expect("id list").iter().map(|x| x.as_u64().expect("id") as u32).collect()
+    v.as_array()
+        .expect("id list")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
 }
 
 struct Fixture {
@@ -66,13 +87,22 @@ struct Fixture {
 fn load(dir: &Path) -> Fixture {
     let name = dir.file_name().unwrap().to_string_lossy().into_owned();
     let ckpt = Checkpoint::open(dir).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let model = KimiLinear::load(CpuBackend::new(), &ckpt).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let model =
+        KimiLinear::load(CpuBackend::new(), &ckpt).unwrap_or_else(|e| panic!("{name}: {e}"));
     let reference: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
     let prompt = ids(&reference["prompt_ids"]);
     let (shape, logits) = read_npy_f64(&dir.join("logits.npy"));
     assert_eq!(shape[0], prompt.len(), "{name}: logits rows");
-    Fixture { name, vocab: shape[1], model, prompt, logits, reference }
+    Fixture {
+        name,
+        vocab: shape[1],
+        model,
+        prompt,
+        logits,
+        reference,
+    }
 }
 
 /// Logits of every position, feeding `step` tokens per forward pass through one cache.
@@ -82,17 +112,29 @@ fn run(model: &KimiLinear<CpuBackend>, ids: &[u32], step: usize, opts: ForwardOp
     for chunk in ids.chunks(step) {
         let batch = Batch {
             tokens: chunk.to_vec(),
-            segments: vec![Segment { start: 0, len: chunk.len() }],
+            segments: vec![Segment {
+                start: 0,
+                len: chunk.len(),
+            }],
             logits_rows: (0..chunk.len()).collect(),
         };
-        out.extend(model.forward(&batch, &mut [&mut cache], opts).unwrap().logits);
+        out.extend(
+            model
+                .forward(&batch, &mut [&mut cache], opts)
+                .unwrap()
+                .logits,
+        );
     }
     out
 }
 
 fn rel_err(got: &[f32], want: &[f64]) -> f64 {
     assert_eq!(got.len(), want.len());
-    let num: f64 = got.iter().zip(want).map(|(g, w)| (*g as f64 - w).powi(2)).sum();
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (*g as f64 - w).powi(2))
+        .sum();
     let den: f64 = want.iter().map(|w| w * w).sum();
     (num / den).sqrt()
 }
@@ -105,7 +147,11 @@ fn check_modes(modes: &[(&str, usize, ForwardOptions)]) {
             let got = run(&f.model, &f.prompt, step, *opts);
             let err = rel_err(&got, &f.logits);
             eprintln!("{:<28} {label:<22} rel err {err:.2e}", f.name);
-            assert!(err <= TOLERANCE, "{}: {label}: relative error {err:.3e} > {TOLERANCE:e}", f.name);
+            assert!(
+                err <= TOLERANCE,
+                "{}: {label}: relative error {err:.3e} > {TOLERANCE:e}",
+                f.name
+            );
         }
         assert_eq!(f.vocab, f.model.config().vocab_size);
     }
@@ -115,7 +161,14 @@ fn check_modes(modes: &[(&str, usize, ForwardOptions)]) {
 fn prefill_matches_reference() {
     check_modes(&[
         ("prefill", 0, ForwardOptions::default()),
-        ("prefill recurrent", 0, ForwardOptions { kda_mode: KdaMode::Recurrent, mla_mode: MlaMode::Absorbed }),
+        (
+            "prefill recurrent",
+            0,
+            ForwardOptions {
+                kda_mode: KdaMode::Recurrent,
+                mla_mode: MlaMode::Absorbed,
+            },
+        ),
     ]);
 }
 
@@ -128,7 +181,14 @@ fn chunked_step_16_matches_reference() {
 fn decode_step_1_matches_reference() {
     check_modes(&[
         ("step 1", 1, ForwardOptions::default()),
-        ("step 1 expanded", 1, ForwardOptions { kda_mode: KdaMode::Chunked, mla_mode: MlaMode::Expanded }),
+        (
+            "step 1 expanded",
+            1,
+            ForwardOptions {
+                kda_mode: KdaMode::Chunked,
+                mla_mode: MlaMode::Expanded,
+            },
+        ),
     ]);
 }
 
@@ -145,10 +205,17 @@ fn greedy_continuation_matches_reference() {
         while got.len() < want.len() {
             let batch = Batch {
                 tokens: feed.clone(),
-                segments: vec![Segment { start: 0, len: feed.len() }],
+                segments: vec![Segment {
+                    start: 0,
+                    len: feed.len(),
+                }],
                 logits_rows: vec![feed.len() - 1],
             };
-            let logits = f.model.forward(&batch, &mut [&mut cache], ForwardOptions::default()).unwrap().logits;
+            let logits = f
+                .model
+                .forward(&batch, &mut [&mut cache], ForwardOptions::default())
+                .unwrap()
+                .logits;
             let next = logits
                 .iter()
                 .enumerate()

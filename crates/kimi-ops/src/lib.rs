@@ -168,8 +168,7 @@ pub trait Backend: Send + Sync {
     /// `x [n, in] · wᵀ` with `w [out, in]` → `[n, out]`.
     fn matmul(&self, x: &Self::Tensor, w: &Self::Tensor) -> Result<Self::Tensor>;
     /// Per-row RMSNorm of `x [n, d]` times `weight [d]`.
-    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32)
-        -> Result<Self::Tensor>;
+    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
     /// `x += y`, both `[n, d]`.
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
     /// Picks rows of `x [n, d]` → `[rows.len(), d]`.
