@@ -63,7 +63,7 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     let peak_rss = peak_rss_bytes();
     let result = json!({
         "model": loaded.dir.display().to_string(),
-        "backend": format!("cpu ({} threads)", rayon::current_num_threads()),
+        "backend": format!("cpu ({} threads)", kimi_cpu::num_threads()),
         "total_params": summary.params.total, "active_params": summary.params.active,
         "load_secs": load_secs,
         "prompt_len": a.prompt_len, "gen_len": a.gen_len,
@@ -81,7 +81,7 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         summary.params.total,
         summary.params.active
     );
-    println!("backend     cpu, {} threads", rayon::current_num_threads());
+    println!("backend     cpu, {} threads", kimi_cpu::num_threads());
     println!(
         "prefill     {:.1} tokens/s ({} tokens in {:.3} s)",
         a.prompt_len as f64 / best_prefill,

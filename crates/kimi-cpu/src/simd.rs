@@ -16,9 +16,25 @@ pub fn dot4(w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
     dot4_scalar(w, x)
 }
 
-/// `Σ a[i]·b[i]`.
+/// `Σ a[i]·b[i]` over the shorter of the two slices.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    dot4(a, [b, b, b, b])[0]
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx2_fma() {
+            // SAFETY: the AVX2 and FMA features were detected on this CPU just above.
+            return unsafe { avx2::dot(a, b) };
+        }
+    }
+    let mut acc = [0f32; 8];
+    let full = n / 8 * 8;
+    for i in (0..full).step_by(8) {
+        for l in 0..8 {
+            acc[l] += a[i + l] * b[i + l];
+        }
+    }
+    acc.iter().sum::<f32>() + (full..n).map(|i| a[i] * b[i]).sum::<f32>()
 }
 
 /// Portable version: eight independent lanes per token so the compiler can vectorise
@@ -45,6 +61,22 @@ pub fn dot4_scalar(w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
         out[t] = s;
     }
     out
+}
+
+/// Makes the calling thread treat subnormal floats as zero (x86 MXCSR FTZ and DAZ bits).
+pub fn flush_subnormals_to_zero() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_getcsr, _mm_setcsr};
+        const FTZ: u32 = 1 << 15;
+        const DAZ: u32 = 1 << 6;
+        // SAFETY: SSE is part of x86_64; changing MXCSR only affects how this thread's float
+        // operations treat subnormal values, which no code here relies on.
+        #[allow(deprecated)]
+        unsafe {
+            _mm_setcsr(_mm_getcsr() | FTZ | DAZ)
+        };
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -107,6 +139,34 @@ mod avx2 {
         out
     }
 
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; `a` and `b` must have the same length.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let full = n / 16 * 16;
+        let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut i = 0;
+        while i < full {
+            // SAFETY: i + 16 <= n, within both slices.
+            unsafe {
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), s0);
+                s1 = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(pa.add(i + 8)),
+                    _mm256_loadu_ps(pb.add(i + 8)),
+                    s1,
+                );
+            }
+            i += 16;
+        }
+        let mut out = hsum(_mm256_add_ps(s0, s1));
+        for j in full..n {
+            out += a[j] * b[j];
+        }
+        out
+    }
+
     #[target_feature(enable = "avx2,fma")]
     fn hsum(v: __m256) -> f32 {
         let hi = _mm256_extractf128_ps(v, 1);
@@ -136,6 +196,12 @@ mod tests {
             let x = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
             let a = dot4(&w, x);
             let b = dot4_scalar(&w, x);
+            let single = dot(&w, x[2]);
+            let exact2: f64 = w.iter().zip(x[2]).map(|(a, b)| *a as f64 * *b as f64).sum();
+            assert!(
+                (single as f64 - exact2).abs() <= 1e-4 * (1.0 + exact2.abs()),
+                "n={n}"
+            );
             for t in 0..4 {
                 let exact: f64 = w.iter().zip(x[t]).map(|(a, b)| *a as f64 * *b as f64).sum();
                 assert!(
