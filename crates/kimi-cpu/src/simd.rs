@@ -63,19 +63,32 @@ pub fn dot4_scalar(w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
     out
 }
 
-/// Makes the calling thread treat subnormal floats as zero (x86 MXCSR FTZ and DAZ bits).
+/// Makes the calling thread treat subnormal floats as zero (x86: MXCSR FTZ and DAZ bits;
+/// AArch64: FPCR.FZ).
 pub fn flush_subnormals_to_zero() {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::x86_64::{_mm_getcsr, _mm_setcsr};
-        const FTZ: u32 = 1 << 15;
-        const DAZ: u32 = 1 << 6;
-        // SAFETY: SSE is part of x86_64; changing MXCSR only affects how this thread's float
-        // operations treat subnormal values, which no code here relies on.
-        #[allow(deprecated)]
+        const FTZ_DAZ: u32 = (1 << 15) | (1 << 6);
+        let mut csr: u32 = 0;
+        // SAFETY: stmxcsr/ldmxcsr read and write this thread's SSE control register (SSE is
+        // part of x86_64); the pointers are to live locals. Setting FTZ/DAZ only changes how
+        // subnormal values are treated, which no code here relies on.
         unsafe {
-            _mm_setcsr(_mm_getcsr() | FTZ | DAZ)
-        };
+            std::arch::asm!("stmxcsr [{}]", in(reg) &mut csr, options(nostack, preserves_flags));
+            csr |= FTZ_DAZ;
+            std::arch::asm!("ldmxcsr [{}]", in(reg) &csr, options(nostack, preserves_flags));
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        // SAFETY: reads and writes this thread's floating-point control register; setting FZ
+        // (bit 24) only flushes subnormal values to zero.
+        unsafe {
+            let mut fpcr: u64;
+            std::arch::asm!("mrs {}, fpcr", out(reg) fpcr, options(nomem, nostack, preserves_flags));
+            fpcr |= 1 << 24;
+            std::arch::asm!("msr fpcr, {}", in(reg) fpcr, options(nomem, nostack, preserves_flags));
+        }
     }
 }
 
