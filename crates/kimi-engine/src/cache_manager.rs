@@ -92,6 +92,7 @@ impl CacheManager {
     }
 
     /// Blocks not held by any sequence.
+    #[cfg(test)]
     pub(crate) fn num_free_blocks(&self) -> usize {
         self.free_blocks.len()
     }

@@ -374,3 +374,103 @@ fn guarded<T>(f: impl FnOnce() -> T) -> Result<T, End> {
         ))
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+    use std::sync::mpsc;
+
+    use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+    use super::*;
+
+    fn fixture_model() -> KimiLinear<kimi_cpu::CpuBackend> {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/kimi-linear/hub-bf16-released-like");
+        let ckpt = kimi_weights::Checkpoint::open(&dir).expect("fixture opens");
+        KimiLinear::load(kimi_cpu::CpuBackend::new(), &ckpt).expect("fixture loads")
+    }
+
+    /// Sends a request straight to the loop, skipping the handle's validation.
+    fn submit(
+        commands: &mpsc::Sender<Command>,
+        shared: &Shared,
+        id: u64,
+        prompt: Vec<TokenId>,
+    ) -> UnboundedReceiver<Event> {
+        let (events, receiver) = unbounded_channel();
+        let params = SamplingParams {
+            max_tokens: 3,
+            ..SamplingParams::default()
+        };
+        let request = Request {
+            prompt,
+            params,
+            eos_ids: vec![],
+            logits_processor: None,
+        };
+        let submission = Submission {
+            id: RequestId(id),
+            request,
+            events,
+            arrival: Instant::now(),
+        };
+        shared.num_in_flight.fetch_add(1, Ordering::Relaxed);
+        commands
+            .send(Command::Submit(Box::new(submission)))
+            .expect("engine is running");
+        receiver
+    }
+
+    fn events(mut receiver: UnboundedReceiver<Event>) -> Vec<Event> {
+        let mut all = Vec::new();
+        while let Some(event) = receiver.blocking_recv() {
+            let last = matches!(event, Event::Finished { .. } | Event::Error(_));
+            all.push(event);
+            if last {
+                break;
+            }
+        }
+        all
+    }
+
+    #[test]
+    fn a_model_error_fails_its_step_and_the_engine_goes_on() {
+        let config = ServingConfig {
+            max_model_len: 64,
+            max_num_seqs: 4,
+            max_num_batched_tokens: 64,
+            block_size: 4,
+            num_blocks: 16,
+            max_waiting: 8,
+        };
+        let (commands, receiver) = mpsc::channel();
+        let shared = Arc::new(Shared::default());
+        let engine = EngineLoop::new(fixture_model(), &config, receiver, Arc::clone(&shared));
+        let thread = std::thread::spawn(move || engine.run());
+
+        // Token 100000 is outside the vocabulary: the forward pass fails.
+        let bad = events(submit(&commands, &shared, 0, vec![1, 100_000]));
+        assert!(
+            matches!(&bad[..], [Event::Error(e)] if e.contains("100000")),
+            "{bad:?}"
+        );
+        let good = events(submit(&commands, &shared, 1, vec![1, 2, 3]));
+        assert!(matches!(good[0], Event::Started { .. }), "{good:?}");
+        assert!(matches!(
+            good.last(),
+            Some(Event::Finished {
+                reason: FinishReason::Length,
+                prompt_tokens: 3,
+                completion_tokens: 3
+            })
+        ));
+        commands
+            .send(Command::Shutdown { graceful: true })
+            .expect("engine is running");
+        thread.join().expect("the engine thread exits cleanly");
+        let metrics = shared.metrics.lock().expect("not poisoned").clone();
+        assert_eq!((metrics.num_running, metrics.cache_usage), (0, 0.0));
+        assert_eq!(metrics.generation_tokens_total, 3);
+    }
+}

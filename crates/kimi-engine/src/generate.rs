@@ -46,7 +46,11 @@ pub struct Engine<B: Backend> {
 impl<B: Backend> Engine<B> {
     /// Wraps a loaded model.
     pub fn new(model: KimiLinear<B>) -> Self {
-        Self { model, prefill_chunk: 512, options: ForwardOptions::default() }
+        Self {
+            model,
+            prefill_chunk: 512,
+            options: ForwardOptions::default(),
+        }
     }
 
     /// The model.
@@ -70,11 +74,29 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Runs `chunk` through `cache`; returns logits of every row or of the last one.
-    fn forward_chunk(&self, chunk: &[u32], cache: &mut SeqCache<B>, every_row: bool) -> Result<Vec<f32>> {
-        let rows = if every_row { (0..chunk.len()).collect() } else { vec![chunk.len() - 1] };
-        let batch =
-            Batch { tokens: chunk.to_vec(), segments: vec![Segment { start: 0, len: chunk.len() }], logits_rows: rows };
-        Ok(self.model.forward(&batch, &mut [cache], self.options)?.logits)
+    fn forward_chunk(
+        &self,
+        chunk: &[u32],
+        cache: &mut SeqCache<B>,
+        every_row: bool,
+    ) -> Result<Vec<f32>> {
+        let rows = if every_row {
+            (0..chunk.len()).collect()
+        } else {
+            vec![chunk.len() - 1]
+        };
+        let batch = Batch {
+            tokens: chunk.to_vec(),
+            segments: vec![Segment {
+                start: 0,
+                len: chunk.len(),
+            }],
+            logits_rows: rows,
+        };
+        Ok(self
+            .model
+            .forward(&batch, &mut [cache], self.options)?
+            .logits)
     }
 
     /// Generates from `prompt`, calling `on_token` after each sampled token; the callback
@@ -87,7 +109,9 @@ impl<B: Backend> Engine<B> {
         mut on_token: impl FnMut(&Sampled) -> ControlFlow<()>,
     ) -> Result<Generation> {
         let vocab = self.model.config().vocab_size;
-        params.validate(vocab).map_err(|e| EngineError::Request(e.to_string()))?;
+        params
+            .validate(vocab)
+            .map_err(|e| EngineError::Request(e.to_string()))?;
         if prompt.is_empty() {
             return Err(EngineError::Request("the prompt has no tokens".into()));
         }

@@ -33,11 +33,6 @@ impl<B: Backend> ModelRunner<B> {
         }
     }
 
-    /// The model.
-    pub(crate) fn model(&self) -> &KimiLinear<B> {
-        &self.model
-    }
-
     /// Drops the cache of `id` (finished, cancelled or preempted).
     pub(crate) fn release(&mut self, id: RequestId) {
         self.caches.remove(&id);
@@ -68,7 +63,13 @@ impl<B: Backend> ModelRunner<B> {
             let mut refs: Vec<&mut SeqCache<B>> = caches.iter_mut().collect();
             model.forward(&batch, &mut refs, options)
         }));
+        let num_rows = chunks.iter().filter(|c| c.samples).count();
         match result {
+            Ok(Ok(out)) if out.logits.len() != num_rows * out.vocab_size => Err(format!(
+                "internal error: the model returned {} logits for {num_rows} rows of {}",
+                out.logits.len(),
+                out.vocab_size
+            )),
             Ok(Ok(out)) => {
                 for (chunk, cache) in chunks.iter().zip(caches) {
                     self.caches.insert(chunk.id, cache);

@@ -342,22 +342,21 @@ mod tests {
     }
 
     #[test]
-    fn admission_respects_max_num_seqs_and_blocks() {
-        let mut s = scheduler(2, 64, 6, 4);
+    fn admission_is_fifo_within_max_num_seqs_and_blocks() {
+        let mut s = scheduler(2, 64, 4, 4);
         s.add(RequestId(0), vec![1; 8]);
         s.add(RequestId(1), vec![1; 12]);
         s.add(RequestId(2), vec![1; 1]);
+        s.add(RequestId(3), vec![1; 1]);
         let plan = s.schedule();
-        assert_eq!(
-            lens(&plan),
-            vec![(0, 0, 8, true)],
-            "request 1 needs 3 blocks, 4 are free"
-        );
-        assert_eq!(s.num_waiting(), 2);
+        // Request 1 needs 3 blocks and 2 are free; request 2 would fit but must not jump it.
+        assert_eq!(lens(&plan), vec![(0, 0, 8, true)]);
+        assert_eq!(s.num_waiting(), 3);
         s.remove(RequestId(0));
         let plan = s.schedule();
         assert_eq!(lens(&plan), vec![(1, 0, 12, true), (2, 0, 1, true)]);
-        assert!((s.cache_usage() - 4.0 / 6.0).abs() < 1e-12);
+        assert_eq!(s.num_waiting(), 1, "max_num_seqs is 2");
+        assert_eq!(s.cache_usage(), 1.0);
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! The serving engine: many concurrent requests, continuously batched.
 //!
 //! CONTRACT between the engine loop and the HTTP server (kimi-server). The types and
-//! signatures below are fixed; the loop behind them lives in `scheduler.rs` /
-//! `cache_manager.rs` / `serving.rs`.
+//! signatures below are fixed; the loop behind them lives in `engine_loop.rs` (the thread),
+//! `scheduler.rs` (queues, budget, preemption), `cache_manager.rs` (blocks and slots) and
+//! `runner.rs` (the model and its caches).
 //!
 //! A dedicated thread owns the model and runs `step()` repeatedly: schedule (decode first,
 //! then chunked prefill within `max_num_batched_tokens`), one batched forward pass over

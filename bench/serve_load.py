@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""Load generator for `kimi-infer serve`: throughput, TTFT and TPOT percentiles.
+
+Sends `--num-requests` streamed chat completions with at most `--concurrency` in flight,
+using the official `openai` client (as users do), and prints/saves JSON:
+
+  python3 bench/serve_load.py --base-url http://127.0.0.1:8000/v1 --concurrency 1 16 64 \
+      --num-requests 64 --max-tokens 32 --json out.json
+
+TTFT = time from sending the request to the first content token; TPOT = (end − first token)
+/ (output tokens − 1); throughput = output tokens of all requests / wall time of the level.
+"""
+import argparse
+import asyncio
+import json
+import statistics
+import time
+
+from openai import AsyncOpenAI
+
+
+def percentiles(xs):
+    if not xs:
+        return {}
+    xs = sorted(xs)
+    pick = lambda p: xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+    return {"p50": pick(50), "p90": pick(90), "p99": pick(99), "mean": statistics.fmean(xs)}
+
+
+async def one(client, model, prompt, max_tokens, out):
+    start = time.perf_counter()
+    first = None
+    tokens = 0
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    usage = None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if chunk.choices and chunk.choices[0].delta and chunk.choices[0].delta.content:
+            if first is None:
+                first = time.perf_counter()
+            tokens += 1
+    end = time.perf_counter()
+    n = usage.completion_tokens if usage is not None else tokens
+    out.append({"ttft": (first or end) - start, "e2e": end - start, "tokens": n,
+                "tpot": (end - first) / (n - 1) if first is not None and n > 1 else None})
+
+
+async def level(client, model, concurrency, num_requests, max_tokens, prompt_words):
+    sem = asyncio.Semaphore(concurrency)
+    results = []
+
+    async def guarded(i):
+        async with sem:
+            prompt = " ".join(f"word{(i * 7 + j) % 97}" for j in range(prompt_words))
+            await one(client, model, prompt, max_tokens, results)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(guarded(i) for i in range(num_requests)))
+    wall = time.perf_counter() - start
+    total = sum(r["tokens"] for r in results)
+    return {
+        "concurrency": concurrency,
+        "requests": num_requests,
+        "output_tokens": total,
+        "wall_secs": wall,
+        "output_tokens_per_sec": total / wall,
+        "ttft_secs": percentiles([r["ttft"] for r in results]),
+        "tpot_secs": percentiles([r["tpot"] for r in results if r["tpot"] is not None]),
+        "e2e_secs": percentiles([r["e2e"] for r in results]),
+    }
+
+
+async def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    ap.add_argument("--api-key", default="none")
+    ap.add_argument("--model", default=None, help="served model name (default: the first /v1/models entry)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--prompt-words", type=int, default=24)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    client = AsyncOpenAI(base_url=a.base_url, api_key=a.api_key, timeout=600)
+    model = a.model or (await client.models.list()).data[0].id
+    report = {"base_url": a.base_url, "model": model, "levels": []}
+    for c in a.concurrency:
+        r = await level(client, model, c, max(a.num_requests, c), a.max_tokens, a.prompt_words)
+        report["levels"].append(r)
+        print(f"concurrency {c:>3}: {r['output_tokens_per_sec']:8.1f} tok/s  "
+              f"TTFT p50 {r['ttft_secs'].get('p50', 0)*1e3:7.1f} ms p99 {r['ttft_secs'].get('p99', 0)*1e3:7.1f} ms  "
+              f"TPOT p50 {r['tpot_secs'].get('p50', 0)*1e3:6.1f} ms p99 {r['tpot_secs'].get('p99', 0)*1e3:6.1f} ms",
+              flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
