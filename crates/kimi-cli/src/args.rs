@@ -189,6 +189,10 @@ pub struct BenchArgs {
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Also measure offline throughput of this many concurrent requests through the
+    /// continuous-batching engine (the baseline for server overhead).
+    #[arg(long, default_value_t = 0)]
+    pub batch: usize,
     /// Benchmark a config.json with deterministic random weights instead of a checkpoint.
     #[arg(long, conflicts_with = "model")]
     pub random_config: Option<PathBuf>,

@@ -32,7 +32,8 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     };
     let load_secs = load_start.elapsed().as_secs_f64();
     let engine = &loaded.engine;
-    let cfg = engine.model().config();
+    let cfg = engine.model().config().clone();
+    let cfg = &cfg;
     let prompt: Vec<u32> = (0..a.prompt_len)
         .map(|i| ((i as u64 * 2654435761) % cfg.vocab_size as u64) as u32)
         .collect();
@@ -60,8 +61,15 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     let decode_tps = 1.0 / best_decode;
     let achieved = bytes_per_token * decode_tps;
     let bandwidth = measure_read_bandwidth();
+    let batch = if a.batch > 0 {
+        Some(batched_throughput(loaded.engine, &a, &prompt)?)
+    } else {
+        None
+    };
     let peak_rss = peak_rss_bytes();
     let result = json!({
+        "batch": a.batch,
+        "batch_output_tokens_per_sec": batch,
         "model": loaded.dir.display().to_string(),
         "backend": format!("cpu ({} threads)", kimi_cpu::num_threads()),
         "total_params": summary.params.total, "active_params": summary.params.active,
@@ -100,6 +108,9 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         100.0 * achieved / bandwidth,
         bytes(bandwidth as u64)
     );
+    if let Some(tps) = batch {
+        println!("batched     {tps:.1} output tokens/s with {} concurrent requests (engine loop, no HTTP)", a.batch);
+    }
     println!("peak RSS    {}", bytes(peak_rss));
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&result)?)?;
@@ -143,4 +154,62 @@ fn peak_rss_bytes() -> u64 {
                 .and_then(|kb| kb.parse::<u64>().ok())
         })
         .map_or(0, |kb| kb * 1024)
+}
+
+/// Output tokens per second of `a.batch` concurrent requests through the serving engine.
+fn batched_throughput(
+    engine: kimi_engine::Engine<kimi_cpu::CpuBackend>,
+    a: &BenchArgs,
+    prompt: &[u32],
+) -> anyhow::Result<f64> {
+    use kimi_engine::{EngineHandle, Event, Request, ServingConfig};
+    let max_model_len = a.prompt_len + a.gen_len + 1;
+    let block_size = 16;
+    let config = ServingConfig {
+        max_model_len,
+        max_num_seqs: a.batch,
+        max_num_batched_tokens: (a.prompt_len * 2).max(a.batch),
+        block_size,
+        num_blocks: a.batch * max_model_len.div_ceil(block_size) + 1,
+        max_waiting: a.batch,
+    };
+    let handle = EngineHandle::spawn(engine.into_model(), config)?;
+    let params = SamplingParams {
+        max_tokens: a.gen_len,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let start = Instant::now();
+    let mut receivers = Vec::with_capacity(a.batch);
+    for i in 0..a.batch {
+        // Different prompts so no two requests are identical.
+        let mut p = prompt.to_vec();
+        p[0] = (i as u32) % (handle.vocab_size() as u32);
+        let request = Request {
+            prompt: p,
+            params: params.clone(),
+            eos_ids: vec![],
+            logits_processor: None,
+        };
+        receivers.push(
+            handle
+                .submit(request)
+                .map_err(|e| anyhow::anyhow!("{e}"))?
+                .1,
+        );
+    }
+    let mut tokens = 0usize;
+    for mut rx in receivers {
+        while let Some(event) = rx.blocking_recv() {
+            match event {
+                Event::Token(_) => tokens += 1,
+                Event::Finished { .. } => break,
+                Event::Error(e) => anyhow::bail!("batched request failed: {e}"),
+                Event::Started { .. } => {}
+            }
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    handle.shutdown(false);
+    Ok(tokens as f64 / secs)
 }

@@ -58,6 +58,11 @@ impl<B: Backend> Engine<B> {
         &self.model
     }
 
+    /// Gives the model back (e.g. to hand it to the serving engine).
+    pub fn into_model(self) -> KimiLinear<B> {
+        self.model
+    }
+
     /// Feeds `ids` through a cache `step` tokens at a time and returns the logits of every
     /// position, `[ids.len(), vocab]`. `step = ids.len()` is one prefill; `1` is pure decode.
     pub fn logits(&self, ids: &[u32], step: usize) -> Result<Vec<f32>> {
