@@ -64,23 +64,13 @@ pub fn mla(
             MlaMode::Absorbed => true,
             MlaMode::Expanded => false,
         };
-        let seg_out = if absorbed {
-            absorbed_attention(
-                &qs[seg.start * qw..(seg.start + seg.len) * qw],
-                cache_rows,
-                &kvb,
-                dims,
-                past,
-            )
+        let attend = if absorbed {
+            absorbed_attention
         } else {
-            expanded_attention(
-                &qs[seg.start * qw..(seg.start + seg.len) * qw],
-                cache_rows,
-                &kvb,
-                dims,
-                past,
-            )
+            expanded_attention
         };
+        let seg_q = &qs[seg.start * qw..(seg.start + seg.len) * qw];
+        let seg_out = attend(seg_q, cache_rows, &kvb, dims, past);
         out[seg.start * h * dv..(seg.start + seg.len) * h * dv].copy_from_slice(&seg_out);
     }
     CpuTensor::f32(&[n, h * dv], out)
