@@ -3,7 +3,6 @@
 use std::path::PathBuf;
 
 use crate::types::GgmlType;
-use crate::value::ValueType;
 
 /// A problem reading or writing a GGUF file, or (de)quantizing a tensor.
 ///
@@ -22,7 +21,7 @@ pub enum GgufError {
         source: std::io::Error,
     },
     /// The file does not start with the four bytes `GGUF`.
-    #[error("{}: not a GGUF file (the first bytes are {found:02x?}, expected \"GGUF\")", path.display())]
+    #[error("{}: not a GGUF file (it starts with \"{}\", expected \"GGUF\")", path.display(), found.escape_ascii())]
     BadMagic {
         /// The file.
         path: PathBuf,
@@ -229,13 +228,11 @@ pub enum GgufError {
 impl GgufError {
     /// A helper for `map_err`: an I/O error on `path`.
     pub(crate) fn io(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> GgufError + '_ {
-        move |source| GgufError::Io { path: path.to_path_buf(), source }
+        move |source| GgufError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
     }
-}
-
-/// Names a value type in messages (`u32`, `array of string`, ...).
-pub(crate) fn type_name(ty: ValueType) -> &'static str {
-    ty.name()
 }
 
 /// The crate's result type.

@@ -59,7 +59,11 @@ impl TensorInfo {
     /// (`[rows, cols]` for a matrix whose `ne` is `[cols, rows]`).
     pub fn shape_outer_first(&self) -> Vec<usize> {
         // Each dimension was checked to fit in usize when the file was opened.
-        self.ne.iter().rev().map(|&d| usize::try_from(d).unwrap_or(usize::MAX)).collect()
+        self.ne
+            .iter()
+            .rev()
+            .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
+            .collect()
     }
 
     /// Number of elements (product of `ne`; 1 for a zero-dimensional tensor).
@@ -112,8 +116,18 @@ impl GgufFile {
     }
 
     fn new(path: PathBuf, bytes: Bytes, header: Header) -> GgufFile {
-        let index = header.tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
-        GgufFile { path, bytes, header, index }
+        let index = header
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        GgufFile {
+            path,
+            bytes,
+            header,
+            index,
+        }
     }
 
     /// The path the file was opened from.
@@ -143,7 +157,11 @@ impl GgufFile {
 
     /// The metadata value for `key`, if present.
     pub fn get(&self, key: &str) -> Option<&Value> {
-        self.header.metadata.iter().find(|(k, _)| k == key).map(|(_, v)| v)
+        self.header
+            .metadata
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v)
     }
 
     fn require(&self, key: &str) -> Result<&Value> {
@@ -158,7 +176,12 @@ impl GgufFile {
             Some(i) => format!("{} {i}", found.describe()),
             None => found.describe(),
         };
-        GgufError::KeyType { path: self.path.clone(), key: key.to_string(), expected, found }
+        GgufError::KeyType {
+            path: self.path.clone(),
+            key: key.to_string(),
+            expected,
+            found,
+        }
     }
 
     fn get_integer<T: TryFrom<i128>>(&self, key: &str, expected: &'static str) -> Result<T> {
@@ -224,10 +247,18 @@ impl GgufFile {
 
     /// The tensor named `name`: its info and raw bytes.
     pub fn tensor(&self, name: &str) -> Result<TensorData<'_>> {
-        let info = self.index.get(name).and_then(|&i| self.header.tensors.get(i)).ok_or_else(
-            || GgufError::TensorNotFound { path: self.path.clone(), tensor: name.to_string() },
-        )?;
-        Ok(TensorData { info, bytes: self.tensor_bytes(info) })
+        let info = self
+            .index
+            .get(name)
+            .and_then(|&i| self.header.tensors.get(i))
+            .ok_or_else(|| GgufError::TensorNotFound {
+                path: self.path.clone(),
+                tensor: name.to_string(),
+            })?;
+        Ok(TensorData {
+            info,
+            bytes: self.tensor_bytes(info),
+        })
     }
 
     /// The bytes of `info`, which must come from this file (range checked at open; an

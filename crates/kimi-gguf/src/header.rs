@@ -25,7 +25,7 @@ pub const DEFAULT_ALIGNMENT: u64 = 32;
 /// Most dimensions a tensor may have (`GGML_MAX_DIMS`).
 pub(crate) const MAX_DIMS: u32 = 4;
 /// Deepest array nesting accepted; GGUF sets no limit, this stops stack exhaustion.
-const MAX_ARRAY_DEPTH: usize = 8;
+pub(crate) const MAX_ARRAY_DEPTH: usize = 8;
 /// Bytes a tensor info needs at the least: name length, n_dims, type, offset.
 const MIN_TENSOR_INFO_BYTES: usize = 8 + 4 + 4 + 8;
 /// Bytes a metadata entry needs at the least: key length, value type, one-byte value.
@@ -55,7 +55,10 @@ impl<'a> Reader<'a> {
     }
 
     fn take(&mut self, n: usize, what: &dyn Fn() -> String) -> Result<&'a [u8]> {
-        let slice = self.pos.checked_add(n).and_then(|end| self.bytes.get(self.pos..end));
+        let slice = self
+            .pos
+            .checked_add(n)
+            .and_then(|end| self.bytes.get(self.pos..end));
         match slice {
             Some(s) => {
                 self.pos += n;
@@ -91,7 +94,9 @@ impl<'a> Reader<'a> {
         let offset = self.pos as u64;
         let count = self.u64(what)?;
         let available = self.remaining() as u64;
-        let fits = count.checked_mul(min_item_bytes as u64).is_some_and(|n| n <= available);
+        let fits = count
+            .checked_mul(min_item_bytes as u64)
+            .is_some_and(|n| n <= available);
         match usize::try_from(count) {
             Ok(n) if fits => Ok(n),
             _ => Err(GgufError::CountTooLarge {
@@ -118,15 +123,25 @@ impl<'a> Reader<'a> {
 
 /// Parses and validates the whole header of `bytes`, the contents of `path`.
 pub(crate) fn parse(path: &Path, bytes: &[u8]) -> Result<Header> {
-    let mut r = Reader { path, bytes, pos: 0 };
+    let mut r = Reader {
+        path,
+        bytes,
+        pos: 0,
+    };
     let magic = bytes.get(..4).unwrap_or(bytes);
     if magic != MAGIC {
-        return Err(GgufError::BadMagic { path: path.to_path_buf(), found: magic.to_vec() });
+        return Err(GgufError::BadMagic {
+            path: path.to_path_buf(),
+            found: magic.to_vec(),
+        });
     }
     r.pos = 4;
     let version = r.u32(&|| "version".into())?;
     if version != 2 && version != 3 {
-        return Err(GgufError::UnsupportedVersion { path: path.to_path_buf(), version });
+        return Err(GgufError::UnsupportedVersion {
+            path: path.to_path_buf(),
+            version,
+        });
     }
     let num_tensors = r.count(MIN_TENSOR_INFO_BYTES, &|| "tensor count".into())?;
     let num_kv = r.count(MIN_KV_BYTES, &|| "metadata entry count".into())?;
@@ -137,7 +152,13 @@ pub(crate) fn parse(path: &Path, bytes: &[u8]) -> Result<Header> {
 
     let data_offset = align_up(r.pos as u64, alignment).unwrap_or(u64::MAX);
     let tensors = validate_tensors(path, raw, alignment, data_offset, bytes.len() as u64)?;
-    Ok(Header { version, metadata, tensors, alignment, data_offset })
+    Ok(Header {
+        version,
+        metadata,
+        tensors,
+        alignment,
+        data_offset,
+    })
 }
 
 fn read_metadata(r: &mut Reader<'_>, num_kv: usize) -> Result<Vec<(String, Value)>> {
@@ -149,7 +170,10 @@ fn read_metadata(r: &mut Reader<'_>, num_kv: usize) -> Result<Vec<(String, Value
         let type_id = r.u32(&|| format!("value type of metadata `{key}`"))?;
         let value = read_value(r, &key, type_id, type_offset, 0)?;
         if !seen.insert(key.clone()) {
-            return Err(GgufError::DuplicateKey { path: r.path.to_path_buf(), key });
+            return Err(GgufError::DuplicateKey {
+                path: r.path.to_path_buf(),
+                key,
+            });
         }
         metadata.push((key, value));
     }
@@ -157,7 +181,12 @@ fn read_metadata(r: &mut Reader<'_>, num_kv: usize) -> Result<Vec<(String, Value
 }
 
 fn bad_value(r: &Reader<'_>, key: &str, offset: u64, reason: String) -> GgufError {
-    GgufError::BadValue { path: r.path.to_path_buf(), key: key.to_string(), offset, reason }
+    GgufError::BadValue {
+        path: r.path.to_path_buf(),
+        key: key.to_string(),
+        offset,
+        reason,
+    }
 }
 
 fn value_type(r: &Reader<'_>, key: &str, id: u32, offset: u64) -> Result<ValueType> {
@@ -189,7 +218,12 @@ fn read_bool(r: &mut Reader<'_>, key: &str) -> Result<bool> {
     match r.array::<1>(&|| format!("value of metadata `{key}`"))? {
         [0] => Ok(false),
         [1] => Ok(true),
-        [b] => Err(bad_value(r, key, offset, format!("bool byte is {b}, expected 0 or 1"))),
+        [b] => Err(bad_value(
+            r,
+            key,
+            offset,
+            format!("bool byte is {b}, expected 0 or 1"),
+        )),
     }
 }
 
@@ -202,7 +236,9 @@ fn read_array(r: &mut Reader<'_>, key: &str, depth: usize) -> Result<Array> {
     }
     let elem_id = r.u32(&|| format!("element type of array `{key}`"))?;
     let elem = value_type(r, key, elem_id, offset)?;
-    let n = r.count(elem.min_size(), &|| format!("element count of array `{key}`"))?;
+    let n = r.count(elem.min_size(), &|| {
+        format!("element count of array `{key}`")
+    })?;
     let what = || format!("elements of array `{key}`");
     Ok(match elem {
         ValueType::U8 => Array::U8(r.take(n, &what)?.to_vec()),
@@ -222,7 +258,9 @@ fn read_array(r: &mut Reader<'_>, key: &str, depth: usize) -> Result<Array> {
                 .collect::<Result<_>>()?,
         ),
         ValueType::Array => Array::Array(
-            (0..n).map(|_| read_array(r, key, depth + 1)).collect::<Result<_>>()?,
+            (0..n)
+                .map(|_| read_array(r, key, depth + 1))
+                .collect::<Result<_>>()?,
         ),
     })
 }
@@ -252,7 +290,10 @@ fn alignment(path: &Path, metadata: &[(String, Value)]) -> Result<u64> {
         Some((_, Value::U32(a))) if a.is_power_of_two() => Ok(u64::from(*a)),
         Some((_, v)) => Err(GgufError::BadAlignment {
             path: path.to_path_buf(),
-            found: format!("{} {v:?}", v.describe()),
+            found: match v.as_integer() {
+                Some(i) => format!("{} {i}", v.describe()),
+                None => v.describe(),
+            },
         }),
     }
 }
@@ -282,7 +323,12 @@ fn read_tensor_infos(r: &mut Reader<'_>, num_tensors: usize) -> Result<Vec<RawTe
             .collect::<Result<Vec<u64>>>()?;
         let type_id = r.u32(&|| format!("type of tensor `{name}`"))?;
         let offset = r.u64(&|| format!("offset of tensor `{name}`"))?;
-        infos.push(RawTensorInfo { name, ne, type_id, offset });
+        infos.push(RawTensorInfo {
+            name,
+            ne,
+            type_id,
+            offset,
+        });
     }
     Ok(infos)
 }
@@ -303,7 +349,7 @@ fn validate_tensors(
             type_id: t.type_id,
         })?;
         let size_bytes = tensor_bytes(path, &t, ty)?;
-        if t.offset % alignment != 0 {
+        if !t.offset.is_multiple_of(alignment) {
             return Err(GgufError::MisalignedOffset {
                 path: path.to_path_buf(),
                 tensor: t.name,
@@ -323,9 +369,18 @@ fn validate_tensors(
             });
         }
         if !seen.insert(t.name.clone()) {
-            return Err(GgufError::DuplicateTensor { path: path.to_path_buf(), tensor: t.name });
+            return Err(GgufError::DuplicateTensor {
+                path: path.to_path_buf(),
+                tensor: t.name,
+            });
         }
-        tensors.push(TensorInfo { name: t.name, ne: t.ne, ggml_type: ty, offset: t.offset, size_bytes });
+        tensors.push(TensorInfo {
+            name: t.name,
+            ne: t.ne,
+            ggml_type: ty,
+            offset: t.offset,
+            size_bytes,
+        });
     }
     Ok(tensors)
 }
@@ -339,14 +394,15 @@ fn tensor_bytes(path: &Path, t: &RawTensorInfo, ty: GgmlType) -> Result<u64> {
     };
     let ne0 = t.ne.first().copied().unwrap_or(1);
     let block = ty.block_size() as u64;
-    if ne0 % block != 0 {
-        return Err(bad(format!("ne[0] = {ne0} is not a multiple of the {ty} block size {block}")));
+    if !ne0.is_multiple_of(block) {
+        return Err(bad(format!(
+            "ne[0] = {ne0} is not a multiple of the {ty} block size {block}"
+        )));
     }
-    let num_elements = t
-        .ne
-        .iter()
-        .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| bad(format!("element count of {:?} overflows", t.ne)))?;
+    let num_elements =
+        t.ne.iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| bad(format!("element count of {:?} overflows", t.ne)))?;
     if t.ne.iter().any(|&d| usize::try_from(d).is_err()) {
         return Err(bad(format!("dimensions {:?} do not fit in usize", t.ne)));
     }

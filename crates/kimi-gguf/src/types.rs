@@ -50,8 +50,8 @@ pub enum GgmlType {
 /// Elements in one k-quant super-block (`QK_K` in ggml).
 pub const QK_K: usize = 256;
 
-/// `(type, id, name, elements per block, bytes per block)`, one row per type. Block sizes
-/// follow the `block_*` structs of ggml's `ggml-common.h`.
+/// `(type, id, name, elements per block, bytes per block)`, one row per type in declaration
+/// order. Block sizes follow the `block_*` structs of ggml's `ggml-common.h`.
 const TABLE: [(GgmlType, u32, &str, usize, usize); 34] = [
     (GgmlType::F32, 0, "F32", 1, 4),
     (GgmlType::F16, 1, "F16", 1, 2),
@@ -96,8 +96,8 @@ impl GgmlType {
     }
 
     fn row(self) -> &'static (GgmlType, u32, &'static str, usize, usize) {
-        // Every variant has exactly one row; the unit test `table_is_complete` checks it.
-        TABLE.iter().find(|row| row.0 == self).unwrap_or(&TABLE[0])
+        // Row i describes variant i (declaration order); `table_is_complete` checks it.
+        &TABLE[self as usize]
     }
 
     /// The id GGUF stores.
@@ -128,7 +128,7 @@ impl GgmlType {
     /// Bytes of a row of `num_cols` elements, or `None` when `num_cols` is not a whole
     /// number of blocks or the size overflows `usize`.
     pub fn row_bytes(self, num_cols: usize) -> Option<usize> {
-        if num_cols % self.block_size() != 0 {
+        if !num_cols.is_multiple_of(self.block_size()) {
             return None;
         }
         (num_cols / self.block_size()).checked_mul(self.type_size())
@@ -163,6 +163,7 @@ mod tests {
     #[test]
     fn table_is_complete() {
         for (i, row) in TABLE.iter().enumerate() {
+            assert_eq!(row.0 as usize, i);
             assert_eq!(GgmlType::from_id(row.1), Some(row.0));
             assert_eq!(row.0.id(), row.1);
             assert!(TABLE[..i].iter().all(|r| r.0 != row.0 && r.1 != row.1));

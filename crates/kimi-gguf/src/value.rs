@@ -54,7 +54,9 @@ impl ValueType {
 
     /// The type for a stored id, or `None` for an unknown id.
     pub fn from_id(id: u32) -> Option<ValueType> {
-        usize::try_from(id).ok().and_then(|i| Self::ALL.get(i).copied())
+        usize::try_from(id)
+            .ok()
+            .and_then(|i| Self::ALL.get(i).copied())
     }
 
     /// The id GGUF stores for this type.
@@ -273,5 +275,13 @@ impl Array {
     /// Whether the array has no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// How many arrays deep this one goes: 1 for an array of scalars or strings.
+    pub(crate) fn depth(&self) -> usize {
+        match self {
+            Array::Array(inner) => 1 + inner.iter().map(Array::depth).max().unwrap_or(0),
+            _ => 1,
+        }
     }
 }

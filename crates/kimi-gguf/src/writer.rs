@@ -7,7 +7,7 @@ use std::io::{BufWriter, Write};
 use std::path::Path;
 
 use crate::error::{GgufError, Result};
-use crate::header::{align_up, DEFAULT_ALIGNMENT, MAGIC, MAX_DIMS};
+use crate::header::{align_up, DEFAULT_ALIGNMENT, MAGIC, MAX_ARRAY_DEPTH, MAX_DIMS};
 use crate::types::GgmlType;
 use crate::value::{Array, Value};
 
@@ -43,7 +43,6 @@ pub struct GgufWriter<'a> {
     alignment: Option<u64>,
 }
 
-#[derive(Debug)]
 struct PendingTensor<'a> {
     name: String,
     /// Innermost first, as stored.
@@ -52,14 +51,26 @@ struct PendingTensor<'a> {
     data: Cow<'a, [u8]>,
 }
 
+impl std::fmt::Debug for PendingTensor<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingTensor")
+            .field("name", &self.name)
+            .field("ne", &self.ne)
+            .field("ggml_type", &self.ggml_type)
+            .field("size_bytes", &self.data.len())
+            .finish()
+    }
+}
+
 impl<'a> GgufWriter<'a> {
     /// An empty writer.
     pub fn new() -> GgufWriter<'a> {
         GgufWriter::default()
     }
 
-    /// Adds a metadata entry; keys must be unique. `general.alignment`, if given, must be a
-    /// power-of-two [`Value::U32`] and sets the data alignment.
+    /// Adds a metadata entry; keys must be unique, arrays nested at most 8 deep.
+    /// `general.alignment`, if given, must be a power-of-two [`Value::U32`] and sets the
+    /// data alignment.
     pub fn add_metadata(&mut self, key: impl Into<String>, value: Value) -> Result<&mut Self> {
         let key = key.into();
         let invalid = |reason: &str| GgufError::InvalidMetadata {
@@ -68,6 +79,13 @@ impl<'a> GgufWriter<'a> {
         };
         if self.keys.contains(&key) {
             return Err(invalid("the key was already added"));
+        }
+        if let Value::Array(a) = &value {
+            if a.depth() > MAX_ARRAY_DEPTH {
+                return Err(invalid(
+                    "arrays nested more than 8 deep cannot be read back",
+                ));
+            }
         }
         if key == "general.alignment" {
             match value {
@@ -93,7 +111,10 @@ impl<'a> GgufWriter<'a> {
     ) -> Result<&mut Self> {
         let name = name.into();
         let data = data.into();
-        let invalid = |reason: String| GgufError::InvalidTensor { tensor: name.clone(), reason };
+        let invalid = |reason: String| GgufError::InvalidTensor {
+            tensor: name.clone(),
+            reason,
+        };
         if name.len() > MAX_NAME_BYTES {
             return Err(invalid(format!("names are at most {MAX_NAME_BYTES} bytes")));
         }
@@ -105,7 +126,11 @@ impl<'a> GgufWriter<'a> {
         }
         let ne: Vec<u64> = shape_outer_first.iter().rev().map(|&d| d as u64).collect();
         let num_cols = shape_outer_first.last().copied().unwrap_or(1);
-        let num_rows = shape_outer_first.iter().rev().skip(1).try_fold(1usize, |a, &d| a.checked_mul(d));
+        let num_rows = shape_outer_first
+            .iter()
+            .rev()
+            .skip(1)
+            .try_fold(1usize, |a, &d| a.checked_mul(d));
         let expected = ggml_type
             .row_bytes(num_cols)
             .zip(num_rows)
@@ -124,7 +149,12 @@ impl<'a> GgufWriter<'a> {
             )));
         }
         self.names.insert(name.clone());
-        self.tensors.push(PendingTensor { name, ne, ggml_type, data });
+        self.tensors.push(PendingTensor {
+            name,
+            ne,
+            ggml_type,
+            data,
+        });
         Ok(self)
     }
 
@@ -143,7 +173,8 @@ impl<'a> GgufWriter<'a> {
     /// The file's bytes, in memory.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         let mut out = Vec::new();
-        self.write_to(&mut out).map_err(GgufError::io(Path::new("<memory>")))?;
+        self.write_to(&mut out)
+            .map_err(GgufError::io(Path::new("<memory>")))?;
         Ok(out)
     }
 
@@ -169,7 +200,7 @@ impl<'a> GgufWriter<'a> {
             }
             w.put(&t.ggml_type.id().to_le_bytes())?;
             w.put(&offset.to_le_bytes())?;
-            offset = aligned(offset + t.data.len() as u64, alignment)?;
+            offset = aligned(offset.saturating_add(t.data.len() as u64), alignment)?;
         }
         w.pad_to(alignment)?;
         for t in &self.tensors {

@@ -24,8 +24,19 @@ fn signed_absmax(x: &[f32]) -> f32 {
     max
 }
 
+/// `(min, max)` by strict comparisons, so the first of equal values (0.0 or -0.0) wins as
+/// in ggml, and NaNs are skipped.
 fn min_max(x: &[f32]) -> (f32, f32) {
-    x.iter().fold((f32::MAX, f32::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)))
+    let (mut lo, mut hi) = (f32::MAX, f32::MIN);
+    for &v in x {
+        if v < lo {
+            lo = v;
+        }
+        if v > hi {
+            hi = v;
+        }
+    }
+    (lo, hi)
 }
 
 /// `1 / d`, or 0 when `d` is 0 (an all-zero block quantizes to zeros).
@@ -59,7 +70,11 @@ fn high_bits(levels: &[u8; QK]) -> [u8; 4] {
 
 /// Level `j` (0..32) of a nibble-packed block, with the fifth bit from `qh` if given.
 fn level(qs: &[u8], qh: u32, j: usize) -> i32 {
-    let nibble = if j < QK / 2 { qs[j] & 0xF } else { qs[j - QK / 2] >> 4 };
+    let nibble = if j < QK / 2 {
+        qs[j] & 0xF
+    } else {
+        qs[j - QK / 2] >> 4
+    };
     i32::from(nibble) | ((qh >> j & 1) as i32) << 4
 }
 

@@ -2,8 +2,9 @@
 //!
 //! Each format works on whole blocks: a block of `block_size()` values is stored in
 //! `type_size()` bytes. The layouts are those of the `block_*` structs in ggml's
-//! `ggml-common.h`; the quantizers follow the designs of ggml's `quantize_row_*_ref`
-//! (no importance matrix), re-implemented from the format definitions.
+//! `ggml-common.h`. The quantizers re-implement the designs of ggml's
+//! `quantize_row_*_ref` (no importance matrix) and produce the same bytes, down to the
+//! sign of a zero; `tests/oracle.rs` checks that against blocks quantized by ggml itself.
 
 mod kquants;
 mod legacy;
@@ -16,7 +17,10 @@ use crate::types::GgmlType;
 /// Whether this module can dequantize and quantize `ty`.
 pub(crate) fn supported(ty: GgmlType) -> bool {
     use GgmlType::*;
-    matches!(ty, F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q4_K | Q5_K | Q6_K)
+    matches!(
+        ty,
+        F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q4_K | Q5_K | Q6_K
+    )
 }
 
 /// Checks that `num_values` is whole blocks of `ty` stored in exactly `num_bytes`.
@@ -41,7 +45,10 @@ fn check_lengths(ty: GgmlType, num_values: usize, num_bytes: usize) -> Result<()
 pub fn dequantize(ty: GgmlType, bytes: &[u8], n: usize) -> Result<Vec<f32>> {
     check_lengths(ty, n, bytes.len())?;
     if !supported(ty) {
-        return Err(GgufError::UnsupportedType { ty, op: "dequantize" });
+        return Err(GgufError::UnsupportedType {
+            ty,
+            op: "dequantize",
+        });
     }
     let mut out = vec![0.0f32; n];
     dequantize_row(ty, bytes, &mut out)?;
@@ -54,7 +61,9 @@ pub fn dequantize_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()>
     check_lengths(ty, out.len(), bytes.len())?;
     use GgmlType::*;
     match ty {
-        F32 => per_block(bytes, out, |b: &[u8; 4], o: &mut [f32; 1]| o[0] = f32::from_le_bytes(*b)),
+        F32 => per_block(bytes, out, |b: &[u8; 4], o: &mut [f32; 1]| {
+            o[0] = f32::from_le_bytes(*b)
+        }),
         F16 => per_block(bytes, out, |b: &[u8; 2], o: &mut [f32; 1]| {
             o[0] = f16::from_le_bytes(*b).to_f32();
         }),
@@ -69,7 +78,12 @@ pub fn dequantize_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()>
         Q4_K => per_block(bytes, out, kquants::dequantize_q4_k),
         Q5_K => per_block(bytes, out, kquants::dequantize_q5_k),
         Q6_K => per_block(bytes, out, kquants::dequantize_q6_k),
-        _ => return Err(GgufError::UnsupportedType { ty, op: "dequantize" }),
+        _ => {
+            return Err(GgufError::UnsupportedType {
+                ty,
+                op: "dequantize",
+            })
+        }
     }
     Ok(())
 }
@@ -77,14 +91,16 @@ pub fn dequantize_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()>
 /// Quantizes `values` to type `ty`; `values.len()` must be a whole number of blocks.
 /// Returns `ty.row_bytes(values.len())` bytes.
 pub fn quantize(ty: GgmlType, values: &[f32]) -> Result<Vec<u8>> {
-    let num_bytes = ty.row_bytes(values.len()).ok_or_else(|| GgufError::BadLength {
-        ty,
-        reason: format!(
-            "{} values are not a whole number of {}-value blocks",
-            values.len(),
-            ty.block_size()
-        ),
-    })?;
+    let num_bytes = ty
+        .row_bytes(values.len())
+        .ok_or_else(|| GgufError::BadLength {
+            ty,
+            reason: format!(
+                "{} values are not a whole number of {}-value blocks",
+                values.len(),
+                ty.block_size()
+            ),
+        })?;
     if !supported(ty) {
         return Err(GgufError::UnsupportedType { ty, op: "quantize" });
     }
@@ -127,8 +143,12 @@ fn per_block<const TS: usize, const BS: usize>(
     out: &mut [f32],
     f: impl Fn(&[u8; TS], &mut [f32; BS]),
 ) {
-    let blocks = bytes.chunks_exact(TS).filter_map(|c| <&[u8; TS]>::try_from(c).ok());
-    let outs = out.chunks_exact_mut(BS).filter_map(|c| <&mut [f32; BS]>::try_from(c).ok());
+    let blocks = bytes
+        .chunks_exact(TS)
+        .filter_map(|c| <&[u8; TS]>::try_from(c).ok());
+    let outs = out
+        .chunks_exact_mut(BS)
+        .filter_map(|c| <&mut [f32; BS]>::try_from(c).ok());
     blocks.zip(outs).for_each(|(b, o)| f(b, o));
 }
 
@@ -138,8 +158,12 @@ fn per_value_block<const BS: usize, const TS: usize>(
     out: &mut [u8],
     f: impl Fn(&[f32; BS], &mut [u8; TS]),
 ) {
-    let xs = values.chunks_exact(BS).filter_map(|c| <&[f32; BS]>::try_from(c).ok());
-    let outs = out.chunks_exact_mut(TS).filter_map(|c| <&mut [u8; TS]>::try_from(c).ok());
+    let xs = values
+        .chunks_exact(BS)
+        .filter_map(|c| <&[f32; BS]>::try_from(c).ok());
+    let outs = out
+        .chunks_exact_mut(TS)
+        .filter_map(|c| <&mut [u8; TS]>::try_from(c).ok());
     xs.zip(outs).for_each(|(x, o)| f(x, o));
 }
 
