@@ -3,6 +3,7 @@
 # Source and rationale: shared/docs/demo-model.md, "How to install it". Idempotent: does
 # nothing when the file is already present with the right sha256.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 dir=models; mkdir -p "$dir"; f="$dir/SmolLM2-135M-Instruct.Q4_1.gguf"
 if ! echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $f" | sha256sum -c --status 2>/dev/null; then
   tmp=$(mktemp -d)
