@@ -1,18 +1,21 @@
 //! The CPU backend of kimi-infer.
 //!
-//! Activations and recurrent states are f32; weights keep their checkpoint dtype (bf16, f16
-//! or f32) and are widened to f32 inside the matmul, block by block. Work is spread over the
+//! Activations and recurrent states are f32; weights keep their checkpoint dtype (bf16, f16,
+//! f32 or a ggml block-quantized type from a GGUF file) and are widened to f32 inside the
+//! matmul, block by block. Work is spread over the
 //! rayon thread pool (output features for matmuls, heads for attention).
 //!
 //! `unsafe` appears only in [`simd`], for AVX2/FMA intrinsics selected at run time.
 #![deny(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod attention;
 mod kda;
 mod matmul;
 mod mla;
 mod moe;
 mod norm;
+mod quant;
 pub mod simd;
 mod tensor;
 
@@ -23,8 +26,8 @@ use std::sync::OnceLock;
 
 use kimi_core::config::KdaGate;
 use kimi_ops::{
-    Backend, HostTensor, KdaMode, MlaDims, MlaMode, MlpWeights, MoeRouting, MoeWeights, Result,
-    Segment,
+    AttentionDims, Backend, HostTensor, KdaMode, MlaDims, MlaMode, MlpWeights, MoeRouting,
+    MoeWeights, Result, RopeStyle, Segment,
 };
 
 /// The CPU backend. Cheap to construct; holds no state besides the thread pool it uses.
@@ -155,6 +158,28 @@ impl Backend for CpuBackend {
         mode: MlaMode,
     ) -> Result<CpuTensor> {
         pool().install(|| mla::mla(q, latent, kv_b, dims, segments, caches, mode))
+    }
+    fn rope(
+        &self,
+        x: &CpuTensor,
+        positions: &[usize],
+        num_heads: usize,
+        head_dim: usize,
+        theta: f32,
+        style: RopeStyle,
+    ) -> Result<CpuTensor> {
+        pool().install(|| attention::rope(x, positions, num_heads, head_dim, theta, style))
+    }
+    fn attention(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        dims: &AttentionDims,
+        segments: &[Segment],
+        caches: &mut [(&mut CpuTensor, &mut CpuTensor)],
+    ) -> Result<CpuTensor> {
+        pool().install(|| attention::attention(q, k, v, dims, segments, caches))
     }
 }
 

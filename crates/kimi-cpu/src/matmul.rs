@@ -1,8 +1,9 @@
-//! `y = x · wᵀ` for f32 activations and f32/bf16/f16 weights.
+//! `y = x · wᵀ` for f32 activations and f32/bf16/f16 or block-quantized weights.
 //!
 //! Work is split over blocks of output features. Each task converts its block of weight
 //! rows to f32 once, then multiplies it with every token row four tokens at a time, so a
 //! weight element is read from memory once per call (decode is bound by that read).
+//! Block-quantized rows are dequantized a few at a time into an L1-sized buffer instead.
 
 use rayon::prelude::*;
 
@@ -30,28 +31,15 @@ pub fn matmul(x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
         .for_each(|(b, chunk)| {
             let row0 = b * block;
             let rows = chunk.len() / n.max(1);
-            let mut wbuf;
-            let wrows: &[f32] = match &w.storage {
-                Storage::F32(v) => &v[row0 * k..(row0 + rows) * k],
+            match &w.storage {
+                Storage::F32(v) => multiply_rows(&v[row0 * k..(row0 + rows) * k], xs, n, chunk),
+                Storage::Quant { .. } => quantized_rows(&w.storage, row0, xs, k, n, chunk),
                 other => {
-                    wbuf = vec![0f32; rows * k];
+                    let mut wbuf = vec![0f32; rows * k];
                     for r in 0..rows {
                         row_to_f32(other, (row0 + r) * k, &mut wbuf[r * k..(r + 1) * k]);
                     }
-                    wbuf.as_slice()
-                }
-            };
-            for t0 in (0..n).step_by(4) {
-                let tok = |i: usize| {
-                    let t = (t0 + i).min(n - 1);
-                    &xs[t * k..(t + 1) * k]
-                };
-                let xrows = [tok(0), tok(1), tok(2), tok(3)];
-                for r in 0..rows {
-                    let d = dot4(&wrows[r * k..(r + 1) * k], xrows);
-                    for (i, v) in d.iter().enumerate().take((n - t0).min(4)) {
-                        chunk[r * n + t0 + i] = *v;
-                    }
+                    multiply_rows(&wbuf, xs, n, chunk);
                 }
             }
         });
@@ -64,6 +52,45 @@ pub fn matmul(x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
     let mut shape = x.shape[..x.shape.len() - 1].to_vec();
     shape.push(o);
     CpuTensor::f32(&shape, out)
+}
+
+/// `out[r * n + t] = wrows[r] · x[t]` for every row of `wrows [rows, k]` and token of
+/// `xs [n, k]`, four tokens at a time.
+fn multiply_rows(wrows: &[f32], xs: &[f32], n: usize, out: &mut [f32]) {
+    let k = xs.len() / n.max(1);
+    let rows = out.len() / n.max(1);
+    for t0 in (0..n).step_by(4) {
+        let tok = |i: usize| {
+            let t = (t0 + i).min(n - 1);
+            &xs[t * k..(t + 1) * k]
+        };
+        let xrows = [tok(0), tok(1), tok(2), tok(3)];
+        for r in 0..rows {
+            let d = dot4(&wrows[r * k..(r + 1) * k], xrows);
+            for (i, v) in d.iter().enumerate().take((n - t0).min(4)) {
+                out[r * n + t0 + i] = *v;
+            }
+        }
+    }
+}
+
+/// Bytes of dequantized weight rows a task keeps at once: half of a 48 KiB L1 data cache.
+const QUANT_TILE_BYTES: usize = 24 * 1024;
+
+/// Block-quantized weights: dequantizes a few rows at a time into an L1-sized buffer and
+/// multiplies them with every token, so decode reads each quantized byte once and never
+/// writes a large f32 copy of the weights.
+fn quantized_rows(storage: &Storage, row0: usize, xs: &[f32], k: usize, n: usize, out: &mut [f32]) {
+    let rows = out.len() / n.max(1);
+    let tile = (QUANT_TILE_BYTES / (4 * k.max(1))).clamp(1, rows.max(1));
+    let mut buf = vec![0f32; tile * k];
+    for r0 in (0..rows).step_by(tile) {
+        let num = tile.min(rows - r0);
+        for r in 0..num {
+            row_to_f32(storage, (row0 + r0 + r) * k, &mut buf[r * k..(r + 1) * k]);
+        }
+        multiply_rows(&buf[..num * k], xs, n, &mut out[r0 * n..(r0 + num) * n]);
+    }
 }
 
 /// `[out, in]` of a weight; 3-D conv-style weights `[C, 1, W]` count as `[C, W]`.
@@ -139,5 +166,59 @@ mod tests {
                 assert!((a - b).abs() < 1e-4, "{a} vs {b}");
             }
         }
+    }
+
+    /// Quantized weights multiply as their dequantized f32 values do (Q4_1 and Q8_0 are
+    /// the demo model's types; Q4_K covers the 256-value super-blocks).
+    #[test]
+    fn quantized_weights_match_dequantized() {
+        use kimi_core::DType;
+        use kimi_gguf::GgmlType;
+        let (n, k, o) = (5, 512, 37);
+        let x: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 7 % 23) as f32 - 11.0) * 0.03)
+            .collect();
+        let w: Vec<f32> = (0..o * k)
+            .map(|i| ((i * 5 % 19) as f32 - 9.0) * 0.02)
+            .collect();
+        let xt = CpuTensor::f32(&[n, k], x.clone()).unwrap();
+        for (dtype, ty) in [
+            (DType::Q4_1, GgmlType::Q4_1),
+            (DType::Q8_0, GgmlType::Q8_0),
+            (DType::Q4_K, GgmlType::Q4_K),
+        ] {
+            let bytes = kimi_gguf::quantize(ty, &w).unwrap();
+            let wround = kimi_gguf::dequantize(ty, &bytes, w.len()).unwrap();
+            let wt = CpuTensor::from_host(kimi_ops::HostTensor {
+                shape: &[o, k],
+                dtype,
+                bytes: &bytes,
+            })
+            .unwrap();
+            assert_eq!(wt.size_bytes(), bytes.len());
+            assert_eq!(wt.to_f32_vec(), wround);
+            let y = matmul(&xt, &wt).unwrap().to_f32_vec();
+            let want = naive(&x, &wround, n, k, o);
+            for (a, b) in y.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-4, "{dtype}: {a} vs {b}");
+            }
+            let emb = crate::norm::embedding(&wt, &[3, 0, 36])
+                .unwrap()
+                .to_f32_vec();
+            assert_eq!(&emb[k..2 * k], &wround[..k]);
+            assert_eq!(&emb[2 * k..], &wround[36 * k..]);
+        }
+        // Rows must be whole blocks, and the byte count must fit.
+        let bytes = vec![0u8; 20];
+        let bad = |shape: &[usize], dtype| {
+            CpuTensor::from_host(kimi_ops::HostTensor {
+                shape,
+                dtype,
+                bytes: &bytes,
+            })
+        };
+        assert!(bad(&[2, 16], DType::Q4_1).is_err());
+        assert!(bad(&[1, 32], DType::Q8_0).is_err());
+        assert!(bad(&[1, 32], DType::Q4_1).is_ok());
     }
 }

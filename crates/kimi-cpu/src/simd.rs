@@ -1,4 +1,5 @@
-//! Dot-product kernels with a scalar fallback and an AVX2+FMA variant chosen at run time.
+//! Dot-product and dequantization kernels with a portable fallback and an AVX2+FMA variant
+//! chosen at run time.
 //!
 //! These are the inner loops of every matmul. The AVX2 functions are `unsafe` only because
 //! they need the CPU features that the dispatcher checks first.
@@ -35,6 +36,20 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     acc.iter().sum::<f32>() + (full..n).map(|i| a[i] * b[i]).sum::<f32>()
+}
+
+/// Dequantizes whole blocks of a Q8_0/Q4_0/Q4_1 weight row: AVX2 when the CPU has it, else
+/// the portable loops of `crate::quant` (the tests check the two against each other and
+/// against `kimi-gguf`).
+pub(crate) fn dequantize_legacy(kind: crate::quant::Legacy, bytes: &[u8], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx2_fma() {
+            // SAFETY: the AVX2 and FMA features were detected on this CPU just above.
+            return unsafe { avx2::dequantize_legacy(kind, bytes, out) };
+        }
+    }
+    crate::quant::dequantize_legacy(kind, bytes, out)
 }
 
 /// Portable version: eight independent lanes per token so the compiler can vectorise
@@ -150,6 +165,66 @@ mod avx2 {
             }
         }
         out
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dequantize_legacy(kind: crate::quant::Legacy, bytes: &[u8], out: &mut [f32]) {
+        use crate::quant::{f16_to_f32, Legacy};
+        let scale =
+            |b: &[u8], i: usize| _mm256_set1_ps(f16_to_f32(u16::from_le_bytes([b[i], b[i + 1]])));
+        match kind {
+            Legacy::Q8_0 => {
+                for (b, o) in bytes.chunks_exact(34).zip(out.chunks_exact_mut(32)) {
+                    let d = scale(b, 0);
+                    for i in 0..4 {
+                        // SAFETY: b is 34 bytes, so b[2 + 8i..10 + 8i] is inside it; o is 32
+                        // floats, so o[8i..8i + 8] is inside it.
+                        unsafe {
+                            let q = _mm_loadl_epi64(b.as_ptr().add(2 + 8 * i).cast());
+                            let x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+                            _mm256_storeu_ps(o.as_mut_ptr().add(8 * i), _mm256_mul_ps(x, d));
+                        }
+                    }
+                }
+            }
+            Legacy::Q4_0 | Legacy::Q4_1 => {
+                let (block_bytes, qs) = match kind {
+                    Legacy::Q4_0 => (18, 2),
+                    _ => (20, 4),
+                };
+                for (b, o) in bytes
+                    .chunks_exact(block_bytes)
+                    .zip(out.chunks_exact_mut(32))
+                {
+                    let d = scale(b, 0);
+                    // Q4_0: (q - 8) * d = q * d - 8d; Q4_1: q * d + m.
+                    let m = match kind {
+                        Legacy::Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
+                        _ => scale(b, 2),
+                    };
+                    // SAFETY: b holds 16 nibble bytes from `qs`; o is 32 floats, written in
+                    // four stores of 8 at 0, 8, 16 and 24.
+                    unsafe {
+                        let q = _mm_loadu_si128(b.as_ptr().add(qs).cast());
+                        let mask = _mm_set1_epi8(0x0F);
+                        let lo = _mm_and_si128(q, mask);
+                        let hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+                        for (half, base) in [(lo, 0), (hi, 16)] {
+                            let a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(half));
+                            let c =
+                                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(half, 8)));
+                            _mm256_storeu_ps(o.as_mut_ptr().add(base), _mm256_fmadd_ps(a, d, m));
+                            _mm256_storeu_ps(
+                                o.as_mut_ptr().add(base + 8),
+                                _mm256_fmadd_ps(c, d, m),
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// # Safety

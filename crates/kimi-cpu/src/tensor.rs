@@ -14,6 +14,14 @@ pub enum Storage {
     Bf16(Vec<u16>),
     /// IEEE half bit patterns.
     F16(Vec<u16>),
+    /// ggml blocks of a quantized type (`dtype.is_quantized()`), row-major; every row is a
+    /// whole number of blocks.
+    Quant {
+        /// The block type.
+        dtype: DType,
+        /// The blocks, `dtype.storage_bytes(len)` bytes.
+        bytes: Vec<u8>,
+    },
 }
 
 /// A dense row-major tensor in host memory.
@@ -39,10 +47,23 @@ impl CpuTensor {
         })
     }
 
-    /// Copies a checkpoint tensor, keeping its dtype.
+    /// Copies a checkpoint tensor, keeping its dtype. A block-quantized tensor's last
+    /// dimension must be a whole number of blocks.
     pub fn from_host(host: HostTensor<'_>) -> Result<Self> {
         let n: usize = host.shape.iter().product();
-        let want = n * host.dtype.size_bytes();
+        let cols = host.shape.last().copied().unwrap_or(1);
+        if !cols.is_multiple_of(host.dtype.block_size()) {
+            return Err(Error::Shape {
+                op: "upload",
+                detail: format!(
+                    "rows of {} values are not whole {}-value blocks of {}",
+                    cols,
+                    host.dtype.block_size(),
+                    host.dtype
+                ),
+            });
+        }
+        let want = host.dtype.storage_bytes(n).unwrap_or(usize::MAX);
         if host.bytes.len() != want {
             return Err(Error::Shape {
                 op: "upload",
@@ -69,6 +90,10 @@ impl CpuTensor {
             ),
             DType::BF16 => Storage::Bf16(halves()),
             DType::F16 => Storage::F16(halves()),
+            q if crate::quant::supported(q) => Storage::Quant {
+                dtype: q,
+                bytes: host.bytes.to_vec(),
+            },
             other => return Err(Error::Unsupported(format!("dtype {other}"))),
         };
         Ok(Self {
@@ -119,6 +144,11 @@ impl CpuTensor {
             Storage::F32(v) => v.clone(),
             Storage::Bf16(v) => v.iter().map(|&b| bf16::from_bits(b).to_f32()).collect(),
             Storage::F16(v) => v.iter().map(|&b| f16::from_bits(b).to_f32()).collect(),
+            Storage::Quant { .. } => {
+                let mut out = vec![0f32; self.len()];
+                row_to_f32(&self.storage, 0, &mut out);
+                out
+            }
         }
     }
 
@@ -127,6 +157,7 @@ impl CpuTensor {
         match &self.storage {
             Storage::F32(v) => v.len() * 4,
             Storage::Bf16(v) | Storage::F16(v) => v.len() * 2,
+            Storage::Quant { bytes, .. } => bytes.len(),
         }
     }
 
@@ -143,7 +174,8 @@ impl CpuTensor {
     }
 }
 
-/// Converts one row of any storage to f32 into `out`.
+/// Converts `out.len()` elements of any storage, starting at element `offset`, to f32. For
+/// quantized storage `offset` and `out.len()` are whole blocks (rows are).
 pub(crate) fn row_to_f32(storage: &Storage, offset: usize, out: &mut [f32]) {
     let n = out.len();
     match storage {
@@ -157,6 +189,12 @@ pub(crate) fn row_to_f32(storage: &Storage, offset: usize, out: &mut [f32]) {
             for (o, &b) in out.iter_mut().zip(&v[offset..offset + n]) {
                 *o = f16::from_bits(b).to_f32();
             }
+        }
+        Storage::Quant { dtype, bytes } => {
+            let (block, block_bytes) = (dtype.block_size(), dtype.block_bytes());
+            debug_assert!(offset.is_multiple_of(block) && n.is_multiple_of(block));
+            let start = offset / block * block_bytes;
+            crate::quant::dequantize(*dtype, &bytes[start..start + n / block * block_bytes], out);
         }
     }
 }

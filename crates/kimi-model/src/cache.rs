@@ -22,6 +22,14 @@ pub enum LayerCache<B: Backend> {
         /// Latent cache rows.
         latent: B::Tensor,
     },
+    /// Grouped-query attention: every earlier token's rotated keys and its values, each
+    /// `[tokens, num_kv_heads * head_dim]` (Llama architecture).
+    Kv {
+        /// Key rows.
+        k: B::Tensor,
+        /// Value rows.
+        v: B::Tensor,
+    },
 }
 
 /// All layers' state for one sequence, plus how many tokens it has seen.
@@ -33,7 +41,8 @@ pub struct SeqCache<B: Backend> {
 }
 
 impl<B: Backend> SeqCache<B> {
-    /// Fresh (empty) state for a new sequence.
+    /// Fresh (empty) state for a new Kimi Linear sequence (other architectures:
+    /// [`crate::CausalLm::new_cache`]).
     pub fn new(backend: &B, cfg: &ModelConfig) -> Result<Self> {
         let mut layers = Vec::with_capacity(cfg.layers.len());
         for spec in &cfg.layers {
@@ -75,6 +84,7 @@ impl<B: Backend> SeqCache<B> {
                         + backend.size_bytes(state)
                 }
                 LayerCache::Mla { latent } => backend.size_bytes(latent),
+                LayerCache::Kv { k, v } => backend.size_bytes(k) + backend.size_bytes(v),
             })
             .sum()
     }

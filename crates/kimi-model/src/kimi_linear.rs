@@ -10,13 +10,14 @@ use std::collections::HashSet;
 
 use kimi_core::config::{Ffn, Mixer};
 use kimi_core::ModelConfig;
-use kimi_ops::{Backend, KdaMode, MlaMode, Segment};
+use kimi_ops::{Backend, Segment};
 use kimi_weights::Checkpoint;
 
 use crate::cache::{LayerCache, SeqCache};
+use crate::forward::{check_batch, input, Batch, CausalLm, ForwardOptions, ForwardOutput};
 use crate::layers::{FfnLayer, KdaLayer, Loader, MlaLayer};
 use crate::source::WeightSource;
-use crate::{ModelError, Result};
+use crate::Result;
 
 enum MixerLayer<T> {
     Kda(KdaLayer<T>),
@@ -38,37 +39,6 @@ pub struct KimiLinear<B: Backend> {
     layers: Vec<DecoderLayer<B::Tensor>>,
     norm: B::Tensor,
     lm_head: Option<B::Tensor>,
-}
-
-/// The tokens of one forward pass: several sequences' new tokens, flattened.
-#[derive(Clone, Debug, Default)]
-pub struct Batch {
-    /// New token ids of every sequence, back to back.
-    pub tokens: Vec<u32>,
-    /// Where each sequence's tokens sit in `tokens`; segment `s` uses `caches[s]`.
-    pub segments: Vec<Segment>,
-    /// Rows of `tokens` whose logits are wanted (e.g. each segment's last row).
-    pub logits_rows: Vec<usize>,
-}
-
-/// Which kernels to use; the defaults pick the fast form for each case.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct ForwardOptions {
-    /// KDA recurrence form.
-    pub kda_mode: KdaMode,
-    /// MLA attention form.
-    pub mla_mode: MlaMode,
-}
-
-/// Result of a forward pass.
-#[derive(Clone, Debug)]
-pub struct ForwardOutput {
-    /// `[logits_rows.len(), vocab]`, row-major.
-    pub logits: Vec<f32>,
-    /// Vocabulary size (row width of `logits`).
-    pub vocab_size: usize,
-    /// For each layer, how many times each expert was chosen in this pass (empty for dense layers).
-    pub expert_counts: Vec<Vec<u32>>,
 }
 
 impl<B: Backend> KimiLinear<B> {
@@ -172,7 +142,10 @@ impl<B: Backend> KimiLinear<B> {
         caches: &mut [&mut SeqCache<B>],
         opts: ForwardOptions,
     ) -> Result<ForwardOutput> {
-        self.check_batch(batch, caches.len())?;
+        check_batch(batch, caches.len(), self.config.vocab_size)?;
+        if caches.iter().any(|c| c.layers.len() != self.layers.len()) {
+            return Err(input("cache layout does not match the model"));
+        }
         let be = &self.backend;
         let segs = &batch.segments;
         let mut x = be.embedding(&self.embed, &batch.tokens)?;
@@ -223,7 +196,7 @@ impl<B: Backend> KimiLinear<B> {
                 for cache in caches.iter_mut() {
                     match &mut cache.layers[i] {
                         LayerCache::Kda { conv, state } => states.push((conv, state)),
-                        LayerCache::Mla { .. } => {
+                        LayerCache::Mla { .. } | LayerCache::Kv { .. } => {
                             return Err(input("cache layout does not match the model"))
                         }
                     }
@@ -248,7 +221,7 @@ impl<B: Backend> KimiLinear<B> {
                 for cache in caches.iter_mut() {
                     match &mut cache.layers[i] {
                         LayerCache::Mla { latent } => latents.push(latent),
-                        LayerCache::Kda { .. } => {
+                        LayerCache::Kda { .. } | LayerCache::Kv { .. } => {
                             return Err(input("cache layout does not match the model"))
                         }
                     }
@@ -256,34 +229,6 @@ impl<B: Backend> KimiLinear<B> {
                 m.forward(be, x, c, segs, &mut latents, opts.mla_mode)
             }
         }
-    }
-
-    fn check_batch(&self, batch: &Batch, num_caches: usize) -> Result<()> {
-        if batch.segments.len() != num_caches {
-            return Err(input(&format!(
-                "{} segments but {num_caches} caches",
-                batch.segments.len()
-            )));
-        }
-        let n = batch.tokens.len();
-        if batch.segments.iter().any(|s| s.start + s.len > n)
-            || batch.logits_rows.iter().any(|&r| r >= n)
-        {
-            return Err(input(
-                "batch segments or logits rows fall outside its tokens",
-            ));
-        }
-        if let Some(&bad) = batch
-            .tokens
-            .iter()
-            .find(|&&t| t as usize >= self.config.vocab_size)
-        {
-            return Err(input(&format!(
-                "token id {bad} is outside the vocabulary ({})",
-                self.config.vocab_size
-            )));
-        }
-        Ok(())
     }
 }
 
@@ -300,6 +245,28 @@ fn count_experts(chosen: &[u32], num_experts: usize) -> Vec<u32> {
     counts
 }
 
-fn input(msg: &str) -> ModelError {
-    ModelError::Input(msg.to_string())
+impl<B: Backend> CausalLm<B> for KimiLinear<B> {
+    fn backend(&self) -> &B {
+        &self.backend
+    }
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+    fn max_context(&self) -> usize {
+        self.config.max_position_embeddings
+    }
+    fn eos_token_ids(&self) -> &[u32] {
+        &self.config.eos_token_ids
+    }
+    fn new_cache(&self) -> Result<SeqCache<B>> {
+        KimiLinear::new_cache(self)
+    }
+    fn forward(
+        &self,
+        batch: &Batch,
+        caches: &mut [&mut SeqCache<B>],
+        opts: ForwardOptions,
+    ) -> Result<ForwardOutput> {
+        KimiLinear::forward(self, batch, caches, opts)
+    }
 }

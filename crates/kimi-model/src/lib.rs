@@ -1,19 +1,27 @@
-//! Kimi model definitions, written once against the [`kimi_ops::Backend`] trait.
+//! Model definitions, written once against the [`kimi_ops::Backend`] trait.
 //!
 //! [`KimiLinear`] loads a checkpoint through `kimi-weights`, uploads it to a backend and runs
 //! forward passes over a batch of sequences, each with its own [`SeqCache`] (KDA recurrent and
-//! convolution state, MLA latent cache). Nothing here names a device.
+//! convolution state, MLA latent cache). [`Llama`] does the same for Llama-architecture GGUF
+//! files (the SmolLM2 demo model) with a key/value cache. Both implement [`CausalLm`], the
+//! interface generation drives. Nothing here names a device.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
 mod cache;
+mod forward;
 mod kimi_linear;
 mod layers;
+mod llama;
 mod source;
 mod summary;
 
+use std::path::PathBuf;
+
 pub use cache::{LayerCache, SeqCache};
-pub use kimi_linear::{Batch, ForwardOptions, ForwardOutput, KimiLinear};
+pub use forward::{Batch, CausalLm, ForwardOptions, ForwardOutput};
+pub use kimi_linear::KimiLinear;
+pub use llama::{Llama, LlamaConfig};
 pub use source::{RandomWeights, WeightSource};
 pub use summary::{ModelSummary, ParamCounts};
 
@@ -24,6 +32,18 @@ pub enum ModelError {
     /// The checkpoint could not provide a tensor.
     #[error(transparent)]
     Weights(#[from] kimi_weights::WeightsError),
+    /// A GGUF file could not be read.
+    #[error(transparent)]
+    Gguf(#[from] kimi_gguf::GgufError),
+    /// A model file is readable but not a model this crate can run (wrong architecture,
+    /// missing metadata, unexpected tensor shapes or types, unused tensors).
+    #[error("{}: {reason}", path.display())]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// What does not fit.
+        reason: String,
+    },
     /// The backend failed.
     #[error(transparent)]
     Backend(#[from] kimi_ops::Error),

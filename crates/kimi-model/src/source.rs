@@ -1,14 +1,16 @@
-//! Where weights come from: a checkpoint on disk, or deterministic random values for
-//! benchmarks and smoke tests of full-size shapes without a download.
+//! Where weights come from: a safetensors checkpoint or a GGUF file on disk, or
+//! deterministic random values for benchmarks and smoke tests of full-size shapes without a
+//! download.
 
 use std::borrow::Cow;
 use std::collections::HashSet;
 
 use half::bf16;
 use kimi_core::DType;
+use kimi_gguf::{GgmlType, GgufFile};
 use kimi_weights::Checkpoint;
 
-use crate::Result;
+use crate::{ModelError, Result};
 
 /// A provider of named, shape-checked tensors.
 pub trait WeightSource {
@@ -30,6 +32,73 @@ impl WeightSource for Checkpoint {
     }
     fn check_all_used(&self, used: &HashSet<String>) -> Result<()> {
         Ok(Checkpoint::check_all_used(self, used)?)
+    }
+}
+
+/// GGUF tensors by their GGUF names (`blk.0.attn_q.weight`), shapes outermost first
+/// (`[out, in]` for a matrix whose ggml `ne` is `[in, out]`), in their stored type.
+impl WeightSource for GgufFile {
+    fn contains(&self, name: &str) -> bool {
+        self.tensor(name).is_ok()
+    }
+    fn load(&self, name: &str, shape: &[usize]) -> Result<(DType, Cow<'_, [u8]>)> {
+        let tensor = self.tensor(name)?;
+        let found = tensor.info.shape_outer_first();
+        let dtype = gguf_dtype(tensor.info.ggml_type);
+        match dtype {
+            Some(dtype) if found == shape => Ok((dtype, Cow::Borrowed(tensor.bytes))),
+            Some(_) => Err(format_error(
+                self,
+                format!("tensor `{name}` has shape {found:?}, the model needs {shape:?}"),
+            )),
+            None => Err(format_error(
+                self,
+                format!(
+                    "tensor `{name}` has type {}, which kimi-infer cannot run",
+                    tensor.info.ggml_type
+                ),
+            )),
+        }
+    }
+    fn check_all_used(&self, used: &HashSet<String>) -> Result<()> {
+        let unused: Vec<&str> = self
+            .tensors()
+            .iter()
+            .map(|t| t.name.as_str())
+            .filter(|name| !used.contains(*name))
+            .collect();
+        if unused.is_empty() {
+            return Ok(());
+        }
+        Err(format_error(
+            self,
+            format!("tensors the model does not use: {}", unused.join(", ")),
+        ))
+    }
+}
+
+/// The dtype of a GGUF tensor type, if kimi-infer has one for it.
+pub(crate) fn gguf_dtype(ty: GgmlType) -> Option<DType> {
+    Some(match ty {
+        GgmlType::F32 => DType::F32,
+        GgmlType::F16 => DType::F16,
+        GgmlType::BF16 => DType::BF16,
+        GgmlType::Q8_0 => DType::Q8_0,
+        GgmlType::Q4_0 => DType::Q4_0,
+        GgmlType::Q4_1 => DType::Q4_1,
+        GgmlType::Q5_0 => DType::Q5_0,
+        GgmlType::Q5_1 => DType::Q5_1,
+        GgmlType::Q4_K => DType::Q4_K,
+        GgmlType::Q5_K => DType::Q5_K,
+        GgmlType::Q6_K => DType::Q6_K,
+        _ => return None,
+    })
+}
+
+pub(crate) fn format_error(file: &GgufFile, reason: String) -> ModelError {
+    ModelError::Format {
+        path: file.path().to_path_buf(),
+        reason,
     }
 }
 

@@ -99,6 +99,31 @@ pub struct MlaDims {
     pub scale: f32,
 }
 
+/// How rotary position embedding pairs up the dimensions of a head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Dimensions `(2i, 2i+1)` form pair `i` (ggml's "normal" rope; llama-architecture
+    /// GGUF files, whose converter permuted the Q/K rows for it).
+    Adjacent,
+    /// Dimensions `(i, i + D/2)` form pair `i` (ggml's NEOX rope; Hugging Face checkpoints'
+    /// `rotate_half`, Qwen2 GGUF files).
+    HalfSplit,
+}
+
+/// Dimensions of grouped-query attention.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionDims {
+    /// Query heads `Hq`.
+    pub num_heads: usize,
+    /// Key/value heads `Hkv`; `Hq` must be a multiple. Query head `h` reads key/value head
+    /// `h / (Hq / Hkv)` (Hugging Face `repeat_kv`).
+    pub num_kv_heads: usize,
+    /// Width of one head `D` (queries, keys and values alike).
+    pub head_dim: usize,
+    /// Softmax scale, usually `D^-1/2`.
+    pub scale: f32,
+}
+
 /// Weights of one SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
 pub struct MlpWeights<T> {
     /// `[intermediate, hidden]`.
@@ -259,4 +284,40 @@ pub trait Backend: Send + Sync {
         caches: &mut [&mut Self::Tensor],
         mode: MlaMode,
     ) -> Result<Self::Tensor>;
+
+    /// Rotary position embedding of `x [n, num_heads * head_dim]`, one position per row.
+    ///
+    /// Pair `i` of each head (`0 <= i < head_dim / 2`, paired as `style` says) is rotated by
+    /// the angle `positions[row] * theta^(-2i / head_dim)`. Returns a new `[n, H*D]` tensor.
+    fn rope(
+        &self,
+        x: &Self::Tensor,
+        positions: &[usize],
+        num_heads: usize,
+        head_dim: usize,
+        theta: f32,
+        style: RopeStyle,
+    ) -> Result<Self::Tensor> {
+        let _ = (x, positions, num_heads, head_dim, theta, style);
+        Err(Error::Unsupported("rope".into()))
+    }
+
+    /// Causal grouped-query attention over per-sequence key/value caches.
+    ///
+    /// `q [n, Hq*D]` (already rotated), `k, v [n, Hkv*D]` (k already rotated). `caches[s]`
+    /// is segment `s`'s `(keys, values)`, each f32 `[past, Hkv*D]`; the segment's new rows
+    /// of `k` and `v` are appended to them, then each new token attends to every cached row
+    /// up to and including itself. Returns `[n, Hq*D]`.
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        dims: &AttentionDims,
+        segments: &[Segment],
+        caches: &mut [(&mut Self::Tensor, &mut Self::Tensor)],
+    ) -> Result<Self::Tensor> {
+        let _ = (q, k, v, dims, segments, caches);
+        Err(Error::Unsupported("attention".into()))
+    }
 }

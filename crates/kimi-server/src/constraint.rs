@@ -44,9 +44,9 @@ impl std::fmt::Debug for Constraints {
 /// the model no way to ramble between tokens.
 fn with_layout(mut schema: Value) -> Value {
     if let Value::Object(map) = &mut schema {
-        map.entry("x-guidance").or_insert_with(|| {
-            json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
-        });
+        map.entry("x-guidance").or_insert_with(
+            || json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}),
+        );
     }
     schema
 }
@@ -81,9 +81,8 @@ impl Constraints {
         }
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
         let caps = InferenceCapabilities::default();
-        let mut factory =
-            ParserFactory::new(&env, caps, &SlicedBiasComputer::general_slices())
-                .map_err(|e| ServerError::Constraint(e.to_string()))?;
+        let mut factory = ParserFactory::new(&env, caps, &SlicedBiasComputer::general_slices())
+            .map_err(|e| ServerError::Constraint(e.to_string()))?;
         factory.quiet();
         let has_tool_tokens = [
             SECTION_BEGIN,
@@ -93,7 +92,11 @@ impl Constraints {
             TOOL_CALL_END,
         ]
         .iter()
-        .all(|name| tokenizer.token_id(name).is_some_and(|id| tokenizer.is_special(id)));
+        .all(|name| {
+            tokenizer
+                .token_id(name)
+                .is_some_and(|id| tokenizer.is_special(id))
+        });
         Ok(Constraints {
             factory,
             has_tool_tokens,
@@ -101,12 +104,16 @@ impl Constraints {
     }
 
     /// Whether tool calls can be constrained (the tokenizer has Kimi's tool-call tokens).
+    #[cfg(test)]
     pub(crate) fn has_tool_tokens(&self) -> bool {
         self.has_tool_tokens
     }
 
     fn matcher(&self, grammar: TopLevelGrammar) -> Result<Matcher, String> {
-        let parser = self.factory.create_parser(grammar).map_err(|e| e.to_string())?;
+        let parser = self
+            .factory
+            .create_parser(grammar)
+            .map_err(|e| e.to_string())?;
         let matcher = Matcher::new(Ok(parser));
         match matcher.get_error() {
             Some(err) => Err(err),
@@ -125,7 +132,11 @@ impl Constraints {
 
     /// A matcher for one tool-call section calling the given tools (name, parameters
     /// schema): exactly one call when `single`, else one to [`MAX_PARALLEL_CALLS`].
-    pub(crate) fn tool_calls(&self, tools: &[(&str, &Value)], single: bool) -> Result<Matcher, String> {
+    pub(crate) fn tool_calls(
+        &self,
+        tools: &[(&str, &Value)],
+        single: bool,
+    ) -> Result<Matcher, String> {
         if !self.has_tool_tokens {
             return Err("the model's tokenizer has no tool-call tokens".into());
         }
@@ -240,7 +251,8 @@ mod tests {
     use super::*;
 
     fn demo_tokenizer() -> Tokenizer {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/demo-tokenizer");
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/demo-tokenizer");
         Tokenizer::from_dir(&dir).expect("demo tokenizer loads")
     }
 
@@ -282,14 +294,19 @@ mod tests {
             text.starts_with("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"unit\": \""),
             "{text}"
         );
-        assert!(text.ends_with("\"}<|tool_call_end|><|tool_calls_section_end|>"), "{text}");
+        assert!(
+            text.ends_with("\"}<|tool_call_end|><|tool_calls_section_end|>"),
+            "{text}"
+        );
     }
 
     #[test]
     fn bad_schemas_are_rejected() {
         let tok = demo_tokenizer();
         let constraints = Constraints::new(&tok, 1212).expect("trie");
-        assert!(constraints.json(Some(&json!({"type": "nonsense"}))).is_err());
+        assert!(constraints
+            .json(Some(&json!({"type": "nonsense"})))
+            .is_err());
         assert!(constraints.json(Some(&json!([1]))).is_err());
         assert!(constraints.json(Some(&json!({"type": "object"}))).is_ok());
     }

@@ -57,7 +57,11 @@ impl ApiError {
     /// 405 for a known path with the wrong method.
     pub fn method_not_allowed() -> Self {
         let message = "This HTTP method is not allowed for this URL";
-        Self::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", message)
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            message,
+        )
     }
 
     /// 401 for a missing or wrong API key.

@@ -26,8 +26,11 @@ pub(crate) fn type_name(value: &Value) -> &'static str {
 /// 400 saying `field` should be of type `expected`.
 pub(crate) fn wrong_type(field: &str, expected: &str, got: &Value) -> ApiError {
     let got = type_name(got);
-    ApiError::invalid(format!("`{field}` must be {expected}, got {got}"), Some(field))
-        .code("invalid_type")
+    ApiError::invalid(
+        format!("`{field}` must be {expected}, got {got}"),
+        Some(field),
+    )
+    .code("invalid_type")
 }
 
 /// 400 saying `field` has a bad value.

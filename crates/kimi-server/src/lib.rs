@@ -1,1 +1,207 @@
-pub fn x(){}
+//! An OpenAI-compatible HTTP server for kimi-infer.
+//!
+//! ```text
+//! client ──HTTP──► axum router ─► auth ─► handler (parse, template, tokenize, grammar)
+//!                                             │ Run::submit: one sequence per choice
+//!                                             ▼
+//!                                   Generator (EngineHandle) ── events ──► Run
+//!                                             │ tokens → tool calls / text / stop strings
+//!                                             ▼
+//!                                   JSON body or SSE chunks ──► client
+//! ```
+//!
+//! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
+//! `GET /v1/models/{model}`, `GET /health`, `GET /metrics` (Prometheus text, vLLM's names),
+//! `POST /tokenize`, `POST /detokenize`. Errors are OpenAI's JSON
+//! (`{"error": {"message", "type", "param", "code"}}`). With `tool_choice` `required` or a
+//! named function, and with `response_format` `json_object` / `json_schema`, decoding is
+//! constrained by an llguidance grammar, so even a random-weight model emits valid output.
+//!
+//! [`serve`] binds and runs; [`router`] gives the `axum::Router` for tests.
+//!
+//! ```no_run
+//! # async fn demo(engine: impl kimi_server::Generator, tokenizer: std::sync::Arc<kimi_tokenizer::Tokenizer>) {
+//! let config = kimi_server::ServerConfig { port: 8000, ..Default::default() };
+//! let shutdown = async { let _ = tokio::signal::ctrl_c().await; };
+//! if let Err(err) = kimi_server::serve(config, engine, tokenizer, shutdown).await {
+//!     eprintln!("{err}");
+//! }
+//! # }
+//! ```
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+#![cfg_attr(not(test), warn(clippy::unwrap_used))]
+
+mod auth;
+mod chat;
+mod chat_request;
+mod completions;
+mod config;
+mod constraint;
+mod decode;
+mod engine_adapter;
+mod error;
+mod fields;
+mod generation;
+mod generator;
+mod metrics;
+mod misc;
+mod params;
+mod response;
+mod state;
+mod tool_parser;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::Uri;
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::Router;
+use kimi_tokenizer::Tokenizer;
+use tokio::net::TcpListener;
+
+pub use config::ServerConfig;
+pub use error::{ApiError, ServerError};
+pub use generator::Generator;
+pub use state::AppState;
+
+use fields::Body;
+use state::Inner;
+
+/// The application: every route with auth, error counting and the body limit.
+pub fn router(state: AppState) -> Router {
+    let protected = Router::new()
+        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/completions", post(completions::completions))
+        .route("/v1/models", get(misc::list_models))
+        .route("/v1/models/{model}", get(misc::get_model))
+        .route("/tokenize", post(misc::tokenize))
+        .route("/detokenize", post(misc::detokenize))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_api_key,
+        ));
+    let max_body_bytes = state.inner.config.max_body_bytes;
+    Router::new()
+        .merge(protected)
+        .route("/health", get(misc::health))
+        .route("/metrics", get(misc::metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(state.clone(), count_errors))
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(state)
+}
+
+/// Serves `engine` on `config.host:config.port` until `shutdown` completes, then lets open
+/// requests finish.
+///
+/// # Errors
+///
+/// [`ServerError`] if the state cannot be prepared, the address cannot be bound, or serving
+/// fails.
+pub async fn serve(
+    config: ServerConfig,
+    engine: impl Generator,
+    tokenizer: Arc<Tokenizer>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    let addr = format!("{}:{}", config.host, config.port);
+    let state = AppState::new(config, Arc::new(engine), tokenizer)?;
+    let listener = TcpListener::bind(&addr)
+        .await
+        .map_err(|source| ServerError::Bind { addr, source })?;
+    serve_listener(listener, state, shutdown).await
+}
+
+/// Serves on an already bound listener (tests bind `127.0.0.1:0`).
+///
+/// # Errors
+///
+/// [`ServerError::Serve`] if serving fails.
+pub async fn serve_listener(
+    listener: TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!("kimi-server listening on http://{addr}");
+    }
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(ServerError::Serve)
+}
+
+async fn not_found(uri: Uri) -> ApiError {
+    ApiError::route_not_found(uri.path())
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::method_not_allowed()
+}
+
+/// Counts error responses for `/metrics`.
+async fn count_errors(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let (method, path) = (request.method().clone(), request.uri().path().to_owned());
+    let response = next.run(request).await;
+    let status = response.status();
+    if status.is_client_error() || status.is_server_error() {
+        state.inner.metrics.record_error(status.as_u16());
+        if status.is_server_error() {
+            tracing::warn!("{method} {path} -> {status}");
+        } else {
+            tracing::debug!("{method} {path} -> {status}");
+        }
+    }
+    response
+}
+
+/// The body, or OpenAI's error for an unreadable or too large one.
+pub(crate) fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|rejection| {
+        let mut err = ApiError::invalid(format!("Cannot read the request body: {rejection}"), None);
+        err.status = rejection.status();
+        err
+    })
+}
+
+/// Runs CPU-heavy request preparation (templates, tokenizing, grammars) off the async
+/// threads; a panic there becomes a 500 instead of a dropped connection.
+pub(crate) async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .unwrap_or_else(|err| {
+            Err(ApiError::internal(format!(
+                "the request handler failed: {err}"
+            )))
+        })
+}
+
+/// Checks `model` (absent means the served model) and returns the name to report.
+pub(crate) fn check_model(inner: &Inner, body: &Body) -> Result<String, ApiError> {
+    let served = &inner.config.served_model_name;
+    match body.str("model")? {
+        Some(model) if model != served => Err(ApiError::model_not_found(model)),
+        _ => Ok(served.clone()),
+    }
+}
+
+/// When a request that arrived at `arrival` must be done, with the configured limit.
+pub(crate) fn deadline(
+    inner: &Inner,
+    arrival: Instant,
+) -> Option<(tokio::time::Instant, Duration)> {
+    inner
+        .config
+        .request_timeout
+        .map(|limit| (tokio::time::Instant::from_std(arrival) + limit, limit))
+}

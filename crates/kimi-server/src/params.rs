@@ -54,7 +54,12 @@ pub(crate) fn parse_common(
     sampling.top_k = match body.int("top_k")? {
         None | Some(-1) | Some(0) => 0,
         Some(k) if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
-        Some(k) => return Err(bad_value("top_k", format!("must be -1, 0 or positive, got {k}"))),
+        Some(k) => {
+            return Err(bad_value(
+                "top_k",
+                format!("must be -1, 0 or positive, got {k}"),
+            ))
+        }
     };
     let mut max_tokens = None;
     for field in max_tokens_fields {
@@ -159,8 +164,9 @@ pub(crate) fn finalize(
                  Please reduce the prompt or the completion length.",
                 prompt_len.saturating_add(m)
             );
-            return Err(ApiError::invalid(message, Some(prompt_param))
-                .code("context_length_exceeded"));
+            return Err(
+                ApiError::invalid(message, Some(prompt_param)).code("context_length_exceeded")
+            );
         }
         Some(m) => m,
         None => default_max.map_or(room, |d| d.min(room)),
@@ -213,6 +219,11 @@ mod tests {
         assert_eq!(err.param.as_deref(), Some("top_p"));
         assert!(common(r#"{"logit_bias": {"100": 1}}"#).is_err());
         assert!(common(r#"{"logit_bias": {"5": 101}}"#).is_err());
-        assert_eq!(common(r#"{"logit_bias": {"5": -100}}"#).map(|c| c.logit_bias).ok(), Some(vec![(5, -100.0)]));
+        assert_eq!(
+            common(r#"{"logit_bias": {"5": -100}}"#)
+                .map(|c| c.logit_bias)
+                .ok(),
+            Some(vec![(5, -100.0)])
+        );
     }
 }

@@ -228,7 +228,8 @@ mod tests {
 
     #[test]
     fn parses_two_calls_after_content() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/demo-tokenizer");
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/demo-tokenizer");
         let tok = Tokenizer::from_dir(&dir).expect("demo tokenizer");
         let text = "Hi<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Paris\"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>";
         let ids = tok.encode(text, true).expect("encodes");
@@ -253,8 +254,16 @@ mod tests {
         assert_eq!(
             calls,
             vec![
-                ("functions.get_weather:0".into(), "get_weather".into(), "{\"city\": \"Paris\"}".into()),
-                ("functions.get_time:1".into(), "get_time".into(), "{}".into()),
+                (
+                    "functions.get_weather:0".into(),
+                    "get_weather".into(),
+                    "{\"city\": \"Paris\"}".into()
+                ),
+                (
+                    "functions.get_time:1".into(),
+                    "get_time".into(),
+                    "{}".into()
+                ),
             ]
         );
         assert_eq!(parser.num_calls(), 2);

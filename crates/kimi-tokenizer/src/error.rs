@@ -72,6 +72,9 @@ pub enum TokenizerError {
         /// The vocabulary size (highest id + 1).
         vocab_size: usize,
     },
+    /// A GGUF file's tokenizer metadata could not be read (missing key, wrong type).
+    #[error(transparent)]
+    Gguf(#[from] kimi_gguf::GgufError),
     /// A chat template does not compile.
     #[error("chat template{}: {source}", origin_suffix(origin))]
     TemplateSyntax {

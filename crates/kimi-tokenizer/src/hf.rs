@@ -10,7 +10,7 @@ use crate::TokenizerError;
 
 /// How a model token's string maps back to bytes, read off the `tokenizer.json` decoder.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum PieceScheme {
+pub(crate) enum PieceScheme {
     /// GPT-2 byte-to-unicode alphabet (`ByteLevel` decoder).
     ByteLevel,
     /// SentencePiece: `▁` is a space, `<0xNN>` is one byte (`Metaspace` / `ByteFallback`).
@@ -42,6 +42,11 @@ impl HfTokenizer {
                 source,
             }
         })?;
+        Ok(Self::new(inner, scheme))
+    }
+
+    /// Wraps a built tokenizer whose model tokens spell their bytes as `scheme` says.
+    pub fn new(inner: tokenizers::Tokenizer, scheme: PieceScheme) -> Self {
         let added = inner.get_added_tokens_decoder();
         let special = added
             .iter()
@@ -64,12 +69,12 @@ impl HfTokenizer {
         for (id, token) in &added {
             token_bytes[*id as usize] = Some(token.content.as_bytes().to_vec());
         }
-        Ok(Self {
+        Self {
             inner,
             plain: OnceLock::new(),
             token_bytes,
             special,
-        })
+        }
     }
 
     pub fn vocab_size(&self) -> usize {

@@ -1,7 +1,8 @@
 //! Tokenizers and chat templates for kimi-infer.
 //!
 //! [`Tokenizer::from_dir`] loads a model directory: Kimi's tiktoken BPE (`tiktoken.model` with
-//! `tokenizer_config.json`; spec §9.1–9.3) or any Hugging Face `tokenizer.json`. The chat
+//! `tokenizer_config.json`; spec §9.1–9.3) or any Hugging Face `tokenizer.json`.
+//! [`Tokenizer::from_gguf`] builds the byte-level BPE stored in a GGUF file's metadata. The chat
 //! template ([`ChatTemplate`]) comes from `chat_template.jinja` or the config's
 //! `chat_template` and renders like transformers' `apply_chat_template`. [`StreamDecoder`]
 //! turns generated ids into text without ever splitting a UTF-8 character.
@@ -29,6 +30,7 @@
 mod chat_template;
 mod config;
 mod error;
+mod gguf;
 mod hf;
 mod pyjson;
 mod stream;
@@ -134,6 +136,38 @@ impl Tokenizer {
             .as_deref()
             .and_then(|t| tokenizer.token_id(t));
         tokenizer.eos_ids = tokenizer.find_eos_ids(config.eos_token.as_deref());
+        Ok(tokenizer)
+    }
+
+    /// Builds the tokenizer stored in a GGUF file's metadata: `tokenizer.ggml.model = gpt2`
+    /// (byte-level BPE from `tokenizer.ggml.tokens` and `tokenizer.ggml.merges`, with the
+    /// pre-tokenizer `tokenizer.ggml.pre` names), control tokens (`token_type` 3) as special
+    /// tokens, bos/eos from `tokenizer.ggml.bos_token_id`/`eos_token_id`, and the chat
+    /// template from `tokenizer.chat_template`. Other tokenizer models are rejected.
+    pub fn from_gguf(file: &kimi_gguf::GgufFile) -> Result<Tokenizer, TokenizerError> {
+        let loaded = gguf::load(file)?;
+        let text = |id: Option<u32>| {
+            id.and_then(|id| loaded.hf.token_bytes(id))
+                .map(|b| String::from_utf8_lossy(b).into_owned())
+        };
+        let (bos_token, eos_token) = (text(loaded.bos_id), text(loaded.eos_id));
+        let chat_template = loaded
+            .chat_template
+            .as_deref()
+            .map(|source| ChatTemplate::new(source, bos_token, eos_token))
+            .transpose()?;
+        let mut tokenizer = Tokenizer {
+            backend: Backend::Hf(Box::new(loaded.hf)),
+            bos_id: loaded.bos_id,
+            eos_ids: Vec::new(),
+            chat_template,
+        };
+        tokenizer.eos_ids = loaded.eos_id.into_iter().collect();
+        for id in tokenizer.find_eos_ids(None) {
+            if !tokenizer.eos_ids.contains(&id) {
+                tokenizer.eos_ids.push(id);
+            }
+        }
         Ok(tokenizer)
     }
 

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Runs the llama.cpp CPU baseline on the demo model (SmolLM2-135M-Instruct) as Q4_1 and as a
+# Q8_0 requantized from that Q4_1 (see README.md). Needs bench/llamacpp/build.sh first.
+#
+# Writes:
+#   bench/llamacpp/results-<date>.json  raw `llama-bench -o json` array (pp128 and tg64, both files)
+#   bench/llamacpp/greedy-<date>.txt    greedy (temp 0) continuations of the two golden prompts of
+#                                       shared/docs/demo-model.md, plus host/load info
+#
+# Env: LLAMACPP_DIR (default target/llamacpp), THREADS (default 2), REPS (default 3),
+#      DATE (default today, UTC), OUT_DIR (default bench/llamacpp).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+ROOT=${LLAMACPP_DIR:-target/llamacpp}
+BIN=$ROOT/build/bin
+THREADS=${THREADS:-2}
+REPS=${REPS:-3}
+DATE=${DATE:-$(date -u +%Y-%m-%d)}
+OUT_DIR=${OUT_DIR:-bench/llamacpp}
+Q4=models/SmolLM2-135M-Instruct.Q4_1.gguf
+Q8=$ROOT/models/SmolLM2-135M-Instruct.Q8_0-requant-from-Q4_1.gguf
+log() { echo "[llamacpp/run] $*" >&2; }
+
+for t in llama-bench llama-completion llama-quantize; do
+  [ -x "$BIN/$t" ] || { log "missing $BIN/$t: run bench/llamacpp/build.sh first"; exit 1; }
+done
+
+# Demo model (Q4_1, sha256-checked) and its Q8_0 requantization. The original GGUF exists only as
+# Q4_1 (token_embd Q8_0), so the Q8_0 file is made from dequantized Q4_1 weights:
+# --allow-requantize; it has Q8_0 speed/layout but no more accuracy than the Q4_1 file.
+bash scripts/fetch_demo_model.sh
+if [ ! -s "$Q8" ]; then
+  mkdir -p "$(dirname "$Q8")"
+  log "requantizing $Q4 -> $Q8"
+  "$BIN/llama-quantize" --allow-requantize "$Q4" "$Q8.tmp" Q8_0 "$THREADS" > "$ROOT/quantize.log" 2>&1 \
+    || { tail -20 "$ROOT/quantize.log" >&2; exit 1; }
+  mv "$Q8.tmp" "$Q8"
+fi
+
+mkdir -p "$OUT_DIR"
+RES=$OUT_DIR/results-$DATE.json
+GREEDY=$OUT_DIR/greedy-$DATE.txt
+
+# 1. Throughput: prompt processing of 128 tokens and generation of 64 tokens, REPS repetitions.
+log "llama-bench -t $THREADS -p 128 -n 64 -r $REPS (load before: $(cut -d' ' -f1-3 /proc/loadavg))"
+"$BIN/llama-bench" -m "$Q4" -m "$Q8" -t "$THREADS" -p 128 -n 64 -r "$REPS" -o json > "$RES.tmp" \
+  2> "$ROOT/bench.log" || { tail -20 "$ROOT/bench.log" >&2; exit 1; }
+mv "$RES.tmp" "$RES"
+python3 - "$RES" <<'PY' >&2
+import json, sys
+for r in json.load(open(sys.argv[1])):
+    kind = f"pp{r['n_prompt']}" if r['n_prompt'] else f"tg{r['n_gen']}"
+    print(f"  {r['model_type']:<28} {kind:<6} t={r['n_threads']} {r['avg_ts']:9.2f} ± {r['stddev_ts']:.2f} tok/s")
+PY
+
+# 2. Greedy outputs for the golden prompts (prompt tokenized with special tokens, no BOS added
+#    since add_bos_token=false; -no-cnv = plain completion, no chat template applied by llama.cpp).
+RAW='Once upon a time'
+CHAT=$'<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n'
+greedy() {  # model prompt
+  "$BIN/llama-completion" -m "$1" -p "$2" -no-cnv --temp 0 -n 32 -s 0 -t "$THREADS" -c 512 \
+    --no-display-prompt --verbose-prompt --no-warmup < /dev/null 2> "$ROOT/greedy.log"
+}
+{
+  echo "# llama.cpp greedy outputs, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "# $("$BIN/llama-completion" --version 2>&1 | tr '\n' ' ')"
+  echo "# cmd: llama-completion -m FILE -p PROMPT -no-cnv --temp 0 -n 32 -s 0 -t $THREADS -c 512 --no-display-prompt --verbose-prompt --no-warmup"
+  for m in "$Q4" "$Q8"; do
+    for p in RAW CHAT; do
+      echo; echo "=== $(basename "$m") / $p prompt ==="
+      out=$(greedy "$m" "${!p}")
+      echo "prompt ids: $(grep -oE '^ +[0-9]+ -> ' "$ROOT/greedy.log" | tr -dc '0-9 \n' | xargs | tr ' ' ',')"
+      echo "output: $(printf '%q' "$out")"
+    done
+  done
+  echo; echo "=== system_info ($(basename "$Q4")) ==="
+  grep -m1 'system_info' "$ROOT/greedy.log" || true
+} > "$GREEDY.tmp"
+mv "$GREEDY.tmp" "$GREEDY"
+cat "$GREEDY" >&2
+log "wrote $RES and $GREEDY (load after: $(cut -d' ' -f1-3 /proc/loadavg))"

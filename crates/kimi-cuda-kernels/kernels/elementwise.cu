@@ -1,0 +1,122 @@
+// Row-wise and elementwise ops: embedding, RMSNorm (plain and gated), add, sigmoid,
+// SwiGLU, column copies (split/concat), row gathers and the f32 -> bf16/f16 cast for GEMMs.
+#include "common.cuh"
+
+// out[t, :] = table[ids[t], :] as f32. grid (num_tokens), block 256.
+extern "C" __global__ void embedding(const void* table, int dt, const uint32_t* ids,
+                                     float* out, int d) {
+  size_t t = blockIdx.x;
+  size_t row = ids[t];
+  for (int j = threadIdx.x; j < d; j += blockDim.x) out[t * d + j] = ld(table, row * d + j, dt);
+}
+
+// out = x * rsqrt(mean(x^2) + eps) * w [* sigmoid(z)], rows of width d. grid (rows), block 256.
+extern "C" __global__ void rms_norm(const float* x, const void* w, int wdt, const float* z,
+                                    float* out, int d, float eps) {
+  __shared__ float red[32];
+  size_t r = blockIdx.x;
+  const float* xr = x + r * d;
+  float ss = 0.0f;
+  for (int j = threadIdx.x; j < d; j += blockDim.x) ss += xr[j] * xr[j];
+  ss = block_sum(ss, red);
+  float inv = 1.0f / sqrtf(ss / (float)d + eps);
+  for (int j = threadIdx.x; j < d; j += blockDim.x) {
+    float y = xr[j] * inv * ld(w, j, wdt);
+    if (z) y *= sigmoidf_(z[r * d + j]);
+    out[r * d + j] = y;
+  }
+}
+
+extern "C" __global__ void add_assign(float* x, const float* y, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x)
+    x[i] += y[i];
+}
+
+extern "C" __global__ void sigmoid(const float* x, float* out, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x)
+    out[i] = sigmoidf_(x[i]);
+}
+
+// gate = silu(gate) * up.
+extern "C" __global__ void silu_mul(float* gate, const float* up, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    float g = gate[i];
+    gate[i] = g * sigmoidf_(g) * up[i];
+  }
+}
+
+// dst[r, dst_off + j] = src[r, src_off + j] for j < w. grid-stride over rows*w.
+extern "C" __global__ void copy_cols(const float* src, int src_ld, int src_off, float* dst,
+                                     int dst_ld, int dst_off, int rows, int w) {
+  size_t n = (size_t)rows * w;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    size_t r = i / w, j = i % w;
+    dst[r * dst_ld + dst_off + j] = src[r * src_ld + src_off + j];
+  }
+}
+
+// out[i, :] = x[rows[i], :]. grid (num_rows), block 256.
+extern "C" __global__ void gather_rows(const float* x, const uint32_t* rows, float* out, int d) {
+  size_t i = blockIdx.x;
+  size_t r = rows[i];
+  for (int j = threadIdx.x; j < d; j += blockDim.x) out[i * d + j] = x[r * d + j];
+}
+
+// out[rows[i], :] += weights[i] * y[i, :]. One launch per expert, so rows are distinct.
+extern "C" __global__ void scatter_add_rows(const float* y, const uint32_t* rows,
+                                            const float* weights, float* out, int d) {
+  size_t i = blockIdx.x;
+  size_t r = rows[i];
+  float wt = weights[i];
+  for (int j = threadIdx.x; j < d; j += blockDim.x) out[r * d + j] += wt * y[i * d + j];
+}
+
+extern "C" __global__ void cast_f32_bf16(const float* x, __nv_bfloat16* out, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x)
+    out[i] = __float2bfloat16(x[i]);
+}
+
+extern "C" __global__ void cast_f32_f16(const float* x, __half* out, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x)
+    out[i] = __float2half(x[i]);
+}
+
+extern "C" __global__ void cast_to_f32(const void* x, int dt, float* out, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x)
+    out[i] = ld(x, i, dt);
+}
+
+// Two-term split of f32 activations for GEMMs against 16-bit weights: rows [0, n) get
+// hi = round(x), rows [n, 2n) get lo = round(x - hi), so W·hi + W·lo carries ~16 mantissa
+// bits of x instead of 8. `n_elems` = rows * cols of x.
+extern "C" __global__ void split_f32_bf16(const float* x, __nv_bfloat16* out, size_t n_elems) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_elems;
+       i += (size_t)gridDim.x * blockDim.x) {
+    __nv_bfloat16 hi = __float2bfloat16(x[i]);
+    out[i] = hi;
+    out[n_elems + i] = __float2bfloat16(x[i] - __bfloat162float(hi));
+  }
+}
+
+extern "C" __global__ void split_f32_f16(const float* x, __half* out, size_t n_elems) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_elems;
+       i += (size_t)gridDim.x * blockDim.x) {
+    __half hi = __float2half(x[i]);
+    out[i] = hi;
+    out[n_elems + i] = __float2half(x[i] - __half2float(hi));
+  }
+}
+
+// y[i] = y2[i] + y2[m + i]: sums the hi and lo halves of a split GEMM's output.
+extern "C" __global__ void sum_halves(const float* y2, float* y, size_t m) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < m;
+       i += (size_t)gridDim.x * blockDim.x)
+    y[i] = y2[i] + y2[m + i];
+}

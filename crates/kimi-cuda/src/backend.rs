@@ -1,0 +1,1026 @@
+//! [`CudaBackend`]: the `kimi_ops::Backend` implementation. Every method checks shapes and
+//! dtypes on the host, allocates its outputs and calls the launchers in `ops/`.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use cudarc::cublas::sys::cudaDataType;
+use cudarc::driver::CudaSlice;
+use kimi_core::config::KdaGate;
+use kimi_core::DType;
+use kimi_ops::{
+    Backend, Error, HostTensor, KdaMode, MlaDims, MlaMode, MlpWeights, MoeRouting, MoeWeights,
+    Result, Segment,
+};
+
+use crate::device::Device;
+use crate::error::OpContext;
+use crate::ops;
+use crate::tensor::{dtype_code, CudaTensor};
+
+/// How GEMMs against bf16/f16 weights treat the f32 activations.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GemmPrecision {
+    /// Split each activation into two 16-bit terms (`hi + lo`) and run both through one GEMM
+    /// of twice the rows: close to f32 accuracy (the weights are read once, so decode costs
+    /// about the same; prefill does twice the tensor-core work).
+    #[default]
+    Split,
+    /// Round activations to the weight's 16-bit type: fastest, ~3e-3 relative error per GEMM.
+    Half,
+}
+
+/// The CUDA backend on one GPU. See the crate documentation for its precision.
+pub struct CudaBackend {
+    dev: Device,
+    /// 0 = [`GemmPrecision::Split`], 1 = [`GemmPrecision::Half`].
+    gemm_precision: AtomicU8,
+    ordinal: usize,
+    device_name: String,
+}
+
+fn shape_err(op: &'static str, detail: String) -> Error {
+    Error::Shape { op, detail }
+}
+
+fn f32_rows(t: &CudaTensor, op: &'static str) -> Result<(usize, usize)> {
+    if t.dtype != DType::F32 {
+        return Err(shape_err(
+            op,
+            format!("expected an f32 tensor, got {}", t.dtype),
+        ));
+    }
+    t.rows_cols()
+        .ok_or_else(|| shape_err(op, "scalar given where a matrix is needed".into()))
+}
+
+fn code(t: &CudaTensor, op: &'static str) -> Result<i32> {
+    dtype_code(t.dtype).ok_or_else(|| Error::Unsupported(format!("{op} on dtype {}", t.dtype)))
+}
+
+fn check_segments(
+    op: &'static str,
+    segments: &[Segment],
+    num_states: usize,
+    n: usize,
+) -> Result<()> {
+    if segments.len() != num_states {
+        return Err(shape_err(
+            op,
+            format!("{} segments but {num_states} states", segments.len()),
+        ));
+    }
+    for s in segments {
+        if s.start + s.len > n {
+            return Err(shape_err(op, format!("segment {s:?} outside {n} rows")));
+        }
+    }
+    Ok(())
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal`, loads the embedded kernels and cuBLAS.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let dev = Device::new(ordinal)?;
+        let device_name = dev.ctx.name().op("init")?;
+        Ok(Self {
+            dev,
+            gemm_precision: AtomicU8::new(0),
+            ordinal,
+            device_name,
+        })
+    }
+
+    /// Chooses how GEMMs against 16-bit weights round the activations (default: split).
+    pub fn set_gemm_precision(&self, p: GemmPrecision) {
+        let v = match p {
+            GemmPrecision::Split => 0,
+            GemmPrecision::Half => 1,
+        };
+        self.gemm_precision.store(v, Ordering::Relaxed);
+    }
+
+    /// The current [`GemmPrecision`].
+    pub fn gemm_precision(&self) -> GemmPrecision {
+        match self.gemm_precision.load(Ordering::Relaxed) {
+            0 => GemmPrecision::Split,
+            _ => GemmPrecision::Half,
+        }
+    }
+
+    /// Waits for all queued work (for timing).
+    pub fn synchronize(&self) -> Result<()> {
+        self.dev.stream.synchronize().op("synchronize")
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.dev.ctx.mem_get_info().op("mem_info")
+    }
+
+    fn raw(&self, bytes: usize, op: &'static str) -> Result<CudaSlice<u8>> {
+        // SAFETY: every caller writes each element it later reads (kernels or copies
+        // fill the buffer before use); spare capacity is never read.
+        unsafe { self.dev.stream.alloc::<u8>(bytes.max(4)) }.op(op)
+    }
+
+    /// An uninitialised tensor; the caller's kernel writes every element.
+    fn empty(&self, shape: &[usize], dtype: DType, op: &'static str) -> Result<CudaTensor> {
+        let n: usize = shape.iter().product();
+        Ok(CudaTensor {
+            shape: shape.to_vec(),
+            dtype,
+            buf: self.raw(n * dtype.size_bytes(), op)?,
+        })
+    }
+
+    fn zeroed(&self, shape: &[usize], op: &'static str) -> Result<CudaTensor> {
+        let n: usize = shape.iter().product();
+        Ok(CudaTensor {
+            shape: shape.to_vec(),
+            dtype: DType::F32,
+            buf: self.dev.stream.alloc_zeros::<u8>((n * 4).max(4)).op(op)?,
+        })
+    }
+
+    fn upload_u32(&self, v: &[u32], op: &'static str) -> Result<CudaSlice<u8>> {
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        self.upload_bytes(&bytes, op)
+    }
+
+    fn upload_bytes(&self, bytes: &[u8], op: &'static str) -> Result<CudaSlice<u8>> {
+        if bytes.is_empty() {
+            return self.raw(4, op);
+        }
+        self.dev.stream.clone_htod(bytes).op(op)
+    }
+
+    fn slice_ptr(s: &CudaSlice<u8>) -> u64 {
+        use cudarc::driver::DevicePtr;
+        let (p, _guard) = s.device_ptr(s.stream());
+        p
+    }
+
+    /// An f32 copy of a weight of any supported dtype (or `None` if already f32).
+    fn as_f32_copy(&self, w: &CudaTensor, op: &'static str) -> Result<Option<CudaTensor>> {
+        if w.dtype == DType::F32 {
+            return Ok(None);
+        }
+        let dt = code(w, op)?;
+        let out = self.empty(&w.shape, DType::F32, op)?;
+        // SAFETY: `w` holds `len` elements of dtype `dt`; `out` holds `len` f32.
+        unsafe { ops::elementwise::cast_to_f32(&self.dev, w.ptr(), dt, out.ptr(), w.len())? };
+        Ok(Some(out))
+    }
+
+    fn matmul_op(&self, x: &CudaTensor, w: &CudaTensor, op: &'static str) -> Result<CudaTensor> {
+        let (n, k) = f32_rows(x, op)?;
+        let (o, wk) = match w.shape.as_slice() {
+            [o, wk] => (*o, *wk),
+            _ => {
+                return Err(shape_err(
+                    op,
+                    format!("weight {:?} is not a matrix", w.shape),
+                ))
+            }
+        };
+        if k != wk {
+            return Err(shape_err(
+                op,
+                format!("activation {:?} does not fit weight {:?}", x.shape, w.shape),
+            ));
+        }
+        let y = self.empty(&[n, o], DType::F32, op)?;
+        let (cast, split, ab) = match w.dtype {
+            DType::F32 => {
+                // SAFETY: x [n,k], w [o,k] f32 and y [n,o] f32 were checked/allocated above.
+                unsafe {
+                    ops::gemm::gemm(
+                        &self.dev,
+                        x.ptr(),
+                        w.ptr(),
+                        cudaDataType::CUDA_R_32F,
+                        y.ptr(),
+                        n,
+                        k,
+                        o,
+                    )?
+                };
+                return Ok(y);
+            }
+            DType::BF16 => ("cast_f32_bf16", "split_f32_bf16", cudaDataType::CUDA_R_16BF),
+            DType::F16 => ("cast_f32_f16", "split_f32_f16", cudaDataType::CUDA_R_16F),
+            other => return Err(Error::Unsupported(format!("{op} with {other} weights"))),
+        };
+        if n * k == 0 {
+            return Ok(y);
+        }
+        if self.gemm_precision() == GemmPrecision::Half {
+            let xh = self.empty(&[n, k], w.dtype, op)?;
+            // SAFETY: x holds n*k f32 and xh n*k halves.
+            unsafe { ops::elementwise::binary(&self.dev, op, cast, x.ptr(), xh.ptr(), n * k)? };
+            // SAFETY: xh [n,k] and w [o,k] share dtype `ab`; y [n,o] f32.
+            unsafe { ops::gemm::gemm(&self.dev, xh.ptr(), w.ptr(), ab, y.ptr(), n, k, o)? };
+            return Ok(y);
+        }
+        // Rows [0,n) = hi, [n,2n) = lo; one GEMM of 2n rows reads the weight once.
+        let xs = self.empty(&[2 * n, k], w.dtype, op)?;
+        // SAFETY: x holds n*k f32 and xs 2*n*k halves.
+        unsafe { ops::elementwise::binary(&self.dev, op, split, x.ptr(), xs.ptr(), n * k)? };
+        let y2 = self.empty(&[2 * n, o], DType::F32, op)?;
+        // SAFETY: xs [2n,k] and w [o,k] share dtype `ab`; y2 [2n,o] f32.
+        unsafe { ops::gemm::gemm(&self.dev, xs.ptr(), w.ptr(), ab, y2.ptr(), 2 * n, k, o)? };
+        // SAFETY: y2 holds 2*n*o f32 and y n*o.
+        unsafe { ops::elementwise::binary(&self.dev, op, "sum_halves", y2.ptr(), y.ptr(), n * o)? };
+        Ok(y)
+    }
+
+    fn gather(
+        &self,
+        x: &CudaTensor,
+        rows: &[u32],
+        d: usize,
+        op: &'static str,
+    ) -> Result<CudaTensor> {
+        let idx = self.upload_u32(rows, op)?;
+        let out = self.empty(&[rows.len(), d], DType::F32, op)?;
+        // SAFETY: indices were bounds-checked by the caller; out holds rows.len()*d f32.
+        unsafe {
+            ops::elementwise::gather_rows(
+                &self.dev,
+                x.ptr(),
+                Self::slice_ptr(&idx),
+                out.ptr(),
+                rows.len(),
+                d,
+            )?
+        };
+        Ok(out)
+    }
+
+    /// Appends `len` latent rows (from `latent` row `start`) to `cache`, growing its
+    /// capacity by doubling.
+    fn append_rows(
+        &self,
+        cache: &mut CudaTensor,
+        latent: &CudaTensor,
+        start: usize,
+        len: usize,
+    ) -> Result<()> {
+        let lw = cache.shape[1];
+        let past = cache.shape[0];
+        let need = (past + len) * lw * 4;
+        if need > cache.buf.len() {
+            let cap = need.max(cache.buf.len() * 2).max(64 * lw * 4);
+            let mut grown = self.raw(cap, "mla")?;
+            let used = past * lw * 4;
+            if used > 0 {
+                self.dev
+                    .stream
+                    .memcpy_dtod(&cache.buf.slice(0..used), &mut grown.slice_mut(0..used))
+                    .op("mla")?;
+            }
+            cache.buf = grown;
+        }
+        // SAFETY: the cache has room for past+len rows of lw f32; latent holds rows
+        // start..start+len of width lw.
+        unsafe {
+            ops::elementwise::copy_cols(
+                &self.dev,
+                latent.ptr() + (start * lw * 4) as u64,
+                lw,
+                0,
+                cache.ptr() + (past * lw * 4) as u64,
+                lw,
+                0,
+                len,
+                lw,
+            )?
+        };
+        cache.shape[0] = past + len;
+        Ok(())
+    }
+}
+
+impl Backend for CudaBackend {
+    type Tensor = CudaTensor;
+
+    fn name(&self) -> String {
+        format!("cuda:{} ({})", self.ordinal, self.device_name)
+    }
+
+    fn upload(&self, host: HostTensor<'_>) -> Result<CudaTensor> {
+        let n: usize = host.shape.iter().product();
+        if dtype_code(host.dtype).is_none() {
+            return Err(Error::Unsupported(format!(
+                "upload of dtype {}",
+                host.dtype
+            )));
+        }
+        let want = n * host.dtype.size_bytes();
+        if host.bytes.len() != want {
+            return Err(shape_err(
+                "upload",
+                format!(
+                    "shape {:?} of {} needs {want} bytes, got {}",
+                    host.shape,
+                    host.dtype,
+                    host.bytes.len()
+                ),
+            ));
+        }
+        self.dev.enter("upload")?;
+        Ok(CudaTensor {
+            shape: host.shape.to_vec(),
+            dtype: host.dtype,
+            buf: self.upload_bytes(host.bytes, "upload")?,
+        })
+    }
+
+    fn upload_f32(&self, shape: &[usize], data: &[f32]) -> Result<CudaTensor> {
+        let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.upload(HostTensor {
+            shape,
+            dtype: DType::F32,
+            bytes: &bytes,
+        })
+    }
+
+    fn zeros(&self, shape: &[usize]) -> Result<CudaTensor> {
+        self.dev.enter("zeros")?;
+        self.zeroed(shape, "zeros")
+    }
+
+    fn to_f32(&self, t: &CudaTensor) -> Result<Vec<f32>> {
+        self.dev.enter("to_f32")?;
+        let nb = t.len_bytes();
+        let mut host = vec![0u8; nb];
+        if nb > 0 {
+            self.dev
+                .stream
+                .memcpy_dtoh(&t.buf.slice(0..nb), &mut host)
+                .op("to_f32")?;
+        }
+        self.dev.stream.synchronize().op("to_f32")?;
+        Ok(match t.dtype {
+            DType::F32 => host
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            DType::BF16 => host
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            DType::F16 => host
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            other => return Err(Error::Unsupported(format!("to_f32 of {other}"))),
+        })
+    }
+
+    fn shape<'a>(&self, t: &'a CudaTensor) -> &'a [usize] {
+        &t.shape
+    }
+
+    fn size_bytes(&self, t: &CudaTensor) -> usize {
+        t.buf.len()
+    }
+
+    fn embedding(&self, table: &CudaTensor, ids: &[u32]) -> Result<CudaTensor> {
+        const OP: &str = "embedding";
+        self.dev.enter(OP)?;
+        let (vocab, d) = match table.shape.as_slice() {
+            [v, d] => (*v, *d),
+            _ => return Err(shape_err(OP, format!("table {:?}", table.shape))),
+        };
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+            return Err(shape_err(
+                OP,
+                format!("token id {bad} is outside the vocabulary of {vocab}"),
+            ));
+        }
+        let dt = code(table, OP)?;
+        let out = self.empty(&[ids.len(), d], DType::F32, OP)?;
+        if ids.is_empty() {
+            return Ok(out);
+        }
+        let idx = self.upload_u32(ids, OP)?;
+        // SAFETY: ids are below vocab; out holds ids.len()*d f32.
+        unsafe {
+            ops::elementwise::embedding(
+                &self.dev,
+                table.ptr(),
+                dt,
+                Self::slice_ptr(&idx),
+                out.ptr(),
+                ids.len(),
+                d,
+            )?
+        };
+        Ok(out)
+    }
+
+    fn matmul(&self, x: &CudaTensor, w: &CudaTensor) -> Result<CudaTensor> {
+        self.dev.enter("matmul")?;
+        self.matmul_op(x, w, "matmul")
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, weight: &CudaTensor, eps: f32) -> Result<CudaTensor> {
+        const OP: &str = "rms_norm";
+        self.dev.enter(OP)?;
+        let (n, d) = f32_rows(x, OP)?;
+        if weight.len() != d {
+            return Err(shape_err(
+                OP,
+                format!("x {:?}, weight {:?}", x.shape, weight.shape),
+            ));
+        }
+        let wdt = code(weight, OP)?;
+        let out = self.empty(&x.shape, DType::F32, OP)?;
+        if n * d > 0 {
+            // SAFETY: x/out hold n*d f32, weight d elements of dtype wdt.
+            unsafe {
+                ops::elementwise::rms_norm(
+                    &self.dev,
+                    x.ptr(),
+                    weight.ptr(),
+                    wdt,
+                    0,
+                    out.ptr(),
+                    n,
+                    d,
+                    eps,
+                )?
+            };
+        }
+        Ok(out)
+    }
+
+    fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
+        const OP: &str = "add";
+        self.dev.enter(OP)?;
+        if x.shape != y.shape || x.dtype != DType::F32 || y.dtype != DType::F32 {
+            return Err(shape_err(OP, format!("{:?} + {:?}", x.shape, y.shape)));
+        }
+        if x.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: both hold len f32.
+        unsafe { ops::elementwise::binary(&self.dev, OP, "add_assign", x.ptr(), y.ptr(), x.len()) }
+    }
+
+    fn select_rows(&self, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor> {
+        const OP: &str = "select_rows";
+        self.dev.enter(OP)?;
+        let (n, d) = f32_rows(x, OP)?;
+        if let Some(&r) = rows.iter().find(|&&r| r >= n) {
+            return Err(shape_err(OP, format!("row {r} of {n}")));
+        }
+        let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        self.gather(x, &idx, d, OP)
+    }
+
+    fn split_cols(&self, x: &CudaTensor, widths: &[usize]) -> Result<Vec<CudaTensor>> {
+        const OP: &str = "split_cols";
+        self.dev.enter(OP)?;
+        let (n, d) = f32_rows(x, OP)?;
+        if widths.iter().sum::<usize>() != d {
+            return Err(shape_err(
+                OP,
+                format!("widths {widths:?} do not add up to {d}"),
+            ));
+        }
+        let mut off = 0;
+        let mut parts = Vec::with_capacity(widths.len());
+        for &w in widths {
+            let p = self.empty(&[n, w], DType::F32, OP)?;
+            // SAFETY: x holds n rows of d, p n rows of w, off + w <= d.
+            unsafe {
+                ops::elementwise::copy_cols(&self.dev, x.ptr(), d, off, p.ptr(), w, 0, n, w)?
+            };
+            parts.push(p);
+            off += w;
+        }
+        Ok(parts)
+    }
+
+    fn concat_cols(&self, parts: &[&CudaTensor]) -> Result<CudaTensor> {
+        const OP: &str = "concat_cols";
+        self.dev.enter(OP)?;
+        let first = parts
+            .first()
+            .ok_or_else(|| shape_err(OP, "nothing to concatenate".into()))?;
+        let n = f32_rows(first, OP)?.0;
+        let mut dims = Vec::with_capacity(parts.len());
+        for p in parts {
+            let (pn, pw) = f32_rows(p, OP)?;
+            if pn != n {
+                return Err(shape_err(OP, format!("row counts {pn} and {n} differ")));
+            }
+            dims.push(pw);
+        }
+        let total: usize = dims.iter().sum();
+        let out = self.empty(&[n, total], DType::F32, OP)?;
+        let mut off = 0;
+        for (p, w) in parts.iter().zip(dims) {
+            // SAFETY: p holds n rows of w, out n rows of total, off + w <= total.
+            unsafe {
+                ops::elementwise::copy_cols(&self.dev, p.ptr(), w, 0, out.ptr(), total, off, n, w)?
+            };
+            off += w;
+        }
+        Ok(out)
+    }
+
+    fn sigmoid(&self, x: &CudaTensor) -> Result<CudaTensor> {
+        const OP: &str = "sigmoid";
+        self.dev.enter(OP)?;
+        f32_rows(x, OP)?;
+        let out = self.empty(&x.shape, DType::F32, OP)?;
+        if !x.is_empty() {
+            // SAFETY: both hold len f32.
+            unsafe {
+                ops::elementwise::binary(&self.dev, OP, "sigmoid", x.ptr(), out.ptr(), x.len())?
+            };
+        }
+        Ok(out)
+    }
+
+    fn mlp(&self, x: &CudaTensor, w: &MlpWeights<CudaTensor>) -> Result<CudaTensor> {
+        const OP: &str = "mlp";
+        self.dev.enter(OP)?;
+        let gate = self.matmul_op(x, &w.gate, OP)?;
+        let up = self.matmul_op(x, &w.up, OP)?;
+        if gate.shape != up.shape {
+            return Err(shape_err(OP, "gate and up widths differ".into()));
+        }
+        if !gate.is_empty() {
+            // SAFETY: gate and up hold len f32 each.
+            unsafe {
+                ops::elementwise::binary(
+                    &self.dev,
+                    OP,
+                    "silu_mul",
+                    gate.ptr(),
+                    up.ptr(),
+                    gate.len(),
+                )?
+            };
+        }
+        self.matmul_op(&gate, &w.down, OP)
+    }
+
+    fn moe(
+        &self,
+        x: &CudaTensor,
+        w: &MoeWeights<CudaTensor>,
+        r: &MoeRouting,
+    ) -> Result<(CudaTensor, Vec<u32>)> {
+        const OP: &str = "moe";
+        self.dev.enter(OP)?;
+        let (n, d) = f32_rows(x, OP)?;
+        let e = w.experts.len();
+        if w.router.shape != [e, d] || r.top_k == 0 || r.top_k > e {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "router {:?}, {e} experts, top_k {}, hidden {d}",
+                    w.router.shape, r.top_k
+                ),
+            ));
+        }
+        if r.num_groups == 0
+            || r.num_groups > 64
+            || !e.is_multiple_of(r.num_groups)
+            || r.topk_group > r.num_groups
+        {
+            return Err(shape_err(
+                OP,
+                format!("{e} experts in {} groups", r.num_groups),
+            ));
+        }
+        // The router runs in f32, as on the CPU, so that near-ties pick the same experts.
+        let router32 = self.as_f32_copy(&w.router, OP)?;
+        let logits = self.matmul_op(x, router32.as_ref().unwrap_or(&w.router), OP)?;
+        let (bias, bdt) = match &w.correction_bias {
+            Some(b) if b.len() == e => (b.ptr(), code(b, OP)?),
+            Some(b) => return Err(shape_err(OP, format!("correction bias {:?}", b.shape))),
+            None => (0, 0),
+        };
+        let ids_dev = self.empty(&[n, r.top_k], DType::F32, OP)?;
+        let wts_dev = self.empty(&[n, r.top_k], DType::F32, OP)?;
+        let mut out = self.zeroed(&[n, d], OP)?;
+        if n == 0 {
+            return Ok((out, vec![]));
+        }
+        // SAFETY: logits [n,e] f32; ids/weights hold n*top_k 4-byte entries.
+        unsafe {
+            ops::moe::route(
+                &self.dev,
+                logits.ptr(),
+                bias,
+                bdt,
+                ids_dev.ptr(),
+                wts_dev.ptr(),
+                n,
+                e,
+                r,
+            )?
+        };
+        let ids: Vec<u32> = self
+            .to_f32(&ids_dev)?
+            .into_iter()
+            .map(f32::to_bits)
+            .collect();
+        let wts = self.to_f32(&wts_dev)?;
+        let mut users: Vec<Vec<(u32, f32)>> = vec![Vec::new(); e];
+        for (i, (&id, &wt)) in ids.iter().zip(&wts).enumerate() {
+            let expert = users
+                .get_mut(id as usize)
+                .ok_or_else(|| shape_err(OP, format!("router chose expert {id} of {e}")))?;
+            expert.push(((i / r.top_k) as u32, wt));
+        }
+        let mut all_rows = Vec::with_capacity(n * r.top_k);
+        let mut all_wts = Vec::with_capacity(n * r.top_k);
+        for u in &users {
+            all_rows.extend(u.iter().map(|p| p.0));
+            all_wts.extend(u.iter().map(|p| p.1));
+        }
+        let rows_dev = self.upload_u32(&all_rows, OP)?;
+        let wts_bytes: Vec<u8> = all_wts.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let wsel_dev = self.upload_bytes(&wts_bytes, OP)?;
+        let (rows_ptr, wsel_ptr) = (Self::slice_ptr(&rows_dev), Self::slice_ptr(&wsel_dev));
+        let mut off = 0usize;
+        for (expert, u) in users.iter().enumerate() {
+            if u.is_empty() {
+                continue;
+            }
+            let cnt = u.len();
+            let xg = self.empty(&[cnt, d], DType::F32, OP)?;
+            // SAFETY: the row indices are token numbers < n; xg holds cnt*d f32.
+            unsafe {
+                ops::elementwise::gather_rows(
+                    &self.dev,
+                    x.ptr(),
+                    rows_ptr + (off * 4) as u64,
+                    xg.ptr(),
+                    cnt,
+                    d,
+                )?
+            };
+            let y = self.mlp(&xg, &w.experts[expert])?;
+            if y.shape != [cnt, d] {
+                return Err(shape_err(
+                    OP,
+                    format!("expert {expert} output {:?}", y.shape),
+                ));
+            }
+            // SAFETY: one expert's rows are distinct tokens; y holds cnt*d f32.
+            unsafe {
+                ops::elementwise::scatter_add_rows(
+                    &self.dev,
+                    y.ptr(),
+                    rows_ptr + (off * 4) as u64,
+                    wsel_ptr + (off * 4) as u64,
+                    out.ptr(),
+                    cnt,
+                    d,
+                )?
+            };
+            off += cnt;
+        }
+        if let Some(shared) = &w.shared {
+            let y = self.mlp(x, shared)?;
+            self.add_assign(&mut out, &y)?;
+        }
+        // Keep the index buffers alive until the queued kernels have read them.
+        self.dev.stream.synchronize().op(OP)?;
+        drop((rows_dev, wsel_dev));
+        Ok((out, ids))
+    }
+
+    fn short_conv_silu(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaTensor,
+        segments: &[Segment],
+        states: &mut [&mut CudaTensor],
+    ) -> Result<CudaTensor> {
+        const OP: &str = "short_conv";
+        self.dev.enter(OP)?;
+        let (n, c) = f32_rows(x, OP)?;
+        let wn = weight.len();
+        if c == 0 || wn == 0 || !wn.is_multiple_of(c) {
+            return Err(shape_err(
+                OP,
+                format!("weight {:?} for {c} channels", weight.shape),
+            ));
+        }
+        let width = wn / c;
+        let wdt = code(weight, OP)?;
+        check_segments(OP, segments, states.len(), n)?;
+        let out = self.zeroed(&x.shape, OP)?;
+        for (seg, state) in segments.iter().zip(states.iter_mut()) {
+            if state.dtype != DType::F32 || state.len() != (width - 1) * c {
+                return Err(shape_err(
+                    OP,
+                    format!(
+                        "state has {} values, expected {}x{c}",
+                        state.len(),
+                        width - 1
+                    ),
+                ));
+            }
+            let next = self.empty(&state.shape, DType::F32, OP)?;
+            // SAFETY: shapes checked above; next does not alias state.
+            unsafe {
+                ops::conv::short_conv_silu(
+                    &self.dev,
+                    x.ptr(),
+                    weight.ptr(),
+                    wdt,
+                    state.ptr(),
+                    next.ptr(),
+                    out.ptr(),
+                    seg.start,
+                    seg.len,
+                    c,
+                    width,
+                )?
+            };
+            **state = next;
+        }
+        Ok(out)
+    }
+
+    fn kda_gate(
+        &self,
+        f: &CudaTensor,
+        a_log: &CudaTensor,
+        dt_bias: &CudaTensor,
+        num_heads: usize,
+        gate: KdaGate,
+    ) -> Result<CudaTensor> {
+        const OP: &str = "kda_gate";
+        self.dev.enter(OP)?;
+        let (n, width) = f32_rows(f, OP)?;
+        if a_log.len() != num_heads
+            || dt_bias.len() != width
+            || num_heads == 0
+            || !width.is_multiple_of(num_heads)
+        {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "f width {width}, A_log {:?}, dt_bias {:?}, {num_heads} heads",
+                    a_log.shape, dt_bias.shape
+                ),
+            ));
+        }
+        let (kind, lb) = match gate {
+            KdaGate::Softplus => (0, 0.0),
+            KdaGate::LowerBound(lb) => (1, lb),
+        };
+        let g = self.empty(&f.shape, DType::F32, OP)?;
+        if n * width > 0 {
+            let (adt, bdt) = (code(a_log, OP)?, code(dt_bias, OP)?);
+            // SAFETY: shapes checked above.
+            unsafe {
+                ops::kda::gate(
+                    &self.dev,
+                    f.ptr(),
+                    a_log.ptr(),
+                    adt,
+                    dt_bias.ptr(),
+                    bdt,
+                    g.ptr(),
+                    n * width,
+                    width,
+                    width / num_heads,
+                    kind,
+                    lb,
+                )?
+            };
+        }
+        Ok(g)
+    }
+
+    fn kda(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        g: &CudaTensor,
+        beta: &CudaTensor,
+        num_heads: usize,
+        segments: &[Segment],
+        states: &mut [&mut CudaTensor],
+        _mode: KdaMode,
+    ) -> Result<CudaTensor> {
+        // Every mode runs the recurrence (equal to the chunked form to f32 rounding); the
+        // chunked tensor-core kernel for prefill is future work.
+        const OP: &str = "kda";
+        self.dev.enter(OP)?;
+        let (n, width) = f32_rows(q, OP)?;
+        for (name, t) in [("k", k), ("v", v), ("g", g)] {
+            if f32_rows(t, OP)? != (n, width) {
+                return Err(shape_err(
+                    OP,
+                    format!("{name} {:?} vs q {:?}", t.shape, q.shape),
+                ));
+            }
+        }
+        if num_heads == 0
+            || !width.is_multiple_of(num_heads)
+            || f32_rows(beta, OP)? != (n, num_heads)
+        {
+            return Err(shape_err(
+                OP,
+                format!("q {:?}, beta {:?}, {num_heads} heads", q.shape, beta.shape),
+            ));
+        }
+        check_segments(OP, segments, states.len(), n)?;
+        let d = width / num_heads;
+        let out = self.zeroed(&q.shape, OP)?;
+        for (seg, state) in segments.iter().zip(states.iter_mut()) {
+            if state.dtype != DType::F32 || state.len() != num_heads * d * d {
+                return Err(shape_err(
+                    OP,
+                    format!(
+                        "state has {} values, expected {num_heads}x{d}x{d}",
+                        state.len()
+                    ),
+                ));
+            }
+            if seg.len == 0 {
+                continue;
+            }
+            // SAFETY: shapes checked above.
+            unsafe {
+                ops::kda::recurrent(
+                    &self.dev,
+                    [q.ptr(), k.ptr(), v.ptr(), g.ptr()],
+                    beta.ptr(),
+                    state.ptr(),
+                    out.ptr(),
+                    seg.start,
+                    seg.len,
+                    num_heads,
+                    d,
+                )?
+            };
+        }
+        Ok(out)
+    }
+
+    fn gated_rms_norm(
+        &self,
+        o: &CudaTensor,
+        z: &CudaTensor,
+        weight: &CudaTensor,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        const OP: &str = "gated_rms_norm";
+        self.dev.enter(OP)?;
+        let (n, width) = f32_rows(o, OP)?;
+        let d = weight.len();
+        if d == 0 || !width.is_multiple_of(d) || f32_rows(z, OP)? != (n, width) {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "o {:?}, z {:?}, weight {:?}",
+                    o.shape, z.shape, weight.shape
+                ),
+            ));
+        }
+        let wdt = code(weight, OP)?;
+        let out = self.empty(&o.shape, DType::F32, OP)?;
+        if n * width > 0 {
+            // SAFETY: o/z/out hold n*width f32 = (n*width/d) rows of d; weight d elements.
+            unsafe {
+                ops::elementwise::rms_norm(
+                    &self.dev,
+                    o.ptr(),
+                    weight.ptr(),
+                    wdt,
+                    z.ptr(),
+                    out.ptr(),
+                    n * width / d,
+                    d,
+                    eps,
+                )?
+            };
+        }
+        Ok(out)
+    }
+
+    fn mla(
+        &self,
+        q: &CudaTensor,
+        latent: &CudaTensor,
+        kv_b: &CudaTensor,
+        dims: &MlaDims,
+        segments: &[Segment],
+        caches: &mut [&mut CudaTensor],
+        mode: MlaMode,
+    ) -> Result<CudaTensor> {
+        const OP: &str = "mla";
+        self.dev.enter(OP)?;
+        let MlaDims {
+            num_heads: h,
+            kv_lora_rank: r,
+            qk_nope_head_dim: dn,
+            qk_rope_head_dim: dr,
+            v_head_dim: dv,
+            ..
+        } = *dims;
+        let (n, qw) = f32_rows(q, OP)?;
+        let lw = r + dr;
+        if qw != h * (dn + dr)
+            || f32_rows(latent, OP)? != (n, lw)
+            || kv_b.shape != [h * (dn + dv), r]
+        {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "q {:?}, latent {:?}, kv_b {:?} do not fit {dims:?}",
+                    q.shape, latent.shape, kv_b.shape
+                ),
+            ));
+        }
+        check_segments(OP, segments, caches.len(), n)?;
+        let kdt = code(kv_b, OP)?;
+        let out = self.zeroed(&[n, h * dv], OP)?;
+        for (seg, cache) in segments.iter().zip(caches.iter_mut()) {
+            if cache.shape.len() != 2 || cache.shape[1] != lw || cache.dtype != DType::F32 {
+                return Err(shape_err(
+                    OP,
+                    format!("cache {:?} is not [tokens, {lw}]", cache.shape),
+                ));
+            }
+            let past = cache.shape[0];
+            self.append_rows(cache, latent, seg.start, seg.len)?;
+            if seg.len == 0 {
+                continue;
+            }
+            let total = past + seg.len;
+            let absorbed = match mode {
+                MlaMode::Auto => seg.len == 1,
+                MlaMode::Absorbed => true,
+                MlaMode::Expanded => false,
+            };
+            let qp = q.ptr() + (seg.start * qw * 4) as u64;
+            let op_ = out.ptr() + (seg.start * h * dv * 4) as u64;
+            if absorbed {
+                // SAFETY: shapes checked above; the cache holds `total` rows.
+                unsafe {
+                    ops::mla::attention(
+                        &self.dev,
+                        qp,
+                        cache.ptr(),
+                        ops::mla::Form::Absorbed {
+                            kv_b: kv_b.ptr(),
+                            dt: kdt,
+                        },
+                        op_,
+                        past,
+                        seg.len,
+                        dims,
+                    )?
+                };
+            } else {
+                // Decompress every cached latent: c [total, r] · kv_bᵀ → [total, H*(dn+dv)].
+                let c = self.empty(&[total, r], DType::F32, OP)?;
+                // SAFETY: the cache holds total rows of lw >= r.
+                unsafe {
+                    ops::elementwise::copy_cols(
+                        &self.dev,
+                        cache.ptr(),
+                        lw,
+                        0,
+                        c.ptr(),
+                        r,
+                        0,
+                        total,
+                        r,
+                    )?
+                };
+                let kv = self.matmul_op(&c, kv_b, OP)?;
+                // SAFETY: kv holds total rows of H*(dn+dv) f32.
+                unsafe {
+                    ops::mla::attention(
+                        &self.dev,
+                        qp,
+                        cache.ptr(),
+                        ops::mla::Form::Expanded { kv: kv.ptr() },
+                        op_,
+                        past,
+                        seg.len,
+                        dims,
+                    )?
+                };
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,59 @@
+//! The CUDA backend of kimi-infer.
+//!
+//! [`CudaBackend`] implements [`kimi_ops::Backend`] on one GPU with cudarc (driver API,
+//! dynamically loaded, so the binary builds and starts without a CUDA toolkit), cuBLAS for
+//! the GEMMs and the `sm_90a` kernels that `kimi-cuda-kernels` embeds.
+//!
+//! Precision: activations, recurrent states and MLA latent caches are f32 on the device;
+//! weights keep their checkpoint dtype (bf16, f16 or f32). A GEMM against a bf16/f16 weight
+//! runs on the tensor cores with f32 accumulation (cuBLAS `CUBLAS_COMPUTE_32F`); by default
+//! (`GemmPrecision::Split`) the activation enters as two 16-bit terms `hi + lo`, which keeps
+//! it near f32 accuracy, or with `GemmPrecision::Half` rounded once to the weight's type.
+//! f32 weights use a true f32 GEMM. The MoE router always runs in f32.
+//!
+//! Without the `cuda` feature this crate is a stub: [`CudaBackend::new`] returns
+//! [`kimi_ops::Error::Unsupported`], and nothing CUDA is compiled or linked.
+//!
+//! ```no_run
+//! # fn main() -> Result<(), kimi_ops::Error> {
+//! let backend = kimi_cuda::CudaBackend::new(0)?; // Unsupported without the `cuda` feature
+//! # let _ = backend;
+//! # Ok(())
+//! # }
+//! ```
+#![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod error;
+pub use error::Error;
+
+#[cfg(feature = "cuda")]
+mod backend;
+#[cfg(feature = "cuda")]
+mod device;
+#[cfg(feature = "cuda")]
+mod ops;
+#[cfg(feature = "cuda")]
+mod tensor;
+
+#[cfg(feature = "cuda")]
+pub use backend::{CudaBackend, GemmPrecision};
+#[cfg(feature = "cuda")]
+pub use tensor::CudaTensor;
+
+/// Stand-in for the CUDA backend in builds without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+#[derive(Debug)]
+pub struct CudaBackend {
+    _private: (),
+}
+
+#[cfg(not(feature = "cuda"))]
+impl CudaBackend {
+    /// Always fails: this build has no CUDA support.
+    pub fn new(_ordinal: usize) -> kimi_ops::Result<Self> {
+        Err(kimi_ops::Error::Unsupported(
+            "CUDA (this build lacks the `cuda` feature of kimi-cuda)".into(),
+        ))
+    }
+}

@@ -1,0 +1,44 @@
+//! Launchers of `kernels/conv.cu`.
+
+use cudarc::driver::PushKernelArg;
+use kimi_ops::Result;
+
+use crate::device::{flat, Device};
+use crate::error::OpContext;
+
+/// Convolution + SiLU of rows `start..start+len` of `x [n, c]` and the next state.
+///
+/// # Safety
+/// `x`/`out` hold `n * c` f32 with `start + len <= n`; `w` holds `c * width` of dtype
+/// `wdt`; `state` and `next_state` hold `(width - 1) * c` f32 and do not overlap.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn short_conv_silu(
+    dev: &Device,
+    x: u64,
+    w: u64,
+    wdt: i32,
+    state: u64,
+    next_state: u64,
+    out: u64,
+    start: usize,
+    len: usize,
+    c: usize,
+    width: usize,
+) -> Result<()> {
+    let (s, l, ci, wi) = (start as i32, len as i32, c as i32, width as i32);
+    if len * c > 0 {
+        let mut b = dev.kernel("short_conv", "short_conv_silu")?;
+        b.arg(&x).arg(&w).arg(&wdt).arg(&state).arg(&out);
+        b.arg(&s).arg(&l).arg(&ci).arg(&wi);
+        // SAFETY: see the function's contract.
+        unsafe { b.launch(flat(len * c)) }.op("short_conv")?;
+    }
+    if (width - 1) * c > 0 {
+        let mut b = dev.kernel("short_conv", "short_conv_state")?;
+        b.arg(&x).arg(&state).arg(&next_state);
+        b.arg(&s).arg(&l).arg(&ci).arg(&wi);
+        // SAFETY: see the function's contract.
+        unsafe { b.launch(flat((width - 1) * c)) }.op("short_conv")?;
+    }
+    Ok(())
+}

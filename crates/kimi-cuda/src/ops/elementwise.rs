@@ -1,0 +1,178 @@
+//! Launchers of `kernels/elementwise.cu`.
+
+use cudarc::driver::PushKernelArg;
+use kimi_ops::Result;
+
+use crate::device::{flat, grid, Device};
+use crate::error::OpContext;
+
+/// `out [ids.len(), d] = table[ids]`.
+///
+/// # Safety
+/// `table` holds `vocab * d` elements of dtype `dt`, every id is below `vocab`, `ids` holds
+/// `num_ids` u32 and `out` `num_ids * d` f32, all on `dev`.
+pub(crate) unsafe fn embedding(
+    dev: &Device,
+    table: u64,
+    dt: i32,
+    ids: u64,
+    out: u64,
+    num_ids: usize,
+    d: usize,
+) -> Result<()> {
+    let d = d as i32;
+    let mut b = dev.kernel("embedding", "embedding")?;
+    b.arg(&table).arg(&dt).arg(&ids).arg(&out).arg(&d);
+    // SAFETY: the caller guarantees the buffers; one block per id.
+    unsafe { b.launch(grid((num_ids as u32, 1, 1), 256, 0)) }.op("embedding")?;
+    Ok(())
+}
+
+/// Row RMSNorm of `x [rows, d]` times `w [d]` (dtype `wdt`), optionally times `sigmoid(z)`.
+///
+/// # Safety
+/// `x`, `out` (and `z` unless 0) hold `rows * d` f32; `w` holds `d` elements.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn rms_norm(
+    dev: &Device,
+    x: u64,
+    w: u64,
+    wdt: i32,
+    z: u64,
+    out: u64,
+    rows: usize,
+    d: usize,
+    eps: f32,
+) -> Result<()> {
+    let d = d as i32;
+    let mut b = dev.kernel("rms_norm", "rms_norm")?;
+    b.arg(&x)
+        .arg(&w)
+        .arg(&wdt)
+        .arg(&z)
+        .arg(&out)
+        .arg(&d)
+        .arg(&eps);
+    // SAFETY: see the function's contract; one block per row.
+    unsafe { b.launch(grid((rows as u32, 1, 1), 256, 0)) }.op("rms_norm")?;
+    Ok(())
+}
+
+/// Launches a grid-stride kernel over `n` elements with arguments `(a, b, n)`.
+///
+/// # Safety
+/// `a` and `b` are valid for the kernel's accesses of `n` elements.
+pub(crate) unsafe fn binary(
+    dev: &Device,
+    op: &'static str,
+    kernel: &str,
+    a: u64,
+    b_: u64,
+    n: usize,
+) -> Result<()> {
+    let mut b = dev.kernel(op, kernel)?;
+    b.arg(&a).arg(&b_).arg(&n);
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(flat(n)) }.op(op)?;
+    Ok(())
+}
+
+/// `dst[r, dst_off..dst_off+w] = src[r, src_off..src_off+w]` for `rows` rows (f32).
+///
+/// # Safety
+/// Both matrices hold `rows` rows of their leading dimension.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn copy_cols(
+    dev: &Device,
+    src: u64,
+    src_ld: usize,
+    src_off: usize,
+    dst: u64,
+    dst_ld: usize,
+    dst_off: usize,
+    rows: usize,
+    w: usize,
+) -> Result<()> {
+    if rows * w == 0 {
+        return Ok(());
+    }
+    let (a, b_, c, d, e, f) = (
+        src_ld as i32,
+        src_off as i32,
+        dst_ld as i32,
+        dst_off as i32,
+        rows as i32,
+        w as i32,
+    );
+    let mut b = dev.kernel("copy_cols", "copy_cols")?;
+    b.arg(&src)
+        .arg(&a)
+        .arg(&b_)
+        .arg(&dst)
+        .arg(&c)
+        .arg(&d)
+        .arg(&e)
+        .arg(&f);
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(flat(rows * w)) }.op("copy_cols")?;
+    Ok(())
+}
+
+/// `out[i] = x[rows[i]]` (rows of width `d`, f32).
+///
+/// # Safety
+/// `rows` holds `num_rows` u32 indices below `x`'s row count; `out` holds `num_rows * d`.
+pub(crate) unsafe fn gather_rows(
+    dev: &Device,
+    x: u64,
+    rows: u64,
+    out: u64,
+    num_rows: usize,
+    d: usize,
+) -> Result<()> {
+    if num_rows == 0 {
+        return Ok(());
+    }
+    let d = d as i32;
+    let mut b = dev.kernel("gather_rows", "gather_rows")?;
+    b.arg(&x).arg(&rows).arg(&out).arg(&d);
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(grid((num_rows as u32, 1, 1), 256, 0)) }.op("gather_rows")?;
+    Ok(())
+}
+
+/// `out[rows[i]] += weights[i] * y[i]`; `rows` must be distinct.
+///
+/// # Safety
+/// `y` holds `num_rows * d` f32, `rows`/`weights` `num_rows` entries, `out` every row named.
+pub(crate) unsafe fn scatter_add_rows(
+    dev: &Device,
+    y: u64,
+    rows: u64,
+    weights: u64,
+    out: u64,
+    num_rows: usize,
+    d: usize,
+) -> Result<()> {
+    if num_rows == 0 {
+        return Ok(());
+    }
+    let d = d as i32;
+    let mut b = dev.kernel("moe", "scatter_add_rows")?;
+    b.arg(&y).arg(&rows).arg(&weights).arg(&out).arg(&d);
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(grid((num_rows as u32, 1, 1), 256, 0)) }.op("moe")?;
+    Ok(())
+}
+
+/// `out = f32(x)` for `n` elements of dtype `dt`.
+///
+/// # Safety
+/// `x` holds `n` elements of dtype `dt`, `out` `n` f32.
+pub(crate) unsafe fn cast_to_f32(dev: &Device, x: u64, dt: i32, out: u64, n: usize) -> Result<()> {
+    let mut b = dev.kernel("cast", "cast_to_f32")?;
+    b.arg(&x).arg(&dt).arg(&out).arg(&n);
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(flat(n)) }.op("cast")?;
+    Ok(())
+}

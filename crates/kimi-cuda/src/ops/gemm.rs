@@ -1,0 +1,58 @@
+//! `y [n, out] = x [n, in] · wᵀ` with `w [out, in]` row-major, through cuBLAS.
+//!
+//! Row-major `y = x·wᵀ` is column-major `yᵀ (out×n) = op(W) · X` with `W` read as the
+//! column-major `[in × out]` matrix `wᵀ`, transposed: `gemm(T, N, m=out, n, k=in)`.
+
+use cudarc::cublas::result::gemm_ex;
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use kimi_ops::Result;
+
+use crate::device::Device;
+use crate::error::OpContext;
+
+/// `y = x·wᵀ`: `x` and `w` both of element type `ab` (f32, bf16 or f16), `y` f32,
+/// f32 accumulation.
+///
+/// # Safety
+/// `x` holds `n * k` and `w` `o * k` elements of type `ab`; `y` holds `n * o` f32.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm(
+    dev: &Device,
+    x: u64,
+    w: u64,
+    ab: cudaDataType,
+    y: u64,
+    n: usize,
+    k: usize,
+    o: usize,
+) -> Result<()> {
+    if n == 0 || o == 0 {
+        return Ok(());
+    }
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    // SAFETY: the caller guarantees the buffers; the handle is bound to `dev.stream`.
+    unsafe {
+        gemm_ex(
+            *dev.blas.handle(),
+            cublasOperation_t::CUBLAS_OP_T,
+            cublasOperation_t::CUBLAS_OP_N,
+            o as i32,
+            n as i32,
+            k as i32,
+            (&alpha) as *const f32 as *const _,
+            w as *const _,
+            ab,
+            k as i32,
+            x as *const _,
+            ab,
+            k as i32,
+            (&beta) as *const f32 as *const _,
+            y as *mut _,
+            cudaDataType::CUDA_R_32F,
+            o as i32,
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .op("matmul")
+}

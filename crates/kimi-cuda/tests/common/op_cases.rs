@@ -1,0 +1,442 @@
+//! Op-level cases shared by `tests/backend_ops.rs` and `examples/check.rs`: each case runs
+//! one `Backend` op on deterministic random inputs and returns its outputs as f32 vectors,
+//! so the same closure drives `CpuBackend` (the reference) and `CudaBackend`.
+#![allow(dead_code)]
+
+use std::error::Error;
+
+use half::bf16;
+use kimi_core::config::KdaGate;
+use kimi_core::DType;
+use kimi_cpu::CpuBackend;
+use kimi_cuda::CudaBackend;
+use kimi_ops::{
+    Backend, HostTensor, KdaMode, MlaDims, MlaMode, MlpWeights, MoeRouting, MoeWeights, Segment,
+};
+
+pub type Res<T> = std::result::Result<T, Box<dyn Error>>;
+
+// ---------------------------------------------------------------- random inputs
+
+pub struct Rng(pub u64);
+impl Rng {
+    pub fn next(&mut self) -> f32 {
+        self.0 = self.0.wrapping_add(0x9e3779b97f4a7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
+        ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32
+    }
+    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| (2.0 * self.next() - 1.0) * scale).collect()
+    }
+}
+
+pub fn bf16_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter()
+        .flat_map(|x| bf16::from_f32(*x).to_le_bytes())
+        .collect()
+}
+
+/// Uploads `data` as a weight of `dtype`.
+pub fn weight<B: Backend>(b: &B, shape: &[usize], data: &[f32], dtype: DType) -> Res<B::Tensor> {
+    Ok(match dtype {
+        DType::BF16 => b.upload(HostTensor {
+            shape,
+            dtype,
+            bytes: &bf16_bytes(data),
+        })?,
+        _ => b.upload_f32(shape, data)?,
+    })
+}
+
+pub fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    if got.len() != want.len() {
+        return f64::INFINITY;
+    }
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (*g as f64 - *w as f64).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|w| (*w as f64).powi(2)).sum();
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
+}
+
+// ---------------------------------------------------------------- op cases
+
+/// One op case: runs on any backend and returns its outputs (as f32 vectors).
+pub type Case = Box<dyn Fn(&dyn Runner) -> Res<Vec<Vec<f32>>>>;
+
+/// Object-safe shim so one closure can drive both backends.
+pub trait Runner {
+    fn cpu(&self) -> Option<&CpuBackend>;
+    fn cuda(&self) -> Option<&CudaBackend>;
+}
+pub struct CpuRun(pub CpuBackend);
+pub struct CudaRun<'a>(pub &'a CudaBackend);
+impl Runner for CpuRun {
+    fn cpu(&self) -> Option<&CpuBackend> {
+        Some(&self.0)
+    }
+    fn cuda(&self) -> Option<&CudaBackend> {
+        None
+    }
+}
+impl Runner for CudaRun<'_> {
+    fn cpu(&self) -> Option<&CpuBackend> {
+        None
+    }
+    fn cuda(&self) -> Option<&CudaBackend> {
+        Some(self.0)
+    }
+}
+
+macro_rules! case {
+    ($f:expr) => {{
+        let c: Case = Box::new(move |r: &dyn Runner| match (r.cpu(), r.cuda()) {
+            (Some(b), _) => $f(b),
+            (_, Some(b)) => $f(b),
+            _ => unreachable!(),
+        });
+        c
+    }};
+}
+
+pub fn t<B: Backend>(b: &B, x: &B::Tensor) -> Res<Vec<f32>> {
+    Ok(b.to_f32(x)?)
+}
+
+pub fn op_embedding<B: Backend>(b: &B, vocab: usize, d: usize, dt: DType) -> Res<Vec<Vec<f32>>> {
+    let mut r = Rng(1);
+    let table = weight(b, &[vocab, d], &r.vec(vocab * d, 1.0), dt)?;
+    let ids: Vec<u32> = (0..37).map(|i| (i * 7919 % vocab) as u32).collect();
+    Ok(vec![t(b, &b.embedding(&table, &ids)?)?])
+}
+
+pub fn op_matmul<B: Backend>(b: &B, n: usize, k: usize, o: usize, dt: DType) -> Res<Vec<Vec<f32>>> {
+    let mut r = Rng(2);
+    let x = b.upload_f32(&[n, k], &r.vec(n * k, 1.0))?;
+    let w = weight(b, &[o, k], &r.vec(o * k, 0.1), dt)?;
+    Ok(vec![t(b, &b.matmul(&x, &w)?)?])
+}
+
+pub fn op_rows<B: Backend>(b: &B, n: usize, d: usize) -> Res<Vec<Vec<f32>>> {
+    let mut r = Rng(3);
+    let mut x = b.upload_f32(&[n, d], &r.vec(n * d, 2.0))?;
+    let y = b.upload_f32(&[n, d], &r.vec(n * d, 2.0))?;
+    let w = weight(b, &[d], &r.vec(d, 1.0), DType::BF16)?;
+    let norm = t(b, &b.rms_norm(&x, &w, 1e-6)?)?;
+    let sig = t(b, &b.sigmoid(&x)?)?;
+    b.add_assign(&mut x, &y)?;
+    let added = t(b, &x)?;
+    let rows: Vec<usize> = (0..n).rev().step_by(2).collect();
+    let sel = t(b, &b.select_rows(&x, &rows)?)?;
+    let parts = b.split_cols(&x, &[d / 4, d / 2, d - d / 4 - d / 2])?;
+    let split: Vec<f32> = parts
+        .iter()
+        .map(|p| t(b, p))
+        .collect::<Res<Vec<_>>>()?
+        .concat();
+    let cat = t(b, &b.concat_cols(&[&parts[2], &parts[0], &parts[1]])?)?;
+    let z = b.upload_f32(&[n, d], &r.vec(n * d, 2.0))?;
+    let gw = weight(b, &[d / 4], &r.vec(d / 4, 1.0), DType::F32)?;
+    let gated = t(b, &b.gated_rms_norm(&y, &z, &gw, 1e-5)?)?;
+    Ok(vec![norm, sig, added, sel, split, cat, gated])
+}
+
+pub fn mlp_weights<B: Backend>(
+    b: &B,
+    r: &mut Rng,
+    d: usize,
+    inter: usize,
+) -> Res<MlpWeights<B::Tensor>> {
+    Ok(MlpWeights {
+        gate: weight(
+            b,
+            &[inter, d],
+            &r.vec(inter * d, (d as f32).powf(-0.5)),
+            DType::BF16,
+        )?,
+        up: weight(
+            b,
+            &[inter, d],
+            &r.vec(inter * d, (d as f32).powf(-0.5)),
+            DType::BF16,
+        )?,
+        down: weight(
+            b,
+            &[d, inter],
+            &r.vec(inter * d, (inter as f32).powf(-0.5)),
+            DType::BF16,
+        )?,
+    })
+}
+
+pub fn op_mlp<B: Backend>(b: &B, n: usize, d: usize, inter: usize) -> Res<Vec<Vec<f32>>> {
+    let mut r = Rng(4);
+    let x = b.upload_f32(&[n, d], &r.vec(n * d, 1.0))?;
+    let w = mlp_weights(b, &mut r, d, inter)?;
+    Ok(vec![t(b, &b.mlp(&x, &w)?)?])
+}
+
+pub fn op_moe<B: Backend>(
+    b: &B,
+    n: usize,
+    d: usize,
+    e: usize,
+    groups: usize,
+) -> Res<Vec<Vec<f32>>> {
+    let mut r = Rng(5);
+    let x = b.upload_f32(&[n, d], &r.vec(n * d, 1.0))?;
+    let router = weight(
+        b,
+        &[e, d],
+        &r.vec(e * d, (d as f32).powf(-0.5)),
+        DType::BF16,
+    )?;
+    let bias = b.upload_f32(&[e], &r.vec(e, 0.1))?;
+    let experts = (0..e)
+        .map(|_| mlp_weights(b, &mut r, d, 64))
+        .collect::<Res<Vec<_>>>()?;
+    let shared = Some(mlp_weights(b, &mut r, d, 128)?);
+    let w = MoeWeights {
+        router,
+        correction_bias: Some(bias),
+        experts,
+        shared,
+    };
+    let routing = MoeRouting {
+        top_k: 4,
+        num_groups: groups,
+        topk_group: (groups / 2).max(1),
+        renormalize: true,
+        scaling: 2.5,
+        weights_use_bias: false,
+    };
+    let (y, ids) = b.moe(&x, &w, &routing)?;
+    Ok(vec![t(b, &y)?, ids.iter().map(|&i| i as f32).collect()])
+}
+
+pub fn op_conv<B: Backend>(b: &B, c: usize, width: usize) -> Res<Vec<Vec<f32>>> {
+    let mut r = Rng(6);
+    let n = 23;
+    let x = b.upload_f32(&[n, c], &r.vec(n * c, 1.0))?;
+    let w = weight(b, &[c, width], &r.vec(c * width, 0.5), DType::BF16)?;
+    let segs = [
+        Segment { start: 0, len: 1 },
+        Segment { start: 1, len: 2 },
+        Segment { start: 3, len: 20 },
+    ];
+    let mut states: Vec<B::Tensor> = (0..3)
+        .map(|_| b.upload_f32(&[width - 1, c], &r.vec((width - 1) * c, 1.0)))
+        .collect::<Result<_, _>>()?;
+    let mut refs: Vec<&mut B::Tensor> = states.iter_mut().collect();
+    let y = t(b, &b.short_conv_silu(&x, &w, &segs, &mut refs)?)?;
+    let mut out = vec![y];
+    for s in &states {
+        out.push(t(b, s)?);
+    }
+    Ok(out)
+}
+
+pub fn op_gate<B: Backend>(b: &B, h: usize, d: usize, gate: KdaGate) -> Res<Vec<Vec<f32>>> {
+    let mut r = Rng(7);
+    let n = 9;
+    let f = b.upload_f32(&[n, h * d], &r.vec(n * h * d, 3.0))?;
+    let a = b.upload_f32(&[h], &r.vec(h, 1.0))?;
+    let bias = b.upload_f32(&[h * d], &r.vec(h * d, 0.5))?;
+    Ok(vec![t(b, &b.kda_gate(&f, &a, &bias, h, gate)?)?])
+}
+
+pub fn op_kda<B: Backend>(b: &B, h: usize, d: usize, mode: KdaMode) -> Res<Vec<Vec<f32>>> {
+    let mut r = Rng(8);
+    let lens = [1usize, 70, 5];
+    let n: usize = lens.iter().sum();
+    let w = h * d;
+    let q = b.upload_f32(&[n, w], &r.vec(n * w, 1.0))?;
+    let k = b.upload_f32(&[n, w], &r.vec(n * w, 1.0))?;
+    let v = b.upload_f32(&[n, w], &r.vec(n * w, 1.0))?;
+    let g: Vec<f32> = r
+        .vec(n * w, 1.0)
+        .iter()
+        .map(|x| -0.5 * (x + 1.0) - 0.01)
+        .collect();
+    let g = b.upload_f32(&[n, w], &g)?;
+    let beta: Vec<f32> = r.vec(n * h, 1.0).iter().map(|x| 0.5 + 0.5 * x).collect();
+    let beta = b.upload_f32(&[n, h], &beta)?;
+    let mut segs = vec![];
+    let mut start = 0;
+    for l in lens {
+        segs.push(Segment { start, len: l });
+        start += l;
+    }
+    let mut states: Vec<B::Tensor> = (0..lens.len())
+        .map(|_| b.upload_f32(&[h, d, d], &r.vec(h * d * d, 0.1)))
+        .collect::<Result<_, _>>()?;
+    let mut refs: Vec<&mut B::Tensor> = states.iter_mut().collect();
+    let o = t(b, &b.kda(&q, &k, &v, &g, &beta, h, &segs, &mut refs, mode)?)?;
+    let mut out = vec![o];
+    for s in &states {
+        out.push(t(b, s)?);
+    }
+    Ok(out)
+}
+
+pub fn op_mla<B: Backend>(b: &B, dims: MlaDims, mode: MlaMode, dt: DType) -> Res<Vec<Vec<f32>>> {
+    let mut r = Rng(9);
+    let (h, rk, dn, dr, dv) = (
+        dims.num_heads,
+        dims.kv_lora_rank,
+        dims.qk_nope_head_dim,
+        dims.qk_rope_head_dim,
+        dims.v_head_dim,
+    );
+    let kvb = weight(
+        b,
+        &[h * (dn + dv), rk],
+        &r.vec(h * (dn + dv) * rk, (rk as f32).powf(-0.5)),
+        dt,
+    )?;
+    let mut caches: Vec<B::Tensor> = (0..2)
+        .map(|_| b.zeros(&[0, rk + dr]))
+        .collect::<Result<_, _>>()?;
+    let mut out = vec![];
+    // Two calls: a prefill of two sequences, then steps over the grown caches.
+    for lens in [[13usize, 40], [1, 3]] {
+        let n: usize = lens.iter().sum();
+        let q = b.upload_f32(&[n, h * (dn + dr)], &r.vec(n * h * (dn + dr), 1.0))?;
+        let lat = b.upload_f32(&[n, rk + dr], &r.vec(n * (rk + dr), 1.0))?;
+        let segs = [
+            Segment {
+                start: 0,
+                len: lens[0],
+            },
+            Segment {
+                start: lens[0],
+                len: lens[1],
+            },
+        ];
+        let mut refs: Vec<&mut B::Tensor> = caches.iter_mut().collect();
+        out.push(t(
+            b,
+            &b.mla(&q, &lat, &kvb, &dims, &segs, &mut refs, mode)?,
+        )?);
+    }
+    for c in &caches {
+        out.push(t(b, c)?);
+    }
+    Ok(out)
+}
+
+/// Every op case: `(label, case)`.
+pub fn cases() -> Vec<(String, Case)> {
+    let small_mla = MlaDims {
+        num_heads: 3,
+        kv_lora_rank: 40,
+        qk_nope_head_dim: 24,
+        qk_rope_head_dim: 8,
+        v_head_dim: 20,
+        scale: 0.15,
+    };
+    let real_mla = MlaDims {
+        num_heads: 32,
+        kv_lora_rank: 512,
+        qk_nope_head_dim: 128,
+        qk_rope_head_dim: 64,
+        v_head_dim: 128,
+        scale: 0.0722,
+    };
+    vec![
+        (
+            "embedding bf16 1000x96".into(),
+            case!(|b| op_embedding(b, 1000, 96, DType::BF16)),
+        ),
+        (
+            "embedding f32 500x2304".into(),
+            case!(|b| op_embedding(b, 500, 2304, DType::F32)),
+        ),
+        (
+            "matmul f32 1x64->96".into(),
+            case!(|b| op_matmul(b, 1, 64, 96, DType::F32)),
+        ),
+        (
+            "matmul f32 33x512->300".into(),
+            case!(|b| op_matmul(b, 33, 512, 300, DType::F32)),
+        ),
+        (
+            "matmul bf16 1x2304->1024".into(),
+            case!(|b| op_matmul(b, 1, 2304, 1024, DType::BF16)),
+        ),
+        (
+            "matmul bf16 77x2304->512".into(),
+            case!(|b| op_matmul(b, 77, 2304, 512, DType::BF16)),
+        ),
+        (
+            "rows(norm,sig,add,sel,split,cat,gated) 5x64".into(),
+            case!(|b| op_rows(b, 5, 64)),
+        ),
+        (
+            "rows(norm,sig,add,sel,split,cat,gated) 40x2304".into(),
+            case!(|b| op_rows(b, 40, 2304)),
+        ),
+        ("mlp 7x256x512".into(), case!(|b| op_mlp(b, 7, 256, 512))),
+        (
+            "moe 1 tok, 16e groups 4".into(),
+            case!(|b| op_moe(b, 1, 128, 16, 4)),
+        ),
+        (
+            "moe 50 tok, 16e ungrouped".into(),
+            case!(|b| op_moe(b, 50, 128, 16, 1)),
+        ),
+        (
+            "moe 64 tok, 32e groups 8".into(),
+            case!(|b| op_moe(b, 64, 96, 32, 8)),
+        ),
+        (
+            "short_conv c=96 w=4 (out, 3 states)".into(),
+            case!(|b| op_conv(b, 96, 4)),
+        ),
+        ("short_conv c=40 w=3".into(), case!(|b| op_conv(b, 40, 3))),
+        (
+            "kda_gate softplus 4x32".into(),
+            case!(|b| op_gate(b, 4, 32, KdaGate::Softplus)),
+        ),
+        (
+            "kda_gate lowerbound 3x20".into(),
+            case!(|b| op_gate(b, 3, 20, KdaGate::LowerBound(-5.0))),
+        ),
+        (
+            "kda recurrent h2 d20 (out, 3 states)".into(),
+            case!(|b| op_kda(b, 2, 20, KdaMode::Recurrent)),
+        ),
+        (
+            "kda chunked h3 d64".into(),
+            case!(|b| op_kda(b, 3, 64, KdaMode::Chunked)),
+        ),
+        (
+            "kda auto h4 d128".into(),
+            case!(|b| op_kda(b, 4, 128, KdaMode::Auto)),
+        ),
+        (
+            "mla expanded small f32 (2 calls, 2 caches)".into(),
+            case!(|b| op_mla(b, small_mla, MlaMode::Expanded, DType::F32)),
+        ),
+        (
+            "mla absorbed small f32".into(),
+            case!(|b| op_mla(b, small_mla, MlaMode::Absorbed, DType::F32)),
+        ),
+        (
+            "mla auto real-dims bf16".into(),
+            case!(|b| op_mla(b, real_mla, MlaMode::Auto, DType::BF16)),
+        ),
+        (
+            "mla absorbed real-dims bf16".into(),
+            case!(|b| op_mla(b, real_mla, MlaMode::Absorbed, DType::BF16)),
+        ),
+    ]
+}

@@ -1,0 +1,462 @@
+//! Llama-architecture GGUF models on the CPU backend.
+//!
+//! The demo-model tests run SmolLM2-135M-Instruct Q4_1 (`scripts/fetch_demo_model.sh`
+//! puts it in `models/`) against the golden token ids of `shared/docs/demo-model.md`
+//! (a NumPy reference forward pass); they print a notice and pass when the file is absent.
+//! The other tests build a tiny random Llama GGUF in memory.
+
+use std::path::{Path, PathBuf};
+
+use kimi_cpu::CpuBackend;
+use kimi_gguf::{Array, GgmlType, GgufFile, GgufWriter, Value};
+use kimi_model::{Batch, CausalLm, ForwardOptions, Llama, LlamaConfig, ModelError, SeqCache};
+use kimi_ops::{Backend, HostTensor, Segment};
+use kimi_tokenizer::Tokenizer;
+
+const RAW_PROMPT_IDS: [u32; 4] = [6403, 1980, 253, 655];
+const RAW_GOLDEN: [u32; 24] = [
+    28, 260, 2240, 282, 23324, 27108, 436, 253, 15114, 39228, 28, 351, 25854, 41658, 284, 14055,
+    9018, 30, 1249, 347, 260, 929, 3514, 411,
+];
+const CHAT_PROMPT_IDS: [u32; 37] = [
+    1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407,
+    19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531,
+    198,
+];
+const CHAT_GOLDEN: [u32; 7] = [504, 3575, 282, 4649, 314, 7042, 30];
+const IM_END: u32 = 2;
+
+fn demo_model_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+/// The demo model, or `None` (with a notice) when it has not been fetched.
+fn demo_model() -> Option<GgufFile> {
+    let path = demo_model_path();
+    if !path.exists() {
+        eprintln!(
+            "SKIPPED: {} is absent; run scripts/fetch_demo_model.sh to fetch the demo model",
+            path.display()
+        );
+        return None;
+    }
+    Some(GgufFile::open(&path).expect("the demo model opens"))
+}
+
+fn one_segment(tokens: &[u32]) -> Batch {
+    Batch {
+        tokens: tokens.to_vec(),
+        segments: vec![Segment {
+            start: 0,
+            len: tokens.len(),
+        }],
+        logits_rows: vec![tokens.len() - 1],
+    }
+}
+
+fn argmax(logits: &[f32]) -> u32 {
+    let best = logits
+        .iter()
+        .enumerate()
+        .fold(0, |best, (i, &v)| if v > logits[best] { i } else { best });
+    best as u32
+}
+
+/// Greedy decoding through the [`CausalLm`] interface: prefill, then one token at a time,
+/// stopping after `max_tokens` or at an end-of-sequence id.
+fn greedy(model: &dyn CausalLm<CpuBackend>, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
+    let mut cache = model.new_cache().expect("cache");
+    let mut out = Vec::new();
+    let mut tokens = prompt.to_vec();
+    while out.len() < max_tokens {
+        let logits = model
+            .forward(
+                &one_segment(&tokens),
+                &mut [&mut cache],
+                ForwardOptions::default(),
+            )
+            .expect("forward")
+            .logits;
+        let next = argmax(&logits);
+        out.push(next);
+        if model.eos_token_ids().contains(&next) {
+            break;
+        }
+        tokens = vec![next];
+    }
+    assert_eq!(cache.num_tokens, prompt.len() + out.len() - 1);
+    out
+}
+
+#[test]
+fn demo_model_config_matches_its_metadata() {
+    let Some(file) = demo_model() else { return };
+    let c = LlamaConfig::from_gguf(&file).unwrap();
+    assert_eq!(
+        (c.num_layers, c.hidden_size, c.intermediate_size),
+        (30, 576, 1536)
+    );
+    assert_eq!((c.num_heads, c.num_kv_heads, c.head_dim), (9, 3, 64));
+    assert_eq!((c.vocab_size, c.max_context), (49152, 8192));
+    assert_eq!((c.rope_theta, c.rms_norm_eps), (100_000.0, 1e-5));
+    assert!(c.tie_word_embeddings);
+    assert_eq!(c.eos_token_ids, [IM_END]);
+}
+
+#[test]
+fn demo_tokenizer_gives_the_golden_prompt_ids() {
+    let Some(file) = demo_model() else { return };
+    let tok = Tokenizer::from_gguf(&file).unwrap();
+    assert_eq!(tok.vocab_size(), 49152);
+    assert_eq!(
+        tok.encode("Once upon a time", false).unwrap(),
+        RAW_PROMPT_IDS
+    );
+    let template = tok.chat_template().expect("the GGUF has a chat template");
+    let messages =
+        [serde_json::json!({"role": "user", "content": "What is the capital of France?"})];
+    let prompt = template.render(&messages, None, true).unwrap();
+    assert!(prompt.starts_with(
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    ));
+    let ids = tok.encode(&prompt, true).unwrap();
+    assert_eq!(ids, CHAT_PROMPT_IDS);
+    assert_eq!(tok.decode(&ids, false).unwrap(), prompt);
+    assert_eq!(tok.bos_id(), Some(1));
+    assert_eq!(tok.eos_ids().first(), Some(&IM_END));
+    assert!(tok.is_special(IM_END) && !tok.is_special(6403));
+    // Every digit is its own piece (the smollm pre-tokenizer).
+    let digits = tok.encode("2024", false).unwrap();
+    assert_eq!(digits.len(), 4);
+    assert_eq!(tok.decode(&digits, false).unwrap(), "2024");
+}
+
+#[test]
+fn demo_model_greedy_continuations_match_the_golden_ids() {
+    let Some(file) = demo_model() else { return };
+    let model = Llama::load(CpuBackend::new(), &file).unwrap();
+    let raw = greedy(&model, &RAW_PROMPT_IDS, RAW_GOLDEN.len());
+    assert_eq!(raw[..10], RAW_GOLDEN[..10], "first ten ids");
+    assert_eq!(raw, RAW_GOLDEN);
+    let chat = greedy(&model, &CHAT_PROMPT_IDS, 16);
+    assert_eq!(chat[..CHAT_GOLDEN.len()], CHAT_GOLDEN);
+    assert_eq!(chat[CHAT_GOLDEN.len()..], [IM_END]);
+    let tok = Tokenizer::from_gguf(&file).unwrap();
+    assert_eq!(
+        tok.decode(&chat, true).unwrap(),
+        "The capital of France is Paris."
+    );
+}
+
+/// Prefill, decode and a two-sequence batch give the same logits on the real weights.
+#[test]
+fn demo_model_prefill_decode_and_batches_agree() {
+    let Some(file) = demo_model() else { return };
+    let model = Llama::load(CpuBackend::new(), &file).unwrap();
+    check_feed_modes_agree(&model, &CHAT_PROMPT_IDS[..12], &RAW_PROMPT_IDS, 1e-3);
+}
+
+/// The two quantized types of the demo model read back sanely, and the CPU backend's
+/// quantized matmul equals a plain product with the dequantized weights.
+#[test]
+fn demo_model_quantized_tensors_are_sane() {
+    let Some(file) = demo_model() else { return };
+    let be = CpuBackend::new();
+    for (name, ty) in [
+        ("blk.0.attn_q.weight", GgmlType::Q4_1),
+        ("token_embd.weight", GgmlType::Q8_0),
+    ] {
+        let t = file.tensor(name).unwrap();
+        assert_eq!(t.info.ggml_type, ty, "{name}");
+        let shape = t.info.shape_outer_first();
+        let values = t.to_f32().unwrap();
+        assert!(values.iter().all(|v| v.is_finite()), "{name}");
+        let mean_square = values.iter().map(|v| v * v).sum::<f32>() / values.len() as f32;
+        let max = values.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert!(
+            mean_square > 1e-6 && max < 50.0,
+            "{name}: rms {} max {max}",
+            mean_square.sqrt()
+        );
+        let dtype = match ty {
+            GgmlType::Q4_1 => kimi_core::DType::Q4_1,
+            _ => kimi_core::DType::Q8_0,
+        };
+        let w = be
+            .upload(HostTensor {
+                shape: &shape,
+                dtype,
+                bytes: t.bytes,
+            })
+            .unwrap();
+        assert_eq!(be.size_bytes(&w), t.bytes.len());
+        assert_eq!(be.to_f32(&w).unwrap(), values);
+        let cols = shape[1];
+        let x: Vec<f32> = (0..2 * cols)
+            .map(|i| ((i % 13) as f32 - 6.0) * 0.1)
+            .collect();
+        let y = be
+            .to_f32(
+                &be.matmul(&be.upload_f32(&[2, cols], &x).unwrap(), &w)
+                    .unwrap(),
+            )
+            .unwrap();
+        for row in [0, 1, shape[0] / 2, shape[0] - 1] {
+            for t in 0..2 {
+                let want: f64 = (0..cols)
+                    .map(|i| f64::from(x[t * cols + i]) * f64::from(values[row * cols + i]))
+                    .sum();
+                let got = f64::from(y[t * shape[0] + row]);
+                assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()), "{name}");
+            }
+        }
+    }
+}
+
+// --- A tiny random Llama GGUF, built in memory -------------------------------------------
+
+const TINY_VOCAB: usize = 40;
+const TINY_HIDDEN: usize = 256;
+const TINY_FFN: usize = 256;
+const TINY_HEADS: usize = 4;
+const TINY_KV_HEADS: usize = 2;
+const TINY_CONTEXT: u32 = 64;
+
+/// Deterministic values in ±`scale`.
+fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+/// How to spoil the tiny GGUF for the error tests.
+#[derive(Default)]
+struct Spoil {
+    arch: Option<&'static str>,
+    /// A tensor stored with its dimensions swapped.
+    transposed: Option<&'static str>,
+    /// An extra tensor the model does not use.
+    extra_tensor: bool,
+}
+
+/// A two-layer Llama GGUF (hidden 256, 4 heads of 64 over 2 kv heads, tied embeddings)
+/// whose tensors use every block type the CPU backend supports.
+fn tiny_gguf(spoil: Spoil) -> GgufFile {
+    use GgmlType::*;
+    let (h, kv) = (TINY_HIDDEN, TINY_KV_HEADS * TINY_HIDDEN / TINY_HEADS);
+    let mut w = GgufWriter::new();
+    let arch = spoil.arch.unwrap_or("llama");
+    let meta: Vec<(&str, Value)> = vec![
+        ("general.architecture", Value::String(arch.into())),
+        ("llama.block_count", Value::U32(2)),
+        ("llama.embedding_length", Value::U32(h as u32)),
+        ("llama.feed_forward_length", Value::U32(TINY_FFN as u32)),
+        ("llama.attention.head_count", Value::U32(TINY_HEADS as u32)),
+        (
+            "llama.attention.head_count_kv",
+            Value::U32(TINY_KV_HEADS as u32),
+        ),
+        ("llama.rope.freq_base", Value::F32(10_000.0)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+        ("llama.context_length", Value::U32(TINY_CONTEXT)),
+        ("tokenizer.ggml.eos_token_id", Value::U32(3)),
+        (
+            "tokenizer.ggml.tokens",
+            Value::Array(Array::String(vec!["x".into(); 4])),
+        ),
+    ];
+    for (key, value) in meta {
+        w.add_metadata(key, value).unwrap();
+    }
+    let mut tensors = vec![("token_embd.weight".to_string(), vec![TINY_VOCAB, h], Q8_0)];
+    let types = [
+        [Q4_K, Q5_K, Q6_K, Q8_0, Q4_1, Q4_0, Q4_1],
+        [Q4_1, Q4_1, Q8_0, Q4_1, Q4_K, Q5_K, Q6_K],
+    ];
+    for (i, [q, k, v, o, gate, up, down]) in types.into_iter().enumerate() {
+        for (name, shape, ty) in [
+            ("attn_norm", vec![h], F32),
+            ("attn_q", vec![h, h], q),
+            ("attn_k", vec![kv, h], k),
+            ("attn_v", vec![kv, h], v),
+            ("attn_output", vec![h, h], o),
+            ("ffn_norm", vec![h], F32),
+            ("ffn_gate", vec![TINY_FFN, h], gate),
+            ("ffn_up", vec![TINY_FFN, h], up),
+            ("ffn_down", vec![h, TINY_FFN], down),
+        ] {
+            tensors.push((format!("blk.{i}.{name}.weight"), shape, ty));
+        }
+    }
+    tensors.push(("output_norm.weight".into(), vec![h], F32));
+    if spoil.extra_tensor {
+        tensors.push(("rope_freqs.weight".into(), vec![32], F32));
+    }
+    for (seed, (name, mut shape, ty)) in tensors.into_iter().enumerate() {
+        let n = shape.iter().product();
+        let data = match name.contains("norm") {
+            true => values(n, seed as u64, 0.1)
+                .iter()
+                .map(|v| 1.0 + v)
+                .collect(),
+            false => values(n, seed as u64, 1.0 / (shape[shape.len() - 1] as f32).sqrt()),
+        };
+        if spoil.transposed == Some(name.as_str()) {
+            shape.reverse();
+        }
+        let bytes = kimi_gguf::quantize(ty, &data).unwrap();
+        w.add_tensor(name, &shape, ty, bytes).unwrap();
+    }
+    GgufFile::from_vec(w.to_bytes().unwrap()).unwrap()
+}
+
+/// Logits of the last row after feeding `a` whole, against feeding it token by token, and
+/// a batch of `a` and `b` against `a` and `b` alone.
+fn check_feed_modes_agree(model: &dyn CausalLm<CpuBackend>, a: &[u32], b: &[u32], tol: f32) {
+    let opts = ForwardOptions::default();
+    let vocab = model.vocab_size();
+    let whole = {
+        let mut cache = model.new_cache().unwrap();
+        let mut batch = one_segment(a);
+        batch.logits_rows = (0..a.len()).collect();
+        model
+            .forward(&batch, &mut [&mut cache], opts)
+            .unwrap()
+            .logits
+    };
+    let mut cache = model.new_cache().unwrap();
+    for (t, &id) in a.iter().enumerate() {
+        let step = model
+            .forward(&one_segment(&[id]), &mut [&mut cache], opts)
+            .unwrap()
+            .logits;
+        assert_close(&step, &whole[t * vocab..(t + 1) * vocab], tol);
+    }
+    assert_eq!(cache.num_tokens, a.len());
+
+    let alone = |ids: &[u32]| {
+        let mut cache = model.new_cache().unwrap();
+        model
+            .forward(&one_segment(ids), &mut [&mut cache], opts)
+            .unwrap()
+            .logits
+    };
+    let batch = Batch {
+        tokens: [a, b].concat(),
+        segments: vec![
+            Segment {
+                start: 0,
+                len: a.len(),
+            },
+            Segment {
+                start: a.len(),
+                len: b.len(),
+            },
+        ],
+        logits_rows: vec![a.len() - 1, a.len() + b.len() - 1],
+    };
+    let (mut ca, mut cb) = (model.new_cache().unwrap(), model.new_cache().unwrap());
+    let both = model
+        .forward(&batch, &mut [&mut ca, &mut cb], opts)
+        .unwrap()
+        .logits;
+    assert_close(&both[..vocab], &alone(a), tol);
+    assert_close(&both[vocab..], &alone(b), tol);
+}
+
+fn assert_close(got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1.0);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= tol * scale, "logit {i}: {g} vs {w}");
+    }
+}
+
+#[test]
+fn tiny_model_prefill_decode_and_batches_agree() {
+    let file = tiny_gguf(Spoil::default());
+    let config = LlamaConfig::from_gguf(&file).unwrap();
+    assert_eq!((config.head_dim, config.num_kv_heads), (64, 2));
+    assert_eq!(config.rope_style, kimi_ops::RopeStyle::Adjacent);
+    assert!(config.tie_word_embeddings);
+    assert_eq!(config.eos_token_ids, [3]);
+    let model = Llama::load(CpuBackend::new(), &file).unwrap();
+    check_feed_modes_agree(&model, &[5, 9, 1, 33, 7, 7, 12, 0, 39], &[2, 4, 8], 1e-5);
+    let generated = greedy(&model, &[5, 9, 1], 12);
+    assert!(!generated.is_empty() && generated.iter().all(|&id| id < 40));
+}
+
+#[test]
+fn tiny_model_rejects_what_it_cannot_run() {
+    let format_error = |spoil: Spoil| match Llama::load(CpuBackend::new(), &tiny_gguf(spoil)) {
+        Err(ModelError::Format { reason, .. }) => reason,
+        other => panic!("expected a format error, got {:?}", other.err()),
+    };
+    let reason = format_error(Spoil {
+        extra_tensor: true,
+        ..Spoil::default()
+    });
+    assert!(reason.contains("rope_freqs.weight"), "{reason}");
+    let reason = format_error(Spoil {
+        transposed: Some("blk.1.attn_k.weight"),
+        ..Spoil::default()
+    });
+    assert!(
+        reason.contains("blk.1.attn_k.weight") && reason.contains("[256, 128]"),
+        "{reason}"
+    );
+    let reason = format_error(Spoil {
+        arch: Some("qwen2"),
+        ..Spoil::default()
+    });
+    assert!(reason.contains("qwen2"), "{reason}");
+
+    let model = Llama::load(CpuBackend::new(), &tiny_gguf(Spoil::default())).unwrap();
+    let opts = ForwardOptions::default();
+    let mut cache = model.new_cache().unwrap();
+    let too_long = vec![1u32; TINY_CONTEXT as usize + 1];
+    let err = model
+        .forward(&one_segment(&too_long), &mut [&mut cache], opts)
+        .unwrap_err();
+    assert!(err.to_string().contains("context of 64"), "{err}");
+    let bad_id = model.forward(&one_segment(&[40]), &mut [&mut cache], opts);
+    assert!(bad_id.is_err());
+    let mut wrong = SeqCache::<CpuBackend> {
+        layers: Vec::new(),
+        num_tokens: 0,
+    };
+    assert!(model
+        .forward(&one_segment(&[1]), &mut [&mut wrong], opts)
+        .is_err());
+}
+
+#[test]
+fn random_weights_build_a_llama() {
+    let config = LlamaConfig {
+        vocab_size: 32,
+        hidden_size: 32,
+        intermediate_size: 48,
+        num_layers: 2,
+        num_heads: 4,
+        num_kv_heads: 1,
+        head_dim: 8,
+        rope_theta: 10_000.0,
+        rope_style: kimi_ops::RopeStyle::Adjacent,
+        rms_norm_eps: 1e-5,
+        max_context: 128,
+        tie_word_embeddings: false,
+        eos_token_ids: vec![],
+    };
+    let source = kimi_model::RandomWeights {
+        dtype: kimi_core::DType::BF16,
+        seed: 3,
+    };
+    let model = Llama::load_from(CpuBackend::new(), config, &source).unwrap();
+    check_feed_modes_agree(&model, &[1, 2, 3, 4, 5, 6], &[7, 8], 1e-5);
+}

@@ -1,0 +1,380 @@
+//! `/metrics` in Prometheus' text exposition format, with vLLM's metric names where one
+//! exists. A small registry of our own (no global recorder): histograms and counters the
+//! server records, plus gauges read from the engine at scrape time.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::{Mutex, PoisonError};
+
+use kimi_engine::serving::EngineMetrics;
+
+/// vLLM's buckets for time to first token.
+const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+/// vLLM's buckets for time per output token.
+const TPOT_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+];
+/// vLLM's buckets for request latencies (end to end, queue).
+const LATENCY_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+/// Token-count buckets (1, 2, 5, 10, ... as vLLM's `build_1_2_5_buckets`).
+const TOKEN_BUCKETS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0,
+    50000.0, 100000.0, 200000.0, 500000.0, 1000000.0,
+];
+
+#[derive(Debug, Default)]
+struct HistogramData {
+    /// Count per bucket (not cumulative), plus one for `+Inf`.
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+/// A fixed-bucket histogram.
+#[derive(Debug)]
+struct Histogram {
+    name: &'static str,
+    help: &'static str,
+    buckets: &'static [f64],
+    data: Mutex<HistogramData>,
+}
+
+impl Histogram {
+    const fn new(name: &'static str, help: &'static str, buckets: &'static [f64]) -> Self {
+        Histogram {
+            name,
+            help,
+            buckets,
+            data: Mutex::new(HistogramData {
+                counts: Vec::new(),
+                sum: 0.0,
+                count: 0,
+            }),
+        }
+    }
+
+    fn observe(&self, value: f64) {
+        if !value.is_finite() {
+            return;
+        }
+        let mut data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
+        data.counts.resize(self.buckets.len() + 1, 0);
+        let slot = self
+            .buckets
+            .iter()
+            .position(|&le| value <= le)
+            .unwrap_or(self.buckets.len());
+        data.counts[slot] += 1;
+        data.sum += value;
+        data.count += 1;
+    }
+
+    fn render(&self, out: &mut String, labels: &str) {
+        let data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
+        header(out, self.name, self.help, "histogram");
+        let mut cumulative = 0;
+        for (i, le) in self.buckets.iter().enumerate() {
+            cumulative += data.counts.get(i).copied().unwrap_or(0);
+            let _ = writeln!(
+                out,
+                "{}_bucket{{{labels},le=\"{le:?}\"}} {cumulative}",
+                self.name
+            );
+        }
+        let _ = writeln!(
+            out,
+            "{}_bucket{{{labels},le=\"+Inf\"}} {}",
+            self.name, data.count
+        );
+        let _ = writeln!(out, "{}_sum{{{labels}}} {}", self.name, data.sum);
+        let _ = writeln!(out, "{}_count{{{labels}}} {}", self.name, data.count);
+    }
+}
+
+fn header(out: &mut String, name: &str, help: &str, kind: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+}
+
+/// Escapes a label value (backslash, quote, newline).
+fn escape(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// What one finished sequence reports.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SequenceStats {
+    /// `stop`, `length`, `tool_calls`, `abort`, `error`.
+    pub finished_reason: &'static str,
+    /// Arrival to first token, if one came.
+    pub ttft_secs: Option<f64>,
+    /// Mean gap between output tokens, if there were two or more.
+    pub tpot_secs: Option<f64>,
+    /// Arrival to end.
+    pub e2e_secs: f64,
+    /// Wait in the engine's queue, if it was reported.
+    pub queue_secs: Option<f64>,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Output tokens.
+    pub generation_tokens: usize,
+}
+
+/// The server's metrics.
+#[derive(Debug)]
+pub(crate) struct Metrics {
+    model_label: String,
+    ttft: Histogram,
+    tpot: Histogram,
+    e2e: Histogram,
+    queue: Histogram,
+    prompt_tokens: Histogram,
+    generation_tokens: Histogram,
+    finished: Mutex<BTreeMap<&'static str, u64>>,
+    http_errors: Mutex<BTreeMap<u16, u64>>,
+}
+
+impl Metrics {
+    pub(crate) fn new(model_name: &str) -> Self {
+        Metrics {
+            model_label: format!("model_name=\"{}\"", escape(model_name)),
+            ttft: Histogram::new(
+                "vllm:time_to_first_token_seconds",
+                "Histogram of time to first token in seconds.",
+                TTFT_BUCKETS,
+            ),
+            tpot: Histogram::new(
+                "vllm:time_per_output_token_seconds",
+                "Histogram of time per output token in seconds.",
+                TPOT_BUCKETS,
+            ),
+            e2e: Histogram::new(
+                "vllm:e2e_request_latency_seconds",
+                "Histogram of end to end request latency in seconds.",
+                LATENCY_BUCKETS,
+            ),
+            queue: Histogram::new(
+                "vllm:request_queue_time_seconds",
+                "Histogram of time spent waiting in the queue in seconds.",
+                LATENCY_BUCKETS,
+            ),
+            prompt_tokens: Histogram::new(
+                "vllm:request_prompt_tokens",
+                "Number of prefill tokens processed.",
+                TOKEN_BUCKETS,
+            ),
+            generation_tokens: Histogram::new(
+                "vllm:request_generation_tokens",
+                "Number of generation tokens processed.",
+                TOKEN_BUCKETS,
+            ),
+            finished: Mutex::new(BTreeMap::new()),
+            http_errors: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// Records a finished (or aborted) sequence.
+    pub(crate) fn record(&self, stats: &SequenceStats) {
+        if let Some(t) = stats.ttft_secs {
+            self.ttft.observe(t);
+        }
+        if let Some(t) = stats.tpot_secs {
+            self.tpot.observe(t);
+        }
+        if let Some(t) = stats.queue_secs {
+            self.queue.observe(t);
+        }
+        self.e2e.observe(stats.e2e_secs);
+        self.prompt_tokens.observe(stats.prompt_tokens as f64);
+        self.generation_tokens
+            .observe(stats.generation_tokens as f64);
+        *self
+            .finished
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(stats.finished_reason)
+            .or_default() += 1;
+    }
+
+    /// Counts an error response.
+    pub(crate) fn record_error(&self, status: u16) {
+        *self
+            .http_errors
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(status)
+            .or_default() += 1;
+    }
+
+    /// The exposition text: engine gauges and counters, then the server's own.
+    pub(crate) fn render(&self, engine: &EngineMetrics, num_pending: usize) -> String {
+        let labels = self.model_label.as_str();
+        let mut out = String::new();
+        let mut single = |name: &str, help: &str, kind: &str, value: String| {
+            header(&mut out, name, help, kind);
+            let _ = writeln!(out, "{name}{{{labels}}} {value}");
+        };
+        single(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            "gauge",
+            engine.num_running.to_string(),
+        );
+        single(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            "gauge",
+            engine.num_waiting.to_string(),
+        );
+        single(
+            "vllm:gpu_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            "gauge",
+            engine.cache_usage.to_string(),
+        );
+        single(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            "gauge",
+            engine.cache_usage.to_string(),
+        );
+        single(
+            "vllm:prompt_tokens_total",
+            "Number of prefill tokens processed.",
+            "counter",
+            engine.prompt_tokens_total.to_string(),
+        );
+        single(
+            "vllm:generation_tokens_total",
+            "Number of generation tokens processed.",
+            "counter",
+            engine.generation_tokens_total.to_string(),
+        );
+        single(
+            "vllm:num_preemptions_total",
+            "Cumulative number of preemptions from the engine.",
+            "counter",
+            engine.num_preemptions_total.to_string(),
+        );
+        single(
+            "kimi:num_requests_pending",
+            "Sequences the HTTP server has in flight (running or waiting).",
+            "gauge",
+            num_pending.to_string(),
+        );
+        for histogram in [
+            &self.ttft,
+            &self.tpot,
+            &self.e2e,
+            &self.queue,
+            &self.prompt_tokens,
+            &self.generation_tokens,
+        ] {
+            histogram.render(&mut out, labels);
+        }
+        self.render_counters(&mut out, engine);
+        out
+    }
+
+    fn render_counters(&self, out: &mut String, engine: &EngineMetrics) {
+        let labels = self.model_label.as_str();
+        header(
+            out,
+            "vllm:request_success_total",
+            "Count of finished requests, by finish reason.",
+            "counter",
+        );
+        let finished = self.finished.lock().unwrap_or_else(PoisonError::into_inner);
+        for reason in ["stop", "length", "abort"] {
+            if !finished.contains_key(reason) {
+                let _ = writeln!(
+                    out,
+                    "vllm:request_success_total{{{labels},finished_reason=\"{reason}\"}} 0"
+                );
+            }
+        }
+        for (reason, count) in finished.iter() {
+            let _ = writeln!(
+                out,
+                "vllm:request_success_total{{{labels},finished_reason=\"{reason}\"}} {count}"
+            );
+        }
+        drop(finished);
+        header(
+            out,
+            "kimi:http_errors_total",
+            "Error responses, by HTTP status.",
+            "counter",
+        );
+        let errors = self
+            .http_errors
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        for (status, count) in errors.iter() {
+            let _ = writeln!(
+                out,
+                "kimi:http_errors_total{{{labels},status=\"{status}\"}} {count}"
+            );
+        }
+        drop(errors);
+        header(
+            out,
+            "kimi:moe_expert_tokens_total",
+            "Tokens routed to each expert of each MoE layer.",
+            "counter",
+        );
+        for (layer, experts) in engine.expert_counts.iter().enumerate() {
+            for (expert, count) in experts.iter().enumerate() {
+                let _ = writeln!(
+                    out,
+                    "kimi:moe_expert_tokens_total{{{labels},layer=\"{layer}\",expert=\"{expert}\"}} {count}"
+                );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_prometheus_text() {
+        let m = Metrics::new("demo \"x\"");
+        m.record(&SequenceStats {
+            finished_reason: "stop",
+            ttft_secs: Some(0.003),
+            tpot_secs: Some(0.02),
+            e2e_secs: 0.4,
+            queue_secs: Some(0.0),
+            prompt_tokens: 7,
+            generation_tokens: 3,
+        });
+        m.record_error(400);
+        let engine = EngineMetrics {
+            num_running: 2,
+            expert_counts: vec![vec![], vec![5, 6]],
+            ..EngineMetrics::default()
+        };
+        let text = m.render(&engine, 3);
+        assert!(text.contains("vllm:num_requests_running{model_name=\"demo \\\"x\\\"\"} 2\n"));
+        assert!(text.contains("vllm:time_to_first_token_seconds_bucket{model_name=\"demo \\\"x\\\"\",le=\"0.005\"} 1\n"));
+        assert!(text.contains("le=\"0.001\"} 0\n"));
+        assert!(text.contains("vllm:request_success_total{model_name=\"demo \\\"x\\\"\",finished_reason=\"stop\"} 1\n"));
+        assert!(text.contains("finished_reason=\"length\"} 0\n"));
+        assert!(text.contains("kimi:moe_expert_tokens_total{model_name=\"demo \\\"x\\\"\",layer=\"1\",expert=\"1\"} 6\n"));
+        assert!(text
+            .contains("kimi:http_errors_total{model_name=\"demo \\\"x\\\"\",status=\"400\"} 1\n"));
+        assert!(text.contains("# TYPE vllm:e2e_request_latency_seconds histogram\n"));
+    }
+}

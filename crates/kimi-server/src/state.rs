@@ -1,0 +1,170 @@
+//! [`AppState`]: what every handler shares.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use kimi_tokenizer::{ChatTemplate, Tokenizer};
+
+use crate::config::ServerConfig;
+use crate::constraint::Constraints;
+use crate::error::{ApiError, ServerError};
+use crate::generator::Generator;
+use crate::metrics::Metrics;
+use crate::tool_parser::ToolTokens;
+
+/// The server's shared state: configuration, engine, tokenizer, grammar compiler, metrics.
+/// Cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState")
+            .field("config", &self.inner.config)
+            .field("max_model_len", &self.inner.max_model_len)
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) struct Inner {
+    pub config: ServerConfig,
+    pub generator: Arc<dyn Generator>,
+    pub tokenizer: Arc<Tokenizer>,
+    /// `config.chat_template`, compiled.
+    pub chat_template_override: Option<ChatTemplate>,
+    pub constraints: Constraints,
+    pub tool_tokens: Option<ToolTokens>,
+    pub metrics: Metrics,
+    /// Sequences in flight (see [`Permit`]).
+    pub num_pending: AtomicUsize,
+    /// `min(config.max_model_len, engine's)`.
+    pub max_model_len: usize,
+    /// Logits per row.
+    pub vocab_size: usize,
+    /// Unix seconds at start (`created` of `/v1/models`).
+    pub created: u64,
+    next_id: AtomicU64,
+}
+
+/// Unix time in seconds.
+pub(crate) fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+impl AppState {
+    /// Prepares the state: compiles the chat-template override and the token trie for
+    /// constrained decoding.
+    ///
+    /// # Errors
+    ///
+    /// [`ServerError::Config`] for a bad template or limit, [`ServerError::Constraint`] if the
+    /// token trie cannot be built.
+    pub fn new(
+        config: ServerConfig,
+        generator: Arc<dyn Generator>,
+        tokenizer: Arc<Tokenizer>,
+    ) -> Result<AppState, ServerError> {
+        if config.max_pending_requests == 0 {
+            return Err(ServerError::Config(
+                "max_pending_requests must be at least 1".into(),
+            ));
+        }
+        let token_text = |id: Option<u32>| {
+            id.and_then(|id| tokenizer.token_bytes(id))
+                .map(|b| String::from_utf8_lossy(&b).into_owned())
+        };
+        let chat_template_override = match &config.chat_template {
+            Some(source) => Some(
+                ChatTemplate::new(
+                    source,
+                    token_text(tokenizer.bos_id()),
+                    token_text(tokenizer.eos_ids().first().copied()),
+                )
+                .map_err(|e| ServerError::Config(e.to_string()))?,
+            ),
+            None => None,
+        };
+        let vocab_size = generator.vocab_size();
+        let engine_len = generator.max_model_len();
+        let max_model_len = config
+            .max_model_len
+            .map_or(engine_len, |m| m.min(engine_len));
+        let constraints = Constraints::new(&tokenizer, vocab_size)?;
+        let tool_tokens = ToolTokens::find(&tokenizer);
+        let metrics = Metrics::new(&config.served_model_name);
+        Ok(AppState {
+            inner: Arc::new(Inner {
+                config,
+                generator,
+                tokenizer,
+                chat_template_override,
+                constraints,
+                tool_tokens,
+                metrics,
+                num_pending: AtomicUsize::new(0),
+                max_model_len,
+                vocab_size,
+                created: unix_now(),
+                next_id: AtomicU64::new(0),
+            }),
+        })
+    }
+
+    /// The longest prompt + output this server accepts.
+    pub fn max_model_len(&self) -> usize {
+        self.inner.max_model_len
+    }
+}
+
+impl Inner {
+    /// The chat template in use.
+    pub(crate) fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat_template_override
+            .as_ref()
+            .or_else(|| self.tokenizer.chat_template())
+    }
+
+    /// A fresh response id such as `chatcmpl-0193…`.
+    pub(crate) fn response_id(&self, prefix: &str) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        format!("{prefix}-{:x}{nanos:08x}{n:06x}", self.created)
+    }
+
+    /// Reserves room for `num_sequences` sequences, or refuses with 429.
+    pub(crate) fn reserve(self: &Arc<Self>, num_sequences: usize) -> Result<Permit, ApiError> {
+        let limit = self.config.max_pending_requests;
+        let before = self.num_pending.fetch_add(num_sequences, Ordering::AcqRel);
+        if before + num_sequences > limit {
+            self.num_pending.fetch_sub(num_sequences, Ordering::AcqRel);
+            return Err(ApiError::overloaded(format!(
+                "The server is overloaded: {before} sequences are in flight (limit {limit}). \
+                 Retry later."
+            )));
+        }
+        Ok(Permit {
+            state: Arc::clone(self),
+            num_sequences,
+        })
+    }
+}
+
+/// Room for some sequences in the server's bound; released on drop.
+pub(crate) struct Permit {
+    state: Arc<Inner>,
+    num_sequences: usize,
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.state
+            .num_pending
+            .fetch_sub(self.num_sequences, Ordering::AcqRel);
+    }
+}

@@ -1,0 +1,189 @@
+//! Tokenizers stored in GGUF metadata (`tokenizer.ggml.*`), built as `tokenizers` models.
+//!
+//! Only `tokenizer.ggml.model = gpt2` (byte-level BPE) is supported, with the
+//! pre-tokenizers llama.cpp (`src/llama-vocab.cpp`) maps to the GPT-2 regex:
+//!
+//! ```text
+//! pre = smollm | starcoder | refact | …   split every digit (\p{N}) into its own piece, then
+//!                                         the GPT-2 regex, byte-level
+//! pre = gpt-2 | mpt | olmo | … (or none)  the GPT-2 regex, byte-level
+//! ```
+//! Tokens of type 3 (control) become special tokens, type 4 (user-defined) plain added tokens.
+
+use kimi_gguf::{Array, GgufFile};
+use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::AddedToken;
+
+use crate::hf::{HfTokenizer, PieceScheme};
+use crate::TokenizerError;
+
+/// Pre-tokenizers that split digits one by one before the GPT-2 regex (llama.cpp's
+/// `LLAMA_VOCAB_PRE_TYPE_STARCODER` group).
+const DIGIT_SPLIT_PRE: [&str; 7] = [
+    "smollm",
+    "starcoder",
+    "refact",
+    "command-r",
+    "codeshell",
+    "exaone",
+    "minerva-7b",
+];
+
+/// Pre-tokenizers that are the GPT-2 regex alone (llama.cpp's `LLAMA_VOCAB_PRE_TYPE_GPT2`
+/// group).
+const GPT2_PRE: [&str; 5] = ["gpt-2", "phi-2", "jina-es", "jina-de", "mpt"];
+
+/// ggml token types (`enum llama_token_type`).
+const TOKEN_TYPE_CONTROL: i32 = 3;
+const TOKEN_TYPE_USER_DEFINED: i32 = 4;
+
+/// A GGUF file's tokenizer and the metadata around it.
+pub(crate) struct GgufTokenizer {
+    pub hf: HfTokenizer,
+    pub bos_id: Option<u32>,
+    pub eos_id: Option<u32>,
+    pub chat_template: Option<String>,
+}
+
+pub(crate) fn load(file: &GgufFile) -> Result<GgufTokenizer, TokenizerError> {
+    let invalid = |reason: String| TokenizerError::InvalidFile {
+        path: file.path().to_path_buf(),
+        reason,
+    };
+    let model = file.get_str("tokenizer.ggml.model")?;
+    if model != "gpt2" {
+        return Err(invalid(format!(
+            "tokenizer.ggml.model `{model}` is not supported (only gpt2 byte-level BPE)"
+        )));
+    }
+    let pre = match file.get("tokenizer.ggml.pre") {
+        Some(_) => file.get_str("tokenizer.ggml.pre")?,
+        None => "gpt-2",
+    };
+    let pre_tokenizer = pre_tokenizer(pre).ok_or_else(|| {
+        invalid(format!(
+            "tokenizer.ggml.pre `{pre}` is not supported (supported: {}, {})",
+            DIGIT_SPLIT_PRE.join(", "),
+            GPT2_PRE.join(", ")
+        ))
+    })?;
+    let tokens = strings(file, "tokenizer.ggml.tokens")?;
+    let merges = strings(file, "tokenizer.ggml.merges")?;
+    let types = token_types(file, tokens.len())?;
+
+    let vocab: Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(id, t)| (t.clone(), id as u32))
+        .collect();
+    if vocab.len() != tokens.len() {
+        return Err(invalid("tokenizer.ggml.tokens has duplicate tokens".into()));
+    }
+    let merges = merges
+        .iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| invalid(format!("merge `{m}` is not two tokens")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(|source| TokenizerError::HfLoad {
+            path: file.path().to_path_buf(),
+            source,
+        })?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    inner.with_pre_tokenizer(Some(pre_tokenizer));
+    inner.with_decoder(Some(ByteLevel::default()));
+    let added = |kind: i32, special: bool| {
+        tokens
+            .iter()
+            .zip(&types)
+            .filter(move |(_, &t)| t == kind)
+            .map(move |(token, _)| AddedToken::from(token.clone(), special))
+            .collect::<Vec<_>>()
+    };
+    inner
+        .add_special_tokens(added(TOKEN_TYPE_CONTROL, true))
+        .and_then(|_| inner.add_tokens(added(TOKEN_TYPE_USER_DEFINED, false)))
+        .map_err(|err| invalid(format!("added tokens: {err}")))?;
+
+    let optional_id = |key: &str| -> Result<Option<u32>, TokenizerError> {
+        match file.get(key) {
+            Some(_) => Ok(Some(file.get_u32(key)?)),
+            None => Ok(None),
+        }
+    };
+    let chat_template = match file.get("tokenizer.chat_template") {
+        Some(_) => Some(file.get_str("tokenizer.chat_template")?.to_string()),
+        None => None,
+    };
+    Ok(GgufTokenizer {
+        hf: HfTokenizer::new(inner, PieceScheme::ByteLevel),
+        bos_id: optional_id("tokenizer.ggml.bos_token_id")?,
+        eos_id: optional_id("tokenizer.ggml.eos_token_id")?,
+        chat_template,
+    })
+}
+
+fn pre_tokenizer(pre: &str) -> Option<PreTokenizerWrapper> {
+    // `tokenizers`' ByteLevel regex is GPT-2's; `add_prefix_space` is off in GGUF gpt2 vocabs.
+    let byte_level = ByteLevel::new(false, true, true);
+    if DIGIT_SPLIT_PRE.contains(&pre) {
+        Some(
+            Sequence::new(vec![
+                Digits::new(true).into(),
+                PreTokenizerWrapper::ByteLevel(byte_level),
+            ])
+            .into(),
+        )
+    } else if GPT2_PRE.contains(&pre) {
+        Some(byte_level.into())
+    } else {
+        None
+    }
+}
+
+fn strings<'a>(file: &'a GgufFile, key: &str) -> Result<&'a [String], TokenizerError> {
+    match file.get_array(key)? {
+        Array::String(v) => Ok(v),
+        other => Err(TokenizerError::InvalidFile {
+            path: file.path().to_path_buf(),
+            reason: format!(
+                "{key} is an array of {}, not of strings",
+                other.element_type()
+            ),
+        }),
+    }
+}
+
+/// `tokenizer.ggml.token_type`, one per token; all normal (1) when absent.
+fn token_types(file: &GgufFile, num_tokens: usize) -> Result<Vec<i32>, TokenizerError> {
+    let key = "tokenizer.ggml.token_type";
+    if file.get(key).is_none() {
+        return Ok(vec![1; num_tokens]);
+    }
+    let types: Vec<i32> = match file.get_array(key)? {
+        Array::I32(v) => v.clone(),
+        Array::U32(v) => v.iter().map(|&t| t as i32).collect(),
+        other => {
+            return Err(TokenizerError::InvalidFile {
+                path: file.path().to_path_buf(),
+                reason: format!("{key} is an array of {}", other.element_type()),
+            })
+        }
+    };
+    if types.len() != num_tokens {
+        return Err(TokenizerError::InvalidFile {
+            path: file.path().to_path_buf(),
+            reason: format!("{key} has {} entries for {num_tokens} tokens", types.len()),
+        });
+    }
+    Ok(types)
+}
