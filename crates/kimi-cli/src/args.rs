@@ -28,6 +28,50 @@ pub enum Command {
     Inspect(InspectArgs),
     /// Measure prefill and decode speed and peak memory.
     Bench(BenchArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API with continuous batching.
+    Serve(ServeArgs),
+}
+
+/// `kimi-infer serve`.
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Device to run on.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Model name clients send and /v1/models lists (default: the model folder's name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Longest prompt + output per request (default: the model's context, at most 32768).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Sequences decoded together.
+    #[arg(long, default_value_t = 64)]
+    pub max_num_seqs: usize,
+    /// Tokens per forward pass; longer prompts are prefilled in chunks.
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// Fraction of memory the weights and caches may use (of free RAM on the CPU).
+    #[arg(long, default_value_t = 0.9)]
+    pub gpu_memory_utilization: f64,
+    /// Accepted API key (repeatable; also KIMI_API_KEY, comma-separated). None: no auth.
+    #[arg(
+        long = "api-key",
+        env = "KIMI_API_KEY",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub api_keys: Vec<String>,
+    /// Chat template file (Jinja) replacing the tokenizer's.
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
 }
 
 /// Where the model comes from.

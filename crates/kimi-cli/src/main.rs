@@ -9,6 +9,7 @@ mod load;
 mod logits;
 mod npy;
 mod run;
+mod serve;
 
 use clap::Parser;
 
@@ -35,6 +36,7 @@ fn main() {
         Command::Logits(a) => logits::logits(a),
         Command::Inspect(a) => inspect::inspect(a),
         Command::Bench(a) => bench::bench(a),
+        Command::Serve(a) => serve::serve(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

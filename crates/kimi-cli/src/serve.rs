@@ -1,0 +1,152 @@
+//! `kimi-infer serve`: the OpenAI-compatible server over the continuous-batching engine.
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use kimi_engine::{EngineHandle, ServingConfig};
+use kimi_model::ModelSummary;
+use kimi_server::ServerConfig;
+
+use crate::args::ServeArgs;
+
+/// Tokens per MLA cache block.
+const BLOCK_SIZE: usize = 16;
+
+pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        a.device == "cpu",
+        "--device {}: this build serves on the cpu only",
+        a.device
+    );
+    anyhow::ensure!(
+        a.gpu_memory_utilization > 0.0 && a.gpu_memory_utilization <= 1.0,
+        "--gpu-memory-utilization must be in (0, 1]"
+    );
+    let loaded = crate::load::load(&a.model, true)?;
+    let tokenizer = Arc::new(loaded.tokenizer.context("the model has no tokenizer")?);
+    let cfg = loaded.engine.model().config().clone();
+    let max_model_len = a
+        .max_model_len
+        .unwrap_or(cfg.max_position_embeddings.min(32768));
+    let summary = ModelSummary::new(&cfg);
+    let num_blocks = cache_blocks(&a, &summary, max_model_len)?;
+    let serving = ServingConfig {
+        max_model_len,
+        max_num_seqs: a.max_num_seqs,
+        max_num_batched_tokens: a.max_num_batched_tokens,
+        block_size: BLOCK_SIZE,
+        num_blocks,
+        max_waiting: 4096,
+    };
+    let engine = EngineHandle::spawn(loaded.engine.into_model(), serving)?;
+    let chat_template = match &a.chat_template {
+        Some(p) => {
+            Some(std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?)
+        }
+        None => None,
+    };
+    let name = a
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| match &a.model.model {
+            Some(dir) => dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "kimi".into()),
+            None => "kimi-demo".into(),
+        });
+    let config = ServerConfig {
+        host: a.host.clone(),
+        port: a.port,
+        served_model_name: name,
+        api_keys: a
+            .api_keys
+            .iter()
+            .filter(|k| !k.is_empty())
+            .cloned()
+            .collect(),
+        chat_template,
+        max_model_len: Some(max_model_len),
+        ..ServerConfig::default()
+    };
+    eprintln!(
+        "serving {} on http://{}:{} ({} cache blocks of {BLOCK_SIZE} tokens, up to {} sequences)",
+        loaded.dir.display(),
+        a.host,
+        a.port,
+        num_blocks,
+        a.max_num_seqs
+    );
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    let result = runtime.block_on(kimi_server::serve(
+        config,
+        engine.clone(),
+        tokenizer,
+        shutdown_signal(),
+    ));
+    // The listener has stopped taking requests; let the running ones finish.
+    engine.shutdown(true);
+    result.context("the server failed")
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    eprintln!("shutting down: finishing running requests");
+}
+
+/// MLA cache blocks that fit in the memory budget, capped at what `max_num_seqs` full-length
+/// sequences could use. The CPU keeps caches in f32.
+fn cache_blocks(
+    a: &ServeArgs,
+    summary: &ModelSummary,
+    max_model_len: usize,
+) -> anyhow::Result<usize> {
+    let per_seq_blocks = max_model_len.div_ceil(BLOCK_SIZE);
+    let wanted = a.max_num_seqs * per_seq_blocks;
+    let block_bytes = (BLOCK_SIZE as u64 * summary.mla_cache_elems_per_token * 4).max(1);
+    let Some(available) = mem_available_bytes() else {
+        return Ok(wanted);
+    };
+    let state_bytes = (summary.kda_state_elems_per_seq + summary.kda_conv_elems_per_seq)
+        * 4
+        * a.max_num_seqs as u64;
+    let budget = (available as f64 * a.gpu_memory_utilization) as u64;
+    let blocks = budget.saturating_sub(state_bytes) / block_bytes;
+    let blocks = (blocks as usize).min(wanted);
+    anyhow::ensure!(
+        blocks >= per_seq_blocks,
+        "not enough memory for one {max_model_len}-token sequence's cache; lower --max-model-len"
+    );
+    Ok(blocks)
+}
+
+/// Linux `MemAvailable`.
+fn mem_available_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: u64 = text
+        .lines()
+        .find(|l| l.starts_with("MemAvailable:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
+}
