@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use crate::simd::dot4;
+use crate::simd::{dot, dot4};
 use crate::tensor::{row_to_f32, shape_err, CpuTensor, Storage};
 use kimi_ops::Result;
 
@@ -55,11 +55,19 @@ pub fn matmul(x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
 }
 
 /// `out[r * n + t] = wrows[r] · x[t]` for every row of `wrows [rows, k]` and token of
-/// `xs [n, k]`, four tokens at a time.
+/// `xs [n, k]`, four tokens at a time (a lone last token, as in decode, takes the single
+/// dot product, which rounds exactly as `dot4` does on AVX2).
 fn multiply_rows(wrows: &[f32], xs: &[f32], n: usize, out: &mut [f32]) {
     let k = xs.len() / n.max(1);
     let rows = out.len() / n.max(1);
     for t0 in (0..n).step_by(4) {
+        if t0 + 1 == n {
+            let x = &xs[t0 * k..(t0 + 1) * k];
+            for r in 0..rows {
+                out[r * n + t0] = dot(&wrows[r * k..(r + 1) * k], x);
+            }
+            continue;
+        }
         let tok = |i: usize| {
             let t = (t0 + i).min(n - 1);
             &xs[t * k..(t + 1) * k]

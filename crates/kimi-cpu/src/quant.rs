@@ -63,8 +63,8 @@ pub(crate) fn dequantize_legacy(kind: Legacy, bytes: &[u8], out: &mut [f32]) {
     }
 }
 
-/// IEEE half to f32 in integer arithmetic, inlined (a library call per block scale costs
-/// as much as the block's arithmetic).
+/// IEEE half to f32 in integer arithmetic, inlined into the AVX2 kernels (`half`'s
+/// conversion is a runtime-dispatched call per block scale).
 #[inline(always)]
 pub(crate) fn f16_to_f32(h: u16) -> f32 {
     let sign = u32::from(h & 0x8000) << 16;
@@ -78,70 +78,40 @@ pub(crate) fn f16_to_f32(h: u16) -> f32 {
     }
 }
 
-#[inline(always)]
 fn f16_at(b: &[u8], i: usize) -> f32 {
     f16_to_f32(u16::from_le_bytes([b[i], b[i + 1]]))
 }
 
-/// Splits whole blocks into fixed-size arrays for the per-block functions.
-macro_rules! for_each_block {
-    ($bytes:expr, $out:expr, $block_bytes:literal, $f:ident) => {
-        for (b, o) in $bytes
-            .chunks_exact($block_bytes)
-            .zip($out.chunks_exact_mut(32))
-        {
-            if let (Ok(b), Ok(o)) = (
-                <&[u8; $block_bytes]>::try_from(b),
-                <&mut [f32; 32]>::try_from(o),
-            ) {
-                $f(b, o);
-            }
-        }
-    };
-}
-
-#[inline(always)]
-fn q8_0(bytes: &[u8], out: &mut [f32]) {
-    for_each_block!(bytes, out, 34, q8_0_block);
-}
-
-#[inline(always)]
-fn q4_0(bytes: &[u8], out: &mut [f32]) {
-    for_each_block!(bytes, out, 18, q4_0_block);
-}
-
-#[inline(always)]
-fn q4_1(bytes: &[u8], out: &mut [f32]) {
-    for_each_block!(bytes, out, 20, q4_1_block);
-}
-
 /// `d:f16 | qs:i8[32]`, `x = q * d`.
-#[inline(always)]
-fn q8_0_block(b: &[u8; 34], o: &mut [f32; 32]) {
-    let d = f16_at(b, 0);
-    for j in 0..32 {
-        o[j] = f32::from(b[2 + j] as i8) * d;
+fn q8_0(bytes: &[u8], out: &mut [f32]) {
+    for (b, o) in bytes.chunks_exact(34).zip(out.chunks_exact_mut(32)) {
+        let d = f16_at(b, 0);
+        for (y, &q) in o.iter_mut().zip(&b[2..]) {
+            *y = f32::from(q as i8) * d;
+        }
     }
 }
 
 /// `d:f16 | qs[16]`; byte `j` holds value `j` (low nibble) and `j + 16` (high nibble);
 /// `x = (nibble - 8) * d`.
-#[inline(always)]
-fn q4_0_block(b: &[u8; 18], o: &mut [f32; 32]) {
-    let d = f16_at(b, 0);
-    for j in 0..16 {
-        o[j] = (i32::from(b[2 + j] & 0xF) - 8) as f32 * d;
-        o[j + 16] = (i32::from(b[2 + j] >> 4) - 8) as f32 * d;
+fn q4_0(bytes: &[u8], out: &mut [f32]) {
+    for (b, o) in bytes.chunks_exact(18).zip(out.chunks_exact_mut(32)) {
+        let d = f16_at(b, 0);
+        for j in 0..16 {
+            o[j] = (i32::from(b[2 + j] & 0xF) - 8) as f32 * d;
+            o[j + 16] = (i32::from(b[2 + j] >> 4) - 8) as f32 * d;
+        }
     }
 }
 
 /// `d:f16 m:f16 | qs[16]`, nibbles as Q4_0; `x = nibble * d + m`.
-#[inline(always)]
-fn q4_1_block(b: &[u8; 20], o: &mut [f32; 32]) {
-    let (d, m) = (f16_at(b, 0), f16_at(b, 2));
-    for j in 0..16 {
-        o[j] = f32::from(b[4 + j] & 0xF) * d + m;
-        o[j + 16] = f32::from(b[4 + j] >> 4) * d + m;
+fn q4_1(bytes: &[u8], out: &mut [f32]) {
+    for (b, o) in bytes.chunks_exact(20).zip(out.chunks_exact_mut(32)) {
+        let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+        for j in 0..16 {
+            o[j] = f32::from(b[4 + j] & 0xF) * d + m;
+            o[j + 16] = f32::from(b[4 + j] >> 4) * d + m;
+        }
     }
 }
 

@@ -63,3 +63,163 @@ extern "C" __global__ void moe_route(const float* logits, const void* bias, int 
     weights[t * top_k + n] = w * scaling;
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Device-side expert dispatch (no host round trip).
+//
+// `moe_lists` (one block) sorts the P = n*top_k (token, k) pairs by expert: `offsets[E+1]`
+// (exclusive prefix sum of the per-expert counts) and `slots[P]` (pair numbers, grouped by
+// expert; order inside one expert is arbitrary and does not change any result). It also
+// writes, per slot, the token row (`rows`) and routing weight (`wsel`) for the cuBLAS path,
+// and `meta = [ids (P) | counts (E)]` so the host can read both back in one copy.
+extern "C" __global__ void moe_lists(const uint32_t* ids, const float* weights, int P, int E,
+                                     int top_k, uint32_t* offsets, uint32_t* slots,
+                                     uint32_t* rows, float* wsel, uint32_t* meta) {
+  extern __shared__ uint32_t cnt_sm[];
+  uint32_t* cnt = cnt_sm;
+  uint32_t* cur = cnt_sm + E;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  for (int p = threadIdx.x; p < P; p += blockDim.x) {
+    uint32_t e = ids[p];
+    if (e < (uint32_t)E) atomicAdd(&cnt[e], 1u);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t o = 0;
+    for (int e = 0; e < E; ++e) {
+      cur[e] = o;
+      offsets[e] = o;
+      o += cnt[e];
+    }
+    offsets[E] = o;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) meta[P + e] = cnt[e];
+  for (int p = threadIdx.x; p < P; p += blockDim.x) {
+    uint32_t e = ids[p];
+    meta[p] = e;
+    if (e >= (uint32_t)E) continue;
+    uint32_t pos = atomicAdd(&cur[e], 1u);
+    slots[pos] = (uint32_t)p;
+    rows[pos] = (uint32_t)(p / top_k);
+    wsel[pos] = weights[p];
+  }
+}
+
+__device__ __forceinline__ void bf16x8(const uint4& v, float* f) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 t = __bfloat1622float2(h[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Expert GEMV over the pairs routed to one expert. Grid (ceil(rows_out/8), P); block 256 =
+// 8 warps, one output row per warp. Block (x, s) works only if slot s is the first slot of its
+// expert e, and then for every pair p routed to e (tokens in groups of TG, so that one pass
+// over a weight row serves TG tokens). `wtab` holds per expert the three weight addresses
+// (gate, up, down); `glu` = 1: out[p, j] = silu(gate_e[j]·x) * (up_e[j]·x) with x = in[p /
+// top_k] (hidden rows); glu = 0: out[p, j] = down_e[j]·in[p] (intermediate rows). Weights of
+// dtype `dt`; `vec` = 1 when dt is bf16 and cols % 8 == 0 (16-byte loads). f32 accumulation.
+#define TG 4
+extern "C" __global__ void __launch_bounds__(256)
+    moe_expert_gemv(const uint64_t* wtab, int glu, const float* in, int top_k,
+                    const uint32_t* ids, const uint32_t* offsets, const uint32_t* slots,
+                    float* out, int rows_out, int cols, int dt, int vec) {
+  const int s = blockIdx.y;
+  const uint32_t p0 = slots[s];
+  const uint32_t e = ids[p0];
+  const uint32_t beg = offsets[e];
+  if ((uint32_t)s != beg) return;
+  const uint32_t end = offsets[e + 1];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row = blockIdx.x * 8 + warp;
+  if (row >= rows_out) return;
+  const void* wa = reinterpret_cast<const void*>(wtab[3 * e + (glu ? 0 : 2)]);
+  const void* wb = reinterpret_cast<const void*>(wtab[3 * e + 1]);
+  const size_t roff = (size_t)row * cols;
+  for (uint32_t g0 = beg; g0 < end; g0 += TG) {
+    const int ng = min((uint32_t)TG, end - g0);
+    const float* xr[TG];
+    uint32_t pr[TG];
+#pragma unroll
+    for (int g = 0; g < TG; ++g) {
+      uint32_t p = slots[g0 + (g < ng ? g : 0)];
+      pr[g] = p;
+      xr[g] = in + (size_t)(glu ? p / top_k : p) * cols;
+    }
+    float aa[TG], ab[TG];
+#pragma unroll
+    for (int g = 0; g < TG; ++g) aa[g] = ab[g] = 0.0f;
+    if (vec) {
+      const uint4* va = reinterpret_cast<const uint4*>(
+          reinterpret_cast<const __nv_bfloat16*>(wa) + roff);
+      const uint4* vb = reinterpret_cast<const uint4*>(
+          reinterpret_cast<const __nv_bfloat16*>(wb) + roff);
+      const int nv = cols >> 3;
+      for (int c = lane; c < nv; c += 32) {
+        float fa[8], fb[8];
+        bf16x8(__ldg(va + c), fa);
+        if (glu) bf16x8(__ldg(vb + c), fb);
+#pragma unroll
+        for (int g = 0; g < TG; ++g) {
+          if (g < ng) {
+            const float4* x4 = reinterpret_cast<const float4*>(xr[g] + 8 * c);
+            float4 x0 = x4[0], x1 = x4[1];
+            float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              aa[g] = fmaf(fa[i], xs[i], aa[g]);
+              if (glu) ab[g] = fmaf(fb[i], xs[i], ab[g]);
+            }
+          }
+        }
+      }
+    } else {
+      for (int c = lane; c < cols; c += 32) {
+        float fa = ld(wa, roff + c, dt);
+        float fb = glu ? ld(wb, roff + c, dt) : 0.0f;
+#pragma unroll
+        for (int g = 0; g < TG; ++g) {
+          if (g < ng) {
+            float xv = xr[g][c];
+            aa[g] = fmaf(fa, xv, aa[g]);
+            ab[g] = fmaf(fb, xv, ab[g]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < TG; ++g) {
+      float a = warp_sum(aa[g]);
+      float b = warp_sum(ab[g]);
+      if (lane == 0 && g < ng) {
+        float v = glu ? (a / (1.0f + expf(-a))) * b : a;
+        out[(size_t)pr[g] * rows_out + row] = v;
+      }
+    }
+  }
+}
+
+// out[t, i] (+)= sum_k weights[t*K + k] * y[(t*K + k), i]: each output element owned by one
+// thread, no atomics. `accumulate` = 0 overwrites `out`.
+extern "C" __global__ void moe_combine(const float* y, const float* weights, float* out, int n,
+                                       int d, int top_k, int accumulate) {
+  size_t total = (size_t)n * d;
+  for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < total;
+       idx += (size_t)gridDim.x * blockDim.x) {
+    size_t t = idx / d, i = idx % d;
+    float acc = 0.0f;
+    for (int k = 0; k < top_k; ++k)
+      acc += weights[t * top_k + k] * y[(t * top_k + k) * (size_t)d + i];
+    out[idx] = accumulate ? out[idx] + acc : acc;
+  }
+}

@@ -395,6 +395,54 @@ fn generate(model: &KimiLinear<CudaBackend>, num_tokens: usize, vocab: usize) ->
     Ok(())
 }
 
+/// `batch` sequences (16-token prompts) decoded together for `steps` steps: one forward of
+/// `batch` one-token segments per step.
+fn decode_batch(
+    model: &KimiLinear<CudaBackend>,
+    batch: usize,
+    steps: usize,
+    vocab: usize,
+) -> Res<()> {
+    let mut caches = (0..batch)
+        .map(|_| model.new_cache())
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut next = Vec::with_capacity(batch);
+    for (s, c) in caches.iter_mut().enumerate() {
+        let prompt: Vec<u32> = (0..16).map(|i| ((i + 31 * s) * 9973 % vocab) as u32).collect();
+        let logits = forward_last(model, c, &prompt)?;
+        next.push(argmax(&logits).0 as u32);
+    }
+    let mut step_ms = Vec::with_capacity(steps);
+    let mut all_finite = true;
+    for _ in 0..steps {
+        let b = Batch {
+            tokens: next.clone(),
+            segments: (0..batch).map(|s| Segment { start: s, len: 1 }).collect(),
+            logits_rows: (0..batch).collect(),
+        };
+        let mut refs: Vec<&mut SeqCache<CudaBackend>> = caches.iter_mut().collect();
+        let ts = Instant::now();
+        let logits = model.forward(&b, &mut refs, ForwardOptions::default())?.logits;
+        step_ms.push(ts.elapsed().as_secs_f64() * 1e3);
+        for (s, row) in logits.chunks_exact(vocab).enumerate() {
+            let (n, f) = argmax(row);
+            all_finite &= f;
+            next[s] = n as u32;
+        }
+    }
+    step_ms.sort_by(|a, b| a.total_cmp(b));
+    let pick = |q: usize| step_ms.get(step_ms.len() * q / 100).copied().unwrap_or(0.0);
+    println!(
+        "decode batch {batch} x {steps} steps: finite = {all_finite}; step median {:.2} ms ({:.1} tok/s), p10 {:.2} ms, p90 {:.2} ms",
+        pick(50),
+        batch as f64 * 1e3 / pick(50),
+        pick(10),
+        pick(90),
+    );
+    let _ = std::io::stdout().flush();
+    Ok(())
+}
+
 fn check_big(num_tokens: usize) -> Res<()> {
     println!("== 3. Kimi-Linear-48B-A3B-shaped model, random bf16 weights");
     let text = std::fs::read_to_string(
@@ -422,6 +470,9 @@ fn check_big(num_tokens: usize) -> Res<()> {
         be.set_gemm_precision(prec);
         println!("-- GEMM precision {prec:?}");
         generate(&model, tokens, vocab)?;
+        if prec == GemmPrecision::Split {
+            decode_batch(&model, 8, 100, vocab)?;
+        }
         for len in [1024usize, 8192] {
             let toks: Vec<u32> = (0..len).map(|i| (i * 7919 % vocab) as u32).collect();
             let mut c = model.new_cache()?;

@@ -1,7 +1,9 @@
 //! [`CudaBackend`]: the `kimi_ops::Backend` implementation. Every method checks shapes and
 //! dtypes on the host, allocates its outputs and calls the launchers in `ops/`.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Mutex;
 
 use cudarc::cublas::sys::cudaDataType;
 use cudarc::driver::CudaSlice;
@@ -36,7 +38,17 @@ pub struct CudaBackend {
     gemm_precision: AtomicU8,
     ordinal: usize,
     device_name: String,
+    /// Expert address tables of the fused MoE path, by their contents.
+    moe_tables: Mutex<HashMap<Vec<u64>, CudaSlice<u8>>>,
 }
+
+/// Up to this many tokens, routed experts run as fused GEMV kernels over all (token, expert)
+/// pairs; above it, as one cuBLAS SwiGLU per chosen expert.
+const FUSED_MOE_MAX_TOKENS: usize = 64;
+
+/// Up to this many rows, Split-precision GEMMs against bf16 weights run as an f32-product
+/// GEMV kernel (`kernels/gemv.cu`) instead of split + cuBLAS + sum.
+const GEMV_MAX_ROWS: usize = 8;
 
 fn shape_err(op: &'static str, detail: String) -> Error {
     Error::Shape { op, detail }
@@ -87,6 +99,7 @@ impl CudaBackend {
             gemm_precision: AtomicU8::new(0),
             ordinal,
             device_name,
+            moe_tables: Mutex::new(HashMap::new()),
         })
     }
 
@@ -214,6 +227,16 @@ impl CudaBackend {
         if n * k == 0 {
             return Ok(y);
         }
+        let aligned = (x.ptr() | w.ptr()) % 16 == 0 && k.is_multiple_of(8);
+        if self.gemm_precision() == GemmPrecision::Split
+            && w.dtype == DType::BF16
+            && n <= GEMV_MAX_ROWS
+            && aligned
+        {
+            // SAFETY: x [n,k] f32 and w [o,k] bf16, 16-byte aligned, k % 8 == 0; y [n,o].
+            unsafe { ops::gemm::gemv_bf16(&self.dev, x.ptr(), w.ptr(), y.ptr(), n, k, o)? };
+            return Ok(y);
+        }
         if self.gemm_precision() == GemmPrecision::Half {
             let xh = self.empty(&[n, k], w.dtype, op)?;
             // SAFETY: x holds n*k f32 and xh n*k halves.
@@ -255,6 +278,51 @@ impl CudaBackend {
             )?
         };
         Ok(out)
+    }
+
+    /// `(intermediate, weight dtype code)` when the routed experts can take the fused
+    /// device path: at most [`FUSED_MOE_MAX_TOKENS`] tokens and every expert's gate/up
+    /// `[inter, d]` and down `[d, inter]` of one dtype.
+    fn fused_moe_shape(&self, w: &MoeWeights<CudaTensor>, d: usize, n: usize) -> Option<(usize, i32)> {
+        if n > FUSED_MOE_MAX_TOKENS {
+            return None;
+        }
+        let first = w.experts.first()?;
+        let inter = *first.gate.shape.first()?;
+        let dtype = first.gate.dtype;
+        let dt = dtype_code(dtype)?;
+        let ok = w.experts.iter().all(|x| {
+            x.gate.shape == [inter, d]
+                && x.up.shape == [inter, d]
+                && x.down.shape == [d, inter]
+                && x.gate.dtype == dtype
+                && x.up.dtype == dtype
+                && x.down.dtype == dtype
+        });
+        (ok && inter > 0).then_some((inter, dt))
+    }
+
+    /// The device table of every expert's (gate, up, down) addresses, uploaded once per
+    /// distinct set of weights and kept (its contents are its key, so it cannot go stale).
+    fn expert_table(&self, w: &MoeWeights<CudaTensor>) -> Result<(u64, bool)> {
+        let key: Vec<u64> = w
+            .experts
+            .iter()
+            .flat_map(|x| [x.gate.ptr(), x.up.ptr(), x.down.ptr()])
+            .collect();
+        let mut tables = self
+            .moe_tables
+            .lock()
+            .map_err(|_| Error::Unsupported("moe table lock poisoned".into()))?;
+        let aligned = key.iter().all(|p| p % 16 == 0);
+        if let Some(t) = tables.get(&key) {
+            return Ok((Self::slice_ptr(t), aligned));
+        }
+        let bytes: Vec<u8> = key.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let t = self.upload_bytes(&bytes, "moe")?;
+        let ptr = Self::slice_ptr(&t);
+        tables.insert(key, t);
+        Ok((ptr, aligned))
     }
 
     /// Appends `len` latent rows (from `latent` row `start`) to `cache`, growing its
@@ -609,9 +677,8 @@ impl Backend for CudaBackend {
         };
         let ids_dev = self.empty(&[n, r.top_k], DType::F32, OP)?;
         let wts_dev = self.empty(&[n, r.top_k], DType::F32, OP)?;
-        let mut out = self.zeroed(&[n, d], OP)?;
         if n == 0 {
-            return Ok((out, vec![]));
+            return Ok((self.zeroed(&[n, d], OP)?, vec![]));
         }
         // SAFETY: logits [n,e] f32; ids/weights hold n*top_k 4-byte entries.
         unsafe {
@@ -627,35 +694,118 @@ impl Backend for CudaBackend {
                 r,
             )?
         };
-        let ids: Vec<u32> = self
-            .to_f32(&ids_dev)?
-            .into_iter()
-            .map(f32::to_bits)
-            .collect();
-        let wts = self.to_f32(&wts_dev)?;
-        let mut users: Vec<Vec<(u32, f32)>> = vec![Vec::new(); e];
-        for (i, (&id, &wt)) in ids.iter().zip(&wts).enumerate() {
-            let expert = users
-                .get_mut(id as usize)
-                .ok_or_else(|| shape_err(OP, format!("router chose expert {id} of {e}")))?;
-            expert.push(((i / r.top_k) as u32, wt));
+        // Pairs grouped by expert, on the device.
+        let (k, p) = (r.top_k, n * r.top_k);
+        let offsets = self.raw((e + 1) * 4, OP)?;
+        let slots = self.raw(p * 4, OP)?;
+        let rows = self.raw(p * 4, OP)?;
+        let wsel = self.raw(p * 4, OP)?;
+        let meta = self.empty(&[p + e], DType::F32, OP)?;
+        let (offsets_ptr, slots_ptr) = (Self::slice_ptr(&offsets), Self::slice_ptr(&slots));
+        let (rows_ptr, wsel_ptr) = (Self::slice_ptr(&rows), Self::slice_ptr(&wsel));
+        // SAFETY: ids < e (route picks among e experts); buffer sizes as allocated above.
+        unsafe {
+            ops::moe::lists(
+                &self.dev,
+                ids_dev.ptr(),
+                wts_dev.ptr(),
+                p,
+                e,
+                k,
+                offsets_ptr,
+                slots_ptr,
+                rows_ptr,
+                wsel_ptr,
+                meta.ptr(),
+            )?
+        };
+        // The shared expert first: the routed experts add into its output.
+        let shared_out = match &w.shared {
+            Some(shared) => {
+                let y = self.mlp(x, shared)?;
+                if y.shape != [n, d] {
+                    return Err(shape_err(OP, format!("shared expert output {:?}", y.shape)));
+                }
+                Some(y)
+            }
+            None => None,
+        };
+        if let Some((inter, dt)) = self.fused_moe_shape(w, d, n) {
+            let (table, aligned) = self.expert_table(w)?;
+            // 16-byte loads need aligned weights and activations (fresh allocations are).
+            let aligned = aligned && x.ptr() % 16 == 0;
+            let h = self.empty(&[p, inter], DType::F32, OP)?;
+            let y = self.empty(&[p, d], DType::F32, OP)?;
+            // SAFETY: the table holds gate/up [inter, d] and down [d, inter] of dtype dt for
+            // every expert (checked by fused_moe_shape); ids/offsets/slots come from lists;
+            // h holds p*inter and y p*d f32.
+            unsafe {
+                ops::moe::expert_gemv(
+                    &self.dev,
+                    table,
+                    true,
+                    x.ptr(),
+                    k,
+                    ids_dev.ptr(),
+                    offsets_ptr,
+                    slots_ptr,
+                    h.ptr(),
+                    p,
+                    inter,
+                    d,
+                    dt,
+                    aligned,
+                )?;
+                ops::moe::expert_gemv(
+                    &self.dev,
+                    table,
+                    false,
+                    h.ptr(),
+                    k,
+                    ids_dev.ptr(),
+                    offsets_ptr,
+                    slots_ptr,
+                    y.ptr(),
+                    p,
+                    d,
+                    inter,
+                    dt,
+                    aligned,
+                )?
+            };
+            let accumulate = shared_out.is_some();
+            let out = match shared_out {
+                Some(o) => o,
+                None => self.empty(&[n, d], DType::F32, OP)?,
+            };
+            // SAFETY: y holds p*d f32, wts p, out n*d.
+            unsafe {
+                ops::moe::combine(&self.dev, y.ptr(), wts_dev.ptr(), out.ptr(), n, d, k, accumulate)?
+            };
+            // The only host read: the chosen experts, after all the work is queued.
+            let ids: Vec<u32> = self
+                .to_f32(&ids_dev)?
+                .into_iter()
+                .map(f32::to_bits)
+                .collect();
+            return Ok((out, ids));
         }
-        let mut all_rows = Vec::with_capacity(n * r.top_k);
-        let mut all_wts = Vec::with_capacity(n * r.top_k);
-        for u in &users {
-            all_rows.extend(u.iter().map(|p| p.0));
-            all_wts.extend(u.iter().map(|p| p.1));
+        // Many tokens: cuBLAS per expert, with one host read of [ids | counts] per layer.
+        let meta_host: Vec<u32> = self.to_f32(&meta)?.into_iter().map(f32::to_bits).collect();
+        let (ids, counts) = meta_host.split_at(p);
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= e) {
+            return Err(shape_err(OP, format!("router chose expert {bad} of {e}")));
         }
-        let rows_dev = self.upload_u32(&all_rows, OP)?;
-        let wts_bytes: Vec<u8> = all_wts.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let wsel_dev = self.upload_bytes(&wts_bytes, OP)?;
-        let (rows_ptr, wsel_ptr) = (Self::slice_ptr(&rows_dev), Self::slice_ptr(&wsel_dev));
+        let out = match shared_out {
+            Some(o) => o,
+            None => self.zeroed(&[n, d], OP)?,
+        };
         let mut off = 0usize;
-        for (expert, u) in users.iter().enumerate() {
-            if u.is_empty() {
+        for (expert, &cnt) in counts.iter().enumerate() {
+            let cnt = cnt as usize;
+            if cnt == 0 {
                 continue;
             }
-            let cnt = u.len();
             let xg = self.empty(&[cnt, d], DType::F32, OP)?;
             // SAFETY: the row indices are token numbers < n; xg holds cnt*d f32.
             unsafe {
@@ -689,14 +839,10 @@ impl Backend for CudaBackend {
             };
             off += cnt;
         }
-        if let Some(shared) = &w.shared {
-            let y = self.mlp(x, shared)?;
-            self.add_assign(&mut out, &y)?;
-        }
         // Keep the index buffers alive until the queued kernels have read them.
         self.dev.stream.synchronize().op(OP)?;
-        drop((rows_dev, wsel_dev));
-        Ok((out, ids))
+        drop((offsets, slots, rows, wsel));
+        Ok((out, ids.to_vec()))
     }
 
     fn short_conv_silu(

@@ -39,6 +39,7 @@ const KERNELS: &[(&str, &[&str])] = &[
         ],
     ),
     ("conv", &["short_conv_silu", "short_conv_state"]),
+    ("gemv", &["gemv_bf16"]),
     (
         "kda",
         &[
@@ -49,7 +50,10 @@ const KERNELS: &[(&str, &[&str])] = &[
         ],
     ),
     ("mla", &["mla_expanded", "mla_absorbed"]),
-    ("moe", &["moe_route"]),
+    (
+        "moe",
+        &["moe_route", "moe_lists", "moe_expert_gemv", "moe_combine"],
+    ),
 ];
 
 /// One GPU: context, the stream every operation runs on, cuBLAS and the kernel table.

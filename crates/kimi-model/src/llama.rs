@@ -82,44 +82,18 @@ impl LlamaConfig {
         let head_dim = optional("attention.key_length", hidden_size / num_heads)?;
         let rope_dim = optional("rope.dimension_count", head_dim)?;
         let value_dim = optional("attention.value_length", head_dim)?;
-        if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
-            return Err(format_error(
-                file,
-                format!("{num_heads} query heads cannot share {num_kv_heads} key/value heads"),
-            ));
-        }
-        if rope_dim != head_dim || value_dim != head_dim || head_dim % 2 != 0 {
-            return Err(format_error(
-                file,
-                format!(
-                    "heads of {head_dim} (values {value_dim}) with {rope_dim} rotary dimensions \
-                     are not supported (rotary over the whole, even-width head only)"
-                ),
-            ));
-        }
-        if file.get("llama.rope.scaling.type").is_some() {
-            let kind = file.get_str("llama.rope.scaling.type")?;
-            if kind != "none" {
-                return Err(format_error(
-                    file,
-                    format!("rope scaling `{kind}` is not supported"),
-                ));
-            }
-        }
+        check_heads(
+            file,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            [rope_dim, value_dim],
+        )?;
         let rope_theta = match file.get("llama.rope.freq_base") {
             Some(_) => file.get_f32("llama.rope.freq_base")?,
             None => 10_000.0, // llama.cpp's default for llama
         };
         let embed = file.tensor("token_embd.weight")?.info.shape_outer_first();
-        let mut eos_token_ids = Vec::new();
-        for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
-            if file.get(key).is_some() {
-                let id = file.get_u32(key)?;
-                if !eos_token_ids.contains(&id) {
-                    eos_token_ids.push(id);
-                }
-            }
-        }
         Ok(Self {
             vocab_size: embed.first().copied().unwrap_or(0),
             hidden_size,
@@ -133,13 +107,64 @@ impl LlamaConfig {
             rms_norm_eps: file.get_f32("llama.attention.layer_norm_rms_epsilon")?,
             max_context: count("context_length")?,
             tie_word_embeddings: file.tensor("output.weight").is_err(),
-            eos_token_ids,
+            eos_token_ids: eos_token_ids(file)?,
         })
     }
 
     fn kv_width(&self) -> usize {
         self.num_kv_heads * self.head_dim
     }
+}
+
+/// Rejects head layouts and RoPE variants this model does not implement: grouped heads
+/// must divide evenly, and rotary covers the whole even-width head (no partial rotary, no
+/// rope scaling, values as wide as keys).
+fn check_heads(
+    file: &GgufFile,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    [rope_dim, value_dim]: [usize; 2],
+) -> Result<()> {
+    if num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) {
+        return Err(format_error(
+            file,
+            format!("{num_heads} query heads cannot share {num_kv_heads} key/value heads"),
+        ));
+    }
+    if rope_dim != head_dim || value_dim != head_dim || !head_dim.is_multiple_of(2) {
+        return Err(format_error(
+            file,
+            format!(
+                "heads of {head_dim} (values {value_dim}) with {rope_dim} rotary dimensions \
+                 are not supported (rotary over the whole, even-width head only)"
+            ),
+        ));
+    }
+    if file.get("llama.rope.scaling.type").is_some() {
+        let kind = file.get_str("llama.rope.scaling.type")?;
+        if kind != "none" {
+            return Err(format_error(
+                file,
+                format!("rope scaling `{kind}` is not supported"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `tokenizer.ggml.eos_token_id` and `tokenizer.ggml.eot_token_id`, where present.
+fn eos_token_ids(file: &GgufFile) -> Result<Vec<u32>> {
+    let mut ids = Vec::new();
+    for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
+        if file.get(key).is_some() {
+            let id = file.get_u32(key)?;
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+    }
+    Ok(ids)
 }
 
 struct LlamaLayer<T> {

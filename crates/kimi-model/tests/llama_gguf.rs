@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use kimi_cpu::CpuBackend;
-use kimi_gguf::{Array, GgmlType, GgufFile, GgufWriter, Value};
+use kimi_gguf::{GgmlType, GgufFile, GgufWriter, Value};
 use kimi_model::{Batch, CausalLm, ForwardOptions, Llama, LlamaConfig, ModelError, SeqCache};
 use kimi_ops::{Backend, HostTensor, Segment};
 use kimi_tokenizer::Tokenizer;
@@ -266,10 +266,6 @@ fn tiny_gguf(spoil: Spoil) -> GgufFile {
         ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
         ("llama.context_length", Value::U32(TINY_CONTEXT)),
         ("tokenizer.ggml.eos_token_id", Value::U32(3)),
-        (
-            "tokenizer.ggml.tokens",
-            Value::Array(Array::String(vec!["x".into(); 4])),
-        ),
     ];
     for (key, value) in meta {
         w.add_metadata(key, value).unwrap();

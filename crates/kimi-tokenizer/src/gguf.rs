@@ -187,3 +187,95 @@ fn token_types(file: &GgufFile, num_tokens: usize) -> Result<Vec<i32>, Tokenizer
     }
     Ok(types)
 }
+
+#[cfg(test)]
+mod tests {
+    use kimi_gguf::{Array, GgufFile, GgufWriter, Value};
+
+    use crate::Tokenizer;
+
+    /// A byte-level vocabulary where "12" and " 12" are tokens, so the pre-tokenizer
+    /// decides whether they are used.
+    fn tiny(pre: &str) -> Result<Tokenizer, crate::TokenizerError> {
+        let tokens = [
+            "<|endoftext|>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<extra>",
+            "a",
+            "b",
+            "ab",
+            "Ġ",
+            "1",
+            "2",
+            "Ġ1",
+            "12",
+            "Ġ12",
+        ];
+        let merges = ["a b", "Ġ 1", "Ġ1 2", "1 2"];
+        let strings =
+            |v: &[&str]| Value::Array(Array::String(v.iter().map(|s| s.to_string()).collect()));
+        let mut w = GgufWriter::new();
+        let mut types = vec![1i32; tokens.len()];
+        types[..3].fill(3);
+        types[3] = 4;
+        let meta = [
+            ("tokenizer.ggml.model", Value::String("gpt2".into())),
+            ("tokenizer.ggml.pre", Value::String(pre.into())),
+            ("tokenizer.ggml.tokens", strings(&tokens)),
+            ("tokenizer.ggml.merges", strings(&merges)),
+            ("tokenizer.ggml.token_type", Value::Array(Array::I32(types))),
+            ("tokenizer.ggml.bos_token_id", Value::U32(1)),
+            ("tokenizer.ggml.eos_token_id", Value::U32(2)),
+            (
+                "tokenizer.chat_template",
+                Value::String("{% for m in messages %}{{ bos_token }}{{ m.content }}{{ eos_token }}{% endfor %}".into()),
+            ),
+        ];
+        for (key, value) in meta {
+            w.add_metadata(key, value).expect("metadata");
+        }
+        Tokenizer::from_gguf(&GgufFile::from_vec(w.to_bytes().expect("bytes")).expect("parses"))
+    }
+
+    #[test]
+    fn digits_split_only_with_the_smollm_pre_tokenizer() {
+        let smollm = tiny("smollm").unwrap();
+        assert_eq!(smollm.encode("ab 12", false).unwrap(), [6, 7, 8, 9]);
+        let gpt2 = tiny("gpt-2").unwrap();
+        assert_eq!(gpt2.encode("ab 12", false).unwrap(), [6, 12]);
+        assert_eq!(gpt2.decode(&[6, 12], false).unwrap(), "ab 12");
+    }
+
+    #[test]
+    fn control_tokens_are_special_and_ids_come_from_metadata() {
+        let tok = tiny("smollm").unwrap();
+        assert_eq!(tok.vocab_size(), 13);
+        assert!(tok.is_special(1) && tok.is_special(2) && !tok.is_special(3));
+        assert_eq!(tok.bos_id(), Some(1));
+        assert_eq!(tok.eos_ids(), [2, 0]);
+        assert_eq!(
+            tok.encode("<|im_start|>ab<extra>", true).unwrap(),
+            [1, 6, 3]
+        );
+        assert_eq!(tok.decode(&[1, 6, 2], true).unwrap(), "ab");
+        let messages = [serde_json::json!({"role": "user", "content": "ab"})];
+        let template = tok.chat_template().expect("a template");
+        assert_eq!(
+            template.render(&messages, None, true).unwrap(),
+            "<|im_start|>ab<|im_end|>"
+        );
+    }
+
+    #[test]
+    fn other_tokenizers_are_rejected_by_name() {
+        let err = tiny("qwen2").unwrap_err().to_string();
+        assert!(err.contains("tokenizer.ggml.pre `qwen2`"), "{err}");
+        let mut w = GgufWriter::new();
+        w.add_metadata("tokenizer.ggml.model", Value::String("llama".into()))
+            .expect("metadata");
+        let file = GgufFile::from_vec(w.to_bytes().expect("bytes")).expect("parses");
+        let err = Tokenizer::from_gguf(&file).unwrap_err().to_string();
+        assert!(err.contains("`llama` is not supported"), "{err}");
+    }
+}

@@ -5,9 +5,10 @@
 
 use cudarc::cublas::result::gemm_ex;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::driver::PushKernelArg;
 use kimi_ops::Result;
 
-use crate::device::Device;
+use crate::device::{grid, Device};
 use crate::error::OpContext;
 
 /// `y = x·wᵀ`: `x` and `w` both of element type `ab` (f32, bf16 or f16), `y` f32,
@@ -55,4 +56,30 @@ pub(crate) unsafe fn gemm(
         )
     }
     .op("matmul")
+}
+
+/// `y = x·wᵀ` for a few rows: f32 `x [n, k]`, bf16 `w [o, k]`, f32 `y [n, o]`, f32 products
+/// (see `kernels/gemv.cu`).
+///
+/// # Safety
+/// `x` holds `n * k` f32 and `w` `o * k` bf16, both 16-byte aligned, `k % 8 == 0`; `y` holds
+/// `n * o` f32.
+pub(crate) unsafe fn gemv_bf16(
+    dev: &Device,
+    x: u64,
+    w: u64,
+    y: u64,
+    n: usize,
+    k: usize,
+    o: usize,
+) -> Result<()> {
+    if n == 0 || o == 0 {
+        return Ok(());
+    }
+    let (ni, oi, ki) = (n as i32, o as i32, k as i32);
+    let mut b = dev.kernel("matmul", "gemv_bf16")?;
+    b.arg(&w).arg(&x).arg(&y).arg(&ni).arg(&oi).arg(&ki);
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(grid((o.div_ceil(8) as u32, 1, 1), 256, 0)) }.op("matmul")?;
+    Ok(())
 }

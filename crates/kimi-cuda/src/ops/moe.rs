@@ -3,7 +3,7 @@
 use cudarc::driver::PushKernelArg;
 use kimi_ops::{MoeRouting, Result};
 
-use crate::device::{grid, Device};
+use crate::device::{flat, grid, Device};
 use crate::error::OpContext;
 
 /// Routes `n` tokens from f32 router logits `[n, e]`: writes `ids` and `weights`
@@ -48,5 +48,97 @@ pub(crate) unsafe fn route(
         .arg(&use_bias);
     // SAFETY: see the function's contract; shared memory holds 3 * e floats.
     unsafe { b.launch(grid((n as u32, 1, 1), 256, (3 * e * 4) as u32)) }.op("moe")?;
+    Ok(())
+}
+
+/// Groups the `p = n * top_k` routed pairs by expert (see `moe_lists` in `kernels/moe.cu`).
+///
+/// # Safety
+/// `ids`/`weights` hold `p` entries with ids `< e`; `offsets` holds `e + 1` u32, `slots`,
+/// `rows` and `wsel` `p` entries, `meta` `p + e` u32.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn lists(
+    dev: &Device,
+    ids: u64,
+    weights: u64,
+    p: usize,
+    e: usize,
+    top_k: usize,
+    offsets: u64,
+    slots: u64,
+    rows: u64,
+    wsel: u64,
+    meta: u64,
+) -> Result<()> {
+    let (pi, ei, ki) = (p as i32, e as i32, top_k as i32);
+    let mut b = dev.kernel("moe", "moe_lists")?;
+    b.arg(&ids).arg(&weights).arg(&pi).arg(&ei).arg(&ki);
+    b.arg(&offsets)
+        .arg(&slots)
+        .arg(&rows)
+        .arg(&wsel)
+        .arg(&meta);
+    // SAFETY: see the function's contract; shared memory holds 2 * e u32.
+    unsafe { b.launch(grid((1, 1, 1), 1024, (2 * e * 4) as u32)) }.op("moe")?;
+    Ok(())
+}
+
+/// One expert GEMV pass over all routed pairs (see `moe_expert_gemv` in `kernels/moe.cu`).
+///
+/// # Safety
+/// `wtab` holds `3 * e` weight addresses (gate, up: `[rows_out, cols]` when `glu`; down:
+/// `[rows_out, cols]` otherwise) of dtype `dt`; `input` holds `cols`-wide f32 rows (tokens
+/// when `glu`, pairs otherwise); `ids`, `offsets`, `slots` come from [`lists`] for `p`
+/// pairs; `out` holds `p * rows_out` f32; `aligned`: every weight and `input` is 16-byte
+/// aligned.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn expert_gemv(
+    dev: &Device,
+    wtab: u64,
+    glu: bool,
+    input: u64,
+    top_k: usize,
+    ids: u64,
+    offsets: u64,
+    slots: u64,
+    out: u64,
+    p: usize,
+    rows_out: usize,
+    cols: usize,
+    dt: i32,
+    aligned: bool,
+) -> Result<()> {
+    let vec = (aligned && dt == 1 && cols.is_multiple_of(8)) as i32;
+    let (g, ki, ro, co) = (glu as i32, top_k as i32, rows_out as i32, cols as i32);
+    let mut b = dev.kernel("moe", "moe_expert_gemv")?;
+    b.arg(&wtab).arg(&g).arg(&input).arg(&ki);
+    b.arg(&ids).arg(&offsets).arg(&slots).arg(&out);
+    b.arg(&ro).arg(&co).arg(&dt).arg(&vec);
+    let gx = rows_out.div_ceil(8) as u32;
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(grid((gx, p as u32, 1), 256, 0)) }.op("moe")?;
+    Ok(())
+}
+
+/// `out[t] (+)= Σ_k weights[t, k] · y[t * top_k + k]` over `n` tokens of width `d`.
+///
+/// # Safety
+/// `y` holds `n * top_k * d` f32, `weights` `n * top_k`, `out` `n * d`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn combine(
+    dev: &Device,
+    y: u64,
+    weights: u64,
+    out: u64,
+    n: usize,
+    d: usize,
+    top_k: usize,
+    accumulate: bool,
+) -> Result<()> {
+    let (ni, di, ki, acc) = (n as i32, d as i32, top_k as i32, accumulate as i32);
+    let mut b = dev.kernel("moe", "moe_combine")?;
+    b.arg(&y).arg(&weights).arg(&out).arg(&ni).arg(&di).arg(&ki).arg(&acc);
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(flat(n * d)) }.op("moe")?;
     Ok(())
 }

@@ -377,6 +377,14 @@ pub fn cases() -> Vec<(String, Case)> {
             case!(|b| op_matmul(b, 77, 2304, 512, DType::BF16)),
         ),
         (
+            "matmul 8x256x301 bf16 (gemv)".into(),
+            case!(|b| op_matmul(b, 8, 256, 301, DType::BF16)),
+        ),
+        (
+            "matmul 5x260x70 bf16 (k % 8 != 0)".into(),
+            case!(|b| op_matmul(b, 5, 260, 70, DType::BF16)),
+        ),
+        (
             "rows(norm,sig,add,sel,split,cat,gated) 5x64".into(),
             case!(|b| op_rows(b, 5, 64)),
         ),
@@ -396,6 +404,14 @@ pub fn cases() -> Vec<(String, Case)> {
         (
             "moe 64 tok, 32e groups 8".into(),
             case!(|b| op_moe(b, 64, 96, 32, 8)),
+        ),
+        (
+            "moe 100 tok, 16e groups 4 (cuBLAS path)".into(),
+            case!(|b| op_moe(b, 100, 128, 16, 4)),
+        ),
+        (
+            "moe 8 tok, 16e, d 100 (unaligned)".into(),
+            case!(|b| op_moe(b, 8, 100, 16, 1)),
         ),
         (
             "short_conv c=96 w=4 (out, 3 states)".into(),
