@@ -9,7 +9,7 @@
 #                                       shared/docs/demo-model.md, sha256 of both files, system_info
 #
 # Env: LLAMACPP_DIR (default target/llamacpp), THREADS (default 2), REPS (default 3),
-#      DATE (default today, UTC), OUT_DIR (default bench/llamacpp).
+#      DATE (default today, UTC), OUT_DIR (default bench/llamacpp), SKIP_GREEDY=1 (bench only).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -64,6 +64,8 @@ for r in rs:
     print(f"{r['model_type']:<28} {kind:<6} {r['n_threads']:>3} {r['avg_ts']:9.2f} {r['stddev_ts']:8.2f} "
           f"{statistics.median(s):8.2f} {max(s):8.2f}  {[round(x, 1) for x in s]}")
 PY2
+
+[ "${SKIP_GREEDY:-0}" = 1 ] && { log "wrote $RES"; exit 0; }
 
 # 2. Greedy outputs for the golden prompts (prompt tokenized with special tokens, no BOS added
 #    since add_bos_token=false; -no-cnv = plain completion, no chat template applied by llama.cpp).

@@ -10,6 +10,7 @@ use serde_json::json;
 
 use crate::args::{BenchArgs, RandomDType};
 use crate::inspect::bytes;
+use crate::load::ModelInfo;
 
 pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
@@ -32,10 +33,9 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     };
     let load_secs = load_start.elapsed().as_secs_f64();
     let engine = &loaded.engine;
-    let cfg = engine.model().config().clone();
-    let cfg = &cfg;
+    let vocab = engine.model().vocab_size() as u64;
     let prompt: Vec<u32> = (0..a.prompt_len)
-        .map(|i| ((i as u64 * 2654435761) % cfg.vocab_size as u64) as u32)
+        .map(|i| ((i as u64 * 2654435761) % vocab) as u32)
         .collect();
     let params = SamplingParams {
         max_tokens: a.gen_len,
@@ -51,12 +51,20 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         // The first token comes from the prefill logits; each later one costs a decode step.
         best_decode = best_decode.min(g.decode_secs / (g.tokens.len().max(2) - 1) as f64);
     }
-    let summary = ModelSummary::new(cfg);
-    let ckpt_bytes_per_param = bytes_per_param
-        .unwrap_or_else(|| weight_bytes_per_param(&loaded.dir, summary.params.total));
-    let weight_bytes_per_token = summary.params.active as f64 * ckpt_bytes_per_param;
-    let state_bytes_per_token = 2.0 * 4.0 * summary.kda_state_elems_per_seq as f64
-        + 4.0 * summary.mla_cache_elems_per_token as f64 * (a.prompt_len + a.gen_len / 2) as f64;
+    let (total_params, active_params) = match &loaded.info {
+        ModelInfo::Kimi(cfg) => {
+            let s = ModelSummary::new(cfg);
+            (s.params.total, s.params.active)
+        }
+        ModelInfo::Gguf { .. } => (0, 0),
+    };
+    let ckpt_bytes_per_param =
+        bytes_per_param.unwrap_or_else(|| weight_bytes_per_param(&loaded.dir, total_params));
+    let weight_bytes_per_token = loaded.weight_bytes_per_token(ckpt_bytes_per_param);
+    // Recurrent state is read and written once per token; the cache is read once (f32 on the CPU).
+    let (cache_per_token, state_per_seq) = loaded.cache_values();
+    let state_bytes_per_token = 2.0 * 4.0 * state_per_seq as f64
+        + 4.0 * cache_per_token as f64 * (a.prompt_len + a.gen_len / 2) as f64;
     let bytes_per_token = weight_bytes_per_token + state_bytes_per_token;
     let decode_tps = 1.0 / best_decode;
     let achieved = bytes_per_token * decode_tps;
@@ -72,7 +80,7 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         "batch_output_tokens_per_sec": batch,
         "model": loaded.dir.display().to_string(),
         "backend": format!("cpu ({} threads)", kimi_cpu::num_threads()),
-        "total_params": summary.params.total, "active_params": summary.params.active,
+        "total_params": total_params, "active_params": active_params,
         "load_secs": load_secs,
         "prompt_len": a.prompt_len, "gen_len": a.gen_len,
         "prefill_tokens_per_sec": a.prompt_len as f64 / best_prefill,
@@ -86,8 +94,8 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     println!(
         "model       {} ({} params, {} active)",
         loaded.dir.display(),
-        summary.params.total,
-        summary.params.active
+        total_params,
+        active_params
     );
     println!("backend     cpu, {} threads", kimi_cpu::num_threads());
     println!(

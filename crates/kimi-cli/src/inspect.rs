@@ -28,7 +28,10 @@ pub fn is_broken_pipe(e: &anyhow::Error) -> bool {
 fn report(a: InspectArgs) -> anyhow::Result<()> {
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
-    let dir = crate::load::model_dir(&a.model)?;
+    let dir = crate::load::model_path(&a.model)?;
+    if crate::load::is_gguf(&dir) {
+        return report_gguf(&dir, a.json, &mut out);
+    }
     // A directory with only config.json still gets the arithmetic (planning before download).
     let ckpt = match Checkpoint::open(&dir) {
         Ok(c) => Some(c),
@@ -222,4 +225,63 @@ pub fn bytes(n: u64) -> String {
         n if n >= 1 << 10 => format!("{:.1} KiB", n as f64 / 1024.0),
         n => format!("{n} B"),
     }
+}
+
+/// Metadata, tensor types and sizes of a GGUF file.
+fn report_gguf(path: &std::path::Path, json: bool, out: &mut impl Write) -> anyhow::Result<()> {
+    let file = kimi_gguf::GgufFile::open(path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    let config = kimi_model::LlamaConfig::from_gguf(&file).ok();
+    let mut by_type: BTreeMap<String, u64> = BTreeMap::new();
+    for t in file.tensors() {
+        *by_type.entry(t.ggml_type.name().to_string()).or_default() += t.size_bytes;
+    }
+    let total: u64 = by_type.values().sum();
+    let arch = file
+        .get_str("general.architecture")
+        .unwrap_or("unknown")
+        .to_string();
+    let params: u64 = file.tensors().iter().map(|t| t.num_elements()).sum();
+    if json {
+        let v = json!({
+            "format": "gguf", "version": file.version(), "architecture": arch,
+            "tensors": file.tensors().len(), "total_params": params, "weight_bytes": total,
+            "bytes_by_type": by_type,
+            "num_layers": config.as_ref().map(|c| c.num_layers),
+            "kv_cache_values_per_token": config.as_ref().map(|c| 2 * c.num_layers * c.num_kv_heads * c.head_dim),
+        });
+        writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "model        {} (GGUF v{})",
+        path.display(),
+        file.version()
+    )?;
+    writeln!(
+        out,
+        "architecture {arch}, {} tensors, {} parameters",
+        file.tensors().len(),
+        human(params)
+    )?;
+    if let Some(c) = &config {
+        writeln!(
+            out,
+            "llama        {} layers, hidden {}, {} heads ({} kv) x {}, ffn {}, vocab {}, context {}",
+            c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+            c.vocab_size, c.max_context
+        )?;
+        let kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim;
+        writeln!(
+            out,
+            "cache        K+V {kv} values/token = {} (f32) per token",
+            bytes(kv as u64 * 4)
+        )?;
+    }
+    writeln!(out, "weights      {}", bytes(total))?;
+    for (ty, b) in &by_type {
+        writeln!(out, "  {ty:<11} {}", bytes(*b))?;
+    }
+    Ok(())
 }

@@ -23,7 +23,7 @@ pub fn logits(a: LogitsArgs) -> anyhow::Result<()> {
     let step = a.step.unwrap_or(a.ids.len());
     anyhow::ensure!(step >= 1, "--step must be at least 1");
     let logits = loaded.engine.logits(&a.ids, step)?;
-    let vocab = loaded.engine.model().config().vocab_size;
+    let vocab = loaded.engine.model().vocab_size();
     crate::npy::write_f32(&a.out, &[a.ids.len(), vocab], &logits)?;
     eprintln!(
         "wrote {} x {vocab} logits to {}",

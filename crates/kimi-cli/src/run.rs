@@ -133,7 +133,7 @@ pub fn generate_streaming(
         }
     };
     let mut eos = tok.eos_ids();
-    eos.extend(engine.model().config().eos_token_ids.iter().copied());
+    eos.extend(engine.model().eos_token_ids().iter().copied());
     let gen = engine.generate(prompt, params, &eos, |s| {
         if let Some(n) = params.logprobs {
             let alts: Vec<String> = s

@@ -4,7 +4,6 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use kimi_engine::{EngineHandle, ServingConfig};
-use kimi_model::ModelSummary;
 use kimi_server::ServerConfig;
 
 use crate::args::ServeArgs;
@@ -23,13 +22,17 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
         "--gpu-memory-utilization must be in (0, 1]"
     );
     let loaded = crate::load::load(&a.model, true)?;
-    let tokenizer = Arc::new(loaded.tokenizer.context("the model has no tokenizer")?);
-    let cfg = loaded.engine.model().config().clone();
+    let mut loaded = loaded;
+    let tokenizer = Arc::new(
+        loaded
+            .tokenizer
+            .take()
+            .context("the model has no tokenizer")?,
+    );
     let max_model_len = a
         .max_model_len
-        .unwrap_or(cfg.max_position_embeddings.min(32768));
-    let summary = ModelSummary::new(&cfg);
-    let num_blocks = cache_blocks(&a, &summary, max_model_len)?;
+        .unwrap_or(loaded.engine.model().max_context().min(32768));
+    let num_blocks = cache_blocks(&a, loaded.cache_values(), max_model_len)?;
     let serving = ServingConfig {
         max_model_len,
         max_num_seqs: a.max_num_seqs,
@@ -113,21 +116,19 @@ async fn shutdown_signal() {
 }
 
 /// MLA cache blocks that fit in the memory budget, capped at what `max_num_seqs` full-length
-/// sequences could use. The CPU keeps caches in f32.
+/// sequences could use. The CPU keeps caches in f32. `per_token`/`per_seq` count cache values.
 fn cache_blocks(
     a: &ServeArgs,
-    summary: &ModelSummary,
+    (per_token, per_seq): (u64, u64),
     max_model_len: usize,
 ) -> anyhow::Result<usize> {
     let per_seq_blocks = max_model_len.div_ceil(BLOCK_SIZE);
     let wanted = a.max_num_seqs * per_seq_blocks;
-    let block_bytes = (BLOCK_SIZE as u64 * summary.mla_cache_elems_per_token * 4).max(1);
+    let block_bytes = (BLOCK_SIZE as u64 * per_token * 4).max(1);
     let Some(available) = mem_available_bytes() else {
         return Ok(wanted);
     };
-    let state_bytes = (summary.kda_state_elems_per_seq + summary.kda_conv_elems_per_seq)
-        * 4
-        * a.max_num_seqs as u64;
+    let state_bytes = per_seq * 4 * a.max_num_seqs as u64;
     let budget = (available as f64 * a.gpu_memory_utilization) as u64;
     let blocks = budget.saturating_sub(state_bytes) / block_bytes;
     let blocks = (blocks as usize).min(wanted);

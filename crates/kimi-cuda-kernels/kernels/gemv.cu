@@ -19,31 +19,41 @@ extern "C" __global__ void __launch_bounds__(256)
     float acc[GEMV_TG];
 #pragma unroll
     for (int g = 0; g < GEMV_TG; ++g) acc[g] = 0.0f;
-    for (int c = lane; c < nv; c += 32) {
-      uint4 v = __ldg(wr + c);
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-      float f[8];
+    // Four 16-byte weight loads in flight per lane before any arithmetic.
+    for (int c0 = lane; c0 < nv; c0 += 32 * 4) {
+      uint4 v[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float2 t = __bfloat1622float2(h[i]);
-        f[2 * i] = t.x;
-        f[2 * i + 1] = t.y;
-      }
+      for (int u = 0; u < 4; ++u)
+        if (c0 + 32 * u < nv) v[u] = __ldg(wr + c0 + 32 * u);
 #pragma unroll
-      for (int g = 0; g < GEMV_TG; ++g) {
-        if (g < ng) {
-          const float4* x4 = reinterpret_cast<const float4*>(x + (size_t)(t0 + g) * k + 8 * c);
-          float4 a = x4[0], b = x4[1];
-          float s = acc[g];
-          s = fmaf(f[0], a.x, s);
-          s = fmaf(f[1], a.y, s);
-          s = fmaf(f[2], a.z, s);
-          s = fmaf(f[3], a.w, s);
-          s = fmaf(f[4], b.x, s);
-          s = fmaf(f[5], b.y, s);
-          s = fmaf(f[6], b.z, s);
-          s = fmaf(f[7], b.w, s);
-          acc[g] = s;
+      for (int u = 0; u < 4; ++u) {
+        const int c = c0 + 32 * u;
+        if (c >= nv) break;
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
+        float f[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float2 t = __bfloat1622float2(h[i]);
+          f[2 * i] = t.x;
+          f[2 * i + 1] = t.y;
+        }
+#pragma unroll
+        for (int g = 0; g < GEMV_TG; ++g) {
+          if (g < ng) {
+            const float4* x4 =
+                reinterpret_cast<const float4*>(x + (size_t)(t0 + g) * k + 8 * c);
+            float4 a = x4[0], b = x4[1];
+            float s = acc[g];
+            s = fmaf(f[0], a.x, s);
+            s = fmaf(f[1], a.y, s);
+            s = fmaf(f[2], a.z, s);
+            s = fmaf(f[3], a.w, s);
+            s = fmaf(f[4], b.x, s);
+            s = fmaf(f[5], b.y, s);
+            s = fmaf(f[6], b.z, s);
+            s = fmaf(f[7], b.w, s);
+            acc[g] = s;
+          }
         }
       }
     }

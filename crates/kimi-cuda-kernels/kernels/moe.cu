@@ -165,20 +165,34 @@ extern "C" __global__ void __launch_bounds__(256)
       const uint4* vb = reinterpret_cast<const uint4*>(
           reinterpret_cast<const __nv_bfloat16*>(wb) + roff);
       const int nv = cols >> 3;
-      for (int c = lane; c < nv; c += 32) {
-        float fa[8], fb[8];
-        bf16x8(__ldg(va + c), fa);
-        if (glu) bf16x8(__ldg(vb + c), fb);
+      // Two rows x two 16-byte loads in flight per lane before any arithmetic.
+      for (int c0 = lane; c0 < nv; c0 += 64) {
+        uint4 la[2], lb[2];
 #pragma unroll
-        for (int g = 0; g < TG; ++g) {
-          if (g < ng) {
-            const float4* x4 = reinterpret_cast<const float4*>(xr[g] + 8 * c);
-            float4 x0 = x4[0], x1 = x4[1];
-            float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+        for (int u = 0; u < 2; ++u) {
+          if (c0 + 32 * u < nv) {
+            la[u] = __ldg(va + c0 + 32 * u);
+            if (glu) lb[u] = __ldg(vb + c0 + 32 * u);
+          }
+        }
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-              aa[g] = fmaf(fa[i], xs[i], aa[g]);
-              if (glu) ab[g] = fmaf(fb[i], xs[i], ab[g]);
+        for (int u = 0; u < 2; ++u) {
+          const int c = c0 + 32 * u;
+          if (c >= nv) break;
+          float fa[8], fb[8];
+          bf16x8(la[u], fa);
+          if (glu) bf16x8(lb[u], fb);
+#pragma unroll
+          for (int g = 0; g < TG; ++g) {
+            if (g < ng) {
+              const float4* x4 = reinterpret_cast<const float4*>(xr[g] + 8 * c);
+              float4 x0 = x4[0], x1 = x4[1];
+              float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+              for (int i = 0; i < 8; ++i) {
+                aa[g] = fmaf(fa[i], xs[i], aa[g]);
+                if (glu) ab[g] = fmaf(fb[i], xs[i], ab[g]);
+              }
             }
           }
         }

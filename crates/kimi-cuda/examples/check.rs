@@ -408,7 +408,9 @@ fn decode_batch(
         .collect::<Result<Vec<_>, _>>()?;
     let mut next = Vec::with_capacity(batch);
     for (s, c) in caches.iter_mut().enumerate() {
-        let prompt: Vec<u32> = (0..16).map(|i| ((i + 31 * s) * 9973 % vocab) as u32).collect();
+        let prompt: Vec<u32> = (0..16)
+            .map(|i| ((i + 31 * s) * 9973 % vocab) as u32)
+            .collect();
         let logits = forward_last(model, c, &prompt)?;
         next.push(argmax(&logits).0 as u32);
     }
@@ -422,7 +424,9 @@ fn decode_batch(
         };
         let mut refs: Vec<&mut SeqCache<CudaBackend>> = caches.iter_mut().collect();
         let ts = Instant::now();
-        let logits = model.forward(&b, &mut refs, ForwardOptions::default())?.logits;
+        let logits = model
+            .forward(&b, &mut refs, ForwardOptions::default())?
+            .logits;
         step_ms.push(ts.elapsed().as_secs_f64() * 1e3);
         for (s, row) in logits.chunks_exact(vocab).enumerate() {
             let (n, f) = argmax(row);

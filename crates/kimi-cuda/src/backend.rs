@@ -283,7 +283,12 @@ impl CudaBackend {
     /// `(intermediate, weight dtype code)` when the routed experts can take the fused
     /// device path: at most [`FUSED_MOE_MAX_TOKENS`] tokens and every expert's gate/up
     /// `[inter, d]` and down `[d, inter]` of one dtype.
-    fn fused_moe_shape(&self, w: &MoeWeights<CudaTensor>, d: usize, n: usize) -> Option<(usize, i32)> {
+    fn fused_moe_shape(
+        &self,
+        w: &MoeWeights<CudaTensor>,
+        d: usize,
+        n: usize,
+    ) -> Option<(usize, i32)> {
         if n > FUSED_MOE_MAX_TOKENS {
             return None;
         }
@@ -780,7 +785,16 @@ impl Backend for CudaBackend {
             };
             // SAFETY: y holds p*d f32, wts p, out n*d.
             unsafe {
-                ops::moe::combine(&self.dev, y.ptr(), wts_dev.ptr(), out.ptr(), n, d, k, accumulate)?
+                ops::moe::combine(
+                    &self.dev,
+                    y.ptr(),
+                    wts_dev.ptr(),
+                    out.ptr(),
+                    n,
+                    d,
+                    k,
+                    accumulate,
+                )?
             };
             // The only host read: the chosen experts, after all the work is queued.
             let ids: Vec<u32> = self

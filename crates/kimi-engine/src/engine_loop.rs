@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kimi_core::TokenId;
-use kimi_model::KimiLinear;
+use kimi_model::CausalLm;
 use kimi_ops::Backend;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -99,7 +99,7 @@ pub(crate) struct EngineLoop<B: Backend> {
 
 impl<B: Backend> EngineLoop<B> {
     pub(crate) fn new(
-        model: KimiLinear<B>,
+        model: Box<dyn CausalLm<B>>,
         config: &ServingConfig,
         commands: Receiver<Command>,
         shared: Arc<Shared>,
@@ -384,11 +384,11 @@ mod tests {
 
     use super::*;
 
-    fn fixture_model() -> KimiLinear<kimi_cpu::CpuBackend> {
+    fn fixture_model() -> kimi_model::KimiLinear<kimi_cpu::CpuBackend> {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../fixtures/kimi-linear/hub-bf16-released-like");
         let ckpt = kimi_weights::Checkpoint::open(&dir).expect("fixture opens");
-        KimiLinear::load(kimi_cpu::CpuBackend::new(), &ckpt).expect("fixture loads")
+        kimi_model::KimiLinear::load(kimi_cpu::CpuBackend::new(), &ckpt).expect("fixture loads")
     }
 
     /// Sends a request straight to the loop, skipping the handle's validation.
@@ -446,7 +446,12 @@ mod tests {
         };
         let (commands, receiver) = mpsc::channel();
         let shared = Arc::new(Shared::default());
-        let engine = EngineLoop::new(fixture_model(), &config, receiver, Arc::clone(&shared));
+        let engine = EngineLoop::new(
+            Box::new(fixture_model()),
+            &config,
+            receiver,
+            Arc::clone(&shared),
+        );
         let thread = std::thread::spawn(move || engine.run());
 
         // Token 100000 is outside the vocabulary: the forward pass fails.

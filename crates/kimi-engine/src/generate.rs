@@ -2,7 +2,7 @@
 
 use std::ops::ControlFlow;
 
-use kimi_model::{Batch, ForwardOptions, KimiLinear, SeqCache};
+use kimi_model::{Batch, CausalLm, ForwardOptions, SeqCache};
 use kimi_ops::{Backend, Segment};
 
 use crate::sampling::{Sampled, Sampler, SamplingParams};
@@ -36,7 +36,7 @@ pub struct Generation {
 
 /// Drives one model for single sequences. The server's scheduler batches many of these.
 pub struct Engine<B: Backend> {
-    model: KimiLinear<B>,
+    model: Box<dyn CausalLm<B>>,
     /// Tokens per prefill forward pass (chunked prefill bounds activation memory).
     pub prefill_chunk: usize,
     /// Kernel choices.
@@ -45,21 +45,21 @@ pub struct Engine<B: Backend> {
 
 impl<B: Backend> Engine<B> {
     /// Wraps a loaded model.
-    pub fn new(model: KimiLinear<B>) -> Self {
+    pub fn new(model: impl CausalLm<B> + 'static) -> Self {
         Self {
-            model,
+            model: Box::new(model),
             prefill_chunk: 512,
             options: ForwardOptions::default(),
         }
     }
 
     /// The model.
-    pub fn model(&self) -> &KimiLinear<B> {
-        &self.model
+    pub fn model(&self) -> &dyn CausalLm<B> {
+        self.model.as_ref()
     }
 
     /// Gives the model back (e.g. to hand it to the serving engine).
-    pub fn into_model(self) -> KimiLinear<B> {
+    pub fn into_model(self) -> Box<dyn CausalLm<B>> {
         self.model
     }
 
@@ -70,7 +70,7 @@ impl<B: Backend> Engine<B> {
             return Err(EngineError::Request("step must be at least 1".into()));
         }
         let mut cache = self.model.new_cache()?;
-        let mut all = Vec::with_capacity(ids.len() * self.model.config().vocab_size);
+        let mut all = Vec::with_capacity(ids.len() * self.model.vocab_size());
         for chunk in ids.chunks(step) {
             let out = self.forward_chunk(chunk, &mut cache, true)?;
             all.extend_from_slice(&out);
@@ -113,14 +113,14 @@ impl<B: Backend> Engine<B> {
         eos_ids: &[u32],
         mut on_token: impl FnMut(&Sampled) -> ControlFlow<()>,
     ) -> Result<Generation> {
-        let vocab = self.model.config().vocab_size;
+        let vocab = self.model.vocab_size();
         params
             .validate(vocab)
             .map_err(|e| EngineError::Request(e.to_string()))?;
         if prompt.is_empty() {
             return Err(EngineError::Request("the prompt has no tokens".into()));
         }
-        let max_len = self.model.config().max_position_embeddings;
+        let max_len = self.model.max_context();
         if prompt.len() >= max_len {
             return Err(EngineError::Request(format!(
                 "the prompt has {} tokens but the model's context is {max_len}",

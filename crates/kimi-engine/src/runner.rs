@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use kimi_model::{Batch, ForwardOptions, ForwardOutput, KimiLinear, SeqCache};
+use kimi_model::{Batch, CausalLm, ForwardOptions, ForwardOutput, SeqCache};
 use kimi_ops::{Backend, Segment};
 
 use crate::scheduler::Chunk;
@@ -18,14 +18,14 @@ use crate::serving::RequestId;
 
 /// Runs steps on one model.
 pub(crate) struct ModelRunner<B: Backend> {
-    model: KimiLinear<B>,
+    model: Box<dyn CausalLm<B>>,
     caches: HashMap<RequestId, SeqCache<B>>,
     options: ForwardOptions,
 }
 
 impl<B: Backend> ModelRunner<B> {
     /// A runner with no sequences.
-    pub(crate) fn new(model: KimiLinear<B>) -> Self {
+    pub(crate) fn new(model: Box<dyn CausalLm<B>>) -> Self {
         Self {
             model,
             caches: HashMap::new(),

@@ -15,8 +15,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use kimi_core::{ModelConfig, TokenId};
-use kimi_model::KimiLinear;
+use kimi_core::TokenId;
+use kimi_model::CausalLm;
 use kimi_ops::Backend;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
@@ -127,7 +127,7 @@ pub struct EngineMetrics {
 }
 
 /// Why a [`ServingConfig`] cannot run `model`, if it cannot.
-fn check_config(config: &ServingConfig, model: &ModelConfig) -> Result<(), String> {
+fn check_config(config: &ServingConfig, max_context: usize) -> Result<(), String> {
     let positive = [
         ("max_model_len", config.max_model_len),
         ("max_num_seqs", config.max_num_seqs),
@@ -139,10 +139,10 @@ fn check_config(config: &ServingConfig, model: &ModelConfig) -> Result<(), Strin
     if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
         return Err(format!("{name} must be at least 1"));
     }
-    if config.max_model_len > model.max_position_embeddings {
+    if config.max_model_len > max_context {
         return Err(format!(
-            "max_model_len {} is longer than the model's context of {} tokens",
-            config.max_model_len, model.max_position_embeddings
+            "max_model_len {} is longer than the model's context of {max_context} tokens",
+            config.max_model_len
         ));
     }
     if config.max_num_batched_tokens < config.max_num_seqs {
@@ -235,12 +235,13 @@ impl EngineHandle {
     /// model's context, fewer batched tokens than sequences, or fewer cache blocks than one
     /// `max_model_len` sequence needs; or when the thread cannot be started.
     pub fn spawn<B: Backend + 'static>(
-        model: KimiLinear<B>,
+        model: impl CausalLm<B> + 'static,
         config: ServingConfig,
     ) -> Result<Self, EngineError> {
-        check_config(&config, model.config())
+        check_config(&config, model.max_context())
             .map_err(|e| EngineError::Request(format!("invalid serving configuration: {e}")))?;
-        let vocab_size = model.config().vocab_size;
+        let vocab_size = model.vocab_size();
+        let model: Box<dyn CausalLm<B>> = Box::new(model);
         let (commands, receiver) = mpsc::channel();
         let shared = Arc::new(Shared::default());
         let engine = EngineLoop::new(model, &config, receiver, Arc::clone(&shared));

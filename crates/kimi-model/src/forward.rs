@@ -60,6 +60,32 @@ pub trait CausalLm<B: Backend>: Send + Sync {
     ) -> Result<ForwardOutput>;
 }
 
+impl<B: Backend, M: CausalLm<B> + ?Sized> CausalLm<B> for Box<M> {
+    fn backend(&self) -> &B {
+        (**self).backend()
+    }
+    fn vocab_size(&self) -> usize {
+        (**self).vocab_size()
+    }
+    fn max_context(&self) -> usize {
+        (**self).max_context()
+    }
+    fn eos_token_ids(&self) -> &[u32] {
+        (**self).eos_token_ids()
+    }
+    fn new_cache(&self) -> Result<SeqCache<B>> {
+        (**self).new_cache()
+    }
+    fn forward(
+        &self,
+        batch: &Batch,
+        caches: &mut [&mut SeqCache<B>],
+        opts: ForwardOptions,
+    ) -> Result<ForwardOutput> {
+        (**self).forward(batch, caches, opts)
+    }
+}
+
 /// Checks that a batch's segments and logits rows lie inside its tokens, that there is one
 /// cache per segment and that every token id is in the vocabulary.
 pub(crate) fn check_batch(batch: &Batch, num_caches: usize, vocab_size: usize) -> Result<()> {

@@ -73,11 +73,7 @@ pub(crate) unsafe fn lists(
     let (pi, ei, ki) = (p as i32, e as i32, top_k as i32);
     let mut b = dev.kernel("moe", "moe_lists")?;
     b.arg(&ids).arg(&weights).arg(&pi).arg(&ei).arg(&ki);
-    b.arg(&offsets)
-        .arg(&slots)
-        .arg(&rows)
-        .arg(&wsel)
-        .arg(&meta);
+    b.arg(&offsets).arg(&slots).arg(&rows).arg(&wsel).arg(&meta);
     // SAFETY: see the function's contract; shared memory holds 2 * e u32.
     unsafe { b.launch(grid((1, 1, 1), 1024, (2 * e * 4) as u32)) }.op("moe")?;
     Ok(())
@@ -137,7 +133,13 @@ pub(crate) unsafe fn combine(
 ) -> Result<()> {
     let (ni, di, ki, acc) = (n as i32, d as i32, top_k as i32, accumulate as i32);
     let mut b = dev.kernel("moe", "moe_combine")?;
-    b.arg(&y).arg(&weights).arg(&out).arg(&ni).arg(&di).arg(&ki).arg(&acc);
+    b.arg(&y)
+        .arg(&weights)
+        .arg(&out)
+        .arg(&ni)
+        .arg(&di)
+        .arg(&ki)
+        .arg(&acc);
     // SAFETY: see the function's contract.
     unsafe { b.launch(flat(n * d)) }.op("moe")?;
     Ok(())
