@@ -24,7 +24,7 @@ pub const DEMO_GGUF: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 /// What kind of model was loaded, with what the commands need to know about it.
 pub enum ModelInfo {
     /// Kimi Linear from a Hugging Face checkpoint.
-    Kimi(ModelConfig),
+    Kimi(Box<ModelConfig>),
     /// A llama-family GGUF: weight bytes and KV-cache values per token.
     Gguf {
         weight_bytes: u64,
@@ -110,7 +110,7 @@ pub fn load(args: &ModelArgs, need_tokenizer: bool) -> anyhow::Result<Loaded> {
     } else {
         None
     };
-    let info = ModelInfo::Kimi(model.config().clone());
+    let info = ModelInfo::Kimi(Box::new(model.config().clone()));
     Ok(Loaded {
         engine: Engine::new(model),
         tokenizer,
@@ -156,6 +156,6 @@ pub fn load_random(config: &Path, dtype: kimi_core::DType) -> anyhow::Result<Loa
         engine: Engine::new(model),
         tokenizer: None,
         dir: config.to_path_buf(),
-        info: ModelInfo::Kimi(cfg),
+        info: ModelInfo::Kimi(Box::new(cfg)),
     })
 }

@@ -227,7 +227,7 @@ impl CudaBackend {
         if n * k == 0 {
             return Ok(y);
         }
-        let aligned = (x.ptr() | w.ptr()) % 16 == 0 && k.is_multiple_of(8);
+        let aligned = (x.ptr() | w.ptr()).is_multiple_of(16) && k.is_multiple_of(8);
         if self.gemm_precision() == GemmPrecision::Split
             && w.dtype == DType::BF16
             && n <= GEMV_MAX_ROWS
@@ -319,7 +319,7 @@ impl CudaBackend {
             .moe_tables
             .lock()
             .map_err(|_| Error::Unsupported("moe table lock poisoned".into()))?;
-        let aligned = key.iter().all(|p| p % 16 == 0);
+        let aligned = key.iter().all(|p| p.is_multiple_of(16));
         if let Some(t) = tables.get(&key) {
             return Ok((Self::slice_ptr(t), aligned));
         }
@@ -738,7 +738,7 @@ impl Backend for CudaBackend {
         if let Some((inter, dt)) = self.fused_moe_shape(w, d, n) {
             let (table, aligned) = self.expert_table(w)?;
             // 16-byte loads need aligned weights and activations (fresh allocations are).
-            let aligned = aligned && x.ptr() % 16 == 0;
+            let aligned = aligned && x.ptr().is_multiple_of(16);
             let h = self.empty(&[p, inter], DType::F32, OP)?;
             let y = self.empty(&[p, d], DType::F32, OP)?;
             // SAFETY: the table holds gate/up [inter, d] and down [d, inter] of dtype dt for

@@ -9,7 +9,11 @@
 //! runs on the tensor cores with f32 accumulation (cuBLAS `CUBLAS_COMPUTE_32F`); by default
 //! (`GemmPrecision::Split`) the activation enters as two 16-bit terms `hi + lo`, which keeps
 //! it near f32 accuracy, or with `GemmPrecision::Half` rounded once to the weight's type.
-//! f32 weights use a true f32 GEMM. The MoE router always runs in f32.
+//! f32 weights use a true f32 GEMM. The MoE router always runs in f32. Decode-sized work
+//! skips cuBLAS: with `Split`, GEMMs of at most 8 rows against bf16 weights run as an
+//! f32-product GEMV kernel, and the routed experts of at most 64 tokens run as fused GEMV
+//! kernels over every (token, expert) pair, grouped by expert on the device (bf16 weights
+//! read in f32, f32 accumulation), with no host round trip before the experts.
 //!
 //! Without the `cuda` feature this crate is a stub: [`CudaBackend::new`] returns
 //! [`kimi_ops::Error::Unsupported`], and nothing CUDA is compiled or linked.
