@@ -8,7 +8,7 @@
 #   bench/llamacpp/greedy-<date>.txt    greedy (temp 0) continuations of the two golden prompts of
 #                                       shared/docs/demo-model.md, sha256 of both files, system_info
 #
-# Env: LLAMACPP_DIR (default target/llamacpp), THREADS (default 2), REPS (default 3),
+# Env: LLAMACPP_DIR (default target/llamacpp), THREADS (default 2), REPS (default 10),
 #      DATE (default today, UTC), OUT_DIR (default bench/llamacpp), SKIP_GREEDY=1 (bench only).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,7 +16,7 @@ cd "$(dirname "$0")/../.."
 ROOT=${LLAMACPP_DIR:-target/llamacpp}
 BIN=$ROOT/build/bin
 THREADS=${THREADS:-2}
-REPS=${REPS:-3}
+REPS=${REPS:-10}  # 10, not 3: on this shared 2-core VM single repetitions collapse; see README
 DATE=${DATE:-$(date -u +%Y-%m-%d)}
 OUT_DIR=${OUT_DIR:-bench/llamacpp}
 Q4=models/SmolLM2-135M-Instruct.Q4_1.gguf

@@ -40,7 +40,7 @@ use std::path::Path;
 
 pub use chat_template::ChatTemplate;
 pub use error::TokenizerError;
-pub use stream::StreamDecoder;
+pub use stream::{StreamDecoder, Utf8Stream};
 
 use config::TokenizerConfig;
 use hf::HfTokenizer;

@@ -14,7 +14,7 @@ use crate::Tokenizer;
 pub struct StreamDecoder<'a> {
     tokenizer: &'a Tokenizer,
     skip_special: bool,
-    pending: Vec<u8>,
+    bytes: Utf8Stream,
 }
 
 impl<'a> StreamDecoder<'a> {
@@ -23,7 +23,7 @@ impl<'a> StreamDecoder<'a> {
         Self {
             tokenizer,
             skip_special,
-            pending: Vec::new(),
+            bytes: Utf8Stream::default(),
         }
     }
 
@@ -34,9 +34,29 @@ impl<'a> StreamDecoder<'a> {
             return String::new();
         }
         match self.tokenizer.token_bytes(id) {
-            Some(bytes) => self.pending.extend_from_slice(&bytes),
-            None => self.pending.extend_from_slice("\u{FFFD}".as_bytes()),
+            Some(bytes) => self.bytes.push(&bytes),
+            None => self.bytes.push("\u{FFFD}".as_bytes()),
         }
+    }
+
+    /// Flushes what is held back; an incomplete trailing character becomes U+FFFD.
+    pub fn finish(&mut self) -> String {
+        self.bytes.finish()
+    }
+}
+
+/// Turns a stream of bytes into text, holding back a character split across pushes; invalid
+/// bytes become U+FFFD where [`String::from_utf8_lossy`] would place them. Owns no tokenizer,
+/// so it can live inside a response stream.
+#[derive(Debug, Default)]
+pub struct Utf8Stream {
+    pending: Vec<u8>,
+}
+
+impl Utf8Stream {
+    /// Adds bytes and returns the text now complete (possibly empty).
+    pub fn push(&mut self, bytes: &[u8]) -> String {
+        self.pending.extend_from_slice(bytes);
         self.take_complete()
     }
 
