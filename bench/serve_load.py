@@ -28,23 +28,26 @@ def percentiles(xs):
 
 
 async def one(client, model, prompt, max_tokens, out):
+    """`prompt` is chat text, or a list of token ids for /v1/completions."""
     start = time.perf_counter()
     first = None
     tokens = 0
-    stream = await client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": prompt}],
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
+    common = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True,
+                  stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    if isinstance(prompt, list):
+        stream = await client.completions.create(prompt=prompt, **common)
+    else:
+        stream = await client.chat.completions.create(
+            messages=[{"role": "user", "content": prompt}], **common)
     usage = None
     async for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
-        if chunk.choices and chunk.choices[0].delta and chunk.choices[0].delta.content:
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        text = c.text if isinstance(prompt, list) else (c.delta.content if c.delta else None)
+        if text:
             if first is None:
                 first = time.perf_counter()
             tokens += 1
@@ -54,13 +57,18 @@ async def one(client, model, prompt, max_tokens, out):
                 "tpot": (end - first) / (n - 1) if first is not None and n > 1 else None})
 
 
-async def level(client, model, concurrency, num_requests, max_tokens, prompt_words):
+async def level(client, model, concurrency, num_requests, max_tokens, prompt_words, prompt_ids):
     sem = asyncio.Semaphore(concurrency)
     results = []
 
     async def guarded(i):
         async with sem:
-            prompt = " ".join(f"word{(i * 7 + j) % 97}" for j in range(prompt_words))
+            if prompt_ids:
+                # Same token ids as `kimi-infer bench` (first id varied per request, as --batch does).
+                prompt = [((j * 2654435761) % 1000) for j in range(prompt_ids)]
+                prompt[0] = i % 1000
+            else:
+                prompt = " ".join(f"word{(i * 7 + j) % 97}" for j in range(prompt_words))
             await one(client, model, prompt, max_tokens, results)
 
     start = time.perf_counter()
@@ -88,13 +96,16 @@ async def main():
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompt-words", type=int, default=24)
+    ap.add_argument("--prompt-ids", type=int, default=0,
+                    help="send this many token ids to /v1/completions instead of chat text")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     client = AsyncOpenAI(base_url=a.base_url, api_key=a.api_key, timeout=600)
     model = a.model or (await client.models.list()).data[0].id
     report = {"base_url": a.base_url, "model": model, "levels": []}
     for c in a.concurrency:
-        r = await level(client, model, c, max(a.num_requests, c), a.max_tokens, a.prompt_words)
+        r = await level(client, model, c, max(a.num_requests, c), a.max_tokens, a.prompt_words,
+                        a.prompt_ids)
         report["levels"].append(r)
         print(f"concurrency {c:>3}: {r['output_tokens_per_sec']:8.1f} tok/s  "
               f"TTFT p50 {r['ttft_secs'].get('p50', 0)*1e3:7.1f} ms p99 {r['ttft_secs'].get('p99', 0)*1e3:7.1f} ms  "
