@@ -11,10 +11,10 @@
 
 use rayon::prelude::*;
 
-use crate::kda::check_segments;
 use crate::mla::softmax;
 use crate::simd::dot;
 use crate::tensor::{shape_err, CpuTensor};
+use kimi_ops::check_segments;
 use kimi_ops::{AttentionDims, Result, RopeStyle, Segment};
 
 /// See `Backend::rope`.

@@ -9,7 +9,7 @@ use rayon::prelude::*;
 
 use crate::tensor::{shape_err, CpuTensor};
 use kimi_core::config::KdaGate;
-use kimi_ops::{KdaMode, Result, Segment};
+use kimi_ops::{check_segments, KdaMode, Result, Segment};
 
 /// Tokens per chunk of the WY form (fla uses 64).
 pub const CHUNK: usize = 64;
@@ -397,26 +397,6 @@ pub fn gated_rms_norm(
         }
     }
     CpuTensor::f32(&o.shape, out)
-}
-
-pub(crate) fn check_segments(
-    op: &'static str,
-    segments: &[Segment],
-    num_states: usize,
-    n: usize,
-) -> Result<()> {
-    if segments.len() != num_states {
-        return Err(shape_err(
-            op,
-            format!("{} segments but {num_states} states", segments.len()),
-        ));
-    }
-    for s in segments {
-        if s.start + s.len > n {
-            return Err(shape_err(op, format!("segment {s:?} outside {n} rows")));
-        }
-    }
-    Ok(())
 }
 
 pub(crate) fn sigmoid(x: f32) -> f32 {

@@ -6,9 +6,9 @@
 
 use rayon::prelude::*;
 
-use crate::kda::check_segments;
 use crate::simd::dot;
 use crate::tensor::{shape_err, CpuTensor};
+use kimi_ops::check_segments;
 use kimi_ops::{MlaDims, MlaMode, Result, Segment};
 
 /// See `Backend::mla`.

@@ -10,8 +10,8 @@ use cudarc::driver::CudaSlice;
 use kimi_core::config::KdaGate;
 use kimi_core::DType;
 use kimi_ops::{
-    Backend, Error, HostTensor, KdaMode, MlaDims, MlaMode, MlpWeights, MoeRouting, MoeWeights,
-    Result, Segment,
+    check_segments, Backend, Error, HostTensor, KdaMode, MlaDims, MlaMode, MlpWeights, MoeRouting,
+    MoeWeights, Result, Segment,
 };
 
 use crate::device::Device;
@@ -67,26 +67,6 @@ fn f32_rows(t: &CudaTensor, op: &'static str) -> Result<(usize, usize)> {
 
 fn code(t: &CudaTensor, op: &'static str) -> Result<i32> {
     dtype_code(t.dtype).ok_or_else(|| Error::Unsupported(format!("{op} on dtype {}", t.dtype)))
-}
-
-fn check_segments(
-    op: &'static str,
-    segments: &[Segment],
-    num_states: usize,
-    n: usize,
-) -> Result<()> {
-    if segments.len() != num_states {
-        return Err(shape_err(
-            op,
-            format!("{} segments but {num_states} states", segments.len()),
-        ));
-    }
-    for s in segments {
-        if s.start + s.len > n {
-            return Err(shape_err(op, format!("segment {s:?} outside {n} rows")));
-        }
-    }
-    Ok(())
 }
 
 impl CudaBackend {

@@ -58,6 +58,31 @@ pub struct Segment {
     pub len: usize,
 }
 
+/// Checks that there is one state per segment and that every segment lies inside the
+/// `num_rows` rows of the activation; every backend's stateful ops start with this.
+pub fn check_segments(
+    op: &'static str,
+    segments: &[Segment],
+    num_states: usize,
+    num_rows: usize,
+) -> Result<()> {
+    if segments.len() != num_states {
+        return Err(Error::Shape {
+            op,
+            detail: format!("{} segments but {num_states} states", segments.len()),
+        });
+    }
+    for s in segments {
+        if s.start + s.len > num_rows {
+            return Err(Error::Shape {
+                op,
+                detail: format!("segment {s:?} outside {num_rows} rows"),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// How the KDA core processes a segment of several tokens.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum KdaMode {
