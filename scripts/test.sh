@@ -12,4 +12,4 @@ scripts/test_openai.sh
 # nvcc 13.0 from PyPI compiles the sm_90a kernels: a broken kernel fails here. (GPU tests
 # run on an H200 through scripts/cuda/device-check.sh, never in CI.)
 cuda_home=$(scripts/cuda/setup.sh | sed -n 's/^CUDA_HOME=//p')
-CUDA_HOME="$cuda_home" cargo clippy -p kimi-cuda -p kimi-cuda-kernels --features kimi-cuda/cuda --all-targets -- -D warnings
+CUDA_HOME="$cuda_home" cargo clippy -p kimi-cuda -p kimi-cuda-kernels -p kimi-cli --features kimi-cuda/cuda,kimi-cli/cuda --all-targets -- -D warnings

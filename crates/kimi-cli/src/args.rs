@@ -37,9 +37,6 @@ pub enum Command {
 pub struct ServeArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Device to run on.
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -81,6 +78,34 @@ pub struct ModelArgs {
     /// (tiny, random weights: its text is gibberish) is used.
     #[arg(long, short = 'm')]
     pub model: Option<PathBuf>,
+    /// Device to run on: `cpu`, `cuda` or `cuda:N` (GPU N; needs a build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    pub device: Device,
+}
+
+/// Where the model runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    /// The CPU backend.
+    Cpu,
+    /// The CUDA backend on this GPU ordinal.
+    Cuda(usize),
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" | "gpu" => Ok(Self::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Self::Cuda)
+                .ok_or_else(|| format!("unknown device `{s}` (expected cpu, cuda or cuda:N)")),
+        }
+    }
 }
 
 /// Sampling flags shared by `run` and `chat`.
@@ -221,9 +246,22 @@ pub struct InspectArgs {
 pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Prompt tokens for the prefill measurement.
-    #[arg(long, default_value_t = 256)]
-    pub prompt_len: usize,
+    /// Prompt tokens for the prefill measurement (comma-separated list: one run each).
+    #[arg(long, value_delimiter = ',', default_value = "256")]
+    pub prompt_len: Vec<usize>,
+    /// Tokens per prefill forward pass (default: 512 on the CPU, 8192 on a GPU).
+    #[arg(long)]
+    pub prefill_chunk: Option<usize>,
+    /// Also time decode steps of this many sequences at once (comma-separated list), each
+    /// sequence first prefilled with --context tokens; straight through the model, no scheduler.
+    #[arg(long, value_delimiter = ',')]
+    pub decode_batch: Vec<usize>,
+    /// Context each sequence holds before the --decode-batch steps are timed.
+    #[arg(long, default_value_t = 1024)]
+    pub context: usize,
+    /// Timed decode steps per --decode-batch size (the median is reported).
+    #[arg(long, default_value_t = 16)]
+    pub decode_steps: usize,
     /// Tokens to decode for the decode measurement.
     #[arg(long, default_value_t = 32)]
     pub gen_len: usize,

@@ -4,7 +4,8 @@
 use std::time::Instant;
 
 use kimi_engine::sampling::SamplingParams;
-use kimi_model::ModelSummary;
+use kimi_model::{Batch, CausalLm, ForwardOptions, ModelSummary, SeqCache};
+use kimi_ops::{Backend, Segment};
 use rayon::prelude::*;
 use serde_json::json;
 
@@ -14,43 +15,43 @@ use crate::load::ModelInfo;
 
 pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
-        a.prompt_len >= 1 && a.gen_len >= 2 && a.repeats >= 1,
+        !a.prompt_len.is_empty()
+            && a.prompt_len.iter().all(|&n| n >= 1)
+            && a.gen_len >= 2
+            && a.repeats >= 1,
         "need --prompt-len >= 1, --gen-len >= 2, --repeats >= 1"
     );
+    anyhow::ensure!(
+        a.decode_batch.iter().all(|&b| b >= 1) && a.decode_steps >= 1 && a.context >= 1,
+        "need --decode-batch sizes >= 1, --decode-steps >= 1 and --context >= 1"
+    );
+    crate::load::with_backend!(a.model.device, |backend| bench_on(backend, a))
+}
+
+fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()> {
+    let on_gpu = backend.memory_info().is_some();
     let load_start = Instant::now();
-    let (loaded, bytes_per_param) = match &a.random_config {
+    let (mut loaded, bytes_per_param) = match &a.random_config {
         Some(cfg) => {
             let dtype = match a.random_dtype {
                 RandomDType::Bf16 => kimi_core::DType::BF16,
                 RandomDType::F32 => kimi_core::DType::F32,
             };
             (
-                crate::load::load_random(cfg, dtype)?,
+                crate::load::load_random(backend, cfg, dtype)?,
                 Some(dtype.size_bytes() as f64),
             )
         }
-        None => (crate::load::load(&a.model, false)?, None),
+        None => (crate::load::load(backend, &a.model, false)?, None),
     };
     let load_secs = load_start.elapsed().as_secs_f64();
-    let engine = &loaded.engine;
-    let vocab = engine.model().vocab_size() as u64;
-    let prompt: Vec<u32> = (0..a.prompt_len)
-        .map(|i| ((i as u64 * 2654435761) % vocab) as u32)
-        .collect();
-    let params = SamplingParams {
-        max_tokens: a.gen_len,
-        ignore_eos: true,
-        ..SamplingParams::default()
-    };
-    let (mut best_prefill, mut best_decode) = (f64::MAX, f64::MAX);
-    for _ in 0..a.repeats {
-        let g = engine.generate(&prompt, &params, &[], |_| {
-            std::ops::ControlFlow::Continue(())
-        })?;
-        best_prefill = best_prefill.min(g.prefill_secs);
-        // The first token comes from the prefill logits; each later one costs a decode step.
-        best_decode = best_decode.min(g.decode_secs / (g.tokens.len().max(2) - 1) as f64);
-    }
+    loaded.engine.prefill_chunk = a
+        .prefill_chunk
+        .unwrap_or(if on_gpu { 8192 } else { 512 })
+        .max(1);
+    let backend_name = loaded.engine.model().backend().name();
+    let memory_after_load = device_memory_used(loaded.engine.model().backend());
+    let vocab = loaded.engine.model().vocab_size() as u64;
     let (total_params, active_params) = match &loaded.info {
         ModelInfo::Kimi(cfg) => {
             let s = ModelSummary::new(cfg);
@@ -61,70 +62,239 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     let ckpt_bytes_per_param =
         bytes_per_param.unwrap_or_else(|| weight_bytes_per_param(&loaded.dir, total_params));
     let weight_bytes_per_token = loaded.weight_bytes_per_token(ckpt_bytes_per_param);
-    // Recurrent state is read and written once per token; the cache is read once (f32 on the CPU).
-    let (cache_per_token, state_per_seq) = loaded.cache_values();
-    let state_bytes_per_token = 2.0 * 4.0 * state_per_seq as f64
-        + 4.0 * cache_per_token as f64 * (a.prompt_len + a.gen_len / 2) as f64;
-    let bytes_per_token = weight_bytes_per_token + state_bytes_per_token;
-    let decode_tps = 1.0 / best_decode;
-    let achieved = bytes_per_token * decode_tps;
-    let bandwidth = measure_read_bandwidth();
-    let batch = if a.batch > 0 {
-        Some(batched_throughput(loaded.engine, &a, &prompt)?)
-    } else {
-        None
-    };
-    let peak_rss = peak_rss_bytes();
-    let result = json!({
-        "batch": a.batch,
-        "batch_output_tokens_per_sec": batch,
-        "model": loaded.dir.display().to_string(),
-        "backend": format!("cpu ({} threads)", kimi_cpu::num_threads()),
-        "total_params": total_params, "active_params": active_params,
-        "load_secs": load_secs,
-        "prompt_len": a.prompt_len, "gen_len": a.gen_len,
-        "prefill_tokens_per_sec": a.prompt_len as f64 / best_prefill,
-        "decode_tokens_per_sec": decode_tps,
-        "decode_bytes_per_token": bytes_per_token,
-        "decode_bytes_per_sec": achieved,
-        "measured_read_bandwidth_bytes_per_sec": bandwidth,
-        "decode_bandwidth_fraction": achieved / bandwidth,
-        "peak_rss_bytes": peak_rss,
-    });
+    let bandwidth = loaded
+        .engine
+        .model()
+        .backend()
+        .measure_read_bandwidth()
+        .unwrap_or_else(measure_host_read_bandwidth);
     println!(
         "model       {} ({} params, {} active)",
         loaded.dir.display(),
         total_params,
         active_params
     );
-    println!("backend     cpu, {} threads", kimi_cpu::num_threads());
-    println!(
-        "prefill     {:.1} tokens/s ({} tokens in {:.3} s)",
-        a.prompt_len as f64 / best_prefill,
-        a.prompt_len,
-        best_prefill
-    );
-    println!(
-        "decode      {:.2} tokens/s ({:.1} ms/token)",
-        decode_tps,
-        best_decode * 1e3
-    );
-    println!(
-        "bandwidth   {} read per token -> {}/s, {:.0}% of the measured {}/s",
-        bytes(bytes_per_token as u64),
-        bytes(achieved as u64),
-        100.0 * achieved / bandwidth,
-        bytes(bandwidth as u64)
-    );
-    if let Some(tps) = batch {
-        println!("batched     {tps:.1} output tokens/s with {} concurrent requests (engine loop, no HTTP)", a.batch);
+    println!("backend     {backend_name}");
+    println!("loaded      in {load_secs:.1} s");
+
+    let params = SamplingParams {
+        max_tokens: a.gen_len,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let mut runs = Vec::new();
+    for &prompt_len in &a.prompt_len {
+        let prompt = bench_prompt(prompt_len, vocab, 0);
+        let (mut best_prefill, mut best_decode) = (f64::MAX, f64::MAX);
+        for _ in 0..a.repeats {
+            let g = loaded.engine.generate(&prompt, &params, &[], |_| {
+                std::ops::ControlFlow::Continue(())
+            })?;
+            best_prefill = best_prefill.min(g.prefill_secs);
+            // The first token comes from the prefill logits; each later one costs a decode step.
+            best_decode = best_decode.min(g.decode_secs / (g.tokens.len().max(2) - 1) as f64);
+        }
+        // Recurrent state is read and written once per token; the cache is read once (f32).
+        let (cache_per_token, state_per_seq) = loaded.cache_values();
+        let state_bytes_per_token = 2.0 * 4.0 * state_per_seq as f64
+            + 4.0 * cache_per_token as f64 * (prompt_len + a.gen_len / 2) as f64;
+        let bytes_per_token = weight_bytes_per_token + state_bytes_per_token;
+        let decode_tps = 1.0 / best_decode;
+        let achieved = bytes_per_token * decode_tps;
+        println!(
+            "prefill     {:.1} tokens/s ({prompt_len} tokens in {:.3} s)",
+            prompt_len as f64 / best_prefill,
+            best_prefill
+        );
+        println!(
+            "decode      {:.2} tokens/s ({:.2} ms/token after {prompt_len} prompt tokens)",
+            decode_tps,
+            best_decode * 1e3
+        );
+        println!(
+            "bandwidth   {} read per token -> {}/s, {:.1}% of the measured {}/s",
+            bytes(bytes_per_token as u64),
+            bytes(achieved as u64),
+            100.0 * achieved / bandwidth,
+            bytes(bandwidth as u64)
+        );
+        runs.push(json!({
+            "prompt_len": prompt_len, "gen_len": a.gen_len,
+            "prefill_tokens_per_sec": prompt_len as f64 / best_prefill,
+            "prefill_secs": best_prefill,
+            "decode_tokens_per_sec": decode_tps,
+            "decode_ms_per_token": best_decode * 1e3,
+            "decode_bytes_per_token": bytes_per_token,
+            "decode_bytes_per_sec": achieved,
+            "decode_bandwidth_fraction": achieved / bandwidth,
+        }));
     }
+    let mut batches = Vec::new();
+    let mut memory_peak = memory_after_load;
+    for &batch in &a.decode_batch {
+        let r = decode_batch(
+            loaded.engine.model(),
+            batch,
+            a.context,
+            a.decode_steps,
+            vocab,
+        )?;
+        println!(
+            "decode x{batch:<4} {:.1} tokens/s ({:.2} ms/step, median of {} steps at context {})",
+            batch as f64 / r.median_step_secs,
+            r.median_step_secs * 1e3,
+            a.decode_steps,
+            a.context
+        );
+        memory_peak = memory_peak.max(r.memory_used);
+        batches.push(json!({
+            "batch": batch, "context": a.context, "steps": a.decode_steps,
+            "tokens_per_sec": batch as f64 / r.median_step_secs,
+            "median_step_ms": r.median_step_secs * 1e3,
+            "min_step_ms": r.min_step_secs * 1e3,
+            "prefill_secs": r.prefill_secs,
+            "device_memory_used_bytes": r.memory_used,
+        }));
+    }
+    let engine_batch = if a.batch > 0 {
+        let prompt = bench_prompt(a.prompt_len[0], vocab, 0);
+        Some(batched_throughput(loaded.engine, &a, &prompt)?)
+    } else {
+        None
+    };
+    if let Some(tps) = engine_batch {
+        println!(
+            "batched     {tps:.1} output tokens/s with {} concurrent requests (engine loop, no HTTP)",
+            a.batch
+        );
+    }
+    let peak_rss = peak_rss_bytes();
     println!("peak RSS    {}", bytes(peak_rss));
+    if on_gpu {
+        println!(
+            "device mem  {} after load, {} at most while decoding batches",
+            bytes(memory_after_load),
+            bytes(memory_peak)
+        );
+    }
+    let result = json!({
+        "model": loaded.dir.display().to_string(),
+        "backend": backend_name,
+        "threads": kimi_cpu::num_threads(),
+        "total_params": total_params, "active_params": active_params,
+        "load_secs": load_secs,
+        "measured_read_bandwidth_bytes_per_sec": bandwidth,
+        "runs": runs,
+        "decode_batches": batches,
+        "batch": a.batch,
+        "batch_output_tokens_per_sec": engine_batch,
+        "peak_rss_bytes": peak_rss,
+        "device_memory_used_after_load_bytes": on_gpu.then_some(memory_after_load),
+        "device_memory_used_peak_bytes": on_gpu.then_some(memory_peak),
+    });
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&result)?)?;
         println!("saved       {}", path.display());
     }
     Ok(())
+}
+
+/// A deterministic prompt of `len` ids spread over the vocabulary; `salt` makes prompts differ.
+fn bench_prompt(len: usize, vocab: u64, salt: u64) -> Vec<u32> {
+    (0..len as u64)
+        .map(|i| ((i * 2654435761 + salt * 40503) % vocab) as u32)
+        .collect()
+}
+
+/// Bytes of device memory in use (0 on the CPU).
+fn device_memory_used<B: Backend>(backend: &B) -> u64 {
+    backend
+        .memory_info()
+        .map_or(0, |(free, total)| total.saturating_sub(free))
+}
+
+/// What timing decode steps of a batch found.
+struct BatchTiming {
+    median_step_secs: f64,
+    min_step_secs: f64,
+    prefill_secs: f64,
+    memory_used: u64,
+}
+
+/// Prefills `batch` sequences with `context` tokens each (several sequences per forward pass,
+/// at most ~8K tokens), then times `steps` forward passes that decode one token for every
+/// sequence: the model's own batched decode, without scheduler or sampling.
+fn decode_batch<B: Backend>(
+    model: &dyn CausalLm<B>,
+    batch: usize,
+    context: usize,
+    steps: usize,
+    vocab: u64,
+) -> anyhow::Result<BatchTiming> {
+    anyhow::ensure!(
+        context + steps < model.max_context(),
+        "--context {context} + --decode-steps {steps} exceed the model's context"
+    );
+    let mut caches = (0..batch)
+        .map(|_| model.new_cache())
+        .collect::<Result<Vec<_>, _>>()?;
+    let opts = ForwardOptions::default();
+    let prefill_start = Instant::now();
+    let per_pass = (8192 / context).max(1);
+    let mut last = vec![0u32; batch];
+    for first in (0..batch).step_by(per_pass) {
+        let group = first..(first + per_pass).min(batch);
+        let mut b = Batch::default();
+        for s in group.clone() {
+            let start = b.tokens.len();
+            b.tokens.extend(bench_prompt(context, vocab, s as u64 + 1));
+            b.segments.push(Segment {
+                start,
+                len: context,
+            });
+            b.logits_rows.push(b.tokens.len() - 1);
+        }
+        let mut refs: Vec<&mut SeqCache<B>> = caches[group.clone()].iter_mut().collect();
+        let out = model.forward(&b, &mut refs, opts)?;
+        for (i, s) in group.enumerate() {
+            last[s] = argmax(&out.logits[i * out.vocab_size..(i + 1) * out.vocab_size]);
+        }
+    }
+    let prefill_secs = prefill_start.elapsed().as_secs_f64();
+    let mut times = Vec::with_capacity(steps);
+    let mut memory_used = 0;
+    for _ in 0..steps {
+        let b = Batch {
+            tokens: last.clone(),
+            segments: (0..batch).map(|s| Segment { start: s, len: 1 }).collect(),
+            logits_rows: (0..batch).collect(),
+        };
+        let mut refs: Vec<&mut SeqCache<B>> = caches.iter_mut().collect();
+        let t = Instant::now();
+        let out = model.forward(&b, &mut refs, opts)?;
+        times.push(t.elapsed().as_secs_f64());
+        memory_used = memory_used.max(device_memory_used(model.backend()));
+        for (s, id) in last.iter_mut().enumerate() {
+            *id = argmax(&out.logits[s * out.vocab_size..(s + 1) * out.vocab_size]);
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(BatchTiming {
+        median_step_secs: times[times.len() / 2],
+        min_step_secs: times[0],
+        prefill_secs,
+        memory_used,
+    })
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
 }
 
 /// Average stored bytes per parameter (2 for bf16 checkpoints).
@@ -136,7 +306,7 @@ fn weight_bytes_per_param(dir: &std::path::Path, total_params: u64) -> f64 {
 }
 
 /// Bytes per second for summing a 512 MiB buffer on every worker thread.
-fn measure_read_bandwidth() -> f64 {
+fn measure_host_read_bandwidth() -> f64 {
     let data = vec![1.0f32; 128 << 20];
     let mut best = f64::MAX;
     for _ in 0..3 {
@@ -165,18 +335,18 @@ fn peak_rss_bytes() -> u64 {
 }
 
 /// Output tokens per second of `a.batch` concurrent requests through the serving engine.
-fn batched_throughput(
-    engine: kimi_engine::Engine<kimi_cpu::CpuBackend>,
+fn batched_throughput<B: Backend + 'static>(
+    engine: kimi_engine::Engine<B>,
     a: &BenchArgs,
     prompt: &[u32],
 ) -> anyhow::Result<f64> {
     use kimi_engine::{EngineHandle, Event, Request, ServingConfig};
-    let max_model_len = a.prompt_len + a.gen_len + 1;
+    let max_model_len = prompt.len() + a.gen_len + 1;
     let block_size = 16;
     let config = ServingConfig {
         max_model_len,
         max_num_seqs: a.batch,
-        max_num_batched_tokens: (a.prompt_len * 2).max(a.batch),
+        max_num_batched_tokens: (prompt.len() * 2).max(a.batch),
         block_size,
         num_blocks: a.batch * max_model_len.div_ceil(block_size) + 1,
         max_waiting: a.batch,

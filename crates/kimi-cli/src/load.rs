@@ -9,10 +9,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use kimi_core::ModelConfig;
-use kimi_cpu::CpuBackend;
 use kimi_engine::Engine;
 use kimi_gguf::GgufFile;
 use kimi_model::{KimiLinear, Llama, ModelSummary};
+use kimi_ops::Backend;
 use kimi_tokenizer::Tokenizer;
 use kimi_weights::Checkpoint;
 
@@ -32,15 +32,40 @@ pub enum ModelInfo {
     },
 }
 
+/// Runs `$body` with `$b` bound to a fresh backend for `$device` ([`crate::args::Device`]).
+/// Commands are generic over the backend; this is the one place that names them.
+macro_rules! with_backend {
+    ($device:expr, |$b:ident| $body:expr) => {
+        match $device {
+            $crate::args::Device::Cpu => {
+                let $b = kimi_cpu::CpuBackend::new();
+                $body
+            }
+            #[cfg(feature = "cuda")]
+            $crate::args::Device::Cuda(ordinal) => {
+                let $b = kimi_cuda::CudaBackend::new(ordinal)
+                    .map_err(|e| anyhow::anyhow!("cannot start CUDA device {ordinal}: {e}"))?;
+                $body
+            }
+            #[cfg(not(feature = "cuda"))]
+            $crate::args::Device::Cuda(_) => anyhow::bail!(
+                "this kimi-infer was built without CUDA support; rebuild with \
+                 `cargo build --release -p kimi-cli --features cuda` (see scripts/cuda/setup.sh)"
+            ),
+        }
+    };
+}
+pub(crate) use with_backend;
+
 /// A loaded model with its tokenizer (when one was asked for).
-pub struct Loaded {
-    pub engine: Engine<CpuBackend>,
+pub struct Loaded<B: Backend> {
+    pub engine: Engine<B>,
     pub tokenizer: Option<Tokenizer>,
     pub dir: PathBuf,
     pub info: ModelInfo,
 }
 
-impl Loaded {
+impl<B: Backend> Loaded<B> {
     /// Bytes of weights one decoded token reads.
     pub fn weight_bytes_per_token(&self, bytes_per_param: f64) -> f64 {
         match &self.info {
@@ -92,15 +117,19 @@ pub fn is_gguf(path: &Path) -> bool {
     path.is_file() || path.extension().is_some_and(|e| e == "gguf")
 }
 
-/// Loads weights onto the CPU backend, and the tokenizer if asked.
-pub fn load(args: &ModelArgs, need_tokenizer: bool) -> anyhow::Result<Loaded> {
+/// Loads weights onto `backend`, and the tokenizer if asked.
+pub fn load<B: Backend + 'static>(
+    backend: B,
+    args: &ModelArgs,
+    need_tokenizer: bool,
+) -> anyhow::Result<Loaded<B>> {
     let path = model_path(args)?;
     if is_gguf(&path) {
-        return load_gguf(&path, need_tokenizer);
+        return load_gguf(backend, &path, need_tokenizer);
     }
     let ckpt = Checkpoint::open(&path)
         .with_context(|| format!("cannot open the model in {}", path.display()))?;
-    let model = KimiLinear::load(CpuBackend::new(), &ckpt)
+    let model = KimiLinear::load(backend, &ckpt)
         .with_context(|| format!("cannot load the weights in {}", path.display()))?;
     let tokenizer = if need_tokenizer {
         Some(
@@ -119,9 +148,13 @@ pub fn load(args: &ModelArgs, need_tokenizer: bool) -> anyhow::Result<Loaded> {
     })
 }
 
-fn load_gguf(path: &Path, need_tokenizer: bool) -> anyhow::Result<Loaded> {
+fn load_gguf<B: Backend + 'static>(
+    backend: B,
+    path: &Path,
+    need_tokenizer: bool,
+) -> anyhow::Result<Loaded<B>> {
     let file = GgufFile::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    let model = Llama::load(CpuBackend::new(), &file)
+    let model = Llama::load(backend, &file)
         .with_context(|| format!("cannot load the weights in {}", path.display()))?;
     let tokenizer = if need_tokenizer {
         Some(
@@ -145,13 +178,17 @@ fn load_gguf(path: &Path, need_tokenizer: bool) -> anyhow::Result<Loaded> {
 }
 
 /// Builds the model of a config.json with deterministic random weights (for benchmarks).
-pub fn load_random(config: &Path, dtype: kimi_core::DType) -> anyhow::Result<Loaded> {
+pub fn load_random<B: Backend + 'static>(
+    backend: B,
+    config: &Path,
+    dtype: kimi_core::DType,
+) -> anyhow::Result<Loaded<B>> {
     let text =
         std::fs::read_to_string(config).with_context(|| format!("reading {}", config.display()))?;
     let cfg =
         ModelConfig::from_json_str(&text).with_context(|| format!("in {}", config.display()))?;
     let source = kimi_model::RandomWeights { dtype, seed: 0 };
-    let model = KimiLinear::load_from(CpuBackend::new(), cfg.clone(), &source)?;
+    let model = KimiLinear::load_from(backend, cfg.clone(), &source)?;
     Ok(Loaded {
         engine: Engine::new(model),
         tokenizer: None,

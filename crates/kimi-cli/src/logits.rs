@@ -1,13 +1,17 @@
 //! `kimi-infer logits`: the reference-comparison entry point.
 
 use kimi_model::ForwardOptions;
-use kimi_ops::{KdaMode, MlaMode};
+use kimi_ops::{Backend, KdaMode, MlaMode};
 
 use crate::args::{KdaModeArg, LogitsArgs, MlaModeArg};
 
 pub fn logits(a: LogitsArgs) -> anyhow::Result<()> {
     anyhow::ensure!(!a.ids.is_empty(), "--ids needs at least one token id");
-    let mut loaded = crate::load::load(&a.model, false)?;
+    crate::load::with_backend!(a.model.device, |backend| logits_on(backend, a))
+}
+
+fn logits_on<B: Backend + 'static>(backend: B, a: LogitsArgs) -> anyhow::Result<()> {
+    let mut loaded = crate::load::load(backend, &a.model, false)?;
     loaded.engine.options = ForwardOptions {
         kda_mode: match a.kda_mode {
             KdaModeArg::Auto => KdaMode::Auto,

@@ -7,13 +7,18 @@ use anyhow::Context;
 use kimi_engine::sampling::SamplingParams;
 use kimi_engine::stop::StopMatcher;
 use kimi_engine::{Engine, FinishReason};
+use kimi_ops::Backend;
 use kimi_tokenizer::{StreamDecoder, Tokenizer};
 use serde_json::json;
 
 use crate::args::{ChatArgs, RunArgs, SamplingArgs};
 
 pub fn run(a: RunArgs) -> anyhow::Result<()> {
-    let loaded = crate::load::load(&a.model, true)?;
+    crate::load::with_backend!(a.model.device, |backend| run_on(backend, a))
+}
+
+fn run_on<B: Backend + 'static>(backend: B, a: RunArgs) -> anyhow::Result<()> {
+    let loaded = crate::load::load(backend, &a.model, true)?;
     let tok = loaded.tokenizer.as_ref().context("no tokenizer")?;
     let params = sampling_params(&a.sampling);
     let prompt_text = if a.chat {
@@ -45,7 +50,11 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
 }
 
 pub fn chat(a: ChatArgs) -> anyhow::Result<()> {
-    let loaded = crate::load::load(&a.model, true)?;
+    crate::load::with_backend!(a.model.device, |backend| chat_on(backend, a))
+}
+
+fn chat_on<B: Backend + 'static>(backend: B, a: ChatArgs) -> anyhow::Result<()> {
+    let loaded = crate::load::load(backend, &a.model, true)?;
     let tok = loaded.tokenizer.as_ref().context("no tokenizer")?;
     let params = sampling_params(&a.sampling);
     let mut messages = Vec::new();
@@ -114,8 +123,8 @@ pub struct Streamed {
 }
 
 /// Generates and prints text as it becomes complete UTF-8, honouring stop strings.
-pub fn generate_streaming(
-    engine: &Engine<kimi_cpu::CpuBackend>,
+pub fn generate_streaming<B: Backend>(
+    engine: &Engine<B>,
     tok: &Tokenizer,
     prompt: &[u32],
     params: &SamplingParams,

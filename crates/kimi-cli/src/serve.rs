@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use kimi_engine::{EngineHandle, ServingConfig};
+use kimi_ops::Backend;
 use kimi_server::ServerConfig;
 
 use crate::args::ServeArgs;
@@ -13,16 +14,14 @@ const BLOCK_SIZE: usize = 16;
 
 pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
-        a.device == "cpu",
-        "--device {}: this build serves on the cpu only",
-        a.device
-    );
-    anyhow::ensure!(
         a.gpu_memory_utilization > 0.0 && a.gpu_memory_utilization <= 1.0,
         "--gpu-memory-utilization must be in (0, 1]"
     );
-    let loaded = crate::load::load(&a.model, true)?;
-    let mut loaded = loaded;
+    crate::load::with_backend!(a.model.device, |backend| serve_on(backend, a))
+}
+
+fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()> {
+    let mut loaded = crate::load::load(backend, &a.model, true)?;
     let tokenizer = Arc::new(
         loaded
             .tokenizer
@@ -32,7 +31,8 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let max_model_len = a
         .max_model_len
         .unwrap_or(loaded.engine.model().max_context().min(32768));
-    let num_blocks = cache_blocks(&a, loaded.cache_values(), max_model_len)?;
+    let memory = loaded.engine.model().backend().memory_info();
+    let num_blocks = cache_blocks(&a, loaded.cache_values(), max_model_len, memory)?;
     let serving = ServingConfig {
         max_model_len,
         max_num_seqs: a.max_num_seqs,
@@ -116,20 +116,36 @@ async fn shutdown_signal() {
 }
 
 /// MLA cache blocks that fit in the memory budget, capped at what `max_num_seqs` full-length
-/// sequences could use. The CPU keeps caches in f32. `per_token`/`per_seq` count cache values.
+/// sequences could use. Both backends keep caches in f32. `per_token`/`per_seq` count cache
+/// values. On a GPU (`device_memory` = free and total bytes after the weights were loaded)
+/// the budget is vLLM's: `--gpu-memory-utilization` of the total, minus what is already used,
+/// minus room for one step's activations; on the CPU it is that fraction of free RAM.
 fn cache_blocks(
     a: &ServeArgs,
     (per_token, per_seq): (u64, u64),
     max_model_len: usize,
+    device_memory: Option<(u64, u64)>,
 ) -> anyhow::Result<usize> {
     let per_seq_blocks = max_model_len.div_ceil(BLOCK_SIZE);
     let wanted = a.max_num_seqs * per_seq_blocks;
     let block_bytes = (BLOCK_SIZE as u64 * per_token * 4).max(1);
-    let Some(available) = mem_available_bytes() else {
-        return Ok(wanted);
-    };
     let state_bytes = per_seq * 4 * a.max_num_seqs as u64;
-    let budget = (available as f64 * a.gpu_memory_utilization) as u64;
+    let budget = match device_memory {
+        Some((free, total)) => {
+            let used = total.saturating_sub(free);
+            // Activations of one step: a generous 64 KiB per batched token.
+            let workspace = a.max_num_batched_tokens as u64 * (64 << 10);
+            ((total as f64 * a.gpu_memory_utilization) as u64)
+                .saturating_sub(used)
+                .saturating_sub(workspace)
+        }
+        None => {
+            let Some(available) = mem_available_bytes() else {
+                return Ok(wanted);
+            };
+            (available as f64 * a.gpu_memory_utilization) as u64
+        }
+    };
     let blocks = budget.saturating_sub(state_bytes) / block_bytes;
     let blocks = (blocks as usize).min(wanted);
     anyhow::ensure!(

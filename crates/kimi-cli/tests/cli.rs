@@ -238,19 +238,51 @@ fn bench_writes_json() {
         "--random-config",
         cfg.to_str().unwrap(),
         "--prompt-len",
-        "20",
+        "20,9",
         "--gen-len",
         "4",
         "--repeats",
         "1",
+        "--decode-batch",
+        "1,3",
+        "--context",
+        "7",
+        "--decode-steps",
+        "2",
         "--json",
         json.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
-    assert!(v["prefill_tokens_per_sec"].as_f64().unwrap() > 0.0);
-    assert!(v["decode_tokens_per_sec"].as_f64().unwrap() > 0.0);
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2);
+    assert_eq!(runs[1]["prompt_len"], 9);
+    for r in runs {
+        assert!(r["prefill_tokens_per_sec"].as_f64().unwrap() > 0.0);
+        assert!(r["decode_tokens_per_sec"].as_f64().unwrap() > 0.0);
+    }
+    let batches = v["decode_batches"].as_array().unwrap();
+    assert_eq!(batches.len(), 2);
+    assert_eq!(batches[1]["batch"], 3);
+    assert!(batches[1]["tokens_per_sec"].as_f64().unwrap() > 0.0);
     assert!(v["peak_rss_bytes"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn cuda_device_without_cuda_build_is_a_plain_error() {
+    if cfg!(feature = "cuda") {
+        return;
+    }
+    let o = run(&["run", "--device", "cuda:1", "--prompt", "hi"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("without CUDA support"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(&["run", "--device", "tpu", "--prompt", "hi"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("unknown device"), "{}", stderr(&o));
 }
 
 #[test]

@@ -12,29 +12,26 @@
 //!
 //! Usage: `check [ops] [fixtures] [big N_TOKENS] [profile]` (default: 1-3, 1000 tokens).
 
-use std::borrow::Cow;
 use std::collections::HashSet;
 use std::error::Error;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use half::bf16;
 use kimi_core::config::{KdaGate, ModelConfig};
 use kimi_core::DType;
 use kimi_cpu::CpuBackend;
 use kimi_cuda::{CudaBackend, GemmPrecision};
-use kimi_model::{Batch, ForwardOptions, KimiLinear, SeqCache, WeightSource};
+use kimi_model::{Batch, ForwardOptions, KimiLinear, RandomWeights, SeqCache};
 use kimi_ops::{
     Backend, HostTensor, KdaMode, MlaDims, MlaMode, MlpWeights, MoeRouting, MoeWeights, Segment,
 };
-use rayon::prelude::*;
 
 type Res<T> = std::result::Result<T, Box<dyn Error>>;
 
 #[path = "../tests/common/op_cases.rs"]
 mod op_cases;
-use op_cases::{rel_err, CpuRun, CudaRun, Rng};
+use op_cases::{rel_err, CpuRun, CudaRun};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -265,65 +262,6 @@ fn check_fixtures() -> Res<()> {
 
 // ---------------------------------------------------------------- 48B-shaped model
 
-/// RandomWeights' value ranges, generated in parallel (values differ from RandomWeights).
-struct FastRandom;
-
-impl WeightSource for FastRandom {
-    fn contains(&self, _name: &str) -> bool {
-        true
-    }
-    fn load(&self, name: &str, shape: &[usize]) -> kimi_model::Result<(DType, Cow<'_, [u8]>)> {
-        let n: usize = shape.iter().product();
-        let seed = name.bytes().fold(0xcbf29ce484222325u64, |h, b| {
-            (h ^ b as u64).wrapping_mul(0x100000001b3)
-        });
-        let fan_in = *shape.last().unwrap_or(&1) as f32;
-        let a = fan_in.max(1.0).powf(-0.5);
-        let kind = if name.ends_with("A_log") {
-            0
-        } else if name.ends_with("dt_bias") || name.ends_with("e_score_correction_bias") {
-            1
-        } else if name.contains("norm") {
-            2
-        } else {
-            3
-        };
-        let value = move |u: f32| -> f32 {
-            match kind {
-                0 => (1.0 + 15.0 * u).ln(),
-                1 => (u - 0.5) * 0.2,
-                2 => 1.0 + (u - 0.5) * 0.1,
-                _ => (2.0 * u - 1.0) * a,
-            }
-        };
-        let keep_f32 = name.ends_with("A_log") || name.ends_with("dt_bias");
-        let esize = if keep_f32 { 4 } else { 2 };
-        let mut bytes = vec![0u8; n * esize];
-        const CH: usize = 1 << 16;
-        bytes
-            .par_chunks_mut(CH * esize)
-            .enumerate()
-            .for_each(|(ci, chunk)| {
-                let mut r = Rng(seed ^ (ci as u64).wrapping_mul(0x9e3779b97f4a7c15));
-                for el in chunk.chunks_exact_mut(esize) {
-                    let v = value(r.next());
-                    if keep_f32 {
-                        el.copy_from_slice(&v.to_le_bytes());
-                    } else {
-                        el.copy_from_slice(&bf16::from_f32(v).to_le_bytes());
-                    }
-                }
-            });
-        Ok((
-            if keep_f32 { DType::F32 } else { DType::BF16 },
-            Cow::Owned(bytes),
-        ))
-    }
-    fn check_all_used(&self, _used: &HashSet<String>) -> kimi_model::Result<()> {
-        Ok(())
-    }
-}
-
 fn argmax(v: &[f32]) -> (usize, bool) {
     let mut best = 0;
     let mut finite = true;
@@ -455,7 +393,14 @@ fn check_big(num_tokens: usize) -> Res<()> {
     let config = ModelConfig::from_json_str(&text)?;
     let backend = CudaBackend::new(0)?;
     let t0 = Instant::now();
-    let model = KimiLinear::load_from(backend, config, &FastRandom)?;
+    let model = KimiLinear::load_from(
+        backend,
+        config,
+        &RandomWeights {
+            dtype: DType::BF16,
+            seed: 0,
+        },
+    )?;
     let be = model.backend();
     be.synchronize()?;
     let (free, total) = be.mem_info()?;
@@ -687,7 +632,14 @@ fn profile_big() -> Res<()> {
         inner: CudaBackend::new(0)?,
         times: Default::default(),
     };
-    let model = KimiLinear::load_from(backend, config, &FastRandom)?;
+    let model = KimiLinear::load_from(
+        backend,
+        config,
+        &RandomWeights {
+            dtype: DType::BF16,
+            seed: 0,
+        },
+    )?;
     let vocab = model.config().vocab_size;
     let run = |cache: &mut SeqCache<Profiled>, toks: &[u32]| -> Res<Vec<f32>> {
         let batch = Batch {

@@ -354,6 +354,31 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// Device-to-device copy bandwidth counted as bytes read (a copy reads and writes each
+    /// byte; HBM serves both, so read bandwidth is twice the copy rate): best of 5 copies of
+    /// 1 GiB, timed with events on the backend's stream.
+    fn copy_bandwidth(&self) -> Result<f64> {
+        const BYTES: usize = 1 << 30;
+        let dev = &self.dev;
+        dev.enter("bandwidth")?;
+        let src = dev.stream.alloc_zeros::<u8>(BYTES).op("bandwidth")?;
+        let mut dst = dev.stream.alloc_zeros::<u8>(BYTES).op("bandwidth")?;
+        let mut best = f64::MAX;
+        for _ in 0..5 {
+            let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let start = dev.ctx.new_event(timing).op("bandwidth")?;
+            let stop = dev.ctx.new_event(timing).op("bandwidth")?;
+            start.record(&dev.stream).op("bandwidth")?;
+            dev.stream.memcpy_dtod(&src, &mut dst).op("bandwidth")?;
+            stop.record(&dev.stream).op("bandwidth")?;
+            stop.synchronize().op("bandwidth")?;
+            best = best.min(f64::from(start.elapsed_ms(&stop).op("bandwidth")?) * 1e-3);
+        }
+        Ok(2.0 * BYTES as f64 / best)
+    }
+}
+
 impl Backend for CudaBackend {
     type Tensor = CudaTensor;
 
@@ -437,6 +462,16 @@ impl Backend for CudaBackend {
 
     fn size_bytes(&self, t: &CudaTensor) -> usize {
         t.buf.len()
+    }
+
+    fn memory_info(&self) -> Option<(u64, u64)> {
+        self.dev.enter("memory_info").ok()?;
+        let (free, total) = self.dev.ctx.mem_get_info().ok()?;
+        Some((free as u64, total as u64))
+    }
+
+    fn measure_read_bandwidth(&self) -> Option<f64> {
+        self.copy_bandwidth().ok()
     }
 
     fn embedding(&self, table: &CudaTensor, ids: &[u32]) -> Result<CudaTensor> {

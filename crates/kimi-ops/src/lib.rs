@@ -212,6 +212,16 @@ pub trait Backend: Send + Sync {
     fn shape<'a>(&self, t: &'a Self::Tensor) -> &'a [usize];
     /// Bytes the tensor occupies on the device.
     fn size_bytes(&self, t: &Self::Tensor) -> usize;
+    /// Free and total bytes of the device memory this backend allocates from, where the
+    /// backend owns such memory (GPUs); `None` for host memory (ask the OS instead).
+    fn memory_info(&self) -> Option<(u64, u64)> {
+        None
+    }
+    /// Measured bytes per second the device reads from its own memory (the roofline of
+    /// bandwidth-bound work), where the backend can measure it; `None` otherwise.
+    fn measure_read_bandwidth(&self) -> Option<f64> {
+        None
+    }
 
     /// Rows of `table` `[vocab, d]` for `ids` → `[ids.len(), d]`.
     fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
