@@ -69,6 +69,13 @@ pub struct ServeArgs {
     /// Chat template file (Jinja) replacing the tokenizer's.
     #[arg(long)]
     pub chat_template: Option<PathBuf>,
+    /// Serve a config.json with deterministic random bf16 weights (benchmarks of full-size
+    /// shapes without a checkpoint); needs --tokenizer.
+    #[arg(long, conflicts_with = "model", requires = "tokenizer")]
+    pub random_config: Option<PathBuf>,
+    /// Tokenizer directory (tiktoken.model or tokenizer.json) instead of the model's own.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
 }
 
 /// Where the model comes from.

@@ -21,7 +21,16 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
 }
 
 fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()> {
-    let mut loaded = crate::load::load(backend, &a.model, true)?;
+    let mut loaded = match &a.random_config {
+        Some(config) => crate::load::load_random(backend, config, kimi_core::DType::BF16)?,
+        None => crate::load::load(backend, &a.model, a.tokenizer.is_none())?,
+    };
+    if let Some(dir) = &a.tokenizer {
+        loaded.tokenizer = Some(
+            kimi_tokenizer::Tokenizer::from_dir(dir)
+                .with_context(|| format!("cannot load the tokenizer in {}", dir.display()))?,
+        );
+    }
     let tokenizer = Arc::new(
         loaded
             .tokenizer
@@ -51,7 +60,7 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
     let name = a
         .served_model_name
         .clone()
-        .unwrap_or_else(|| match &a.model.model {
+        .unwrap_or_else(|| match a.model.model.as_ref().or(a.random_config.as_ref()) {
             Some(dir) => dir
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Everything measured on the GPU machine in one session, so that peers and kimi-infer run
+# side by side on the same GPU. Build here first: scripts/cuda/build-check.sh; fetch the
+# Python wheels (fla-core, flash-linear-attention, einops, openai) into .whl/ with
+# scripts/cuda/fetch-wheels.sh. Then on the device, from the repository root:
+#   scripts/cuda/device-bench.sh OUT_DIR [check] [kernels] [peers] [bench] [hf] [serve]
+# (no stage names = all). Each stage writes OUT_DIR/<stage>.txt (+ JSON where it has one).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${1:-device-results/run}"
+shift || true
+STAGES="${*:-check kernels peers bench hf serve}"
+mkdir -p "$OUT"
+want() { [[ " $STAGES " == *" $1 "* ]]; }
+CONFIG=crates/kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json
+
+# cuBLAS 13: the system toolkit, else PyTorch's pip wheel.
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+  $(python3 -c 'import nvidia.cublas as m, os; print(os.path.join(list(m.__path__)[0], "lib"))' 2>/dev/null) \
+  $(python3 -c 'import nvidia.cu13 as m, os; print(os.path.join(list(m.__path__)[0], "lib"))' 2>/dev/null); do
+  if [ -e "$d/libcublas.so.13" ]; then export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"; break; fi
+done
+# Carried wheels, installed into a private folder (the machine has no network).
+PYLIB=/tmp/kimi-pylib
+if [ -d .whl ] && [ ! -d "$PYLIB" ]; then
+  python3 -m pip install -q --no-deps --no-index --target "$PYLIB" .whl/*.whl 2>&1 | tail -2
+  python3 -m pip install -q --no-index --find-links .whl/openai --target "$PYLIB/openai-env" openai==3.57.0 2>&1 | tail -2
+fi
+export PYTHONPATH="$PYLIB:${PYTHONPATH:-}"
+{
+  echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1
+  python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' 2>&1
+  python3 -c 'import fla; print("fla", fla.__version__)' 2>&1 | tail -1
+} | tee "$OUT/env.txt"
+
+if want check; then
+  timeout 240 .device-bin/check ops fixtures 2>&1 | tee "$OUT/check.txt"
+fi
+if want kernels; then
+  timeout 150 .device-bin/check kda-bench mla-bench 2>&1 | tee "$OUT/kernels.txt"
+fi
+if want peers; then
+  timeout 150 python3 bench/fla_kda.py --out "$OUT/fla_kda.json" 2>&1 | tail -8 | tee "$OUT/peers.txt"
+fi
+if want bench; then
+  timeout 420 .device-bin/kimi-infer bench --device cuda --random-config "$CONFIG" \
+    --prompt-len "${PROMPTS:-1024,8192}" --gen-len 16 --repeats 1 \
+    --decode-batch "${BATCHES:-1,8,64,256}" --context "${CONTEXT:-1024}" --decode-steps 8 \
+    --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
+fi
+if want hf; then
+  timeout 420 python3 bench/transformers_baseline.py --config "$CONFIG" \
+    --prefill 1024,8192 --decode-batch 1,8 --out "$OUT/transformers.json" 2>&1 | tail -12 | tee "$OUT/hf.txt"
+fi
+if want serve; then
+  TOK=/tmp/kimi-synth-tok
+  python3 bench/synthetic_tokenizer.py --vocab 163840 --out "$TOK" >/dev/null
+  .device-bin/kimi-infer serve --device cuda --random-config "$CONFIG" --tokenizer "$TOK" \
+    --served-model-name kimi-48b-random --port 8011 --max-model-len 4096 --max-num-seqs 64 \
+    > "$OUT/serve-server.log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 1 120); do
+    curl -sf localhost:8011/health >/dev/null 2>&1 && break
+    sleep 1
+  done
+  PYTHONPATH="$PYLIB/openai-env:$PYTHONPATH" timeout 300 python3 bench/serve_load.py \
+    --base-url http://127.0.0.1:8011/v1 --model kimi-48b-random --concurrency 1 16 64 \
+    --num-requests 64 --max-tokens 64 --prompt-ids 512 --json "$OUT/serve.json" 2>&1 | tail -20 | tee "$OUT/serve.txt"
+  kill -TERM $SERVER; wait $SERVER
+  # The same engine offline (no HTTP): the server-overhead baseline at concurrency 64.
+  timeout 300 .device-bin/kimi-infer bench --device cuda --random-config "$CONFIG" \
+    --prompt-len 512 --gen-len 64 --repeats 1 --batch 64 --json "$OUT/serve-offline.json" \
+    2>&1 | tee -a "$OUT/serve.txt"
+  curl -s localhost:8011/metrics >/dev/null 2>&1 || true
+fi
+echo "# done: $STAGES" | tee -a "$OUT/env.txt"
