@@ -57,16 +57,15 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
         }
         None => None,
     };
-    let name = a
-        .served_model_name
-        .clone()
-        .unwrap_or_else(|| match a.model.model.as_ref().or(a.random_config.as_ref()) {
+    let name = a.served_model_name.clone().unwrap_or_else(|| {
+        match a.model.model.as_ref().or(a.random_config.as_ref()) {
             Some(dir) => dir
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_else(|| "kimi".into()),
             None => "kimi-demo".into(),
-        });
+        }
+    });
     let config = ServerConfig {
         host: a.host.clone(),
         port: a.port,

@@ -1,8 +1,8 @@
 // MoE routing on the device: sigmoid scores, correction bias for selection, group-limited
 // top-k (groups scored by their two best), weights from the unbiased (or biased) scores,
 // renormalised and scaled. Follows crates/kimi-cpu/src/moe.rs `route`.
-// One block per token; shared memory holds 3*E floats. Selection is serial in thread 0
-// (E <= a few hundred, k <= 16); ties go to the lower index.
+// One block per token; shared memory holds 3*E floats. Each of the top_k picks is a
+// block-wide argmax; ties go to the lower index.
 #include "common.cuh"
 
 extern "C" __global__ void moe_route(const float* logits, const void* bias, int bdt, int has_bias,
@@ -21,42 +21,75 @@ extern "C" __global__ void moe_route(const float* logits, const void* bias, int 
     masked[e] = choice[e];
   }
   __syncthreads();
-  if (threadIdx.x != 0) return;
   if (num_groups > 1) {
-    int per = E / num_groups;
-    // Group scores, then keep the topk_group best groups.
-    float gs[64];
-    bool keep[64];
-    for (int gi = 0; gi < num_groups && gi < 64; ++gi) {
-      float b1 = -INFINITY, b2 = -INFINITY;
-      for (int e = gi * per; e < (gi + 1) * per; ++e) {
-        float c = choice[e];
-        if (c > b1) { b2 = b1; b1 = c; } else if (c > b2) { b2 = c; }
+    // Few groups: thread 0 scores them and masks the dropped ones.
+    if (threadIdx.x == 0) {
+      int per = E / num_groups;
+      float gs[64];
+      bool keep[64];
+      for (int gi = 0; gi < num_groups && gi < 64; ++gi) {
+        float b1 = -INFINITY, b2 = -INFINITY;
+        for (int e = gi * per; e < (gi + 1) * per; ++e) {
+          float c = choice[e];
+          if (c > b1) { b2 = b1; b1 = c; } else if (c > b2) { b2 = c; }
+        }
+        gs[gi] = per >= 2 ? b1 + b2 : b1;
+        keep[gi] = false;
       }
-      gs[gi] = per >= 2 ? b1 + b2 : b1;
-      keep[gi] = false;
-    }
-    for (int n = 0; n < topk_group; ++n) {
-      int best = -1;
+      for (int n = 0; n < topk_group; ++n) {
+        int best = -1;
+        for (int gi = 0; gi < num_groups && gi < 64; ++gi)
+          if (!keep[gi] && (best < 0 || gs[gi] > gs[best])) best = gi;
+        if (best >= 0) keep[best] = true;
+      }
       for (int gi = 0; gi < num_groups && gi < 64; ++gi)
-        if (!keep[gi] && (best < 0 || gs[gi] > gs[best])) best = gi;
-      if (best >= 0) keep[best] = true;
+        if (!keep[gi])
+          for (int e = gi * per; e < (gi + 1) * per; ++e) masked[e] = -INFINITY;
     }
-    for (int gi = 0; gi < num_groups && gi < 64; ++gi)
-      if (!keep[gi])
-        for (int e = gi * per; e < (gi + 1) * per; ++e) masked[e] = -INFINITY;
+    __syncthreads();
   }
-  float wsum = 0.0f;
+  // top_k rounds of a block-wide argmax (ties to the lower index, as the CPU's serial scan):
+  // each thread scans its strided experts, warps reduce with shuffles, warp 0 reduces the
+  // warp winners and marks the chosen expert taken.
+  __shared__ float red_v[32];
+  __shared__ int red_i[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  const float taken = -3.0e38f;
+  float wsum = 0.0f;  // meaningful in thread 0
   for (int n = 0; n < top_k; ++n) {
-    int best = -1;
-    for (int e = 0; e < E; ++e)
-      if (masked[e] != -3.0e38f && (best < 0 || masked[e] > masked[best])) best = e;
-    ids[t * top_k + n] = (uint32_t)best;
-    float w = weights_use_bias ? choice[best] : scores[best];
-    weights[t * top_k + n] = w;
-    wsum += w;
-    masked[best] = -3.0e38f;  // taken
+    float bv = 0.0f;
+    int bi = -1;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+      const float m = masked[e];
+      if (m != taken && (bi < 0 || m > bv)) { bv = m; bi = e; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+    }
+    if (lane == 0) { red_v[warp] = bv; red_i[warp] = bi; }
+    __syncthreads();
+    if (warp == 0) {
+      bv = lane < nw ? red_v[lane] : 0.0f;
+      bi = lane < nw ? red_i[lane] : -1;
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+      }
+      if (lane == 0) {
+        const int best = bi < 0 ? 0 : bi;
+        ids[t * top_k + n] = (uint32_t)best;
+        const float w = weights_use_bias ? choice[best] : scores[best];
+        weights[t * top_k + n] = w;
+        wsum += w;
+        masked[best] = taken;
+      }
+    }
+    __syncthreads();
   }
+  if (threadIdx.x != 0) return;
   for (int n = 0; n < top_k; ++n) {
     float w = weights[t * top_k + n];
     if (renormalize && top_k > 1) w /= (wsum + 1e-20f);

@@ -287,6 +287,24 @@ impl CudaBackend {
         (ok && inter > 0).then_some((inter, dt))
     }
 
+    /// The intermediate size when the routed experts fit the grouped tensor-core kernel:
+    /// bf16 gate/up `[inter, d]` and down `[d, inter]` with both sizes multiples of 64.
+    fn grouped_moe_shape(&self, w: &MoeWeights<CudaTensor>, d: usize) -> Option<usize> {
+        let inter = *w.experts.first()?.gate.shape.first()?;
+        let ok = inter > 0
+            && inter.is_multiple_of(64)
+            && d.is_multiple_of(64)
+            && w.experts.iter().all(|x| {
+                x.gate.shape == [inter, d]
+                    && x.up.shape == [inter, d]
+                    && x.down.shape == [d, inter]
+                    && [&x.gate, &x.up, &x.down]
+                        .iter()
+                        .all(|t| t.dtype == DType::BF16)
+            });
+        ok.then_some(inter)
+    }
+
     /// The device table of every expert's (gate, up, down) addresses, uploaded once per
     /// distinct set of weights and kept (its contents are its key, so it cannot go stale).
     fn expert_table(&self, w: &MoeWeights<CudaTensor>) -> Result<(u64, bool)> {
@@ -819,7 +837,76 @@ impl Backend for CudaBackend {
                 .collect();
             return Ok((out, ids));
         }
-        // Many tokens: cuBLAS per expert, with one host read of [ids | counts] per layer.
+        if let Some(inter) = self.grouped_moe_shape(w, d) {
+            let (table, aligned) = self.expert_table(w)?;
+            if aligned && x.ptr().is_multiple_of(16) {
+                let split = self.gemm_precision() == GemmPrecision::Split;
+                let h = self.empty(&[p, inter], DType::F32, OP)?;
+                let y = self.empty(&[p, d], DType::F32, OP)?;
+                // SAFETY: grouped_moe_shape checked bf16 gate/up [inter, d] and down
+                // [d, inter] for every expert, d % 64 == 0 and inter % 64 == 0; the table's
+                // weights and x are 16-byte aligned; offsets/slots come from lists; h holds
+                // p*inter and y p*d f32.
+                unsafe {
+                    ops::moe::grouped_mma(
+                        &self.dev,
+                        table,
+                        true,
+                        split,
+                        x.ptr(),
+                        k,
+                        offsets_ptr,
+                        slots_ptr,
+                        e,
+                        h.ptr(),
+                        p,
+                        inter,
+                        d,
+                    )?;
+                    ops::moe::grouped_mma(
+                        &self.dev,
+                        table,
+                        false,
+                        split,
+                        h.ptr(),
+                        k,
+                        offsets_ptr,
+                        slots_ptr,
+                        e,
+                        y.ptr(),
+                        p,
+                        d,
+                        inter,
+                    )?;
+                }
+                let accumulate = shared_out.is_some();
+                let out = match shared_out {
+                    Some(o) => o,
+                    None => self.empty(&[n, d], DType::F32, OP)?,
+                };
+                // SAFETY: y holds p*d f32, wts p, out n*d.
+                unsafe {
+                    ops::moe::combine(
+                        &self.dev,
+                        y.ptr(),
+                        wts_dev.ptr(),
+                        out.ptr(),
+                        n,
+                        d,
+                        k,
+                        accumulate,
+                    )?
+                };
+                let ids: Vec<u32> = self
+                    .to_f32(&ids_dev)?
+                    .into_iter()
+                    .map(f32::to_bits)
+                    .collect();
+                drop((offsets, slots, rows, wsel));
+                return Ok((out, ids));
+            }
+        }
+        // Other shapes or dtypes: cuBLAS per expert, with one host read of [ids | counts].
         let meta_host: Vec<u32> = self.to_f32(&meta)?.into_iter().map(f32::to_bits).collect();
         let (ids, counts) = meta_host.split_at(p);
         if let Some(bad) = ids.iter().find(|&&i| i as usize >= e) {

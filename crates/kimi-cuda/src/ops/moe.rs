@@ -144,3 +144,46 @@ pub(crate) unsafe fn combine(
     unsafe { b.launch(flat(n * d)) }.op("moe")?;
     Ok(())
 }
+
+/// One projection of every routed pair on the tensor cores (`moe_grouped_mma` in
+/// `kernels/moe_gemm.cu`): `glu` = gate/up with SiLU (`k` = hidden, `n_out` = intermediate),
+/// else down (`k` = intermediate, `n_out` = hidden). `split`: activations as bf16 hi + lo.
+///
+/// # Safety
+/// `wtab` holds `3 * e` addresses of 16-byte aligned bf16 weights (gate and up `[n_out, k]`
+/// when `glu`, down `[n_out, k]` otherwise); `input` holds 16-byte aligned `k`-wide f32 rows
+/// (tokens when `glu`, pairs otherwise); `offsets`/`slots` come from [`lists`] for `p`
+/// pairs; `out` holds `p * n_out` f32; `k % 32 == 0`, `n_out % 64 == 0`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn grouped_mma(
+    dev: &Device,
+    wtab: u64,
+    glu: bool,
+    split: bool,
+    input: u64,
+    top_k: usize,
+    offsets: u64,
+    slots: u64,
+    e: usize,
+    out: u64,
+    p: usize,
+    n_out: usize,
+    k: usize,
+) -> Result<()> {
+    let (g, s, ki, ei) = (glu as i32, split as i32, top_k as i32, e as i32);
+    let (ni, kk) = (n_out as i32, k as i32);
+    let mut b = dev.kernel("moe_gemm", "moe_grouped_mma")?;
+    b.arg(&wtab).arg(&g).arg(&s).arg(&input).arg(&ki);
+    b.arg(&offsets)
+        .arg(&slots)
+        .arg(&ei)
+        .arg(&out)
+        .arg(&ni)
+        .arg(&kk);
+    // Every expert with pairs has at most one partial tile: an upper bound on the tiles,
+    // known without reading the counts back; CTAs past the last tile exit at once.
+    let tiles = p.div_ceil(64) + e.min(p);
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(grid(((n_out / 64) as u32, tiles as u32, 1), 128, 0)) }.op("moe")?;
+    Ok(())
+}

@@ -191,6 +191,20 @@ pub fn op_moe<B: Backend>(
     e: usize,
     groups: usize,
 ) -> Res<Vec<Vec<f32>>> {
+    op_moe_sized(b, n, d, e, groups, 64, 4)
+}
+
+/// `op_moe` with the expert width and top-k chosen (the grouped tensor-core path needs
+/// `d` and `inter` to be multiples of 64 and more than 64 tokens).
+pub fn op_moe_sized<B: Backend>(
+    b: &B,
+    n: usize,
+    d: usize,
+    e: usize,
+    groups: usize,
+    inter: usize,
+    top_k: usize,
+) -> Res<Vec<Vec<f32>>> {
     let mut r = Rng(5);
     let x = b.upload_f32(&[n, d], &r.vec(n * d, 1.0))?;
     let router = weight(
@@ -201,7 +215,7 @@ pub fn op_moe<B: Backend>(
     )?;
     let bias = b.upload_f32(&[e], &r.vec(e, 0.1))?;
     let experts = (0..e)
-        .map(|_| mlp_weights(b, &mut r, d, 64))
+        .map(|_| mlp_weights(b, &mut r, d, inter))
         .collect::<Res<Vec<_>>>()?;
     let shared = Some(mlp_weights(b, &mut r, d, 128)?);
     let w = MoeWeights {
@@ -211,7 +225,7 @@ pub fn op_moe<B: Backend>(
         shared,
     };
     let routing = MoeRouting {
-        top_k: 4,
+        top_k,
         num_groups: groups,
         topk_group: (groups / 2).max(1),
         renormalize: true,
@@ -406,8 +420,20 @@ pub fn cases() -> Vec<(String, Case)> {
             case!(|b| op_moe(b, 64, 96, 32, 8)),
         ),
         (
-            "moe 100 tok, 16e groups 4 (cuBLAS path)".into(),
+            "moe 100 tok, 16e groups 4 (grouped tensor-core path)".into(),
             case!(|b| op_moe(b, 100, 128, 16, 4)),
+        ),
+        (
+            "moe 300 tok, 64e top8, inter 192 (grouped, partial tiles)".into(),
+            case!(|b| op_moe_sized(b, 300, 256, 64, 1, 192, 8)),
+        ),
+        (
+            "moe 520 tok, 32e top8, d 2304 inter 1024 (48B widths, grouped)".into(),
+            case!(|b| op_moe_sized(b, 520, 2304, 32, 1, 1024, 8)),
+        ),
+        (
+            "moe 90 tok, 16e, d 96 (cuBLAS per-expert path)".into(),
+            case!(|b| op_moe_sized(b, 90, 96, 16, 1, 64, 4)),
         ),
         (
             "moe 8 tok, 16e, d 100 (unaligned)".into(),
