@@ -5,6 +5,7 @@
 use std::collections::HashSet;
 
 use kimi_core::config::{KdaConfig, MlaConfig, MoeConfig};
+use kimi_core::DType;
 use kimi_ops::{
     Backend, HostTensor, KdaMode, MlaDims, MlaMode, MlpWeights, MoeRouting, MoeWeights, Segment,
 };
@@ -28,6 +29,37 @@ impl<B: Backend> Loader<'_, B> {
             dtype,
             bytes: &bytes,
         })?)
+    }
+
+    /// Loads a tensor and keeps it in f32 on the backend whatever its stored dtype (the MoE
+    /// router: its logits decide which experts run, so it runs in f32 as the reference does,
+    /// and converting once here spares every forward pass a conversion).
+    pub fn get_f32(&mut self, name: &str, shape: &[usize]) -> Result<B::Tensor> {
+        let (dtype, bytes) = self.source.load(name, shape)?;
+        self.used.insert(name.to_string());
+        let values: Vec<f32> = match dtype {
+            DType::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            DType::BF16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            DType::F16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            // Block-quantized routers stay as stored; the backend converts per call.
+            _ => {
+                return Ok(self.backend.upload(HostTensor {
+                    shape,
+                    dtype,
+                    bytes: &bytes,
+                })?)
+            }
+        };
+        Ok(self.backend.upload_f32(shape, &values)?)
     }
 
     pub fn mlp(
@@ -242,7 +274,7 @@ impl<T> FfnLayer<T> {
     ) -> Result<Self> {
         let p = format!("{p}.block_sparse_moe");
         let e = c.num_experts;
-        let router = ld.get(&format!("{p}.gate.weight"), &[e, hidden])?;
+        let router = ld.get_f32(&format!("{p}.gate.weight"), &[e, hidden])?;
         let bias_name = format!("{p}.gate.e_score_correction_bias");
         let correction_bias = if ld.source.contains(&bias_name) {
             Some(ld.get(&bias_name, &[e])?)
