@@ -54,6 +54,7 @@ const KERNELS: &[(&str, &[&str])] = &[
         "moe",
         &["moe_route", "moe_lists", "moe_expert_gemv", "moe_combine"],
     ),
+    ("moe_gemm", &["moe_grouped_mma"]),
 ];
 
 /// One GPU: context, the stream every operation runs on, cuBLAS and the kernel table.
