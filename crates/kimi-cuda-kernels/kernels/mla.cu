@@ -1,95 +1,639 @@
-// Multi-head latent attention over one segment's latent cache [total, r + dr] (rows
-// c ‖ k_pe); follows crates/kimi-cpu/src/mla.rs. Queries q [len, H*(dn+dr)] (this
-// segment's rows only); out [len, H*dv]. Grid (len, H), block 256, dynamic shared memory.
+// Multi-head latent attention (spec §4); follows crates/kimi-cpu/src/mla.rs.
+//
+// Latent cache rows are c ‖ k_pe, lw = r + dr floats. Two forms:
+//
+// * Expanded (prefill): flash attention per (64-query tile, head) over the decompressed
+//   kv [total, H*(dn+dv)] (k_nope ‖ v per head) and the k_pe columns of a contiguous
+//   [total, lw] latent view. Online softmax, K/V tiles in shared memory, any length.
+// * Absorbed (decode, small segments): q_lat = W_ukᵀ q_nope per (token, head)
+//   (`mla_q_absorb`), split-KV attention of 32 query rows (token, head) over chunks of
+//   latent rows (`mla_decode_partial`, all heads of a token share each latent row read),
+//   a log-sum-exp merge of the chunks (`mla_decode_combine`), then out = W_uv o_lat
+//   (`mla_uv_project`). Latent rows are read through an optional block table.
+//
+// Scores are kept in the log2 domain (scale · log2 e folded in) so exp2f is the only
+// transcendental; that matches the CPU's exp(x − max) to f32 rounding.
 #include "common.cuh"
 
-// Softmax of sc[0..visible) in place (unnormalised exp); returns the sum.
-__device__ float softmax_inplace(float* sc, int visible, float* red) {
-  float m = -INFINITY;
-  for (int s = threadIdx.x; s < visible; s += blockDim.x) m = fmaxf(m, sc[s]);
-  m = block_max(m, red);
-  float sum = 0.0f;
-  for (int s = threadIdx.x; s < visible; s += blockDim.x) {
-    float e = expf(sc[s] - m);
-    sc[s] = e;
-    sum += e;
-  }
-  sum = block_sum(sum, red);
-  __syncthreads();
-  return sum;
+// ---------------------------------------------------------------- helpers
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most one committed group is still in flight.
+__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+__device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+__device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+__device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
+  acc = fmaf(a.x, b.x, acc);
+  acc = fmaf(a.y, b.y, acc);
+  acc = fmaf(a.z, b.z, acc);
+  return fmaf(a.w, b.w, acc);
 }
 
-// Expanded form: kv [total, H*(dn+dv)] holds the decompressed keys and values.
-// Shared: scores[total].
-extern "C" __global__ void mla_expanded(const float* q, const float* cache, const float* kv,
-                                        float* out, int past, int H, int r, int dn, int dr,
-                                        int dv, float scale) {
-  extern __shared__ float sm[];
-  __shared__ float red[32];
-  const int t = blockIdx.x, h = blockIdx.y;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  const int lw = r + dr, ph = dn + dv, visible = past + t + 1;
-  const float* qt = q + ((size_t)t * H + h) * (dn + dr);
-  float* sc = sm;
-  for (int s = warp; s < visible; s += nw) {
-    const float* kr = kv + ((size_t)s * H + h) * ph;
-    const float* pe = cache + (size_t)s * lw + r;
-    float acc = 0.0f;
-    for (int i = lane; i < dn; i += 32) acc += qt[i] * kr[i];
-    for (int i = lane; i < dr; i += 32) acc += qt[dn + i] * pe[i];
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (lane == 0) sc[s] = acc * scale;
-  }
+// Shared-memory row stride for rows of `w` floats: a multiple of 4 (16-byte rows for float4
+// and cp.async) that is 4 mod 32, so 8 consecutive rows read at one column fall in 8
+// different 16-byte bank groups.
+__host__ __device__ __forceinline__ int smem_ld(int w) { return ((w + 31) / 32) * 32 + 4; }
+
+// ---------------------------------------------------------------- expanded (flash) prefill
+
+namespace fp {
+constexpr int BM = 64;    // queries per CTA
+constexpr int BN = 64;    // keys per tile
+constexpr int NT = 256;   // threads: 16 x 16, each a 4x4 patch of S and 4x8 of O
+constexpr int LDV = 128;  // V tile row stride; dv <= 128
+constexpr int LDP = 68;   // P tile row stride (4 mod 32)
+}  // namespace fp
+
+// Dynamic shared memory of the flash prefill kernel, in bytes.
+__host__ __device__ __forceinline__ size_t flash_smem_bytes(int dq) {
+  return (size_t)(2 * fp::BM * smem_ld(dq) + fp::BN * fp::LDV + fp::BM * fp::LDP) * 4;
+}
+
+// One (query tile, head). VEC: every width (dn, dr, dv, r) is a multiple of 4 and every
+// base pointer 16-byte aligned, so tiles move as 16-byte cp.async copies; otherwise
+// scalar loads.
+template <bool VEC>
+__device__ __forceinline__ void flash_prefill(const float* __restrict__ q,
+                                              const float* __restrict__ cache,
+                                              const float* __restrict__ kv,
+                                              float* __restrict__ out, int past, int len, int H,
+                                              int r, int dn, int dr, int dv, float scale_log2) {
+  using namespace fp;
+  extern __shared__ __align__(16) float sm[];
+  const int dq = dn + dr, ldq = smem_ld(dq), dq4 = (dq + 3) & ~3;
+  const int lw = r + dr, ph = dn + dv, total = past + len;
+  float* Qs = sm;                 // [BM][ldq]
+  float* Ks = Qs + BM * ldq;      // [BN][ldq]
+  float* Vs = Ks + BN * ldq;      // [BN][LDV]
+  float* Ps = Vs + BN * LDV;      // [BM][LDP]
+  const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+  const int h = blockIdx.y;
+  // Longest (last) query tiles first: causal work grows with the tile index.
+  const int qt0 = (gridDim.x - 1 - blockIdx.x) * BM;
+
+  // Zero everything once: pad columns are never loaded and must stay finite.
+  const int smem_floats = 2 * BM * ldq + BN * LDV + BM * LDP;
+  for (int i = tid; i < smem_floats; i += NT) sm[i] = 0.0f;
   __syncthreads();
-  float sum = softmax_inplace(sc, visible, red);
-  for (int j = threadIdx.x; j < dv; j += blockDim.x) {
-    float acc = 0.0f;
-    for (int s = 0; s < visible; ++s) acc += sc[s] * kv[((size_t)s * H + h) * ph + dn + j];
-    out[((size_t)t * H + h) * dv + j] = acc / sum;
+
+  auto load_q = [&]() {
+    if constexpr (VEC) {
+      const int c4 = dq / 4;
+      for (int i = tid; i < BM * c4; i += NT) {
+        const int row = i / c4, col = (i - row * c4) * 4, t = qt0 + row;
+        float* dst = Qs + row * ldq + col;
+        if (t < len) cp_async16(dst, q + ((size_t)t * H + h) * dq + col);
+        else st4(dst, make_float4(0.f, 0.f, 0.f, 0.f));
+      }
+    } else {
+      for (int i = tid; i < BM * dq; i += NT) {
+        const int row = i / dq, col = i - row * dq, t = qt0 + row;
+        Qs[row * ldq + col] = t < len ? q[((size_t)t * H + h) * dq + col] : 0.0f;
+      }
+    }
+  };
+  // K row s = k_nope(s, h) ‖ k_pe(s).
+  auto load_k = [&](int s0) {
+    if constexpr (VEC) {
+      const int c4 = dq / 4;
+      for (int i = tid; i < BN * c4; i += NT) {
+        const int row = i / c4, col = (i - row * c4) * 4, s = s0 + row;
+        float* dst = Ks + row * ldq + col;
+        if (s >= total) st4(dst, make_float4(0.f, 0.f, 0.f, 0.f));
+        else if (col < dn) cp_async16(dst, kv + ((size_t)s * H + h) * ph + col);
+        else cp_async16(dst, cache + (size_t)s * lw + r + (col - dn));
+      }
+    } else {
+      for (int i = tid; i < BN * dq; i += NT) {
+        const int row = i / dq, col = i - row * dq, s = s0 + row;
+        float v = 0.0f;
+        if (s < total)
+          v = col < dn ? kv[((size_t)s * H + h) * ph + col] : cache[(size_t)s * lw + r + col - dn];
+        Ks[row * ldq + col] = v;
+      }
+    }
+  };
+  auto load_v = [&](int s0) {
+    if constexpr (VEC) {
+      const int c4 = dv / 4;
+      for (int i = tid; i < BN * c4; i += NT) {
+        const int row = i / c4, col = (i - row * c4) * 4, s = s0 + row;
+        float* dst = Vs + row * LDV + col;
+        if (s < total) cp_async16(dst, kv + ((size_t)s * H + h) * ph + dn + col);
+        else st4(dst, make_float4(0.f, 0.f, 0.f, 0.f));
+      }
+    } else {
+      for (int i = tid; i < BN * dv; i += NT) {
+        const int row = i / dv, col = i - row * dv, s = s0 + row;
+        Vs[row * LDV + col] = s < total ? kv[((size_t)s * H + h) * ph + dn + col] : 0.0f;
+      }
+    }
+  };
+
+  // Keys any row of this tile can see: s <= past + qt0 + BM - 1, s < total.
+  const int kv_end = min(total, past + qt0 + BM);
+  const int ntiles = (kv_end + BN - 1) / BN;
+
+  float m[4], l[4], o[4][8];
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+    m[a] = -INFINITY;
+    l[a] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) o[a][c] = 0.0f;
+  }
+
+  // cp.async groups: {Q, K0}, {V0}, then per tile {K j+1} and {V j+1} (possibly empty).
+  load_q();
+  load_k(0);
+  cp_async_commit();
+  load_v(0);
+  cp_async_commit();
+
+  for (int j = 0; j < ntiles; ++j) {
+    const int s0 = j * BN;
+    cp_async_wait1();  // Q and K_j have landed; V_j may be in flight
+    __syncthreads();
+
+    float sacc[4][4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+      for (int b = 0; b < 4; ++b) sacc[a][b] = 0.0f;
+#pragma unroll 2
+    for (int k = 0; k < dq4; k += 4) {
+      float4 qa[4], kb[4];
+#pragma unroll
+      for (int a = 0; a < 4; ++a) qa[a] = ld4(Qs + (ty + 16 * a) * ldq + k);
+#pragma unroll
+      for (int b = 0; b < 4; ++b) kb[b] = ld4(Ks + (tx + 16 * b) * ldq + k);
+#pragma unroll
+      for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b) sacc[a][b] = dot4(qa[a], kb[b], sacc[a][b]);
+    }
+    __syncthreads();  // every warp is done with K_j
+    if (j + 1 < ntiles) load_k(s0 + BN);
+    cp_async_commit();
+
+    // Online softmax; the 16 threads sharing `ty` (one half-warp) hold a row's 64 scores.
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+      const int limit = past + qt0 + ty + 16 * a;  // last visible key of this row
+      float v[4], mx = -INFINITY;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const int s = s0 + tx + 16 * b;
+        v[b] = (s <= limit && s < total) ? sacc[a][b] * scale_log2 : -INFINITY;
+        mx = fmaxf(mx, v[b]);
+      }
+#pragma unroll
+      for (int off = 8; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      // Key 0 is visible to every row, so mx is finite from the first tile on.
+      const float mnew = fmaxf(m[a], mx);
+      const float alpha = exp2f(m[a] - mnew);
+      float sum = 0.0f;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const float p = exp2f(v[b] - mnew);
+        Ps[(ty + 16 * a) * LDP + tx + 16 * b] = p;
+        sum += p;
+      }
+#pragma unroll
+      for (int off = 8; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      l[a] = l[a] * alpha + sum;
+      m[a] = mnew;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) o[a][c] *= alpha;
+    }
+    cp_async_wait1();  // V_j has landed (only K_{j+1} may be in flight)
+    __syncthreads();   // ... for every thread, and P is complete
+
+    const int kmax = min(BN, kv_end - s0);
+#pragma unroll 1
+    for (int k = 0; k < kmax; k += 4) {
+      float4 pa[4];
+#pragma unroll
+      for (int a = 0; a < 4; ++a) pa[a] = ld4(Ps + (ty + 16 * a) * LDP + k);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const float4 v0 = ld4(Vs + (k + kk) * LDV + tx * 4);
+        const float4 v1 = ld4(Vs + (k + kk) * LDV + 64 + tx * 4);
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+          const float p = kk == 0 ? pa[a].x : kk == 1 ? pa[a].y : kk == 2 ? pa[a].z : pa[a].w;
+          o[a][0] = fmaf(p, v0.x, o[a][0]);
+          o[a][1] = fmaf(p, v0.y, o[a][1]);
+          o[a][2] = fmaf(p, v0.z, o[a][2]);
+          o[a][3] = fmaf(p, v0.w, o[a][3]);
+          o[a][4] = fmaf(p, v1.x, o[a][4]);
+          o[a][5] = fmaf(p, v1.y, o[a][5]);
+          o[a][6] = fmaf(p, v1.z, o[a][6]);
+          o[a][7] = fmaf(p, v1.w, o[a][7]);
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with V_j and P
+    if (j + 1 < ntiles) load_v(s0 + BN);
+    cp_async_commit();
+  }
+  cp_async_wait0();
+
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+    const int t = qt0 + ty + 16 * a;
+    if (t >= len) continue;
+    const float inv = 1.0f / l[a];
+    float* orow = out + ((size_t)t * H + h) * dv;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int col = tx * 4 + 64 * c;
+      if constexpr (VEC) {
+        if (col < dv)
+          st4(orow + col, make_float4(o[a][4 * c] * inv, o[a][4 * c + 1] * inv,
+                                      o[a][4 * c + 2] * inv, o[a][4 * c + 3] * inv));
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (col + e < dv) orow[col + e] = o[a][4 * c + e] * inv;
+      }
+    }
   }
 }
 
-// Absorbed form: q_lat = W_uk[h]ᵀ q_nope, scores over raw latents, o = W_uv[h] · Σ p c.
-// kv_b [H*(dn+dv), r] in dtype kdt. Shared: q_lat[r], o_lat[r], scores[total].
-extern "C" __global__ void mla_absorbed(const float* q, const float* cache, const void* kvb,
-                                        int kdt, float* out, int past, int H, int r, int dn,
-                                        int dr, int dv, float scale) {
-  extern __shared__ float sm[];
-  __shared__ float red[32];
-  const int t = blockIdx.x, h = blockIdx.y;
+// Grid (ceil(len / 64), H), block 256, dynamic shared memory flash_smem_bytes(dn + dr).
+// q [len, H*(dn+dr)] (this segment's rows), cache [total, r+dr] contiguous, kv
+// [total, H*(dn+dv)], out [len, H*dv]; total = past + len; dv <= 128.
+extern "C" __global__ void __launch_bounds__(256, 1)
+    mla_flash_prefill(const float* q, const float* cache, const float* kv, float* out, int past,
+                      int len, int H, int r, int dn, int dr, int dv, float scale_log2) {
+  flash_prefill<false>(q, cache, kv, out, past, len, H, r, dn, dr, dv, scale_log2);
+}
+
+// As mla_flash_prefill, with dn, dr, dv, r multiples of 4 and 16-byte aligned pointers.
+extern "C" __global__ void __launch_bounds__(256, 1)
+    mla_flash_prefill_vec(const float* q, const float* cache, const float* kv, float* out,
+                          int past, int len, int H, int r, int dn, int dr, int dv,
+                          float scale_log2) {
+  flash_prefill<true>(q, cache, kv, out, past, len, H, r, dn, dr, dv, scale_log2);
+}
+
+// ---------------------------------------------------------------- absorbed (split-KV) decode
+
+// One sequence piece of an absorbed launch: its latent rows, `len` new queries at positions
+// past .. past+len-1 (query token i sees latent rows 0 ..= past+i), whose rows in the
+// launch-local q_cat / o_lat buffers start at token `row0` (row (row0 + i)*H + h).
+// Latent row s lives at cache + s*lw, or with a block table at
+// cache + (block_table[s / block_size] * block_size + s % block_size) * lw.
+struct MlaSeq {
+  const float* cache;
+  const uint32_t* block_table;  // nullptr: contiguous rows
+  int past;
+  int len;
+  int row0;
+  int chunk_len;  // latent rows per split (a multiple of 16)
+};
+
+__device__ __forceinline__ const float* latent_row(const MlaSeq& s, int row, int block_size,
+                                                   int lw) {
+  if (s.block_table == nullptr) return s.cache + (size_t)row * lw;
+  const size_t slot =
+      (size_t)s.block_table[row / block_size] * block_size + (size_t)(row % block_size);
+  return s.cache + slot * lw;
+}
+
+// q_cat[(t*H + h)] = [W_uk[h]ᵀ q_nope(t, h) ‖ q_pe(t, h)] (width lw) for launch-local token
+// t < ntok, whose q row is rows[t]. Grid (H, ceil(ntok / 8)), block 256.
+extern "C" __global__ void __launch_bounds__(256)
+    mla_q_absorb(const float* q, const uint32_t* rows, int ntok, const void* kvb, int kdt,
+                 float* qcat, int H, int r, int dn, int dr, int dv) {
+  __shared__ float qn[8][256];  // dn <= 256
+  const int h = blockIdx.x, t0 = blockIdx.y * 8, nt = min(8, ntok - t0);
+  const int dq = dn + dr, lw = r + dr, ph = dn + dv;
+  for (int i = threadIdx.x; i < 8 * dn; i += blockDim.x) {
+    const int k = i / dn, d = i - k * dn;
+    qn[k][d] = k < nt ? q[((size_t)rows[t0 + k] * H + h) * dq + d] : 0.0f;
+  }
+  __syncthreads();
+  const size_t wk = (size_t)h * ph * r;
+  for (int c = threadIdx.x; c < r; c += blockDim.x) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int i = 0; i < dn; ++i) {
+      const float w = ld(kvb, wk + (size_t)i * r + c, kdt);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc[k] = fmaf(qn[k][i], w, acc[k]);
+    }
+    for (int k = 0; k < nt; ++k) qcat[((size_t)(t0 + k) * H + h) * lw + c] = acc[k];
+  }
+  for (int i = threadIdx.x; i < nt * dr; i += blockDim.x) {
+    const int k = i / dr, e = i - k * dr;
+    qcat[((size_t)(t0 + k) * H + h) * lw + r + e] =
+        q[((size_t)rows[t0 + k] * H + h) * dq + dn + e];
+  }
+}
+
+namespace dc {
+constexpr int BQ = 32;   // query rows (token, head) per CTA
+constexpr int BK = 16;   // latent rows per tile
+constexpr int NT = 256;  // 8 warps
+constexpr int LDR = 17;  // row stride of the per-warp partial score tiles
+}  // namespace dc
+
+// Dynamic shared memory of mla_decode_partial, in bytes.
+__host__ __device__ __forceinline__ size_t decode_smem_bytes(int lw) {
+  using namespace dc;
+  return (size_t)(BQ * smem_ld(lw) + 2 * BK * smem_ld(lw) + 8 * BQ * LDR + BK * BQ + 3 * BQ) * 4;
+}
+
+// Split-KV attention in the latent space. Grid (nchunks, row tiles, pieces), block 256,
+// dynamic shared memory decode_smem_bytes(r + dr). CTA (x, y, z): piece z, query rows
+// y*32 .. y*32+31 of its len*H rows (row = i*H + h), latent rows [x*chunk_len,
+// (x+1)*chunk_len). Writes for each of its rows the chunk's running max m and sum l
+// (log2 domain; m = -inf, l = 0 when it sees no row) to part_ml[row*nchunks + x] and the
+// unnormalised Σ p·c to part_o[(row*nchunks + x)*r ..] (only when l > 0).
+// r <= 512, r + dr <= 640.
+template <bool VEC>
+__device__ __forceinline__ void decode_partial(const MlaSeq* __restrict__ seqs, int block_size,
+                                               const float* __restrict__ qcat,
+                                               float2* __restrict__ part_ml,
+                                               float* __restrict__ part_o, int nchunks, int H,
+                                               int r, int dr, float scale_log2) {
+  using namespace dc;
+  extern __shared__ __align__(16) float sm[];
+  const MlaSeq sq = seqs[blockIdx.z];
+  const int rows = sq.len * H, rt0 = blockIdx.y * BQ;
+  if (rt0 >= rows) return;
+  const int lw = r + dr, ldq = smem_ld(lw), lw4 = (lw + 3) & ~3;
+  const int nrows = min(BQ, rows - rt0);
+  const int x = blockIdx.x;
+  const int total = sq.past + sq.len;
+  // Latent rows of this chunk that any of its query rows can see.
+  const int last_tok = (rt0 + nrows - 1) / H;
+  const int c0 = x * sq.chunk_len;
+  const int c1 = min(min(c0 + sq.chunk_len, total), sq.past + last_tok + 1);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const size_t grow0 = (size_t)sq.row0 * H + rt0;  // launch-local row of local row 0
+
+  if (c0 >= c1) {
+    if (tid < nrows) part_ml[(grow0 + tid) * nchunks + x] = make_float2(-INFINITY, 0.0f);
+    return;
+  }
+
+  float* Qs = sm;                      // [BQ][ldq]
+  float* Cs = Qs + BQ * ldq;           // [2][BK][ldq]
+  float* red = Cs + 2 * BK * ldq;      // [8][BQ][LDR]
+  float* Pt = red + 8 * BQ * LDR;      // [BK][BQ] (transposed probabilities)
+  float* ms = Pt + BK * BQ;            // [BQ] running max
+  float* ls = ms + BQ;                 // [BQ] running sum
+  float* al = ls + BQ;                 // [BQ] this tile's rescale factor
+  // Zero the tiles (pad columns are never loaded and must stay finite); the row stats
+  // after them start at m = -inf, l = 0.
+  const int tile_floats = BQ * ldq + 2 * BK * ldq + 8 * BQ * LDR + BK * BQ;
+  for (int i = tid; i < tile_floats; i += NT) sm[i] = 0.0f;
+  if (tid < BQ) {
+    ms[tid] = -INFINITY;
+    ls[tid] = 0.0f;
+    al[tid] = 1.0f;
+  }
+  __syncthreads();
+
+  auto load_q = [&]() {
+    if constexpr (VEC) {
+      const int c4 = lw / 4;
+      for (int i = tid; i < nrows * c4; i += NT) {
+        const int row = i / c4, col = (i - row * c4) * 4;
+        cp_async16(Qs + row * ldq + col, qcat + (grow0 + row) * lw + col);
+      }
+    } else {
+      for (int i = tid; i < nrows * lw; i += NT) {
+        const int row = i / lw, col = i - row * lw;
+        Qs[row * ldq + col] = qcat[(grow0 + row) * lw + col];
+      }
+    }
+  };
+  auto load_c = [&](int s0, int buf) {
+    float* dst0 = Cs + buf * BK * ldq;
+    if constexpr (VEC) {
+      const int c4 = lw / 4;
+      for (int i = tid; i < BK * c4; i += NT) {
+        const int row = i / c4, col = (i - row * c4) * 4, s = s0 + row;
+        float* dst = dst0 + row * ldq + col;
+        if (s < c1) cp_async16(dst, latent_row(sq, s, block_size, lw) + col);
+        else st4(dst, make_float4(0.f, 0.f, 0.f, 0.f));
+      }
+    } else {
+      for (int i = tid; i < BK * lw; i += NT) {
+        const int row = i / lw, col = i - row * lw, s = s0 + row;
+        dst0[row * ldq + col] = s < c1 ? latent_row(sq, s, block_size, lw)[col] : 0.0f;
+      }
+    }
+  };
+
+  // S phase: warp w sums k in its slice of the lw4/4 float4 columns; lane = (rg, cg) owns
+  // rows rg + 8e and keys cg + 4f.
+  const int nk4 = lw4 / 4, per = (nk4 + 7) / 8;
+  const int k4a = min(nk4, warp * per), k4b = min(nk4, k4a + per);
+  const int rg = lane >> 2, cg = lane & 3;
+  // PV phase: warp w owns latent columns w*64 .. w*64+63 (two float4 per lane, 32 apart)
+  // of rows pr*8 .. pr*8+7.
+  const int pr = lane >> 3, pc = lane & 7;
+  const int col0 = warp * 64 + pc * 4;
+  float o[8][8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+#pragma unroll
+    for (int c = 0; c < 8; ++c) o[e][c] = 0.0f;
+
+  const int ntiles = (c1 - c0 + BK - 1) / BK;
+  load_q();
+  load_c(c0, 0);
+  cp_async_commit();
+  for (int j = 0; j < ntiles; ++j) {
+    const int buf = j & 1, s0 = c0 + j * BK;
+    if (j + 1 < ntiles) load_c(s0 + BK, buf ^ 1);
+    cp_async_commit();
+    cp_async_wait1();  // tile j (and Q) have landed
+    __syncthreads();
+    const float* Ct = Cs + buf * BK * ldq;
+
+    float acc[4][4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+      for (int f = 0; f < 4; ++f) acc[e][f] = 0.0f;
+#pragma unroll 2
+    for (int k4 = k4a; k4 < k4b; ++k4) {
+      float4 qv[4], cv[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) qv[e] = ld4(Qs + (rg + 8 * e) * ldq + k4 * 4);
+#pragma unroll
+      for (int f = 0; f < 4; ++f) cv[f] = ld4(Ct + (cg + 4 * f) * ldq + k4 * 4);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+#pragma unroll
+        for (int f = 0; f < 4; ++f) acc[e][f] = dot4(qv[e], cv[f], acc[e][f]);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+      for (int f = 0; f < 4; ++f) red[(warp * BQ + rg + 8 * e) * LDR + cg + 4 * f] = acc[e][f];
+    __syncthreads();
+
+    {
+      // Softmax: 8 consecutive lanes own one row, two keys each.
+      const int row = tid >> 3, kp = (tid & 7) * 2;
+      const int limit = sq.past + (rt0 + row) / H;  // last visible latent row
+      float v[2], mx = -INFINITY;
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int key = kp + u, s = s0 + key;
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) sum += red[(w * BQ + row) * LDR + key];
+        v[u] = (row < nrows && s < c1 && s <= limit) ? sum * scale_log2 : -INFINITY;
+        mx = fmaxf(mx, v[u]);
+      }
+      const float mold = ms[row];
+#pragma unroll
+      for (int off = 4; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float mnew = fmaxf(mold, mx);
+      // A row that has seen no visible key yet keeps m = -inf, l = 0.
+      const bool live = mnew != -INFINITY;
+      const float alpha = live ? exp2f(mold - mnew) : 1.0f;
+      float psum = 0.0f;
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const float p = live ? exp2f(v[u] - mnew) : 0.0f;
+        Pt[(kp + u) * BQ + row] = p;
+        psum += p;
+      }
+#pragma unroll
+      for (int off = 4; off > 0; off >>= 1) psum += __shfl_xor_sync(0xffffffffu, psum, off);
+      if ((tid & 7) == 0) {
+        ms[row] = mnew;
+        ls[row] = ls[row] * alpha + psum;
+        al[row] = alpha;
+      }
+    }
+    __syncthreads();
+
+    if (col0 < r) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float a = al[pr * 8 + e];
+#pragma unroll
+        for (int c = 0; c < 8; ++c) o[e][c] *= a;
+      }
+#pragma unroll 2
+      for (int k = 0; k < BK; ++k) {
+        const float4 p0 = ld4(Pt + k * BQ + pr * 8), p1 = ld4(Pt + k * BQ + pr * 8 + 4);
+        const float4 v0 = ld4(Ct + k * ldq + col0), v1 = ld4(Ct + k * ldq + col0 + 32);
+        const float pe[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          o[e][0] = fmaf(pe[e], v0.x, o[e][0]);
+          o[e][1] = fmaf(pe[e], v0.y, o[e][1]);
+          o[e][2] = fmaf(pe[e], v0.z, o[e][2]);
+          o[e][3] = fmaf(pe[e], v0.w, o[e][3]);
+          o[e][4] = fmaf(pe[e], v1.x, o[e][4]);
+          o[e][5] = fmaf(pe[e], v1.y, o[e][5]);
+          o[e][6] = fmaf(pe[e], v1.z, o[e][6]);
+          o[e][7] = fmaf(pe[e], v1.w, o[e][7]);
+        }
+      }
+    }
+    __syncthreads();  // tile j's buffer, Pt and al are free for the next tile
+  }
+  cp_async_wait0();
+
+  if (tid < nrows) part_ml[(grow0 + tid) * nchunks + x] = make_float2(ms[tid], ls[tid]);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const int row = pr * 8 + e;
+    if (row >= nrows || ls[row] == 0.0f) continue;
+    float* dst = part_o + ((grow0 + row) * nchunks + x) * r;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int col = col0 + 32 * c;
+      if constexpr (VEC) {
+        if (col < r) st4(dst + col, make_float4(o[e][4 * c], o[e][4 * c + 1], o[e][4 * c + 2],
+                                                o[e][4 * c + 3]));
+      } else {
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (col + u < r) dst[col + u] = o[e][4 * c + u];
+      }
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+    mla_decode_partial(const MlaSeq* seqs, int block_size, const float* qcat, float2* part_ml,
+                       float* part_o, int nchunks, int H, int r, int dr, float scale_log2) {
+  decode_partial<false>(seqs, block_size, qcat, part_ml, part_o, nchunks, H, r, dr, scale_log2);
+}
+
+// As mla_decode_partial, with r and dr multiples of 4 and 16-byte aligned caches.
+extern "C" __global__ void __launch_bounds__(256, 1)
+    mla_decode_partial_vec(const MlaSeq* seqs, int block_size, const float* qcat,
+                           float2* part_ml, float* part_o, int nchunks, int H, int r, int dr,
+                           float scale_log2) {
+  decode_partial<true>(seqs, block_size, qcat, part_ml, part_o, nchunks, H, r, dr, scale_log2);
+}
+
+// o_lat[row] = Σ_x 2^(m_x − M) o_x / Σ_x 2^(m_x − M) l_x over the chunks x that saw a
+// visible row (l_x > 0). Grid (rows), block 128.
+extern "C" __global__ void mla_decode_combine(const float2* part_ml, const float* part_o,
+                                              int nchunks, int r, float* olat) {
+  const size_t row = blockIdx.x;
+  const float2* ml = part_ml + row * nchunks;
+  float mx = -INFINITY;
+  for (int x = 0; x < nchunks; ++x)
+    if (ml[x].y > 0.0f) mx = fmaxf(mx, ml[x].x);
+  float lsum = 0.0f;
+  for (int x = 0; x < nchunks; ++x)
+    if (ml[x].y > 0.0f) lsum += exp2f(ml[x].x - mx) * ml[x].y;
+  const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+  for (int c = threadIdx.x; c < r; c += blockDim.x) {
+    float acc = 0.0f;
+    for (int x = 0; x < nchunks; ++x)
+      if (ml[x].y > 0.0f) acc = fmaf(exp2f(ml[x].x - mx), part_o[(row * nchunks + x) * r + c], acc);
+    olat[row * r + c] = acc * inv;
+  }
+}
+
+// out[rows[t]*H + h] (width dv) = W_uv[h] · o_lat[t*H + h] for launch-local token t < ntok.
+// Grid (H, ceil(ntok / 8)), block 256, dynamic shared memory 8*r floats.
+extern "C" __global__ void __launch_bounds__(256)
+    mla_uv_project(const float* olat, const uint32_t* rows, int ntok, const void* kvb, int kdt,
+                   float* out, int H, int r, int dn, int dv) {
+  extern __shared__ float os[];  // [8][r]
+  const int h = blockIdx.x, t0 = blockIdx.y * 8, nt = min(8, ntok - t0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  const int lw = r + dr, ph = dn + dv, visible = past + t + 1;
-  const float* qt = q + ((size_t)t * H + h) * (dn + dr);
-  float* qlat = sm;
-  float* olat = sm + r;
-  float* sc = sm + 2 * r;
-  const size_t wk = (size_t)h * ph * r, wv = ((size_t)h * ph + dn) * r;
-  for (int c = threadIdx.x; c < r; c += blockDim.x) {
-    float acc = 0.0f;
-    for (int i = 0; i < dn; ++i) acc += qt[i] * ld(kvb, wk + (size_t)i * r + c, kdt);
-    qlat[c] = acc;
+  for (int i = threadIdx.x; i < 8 * r; i += blockDim.x) {
+    const int k = i / r, c = i - k * r;
+    os[i] = k < nt ? olat[((size_t)(t0 + k) * H + h) * r + c] : 0.0f;
   }
   __syncthreads();
-  for (int s = warp; s < visible; s += nw) {
-    const float* row = cache + (size_t)s * lw;
-    float acc = 0.0f;
-    for (int i = lane; i < r; i += 32) acc += qlat[i] * row[i];
-    for (int i = lane; i < dr; i += 32) acc += qt[dn + i] * row[r + i];
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (lane == 0) sc[s] = acc * scale;
-  }
-  __syncthreads();
-  float sum = softmax_inplace(sc, visible, red);
-  for (int c = threadIdx.x; c < r; c += blockDim.x) {
-    float acc = 0.0f;
-    for (int s = 0; s < visible; ++s) acc += sc[s] * cache[(size_t)s * lw + c];
-    olat[c] = acc / sum;
-  }
-  __syncthreads();
+  const size_t wv = ((size_t)h * (dn + dv) + dn) * r;
   for (int j = warp; j < dv; j += nw) {
-    float acc = 0.0f;
-    for (int c = lane; c < r; c += 32) acc += ld(kvb, wv + (size_t)j * r + c, kdt) * olat[c];
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (lane == 0) out[((size_t)t * H + h) * dv + j] = acc;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int c = lane; c < r; c += 32) {
+      const float w = ld(kvb, wv + (size_t)j * r + c, kdt);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc[k] = fmaf(w, os[k * r + c], acc[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], off);
+    if (lane == 0)
+      for (int k = 0; k < nt; ++k) out[((size_t)rows[t0 + k] * H + h) * dv + j] = acc[k];
   }
 }

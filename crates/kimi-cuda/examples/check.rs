@@ -9,8 +9,12 @@
 //!    NaN/Inf check, decode latency and prefill throughput.
 //!
 //! 4. With `profile` (only when named): per-op device time of decode and 8K prefill.
+//! 5. With `mla-bench` (only when named): the MLA op alone on real dimensions: expanded
+//!    prefill of 8192 tokens, absorbed decode at contexts 1K/32K/128K for 1 and 64
+//!    sequences, with the implied latent-read bandwidth.
 //!
-//! Usage: `check [ops] [fixtures] [big N_TOKENS] [profile]` (default: 1-3, 1000 tokens).
+//! Usage: `check [ops] [fixtures] [big N_TOKENS] [profile] [mla-bench]` (default: 1-3,
+//! 1000 tokens).
 
 use std::collections::HashSet;
 use std::error::Error;
@@ -44,6 +48,12 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(1000usize);
     let mut failed = false;
+    if args.iter().any(|a| a == "mla-bench") {
+        if let Err(e) = mla_bench() {
+            println!("mla-bench: ERROR {e}");
+            failed = true;
+        }
+    }
     if args.iter().any(|a| a == "profile") {
         if let Err(e) = profile_big() {
             println!("profile: ERROR {e}");
@@ -681,6 +691,109 @@ fn profile_big() -> Res<()> {
         );
         model.backend().report("prefill 8192 (ms per prefill)", 1.0);
         let _ = std::io::stdout().flush();
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- MLA timing
+
+/// H200 HBM bandwidth (spec sheet) the decode figures are compared with.
+const H200_BYTES_PER_S: f64 = 4.8e12;
+
+/// Times the MLA op on the real model's dimensions (one layer).
+fn mla_bench() -> Res<()> {
+    println!("== 5. mla-bench: one MLA layer, H=32, r=512, dn=128, dr=64, dv=128 (f32 activations and cache, bf16 kv_b)");
+    let b = CudaBackend::new(0)?;
+    println!("device: {}", b.name());
+    let dims = MlaDims {
+        num_heads: 32,
+        kv_lora_rank: 512,
+        qk_nope_head_dim: 128,
+        qk_rope_head_dim: 64,
+        v_head_dim: 128,
+        scale: 192f32.powf(-0.5),
+    };
+    let (h, rk, dn, dr, dv) = (32usize, 512usize, 128usize, 64usize, 128usize);
+    let (qw, lw) = (h * (dn + dr), rk + dr);
+    let mut rng = op_cases::Rng(77);
+    let kvb = op_cases::weight(
+        &b,
+        &[h * (dn + dv), rk],
+        &rng.vec(h * (dn + dv) * rk, (rk as f32).powf(-0.5)),
+        DType::BF16,
+    )?;
+
+    // Expanded prefill of one 8192-token segment over an empty cache (includes appending
+    // the rows and the kv_b GEMM that decompresses them).
+    let t_len = 8192usize;
+    let q = b.upload_f32(&[t_len, qw], &rng.vec(t_len * qw, 1.0))?;
+    let lat = b.upload_f32(&[t_len, lw], &rng.vec(t_len * lw, 1.0))?;
+    let seg = [Segment {
+        start: 0,
+        len: t_len,
+    }];
+    let mut best = f64::INFINITY;
+    for _ in 0..4 {
+        let mut cache = b.zeros(&[0, lw])?;
+        b.synchronize()?;
+        let t0 = Instant::now();
+        let y = b.mla(
+            &q,
+            &lat,
+            &kvb,
+            &dims,
+            &seg,
+            &mut [&mut cache],
+            MlaMode::Expanded,
+        )?;
+        b.synchronize()?;
+        best = best.min(t0.elapsed().as_secs_f64());
+        drop(y);
+    }
+    let flops = 2.0 * h as f64 * (t_len * (t_len + 1) / 2) as f64 * (dn + dr + dv) as f64;
+    println!(
+        "expanded prefill T={t_len}: {:.2} ms (best of 4) = {:.1} TFLOP/s causal attention (kv_b GEMM included in the time)",
+        best * 1e3,
+        flops / best / 1e12
+    );
+    let _ = std::io::stdout().flush();
+
+    // Absorbed decode: `batch` sequences at context `ctx`, one new token each per call.
+    for &batch in &[1usize, 64] {
+        for &ctx in &[1024usize, 32 * 1024, 128 * 1024] {
+            let mut caches = (0..batch)
+                .map(|_| b.zeros(&[ctx, lw]))
+                .collect::<Result<Vec<_>, _>>()?;
+            let q = b.upload_f32(&[batch, qw], &rng.vec(batch * qw, 1.0))?;
+            let lat = b.upload_f32(&[batch, lw], &rng.vec(batch * lw, 1.0))?;
+            let segs: Vec<Segment> = (0..batch).map(|s| Segment { start: s, len: 1 }).collect();
+            let step = |caches: &mut Vec<_>| -> Res<()> {
+                let mut refs: Vec<&mut _> = caches.iter_mut().collect();
+                b.mla(&q, &lat, &kvb, &dims, &segs, &mut refs, MlaMode::Auto)?;
+                Ok(())
+            };
+            // Warm-up: the first append grows every cache's capacity.
+            step(&mut caches)?;
+            step(&mut caches)?;
+            b.synchronize()?;
+            let iters = 20;
+            let t0 = Instant::now();
+            for _ in 0..iters {
+                step(&mut caches)?;
+            }
+            b.synchronize()?;
+            let s = t0.elapsed().as_secs_f64() / iters as f64;
+            let bytes = (batch * (ctx + 2 + iters / 2) * lw * 4) as f64;
+            println!(
+                "absorbed decode B={batch:<3} ctx={:>4}K: {:.3} ms/layer, latent read {:.0} MB -> {:.2} TB/s ({:.0}% of 4.8 TB/s)",
+                ctx / 1024,
+                s * 1e3,
+                bytes / 1e6,
+                bytes / s / 1e12,
+                100.0 * bytes / s / H200_BYTES_PER_S
+            );
+            let _ = std::io::stdout().flush();
+        }
     }
     Ok(())
 }

@@ -1213,6 +1213,8 @@ impl Backend for CudaBackend {
         check_segments(OP, segments, caches.len(), n)?;
         let kdt = code(kv_b, OP)?;
         let out = self.zeroed(&[n, h * dv], OP)?;
+        // Absorbed segments are attended together after every cache has its new rows.
+        let mut pieces = vec![];
         for (seg, cache) in segments.iter().zip(caches.iter_mut()) {
             if cache.shape.len() != 2 || cache.shape[1] != lw || cache.dtype != DType::F32 {
                 return Err(shape_err(
@@ -1231,57 +1233,56 @@ impl Backend for CudaBackend {
                 MlaMode::Absorbed => true,
                 MlaMode::Expanded => false,
             };
+            if absorbed {
+                pieces.push(ops::mla::Piece {
+                    cache: cache.ptr(),
+                    block_table: 0,
+                    past,
+                    len: seg.len,
+                    q_row: seg.start,
+                });
+                continue;
+            }
             let qp = q.ptr() + (seg.start * qw * 4) as u64;
             let op_ = out.ptr() + (seg.start * h * dv * 4) as u64;
-            if absorbed {
-                // SAFETY: shapes checked above; the cache holds `total` rows.
-                unsafe {
-                    ops::mla::attention(
-                        &self.dev,
-                        qp,
-                        cache.ptr(),
-                        ops::mla::Form::Absorbed {
-                            kv_b: kv_b.ptr(),
-                            dt: kdt,
-                        },
-                        op_,
-                        past,
-                        seg.len,
-                        dims,
-                    )?
-                };
-            } else {
-                // Decompress every cached latent: c [total, r] · kv_bᵀ → [total, H*(dn+dv)].
-                let c = self.empty(&[total, r], DType::F32, OP)?;
-                // SAFETY: the cache holds total rows of lw >= r.
-                unsafe {
-                    ops::elementwise::copy_cols(
-                        &self.dev,
-                        cache.ptr(),
-                        lw,
-                        0,
-                        c.ptr(),
-                        r,
-                        0,
-                        total,
-                        r,
-                    )?
-                };
-                let kv = self.matmul_op(&c, kv_b, OP)?;
-                // SAFETY: kv holds total rows of H*(dn+dv) f32.
-                unsafe {
-                    ops::mla::attention(
-                        &self.dev,
-                        qp,
-                        cache.ptr(),
-                        ops::mla::Form::Expanded { kv: kv.ptr() },
-                        op_,
-                        past,
-                        seg.len,
-                        dims,
-                    )?
-                };
-            }
+            // Decompress every cached latent: c [total, r] · kv_bᵀ → [total, H*(dn+dv)].
+            let c = self.empty(&[total, r], DType::F32, OP)?;
+            // SAFETY: the cache holds total rows of lw >= r.
+            unsafe {
+                ops::elementwise::copy_cols(&self.dev, cache.ptr(), lw, 0, c.ptr(), r, 0, total, r)?
+            };
+            let kv = self.matmul_op(&c, kv_b, OP)?;
+            // SAFETY: q/out point at this segment's rows (shapes checked above), the cache
+            // holds `total` contiguous rows of lw f32 and kv `total` rows of H*(dn+dv) f32.
+            unsafe {
+                ops::mla::expanded(
+                    &self.dev,
+                    qp,
+                    cache.ptr(),
+                    kv.ptr(),
+                    op_,
+                    past,
+                    seg.len,
+                    dims,
+                )?
+            };
+        }
+        if !pieces.is_empty() {
+            // SAFETY: every piece's rows lie inside q/out (check_segments), its cache holds
+            // past+len contiguous rows of lw f32 (appended above) and kv_b is [H*(dn+dv), r]
+            // of dtype kdt.
+            unsafe {
+                ops::mla::absorbed(
+                    &self.dev,
+                    q.ptr(),
+                    &pieces,
+                    1,
+                    kv_b.ptr(),
+                    kdt,
+                    out.ptr(),
+                    dims,
+                )?
+            };
         }
         Ok(out)
     }

@@ -15,7 +15,13 @@ use crate::error::{Error, OpContext};
 pub(crate) const MAX_DYNAMIC_SMEM_BYTES: u32 = 200 * 1024;
 
 /// Kernels that get the large dynamic shared memory limit.
-const BIG_SMEM_KERNELS: &[&str] = &["mla_expanded", "mla_absorbed", "moe_route"];
+const BIG_SMEM_KERNELS: &[&str] = &[
+    "mla_flash_prefill",
+    "mla_flash_prefill_vec",
+    "mla_decode_partial",
+    "mla_decode_partial_vec",
+    "moe_route",
+];
 
 /// Every kernel symbol, by module (the `kernels/<module>.cu` file stem).
 const KERNELS: &[(&str, &[&str])] = &[
@@ -49,7 +55,18 @@ const KERNELS: &[(&str, &[&str])] = &[
             "kda_recurrent_128",
         ],
     ),
-    ("mla", &["mla_expanded", "mla_absorbed"]),
+    (
+        "mla",
+        &[
+            "mla_flash_prefill",
+            "mla_flash_prefill_vec",
+            "mla_q_absorb",
+            "mla_decode_partial",
+            "mla_decode_partial_vec",
+            "mla_decode_combine",
+            "mla_uv_project",
+        ],
+    ),
     (
         "moe",
         &["moe_route", "moe_lists", "moe_expert_gemv", "moe_combine"],

@@ -1,84 +1,405 @@
-//! Launchers of `kernels/mla.cu`.
+//! Launchers of `kernels/mla.cu`: the flash-style expanded prefill and the split-KV
+//! absorbed decode (q absorb → partial attention per latent chunk → combine → W_uv).
 
-use cudarc::driver::PushKernelArg;
+use cudarc::driver::{CudaSlice, PushKernelArg};
 use kimi_ops::{Error, MlaDims, Result};
 
 use crate::device::{grid, Device, MAX_DYNAMIC_SMEM_BYTES};
 use crate::error::OpContext;
 
-/// Where the decompressed or absorbed form reads its keys and values.
-pub(crate) enum Form {
-    /// `kv [total, H*(dn+dv)]` f32, decompressed by a GEMM.
-    Expanded { kv: u64 },
-    /// `kv_b [H*(dn+dv), r]` in dtype `dt`.
-    Absorbed { kv_b: u64, dt: i32 },
+/// Queries per CTA of the flash prefill kernel.
+const FLASH_BM: usize = 64;
+/// Query rows (token, head) per CTA of the decode kernel.
+const DECODE_ROWS: usize = 32;
+/// Latent rows per decode tile; chunk lengths are multiples of it.
+const DECODE_TILE: usize = 16;
+/// A decode chunk covers at least this many latent rows (fewer only for short contexts),
+/// so the per-CTA query load and the merge stay small next to the rows read.
+const MIN_CHUNK: usize = 256;
+/// Decode CTAs to aim for: four per SM of an H200 (132 SMs; one resident CTA per SM).
+const TARGET_CTAS: usize = 4 * 132;
+/// Absorbed queries (tokens) per launch group: bounds the q_cat, partial and o_lat buffers
+/// (≤ ~55 MB on the real model) whatever the segment lengths.
+const GROUP_TOKENS: usize = 128;
+
+fn round_up(x: usize, m: usize) -> usize {
+    x.div_ceil(m) * m
 }
 
-/// Attention of `len` new queries over `past + len` cached latents.
+/// Shared-memory row stride of `smem_ld` in `mla.cu`.
+fn smem_ld(w: usize) -> usize {
+    round_up(w, 32) + 4
+}
+
+fn flash_smem_bytes(dq: usize) -> usize {
+    (2 * FLASH_BM * smem_ld(dq) + 64 * 128 + FLASH_BM * 68) * 4
+}
+
+fn decode_smem_bytes(lw: usize) -> usize {
+    (DECODE_ROWS * smem_ld(lw)
+        + 2 * DECODE_TILE * smem_ld(lw)
+        + 8 * DECODE_ROWS * 17
+        + DECODE_TILE * DECODE_ROWS
+        + 3 * DECODE_ROWS)
+        * 4
+}
+
+fn aligned(ptrs: &[u64]) -> bool {
+    ptrs.iter().all(|p| p.is_multiple_of(16))
+}
+
+fn dims_i32(dims: &MlaDims) -> Result<[i32; 5]> {
+    let v = [
+        dims.num_heads,
+        dims.kv_lora_rank,
+        dims.qk_nope_head_dim,
+        dims.qk_rope_head_dim,
+        dims.v_head_dim,
+    ];
+    let mut out = [0i32; 5];
+    for (o, x) in out.iter_mut().zip(v) {
+        *o = i32::try_from(x).map_err(|_| Error::Unsupported(format!("mla dims {dims:?}")))?;
+    }
+    Ok(out)
+}
+
+fn to_i32(x: usize, what: &str) -> Result<i32> {
+    i32::try_from(x).map_err(|_| Error::Unsupported(format!("mla {what} {x} exceeds i32")))
+}
+
+/// Expanded (prefill) attention of one segment: `len` queries over `past + len` keys.
 ///
 /// # Safety
-/// `q` holds `len * H*(dn+dr)` f32 (this segment's rows), `cache` `(past+len) * (r+dr)`
-/// f32, `out` `len * H*dv` f32, and the form's buffers their documented sizes.
+/// `q` holds this segment's `len` rows of `H*(dn+dr)` f32, `cache` `past+len` contiguous
+/// rows of `r+dr` f32 (k_pe at column `r`), `kv` `past+len` rows of `H*(dn+dv)` f32
+/// (k_nope ‖ v per head) and `out` `len` rows of `H*dv` f32, all on `dev`'s context.
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn attention(
+pub(crate) unsafe fn expanded(
     dev: &Device,
     q: u64,
     cache: u64,
-    form: Form,
+    kv: u64,
     out: u64,
     past: usize,
     len: usize,
     dims: &MlaDims,
 ) -> Result<()> {
-    let total = past + len;
-    let (h, r, dn, dr, dv) = (
-        dims.num_heads as i32,
-        dims.kv_lora_rank as i32,
-        dims.qk_nope_head_dim as i32,
-        dims.qk_rope_head_dim as i32,
-        dims.v_head_dim as i32,
-    );
-    let p = past as i32;
-    let cfg = |floats: usize| -> Result<_> {
-        let bytes = floats * 4;
-        if bytes > MAX_DYNAMIC_SMEM_BYTES as usize {
-            return Err(Error::Unsupported(format!(
-                "mla over {total} cached tokens (shared-memory scores; long contexts need the tiled kernel)"
-            )));
-        }
-        Ok(grid(
-            (len as u32, dims.num_heads as u32, 1),
-            256,
-            bytes as u32,
-        ))
+    if len == 0 {
+        return Ok(());
+    }
+    let [h, r, dn, dr, dv] = dims_i32(dims)?;
+    let dq = dims.qk_nope_head_dim + dims.qk_rope_head_dim;
+    let smem = flash_smem_bytes(dq);
+    if dims.v_head_dim > 128 || dq > 256 || smem > MAX_DYNAMIC_SMEM_BYTES as usize {
+        return Err(Error::Unsupported(format!(
+            "mla expanded with {dims:?} (needs dn+dr <= 256, dv <= 128)"
+        )));
+    }
+    let vec = [
+        dims.kv_lora_rank,
+        dq,
+        dims.qk_nope_head_dim,
+        dims.v_head_dim,
+    ]
+    .iter()
+    .all(|d| d.is_multiple_of(4))
+        && aligned(&[q, cache, kv, out]);
+    let name = if vec {
+        "mla_flash_prefill_vec"
+    } else {
+        "mla_flash_prefill"
     };
-    match form {
-        Form::Expanded { kv } => {
-            let c = cfg(total)?;
-            let mut b = dev.kernel("mla", "mla_expanded")?;
-            b.arg(&q).arg(&cache).arg(&kv).arg(&out).arg(&p);
-            b.arg(&h)
-                .arg(&r)
-                .arg(&dn)
-                .arg(&dr)
-                .arg(&dv)
-                .arg(&dims.scale);
-            // SAFETY: see the function's contract.
-            unsafe { b.launch(c) }.op("mla")?;
-        }
-        Form::Absorbed { kv_b, dt } => {
-            let c = cfg(total + 2 * dims.kv_lora_rank)?;
-            let mut b = dev.kernel("mla", "mla_absorbed")?;
-            b.arg(&q).arg(&cache).arg(&kv_b).arg(&dt).arg(&out).arg(&p);
-            b.arg(&h)
-                .arg(&r)
-                .arg(&dn)
-                .arg(&dr)
-                .arg(&dv)
-                .arg(&dims.scale);
-            // SAFETY: see the function's contract.
-            unsafe { b.launch(c) }.op("mla")?;
+    let tiles = u32::try_from(len.div_ceil(FLASH_BM))
+        .map_err(|_| Error::Unsupported(format!("mla segment of {len} tokens")))?;
+    let (p, n) = (to_i32(past, "past")?, to_i32(len, "len")?);
+    to_i32(past + len, "context")?;
+    let scale_log2 = dims.scale * std::f32::consts::LOG2_E;
+    let mut b = dev.kernel("mla", name)?;
+    b.arg(&q).arg(&cache).arg(&kv).arg(&out).arg(&p).arg(&n);
+    b.arg(&h)
+        .arg(&r)
+        .arg(&dn)
+        .arg(&dr)
+        .arg(&dv)
+        .arg(&scale_log2);
+    let cfg = grid((tiles, dims.num_heads as u32, 1), 256, smem as u32);
+    // SAFETY: grid (query tiles, H) × 256 threads with flash_smem_bytes(dn+dr) of dynamic
+    // shared memory (opted in at load), as the kernel expects; buffer sizes per the contract
+    // above; the vec variant only with widths % 4 == 0 and 16-byte aligned pointers.
+    unsafe { b.launch(cfg) }.op("mla")?;
+    Ok(())
+}
+
+/// One sequence's queries for the absorbed form.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Piece {
+    /// Latent rows `[past + len, r+dr]` f32 (contiguous, or slots of a block pool).
+    pub cache: u64,
+    /// Device `u32` block table (0 = contiguous rows).
+    pub block_table: u64,
+    /// Cached rows before the first query.
+    pub past: usize,
+    /// Queries (rows of `q` from `q_row`).
+    pub len: usize,
+    /// First query's row in `q` / `out`.
+    pub q_row: usize,
+}
+
+/// `MlaSeq` of `mla.cu` (32 bytes, pointers first).
+fn seq_bytes(p: &Piece, row0: usize, chunk_len: usize) -> Result<[u8; 32]> {
+    let mut b = [0u8; 32];
+    b[0..8].copy_from_slice(&p.cache.to_le_bytes());
+    b[8..16].copy_from_slice(&p.block_table.to_le_bytes());
+    b[16..20].copy_from_slice(&to_i32(p.past, "past")?.to_le_bytes());
+    b[20..24].copy_from_slice(&to_i32(p.len, "len")?.to_le_bytes());
+    b[24..28].copy_from_slice(&to_i32(row0, "row")?.to_le_bytes());
+    b[28..32].copy_from_slice(&to_i32(chunk_len, "chunk")?.to_le_bytes());
+    Ok(b)
+}
+
+/// Splits pieces to at most [`GROUP_TOKENS`] queries each and groups consecutive ones into
+/// launches of at most that many queries.
+fn launch_groups(pieces: &[Piece]) -> Vec<Vec<Piece>> {
+    let mut groups: Vec<Vec<Piece>> = vec![];
+    let mut cur: Vec<Piece> = vec![];
+    let mut cur_tokens = 0;
+    for p in pieces {
+        let mut off = 0;
+        while off < p.len {
+            let n = (p.len - off).min(GROUP_TOKENS - cur_tokens);
+            cur.push(Piece {
+                past: p.past + off,
+                len: n,
+                q_row: p.q_row + off,
+                ..*p
+            });
+            cur_tokens += n;
+            off += n;
+            if cur_tokens == GROUP_TOKENS {
+                groups.push(std::mem::take(&mut cur));
+                cur_tokens = 0;
+            }
         }
     }
+    if !cur.is_empty() {
+        groups.push(cur);
+    }
+    groups
+}
+
+/// Splits per sequence so that about [`TARGET_CTAS`] CTAs run: `(nchunks, chunk_len per
+/// piece)`.
+fn split_plan(group: &[Piece], h: usize) -> (usize, Vec<usize>) {
+    let row_tiles: usize = group
+        .iter()
+        .map(|p| (p.len * h).div_ceil(DECODE_ROWS))
+        .sum();
+    let max_total = group.iter().map(|p| p.past + p.len).max().unwrap_or(1);
+    let nchunks = TARGET_CTAS
+        .div_ceil(row_tiles.max(1))
+        .min(max_total.div_ceil(MIN_CHUNK))
+        .max(1);
+    let lens = group
+        .iter()
+        .map(|p| round_up((p.past + p.len).div_ceil(nchunks), DECODE_TILE).max(DECODE_TILE))
+        .collect();
+    (nchunks, lens)
+}
+
+/// An uninitialised device buffer of `n` f32 (every element read is written first).
+fn scratch(dev: &Device, n: usize) -> Result<CudaSlice<u8>> {
+    // SAFETY: the kernels below write every element they later read.
+    unsafe { dev.stream.alloc::<u8>((n * 4).max(16)) }.op("mla")
+}
+
+fn ptr(s: &CudaSlice<u8>) -> u64 {
+    use cudarc::driver::DevicePtr;
+    let (p, _guard) = s.device_ptr(s.stream());
+    p
+}
+
+/// Absorbed attention of every piece: `out[q_row + i]` for each piece's `len` queries.
+///
+/// # Safety
+/// `q` holds `H*(dn+dr)` f32 per row and `out` `H*dv` f32 per row for every row a piece
+/// names; each piece's cache holds `past + len` latent rows of `r+dr` f32 (through its
+/// block table, whose entries are valid block indices, when non-zero); `kv_b` is
+/// `[H*(dn+dv), r]` in dtype code `kdt`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn absorbed(
+    dev: &Device,
+    q: u64,
+    pieces: &[Piece],
+    block_size: usize,
+    kv_b: u64,
+    kdt: i32,
+    out: u64,
+    dims: &MlaDims,
+) -> Result<()> {
+    let [h, r, dn, dr, dv] = dims_i32(dims)?;
+    let (hu, ru) = (dims.num_heads, dims.kv_lora_rank);
+    let lw = ru + dims.qk_rope_head_dim;
+    let smem = decode_smem_bytes(lw);
+    if ru > 512
+        || lw > 640
+        || dims.qk_nope_head_dim > 256
+        || hu == 0
+        || smem > MAX_DYNAMIC_SMEM_BYTES as usize
+    {
+        return Err(Error::Unsupported(format!(
+            "mla absorbed with {dims:?} (needs r <= 512, r+dr <= 640, dn <= 256)"
+        )));
+    }
+    let bs = to_i32(block_size.max(1), "block size")?;
+    let scale_log2 = dims.scale * std::f32::consts::LOG2_E;
+    let groups = launch_groups(pieces);
+    let max_tokens = groups
+        .iter()
+        .map(|g| g.iter().map(|p| p.len).sum::<usize>())
+        .max()
+        .unwrap_or(0);
+    if max_tokens == 0 {
+        return Ok(());
+    }
+    let plans: Vec<(usize, Vec<usize>)> = groups.iter().map(|g| split_plan(g, hu)).collect();
+    let max_parts = groups
+        .iter()
+        .zip(&plans)
+        .map(|(g, (nc, _))| g.iter().map(|p| p.len).sum::<usize>() * nc)
+        .max()
+        .unwrap_or(0);
+    // Scratch shared by the groups (stream order serialises their use).
+    let qcat = scratch(dev, max_tokens * hu * lw)?;
+    let olat = scratch(dev, max_tokens * hu * ru)?;
+    let part_ml = scratch(dev, max_parts * hu * 2)?;
+    let part_o = scratch(dev, max_parts * hu * ru)?;
+    let (qcat_p, olat_p, ml_p, po_p) = (ptr(&qcat), ptr(&olat), ptr(&part_ml), ptr(&part_o));
+    let vec = ru.is_multiple_of(4)
+        && lw.is_multiple_of(4)
+        && aligned(&pieces.iter().map(|p| p.cache).collect::<Vec<_>>());
+    let partial = if vec {
+        "mla_decode_partial_vec"
+    } else {
+        "mla_decode_partial"
+    };
+    for (group, (nchunks, chunk_lens)) in groups.iter().zip(&plans) {
+        // One upload: the MlaSeq table, then the q row of every launch-local token.
+        let mut bytes = Vec::with_capacity(group.len() * 32 + GROUP_TOKENS * 4);
+        let mut rows: Vec<u32> = vec![];
+        for (p, &cl) in group.iter().zip(chunk_lens) {
+            bytes.extend_from_slice(&seq_bytes(p, rows.len(), cl)?);
+            for i in 0..p.len {
+                rows.push(
+                    u32::try_from(p.q_row + i)
+                        .map_err(|_| Error::Unsupported("mla row index".into()))?,
+                );
+            }
+        }
+        let rows_off = bytes.len() as u64;
+        bytes.extend(rows.iter().flat_map(|x| x.to_le_bytes()));
+        let table = dev.stream.clone_htod(&bytes).op("mla")?;
+        let seqs_p = ptr(&table);
+        let rows_p = seqs_p + rows_off;
+        let ntok = rows.len();
+        let nt = to_i32(ntok, "tokens")?;
+        let tok_groups = ntok.div_ceil(8) as u32;
+        let nc = to_i32(*nchunks, "chunks")?;
+
+        let mut b = dev.kernel("mla", "mla_q_absorb")?;
+        b.arg(&q)
+            .arg(&rows_p)
+            .arg(&nt)
+            .arg(&kv_b)
+            .arg(&kdt)
+            .arg(&qcat_p);
+        b.arg(&h).arg(&r).arg(&dn).arg(&dr).arg(&dv);
+        // SAFETY: grid (H, ceil(ntok/8)) × 256 threads; `rows` holds ntok valid q rows;
+        // q_cat has room for ntok*H rows of r+dr f32; dn <= 256 fits its static buffer.
+        unsafe { b.launch(grid((hu as u32, tok_groups, 1), 256, 0)) }.op("mla")?;
+
+        let row_tiles = group
+            .iter()
+            .map(|p| (p.len * hu).div_ceil(DECODE_ROWS))
+            .max()
+            .unwrap_or(1) as u32;
+        let mut b = dev.kernel("mla", partial)?;
+        b.arg(&seqs_p).arg(&bs).arg(&qcat_p).arg(&ml_p).arg(&po_p);
+        b.arg(&nc).arg(&h).arg(&r).arg(&dr).arg(&scale_log2);
+        let cfg = grid(
+            (*nchunks as u32, row_tiles, group.len() as u32),
+            256,
+            smem as u32,
+        );
+        // SAFETY: grid (nchunks, row tiles, pieces) × 256 threads with
+        // decode_smem_bytes(r+dr) of dynamic shared memory (opted in at load); each MlaSeq
+        // names a cache of past+len rows and chunk_len * nchunks >= past+len; the partial
+        // buffers hold ntok*H*nchunks entries; the vec variant only with r, r+dr % 4 == 0
+        // and 16-byte aligned caches.
+        unsafe { b.launch(cfg) }.op("mla")?;
+
+        let mut b = dev.kernel("mla", "mla_decode_combine")?;
+        b.arg(&ml_p).arg(&po_p).arg(&nc).arg(&r).arg(&olat_p);
+        // SAFETY: one CTA of 128 threads per launch-local row (ntok*H); every (row, chunk)
+        // has its (m, l) written by the partial kernel, o only where l > 0 (the only
+        // entries read); o_lat holds ntok*H rows of r f32.
+        unsafe { b.launch(grid(((ntok * hu) as u32, 1, 1), 128, 0)) }.op("mla")?;
+
+        let mut b = dev.kernel("mla", "mla_uv_project")?;
+        b.arg(&olat_p)
+            .arg(&rows_p)
+            .arg(&nt)
+            .arg(&kv_b)
+            .arg(&kdt)
+            .arg(&out);
+        b.arg(&h).arg(&r).arg(&dn).arg(&dv);
+        // SAFETY: grid (H, ceil(ntok/8)) × 256 threads with 8*r f32 of dynamic shared
+        // memory (<= 16 KiB); writes `out` rows named by `rows`, each H*dv wide.
+        unsafe { b.launch(grid((hu as u32, tok_groups, 1), 256, (8 * ru * 4) as u32)) }
+            .op("mla")?;
+        // `table` and the scratch buffers are freed in stream order after these launches.
+    }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn piece(past: usize, len: usize, q_row: usize) -> Piece {
+        Piece {
+            cache: 0,
+            block_table: 0,
+            past,
+            len,
+            q_row,
+        }
+    }
+
+    #[test]
+    fn groups_split_long_segments() {
+        let g = launch_groups(&[piece(5, 300, 0), piece(0, 1, 300)]);
+        let lens: Vec<Vec<(usize, usize, usize)>> = g
+            .iter()
+            .map(|g| g.iter().map(|p| (p.past, p.len, p.q_row)).collect())
+            .collect();
+        assert_eq!(
+            lens,
+            vec![
+                vec![(5, 128, 0)],
+                vec![(133, 128, 128)],
+                vec![(261, 44, 256), (0, 1, 300)]
+            ]
+        );
+    }
+
+    #[test]
+    fn split_covers_context() {
+        for total in [1usize, 100, 5000, 70_000, 1 << 20] {
+            let g = [piece(total - 1, 1, 0)];
+            let (nc, lens) = split_plan(&g, 32);
+            assert!(nc * lens[0] >= total, "{total}");
+            assert!(nc <= TARGET_CTAS);
+            assert_eq!(lens[0] % DECODE_TILE, 0);
+        }
+    }
 }

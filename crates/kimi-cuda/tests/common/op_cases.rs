@@ -347,6 +347,66 @@ pub fn op_mla<B: Backend>(b: &B, dims: MlaDims, mode: MlaMode, dt: DType) -> Res
     Ok(out)
 }
 
+/// MLA with caches that already hold `past[i]` random latent rows: one call whose
+/// segment `i` adds `lens[i]` tokens, then (when `steps > 0`) `steps` one-token calls over
+/// every sequence. Returns each call's output and the final caches.
+#[allow(clippy::too_many_arguments)]
+pub fn op_mla_ctx<B: Backend>(
+    b: &B,
+    dims: MlaDims,
+    mode: MlaMode,
+    dt: DType,
+    past: &[usize],
+    lens: &[usize],
+    steps: usize,
+    seed: u64,
+) -> Res<Vec<Vec<f32>>> {
+    let mut r = Rng(seed);
+    let (h, rk, dn, dr, dv) = (
+        dims.num_heads,
+        dims.kv_lora_rank,
+        dims.qk_nope_head_dim,
+        dims.qk_rope_head_dim,
+        dims.v_head_dim,
+    );
+    let (qw, lw) = (h * (dn + dr), rk + dr);
+    let kvb = weight(
+        b,
+        &[h * (dn + dv), rk],
+        &r.vec(h * (dn + dv) * rk, (rk as f32).powf(-0.5)),
+        dt,
+    )?;
+    let mut caches: Vec<B::Tensor> = past
+        .iter()
+        .map(|&p| b.upload_f32(&[p, lw], &r.vec(p * lw, 1.0)))
+        .collect::<Result<_, _>>()?;
+    let mut out = vec![];
+    let calls: Vec<Vec<usize>> = std::iter::once(lens.to_vec())
+        .chain((0..steps).map(|_| vec![1; past.len()]))
+        .collect();
+    for lens in calls {
+        let n: usize = lens.iter().sum();
+        // q scaled up so that the softmax is not flat over long contexts.
+        let q = b.upload_f32(&[n, qw], &r.vec(n * qw, 2.0))?;
+        let lat = b.upload_f32(&[n, lw], &r.vec(n * lw, 1.0))?;
+        let mut segs = vec![];
+        let mut start = 0;
+        for &l in &lens {
+            segs.push(Segment { start, len: l });
+            start += l;
+        }
+        let mut refs: Vec<&mut B::Tensor> = caches.iter_mut().collect();
+        out.push(t(
+            b,
+            &b.mla(&q, &lat, &kvb, &dims, &segs, &mut refs, mode)?,
+        )?);
+    }
+    for c in &caches {
+        out.push(t(b, c)?);
+    }
+    Ok(out)
+}
+
 /// Every op case: `(label, case)`.
 pub fn cases() -> Vec<(String, Case)> {
     let small_mla = MlaDims {
@@ -365,7 +425,7 @@ pub fn cases() -> Vec<(String, Case)> {
         v_head_dim: 128,
         scale: 0.0722,
     };
-    vec![
+    let mut v: Vec<(String, Case)> = vec![
         (
             "embedding bf16 1000x96".into(),
             case!(|b| op_embedding(b, 1000, 96, DType::BF16)),
@@ -480,5 +540,143 @@ pub fn cases() -> Vec<(String, Case)> {
             "mla absorbed real-dims bf16".into(),
             case!(|b| op_mla(b, real_mla, MlaMode::Absorbed, DType::BF16)),
         ),
-    ]
+    ];
+    v.extend(mla_cases());
+    v
+}
+
+/// Flash prefill and split-KV decode at the lengths where their tiling changes.
+fn mla_cases() -> Vec<(String, Case)> {
+    let vec_mla = MlaDims {
+        num_heads: 3,
+        kv_lora_rank: 40,
+        qk_nope_head_dim: 16,
+        qk_rope_head_dim: 8,
+        v_head_dim: 12,
+        scale: 0.2,
+    };
+    let odd_mla = MlaDims {
+        num_heads: 2,
+        kv_lora_rank: 37,
+        qk_nope_head_dim: 13,
+        qk_rope_head_dim: 7,
+        v_head_dim: 11,
+        scale: 0.22,
+    };
+    let real_mla = MlaDims {
+        num_heads: 32,
+        kv_lora_rank: 512,
+        qk_nope_head_dim: 128,
+        qk_rope_head_dim: 64,
+        v_head_dim: 128,
+        scale: 0.0722,
+    };
+    let mut v: Vec<(String, Case)> = vec![];
+    // Expanded prefill: T = 1, 17, 64, 130, 1000 with and without earlier context.
+    for (label, dims) in [("small", vec_mla), ("odd", odd_mla)] {
+        v.push((
+            format!("mla prefill {label} T=1,17,64,130,1000 past 0"),
+            case!(move |b| op_mla_ctx(
+                b,
+                dims,
+                MlaMode::Expanded,
+                DType::F32,
+                &[0, 0, 0, 0, 0],
+                &[1, 17, 64, 130, 1000],
+                0,
+                21
+            )),
+        ));
+        v.push((
+            format!("mla prefill {label} T=1,17,64,130,1000 past 5,63,64,200,77"),
+            case!(move |b| op_mla_ctx(
+                b,
+                dims,
+                MlaMode::Expanded,
+                DType::F32,
+                &[5, 63, 64, 200, 77],
+                &[1, 17, 64, 130, 1000],
+                0,
+                22
+            )),
+        ));
+    }
+    v.push((
+        "mla prefill real bf16 T=1000 past 0".into(),
+        case!(|b| op_mla_ctx(
+            b,
+            real_mla,
+            MlaMode::Expanded,
+            DType::BF16,
+            &[0],
+            &[1000],
+            0,
+            23
+        )),
+    ));
+    v.push((
+        "mla prefill real f32 T=17,130,64 past 0,300,1000".into(),
+        case!(|b| op_mla_ctx(
+            b,
+            real_mla,
+            MlaMode::Expanded,
+            DType::F32,
+            &[0, 300, 1000],
+            &[17, 130, 64],
+            0,
+            24
+        )),
+    ));
+    // Absorbed decode: contexts 1, 100, 5000, 70000 (past the old shared-memory cap), one
+    // token per sequence (Auto), then 2 steps; and small multi-token segments (Absorbed).
+    for (label, dims, dt) in [
+        ("small f32", vec_mla, DType::F32),
+        ("odd bf16", odd_mla, DType::BF16),
+        ("real bf16", real_mla, DType::BF16),
+        ("real f32", real_mla, DType::F32),
+    ] {
+        v.push((
+            format!("mla decode {label} ctx 1,100,5000,70000 (+2 steps)"),
+            case!(move |b| op_mla_ctx(
+                b,
+                dims,
+                MlaMode::Auto,
+                dt,
+                &[0, 99, 4999, 69_999],
+                &[1, 1, 1, 1],
+                2,
+                25
+            )),
+        ));
+    }
+    for (label, dims) in [("small", vec_mla), ("real", real_mla)] {
+        v.push((
+            format!("mla absorbed {label} bf16 segments 3,1,17 past 0,5000,130"),
+            case!(move |b| op_mla_ctx(
+                b,
+                dims,
+                MlaMode::Absorbed,
+                DType::BF16,
+                &[0, 5000, 130],
+                &[3, 1, 17],
+                1,
+                26
+            )),
+        ));
+    }
+    // More query rows than one launch group (128 tokens) and a long absorbed segment.
+    v.push((
+        "mla absorbed small f32 T=300 past 40 (3 launch groups)".into(),
+        case!(|b| op_mla_ctx(
+            b,
+            vec_mla,
+            MlaMode::Absorbed,
+            DType::F32,
+            &[40, 7],
+            &[300, 1],
+            0,
+            27
+        )),
+    ));
+    v
 }
