@@ -12,4 +12,6 @@ mkdir -p .device-bin
 cp target/release/examples/check .device-bin/check
 cp target/release/kimi-infer .device-bin/kimi-infer
 strip .device-bin/check .device-bin/kimi-infer
+# The device's copy of the tree has no usable git metadata: record what was built.
+git describe --always --dirty > .device-bin/COMMIT
 ls -la .device-bin

@@ -28,7 +28,7 @@ if [ -d .whl ] && [ ! -d "$PYLIB" ]; then
 fi
 export PYTHONPATH="$PYLIB:${PYTHONPATH:-}"
 {
-  echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ) binaries built from $(cat .device-bin/COMMIT 2>/dev/null || echo unknown)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1
   python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' 2>&1
   python3 -c 'import fla; print("fla", fla.__version__)' 2>&1 | tail -1
@@ -41,7 +41,7 @@ if want kernels; then
   timeout 150 .device-bin/check kda-bench mla-bench 2>&1 | tee "$OUT/kernels.txt"
 fi
 if want peers; then
-  timeout 150 python3 bench/fla_kda.py --out "$OUT/fla_kda.json" 2>&1 | tail -8 | tee "$OUT/peers.txt"
+  timeout 400 python3 bench/fla_kda.py --out "$OUT/fla_kda.json" 2>&1 | grep -v "^[ {}\[\]\"]" | tee "$OUT/peers.txt"
 fi
 if want bench; then
   timeout 420 .device-bin/kimi-infer bench --device cuda --random-config "$CONFIG" \
