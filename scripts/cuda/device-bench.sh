@@ -3,7 +3,7 @@
 # side by side on the same GPU. Build here first: scripts/cuda/build-check.sh; fetch the
 # Python wheels (fla-core, flash-linear-attention, einops, openai) into .whl/ with
 # scripts/cuda/fetch-wheels.sh. Then on the device, from the repository root:
-#   scripts/cuda/device-bench.sh OUT_DIR [check] [kernels] [peers] [bench] [hf] [serve]
+#   scripts/cuda/device-bench.sh OUT_DIR [check] [kernels] [profile] [peers] [bench] [hf] [serve]
 # (no stage names = all). Each stage writes OUT_DIR/<stage>.txt (+ JSON where it has one).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -39,6 +39,9 @@ if want check; then
 fi
 if want kernels; then
   timeout 150 .device-bin/check kda-bench mla-bench 2>&1 | tee "$OUT/kernels.txt"
+fi
+if want profile; then
+  timeout 300 .device-bin/check profile 2>&1 | tee "$OUT/profile.txt"
 fi
 if want peers; then
   timeout 400 python3 bench/fla_kda.py --out "$OUT/fla_kda.json" 2>&1 | grep -v "^[ {}\[\]\"]" | tee "$OUT/peers.txt"

@@ -691,7 +691,65 @@ fn profile_big() -> Res<()> {
         );
         model.backend().report("prefill 8192 (ms per prefill)", 1.0);
         let _ = std::io::stdout().flush();
+        if prec == GemmPrecision::Split {
+            profile_batch_decode(&model, 64, 256, 10)?;
+        }
     }
+    Ok(())
+}
+
+/// Per-op profile of decode steps of `batch` sequences after `context` prompt tokens each.
+fn profile_batch_decode(
+    model: &KimiLinear<Profiled>,
+    batch: usize,
+    context: usize,
+    steps: usize,
+) -> Res<()> {
+    let vocab = model.config().vocab_size;
+    let mut caches = (0..batch)
+        .map(|_| model.new_cache())
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut b = Batch::default();
+    for s in 0..batch {
+        b.segments.push(Segment {
+            start: b.tokens.len(),
+            len: context,
+        });
+        b.tokens
+            .extend((0..context).map(|i| ((i + 131 * s) * 9973 % vocab) as u32));
+        b.logits_rows.push(b.tokens.len() - 1);
+    }
+    let mut refs: Vec<&mut SeqCache<Profiled>> = caches.iter_mut().collect();
+    let out = model.forward(&b, &mut refs, ForwardOptions::default())?;
+    let mut next: Vec<u32> = out
+        .logits
+        .chunks_exact(vocab)
+        .map(|row| argmax(row).0 as u32)
+        .collect();
+    model.backend().report("(batched prefill, discarded)", 1.0);
+    let t0 = Instant::now();
+    for _ in 0..steps {
+        let b = Batch {
+            tokens: next.clone(),
+            segments: (0..batch).map(|s| Segment { start: s, len: 1 }).collect(),
+            logits_rows: (0..batch).collect(),
+        };
+        let mut refs: Vec<&mut SeqCache<Profiled>> = caches.iter_mut().collect();
+        let logits = model
+            .forward(&b, &mut refs, ForwardOptions::default())?
+            .logits;
+        for (s, row) in logits.chunks_exact(vocab).enumerate() {
+            next[s] = argmax(row).0 as u32;
+        }
+    }
+    let wall = t0.elapsed().as_secs_f64() * 1e3 / steps as f64;
+    println!(
+        "-- Split: decode batch {batch} at context ~{context}, profiled wall {wall:.2} ms/step"
+    );
+    model
+        .backend()
+        .report(&format!("decode step, batch {batch}"), steps as f64);
+    let _ = std::io::stdout().flush();
     Ok(())
 }
 
