@@ -15,7 +15,15 @@ use crate::error::{Error, OpContext};
 pub(crate) const MAX_DYNAMIC_SMEM_BYTES: u32 = 200 * 1024;
 
 /// Kernels that get the large dynamic shared memory limit.
-const BIG_SMEM_KERNELS: &[&str] = &["mla_expanded", "mla_absorbed", "moe_route"];
+const BIG_SMEM_KERNELS: &[&str] = &[
+    "mla_expanded",
+    "mla_absorbed",
+    "moe_route",
+    "kda_chunk_prep_64",
+    "kda_chunk_prep_128",
+    "kda_chunk_state_64",
+    "kda_chunk_state_128",
+];
 
 /// Every kernel symbol, by module (the `kernels/<module>.cu` file stem).
 const KERNELS: &[(&str, &[&str])] = &[
@@ -47,6 +55,14 @@ const KERNELS: &[(&str, &[&str])] = &[
             "kda_recurrent_32",
             "kda_recurrent_64",
             "kda_recurrent_128",
+            "kda_recurrent_split_64",
+            "kda_recurrent_split_128",
+            "kda_chunk_prep_64",
+            "kda_chunk_prep_128",
+            "kda_chunk_state_64",
+            "kda_chunk_state_128",
+            "kda_decode_64",
+            "kda_decode_128",
         ],
     ),
     ("mla", &["mla_expanded", "mla_absorbed"]),
