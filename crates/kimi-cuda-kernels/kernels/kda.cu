@@ -81,3 +81,560 @@ __device__ void kda_recurrent_impl(const float* q, const float* k, const float* 
 KDA_RECURRENT(32)
 KDA_RECURRENT(64)
 KDA_RECURRENT(128)
+
+// ------------------------------------------------------------------------------------------
+// Split-V recurrence, the fused decode step and the chunked (WY) form.
+//
+// Segment tables travel as kernel parameters (no host-to-device copy per call): at most
+// KDA_MAX_SEGS segments per launch; the launcher splits longer lists. Layouts are mirrored
+// by #[repr(C)] structs in crates/kimi-cuda/src/ops/kda.rs.
+#include <cooperative_groups.h>
+namespace cg = cooperative_groups;
+
+#define KDA_MAX_SEGS 64
+#define KDA_C 64  // tokens per chunk, as kimi-cpu's CHUNK
+
+struct KdaSegs {
+  int n;                         // segments in this launch
+  int start[KDA_MAX_SEGS];       // first row
+  int len[KDA_MAX_SEGS];         // rows (>= 1)
+  int chunk0[KDA_MAX_SEGS];      // first chunk of the segment in the launch's scratch
+  float* state[KDA_MAX_SEGS];    // [H, D, D] f32, key-major
+};
+
+struct KdaStepSegs {
+  int n;
+  int row[KDA_MAX_SEGS];         // the segment's only row
+  float* state[KDA_MAX_SEGS];    // [H, D, D]
+  float* conv[3][KDA_MAX_SEGS];  // q, k, v windows [W-1, H*D], oldest first
+};
+
+struct KdaStepArgs {
+  const float* x[3];     // q, k, v projections before the convolution [n, H*D]
+  const void* w[3];      // conv weights [H*D, W]
+  const float* f;        // gate pre-activation [n, H*D]
+  const float* b;        // beta logits [n, H]
+  const float* z;        // output gate [n, H*D]
+  const void* a_log;     // [H]
+  const void* dt_bias;   // [H*D]
+  const void* o_norm;    // [D]
+  float* y;              // [n, H*D]
+  int wdt[3];
+  int adt, bdt, odt;
+  int H, W, kind;
+  float lb, eps;
+};
+
+// Thread layout of one (head, V-block) state update with 128 threads: the block owns BV =
+// D/4 state columns; thread t works on column t % BV and rows t/BV + RG*m (m < RPT).
+template <int D>
+struct Split {
+  static constexpr int NV = 4, BV = D / NV, RG = 128 / BV, RPT = D / RG;
+};
+
+// One token of the recurrence on this thread's slice `s` of the state (§3.6): decay, delta
+// with the decayed state, rank-1 write, read-out. Returns o[column] (same in every row group).
+// qs/ks/as hold the normalised q, k and exp(g) of the head; red holds 128 floats.
+template <int D>
+__device__ __forceinline__ float split_step(float (&s)[Split<D>::RPT], const float* qs,
+                                            const float* ks, const float* as, float vj, float b,
+                                            float* red) {
+  using L = Split<D>;
+  const int c = threadIdx.x % L::BV, rg = threadIdx.x / L::BV;
+  float part = 0.0f;
+#pragma unroll
+  for (int m = 0; m < L::RPT; ++m) {
+    const int i = rg + L::RG * m;
+    s[m] *= as[i];
+    part += s[m] * ks[i];
+  }
+  red[rg * L::BV + c] = part;
+  __syncthreads();
+  float sk = 0.0f;
+#pragma unroll
+  for (int r = 0; r < L::RG; ++r) sk += red[r * L::BV + c];
+  const float u = (vj - sk) * b;
+  __syncthreads();
+  part = 0.0f;
+#pragma unroll
+  for (int m = 0; m < L::RPT; ++m) {
+    const int i = rg + L::RG * m;
+    s[m] += ks[i] * u;
+    part += s[m] * qs[i];
+  }
+  red[rg * L::BV + c] = part;
+  __syncthreads();
+  float o = 0.0f;
+#pragma unroll
+  for (int r = 0; r < L::RG; ++r) o += red[r * L::BV + c];
+  __syncthreads();
+  return o;
+}
+
+// Recurrence over every row of each segment. grid (NV, H, segs.n), block 128.
+template <int D>
+__device__ void recurrent_split(const float* q, const float* k, const float* v, const float* g,
+                                const float* beta, const KdaSegs& segs, float* out, int H) {
+  using L = Split<D>;
+  __shared__ float qs[D], ks[D], as[D], red[128], red2[32];
+  const int vb = blockIdx.x, h = blockIdx.y, sg = blockIdx.z, tid = threadIdx.x;
+  const int c = tid % L::BV, rg = tid / L::BV, col = vb * L::BV + c;
+  float* S = segs.state[sg] + (size_t)h * D * D;
+  float s[L::RPT];
+#pragma unroll
+  for (int m = 0; m < L::RPT; ++m) s[m] = S[(size_t)(rg + L::RG * m) * D + col];
+  const size_t width = (size_t)H * D;
+  const float qscale = 1.0f / sqrtf((float)D);
+  const int start = segs.start[sg], len = segs.len[sg];
+  for (int t = 0; t < len; ++t) {
+    const size_t row = (size_t)(start + t) * width + (size_t)h * D;
+    const float qi = tid < D ? q[row + tid] : 0.0f, ki = tid < D ? k[row + tid] : 0.0f;
+    const float gi = tid < D ? g[row + tid] : 0.0f;
+    const float vj = v[row + col], b = beta[(size_t)(start + t) * H + h];
+    const float ssq = block_sum(qi * qi, red2);
+    const float ssk = block_sum(ki * ki, red2);
+    if (tid < D) {
+      qs[tid] = qi * (qscale / sqrtf(ssq + 1e-6f));
+      ks[tid] = ki * (1.0f / sqrtf(ssk + 1e-6f));
+      as[tid] = expf(gi);
+    }
+    __syncthreads();
+    const float o = split_step<D>(s, qs, ks, as, vj, b, red);
+    if (rg == 0) out[row + col] = o;
+  }
+#pragma unroll
+  for (int m = 0; m < L::RPT; ++m) S[(size_t)(rg + L::RG * m) * D + col] = s[m];
+}
+
+#define KDA_RECURRENT_SPLIT(D)                                                                \
+  extern "C" __global__ void __launch_bounds__(128) kda_recurrent_split_##D(                 \
+      const float* q, const float* k, const float* v, const float* g, const float* beta,      \
+      const KdaSegs segs, float* out, int H) {                                                \
+    recurrent_split<D>(q, k, v, g, beta, segs, out, H);                                       \
+  }
+KDA_RECURRENT_SPLIT(64)
+KDA_RECURRENT_SPLIT(128)
+
+// Causal conv of one channel for the current token x: window taps 0..W-2 from the cache.
+__device__ __forceinline__ float conv_silu_1(const float* cache, float x, const void* w, int wdt,
+                                            int ch, int width, int W) {
+  float acc = 0.0f;
+  for (int j = 0; j < W - 1; ++j) acc += ld(w, (size_t)ch * W + j, wdt) * cache[(size_t)j * width + ch];
+  acc += ld(w, (size_t)ch * W + W - 1, wdt) * x;
+  return acc * sigmoidf_(acc);
+}
+
+// Drops the oldest window row of one channel and appends x (same thread reads before it writes).
+__device__ __forceinline__ void conv_shift_1(float* cache, float x, int ch, int width, int W) {
+  for (int j = 0; j + 1 < W - 1; ++j) cache[(size_t)j * width + ch] = cache[(size_t)(j + 1) * width + ch];
+  if (W > 1) cache[(size_t)(W - 2) * width + ch] = x;
+}
+
+// One decode step of a KDA layer for one-token segments: the three short convolutions +
+// SiLU (updating their windows in place), the forget gate, sigmoid(beta), L2 norms, the
+// state update and the gated RMSNorm. A cluster of NV blocks shares one (segment, head):
+// block x owns state columns x*BV..; the norm's sum of squares is exchanged through
+// distributed shared memory. grid (NV, H, segs.n), block 128, cluster (NV, 1, 1).
+template <int D>
+__device__ void decode_step(const KdaStepArgs& a, const KdaStepSegs& segs) {
+  using L = Split<D>;
+  __shared__ float qs[D], ks[D], as[D], vs[L::BV], red[128], red2[32];
+  __shared__ float partial;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int vb = blockIdx.x, h = blockIdx.y, sg = blockIdx.z, tid = threadIdx.x;
+  const int c = tid % L::BV, rg = tid / L::BV, col = vb * L::BV + c;
+  const int H = a.H, W = a.W;
+  const int width = H * D;
+  const size_t row = (size_t)segs.row[sg];
+  float xin[2] = {0.0f, 0.0f}, qk[2] = {0.0f, 0.0f};
+  if (tid < D) {
+    const int ch = h * D + tid;
+#pragma unroll
+    for (int st = 0; st < 2; ++st) {
+      xin[st] = a.x[st][row * width + ch];
+      qk[st] = conv_silu_1(segs.conv[st][sg], xin[st], a.w[st], a.wdt[st], ch, width, W);
+    }
+    const float x = a.f[row * width + ch] + ld(a.dt_bias, ch, a.bdt);
+    const float scale = expf(ld(a.a_log, h, a.adt));
+    const float gi = a.kind == 0 ? -scale * (x > 20.0f ? x : log1pf(expf(x)))
+                                 : a.lb * sigmoidf_(scale * x);
+    as[tid] = expf(gi);
+  }
+  if (tid < L::BV) {
+    // This block's value channels: nobody else reads their window, so shift it now.
+    const int ch = h * D + vb * L::BV + tid;
+    float* cache = segs.conv[2][sg];
+    const float x = a.x[2][row * width + ch];
+    vs[tid] = conv_silu_1(cache, x, a.w[2], a.wdt[2], ch, width, W);
+    conv_shift_1(cache, x, ch, width, W);
+  }
+  const float ssq = block_sum(qk[0] * qk[0], red2);
+  const float ssk = block_sum(qk[1] * qk[1], red2);
+  if (tid < D) {
+    qs[tid] = qk[0] * ((1.0f / sqrtf((float)D)) / sqrtf(ssq + 1e-6f));
+    ks[tid] = qk[1] * (1.0f / sqrtf(ssk + 1e-6f));
+  }
+  const float b = sigmoidf_(a.b[row * H + h]);
+  __syncthreads();
+  float* S = segs.state[sg] + (size_t)h * D * D;
+  float s[L::RPT];
+#pragma unroll
+  for (int m = 0; m < L::RPT; ++m) s[m] = S[(size_t)(rg + L::RG * m) * D + col];
+  const float o = split_step<D>(s, qs, ks, as, vs[c], b, red);
+#pragma unroll
+  for (int m = 0; m < L::RPT; ++m) S[(size_t)(rg + L::RG * m) * D + col] = s[m];
+  const float p = block_sum(rg == 0 ? o * o : 0.0f, red2);
+  if (tid == 0) partial = p;
+  cluster.sync();  // partials visible; every block has read the q/k windows
+  float ss = 0.0f;
+#pragma unroll
+  for (int r = 0; r < L::NV; ++r) ss += *cluster.map_shared_rank(&partial, r);
+  if (vb == 0 && tid < D) {
+    const int ch = h * D + tid;
+    conv_shift_1(segs.conv[0][sg], xin[0], ch, width, W);
+    conv_shift_1(segs.conv[1][sg], xin[1], ch, width, W);
+  }
+  if (rg == 0) {
+    const float inv = 1.0f / sqrtf(ss / (float)D + a.eps);
+    const size_t idx = row * width + (size_t)h * D + col;
+    a.y[idx] = o * inv * ld(a.o_norm, col, a.odt) * sigmoidf_(a.z[idx]);
+  }
+  cluster.sync();  // keep `partial` alive until every block of the cluster has read it
+}
+
+#define KDA_DECODE(D)                                                                         \
+  extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(128)                \
+      kda_decode_##D(const KdaStepArgs a, const KdaStepSegs segs) {                           \
+    decode_step<D>(a, segs);                                                                  \
+  }
+KDA_DECODE(64)
+KDA_DECODE(128)
+
+// ------------------------------------------------------------------------------------------
+// Chunked WY form (spec §3.8, kimi-cpu `chunked_head`), two kernels per launch group:
+//
+//  kda_chunk_prep_D   grid (chunks, H), block 256, fully parallel. Per chunk of C = 64 rows:
+//                     inverse norms of q/k rows, A[r][c] = q̂_r·(k̂_c ⊙ P(c,r)) for c <= r,
+//                     L[r][c] = k̂_r·(k̂_c ⊙ P(c,r)) for c < r, where P(c,r) = Π_{c<s<=r}
+//                     exp(g_s) is a running product (never a quotient, so the unbounded
+//                     softplus gate cannot overflow), and T = (I + diag(β)L)^-1 diag(β) by
+//                     forward substitution. Writes one C×C matrix M (A in the lower
+//                     triangle with its diagonal, T's strict lower triangle transposed into
+//                     the upper; T's diagonal is β) and the 2C inverse norms.
+//  kda_chunk_state_D  grid (D/32, H, segments), block 256: the serial pass over a segment's
+//                     chunks for 32 state columns, state in shared memory (f32):
+//                     X = V − (k̂⊙e^Γ)·S,  V' = T·X,  O = (q̂⊙e^Γ)·S + A·V',
+//                     S ← e^Γ_last ⊙ S + Σ_c (k̂_c ⊙ e^(Γ_last−Γ_c)) ⊗ V'_c.
+//                     V' = T·(V − W_k S) equals the CPU's U − W·S with U = T·V, W = T·(e^Γ⊙K).
+//
+// Rows past a segment's end are zero (q, k, v, β) with exp(g) = 1, which leaves every
+// product above unchanged; their outputs are not written.
+#define KDA_SCRATCH (KDA_C * KDA_C + 2 * KDA_C)  // floats per (chunk, head)
+
+__device__ __forceinline__ int seg_of_chunk(const KdaSegs& segs, int gc) {
+  int s = 0;
+  while (s + 1 < segs.n && gc >= segs.chunk0[s + 1]) ++s;
+  return s;
+}
+
+__device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+
+template <int D>
+__device__ void chunk_prep(const float* q, const float* k, const float* g, const float* beta,
+                           const KdaSegs& segs, float* scratch, int H) {
+  constexpr int C = KDA_C, NT = 256, SL = D / 8;  // SL: key channels per lane of a group
+  extern __shared__ __align__(16) float sm[];
+  float* Qs = sm;            // [C][D] q̂ (normalised, scaled)
+  float* Ks = Qs + C * D;    // [C][D] k̂
+  float* As = Ks + C * D;    // [C][D] exp(g)
+  float* Ms = As + C * D;    // [C][C]
+  float* Bs = Ms + C * C;    // [C] β
+  float* Rn = Bs + C;        // [2C] q then k inverse norms
+  const int gc = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+  const int lane = tid & 31, w = tid >> 5;
+  const int sg = seg_of_chunk(segs, gc);
+  const int ci = gc - segs.chunk0[sg];
+  const int row0 = segs.start[sg] + ci * C;
+  const int l = min(C, segs.len[sg] - ci * C);
+  const size_t width = (size_t)H * D;
+  for (int e = tid; e < C * D / 4; e += NT) {
+    const int r = e / (D / 4), i = (e % (D / 4)) * 4;
+    float4 qv = make_float4(0.f, 0.f, 0.f, 0.f), kv = qv, av = make_float4(1.f, 1.f, 1.f, 1.f);
+    if (r < l) {
+      const size_t off = (size_t)(row0 + r) * width + (size_t)h * D + i;
+      qv = ld4(q + off);
+      kv = ld4(k + off);
+      const float4 gv = ld4(g + off);
+      av = make_float4(expf(gv.x), expf(gv.y), expf(gv.z), expf(gv.w));
+    }
+    st4(Qs + r * D + i, qv);
+    st4(Ks + r * D + i, kv);
+    st4(As + r * D + i, av);
+  }
+  for (int e = tid; e < C * C; e += NT) Ms[e] = 0.0f;
+  if (tid < C) Bs[tid] = tid < l ? beta[(size_t)(row0 + tid) * H + h] : 0.0f;
+  __syncthreads();
+  // Inverse norms (as kimi-cpu `normalize_qk`): warp w takes rows w, w+8, ...
+  const float qscale = 1.0f / sqrtf((float)D);
+  for (int r = w; r < C; r += NT / 32) {
+    float sq = 0.0f, sk = 0.0f;
+#pragma unroll
+    for (int u = 0; u < D / 32; ++u) {
+      const float a = Qs[r * D + lane + 32 * u], b = Ks[r * D + lane + 32 * u];
+      sq += a * a;
+      sk += b * b;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      sq += __shfl_xor_sync(0xffffffffu, sq, o);
+      sk += __shfl_xor_sync(0xffffffffu, sk, o);
+    }
+    const float rq = qscale / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
+#pragma unroll
+    for (int u = 0; u < D / 32; ++u) {
+      Qs[r * D + lane + 32 * u] *= rq;
+      Ks[r * D + lane + 32 * u] *= rk;
+    }
+    if (lane == 0) {
+      Rn[r] = rq;
+      Rn[C + r] = rk;
+    }
+  }
+  __syncthreads();
+  // L and A. Lane group p = tid/8 (32 groups) takes key rows c = p and c = C-1-p (balanced
+  // work); lane sl = tid%8 of the group holds channels 32u + 4sl + e (conflict-free float4).
+  // r runs over a warp-uniform range so the group reductions can shuffle the full warp.
+  {
+    const int p = tid >> 3, sl = tid & 7;
+#pragma unroll 1
+    for (int pass = 0; pass < 2; ++pass) {
+      const int c = pass == 0 ? p : C - 1 - p;
+      const int rmin = pass == 0 ? 4 * w : C - 4 - 4 * w;
+      float run[SL];
+#pragma unroll
+      for (int u = 0; u < D / 32; ++u) {
+        const float4 kv = ld4(Ks + c * D + 32 * u + 4 * sl);
+        run[4 * u] = kv.x, run[4 * u + 1] = kv.y, run[4 * u + 2] = kv.z, run[4 * u + 3] = kv.w;
+      }
+      for (int r = rmin; r < l; ++r) {
+        const bool later = r > c;
+        float pl = 0.0f, pa = 0.0f;
+#pragma unroll
+        for (int u = 0; u < D / 32; ++u) {
+          const int i = r * D + 32 * u + 4 * sl;
+          const float4 av = ld4(As + i), kv = ld4(Ks + i), qv = ld4(Qs + i);
+          if (later) {
+            run[4 * u] *= av.x, run[4 * u + 1] *= av.y, run[4 * u + 2] *= av.z, run[4 * u + 3] *= av.w;
+          }
+          pl += kv.x * run[4 * u] + kv.y * run[4 * u + 1] + kv.z * run[4 * u + 2] + kv.w * run[4 * u + 3];
+          pa += qv.x * run[4 * u] + qv.y * run[4 * u + 1] + qv.z * run[4 * u + 2] + qv.w * run[4 * u + 3];
+        }
+#pragma unroll
+        for (int o = 4; o > 0; o >>= 1) {
+          pl += __shfl_xor_sync(0xffffffffu, pl, o);
+          pa += __shfl_xor_sync(0xffffffffu, pa, o);
+        }
+        if (sl == 0 && r >= c) {
+          Ms[r * C + c] = pa;
+          if (later) Ms[c * C + r] = pl;
+        }
+      }
+    }
+  }
+  __syncthreads();
+  // T, one column per thread: x[r] collects δ_rj − Σ_{c<r} L[r][c] T[c][j]; T[r][j] = β_r x[r].
+  float x[C];
+  if (tid < C) {
+    const int j = tid;
+#pragma unroll
+    for (int r = 0; r < C; ++r) x[r] = r == j ? 1.0f : 0.0f;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const float tc = Bs[c] * x[c];
+      x[c] = tc;
+#pragma unroll
+      for (int r4 = ((c + 1) / 4) * 4; r4 < C; r4 += 4) {
+        const float4 lv = ld4(Ms + c * C + r4);  // L[r][c] for r > c
+        if (r4 + 0 > c) x[r4 + 0] -= lv.x * tc;
+        if (r4 + 1 > c) x[r4 + 1] -= lv.y * tc;
+        if (r4 + 2 > c) x[r4 + 2] -= lv.z * tc;
+        if (r4 + 3 > c) x[r4 + 3] -= lv.w * tc;
+      }
+    }
+  }
+  __syncthreads();
+  if (tid < C) {
+#pragma unroll
+    for (int r = 0; r < C; ++r)
+      if (r > tid) Ms[tid * C + r] = x[r];
+  }
+  __syncthreads();
+  float* out = scratch + ((size_t)gc * H + h) * KDA_SCRATCH;
+  for (int e = tid; e < C * C / 4; e += NT) st4(out + 4 * e, ld4(Ms + 4 * e));
+  if (tid < 2 * C) out[C * C + tid] = Rn[tid];
+}
+
+template <int D>
+__device__ void chunk_state(const float* q, const float* k, const float* v, const float* g,
+                            const float* beta, const KdaSegs& segs, const float* scratch,
+                            float* out, int H) {
+  constexpr int C = KDA_C, NT = 256, BV = 32, SP = D + 4, RI = D / 8;
+  extern __shared__ __align__(16) float sm[];
+  float* KQ = sm;               // [2C][D]: k̂⊙e^Γ rows, then q̂⊙e^Γ rows; later Kd and V'
+  float* Ms = KQ + 2 * C * D;   // [C][C] this chunk's M
+  float* St = Ms + C * C;       // [BV][SP] the state columns, transposed (St[j][i] = S[i][j])
+  float* Xs = St + BV * SP;     // [C][BV]
+  float* Rn = Xs + C * BV;      // [2C]
+  float* Bs = Rn + 2 * C;       // [C]
+  float* Tot = Bs + C;          // [D] e^Γ_last
+  float* Vn = KQ + C * D;       // [C][BV] V', in the q half once it is dead
+  const int vb = blockIdx.x, h = blockIdx.y, sg = blockIdx.z, tid = threadIdx.x;
+  const int j = tid & 31, w = tid >> 5, col = vb * BV + j;
+  const size_t width = (size_t)H * D;
+  const size_t hoff = (size_t)h * D;
+  float* S = segs.state[sg] + (size_t)h * D * D;
+  for (int i = w; i < D; i += NT / 32) St[j * SP + i] = S[(size_t)i * D + col];
+  const int start = segs.start[sg], len = segs.len[sg];
+  const int nch = (len + C - 1) / C;
+  for (int ci = 0; ci < nch; ++ci) {
+    const int row0 = start + ci * C, l = min(C, len - ci * C);
+    const float* M = scratch + ((size_t)(segs.chunk0[sg] + ci) * H + h) * KDA_SCRATCH;
+    __syncthreads();  // the previous chunk is done with every buffer
+    if (tid < 2 * C) Rn[tid] = M[C * C + tid];
+    if (tid < C) Bs[tid] = tid < l ? beta[(size_t)(row0 + tid) * H + h] : 0.0f;
+    __syncthreads();
+    if (tid < D) {
+      // Running products from the chunk start, one key channel per thread (as kimi-cpu).
+      const int i = tid;
+      float fs = 1.0f;
+#pragma unroll 4
+      for (int r = 0; r < l; ++r) {
+        const size_t off = (size_t)(row0 + r) * width + hoff + i;
+        fs *= expf(g[off]);
+        KQ[r * D + i] = (k[off] * Rn[C + r]) * fs;
+        KQ[(C + r) * D + i] = (q[off] * Rn[r]) * fs;
+      }
+      for (int r = l; r < C; ++r) KQ[r * D + i] = KQ[(C + r) * D + i] = 0.0f;
+      Tot[i] = fs;
+    }
+    for (int e = tid; e < C * C / 4; e += NT) st4(Ms + 4 * e, ld4(M + 4 * e));
+    __syncthreads();
+    // P1: rows w*16.. of KQ times the state column j.
+    float acc[16];
+#pragma unroll
+    for (int m = 0; m < 16; ++m) acc[m] = 0.0f;
+    {
+      const float* a = KQ + (w * 16) * D;
+#pragma unroll 2
+      for (int i = 0; i < D; i += 4) {
+        const float4 s4 = ld4(St + j * SP + i);
+#pragma unroll
+        for (int m = 0; m < 16; ++m) {
+          const float4 a4 = ld4(a + m * D + i);
+          acc[m] += a4.x * s4.x + a4.y * s4.y + a4.z * s4.z + a4.w * s4.w;
+        }
+      }
+    }
+    if (w < 4) {
+#pragma unroll
+      for (int m = 0; m < 16; ++m) {
+        const int r = w * 16 + m;
+        const float vv = r < l ? v[(size_t)(row0 + r) * width + hoff + col] : 0.0f;
+        Xs[r * BV + j] = vv - acc[m];
+      }
+    }
+    __syncthreads();
+    // P2: V' = T·X, rows w*8..w*8+7; T[r][c] = Ms[c][r] for c < r, T[r][r] = β_r.
+    {
+      const int r0 = w * 8;
+      float vn[8];
+#pragma unroll
+      for (int m = 0; m < 8; ++m) vn[m] = Bs[r0 + m] * Xs[(r0 + m) * BV + j];
+      for (int c = 0; c < r0 + 7; ++c) {
+        const float xc = Xs[c * BV + j];
+        const float4 t0 = ld4(Ms + c * C + r0), t1 = ld4(Ms + c * C + r0 + 4);
+        const float t[8] = {t0.x, t0.y, t0.z, t0.w, t1.x, t1.y, t1.z, t1.w};
+#pragma unroll
+        for (int m = 0; m < 8; ++m)
+          if (c < r0 + m) vn[m] += t[m] * xc;
+      }
+#pragma unroll
+      for (int m = 0; m < 8; ++m) Vn[(r0 + m) * BV + j] = vn[m];
+    }
+    __syncthreads();
+    if (tid < D) {
+      // Kd = k̂ ⊙ e^(Γ_last − Γ_c), a running product from the chunk end, into the k half.
+      const int i = tid;
+      float te = 1.0f;
+      for (int r = C - 1; r >= l; --r) KQ[r * D + i] = 0.0f;
+#pragma unroll 4
+      for (int r = l - 1; r >= 0; --r) {
+        const size_t off = (size_t)(row0 + r) * width + hoff + i;
+        KQ[r * D + i] = (k[off] * Rn[C + r]) * te;
+        te *= expf(g[off]);
+      }
+    }
+    if (w >= 4) {
+      // P3: O = (q̂⊙e^Γ)·S (in acc) + A·V' for rows rb..rb+15; A[r][c] = Ms[r][c], c <= r.
+      const int rb = (w - 4) * 16;
+      for (int c = 0; c < rb + 16; c += 4) {
+        const float v0 = Vn[c * BV + j], v1 = Vn[(c + 1) * BV + j];
+        const float v2 = Vn[(c + 2) * BV + j], v3 = Vn[(c + 3) * BV + j];
+#pragma unroll
+        for (int m = 0; m < 16; ++m) {
+          const int r = rb + m;
+          const float4 a4 = ld4(Ms + r * C + c);
+          if (c <= r) acc[m] += a4.x * v0;
+          if (c + 1 <= r) acc[m] += a4.y * v1;
+          if (c + 2 <= r) acc[m] += a4.z * v2;
+          if (c + 3 <= r) acc[m] += a4.w * v3;
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < 16; ++m) {
+        const int r = rb + m;
+        if (r < l) out[(size_t)(row0 + r) * width + hoff + col] = acc[m];
+      }
+    }
+    __syncthreads();
+    // P4: S ← e^Γ_last ⊙ S + Kdᵀ·V' for rows i = w*RI.. of column j.
+    {
+      const int i0 = w * RI;
+      float sacc[RI];
+#pragma unroll
+      for (int m = 0; m < RI; ++m) sacc[m] = Tot[i0 + m] * St[j * SP + i0 + m];
+      for (int c = 0; c < l; ++c) {
+        const float vn = Vn[c * BV + j];
+#pragma unroll
+        for (int m4 = 0; m4 < RI / 4; ++m4) {
+          const float4 kd = ld4(KQ + c * D + i0 + 4 * m4);
+          sacc[4 * m4] += kd.x * vn;
+          sacc[4 * m4 + 1] += kd.y * vn;
+          sacc[4 * m4 + 2] += kd.z * vn;
+          sacc[4 * m4 + 3] += kd.w * vn;
+        }
+      }
+#pragma unroll
+      for (int m4 = 0; m4 < RI / 4; ++m4)
+        st4(St + j * SP + i0 + 4 * m4,
+            make_float4(sacc[4 * m4], sacc[4 * m4 + 1], sacc[4 * m4 + 2], sacc[4 * m4 + 3]));
+    }
+  }
+  __syncthreads();
+  for (int i = w; i < D; i += NT / 32) S[(size_t)i * D + col] = St[j * SP + i];
+}
+
+#define KDA_CHUNK(D)                                                                          \
+  extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep_##D(                   \
+      const float* q, const float* k, const float* g, const float* beta, const KdaSegs segs,  \
+      float* scratch, int H) {                                                                \
+    chunk_prep<D>(q, k, g, beta, segs, scratch, H);                                           \
+  }                                                                                           \
+  extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_state_##D(                  \
+      const float* q, const float* k, const float* v, const float* g, const float* beta,      \
+      const KdaSegs segs, const float* scratch, float* out, int H) {                          \
+    chunk_state<D>(q, k, v, g, beta, segs, scratch, out, H);                                  \
+  }
+KDA_CHUNK(64)
+KDA_CHUNK(128)

@@ -12,9 +12,13 @@
 //! 5. With `mla-bench` (only when named): the MLA op alone on real dimensions: expanded
 //!    prefill of 8192 tokens, absorbed decode at contexts 1K/32K/128K for 1 and 64
 //!    sequences, with the implied latent-read bandwidth.
+//! 6. With `kda-bench` (only when named): chunked KDA at T=8192 (H=32/64/96, D=128) and the
+//!    KDA decode step per layer (fused and composed, B=1 and 64), synchronised wall time.
 //!
-//! Usage: `check [ops] [fixtures] [big N_TOKENS] [profile] [mla-bench]` (default: 1-3,
-//! 1000 tokens).
+//! `kda-ops` (only when named) runs just the KDA op cases of 1.
+//!
+//! Usage: `check [ops] [kda-ops] [fixtures] [big N_TOKENS] [profile] [mla-bench] [kda-bench]`
+//! (default: 1-3, 1000 tokens).
 
 use std::collections::HashSet;
 use std::error::Error;
@@ -28,7 +32,8 @@ use kimi_cpu::CpuBackend;
 use kimi_cuda::{CudaBackend, GemmPrecision};
 use kimi_model::{Batch, ForwardOptions, KimiLinear, RandomWeights, SeqCache};
 use kimi_ops::{
-    Backend, HostTensor, KdaMode, MlaDims, MlaMode, MlpWeights, MoeRouting, MoeWeights, Segment,
+    Backend, HostTensor, KdaMode, KdaStepInputs, KdaStepWeights, MlaDims, MlaMode, MlpWeights,
+    MoeRouting, MoeWeights, Segment,
 };
 
 type Res<T> = std::result::Result<T, Box<dyn Error>>;
@@ -60,8 +65,20 @@ fn main() {
             failed = true;
         }
     }
+    if args.iter().any(|a| a == "kda-bench") {
+        if let Err(e) = kda_bench() {
+            println!("kda-bench: ERROR {e}");
+            failed = true;
+        }
+    }
+    if args.iter().any(|a| a == "kda-ops") {
+        if let Err(e) = check_ops(op_cases::kda_cases()) {
+            println!("kda-ops: ERROR {e}");
+            failed = true;
+        }
+    }
     if want("ops") {
-        if let Err(e) = check_ops() {
+        if let Err(e) = check_ops(op_cases::cases()) {
             println!("ops: ERROR {e}");
             failed = true;
         }
@@ -88,7 +105,7 @@ fn main() {
     );
 }
 
-fn check_ops() -> Res<()> {
+fn check_ops(cases: Vec<(String, op_cases::Case)>) -> Res<()> {
     println!("== 1. ops: CudaBackend vs CpuBackend, relative error per output");
     let cpu_only = std::env::var_os("CHECK_CPU_ONLY").is_some();
     let cuda = match CudaBackend::new(0) {
@@ -102,7 +119,6 @@ fn check_ops() -> Res<()> {
     if let Some(c) = &cuda {
         println!("device: {}", c.name());
     }
-    let cases = op_cases::cases();
     let cpu = CpuRun(CpuBackend::new());
     for (name, c) in &cases {
         let want = match c(&cpu) {
@@ -123,7 +139,7 @@ fn check_ops() -> Res<()> {
                     .zip(&want)
                     .map(|(g, w)| format!("{:.2e}", rel_err(g, w)))
                     .collect();
-                println!("{name:<50} rel err {}", errs.join(" "));
+                println!("{name:<60} rel err {}", errs.join(" "));
             }
             Err(e) => println!("{name:<50} CUDA ERROR {e}"),
         }
@@ -615,6 +631,16 @@ impl Backend for Profiled {
     ) -> kimi_ops::Result<Self::Tensor> {
         self.timed("gated_rms_norm", |b| b.gated_rms_norm(o, z, w, eps))
     }
+    fn kda_decode(
+        &self,
+        x: &KdaStepInputs<'_, Self::Tensor>,
+        w: &KdaStepWeights<'_, Self::Tensor>,
+        h: usize,
+        segments: &[Segment],
+        caches: &mut [(&mut [Self::Tensor; 3], &mut Self::Tensor)],
+    ) -> kimi_ops::Result<Self::Tensor> {
+        self.timed("kda_decode", |b| b.kda_decode(x, w, h, segments, caches))
+    }
     fn mla(
         &self,
         q: &Self::Tensor,
@@ -852,6 +878,144 @@ fn mla_bench() -> Res<()> {
             );
             let _ = std::io::stdout().flush();
         }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- KDA timings
+
+/// Mean seconds per call of `f` over `reps` calls after `warm` untimed ones, synchronised
+/// before and after (wall time of queued device work).
+fn time_calls(
+    be: &CudaBackend,
+    warm: usize,
+    reps: usize,
+    mut f: impl FnMut() -> kimi_ops::Result<()>,
+) -> Res<f64> {
+    for _ in 0..warm {
+        f()?;
+    }
+    be.synchronize()?;
+    let t0 = Instant::now();
+    for _ in 0..reps {
+        f()?;
+    }
+    be.synchronize()?;
+    Ok(t0.elapsed().as_secs_f64() / reps as f64)
+}
+
+/// Chunked KDA at T=8192 (B=1, D=128) and the per-layer decode step (H=32, D=128).
+fn kda_bench() -> Res<()> {
+    println!("== 5. KDA kernel timings (synchronised wall time, f32 activations and state)");
+    let be = CudaBackend::new(0)?;
+    println!("device: {}", be.name());
+    let mut r = op_cases::Rng(99);
+    let d = 128usize;
+    for h in [32usize, 64, 96] {
+        let t = 8192usize;
+        let w = h * d;
+        let q = be.upload_f32(&[t, w], &r.vec(t * w, 1.0))?;
+        let k = be.upload_f32(&[t, w], &r.vec(t * w, 1.0))?;
+        let v = be.upload_f32(&[t, w], &r.vec(t * w, 1.0))?;
+        let g: Vec<f32> = r.vec(t * w, 1.0).iter().map(|x| -0.3 * (x + 1.0)).collect();
+        let g = be.upload_f32(&[t, w], &g)?;
+        let beta: Vec<f32> = r.vec(t * h, 1.0).iter().map(|x| 0.5 + 0.4 * x).collect();
+        let beta = be.upload_f32(&[t, h], &beta)?;
+        let mut state = be.zeros(&[h, d, d])?;
+        let segs = [Segment { start: 0, len: t }];
+        for (label, mode) in [("chunked", KdaMode::Chunked), ("auto", KdaMode::Auto)] {
+            let s = time_calls(&be, 2, 10, || {
+                be.kda(&q, &k, &v, &g, &beta, h, &segs, &mut [&mut state], mode)
+                    .map(drop)
+            })?;
+            // Model FLOPs as performance-anchors.md §1.3 (C=16 convention).
+            let tflops = (t * h) as f64 * 117_760.0 / s / 1e12;
+            println!(
+                "kda {label:<8} T={t} H={h:<3} D={d}: {:8.3} ms  ({tflops:.1} model TFLOP/s)",
+                s * 1e3
+            );
+        }
+        let s = time_calls(&be, 1, 2, || {
+            be.kda(
+                &q,
+                &k,
+                &v,
+                &g,
+                &beta,
+                h,
+                &segs,
+                &mut [&mut state],
+                KdaMode::Recurrent,
+            )
+            .map(drop)
+        })?;
+        println!(
+            "kda recurrent T={t} H={h:<3} D={d}: {:8.3} ms (token loop, for reference)",
+            s * 1e3
+        );
+        let _ = std::io::stdout().flush();
+    }
+    let h = 32usize;
+    let width = h * d;
+    let conv: Vec<_> = (0..3)
+        .map(|_| op_cases::weight(&be, &[width, 1, 4], &r.vec(width * 4, 0.5), DType::BF16))
+        .collect::<Res<_>>()?;
+    let a_log = op_cases::weight(&be, &[1, 1, h, 1], &r.vec(h, 1.0), DType::F32)?;
+    let dt_bias = op_cases::weight(&be, &[width], &r.vec(width, 0.5), DType::F32)?;
+    let o_norm = op_cases::weight(&be, &[d], &r.vec(d, 1.0), DType::BF16)?;
+    let weights = KdaStepWeights {
+        conv: [&conv[0], &conv[1], &conv[2]],
+        a_log: &a_log,
+        dt_bias: &dt_bias,
+        o_norm: &o_norm,
+        gate: KdaGate::Softplus,
+        eps: 1e-5,
+    };
+    for batch in [1usize, 64] {
+        let pre: Vec<_> = (0..3)
+            .map(|_| be.upload_f32(&[batch, width], &r.vec(batch * width, 1.0)))
+            .collect::<Result<_, _>>()?;
+        let f = be.upload_f32(&[batch, width], &r.vec(batch * width, 1.0))?;
+        let bl = be.upload_f32(&[batch, h], &r.vec(batch * h, 1.0))?;
+        let z = be.upload_f32(&[batch, width], &r.vec(batch * width, 1.0))?;
+        let inputs = KdaStepInputs {
+            qkv: [&pre[0], &pre[1], &pre[2]],
+            f: &f,
+            beta_logits: &bl,
+            z: &z,
+        };
+        let mut caches = Vec::with_capacity(batch);
+        for _ in 0..batch {
+            caches.push((
+                [
+                    be.zeros(&[3, width])?,
+                    be.zeros(&[3, width])?,
+                    be.zeros(&[3, width])?,
+                ],
+                be.zeros(&[h, d, d])?,
+            ));
+        }
+        let segs: Vec<Segment> = (0..batch).map(|s| Segment { start: s, len: 1 }).collect();
+        for fused in [true, false] {
+            let s = time_calls(&be, 5, 200, || {
+                let mut refs: Vec<_> = caches.iter_mut().map(|(c, s)| (c, s)).collect();
+                let y = if fused {
+                    be.kda_decode(&inputs, &weights, h, &segs, &mut refs)?
+                } else {
+                    kimi_ops::kda_decode_composed(&be, &inputs, &weights, h, &segs, &mut refs)?
+                };
+                drop(y);
+                Ok(())
+            })?;
+            // State bytes read and written per step: B * H * D * D * 4 * 2.
+            let gbs = (batch * h * d * d * 8) as f64 / s / 1e9;
+            println!(
+                "kda decode step {} B={batch:<3} H={h} D={d}: {:8.1} us/layer ({gbs:.0} GB/s of state traffic)",
+                if fused { "fused   " } else { "composed" },
+                s * 1e6
+            );
+        }
+        let _ = std::io::stdout().flush();
     }
     Ok(())
 }

@@ -10,14 +10,16 @@ use cudarc::driver::CudaSlice;
 use kimi_core::config::KdaGate;
 use kimi_core::DType;
 use kimi_ops::{
-    check_segments, Backend, Error, HostTensor, KdaMode, MlaDims, MlaMode, MlpWeights, MoeRouting,
-    MoeWeights, Result, Segment,
+    check_segments, Backend, Error, HostTensor, KdaMode, KdaStepInputs, KdaStepWeights, MlaDims,
+    MlaMode, MlpWeights, MoeRouting, MoeWeights, Result, Segment,
 };
 
 use crate::device::Device;
 use crate::error::OpContext;
 use crate::ops;
 use crate::tensor::{dtype_code, CudaTensor};
+
+mod kda_decode;
 
 /// How GEMMs against bf16/f16 weights treat the f32 activations.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -1077,10 +1079,8 @@ impl Backend for CudaBackend {
         num_heads: usize,
         segments: &[Segment],
         states: &mut [&mut CudaTensor],
-        _mode: KdaMode,
+        mode: KdaMode,
     ) -> Result<CudaTensor> {
-        // Every mode runs the recurrence (equal to the chunked form to f32 rounding); the
-        // chunked tensor-core kernel for prefill is future work.
         const OP: &str = "kda";
         self.dev.enter(OP)?;
         let (n, width) = f32_rows(q, OP)?;
@@ -1103,8 +1103,7 @@ impl Backend for CudaBackend {
         }
         check_segments(OP, segments, states.len(), n)?;
         let d = width / num_heads;
-        let out = self.zeroed(&q.shape, OP)?;
-        for (seg, state) in segments.iter().zip(states.iter_mut()) {
+        for state in states.iter() {
             if state.dtype != DType::F32 || state.len() != num_heads * d * d {
                 return Err(shape_err(
                     OP,
@@ -1114,25 +1113,104 @@ impl Backend for CudaBackend {
                     ),
                 ));
             }
+        }
+        let out = self.zeroed(&q.shape, OP)?;
+        let qkvg = [q.ptr(), k.ptr(), v.ptr(), g.ptr()];
+        // (start, len, state address) of the non-empty segments, by kernel.
+        let (mut chunked, mut recurrent) = (vec![], vec![]);
+        for (seg, state) in segments.iter().zip(states.iter()) {
             if seg.len == 0 {
                 continue;
             }
-            // SAFETY: shapes checked above.
+            let chunk = match mode {
+                KdaMode::Auto => seg.len > 1,
+                KdaMode::Recurrent => false,
+                KdaMode::Chunked => true,
+            };
+            let entry = (seg.start, seg.len, state.ptr());
+            if chunk { &mut chunked } else { &mut recurrent }.push(entry);
+        }
+        if !ops::kda::has_split_kernels(d) {
+            // Other head sizes: one block per head and segment, every mode (the recurrence
+            // equals the chunked form to f32 rounding).
+            for (start, len, state) in chunked.into_iter().chain(recurrent) {
+                // SAFETY: shapes checked above.
+                unsafe {
+                    ops::kda::recurrent(
+                        &self.dev,
+                        qkvg,
+                        beta.ptr(),
+                        state,
+                        out.ptr(),
+                        start,
+                        len,
+                        num_heads,
+                        d,
+                    )?
+                };
+            }
+            return Ok(out);
+        }
+        // The chunked kernels read q, k, v, g as float4 (fresh allocations are aligned).
+        if qkvg.iter().any(|p| !p.is_multiple_of(16)) {
+            recurrent.append(&mut chunked);
+        }
+        for group in chunked.chunks(ops::kda::MAX_SEGS) {
+            let (table, chunks) = ops::kda::SegTable::new(group)?;
+            let scratch = self.empty(
+                &[chunks * num_heads, ops::kda::SCRATCH_PER_CHUNK],
+                DType::F32,
+                OP,
+            )?;
+            // SAFETY: shapes checked above; the table's segments lie inside the n rows and
+            // their states are distinct `[H, D, D]` f32 tensors; scratch has room for every
+            // (chunk, head); the inputs are 16-byte aligned.
             unsafe {
-                ops::kda::recurrent(
+                ops::kda::chunked(
                     &self.dev,
-                    [q.ptr(), k.ptr(), v.ptr(), g.ptr()],
+                    qkvg,
                     beta.ptr(),
-                    state.ptr(),
+                    &table,
+                    chunks,
+                    scratch.ptr(),
                     out.ptr(),
-                    seg.start,
-                    seg.len,
+                    num_heads,
+                    d,
+                )?
+            };
+        }
+        for group in recurrent.chunks(ops::kda::MAX_SEGS) {
+            let (table, _) = ops::kda::SegTable::new(group)?;
+            // SAFETY: as above.
+            unsafe {
+                ops::kda::recurrent_split(
+                    &self.dev,
+                    qkvg,
+                    beta.ptr(),
+                    &table,
+                    out.ptr(),
                     num_heads,
                     d,
                 )?
             };
         }
         Ok(out)
+    }
+
+    fn kda_decode(
+        &self,
+        x: &KdaStepInputs<'_, CudaTensor>,
+        w: &KdaStepWeights<'_, CudaTensor>,
+        num_heads: usize,
+        segments: &[Segment],
+        caches: &mut [(&mut [CudaTensor; 3], &mut CudaTensor)],
+    ) -> Result<CudaTensor> {
+        const OP: &str = "kda_decode";
+        self.dev.enter(OP)?;
+        match self.kda_decode_shape(x, w, num_heads, segments, caches)? {
+            Some(d) => self.kda_decode_fused(x, w, num_heads, d, segments, caches),
+            None => kimi_ops::kda_decode_composed(self, x, w, num_heads, segments, caches),
+        }
     }
 
     fn gated_rms_norm(

@@ -21,6 +21,10 @@ const BIG_SMEM_KERNELS: &[&str] = &[
     "mla_decode_partial",
     "mla_decode_partial_vec",
     "moe_route",
+    "kda_chunk_prep_64",
+    "kda_chunk_prep_128",
+    "kda_chunk_state_64",
+    "kda_chunk_state_128",
 ];
 
 /// Every kernel symbol, by module (the `kernels/<module>.cu` file stem).
@@ -53,6 +57,14 @@ const KERNELS: &[(&str, &[&str])] = &[
             "kda_recurrent_32",
             "kda_recurrent_64",
             "kda_recurrent_128",
+            "kda_recurrent_split_64",
+            "kda_recurrent_split_128",
+            "kda_chunk_prep_64",
+            "kda_chunk_prep_128",
+            "kda_chunk_state_64",
+            "kda_chunk_state_128",
+            "kda_decode_64",
+            "kda_decode_128",
         ],
     ),
     (

@@ -7,7 +7,8 @@ use std::collections::HashSet;
 use kimi_core::config::{KdaConfig, MlaConfig, MoeConfig};
 use kimi_core::DType;
 use kimi_ops::{
-    Backend, HostTensor, KdaMode, MlaDims, MlaMode, MlpWeights, MoeRouting, MoeWeights, Segment,
+    Backend, HostTensor, KdaMode, KdaStepInputs, KdaStepWeights, MlaDims, MlaMode, MlpWeights,
+    MoeRouting, MoeWeights, Segment,
 };
 
 use crate::source::WeightSource;
@@ -136,6 +137,36 @@ impl<T> KdaLayer<T> {
         caches: &mut [(&mut [T; 3], &mut T)],
         mode: KdaMode,
     ) -> Result<T> {
+        // Decode (one token per sequence): one fused step where the backend has one. Forced
+        // chunked mode keeps the separate ops so tests can drive the chunked kernels.
+        let decode =
+            !segments.is_empty() && segments.iter().all(|s| s.len == 1) && mode != KdaMode::Chunked;
+        if decode {
+            let pre = [
+                be.matmul(x, &self.q)?,
+                be.matmul(x, &self.k)?,
+                be.matmul(x, &self.v)?,
+            ];
+            let f = be.matmul(&be.matmul(x, &self.f_a)?, &self.f_b)?;
+            let b = be.matmul(x, &self.b)?;
+            let z = be.matmul(&be.matmul(x, &self.g_a)?, &self.g_b)?;
+            let inputs = KdaStepInputs {
+                qkv: [&pre[0], &pre[1], &pre[2]],
+                f: &f,
+                beta_logits: &b,
+                z: &z,
+            };
+            let weights = KdaStepWeights {
+                conv: [&self.conv[0], &self.conv[1], &self.conv[2]],
+                a_log: &self.a_log,
+                dt_bias: &self.dt_bias,
+                o_norm: &self.o_norm,
+                gate: c.gate,
+                eps,
+            };
+            let y = be.kda_decode(&inputs, &weights, c.num_heads, segments, caches)?;
+            return Ok(be.matmul(&y, &self.o)?);
+        }
         let mut streams = Vec::with_capacity(3);
         for (i, proj) in [&self.q, &self.k, &self.v].into_iter().enumerate() {
             let pre = be.matmul(x, proj)?;

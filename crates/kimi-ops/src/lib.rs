@@ -95,6 +95,70 @@ pub enum KdaMode {
     Chunked,
 }
 
+/// Per-token inputs of [`Backend::kda_decode`]: a KDA layer's projections, `[n, width]` rows.
+#[derive(Clone, Copy)]
+pub struct KdaStepInputs<'a, T> {
+    /// q, k and v projections before the short convolutions, each `[n, H*D]`.
+    pub qkv: [&'a T; 3],
+    /// Forget-gate pre-activation `f [n, H*D]` (input of [`Backend::kda_gate`]).
+    pub f: &'a T,
+    /// β logits `[n, H]`, before the sigmoid.
+    pub beta_logits: &'a T,
+    /// Output-gate pre-activation `z [n, H*D]` (input of [`Backend::gated_rms_norm`]).
+    pub z: &'a T,
+}
+
+/// The weights [`Backend::kda_decode`] reads besides the projections.
+#[derive(Clone, Copy)]
+pub struct KdaStepWeights<'a, T> {
+    /// Depthwise convolution weights of q, k and v (`[H*D, 1, W]` or `[H*D, W]`).
+    pub conv: [&'a T; 3],
+    /// `A_log [H]`.
+    pub a_log: &'a T,
+    /// `dt_bias [H*D]`.
+    pub dt_bias: &'a T,
+    /// Output norm weight `[D]`.
+    pub o_norm: &'a T,
+    /// Forget-gate form.
+    pub gate: KdaGate,
+    /// Epsilon of the gated RMSNorm.
+    pub eps: f32,
+}
+
+/// The body of [`Backend::kda_decode`]'s default: the separate ops in the order a KDA layer
+/// has always called them (short_conv_silu ×3, kda_gate, sigmoid, recurrent kda,
+/// gated_rms_norm), so a backend's fused version can be checked against it.
+pub fn kda_decode_composed<B: Backend + ?Sized>(
+    be: &B,
+    x: &KdaStepInputs<'_, B::Tensor>,
+    w: &KdaStepWeights<'_, B::Tensor>,
+    num_heads: usize,
+    segments: &[Segment],
+    caches: &mut [(&mut [B::Tensor; 3], &mut B::Tensor)],
+) -> Result<B::Tensor> {
+    let mut streams = Vec::with_capacity(3);
+    for i in 0..3 {
+        let mut states: Vec<&mut B::Tensor> =
+            caches.iter_mut().map(|(conv, _)| &mut conv[i]).collect();
+        streams.push(be.short_conv_silu(x.qkv[i], w.conv[i], segments, &mut states)?);
+    }
+    let g = be.kda_gate(x.f, w.a_log, w.dt_bias, num_heads, w.gate)?;
+    let beta = be.sigmoid(x.beta_logits)?;
+    let mut states: Vec<&mut B::Tensor> = caches.iter_mut().map(|(_, s)| &mut **s).collect();
+    let o = be.kda(
+        &streams[0],
+        &streams[1],
+        &streams[2],
+        &g,
+        &beta,
+        num_heads,
+        segments,
+        &mut states,
+        KdaMode::Recurrent,
+    )?;
+    be.gated_rms_norm(&o, x.z, w.o_norm, w.eps)
+}
+
 /// How MLA attends over its latent cache.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum MlaMode {
@@ -301,6 +365,25 @@ pub trait Backend: Send + Sync {
         weight: &Self::Tensor,
         eps: f32,
     ) -> Result<Self::Tensor>;
+
+    /// A KDA layer between its projections and `o_proj`, in the recurrent form: the short
+    /// convolutions + SiLU of q, k, v (updating `caches[s].0`), the forget gate, β =
+    /// sigmoid, the gated delta rule (updating the state `caches[s].1`) and the gated
+    /// RMSNorm. Returns `[n, H*D]`, the input of `o_proj`.
+    ///
+    /// Model code calls it when every segment is one token (decode). The default composes
+    /// the separate ops ([`kda_decode_composed`]); backends may fuse it (one kernel per
+    /// layer on CUDA) and must then agree with the composition to f32 rounding.
+    fn kda_decode(
+        &self,
+        x: &KdaStepInputs<'_, Self::Tensor>,
+        w: &KdaStepWeights<'_, Self::Tensor>,
+        num_heads: usize,
+        segments: &[Segment],
+        caches: &mut [(&mut [Self::Tensor; 3], &mut Self::Tensor)],
+    ) -> Result<Self::Tensor> {
+        kda_decode_composed(self, x, w, num_heads, segments, caches)
+    }
 
     /// Causal MLA over a latent cache, per segment.
     ///

@@ -3,7 +3,7 @@
 use cudarc::driver::PushKernelArg;
 use kimi_ops::{Error, Result};
 
-use crate::device::{flat, grid, Device};
+use crate::device::{flat, grid, Device, MAX_DYNAMIC_SMEM_BYTES};
 use crate::error::OpContext;
 
 /// The forget gate over `f [n, width]` (`kind` 0 = softplus, 1 = lower bound `lb`).
@@ -81,5 +81,258 @@ pub(crate) unsafe fn recurrent(
     b.arg(&s).arg(&l).arg(&hi).arg(&di);
     // SAFETY: see the function's contract; one block of `threads >= d` per head.
     unsafe { b.launch(grid((h as u32, 1, 1), threads, 0)) }.op("kda")?;
+    Ok(())
+}
+
+/// Segments per launch of the table-driven kernels (`KDA_MAX_SEGS` in `kda.cu`).
+pub(crate) const MAX_SEGS: usize = 64;
+
+/// Tokens per chunk of the chunked form (`KDA_C` in `kda.cu`, kimi-cpu's `CHUNK`).
+pub(crate) const CHUNK: usize = 64;
+
+/// f32 scratch per (chunk, head) between the two chunked kernels (`KDA_SCRATCH`).
+pub(crate) const SCRATCH_PER_CHUNK: usize = CHUNK * CHUNK + 2 * CHUNK;
+
+/// Head sizes with split-V, chunked and fused-decode kernels.
+pub(crate) fn has_split_kernels(d: usize) -> bool {
+    matches!(d, 64 | 128)
+}
+
+/// `struct KdaSegs` of `kda.cu`, passed by value as a kernel parameter.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct SegTable {
+    n: i32,
+    start: [i32; MAX_SEGS],
+    len: [i32; MAX_SEGS],
+    chunk0: [i32; MAX_SEGS],
+    state: [u64; MAX_SEGS],
+}
+
+// SAFETY: plain-old-data with the C layout of `struct KdaSegs` (repr(C), same field order).
+unsafe impl cudarc::driver::DeviceRepr for SegTable {}
+
+impl SegTable {
+    /// Table of up to [`MAX_SEGS`] non-empty `(start, len, state address)` segments; returns
+    /// it with the number of chunks it covers (`chunk0` counts them in order).
+    pub(crate) fn new(segs: &[(usize, usize, u64)]) -> Result<(Self, usize)> {
+        if segs.len() > MAX_SEGS || segs.iter().any(|s| s.1 == 0) {
+            return Err(Error::Shape {
+                op: "kda",
+                detail: format!("{} segments for one launch", segs.len()),
+            });
+        }
+        let mut t = SegTable {
+            n: segs.len() as i32,
+            start: [0; MAX_SEGS],
+            len: [0; MAX_SEGS],
+            chunk0: [0; MAX_SEGS],
+            state: [0; MAX_SEGS],
+        };
+        let mut chunks = 0usize;
+        for (i, &(start, len, state)) in segs.iter().enumerate() {
+            let (start, len, c0) = (
+                i32::try_from(start),
+                i32::try_from(len),
+                i32::try_from(chunks),
+            );
+            let (Ok(start), Ok(len), Ok(c0)) = (start, len, c0) else {
+                return Err(Error::Unsupported("kda over more than 2^31 rows".into()));
+            };
+            t.start[i] = start;
+            t.len[i] = len;
+            t.chunk0[i] = c0;
+            t.state[i] = state;
+            chunks += (len as usize).div_ceil(CHUNK);
+        }
+        Ok((t, chunks))
+    }
+}
+
+/// The recurrence of every segment in `table`, split over `D/4`-column blocks of the state.
+///
+/// # Safety
+/// `q, k, v, g, out` hold `n * h * d` f32 and `beta` `n * h`, with every table segment
+/// inside the `n` rows; each table state holds `h * d * d` f32 and no two alias;
+/// [`has_split_kernels`]`(d)`.
+pub(crate) unsafe fn recurrent_split(
+    dev: &Device,
+    qkvg: [u64; 4],
+    beta: u64,
+    table: &SegTable,
+    out: u64,
+    h: usize,
+    d: usize,
+) -> Result<()> {
+    let [q, k, v, g] = qkvg;
+    let hi = h as i32;
+    let mut b = dev.kernel("kda", &format!("kda_recurrent_split_{d}"))?;
+    b.arg(&q).arg(&k).arg(&v).arg(&g).arg(&beta);
+    b.arg(table).arg(&out).arg(&hi);
+    // SAFETY: see the function's contract; grid (4, H, segments) of 128 threads as the
+    // kernel's `Split<D>` layout expects.
+    unsafe { b.launch(grid((4, h as u32, table.n as u32), 128, 0)) }.op("kda")?;
+    Ok(())
+}
+
+/// Dynamic shared memory of `kda_chunk_prep_D` (q̂, k̂, exp(g) tiles, M, β and norms).
+pub(crate) fn prep_smem(d: usize) -> usize {
+    (3 * CHUNK * d + CHUNK * CHUNK + 3 * CHUNK) * 4
+}
+
+/// Dynamic shared memory of `kda_chunk_state_D` (KQ tiles, M, the state columns, X, norms,
+/// β and the chunk decay).
+pub(crate) fn state_smem(d: usize) -> usize {
+    (2 * CHUNK * d + CHUNK * CHUNK + 32 * (d + 4) + CHUNK * 32 + 3 * CHUNK + d) * 4
+}
+
+/// The chunked (WY) form of every segment in `table` (`chunks` chunks in all): the
+/// per-chunk preparation into `scratch`, then the serial state pass.
+///
+/// # Safety
+/// As [`recurrent_split`]; also `q, k, v, g, out` are 16-byte aligned, and `scratch` holds
+/// `chunks * h * SCRATCH_PER_CHUNK` f32.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn chunked(
+    dev: &Device,
+    qkvg: [u64; 4],
+    beta: u64,
+    table: &SegTable,
+    chunks: usize,
+    scratch: u64,
+    out: u64,
+    h: usize,
+    d: usize,
+) -> Result<()> {
+    let [q, k, v, g] = qkvg;
+    let hi = h as i32;
+    let (ps, ss) = (prep_smem(d), state_smem(d));
+    if ps.max(ss) > MAX_DYNAMIC_SMEM_BYTES as usize || chunks > u32::MAX as usize {
+        return Err(Error::Unsupported(format!("chunked kda with head_dim {d}")));
+    }
+    let mut b = dev.kernel("kda", &format!("kda_chunk_prep_{d}"))?;
+    b.arg(&q).arg(&k).arg(&g).arg(&beta);
+    b.arg(table).arg(&scratch).arg(&hi);
+    // SAFETY: see the function's contract; one block per (chunk, head) writes that chunk's
+    // scratch; the shared memory size matches the kernel's carve-up.
+    unsafe { b.launch(grid((chunks as u32, h as u32, 1), 256, ps as u32)) }.op("kda")?;
+    let mut b = dev.kernel("kda", &format!("kda_chunk_state_{d}"))?;
+    b.arg(&q).arg(&k).arg(&v).arg(&g).arg(&beta);
+    b.arg(table).arg(&scratch).arg(&out).arg(&hi);
+    // SAFETY: as above; grid (D/32, H, segments): each block owns 32 columns of one state.
+    unsafe {
+        b.launch(grid(
+            ((d / 32) as u32, h as u32, table.n as u32),
+            256,
+            ss as u32,
+        ))
+    }
+    .op("kda")?;
+    Ok(())
+}
+
+/// `struct KdaStepSegs` of `kda.cu`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct StepSegs {
+    n: i32,
+    row: [i32; MAX_SEGS],
+    state: [u64; MAX_SEGS],
+    conv: [[u64; MAX_SEGS]; 3],
+}
+
+// SAFETY: plain-old-data with the C layout of `struct KdaStepSegs`.
+unsafe impl cudarc::driver::DeviceRepr for StepSegs {}
+
+impl StepSegs {
+    /// Up to [`MAX_SEGS`] `(row, state, [q, k, v conv windows])` addresses.
+    pub(crate) fn new(segs: &[(usize, u64, [u64; 3])]) -> Result<Self> {
+        if segs.len() > MAX_SEGS {
+            return Err(Error::Shape {
+                op: "kda_decode",
+                detail: format!("{} segments for one launch", segs.len()),
+            });
+        }
+        let mut t = StepSegs {
+            n: segs.len() as i32,
+            row: [0; MAX_SEGS],
+            state: [0; MAX_SEGS],
+            conv: [[0; MAX_SEGS]; 3],
+        };
+        for (i, &(row, state, conv)) in segs.iter().enumerate() {
+            t.row[i] = i32::try_from(row)
+                .map_err(|_| Error::Unsupported("kda_decode over 2^31 rows".into()))?;
+            t.state[i] = state;
+            for (s, c) in conv.into_iter().enumerate() {
+                t.conv[s][i] = c;
+            }
+        }
+        Ok(t)
+    }
+}
+
+/// `struct KdaStepArgs` of `kda.cu`: the layer's inputs, weights and output.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct StepArgs {
+    /// q, k, v projections before the convolution `[n, H*D]` f32.
+    pub x: [u64; 3],
+    /// Convolution weights `[H*D, W]` of dtypes `wdt`.
+    pub w: [u64; 3],
+    /// Gate pre-activation `[n, H*D]` f32.
+    pub f: u64,
+    /// β logits `[n, H]` f32.
+    pub b: u64,
+    /// Output gate `[n, H*D]` f32.
+    pub z: u64,
+    /// `A_log [H]` of dtype `adt`.
+    pub a_log: u64,
+    /// `dt_bias [H*D]` of dtype `bdt`.
+    pub dt_bias: u64,
+    /// Output norm weight `[D]` of dtype `odt`.
+    pub o_norm: u64,
+    /// Output `[n, H*D]` f32.
+    pub y: u64,
+    /// Dtype codes of `w`.
+    pub wdt: [i32; 3],
+    /// Dtype code of `a_log`.
+    pub adt: i32,
+    /// Dtype code of `dt_bias`.
+    pub bdt: i32,
+    /// Dtype code of `o_norm`.
+    pub odt: i32,
+    /// Heads.
+    pub h: i32,
+    /// Convolution width.
+    pub w_len: i32,
+    /// 0 = softplus gate, 1 = lower-bound gate.
+    pub kind: i32,
+    /// Lower bound of kind 1.
+    pub lb: f32,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+}
+
+// SAFETY: plain-old-data with the C layout of `struct KdaStepArgs`.
+unsafe impl cudarc::driver::DeviceRepr for StepArgs {}
+
+/// One fused decode step of a KDA layer for every one-token segment in `segs`.
+///
+/// # Safety
+/// `args` describes live buffers of the documented shapes for `n` rows with every table row
+/// below `n`; each state holds `h * d * d` f32 and each conv window `(W-1) * h * d` f32,
+/// none aliasing another; [`has_split_kernels`]`(d)`.
+pub(crate) unsafe fn decode(
+    dev: &Device,
+    args: &StepArgs,
+    segs: &StepSegs,
+    h: usize,
+    d: usize,
+) -> Result<()> {
+    let mut b = dev.kernel("kda_decode", &format!("kda_decode_{d}"))?;
+    b.arg(args).arg(segs);
+    // SAFETY: see the function's contract; grid x = 4 is the kernel's compile-time cluster
+    // width (`__cluster_dims__(4, 1, 1)`).
+    unsafe { b.launch(grid((4, h as u32, segs.n as u32), 128, 0)) }.op("kda_decode")?;
     Ok(())
 }

@@ -11,7 +11,8 @@ use kimi_core::DType;
 use kimi_cpu::CpuBackend;
 use kimi_cuda::CudaBackend;
 use kimi_ops::{
-    Backend, HostTensor, KdaMode, MlaDims, MlaMode, MlpWeights, MoeRouting, MoeWeights, Segment,
+    kda_decode_composed, Backend, HostTensor, KdaMode, KdaStepInputs, KdaStepWeights, MlaDims,
+    MlaMode, MlpWeights, MoeRouting, MoeWeights, Segment,
 };
 
 pub type Res<T> = std::result::Result<T, Box<dyn Error>>;
@@ -301,6 +302,164 @@ pub fn op_kda<B: Backend>(b: &B, h: usize, d: usize, mode: KdaMode) -> Res<Vec<V
     Ok(out)
 }
 
+/// A forget gate from random pre-activations through `kda_gate` (`[n, h*d]`), with every
+/// 11th channel pushed far below zero (decays that underflow within a chunk).
+pub fn kda_gates<B: Backend>(
+    b: &B,
+    r: &mut Rng,
+    n: usize,
+    h: usize,
+    d: usize,
+    gate: KdaGate,
+) -> Res<B::Tensor> {
+    let f: Vec<f32> = r
+        .vec(n * h * d, 3.0)
+        .into_iter()
+        .enumerate()
+        .map(|(i, x)| if i % 11 == 0 { x + 25.0 } else { x })
+        .collect();
+    let f = b.upload_f32(&[n, h * d], &f)?;
+    let a = b.upload_f32(&[h], &r.vec(h, 1.0))?;
+    let bias = b.upload_f32(&[h * d], &r.vec(h * d, 0.5))?;
+    Ok(b.kda_gate(&f, &a, &bias, h, gate)?)
+}
+
+/// `kda` over segments of `lens` rows with random non-zero initial states; returns the
+/// output and every final state.
+pub fn op_kda_segs<B: Backend>(
+    b: &B,
+    h: usize,
+    d: usize,
+    lens: &[usize],
+    gate: KdaGate,
+    mode: KdaMode,
+) -> Res<Vec<Vec<f32>>> {
+    let mut r = Rng(10 + lens.len() as u64);
+    let n: usize = lens.iter().sum();
+    let w = h * d;
+    let q = b.upload_f32(&[n, w], &r.vec(n * w, 1.0))?;
+    let k = b.upload_f32(&[n, w], &r.vec(n * w, 1.0))?;
+    let v = b.upload_f32(&[n, w], &r.vec(n * w, 1.0))?;
+    let g = kda_gates(b, &mut r, n, h, d, gate)?;
+    let beta: Vec<f32> = r.vec(n * h, 1.0).iter().map(|x| 0.5 + 0.5 * x).collect();
+    let beta = b.upload_f32(&[n, h], &beta)?;
+    let mut segs = vec![];
+    let mut start = 0;
+    for &l in lens {
+        segs.push(Segment { start, len: l });
+        start += l;
+    }
+    let mut states: Vec<B::Tensor> = lens
+        .iter()
+        .map(|_| b.upload_f32(&[h, d, d], &r.vec(h * d * d, 0.3)))
+        .collect::<Result<_, _>>()?;
+    let mut refs: Vec<&mut B::Tensor> = states.iter_mut().collect();
+    let o = t(b, &b.kda(&q, &k, &v, &g, &beta, h, &segs, &mut refs, mode)?)?;
+    let mut out = vec![o];
+    for s in &states {
+        out.push(t(b, s)?);
+    }
+    Ok(out)
+}
+
+/// One sequence's KDA cache: `[q, k, v]` conv windows and the state.
+type KdaCache<B> = ([<B as Backend>::Tensor; 3], <B as Backend>::Tensor);
+
+/// Three decode steps of `batch` one-token sequences through `Backend::kda_decode` (fused
+/// on CUDA) and through `kda_decode_composed` on copies of the same caches. Returns
+/// `[fused y, composed y, fused states, composed states, fused conv windows, composed
+/// conv windows]`, each concatenated over steps or sequences.
+pub fn op_kda_decode<B: Backend>(
+    b: &B,
+    batch: usize,
+    h: usize,
+    d: usize,
+    gate: KdaGate,
+) -> Res<Vec<Vec<f32>>> {
+    let mut r = Rng(20 + batch as u64);
+    let (w, width) = (4usize, h * d);
+    let conv: Vec<B::Tensor> = (0..3)
+        .map(|_| weight(b, &[width, 1, w], &r.vec(width * w, 0.5), DType::BF16))
+        .collect::<Res<_>>()?;
+    let a_log = b.upload_f32(&[1, 1, h, 1], &r.vec(h, 1.0))?;
+    let dt_bias = weight(b, &[width], &r.vec(width, 0.5), DType::F32)?;
+    let o_norm = weight(b, &[d], &r.vec(d, 1.0), DType::BF16)?;
+    let weights = KdaStepWeights {
+        conv: [&conv[0], &conv[1], &conv[2]],
+        a_log: &a_log,
+        dt_bias: &dt_bias,
+        o_norm: &o_norm,
+        gate,
+        eps: 1e-5,
+    };
+    // Two identical cache sets: [q, k, v] windows and the state, per sequence.
+    let mut sets: Vec<Vec<KdaCache<B>>> = vec![vec![], vec![]];
+    for _ in 0..batch {
+        let wins: Vec<Vec<f32>> = (0..3).map(|_| r.vec((w - 1) * width, 1.0)).collect();
+        let st = r.vec(h * d * d, 0.3);
+        for set in sets.iter_mut() {
+            set.push((
+                [
+                    b.upload_f32(&[w - 1, width], &wins[0])?,
+                    b.upload_f32(&[w - 1, width], &wins[1])?,
+                    b.upload_f32(&[w - 1, width], &wins[2])?,
+                ],
+                b.upload_f32(&[h, d, d], &st)?,
+            ));
+        }
+    }
+    // Sequences in reverse row order, so segment i is not row i.
+    let segs: Vec<Segment> = (0..batch)
+        .map(|i| Segment {
+            start: batch - 1 - i,
+            len: 1,
+        })
+        .collect();
+    let mut ys = vec![vec![], vec![]];
+    for _step in 0..3 {
+        let pre: Vec<B::Tensor> = (0..3)
+            .map(|_| b.upload_f32(&[batch, width], &r.vec(batch * width, 1.0)))
+            .collect::<Result<_, _>>()?;
+        let f = b.upload_f32(&[batch, width], &r.vec(batch * width, 3.0))?;
+        let bl = b.upload_f32(&[batch, h], &r.vec(batch * h, 2.0))?;
+        let z = b.upload_f32(&[batch, width], &r.vec(batch * width, 2.0))?;
+        let inputs = KdaStepInputs {
+            qkv: [&pre[0], &pre[1], &pre[2]],
+            f: &f,
+            beta_logits: &bl,
+            z: &z,
+        };
+        for (which, set) in sets.iter_mut().enumerate() {
+            let mut caches: Vec<(&mut [B::Tensor; 3], &mut B::Tensor)> =
+                set.iter_mut().map(|(c, s)| (c, s)).collect();
+            let y = if which == 0 {
+                b.kda_decode(&inputs, &weights, h, &segs, &mut caches)?
+            } else {
+                kda_decode_composed(b, &inputs, &weights, h, &segs, &mut caches)?
+            };
+            ys[which].extend(t(b, &y)?);
+        }
+    }
+    let mut out = ys;
+    for set in &sets {
+        let mut st = vec![];
+        for (_, s) in set {
+            st.extend(t(b, s)?);
+        }
+        out.push(st);
+    }
+    for set in &sets {
+        let mut win = vec![];
+        for (c, _) in set {
+            for x in c {
+                win.extend(t(b, x)?);
+            }
+        }
+        out.push(win);
+    }
+    Ok(out)
+}
+
 pub fn op_mla<B: Backend>(b: &B, dims: MlaDims, mode: MlaMode, dt: DType) -> Res<Vec<Vec<f32>>> {
     let mut r = Rng(9);
     let (h, rk, dn, dr, dv) = (
@@ -542,6 +701,7 @@ pub fn cases() -> Vec<(String, Case)> {
         ),
     ];
     v.extend(mla_cases());
+    v.extend(kda_cases());
     v
 }
 
@@ -679,4 +839,66 @@ fn mla_cases() -> Vec<(String, Case)> {
         )),
     ));
     v
+}
+
+/// The KDA kernels: chunked at lengths around the chunk size with several segments and
+/// non-zero initial states, both gate kinds and head sizes 64/128; mixed Auto calls;
+/// the split-V recurrence; more than 64 segments in one call (two launches); and the fused
+/// decode step against the composed ops.
+pub fn kda_cases() -> Vec<(String, Case)> {
+    let gates = [
+        ("softplus", KdaGate::Softplus),
+        ("lowerbound", KdaGate::LowerBound(-5.0)),
+    ];
+    let mut out: Vec<(String, Case)> = vec![];
+    for d in [64usize, 128] {
+        for (gname, gate) in gates {
+            for len in [1usize, 63, 64, 65, 200, 1000] {
+                // The long segment first, then a one-token and a two-chunk segment.
+                let lens = vec![len, 1, 70];
+                out.push((
+                    format!("kda chunked d{d} {gname} T={len} (+1, +70) h3"),
+                    case!(|b| op_kda_segs(b, 3, d, &lens, gate, KdaMode::Chunked)),
+                ));
+            }
+        }
+        let mixed = vec![1usize, 130, 1, 1, 64, 2];
+        out.push((
+            format!("kda auto mixed lens d{d} h4"),
+            case!(|b| op_kda_segs(b, 4, d, &mixed, KdaGate::Softplus, KdaMode::Auto)),
+        ));
+        let rec = vec![1usize, 37, 5];
+        out.push((
+            format!("kda recurrent split d{d} h4"),
+            case!(|b| op_kda_segs(b, 4, d, &rec, KdaGate::Softplus, KdaMode::Recurrent)),
+        ));
+    }
+    let many: Vec<usize> = (0..70).map(|i| 1 + i % 3).collect();
+    let many2 = many.clone();
+    out.push((
+        "kda chunked 70 segments d64 h2".into(),
+        case!(|b| op_kda_segs(b, 2, 64, &many, KdaGate::Softplus, KdaMode::Chunked)),
+    ));
+    out.push((
+        "kda recurrent 70 segments d128 h2".into(),
+        case!(|b| op_kda_segs(b, 2, 128, &many2, KdaGate::Softplus, KdaMode::Recurrent)),
+    ));
+    out.push((
+        "kda chunked d20 fallback h2".into(),
+        case!(|b| op_kda_segs(b, 2, 20, &[100, 3], KdaGate::Softplus, KdaMode::Chunked)),
+    ));
+    for (batch, h, d, (gname, gate)) in [
+        (1usize, 4usize, 128usize, gates[0]),
+        (3, 4, 128, gates[1]),
+        (64, 4, 128, gates[0]),
+        (70, 2, 64, gates[1]),
+        (3, 2, 64, gates[0]),
+        (2, 2, 20, gates[0]),
+    ] {
+        out.push((
+            format!("kda_decode B={batch} h{h} d{d} {gname} (y, y', S, S', conv, conv')"),
+            case!(|b| op_kda_decode(b, batch, h, d, gate)),
+        ));
+    }
+    out
 }
