@@ -8,7 +8,7 @@ use kimi_server::ServerConfig;
 
 use crate::args::ServeArgs;
 
-/// Tokens per MLA cache block.
+/// Tokens per cache block.
 const BLOCK_SIZE: usize = 16;
 
 pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
@@ -32,7 +32,14 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let max_model_len = a
         .max_model_len
         .unwrap_or(loaded.engine.model().max_context().min(32768));
-    let num_blocks = cache_blocks(&a, loaded.cache_values(), max_model_len)?;
+    // The pool's real layout: values per token over the block-pooled layers, values per
+    // state slot over the KDA layers.
+    let specs = loaded.engine.model().cache_specs();
+    let per_token: u64 = specs.iter().map(|s| s.values_per_token() as u64).sum();
+    let per_slot: u64 = specs.iter().map(|s| s.values_per_slot() as u64).sum();
+    let num_blocks = cache_blocks(&a, (per_token, per_slot), max_model_len)?;
+    let pool_bytes =
+        4 * (num_blocks as u64 * BLOCK_SIZE as u64 * per_token + a.max_num_seqs as u64 * per_slot);
     let serving = ServingConfig {
         max_model_len,
         max_num_seqs: a.max_num_seqs,
@@ -73,12 +80,14 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
         ..ServerConfig::default()
     };
     eprintln!(
-        "serving {} on http://{}:{} ({} cache blocks of {BLOCK_SIZE} tokens, up to {} sequences)",
+        "serving {} on http://{}:{} ({} cache blocks of {BLOCK_SIZE} tokens, up to {} sequences, \
+         cache pool {:.2} GiB)",
         loaded.dir.display(),
         a.host,
         a.port,
         num_blocks,
-        a.max_num_seqs
+        a.max_num_seqs,
+        pool_bytes as f64 / (1u64 << 30) as f64
     );
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     let result = runtime.block_on(kimi_server::serve(
@@ -115,8 +124,9 @@ async fn shutdown_signal() {
     eprintln!("shutting down: finishing running requests");
 }
 
-/// MLA cache blocks that fit in the memory budget, capped at what `max_num_seqs` full-length
-/// sequences could use. The CPU keeps caches in f32. `per_token`/`per_seq` count cache values.
+/// Cache blocks that fit in the memory budget next to `max_num_seqs` KDA state slots,
+/// capped at what `max_num_seqs` full-length sequences could use; the engine allocates
+/// exactly this pool at start. Caches are f32. `per_token`/`per_seq` count cache values.
 fn cache_blocks(
     a: &ServeArgs,
     (per_token, per_seq): (u64, u64),

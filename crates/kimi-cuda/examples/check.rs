@@ -24,9 +24,10 @@ use kimi_core::config::{KdaGate, ModelConfig};
 use kimi_core::DType;
 use kimi_cpu::CpuBackend;
 use kimi_cuda::{CudaBackend, GemmPrecision};
-use kimi_model::{Batch, ForwardOptions, KimiLinear, SeqCache, WeightSource};
+use kimi_model::{Batch, CachePool, CausalLm, ForwardOptions, KimiLinear, SeqCache, WeightSource};
 use kimi_ops::{
-    Backend, HostTensor, KdaMode, MlaDims, MlaMode, MlpWeights, MoeRouting, MoeWeights, Segment,
+    Backend, HostTensor, KdaMode, MlaDims, MlaMode, MlpWeights, MoeRouting, MoeWeights, PagedSeq,
+    Segment,
 };
 use rayon::prelude::*;
 
@@ -152,13 +153,18 @@ fn read_npy_f64(path: &Path) -> Res<(Vec<usize>, Vec<f64>)> {
     Ok((shape, data))
 }
 
+/// Logits of every position, feeding `step` tokens per forward pass through a paged cache
+/// of 5-token blocks whose table takes every other block of the pool, last first.
 fn run_model<B: Backend>(
     m: &KimiLinear<B>,
     ids: &[u32],
     step: usize,
     opts: ForwardOptions,
 ) -> Res<Vec<f32>> {
-    let mut cache: SeqCache<B> = m.new_cache()?;
+    let num_blocks = ids.len().div_ceil(5);
+    let mut pool = m.new_pool(2 * num_blocks, 5, 1)?;
+    let table = (0..num_blocks as u32).rev().map(|b| 2 * b).collect();
+    let mut cache = SeqCache::new(0, table);
     let mut out = Vec::new();
     for chunk in ids.chunks(step) {
         let batch = Batch {
@@ -169,7 +175,10 @@ fn run_model<B: Backend>(
             }],
             logits_rows: (0..chunk.len()).collect(),
         };
-        out.extend(m.forward(&batch, &mut [&mut cache], opts)?.logits);
+        out.extend(
+            m.forward(&batch, &mut pool, &mut [&mut cache], opts)?
+                .logits,
+        );
     }
     Ok(out)
 }
@@ -340,7 +349,8 @@ fn argmax(v: &[f32]) -> (usize, bool) {
 
 fn forward_last(
     model: &KimiLinear<CudaBackend>,
-    cache: &mut SeqCache<CudaBackend>,
+    pool: &mut CachePool<CudaBackend>,
+    cache: &mut SeqCache,
     toks: &[u32],
 ) -> Res<Vec<f32>> {
     let batch = Batch {
@@ -352,22 +362,22 @@ fn forward_last(
         logits_rows: vec![toks.len() - 1],
     };
     Ok(model
-        .forward(&batch, &mut [cache], ForwardOptions::default())?
+        .forward(&batch, pool, &mut [cache], ForwardOptions::default())?
         .logits)
 }
 
 /// Greedy generation of `num_tokens` from a 16-token prompt, timing each decode step.
 fn generate(model: &KimiLinear<CudaBackend>, num_tokens: usize, vocab: usize) -> Res<()> {
     let prompt: Vec<u32> = (0..16).map(|i| (i * 9973 % vocab) as u32).collect();
-    let mut cache = model.new_cache()?;
-    let logits = forward_last(model, &mut cache, &prompt)?;
+    let (mut pool, mut cache) = model.single_cache(prompt.len() + num_tokens)?;
+    let logits = forward_last(model, &mut pool, &mut cache, &prompt)?;
     let (mut next, mut all_finite) = argmax(&logits);
     let mut generated = vec![next as u32];
     let t1 = Instant::now();
     let mut step_ms = Vec::with_capacity(num_tokens);
     for _ in 1..num_tokens {
         let ts = Instant::now();
-        let logits = forward_last(model, &mut cache, &[next as u32])?;
+        let logits = forward_last(model, &mut pool, &mut cache, &[next as u32])?;
         step_ms.push(ts.elapsed().as_secs_f64() * 1e3);
         let (n, f) = argmax(&logits);
         all_finite &= f;
@@ -403,15 +413,21 @@ fn decode_batch(
     steps: usize,
     vocab: usize,
 ) -> Res<()> {
-    let mut caches = (0..batch)
-        .map(|_| model.new_cache())
-        .collect::<Result<Vec<_>, _>>()?;
+    // One pool of 16-token blocks; sequence s takes blocks s, s + batch, s + 2 batch, ...
+    let per_seq = (16 + steps).div_ceil(16);
+    let mut pool = model.new_pool(batch * per_seq, 16, batch)?;
+    let mut caches: Vec<SeqCache> = (0..batch)
+        .map(|s| {
+            let table = (0..per_seq).map(|k| (k * batch + s) as u32).collect();
+            SeqCache::new(s as u32, table)
+        })
+        .collect();
     let mut next = Vec::with_capacity(batch);
     for (s, c) in caches.iter_mut().enumerate() {
         let prompt: Vec<u32> = (0..16)
             .map(|i| ((i + 31 * s) * 9973 % vocab) as u32)
             .collect();
-        let logits = forward_last(model, c, &prompt)?;
+        let logits = forward_last(model, &mut pool, c, &prompt)?;
         next.push(argmax(&logits).0 as u32);
     }
     let mut step_ms = Vec::with_capacity(steps);
@@ -422,10 +438,10 @@ fn decode_batch(
             segments: (0..batch).map(|s| Segment { start: s, len: 1 }).collect(),
             logits_rows: (0..batch).collect(),
         };
-        let mut refs: Vec<&mut SeqCache<CudaBackend>> = caches.iter_mut().collect();
+        let mut refs: Vec<&mut SeqCache> = caches.iter_mut().collect();
         let ts = Instant::now();
         let logits = model
-            .forward(&b, &mut refs, ForwardOptions::default())?
+            .forward(&b, &mut pool, &mut refs, ForwardOptions::default())?
             .logits;
         step_ms.push(ts.elapsed().as_secs_f64() * 1e3);
         for (s, row) in logits.chunks_exact(vocab).enumerate() {
@@ -479,10 +495,10 @@ fn check_big(num_tokens: usize) -> Res<()> {
         }
         for len in [1024usize, 8192] {
             let toks: Vec<u32> = (0..len).map(|i| (i * 7919 % vocab) as u32).collect();
-            let mut c = model.new_cache()?;
+            let (mut pool, mut c) = model.single_cache(len)?;
             be.synchronize()?;
             let ts = Instant::now();
-            let logits = forward_last(&model, &mut c, &toks)?;
+            let logits = forward_last(&model, &mut pool, &mut c, &toks)?;
             be.synchronize()?;
             let s = ts.elapsed().as_secs_f64();
             let (_, f) = argmax(&logits);
@@ -667,12 +683,16 @@ impl Backend for Profiled {
         kv_b: &Self::Tensor,
         dims: &MlaDims,
         segments: &[Segment],
-        caches: &mut [&mut Self::Tensor],
+        pool: &mut Self::Tensor,
+        seqs: &[PagedSeq<'_>],
         mode: MlaMode,
     ) -> kimi_ops::Result<Self::Tensor> {
         self.timed("mla", |b| {
-            b.mla(q, latent, kv_b, dims, segments, caches, mode)
+            b.mla(q, latent, kv_b, dims, segments, pool, seqs, mode)
         })
+    }
+    fn fill_zero(&self, t: &mut Self::Tensor) -> kimi_ops::Result<()> {
+        self.timed("fill_zero", |b| b.fill_zero(t))
     }
 }
 
@@ -689,23 +709,24 @@ fn profile_big() -> Res<()> {
     };
     let model = KimiLinear::load_from(backend, config, &FastRandom)?;
     let vocab = model.config().vocab_size;
-    let run = |cache: &mut SeqCache<Profiled>, toks: &[u32]| -> Res<Vec<f32>> {
-        let batch = Batch {
-            tokens: toks.to_vec(),
-            segments: vec![Segment {
-                start: 0,
-                len: toks.len(),
-            }],
-            logits_rows: vec![toks.len() - 1],
+    let run =
+        |(pool, cache): &mut (CachePool<Profiled>, SeqCache), toks: &[u32]| -> Res<Vec<f32>> {
+            let batch = Batch {
+                tokens: toks.to_vec(),
+                segments: vec![Segment {
+                    start: 0,
+                    len: toks.len(),
+                }],
+                logits_rows: vec![toks.len() - 1],
+            };
+            Ok(model
+                .forward(&batch, pool, &mut [cache], ForwardOptions::default())?
+                .logits)
         };
-        Ok(model
-            .forward(&batch, &mut [cache], ForwardOptions::default())?
-            .logits)
-    };
     for prec in [GemmPrecision::Split, GemmPrecision::Half] {
         model.backend().inner.set_gemm_precision(prec);
         let prompt: Vec<u32> = (0..512).map(|i| (i * 9973 % vocab) as u32).collect();
-        let mut cache = model.new_cache()?;
+        let mut cache = model.single_cache(prompt.len() + 46)?;
         let mut next = argmax(&run(&mut cache, &prompt)?).0;
         for _ in 0..5 {
             next = argmax(&run(&mut cache, &[next as u32])?).0;
@@ -720,7 +741,7 @@ fn profile_big() -> Res<()> {
         println!("-- {prec:?}: decode at context ~520, profiled wall {wall:.2} ms/step");
         model.backend().report("decode step", steps as f64);
         let toks: Vec<u32> = (0..8192).map(|i| (i * 7919 % vocab) as u32).collect();
-        let mut c = model.new_cache()?;
+        let mut c = model.single_cache(toks.len())?;
         let t0 = Instant::now();
         run(&mut c, &toks)?;
         println!(

@@ -49,7 +49,15 @@ const KERNELS: &[(&str, &[&str])] = &[
             "kda_recurrent_128",
         ],
     ),
-    ("mla", &["mla_expanded", "mla_absorbed"]),
+    (
+        "mla",
+        &[
+            "mla_expanded",
+            "mla_absorbed",
+            "mla_paged_write",
+            "mla_paged_gather",
+        ],
+    ),
     (
         "moe",
         &["moe_route", "moe_lists", "moe_expert_gemv", "moe_combine"],

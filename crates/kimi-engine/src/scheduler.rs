@@ -70,6 +70,11 @@ pub(crate) struct Chunk {
     /// The chunk ends the sequence's known tokens, so the next token is sampled from the
     /// logits of its last row.
     pub(crate) samples: bool,
+    /// The sequence's KDA state slot.
+    pub(crate) slot: u32,
+    /// Blocks appended to the sequence's block table since its previous chunk (its whole
+    /// table when `start` is 0).
+    pub(crate) new_blocks: Vec<u32>,
 }
 
 /// What one step runs.
@@ -288,11 +293,18 @@ impl Scheduler {
         let start = seq.num_computed_tokens;
         seq.num_computed_tokens += len;
         *budget -= len;
+        debug_assert!(
+            seq.blocks.slot.is_some(),
+            "invariant: running sequences hold a slot"
+        );
         plan.chunks.push(Chunk {
             id,
             start,
             tokens: seq.tokens[start..start + len].to_vec(),
             samples: seq.num_computed_tokens == seq.tokens.len(),
+            // A missing slot (impossible) fails the forward pass as out of the pool.
+            slot: seq.blocks.slot.unwrap_or(u32::MAX),
+            new_blocks: seq.blocks.take_new(),
         });
     }
 }
