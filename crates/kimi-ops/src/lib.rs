@@ -383,7 +383,7 @@ pub trait Backend: Send + Sync {
 
     /// Sets every element of an f32 tensor to zero in place (resets a recycled state slot).
     fn fill_zero(&self, t: &mut Self::Tensor) -> Result<()> {
-        *t = self.zeros(&self.shape(t).to_vec())?;
+        *t = self.zeros(self.shape(t))?;
         Ok(())
     }
 

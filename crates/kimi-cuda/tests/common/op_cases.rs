@@ -324,10 +324,11 @@ pub fn op_mla<B: Backend>(
     let mut third: Vec<u32> = first.iter().rev().copied().collect();
     third.extend_from_slice(spare);
     // (tables, cached lengths, new lengths) of each call.
-    let calls: [(Vec<&[u32]>, [usize; 2], [usize; 2]); 3] = [
-        (vec![first, second], [0, 0], [13, 40]),
-        (vec![first, second], [13, 40], [1, 3]),
-        (vec![second, &third], [43, 0], [2, 20]),
+    type Call<'a> = ([&'a [u32]; 2], [usize; 2], [usize; 2]);
+    let calls: [Call<'_>; 3] = [
+        ([first, second], [0, 0], [13, 40]),
+        ([first, second], [13, 40], [1, 3]),
+        ([second, &third], [43, 0], [2, 20]),
     ];
     let mut out = vec![];
     for (tables, cached, lens) in calls {
