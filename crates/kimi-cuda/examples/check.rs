@@ -98,6 +98,7 @@ fn check_ops() -> Res<()> {
     }
     let cases = op_cases::cases();
     let cpu = CpuRun(CpuBackend::new());
+    let mut failures = Vec::new();
     for (name, c) in &cases {
         let want = match c(&cpu) {
             Ok(v) => v,
@@ -112,18 +113,35 @@ fn check_ops() -> Res<()> {
         };
         match c(&CudaRun(cuda)) {
             Ok(got) => {
-                let errs: Vec<String> = got
-                    .iter()
-                    .zip(&want)
-                    .map(|(g, w)| format!("{:.2e}", rel_err(g, w)))
-                    .collect();
-                println!("{name:<50} rel err {}", errs.join(" "));
+                let errs: Vec<f64> = got.iter().zip(&want).map(|(g, w)| rel_err(g, w)).collect();
+                let text: Vec<String> = errs.iter().map(|e| format!("{e:.2e}")).collect();
+                // The tolerance of tests/backend_ops.rs.
+                let ok = errs.len() == want.len() && errs.iter().all(|&e| e <= 1e-4);
+                println!(
+                    "{name:<50} rel err {}{}",
+                    text.join(" "),
+                    if ok { "" } else { "  FAIL" }
+                );
+                if !ok {
+                    failures.push(name.clone());
+                }
             }
-            Err(e) => println!("{name:<50} CUDA ERROR {e}"),
+            Err(e) => {
+                println!("{name:<50} CUDA ERROR {e}");
+                failures.push(name.clone());
+            }
         }
         let _ = std::io::stdout().flush();
     }
-    Ok(())
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} op cases over 1e-4 or failing: {failures:?}",
+            failures.len()
+        )
+        .into())
+    }
 }
 
 // ---------------------------------------------------------------- fixtures
