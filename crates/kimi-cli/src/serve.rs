@@ -8,9 +8,6 @@ use kimi_server::ServerConfig;
 
 use crate::args::ServeArgs;
 
-/// Tokens per cache block.
-const BLOCK_SIZE: usize = 16;
-
 pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         a.device == "cpu",
@@ -21,6 +18,7 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
         a.gpu_memory_utilization > 0.0 && a.gpu_memory_utilization <= 1.0,
         "--gpu-memory-utilization must be in (0, 1]"
     );
+    anyhow::ensure!(a.block_size > 0, "--block-size must be at least 1");
     let loaded = crate::load::load(&a.model, true)?;
     let mut loaded = loaded;
     let tokenizer = Arc::new(
@@ -37,14 +35,17 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let specs = loaded.engine.model().cache_specs();
     let per_token: u64 = specs.iter().map(|s| s.values_per_token() as u64).sum();
     let per_slot: u64 = specs.iter().map(|s| s.values_per_slot() as u64).sum();
-    let num_blocks = cache_blocks(&a, (per_token, per_slot), max_model_len)?;
-    let pool_bytes =
-        4 * (num_blocks as u64 * BLOCK_SIZE as u64 * per_token + a.max_num_seqs as u64 * per_slot);
+    let num_blocks = match a.num_gpu_blocks_override {
+        Some(n) => n,
+        None => cache_blocks(&a, (per_token, per_slot), max_model_len)?,
+    };
+    let pool_bytes = 4
+        * (num_blocks as u64 * a.block_size as u64 * per_token + a.max_num_seqs as u64 * per_slot);
     let serving = ServingConfig {
         max_model_len,
         max_num_seqs: a.max_num_seqs,
         max_num_batched_tokens: a.max_num_batched_tokens,
-        block_size: BLOCK_SIZE,
+        block_size: a.block_size,
         num_blocks,
         max_waiting: 4096,
     };
@@ -80,12 +81,13 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
         ..ServerConfig::default()
     };
     eprintln!(
-        "serving {} on http://{}:{} ({} cache blocks of {BLOCK_SIZE} tokens, up to {} sequences, \
+        "serving {} on http://{}:{} ({} cache blocks of {} tokens, up to {} sequences, \
          cache pool {:.2} GiB)",
         loaded.dir.display(),
         a.host,
         a.port,
         num_blocks,
+        a.block_size,
         a.max_num_seqs,
         pool_bytes as f64 / (1u64 << 30) as f64
     );
@@ -132,9 +134,9 @@ fn cache_blocks(
     (per_token, per_seq): (u64, u64),
     max_model_len: usize,
 ) -> anyhow::Result<usize> {
-    let per_seq_blocks = max_model_len.div_ceil(BLOCK_SIZE);
+    let per_seq_blocks = max_model_len.div_ceil(a.block_size);
     let wanted = a.max_num_seqs * per_seq_blocks;
-    let block_bytes = (BLOCK_SIZE as u64 * per_token * 4).max(1);
+    let block_bytes = (a.block_size as u64 * per_token * 4).max(1);
     let Some(available) = mem_available_bytes() else {
         return Ok(wanted);
     };

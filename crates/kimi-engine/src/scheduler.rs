@@ -354,6 +354,30 @@ mod tests {
     }
 
     #[test]
+    fn chunks_carry_the_slot_and_only_the_new_blocks() {
+        let mut s = scheduler(4, 64, 8, 4);
+        s.add(RequestId(0), vec![1; 8]);
+        s.add(RequestId(1), vec![1; 3]);
+        let plan = s.schedule();
+        let blocks = |p: &StepPlan| -> Vec<(u32, Vec<u32>)> {
+            p.chunks
+                .iter()
+                .map(|c| (c.slot, c.new_blocks.clone()))
+                .collect()
+        };
+        assert_eq!(blocks(&plan), vec![(0, vec![0, 1]), (1, vec![2])]);
+        sample_all(&mut s, &plan);
+        // The 9th token of request 0 needs a third block; request 1's 4th fits in its first.
+        let plan = s.schedule();
+        assert_eq!(blocks(&plan), vec![(0, vec![3]), (1, vec![])]);
+        s.remove(RequestId(0));
+        s.add(RequestId(2), vec![1; 17]);
+        let plan = s.schedule();
+        // Request 2 gets the never-used blocks first, then request 0's, and its freed slot.
+        assert_eq!(blocks(&plan), vec![(0, vec![4, 5, 6, 7, 0])]);
+    }
+
+    #[test]
     fn admission_is_fifo_within_max_num_seqs_and_blocks() {
         let mut s = scheduler(2, 64, 4, 4);
         s.add(RequestId(0), vec![1; 8]);
