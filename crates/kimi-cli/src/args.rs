@@ -58,6 +58,12 @@ pub struct ServeArgs {
     /// Fraction of memory the weights and caches may use (of free RAM on the CPU).
     #[arg(long, default_value_t = 0.9)]
     pub gpu_memory_utilization: f64,
+    /// Tokens per cache block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Cache blocks to allocate, instead of sizing the pool from free memory.
+    #[arg(long)]
+    pub num_gpu_blocks_override: Option<usize>,
     /// Accepted API key (repeatable; also KIMI_API_KEY, comma-separated). None: no auth.
     #[arg(
         long = "api-key",

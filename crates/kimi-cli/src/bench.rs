@@ -235,9 +235,16 @@ fn decode_batch<B: Backend>(
         context + steps < model.max_context(),
         "--context {context} + --decode-steps {steps} exceed the model's context"
     );
-    let mut caches = (0..batch)
-        .map(|_| model.new_cache())
-        .collect::<Result<Vec<_>, _>>()?;
+    // One pool for the batch: each sequence gets its own run of blocks and a state slot.
+    let block_size = kimi_model::SINGLE_BLOCK_SIZE;
+    let per_seq = (context + steps + 1).div_ceil(block_size);
+    let mut pool = model.new_pool(batch * per_seq, block_size, batch)?;
+    let mut caches: Vec<SeqCache> = (0..batch)
+        .map(|s| {
+            let first = (s * per_seq) as u32;
+            SeqCache::new(s as u32, (first..first + per_seq as u32).collect())
+        })
+        .collect();
     let opts = ForwardOptions::default();
     let prefill_start = Instant::now();
     let per_pass = (8192 / context).max(1);
@@ -254,8 +261,8 @@ fn decode_batch<B: Backend>(
             });
             b.logits_rows.push(b.tokens.len() - 1);
         }
-        let mut refs: Vec<&mut SeqCache<B>> = caches[group.clone()].iter_mut().collect();
-        let out = model.forward(&b, &mut refs, opts)?;
+        let mut refs: Vec<&mut SeqCache> = caches[group.clone()].iter_mut().collect();
+        let out = model.forward(&b, &mut pool, &mut refs, opts)?;
         for (i, s) in group.enumerate() {
             last[s] = argmax(&out.logits[i * out.vocab_size..(i + 1) * out.vocab_size]);
         }
@@ -269,9 +276,9 @@ fn decode_batch<B: Backend>(
             segments: (0..batch).map(|s| Segment { start: s, len: 1 }).collect(),
             logits_rows: (0..batch).collect(),
         };
-        let mut refs: Vec<&mut SeqCache<B>> = caches.iter_mut().collect();
+        let mut refs: Vec<&mut SeqCache> = caches.iter_mut().collect();
         let t = Instant::now();
-        let out = model.forward(&b, &mut refs, opts)?;
+        let out = model.forward(&b, &mut pool, &mut refs, opts)?;
         times.push(t.elapsed().as_secs_f64());
         memory_used = memory_used.max(device_memory_used(model.backend()));
         for (s, id) in last.iter_mut().enumerate() {

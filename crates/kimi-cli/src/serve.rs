@@ -9,9 +9,6 @@ use kimi_server::ServerConfig;
 
 use crate::args::ServeArgs;
 
-/// Tokens per MLA cache block.
-const BLOCK_SIZE: usize = 16;
-
 pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         a.gpu_memory_utilization > 0.0 && a.gpu_memory_utilization <= 1.0,
@@ -21,6 +18,7 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
 }
 
 fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.block_size > 0, "--block-size must be at least 1");
     let mut loaded = match &a.random_config {
         Some(config) => crate::load::load_random(backend, config, kimi_core::DType::BF16)?,
         None => crate::load::load(backend, &a.model, a.tokenizer.is_none())?,
@@ -40,13 +38,23 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
     let max_model_len = a
         .max_model_len
         .unwrap_or(loaded.engine.model().max_context().min(32768));
+    // The pool's real layout: values per token over the block-pooled layers, values per
+    // state slot over the KDA layers.
+    let specs = loaded.engine.model().cache_specs();
+    let per_token: u64 = specs.iter().map(|s| s.values_per_token() as u64).sum();
+    let per_slot: u64 = specs.iter().map(|s| s.values_per_slot() as u64).sum();
     let memory = loaded.engine.model().backend().memory_info();
-    let num_blocks = cache_blocks(&a, loaded.cache_values(), max_model_len, memory)?;
+    let num_blocks = match a.num_gpu_blocks_override {
+        Some(n) => n,
+        None => cache_blocks(&a, (per_token, per_slot), max_model_len, memory)?,
+    };
+    let pool_bytes = 4
+        * (num_blocks as u64 * a.block_size as u64 * per_token + a.max_num_seqs as u64 * per_slot);
     let serving = ServingConfig {
         max_model_len,
         max_num_seqs: a.max_num_seqs,
         max_num_batched_tokens: a.max_num_batched_tokens,
-        block_size: BLOCK_SIZE,
+        block_size: a.block_size,
         num_blocks,
         max_waiting: 4096,
     };
@@ -81,12 +89,15 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
         ..ServerConfig::default()
     };
     eprintln!(
-        "serving {} on http://{}:{} ({} cache blocks of {BLOCK_SIZE} tokens, up to {} sequences)",
+        "serving {} on http://{}:{} ({} cache blocks of {} tokens, up to {} sequences, \
+         cache pool {:.2} GiB)",
         loaded.dir.display(),
         a.host,
         a.port,
         num_blocks,
-        a.max_num_seqs
+        a.block_size,
+        a.max_num_seqs,
+        pool_bytes as f64 / (1u64 << 30) as f64
     );
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     let result = runtime.block_on(kimi_server::serve(
@@ -123,20 +134,22 @@ async fn shutdown_signal() {
     eprintln!("shutting down: finishing running requests");
 }
 
-/// MLA cache blocks that fit in the memory budget, capped at what `max_num_seqs` full-length
-/// sequences could use. Both backends keep caches in f32. `per_token`/`per_seq` count cache
-/// values. On a GPU (`device_memory` = free and total bytes after the weights were loaded)
-/// the budget is vLLM's: `--gpu-memory-utilization` of the total, minus what is already used,
-/// minus room for one step's activations; on the CPU it is that fraction of free RAM.
+/// Cache blocks that fit in the memory budget next to `max_num_seqs` KDA state slots,
+/// capped at what `max_num_seqs` full-length sequences could use; the engine allocates
+/// exactly this pool at start. Both backends keep caches in f32; `per_token`/`per_seq` count
+/// cache values. On a GPU (`device_memory` = free and total bytes after the weights were
+/// loaded) the budget is vLLM's: `--gpu-memory-utilization` of the total, minus what is
+/// already used, minus room for one step's activations; on the CPU it is that fraction of
+/// free RAM.
 fn cache_blocks(
     a: &ServeArgs,
     (per_token, per_seq): (u64, u64),
     max_model_len: usize,
     device_memory: Option<(u64, u64)>,
 ) -> anyhow::Result<usize> {
-    let per_seq_blocks = max_model_len.div_ceil(BLOCK_SIZE);
+    let per_seq_blocks = max_model_len.div_ceil(a.block_size);
     let wanted = a.max_num_seqs * per_seq_blocks;
-    let block_bytes = (BLOCK_SIZE as u64 * per_token * 4).max(1);
+    let block_bytes = (a.block_size as u64 * per_token * 4).max(1);
     let state_bytes = per_seq * 4 * a.max_num_seqs as u64;
     let budget = match device_memory {
         Some((free, total)) => {

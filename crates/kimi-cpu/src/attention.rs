@@ -1,8 +1,10 @@
-//! Rotary position embedding and causal grouped-query attention over per-sequence
-//! key/value caches (the attention of Llama-architecture models).
+//! Rotary position embedding and causal grouped-query attention over paged key/value
+//! caches (the attention of Llama-architecture models).
 //!
-//! A sequence's cache is two f32 matrices `[tokens, Hkv*D]`, keys (already rotated) and
-//! values; new rows are appended, then every new token attends to the rows up to itself:
+//! A layer's cache is two f32 pools `[num_blocks, block_size, Hkv*D]`, keys (already
+//! rotated) and values; a sequence's rows are found through its block table
+//! (`kimi_ops::PagedSeq`). New rows are written at the sequence's next positions, then every
+//! new token attends to the positions up to itself:
 //!
 //! ```text
 //!   cache rows:  0 .. past-1 | past .. past+len-1   (the segment's new tokens)
@@ -12,10 +14,11 @@
 use rayon::prelude::*;
 
 use crate::mla::softmax;
+use crate::paged::{write_rows, PagedRows};
 use crate::simd::dot;
 use crate::tensor::{shape_err, CpuTensor};
-use kimi_ops::check_segments;
-use kimi_ops::{AttentionDims, Result, RopeStyle, Segment};
+use kimi_ops::{check_paged, check_segments};
+use kimi_ops::{AttentionDims, PagedSeq, Result, RopeStyle, Segment};
 
 /// See `Backend::rope`.
 pub fn rope(
@@ -72,13 +75,16 @@ pub fn rope(
 }
 
 /// See `Backend::attention`.
+#[allow(clippy::too_many_arguments)]
 pub fn attention(
     q: &CpuTensor,
     k: &CpuTensor,
     v: &CpuTensor,
     dims: &AttentionDims,
     segments: &[Segment],
-    caches: &mut [(&mut CpuTensor, &mut CpuTensor)],
+    k_pool: &mut CpuTensor,
+    v_pool: &mut CpuTensor,
+    seqs: &[PagedSeq<'_>],
 ) -> Result<CpuTensor> {
     let AttentionDims {
         num_heads: hq,
@@ -93,25 +99,29 @@ pub fn attention(
         || qw != hq * d
         || k.rows_cols("attention")? != (n, kvw)
         || v.rows_cols("attention")? != (n, kvw)
+        || k_pool.shape != v_pool.shape
     {
         return Err(shape_err(
             "attention",
             format!(
-                "q {:?}, k {:?}, v {:?} do not fit {dims:?}",
-                q.shape, k.shape, v.shape
+                "q {:?}, k {:?}, v {:?}, pools {:?} and {:?} do not fit {dims:?}",
+                q.shape, k.shape, v.shape, k_pool.shape, v_pool.shape
             ),
         ));
     }
-    check_segments("attention", segments, caches.len(), n)?;
+    check_segments("attention", segments, seqs.len(), n)?;
+    let block_size = check_paged("attention", &k_pool.shape, kvw, segments, seqs)?;
     let (ks, vs) = (k.as_f32("attention")?, v.as_f32("attention")?);
-    let mut pasts = Vec::with_capacity(segments.len());
-    for (seg, (k_cache, v_cache)) in segments.iter().zip(caches.iter_mut()) {
-        pasts.push(append_rows(k_cache, v_cache, ks, vs, seg, kvw)?);
+    let (k_rows, v_rows) = (
+        k_pool.as_f32_mut("attention")?,
+        v_pool.as_f32_mut("attention")?,
+    );
+    for (seg, seq) in segments.iter().zip(seqs) {
+        let new = seg.start * kvw..(seg.start + seg.len) * kvw;
+        write_rows(k_rows, seq, block_size, kvw, &ks[new.clone()]);
+        write_rows(v_rows, seq, block_size, kvw, &vs[new]);
     }
-    let views = caches
-        .iter()
-        .map(|(kc, vc)| Ok((kc.as_f32("attention")?, vc.as_f32("attention")?)))
-        .collect::<Result<Vec<_>>>()?;
+    let (k_rows, v_rows): (&[f32], &[f32]) = (k_rows, v_rows);
     let qs = q.as_f32("attention")?;
     let tasks: Vec<(usize, usize)> = (0..segments.len())
         .filter(|&s| segments[s].len > 0)
@@ -121,18 +131,16 @@ pub fn attention(
     let results: Vec<Vec<f32>> = tasks
         .par_iter()
         .map(|&(s, head)| {
-            let seg = segments[s];
-            let (k_cache, v_cache) = views[s];
+            let (seg, seq) = (segments[s], &seqs[s]);
             attend_head(
                 &qs[seg.start * qw..(seg.start + seg.len) * qw],
-                k_cache,
-                v_cache,
-                pasts[s],
+                PagedRows::new(k_rows, seq, block_size, kvw),
+                PagedRows::new(v_rows, seq, block_size, kvw),
+                seq.num_cached,
                 Head {
                     q_offset: head * d,
                     kv_offset: head / group * d,
                     q_width: qw,
-                    kv_width: kvw,
                     dim: d,
                     scale: dims.scale,
                 },
@@ -150,50 +158,24 @@ pub fn attention(
     CpuTensor::f32(&[n, qw], out)
 }
 
-/// Appends the segment's new key and value rows to its caches; returns the earlier length.
-fn append_rows(
-    k_cache: &mut CpuTensor,
-    v_cache: &mut CpuTensor,
-    ks: &[f32],
-    vs: &[f32],
-    seg: &Segment,
-    kvw: usize,
-) -> Result<usize> {
-    let past = k_cache.shape.first().copied().unwrap_or(0);
-    if k_cache.shape != [past, kvw] || v_cache.shape != [past, kvw] {
-        return Err(shape_err(
-            "attention",
-            format!(
-                "caches {:?} and {:?} are not both [tokens, {kvw}]",
-                k_cache.shape, v_cache.shape
-            ),
-        ));
-    }
-    let rows = seg.start * kvw..(seg.start + seg.len) * kvw;
-    k_cache
-        .as_f32_mut("attention")?
-        .extend_from_slice(&ks[rows.clone()]);
-    v_cache
-        .as_f32_mut("attention")?
-        .extend_from_slice(&vs[rows]);
-    k_cache.shape[0] = past + seg.len;
-    v_cache.shape[0] = past + seg.len;
-    Ok(past)
-}
-
 /// Where one query head and its key/value head sit in their rows.
 struct Head {
     q_offset: usize,
     kv_offset: usize,
     q_width: usize,
-    kv_width: usize,
     dim: usize,
     scale: f32,
 }
 
 /// One head's causal attention for a segment's new tokens `q [len, q_width]` over the
-/// cache rows `[past + len, kv_width]`. Returns `[len, dim]`.
-fn attend_head(q: &[f32], k_cache: &[f32], v_cache: &[f32], past: usize, h: Head) -> Vec<f32> {
+/// sequence's cached positions `0 .. past + len`. Returns `[len, dim]`.
+fn attend_head(
+    q: &[f32],
+    k_cache: PagedRows<'_>,
+    v_cache: PagedRows<'_>,
+    past: usize,
+    h: Head,
+) -> Vec<f32> {
     let len = q.len() / h.q_width;
     let d = h.dim;
     let mut out = vec![0f32; len * d];
@@ -202,11 +184,11 @@ fn attend_head(q: &[f32], k_cache: &[f32], v_cache: &[f32], past: usize, h: Head
         let qt = &q[t * h.q_width + h.q_offset..][..d];
         let visible = past + t + 1;
         for (s, score) in scores[..visible].iter_mut().enumerate() {
-            *score = dot(qt, &k_cache[s * h.kv_width + h.kv_offset..][..d]) * h.scale;
+            *score = dot(qt, &k_cache.row(s)[h.kv_offset..][..d]) * h.scale;
         }
         softmax(&mut scores[..visible]);
         for (s, &p) in scores[..visible].iter().enumerate() {
-            let vrow = &v_cache[s * h.kv_width + h.kv_offset..][..d];
+            let vrow = &v_cache.row(s)[h.kv_offset..][..d];
             for (o, &vj) in ot.iter_mut().zip(vrow) {
                 *o += p * vj;
             }
@@ -226,11 +208,54 @@ mod tests {
         CpuTensor::f32(shape, (0..n).map(|_| rng.random_range(-1.0..1.0)).collect()).unwrap()
     }
 
-    fn empty_cache(width: usize) -> (CpuTensor, CpuTensor) {
-        (
-            CpuTensor::f32(&[0, width], vec![]).unwrap(),
-            CpuTensor::f32(&[0, width], vec![]).unwrap(),
-        )
+    /// Key and value pools of 16 blocks of 3 rows, full of NaN (a row read before it was
+    /// written poisons the output).
+    fn pools(width: usize) -> (CpuTensor, CpuTensor) {
+        let nan = || CpuTensor::f32(&[16, 3, width], vec![f32::NAN; 48 * width]).unwrap();
+        (nan(), nan())
+    }
+
+    /// A sequence in the pools: a scattered block table and its cached length.
+    struct Seq(Vec<u32>, usize);
+
+    impl Seq {
+        fn paged(&self) -> PagedSeq<'_> {
+            PagedSeq {
+                block_table: &self.0,
+                num_cached: self.1,
+            }
+        }
+    }
+
+    /// Runs attention and advances each sequence by its segment.
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        dims: &AttentionDims,
+        segs: &[Segment],
+        (kp, vp): &mut (CpuTensor, CpuTensor),
+        seqs: &mut [&mut Seq],
+    ) -> Result<CpuTensor> {
+        let paged: Vec<PagedSeq<'_>> = seqs.iter().map(|s| s.paged()).collect();
+        let out = attention(q, k, v, dims, segs, kp, vp, &paged)?;
+        for (s, seg) in seqs.iter_mut().zip(segs) {
+            s.1 += seg.len;
+        }
+        Ok(out)
+    }
+
+    /// The sequence's `n` cached rows of a pool, in token order.
+    fn gather(pool: &CpuTensor, seq: &Seq, n: usize) -> Vec<f32> {
+        let (bs, w) = (pool.shape[1], pool.shape[2]);
+        let data = pool.to_f32_vec();
+        (0..n)
+            .flat_map(|i| {
+                let at = (seq.0[i / bs] as usize * bs + i % bs) * w;
+                data[at..at + w].to_vec()
+            })
+            .collect()
     }
 
     fn rows(t: &CpuTensor, range: std::ops::Range<usize>) -> CpuTensor {
@@ -331,34 +356,35 @@ mod tests {
         let v = random(&mut rng, &[n, 16]);
         let want = naive(&q.to_f32_vec(), &k.to_f32_vec(), &v.to_f32_vec(), n, &dims);
 
-        let (mut kc, mut vc) = empty_cache(16);
+        let mut pool = pools(16);
+        let mut seq = Seq(vec![9, 2, 14, 5], 0);
         let seg = [Segment { start: 0, len: n }];
-        let whole = attention(&q, &k, &v, &dims, &seg, &mut [(&mut kc, &mut vc)]).unwrap();
+        let whole = run(&q, &k, &v, &dims, &seg, &mut pool, &mut [&mut seq]).unwrap();
         assert_close(&whole.to_f32_vec(), &want, 1e-5);
-        assert_eq!(kc.shape(), &[n, 16]);
-        assert_eq!(kc.to_f32_vec(), k.to_f32_vec());
+        assert_eq!(gather(&pool.0, &seq, n), k.to_f32_vec());
 
-        // Chunks of 1, 3 and 5 through the same caches give the same rows.
-        let (mut kc, mut vc) = empty_cache(16);
+        // Chunks of 1, 3 and 5 through other blocks of the same pools give the same rows.
+        let mut seq = Seq(vec![3, 0, 11], 0);
         let mut streamed = Vec::new();
         for range in [0..1, 1..4, 4..9] {
             let seg = [Segment {
                 start: 0,
                 len: range.len(),
             }];
-            let part = attention(
+            let part = run(
                 &rows(&q, range.clone()),
                 &rows(&k, range.clone()),
                 &rows(&v, range),
                 &dims,
                 &seg,
-                &mut [(&mut kc, &mut vc)],
+                &mut pool,
+                &mut [&mut seq],
             )
             .unwrap();
             streamed.extend(part.to_f32_vec());
         }
         assert_close(&streamed, &whole.to_f32_vec(), 1e-6);
-        assert_eq!(vc.to_f32_vec(), v.to_f32_vec());
+        assert_eq!(gather(&pool.1, &seq, n), v.to_f32_vec());
     }
 
     #[test]
@@ -376,16 +402,19 @@ mod tests {
             random(&mut rng, &[7, 16]),
         );
         // Sequence A is rows 0..4, sequence B rows 4..7; B's first two rows were fed earlier.
-        let (mut ka, mut va) = empty_cache(16);
-        let (mut kb, mut vb) = empty_cache(16);
+        let mut pool = pools(16);
+        let mut a = Seq(vec![4, 1], 0);
+        let mut b = Seq(vec![7], 0);
+        let mut c = Seq(vec![], 0);
         let seg = [Segment { start: 0, len: 2 }];
-        attention(
+        run(
             &rows(&q, 4..6),
             &rows(&k, 4..6),
             &rows(&v, 4..6),
             &dims,
             &seg,
-            &mut [(&mut kb, &mut vb)],
+            &mut pool,
+            &mut [&mut b],
         )
         .unwrap();
         let batch = [
@@ -393,17 +422,17 @@ mod tests {
             Segment { start: 4, len: 1 },
             Segment { start: 5, len: 0 },
         ];
-        let (mut kc, mut vc) = empty_cache(16);
         let qb = [rows(&q, 0..4).to_f32_vec(), rows(&q, 6..7).to_f32_vec()].concat();
         let kb_new = [rows(&k, 0..4).to_f32_vec(), rows(&k, 6..7).to_f32_vec()].concat();
         let vb_new = [rows(&v, 0..4).to_f32_vec(), rows(&v, 6..7).to_f32_vec()].concat();
-        let out = attention(
+        let out = run(
             &CpuTensor::f32(&[5, 16], qb).unwrap(),
             &CpuTensor::f32(&[5, 16], kb_new).unwrap(),
             &CpuTensor::f32(&[5, 16], vb_new).unwrap(),
             &dims,
             &batch,
-            &mut [(&mut ka, &mut va), (&mut kb, &mut vb), (&mut kc, &mut vc)],
+            &mut pool,
+            &mut [&mut a, &mut b, &mut c],
         )
         .unwrap()
         .to_f32_vec();
@@ -423,7 +452,7 @@ mod tests {
         );
         assert_close(&out[..4 * 16], &want_a, 1e-5);
         assert_close(&out[4 * 16..], &want_b[2 * 16..], 1e-5);
-        assert_eq!((ka.shape()[0], kb.shape()[0], kc.shape()[0]), (4, 3, 0));
+        assert_eq!((a.1, b.1, c.1), (4, 3, 0));
     }
 
     #[test]
@@ -441,9 +470,18 @@ mod tests {
         // Every value of kv head j is j + 1.
         let v: Vec<f32> = (0..n * 6).map(|i| (i % 6 / 2 + 1) as f32).collect();
         let v = CpuTensor::f32(&[n, 6], v).unwrap();
-        let (mut kc, mut vc) = empty_cache(6);
+        let mut pool = pools(6);
         let seg = [Segment { start: 0, len: n }];
-        let out = attention(&q, &k, &v, &dims, &seg, &mut [(&mut kc, &mut vc)]).unwrap();
+        let out = run(
+            &q,
+            &k,
+            &v,
+            &dims,
+            &seg,
+            &mut pool,
+            &mut [&mut Seq(vec![2], 0)],
+        )
+        .unwrap();
         for (i, &o) in out.to_f32_vec().iter().enumerate() {
             let head = i % 12 / 2;
             assert!((o - (head / 2 + 1) as f32).abs() < 1e-6, "head {head}: {o}");
@@ -452,6 +490,28 @@ mod tests {
             num_kv_heads: 4,
             ..dims
         };
-        assert!(attention(&q, &k, &v, &bad, &seg, &mut [(&mut kc, &mut vc)]).is_err());
+        assert!(run(
+            &q,
+            &k,
+            &v,
+            &bad,
+            &seg,
+            &mut pool,
+            &mut [&mut Seq(vec![2], 0)]
+        )
+        .is_err());
+        let short = run(
+            &q,
+            &k,
+            &v,
+            &dims,
+            &seg,
+            &mut pool,
+            &mut [&mut Seq(vec![], 0)],
+        );
+        assert!(
+            short.is_err(),
+            "a table too short for the tokens is refused"
+        );
     }
 }

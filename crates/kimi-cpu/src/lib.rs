@@ -15,6 +15,7 @@ mod matmul;
 mod mla;
 mod moe;
 mod norm;
+mod paged;
 mod quant;
 pub mod simd;
 mod tensor;
@@ -27,7 +28,7 @@ use std::sync::OnceLock;
 use kimi_core::config::KdaGate;
 use kimi_ops::{
     AttentionDims, Backend, HostTensor, KdaMode, MlaDims, MlaMode, MlpWeights, MoeRouting,
-    MoeWeights, Result, RopeStyle, Segment,
+    MoeWeights, PagedSeq, Result, RopeStyle, Segment,
 };
 
 /// The CPU backend. Cheap to construct; holds no state besides the thread pool it uses.
@@ -154,10 +155,15 @@ impl Backend for CpuBackend {
         kv_b: &CpuTensor,
         dims: &MlaDims,
         segments: &[Segment],
-        caches: &mut [&mut CpuTensor],
+        cache_pool: &mut CpuTensor,
+        seqs: &[PagedSeq<'_>],
         mode: MlaMode,
     ) -> Result<CpuTensor> {
-        pool().install(|| mla::mla(q, latent, kv_b, dims, segments, caches, mode))
+        pool().install(|| mla::mla(q, latent, kv_b, dims, segments, cache_pool, seqs, mode))
+    }
+    fn fill_zero(&self, t: &mut CpuTensor) -> Result<()> {
+        t.as_f32_mut("fill_zero")?.fill(0.0);
+        Ok(())
     }
     fn rope(
         &self,
@@ -177,9 +183,11 @@ impl Backend for CpuBackend {
         v: &CpuTensor,
         dims: &AttentionDims,
         segments: &[Segment],
-        caches: &mut [(&mut CpuTensor, &mut CpuTensor)],
+        k_pool: &mut CpuTensor,
+        v_pool: &mut CpuTensor,
+        seqs: &[PagedSeq<'_>],
     ) -> Result<CpuTensor> {
-        pool().install(|| attention::attention(q, k, v, dims, segments, caches))
+        pool().install(|| attention::attention(q, k, v, dims, segments, k_pool, v_pool, seqs))
     }
 }
 

@@ -1,24 +1,28 @@
-//! Multi-head latent attention over a per-sequence latent cache (spec §4).
+//! Multi-head latent attention over a paged latent cache (spec §4).
 //!
-//! The cache of a sequence is an f32 `[tokens, r + rope]` matrix: each row is a token's
-//! normalised latent `c` followed by its shared key `k_pe`. Kimi Linear's MLA is NoPE, so
+//! A layer's cache is one f32 pool `[num_blocks, block_size, r + rope]`; each row is a
+//! token's normalised latent `c` followed by its shared key `k_pe`, and each sequence finds
+//! its rows through its block table (`kimi_ops::PagedSeq`). Kimi Linear's MLA is NoPE, so
 //! nothing is rotated.
 
 use rayon::prelude::*;
 
+use crate::paged::{write_rows, PagedRows};
 use crate::simd::dot;
 use crate::tensor::{shape_err, CpuTensor};
-use kimi_ops::check_segments;
-use kimi_ops::{MlaDims, MlaMode, Result, Segment};
+use kimi_ops::{check_paged, check_segments};
+use kimi_ops::{MlaDims, MlaMode, PagedSeq, Result, Segment};
 
 /// See `Backend::mla`.
+#[allow(clippy::too_many_arguments)]
 pub fn mla(
     q: &CpuTensor,
     latent: &CpuTensor,
     kv_b: &CpuTensor,
     dims: &MlaDims,
     segments: &[Segment],
-    caches: &mut [&mut CpuTensor],
+    pool: &mut CpuTensor,
+    seqs: &[PagedSeq<'_>],
     mode: MlaMode,
 ) -> Result<CpuTensor> {
     let MlaDims {
@@ -43,22 +47,21 @@ pub fn mla(
             ),
         ));
     }
-    check_segments("mla", segments, caches.len(), n)?;
+    check_segments("mla", segments, seqs.len(), n)?;
+    let block_size = check_paged("mla", &pool.shape, lw, segments, seqs)?;
     let kvb = kv_b.to_f32_vec();
     let (qs, ls) = (q.as_f32("mla")?, latent.as_f32("mla")?);
+    let pool_rows = pool.as_f32_mut("mla")?;
+    for (seg, seq) in segments.iter().zip(seqs) {
+        let new_rows = &ls[seg.start * lw..(seg.start + seg.len) * lw];
+        write_rows(pool_rows, seq, block_size, lw, new_rows);
+    }
+    let pool_rows: &[f32] = pool_rows;
     let mut out = vec![0f32; n * h * dv];
-    for (seg, cache) in segments.iter().zip(caches.iter_mut()) {
-        let past = cache.shape.first().copied().unwrap_or(0);
-        if cache.shape.len() != 2 || cache.shape[1] != lw {
-            return Err(shape_err(
-                "mla",
-                format!("cache {:?} is not [tokens, {lw}]", cache.shape),
-            ));
+    for (seg, seq) in segments.iter().zip(seqs) {
+        if seg.len == 0 {
+            continue;
         }
-        let buf = cache.as_f32_mut("mla")?;
-        buf.extend_from_slice(&ls[seg.start * lw..(seg.start + seg.len) * lw]);
-        cache.shape[0] = past + seg.len;
-        let cache_rows: &[f32] = cache.as_f32("mla")?;
         let absorbed = match mode {
             MlaMode::Auto => seg.len == 1,
             MlaMode::Absorbed => true,
@@ -69,8 +72,9 @@ pub fn mla(
         } else {
             expanded_attention
         };
+        let rows = PagedRows::new(pool_rows, seq, block_size, lw);
         let seg_q = &qs[seg.start * qw..(seg.start + seg.len) * qw];
-        let seg_out = attend(seg_q, cache_rows, &kvb, dims, past);
+        let seg_out = attend(seg_q, rows, &kvb, dims, seq.num_cached, seg.len);
         out[seg.start * h * dv..(seg.start + seg.len) * h * dv].copy_from_slice(&seg_out);
     }
     CpuTensor::f32(&[n, h * dv], out)
@@ -79,10 +83,11 @@ pub fn mla(
 /// Reference form: decompress every cached latent into per-head keys and values.
 fn expanded_attention(
     q: &[f32],
-    cache: &[f32],
+    cache: PagedRows<'_>,
     kvb: &[f32],
     dims: &MlaDims,
     past: usize,
+    new: usize,
 ) -> Vec<f32> {
     let MlaDims {
         num_heads: h,
@@ -92,15 +97,13 @@ fn expanded_attention(
         v_head_dim: dv,
         scale,
     } = *dims;
-    let lw = r + dr;
-    let total = cache.len() / lw;
-    let new = total - past;
+    let total = past + new;
     let per_head = dn + dv;
     // kv[s, h, :] = W_kvb[h] · c(s): [total, h, dn + dv].
     let kv: Vec<f32> = (0..total)
         .into_par_iter()
         .flat_map_iter(|s| {
-            let c = &cache[s * lw..s * lw + r];
+            let c = &cache.row(s)[..r];
             (0..h * per_head).map(move |row| dot(&kvb[row * r..(row + 1) * r], c))
         })
         .collect();
@@ -114,7 +117,7 @@ fn expanded_attention(
                 let visible = past + t + 1;
                 for (s, score) in scores.iter_mut().enumerate().take(visible) {
                     let k = &kv[(s * h + head) * per_head..(s * h + head) * per_head + dn];
-                    let kpe = &cache[s * lw + r..(s + 1) * lw];
+                    let kpe = &cache.row(s)[r..];
                     *score = (dot(&qt[..dn], k) + dot(&qt[dn..], kpe)) * scale;
                 }
                 softmax(&mut scores[..visible]);
@@ -135,10 +138,11 @@ fn expanded_attention(
 /// Absorbed form: queries move into the latent space, attention runs over the raw cache.
 fn absorbed_attention(
     q: &[f32],
-    cache: &[f32],
+    cache: PagedRows<'_>,
     kvb: &[f32],
     dims: &MlaDims,
     past: usize,
+    new: usize,
 ) -> Vec<f32> {
     let MlaDims {
         num_heads: h,
@@ -148,9 +152,7 @@ fn absorbed_attention(
         v_head_dim: dv,
         scale,
     } = *dims;
-    let lw = r + dr;
-    let total = cache.len() / lw;
-    let new = total - past;
+    let total = past + new;
     let per_head = dn + dv;
     let head_out: Vec<Vec<f32>> = (0..h)
         .into_par_iter()
@@ -171,13 +173,13 @@ fn absorbed_attention(
                 }
                 let visible = past + t + 1;
                 for (s, score) in scores.iter_mut().enumerate().take(visible) {
-                    let row = &cache[s * lw..(s + 1) * lw];
+                    let row = cache.row(s);
                     *score = (dot(&q_lat, &row[..r]) + dot(&qt[dn..], &row[r..])) * scale;
                 }
                 softmax(&mut scores[..visible]);
                 o_lat.iter_mut().for_each(|x| *x = 0.0);
                 for (s, p) in scores.iter().enumerate().take(visible) {
-                    for (ol, c) in o_lat.iter_mut().zip(&cache[s * lw..s * lw + r]) {
+                    for (ol, c) in o_lat.iter_mut().zip(&cache.row(s)[..r]) {
                         *ol += p * c;
                     }
                 }
@@ -216,34 +218,166 @@ pub(crate) fn softmax(x: &mut [f32]) {
 mod tests {
     use super::*;
 
+    const DIMS: MlaDims = MlaDims {
+        num_heads: 3,
+        kv_lora_rank: 10,
+        qk_nope_head_dim: 6,
+        qk_rope_head_dim: 4,
+        v_head_dim: 5,
+        scale: 0.3,
+    };
+    const LW: usize = 14;
+
+    fn f(i: usize, m: usize) -> f32 {
+        ((i * m % 29) as f32 - 14.0) * 0.05
+    }
+
+    /// Queries and latents of `n` tokens (`salt` varies them) and `kv_b`.
+    fn inputs(n: usize, salt: usize) -> (CpuTensor, CpuTensor, CpuTensor) {
+        let q = CpuTensor::f32(&[n, 30], (0..n * 30).map(|i| f(i + salt, 7)).collect());
+        let lat = CpuTensor::f32(&[n, LW], (0..n * LW).map(|i| f(i + salt, 11)).collect());
+        let kvb = CpuTensor::f32(&[3 * 11, 10], (0..330).map(|i| f(i, 13)).collect());
+        (q.unwrap(), lat.unwrap(), kvb.unwrap())
+    }
+
+    fn rows(t: &CpuTensor, range: std::ops::Range<usize>) -> CpuTensor {
+        let w = t.shape[1];
+        let data = t.to_f32_vec()[range.start * w..range.end * w].to_vec();
+        CpuTensor::f32(&[range.len(), w], data).unwrap()
+    }
+
+    /// A pool of `num_blocks` blocks full of NaN: reading a row never written poisons the
+    /// output.
+    fn nan_pool(num_blocks: usize, block_size: usize) -> CpuTensor {
+        let n = num_blocks * block_size * LW;
+        CpuTensor::f32(&[num_blocks, block_size, LW], vec![f32::NAN; n]).unwrap()
+    }
+
+    /// Feeds one sequence's `n` tokens in chunks of `steps` (cycled) through `table`.
+    fn stream(
+        n: usize,
+        salt: usize,
+        pool: &mut CpuTensor,
+        table: &[u32],
+        steps: &[usize],
+        mode: MlaMode,
+    ) -> Vec<f32> {
+        let (q, lat, kvb) = inputs(n, salt);
+        let mut out = Vec::new();
+        let (mut done, mut k) = (0, 0);
+        while done < n {
+            let len = steps[k % steps.len()].min(n - done);
+            let seg = [Segment { start: 0, len }];
+            let seq = [PagedSeq {
+                block_table: table,
+                num_cached: done,
+            }];
+            let (qc, lc) = (rows(&q, done..done + len), rows(&lat, done..done + len));
+            let o = mla(&qc, &lc, &kvb, &DIMS, &seg, pool, &seq, mode).unwrap();
+            out.extend(o.to_f32_vec());
+            done += len;
+            k += 1;
+        }
+        out
+    }
+
     #[test]
     fn absorbed_equals_expanded() {
-        let dims = MlaDims {
-            num_heads: 3,
-            kv_lora_rank: 10,
-            qk_nope_head_dim: 6,
-            qk_rope_head_dim: 4,
-            v_head_dim: 5,
-            scale: 0.3,
-        };
         let n = 7;
-        let f = |i: usize, m: usize| ((i * m % 29) as f32 - 14.0) * 0.05;
-        let q = CpuTensor::f32(&[n, 3 * 10], (0..n * 30).map(|i| f(i, 7)).collect()).unwrap();
-        let lat = CpuTensor::f32(&[n, 14], (0..n * 14).map(|i| f(i, 11)).collect()).unwrap();
-        let kvb = CpuTensor::f32(&[3 * 11, 10], (0..330).map(|i| f(i, 13)).collect()).unwrap();
-        let seg = [Segment { start: 0, len: n }];
         let mut outs = vec![];
         for mode in [MlaMode::Expanded, MlaMode::Absorbed] {
-            let mut cache = CpuTensor::f32(&[0, 14], vec![]).unwrap();
-            outs.push(
-                mla(&q, &lat, &kvb, &dims, &seg, &mut [&mut cache], mode)
-                    .unwrap()
-                    .to_f32_vec(),
-            );
-            assert_eq!(cache.shape(), &[n, 14]);
+            let mut pool = nan_pool(1, n);
+            outs.push(stream(n, 0, &mut pool, &[0], &[n], mode));
         }
         for (a, b) in outs[0].iter().zip(&outs[1]) {
             assert!((a - b).abs() < 1e-5, "{a} {b}");
+        }
+    }
+
+    /// Scattered, out-of-order blocks whose size does not divide the prompt give exactly
+    /// the results of one contiguous block, in both forms and in every feed.
+    #[test]
+    fn scattered_block_tables_match_one_contiguous_block() {
+        let n = 11;
+        for mode in [MlaMode::Expanded, MlaMode::Absorbed, MlaMode::Auto] {
+            let mut flat = nan_pool(1, n);
+            let want = stream(n, 3, &mut flat, &[0], &[n], mode);
+            for steps in [&[n][..], &[4, 1, 2], &[1]] {
+                let mut pool = nan_pool(9, 3);
+                let got = stream(n, 3, &mut pool, &[7, 2, 8, 0], steps, mode);
+                if steps.len() == 1 && steps[0] == n {
+                    assert_eq!(got, want, "{mode:?}");
+                } else {
+                    for (a, b) in got.iter().zip(&want) {
+                        assert!((a - b).abs() < 1e-5, "{mode:?} {steps:?}: {a} {b}");
+                    }
+                }
+                assert!(got.iter().all(|x| x.is_finite()));
+            }
+        }
+    }
+
+    /// Two sequences share a pool in one call; then the first is freed and a third reuses
+    /// its blocks (stale rows included) and sees only its own rows.
+    #[test]
+    fn sequences_share_a_pool_and_reused_blocks_hold_no_stale_rows() {
+        let alone = |n: usize, salt: usize| {
+            let mut pool = nan_pool(1, n);
+            stream(n, salt, &mut pool, &[0], &[n], MlaMode::Expanded)
+        };
+        let mut pool = nan_pool(8, 2);
+        let (qa, la, kvb) = inputs(5, 1);
+        let (qb, lb, _) = inputs(3, 2);
+        let cat = |a: &CpuTensor, b: &CpuTensor| {
+            let mut v = a.to_f32_vec();
+            v.extend(b.to_f32_vec());
+            CpuTensor::f32(&[a.shape[0] + b.shape[0], a.shape[1]], v).unwrap()
+        };
+        let segs = [Segment { start: 0, len: 5 }, Segment { start: 5, len: 3 }];
+        let seqs = [
+            PagedSeq {
+                block_table: &[6, 1, 4],
+                num_cached: 0,
+            },
+            PagedSeq {
+                block_table: &[0, 5],
+                num_cached: 0,
+            },
+        ];
+        let out = mla(
+            &cat(&qa, &qb),
+            &cat(&la, &lb),
+            &kvb,
+            &DIMS,
+            &segs,
+            &mut pool,
+            &seqs,
+            MlaMode::Expanded,
+        )
+        .unwrap()
+        .to_f32_vec();
+        let w = 3 * 5;
+        assert_eq!(out[..5 * w], alone(5, 1)[..]);
+        assert_eq!(out[5 * w..], alone(3, 2)[..]);
+        // Sequence A is gone; C takes its blocks 4 and 1 (in that order) for 3 tokens.
+        let got = stream(3, 9, &mut pool, &[4, 1], &[2, 1], MlaMode::Auto);
+        let mut fresh = nan_pool(1, 3);
+        let want = stream(3, 9, &mut fresh, &[0], &[2, 1], MlaMode::Auto);
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn short_block_tables_and_foreign_blocks_are_refused() {
+        let (q, lat, kvb) = inputs(5, 0);
+        let seg = [Segment { start: 0, len: 5 }];
+        let mut pool = nan_pool(4, 2);
+        for table in [&[0u32, 1][..], &[0, 1, 4]] {
+            let seq = [PagedSeq {
+                block_table: table,
+                num_cached: 0,
+            }];
+            let e = mla(&q, &lat, &kvb, &DIMS, &seg, &mut pool, &seq, MlaMode::Auto);
+            assert!(e.is_err(), "{table:?}");
         }
     }
 }

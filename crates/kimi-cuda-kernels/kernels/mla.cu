@@ -637,3 +637,30 @@ extern "C" __global__ void __launch_bounds__(256)
       for (int k = 0; k < nt; ++k) out[((size_t)rows[t0 + k] * H + h) * dv + j] = acc[k];
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Paged latent caches: a layer's pool is [num_blocks, bs, r + dr]; a sequence finds position s
+// in row s % bs of block table[s / bs] (u32 block ids). These move rows between a sequence's
+// slots and contiguous buffers (new rows in; all rows out for the expanded prefill).
+// Offset in rows of position s of a sequence in its pool.
+__device__ __forceinline__ size_t paged_row(const unsigned* table, int bs, int s) {
+  return (size_t)table[s / bs] * bs + s % bs;
+}
+
+// Writes src [len, lw] to positions first .. first+len-1 of the sequence. Grid (len).
+extern "C" __global__ void mla_paged_write(const float* src, float* pool, const unsigned* table,
+                                           int bs, int first, int lw) {
+  const int j = blockIdx.x;
+  const float* from = src + (size_t)j * lw;
+  float* to = pool + paged_row(table, bs, first + j) * lw;
+  for (int i = threadIdx.x; i < lw; i += blockDim.x) to[i] = from[i];
+}
+
+// Gathers columns 0 .. ncols-1 of positions 0 .. total-1 into out [total, ncols]. Grid (total).
+extern "C" __global__ void mla_paged_gather(const float* pool, const unsigned* table, int bs,
+                                            int lw, int ncols, float* out) {
+  const int s = blockIdx.x;
+  const float* from = pool + paged_row(table, bs, s) * lw;
+  float* to = out + (size_t)s * ncols;
+  for (int i = threadIdx.x; i < ncols; i += blockDim.x) to[i] = from[i];
+}

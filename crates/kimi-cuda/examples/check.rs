@@ -30,10 +30,10 @@ use kimi_core::config::{KdaGate, ModelConfig};
 use kimi_core::DType;
 use kimi_cpu::CpuBackend;
 use kimi_cuda::{CudaBackend, GemmPrecision};
-use kimi_model::{Batch, ForwardOptions, KimiLinear, RandomWeights, SeqCache};
+use kimi_model::{Batch, CachePool, CausalLm, ForwardOptions, KimiLinear, RandomWeights, SeqCache};
 use kimi_ops::{
     Backend, HostTensor, KdaMode, KdaStepInputs, KdaStepWeights, MlaDims, MlaMode, MlpWeights,
-    MoeRouting, MoeWeights, Segment,
+    MoeRouting, MoeWeights, PagedSeq, Segment,
 };
 
 type Res<T> = std::result::Result<T, Box<dyn Error>>;
@@ -120,6 +120,7 @@ fn check_ops(cases: Vec<(String, op_cases::Case)>) -> Res<()> {
         println!("device: {}", c.name());
     }
     let cpu = CpuRun(CpuBackend::new());
+    let mut failures = Vec::new();
     for (name, c) in &cases {
         let want = match c(&cpu) {
             Ok(v) => v,
@@ -134,18 +135,35 @@ fn check_ops(cases: Vec<(String, op_cases::Case)>) -> Res<()> {
         };
         match c(&CudaRun(cuda)) {
             Ok(got) => {
-                let errs: Vec<String> = got
-                    .iter()
-                    .zip(&want)
-                    .map(|(g, w)| format!("{:.2e}", rel_err(g, w)))
-                    .collect();
-                println!("{name:<60} rel err {}", errs.join(" "));
+                let errs: Vec<f64> = got.iter().zip(&want).map(|(g, w)| rel_err(g, w)).collect();
+                let text: Vec<String> = errs.iter().map(|e| format!("{e:.2e}")).collect();
+                // The tolerance of tests/backend_ops.rs.
+                let ok = errs.len() == want.len() && errs.iter().all(|&e| e <= 1e-4);
+                println!(
+                    "{name:<60} rel err {}{}",
+                    text.join(" "),
+                    if ok { "" } else { "  FAIL" }
+                );
+                if !ok {
+                    failures.push(name.clone());
+                }
             }
-            Err(e) => println!("{name:<50} CUDA ERROR {e}"),
+            Err(e) => {
+                println!("{name:<60} CUDA ERROR {e}");
+                failures.push(name.clone());
+            }
         }
         let _ = std::io::stdout().flush();
     }
-    Ok(())
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} op cases over 1e-4 or failing: {failures:?}",
+            failures.len()
+        )
+        .into())
+    }
 }
 
 // ---------------------------------------------------------------- fixtures
@@ -175,13 +193,18 @@ fn read_npy_f64(path: &Path) -> Res<(Vec<usize>, Vec<f64>)> {
     Ok((shape, data))
 }
 
+/// Logits of every position, feeding `step` tokens per forward pass through a paged cache
+/// of 5-token blocks whose table takes every other block of the pool, last first.
 fn run_model<B: Backend>(
     m: &KimiLinear<B>,
     ids: &[u32],
     step: usize,
     opts: ForwardOptions,
 ) -> Res<Vec<f32>> {
-    let mut cache: SeqCache<B> = m.new_cache()?;
+    let num_blocks = ids.len().div_ceil(5);
+    let mut pool = m.new_pool(2 * num_blocks, 5, 1)?;
+    let table = (0..num_blocks as u32).rev().map(|b| 2 * b).collect();
+    let mut cache = SeqCache::new(0, table);
     let mut out = Vec::new();
     for chunk in ids.chunks(step) {
         let batch = Batch {
@@ -192,7 +215,10 @@ fn run_model<B: Backend>(
             }],
             logits_rows: (0..chunk.len()).collect(),
         };
-        out.extend(m.forward(&batch, &mut [&mut cache], opts)?.logits);
+        out.extend(
+            m.forward(&batch, &mut pool, &mut [&mut cache], opts)?
+                .logits,
+        );
     }
     Ok(out)
 }
@@ -304,7 +330,8 @@ fn argmax(v: &[f32]) -> (usize, bool) {
 
 fn forward_last(
     model: &KimiLinear<CudaBackend>,
-    cache: &mut SeqCache<CudaBackend>,
+    pool: &mut CachePool<CudaBackend>,
+    cache: &mut SeqCache,
     toks: &[u32],
 ) -> Res<Vec<f32>> {
     let batch = Batch {
@@ -316,22 +343,22 @@ fn forward_last(
         logits_rows: vec![toks.len() - 1],
     };
     Ok(model
-        .forward(&batch, &mut [cache], ForwardOptions::default())?
+        .forward(&batch, pool, &mut [cache], ForwardOptions::default())?
         .logits)
 }
 
 /// Greedy generation of `num_tokens` from a 16-token prompt, timing each decode step.
 fn generate(model: &KimiLinear<CudaBackend>, num_tokens: usize, vocab: usize) -> Res<()> {
     let prompt: Vec<u32> = (0..16).map(|i| (i * 9973 % vocab) as u32).collect();
-    let mut cache = model.new_cache()?;
-    let logits = forward_last(model, &mut cache, &prompt)?;
+    let (mut pool, mut cache) = model.single_cache(prompt.len() + num_tokens)?;
+    let logits = forward_last(model, &mut pool, &mut cache, &prompt)?;
     let (mut next, mut all_finite) = argmax(&logits);
     let mut generated = vec![next as u32];
     let t1 = Instant::now();
     let mut step_ms = Vec::with_capacity(num_tokens);
     for _ in 1..num_tokens {
         let ts = Instant::now();
-        let logits = forward_last(model, &mut cache, &[next as u32])?;
+        let logits = forward_last(model, &mut pool, &mut cache, &[next as u32])?;
         step_ms.push(ts.elapsed().as_secs_f64() * 1e3);
         let (n, f) = argmax(&logits);
         all_finite &= f;
@@ -367,15 +394,21 @@ fn decode_batch(
     steps: usize,
     vocab: usize,
 ) -> Res<()> {
-    let mut caches = (0..batch)
-        .map(|_| model.new_cache())
-        .collect::<Result<Vec<_>, _>>()?;
+    // One pool of 16-token blocks; sequence s takes blocks s, s + batch, s + 2 batch, ...
+    let per_seq = (16 + steps).div_ceil(16);
+    let mut pool = model.new_pool(batch * per_seq, 16, batch)?;
+    let mut caches: Vec<SeqCache> = (0..batch)
+        .map(|s| {
+            let table = (0..per_seq).map(|k| (k * batch + s) as u32).collect();
+            SeqCache::new(s as u32, table)
+        })
+        .collect();
     let mut next = Vec::with_capacity(batch);
     for (s, c) in caches.iter_mut().enumerate() {
         let prompt: Vec<u32> = (0..16)
             .map(|i| ((i + 31 * s) * 9973 % vocab) as u32)
             .collect();
-        let logits = forward_last(model, c, &prompt)?;
+        let logits = forward_last(model, &mut pool, c, &prompt)?;
         next.push(argmax(&logits).0 as u32);
     }
     let mut step_ms = Vec::with_capacity(steps);
@@ -386,10 +419,10 @@ fn decode_batch(
             segments: (0..batch).map(|s| Segment { start: s, len: 1 }).collect(),
             logits_rows: (0..batch).collect(),
         };
-        let mut refs: Vec<&mut SeqCache<CudaBackend>> = caches.iter_mut().collect();
+        let mut refs: Vec<&mut SeqCache> = caches.iter_mut().collect();
         let ts = Instant::now();
         let logits = model
-            .forward(&b, &mut refs, ForwardOptions::default())?
+            .forward(&b, &mut pool, &mut refs, ForwardOptions::default())?
             .logits;
         step_ms.push(ts.elapsed().as_secs_f64() * 1e3);
         for (s, row) in logits.chunks_exact(vocab).enumerate() {
@@ -450,10 +483,10 @@ fn check_big(num_tokens: usize) -> Res<()> {
         }
         for len in [1024usize, 8192] {
             let toks: Vec<u32> = (0..len).map(|i| (i * 7919 % vocab) as u32).collect();
-            let mut c = model.new_cache()?;
+            let (mut pool, mut c) = model.single_cache(len)?;
             be.synchronize()?;
             let ts = Instant::now();
-            let logits = forward_last(&model, &mut c, &toks)?;
+            let logits = forward_last(&model, &mut pool, &mut c, &toks)?;
             be.synchronize()?;
             let s = ts.elapsed().as_secs_f64();
             let (_, f) = argmax(&logits);
@@ -648,12 +681,16 @@ impl Backend for Profiled {
         kv_b: &Self::Tensor,
         dims: &MlaDims,
         segments: &[Segment],
-        caches: &mut [&mut Self::Tensor],
+        pool: &mut Self::Tensor,
+        seqs: &[PagedSeq<'_>],
         mode: MlaMode,
     ) -> kimi_ops::Result<Self::Tensor> {
         self.timed("mla", |b| {
-            b.mla(q, latent, kv_b, dims, segments, caches, mode)
+            b.mla(q, latent, kv_b, dims, segments, pool, seqs, mode)
         })
+    }
+    fn fill_zero(&self, t: &mut Self::Tensor) -> kimi_ops::Result<()> {
+        self.timed("fill_zero", |b| b.fill_zero(t))
     }
 }
 
@@ -677,23 +714,24 @@ fn profile_big() -> Res<()> {
         },
     )?;
     let vocab = model.config().vocab_size;
-    let run = |cache: &mut SeqCache<Profiled>, toks: &[u32]| -> Res<Vec<f32>> {
-        let batch = Batch {
-            tokens: toks.to_vec(),
-            segments: vec![Segment {
-                start: 0,
-                len: toks.len(),
-            }],
-            logits_rows: vec![toks.len() - 1],
+    let run =
+        |(pool, cache): &mut (CachePool<Profiled>, SeqCache), toks: &[u32]| -> Res<Vec<f32>> {
+            let batch = Batch {
+                tokens: toks.to_vec(),
+                segments: vec![Segment {
+                    start: 0,
+                    len: toks.len(),
+                }],
+                logits_rows: vec![toks.len() - 1],
+            };
+            Ok(model
+                .forward(&batch, pool, &mut [cache], ForwardOptions::default())?
+                .logits)
         };
-        Ok(model
-            .forward(&batch, &mut [cache], ForwardOptions::default())?
-            .logits)
-    };
     for prec in [GemmPrecision::Split, GemmPrecision::Half] {
         model.backend().inner.set_gemm_precision(prec);
         let prompt: Vec<u32> = (0..512).map(|i| (i * 9973 % vocab) as u32).collect();
-        let mut cache = model.new_cache()?;
+        let mut cache = model.single_cache(prompt.len() + 46)?;
         let mut next = argmax(&run(&mut cache, &prompt)?).0;
         for _ in 0..5 {
             next = argmax(&run(&mut cache, &[next as u32])?).0;
@@ -708,7 +746,7 @@ fn profile_big() -> Res<()> {
         println!("-- {prec:?}: decode at context ~520, profiled wall {wall:.2} ms/step");
         model.backend().report("decode step", steps as f64);
         let toks: Vec<u32> = (0..8192).map(|i| (i * 7919 % vocab) as u32).collect();
-        let mut c = model.new_cache()?;
+        let mut c = model.single_cache(toks.len())?;
         let t0 = Instant::now();
         run(&mut c, &toks)?;
         println!(
@@ -732,9 +770,15 @@ fn profile_batch_decode(
     steps: usize,
 ) -> Res<()> {
     let vocab = model.config().vocab_size;
-    let mut caches = (0..batch)
-        .map(|_| model.new_cache())
-        .collect::<Result<Vec<_>, _>>()?;
+    let bs = kimi_model::SINGLE_BLOCK_SIZE;
+    let per_seq = (context + steps + 1).div_ceil(bs);
+    let mut pool = model.new_pool(batch * per_seq, bs, batch)?;
+    let mut caches: Vec<SeqCache> = (0..batch)
+        .map(|s| {
+            let first = (s * per_seq) as u32;
+            SeqCache::new(s as u32, (first..first + per_seq as u32).collect())
+        })
+        .collect();
     let mut b = Batch::default();
     for s in 0..batch {
         b.segments.push(Segment {
@@ -745,8 +789,8 @@ fn profile_batch_decode(
             .extend((0..context).map(|i| ((i + 131 * s) * 9973 % vocab) as u32));
         b.logits_rows.push(b.tokens.len() - 1);
     }
-    let mut refs: Vec<&mut SeqCache<Profiled>> = caches.iter_mut().collect();
-    let out = model.forward(&b, &mut refs, ForwardOptions::default())?;
+    let mut refs: Vec<&mut SeqCache> = caches.iter_mut().collect();
+    let out = model.forward(&b, &mut pool, &mut refs, ForwardOptions::default())?;
     let mut next: Vec<u32> = out
         .logits
         .chunks_exact(vocab)
@@ -760,9 +804,9 @@ fn profile_batch_decode(
             segments: (0..batch).map(|s| Segment { start: s, len: 1 }).collect(),
             logits_rows: (0..batch).collect(),
         };
-        let mut refs: Vec<&mut SeqCache<Profiled>> = caches.iter_mut().collect();
+        let mut refs: Vec<&mut SeqCache> = caches.iter_mut().collect();
         let logits = model
-            .forward(&b, &mut refs, ForwardOptions::default())?
+            .forward(&b, &mut pool, &mut refs, ForwardOptions::default())?
             .logits;
         for (s, row) in logits.chunks_exact(vocab).enumerate() {
             next[s] = argmax(row).0 as u32;
@@ -817,17 +861,24 @@ fn mla_bench() -> Res<()> {
         len: t_len,
     }];
     let mut best = f64::INFINITY;
+    let bs = 16usize;
+    let table: Vec<u32> = (0..t_len.div_ceil(bs) as u32).collect();
+    let mut pool = b.zeros(&[table.len(), bs, lw])?;
     for _ in 0..4 {
-        let mut cache = b.zeros(&[0, lw])?;
         b.synchronize()?;
         let t0 = Instant::now();
+        let seqs = [PagedSeq {
+            block_table: &table,
+            num_cached: 0,
+        }];
         let y = b.mla(
             &q,
             &lat,
             &kvb,
             &dims,
             &seg,
-            &mut [&mut cache],
+            &mut pool,
+            &seqs,
             MlaMode::Expanded,
         )?;
         b.synchronize()?;
@@ -845,29 +896,38 @@ fn mla_bench() -> Res<()> {
     // Absorbed decode: `batch` sequences at context `ctx`, one new token each per call.
     for &batch in &[1usize, 64] {
         for &ctx in &[1024usize, 32 * 1024, 128 * 1024] {
-            let mut caches = (0..batch)
-                .map(|_| b.zeros(&[ctx, lw]))
-                .collect::<Result<Vec<_>, _>>()?;
+            // Each sequence owns a contiguous run of blocks; every step writes its token at
+            // position `ctx` again, so the attended context stays `ctx + 1`.
+            let per_seq = (ctx + 1).div_ceil(bs);
+            let mut pool = b.zeros(&[batch * per_seq, bs, lw])?;
+            let tables: Vec<Vec<u32>> = (0..batch)
+                .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
+                .collect();
             let q = b.upload_f32(&[batch, qw], &rng.vec(batch * qw, 1.0))?;
             let lat = b.upload_f32(&[batch, lw], &rng.vec(batch * lw, 1.0))?;
             let segs: Vec<Segment> = (0..batch).map(|s| Segment { start: s, len: 1 }).collect();
-            let step = |caches: &mut Vec<_>| -> Res<()> {
-                let mut refs: Vec<&mut _> = caches.iter_mut().collect();
-                b.mla(&q, &lat, &kvb, &dims, &segs, &mut refs, MlaMode::Auto)?;
+            let step = |pool: &mut _| -> Res<()> {
+                let seqs: Vec<PagedSeq<'_>> = tables
+                    .iter()
+                    .map(|t| PagedSeq {
+                        block_table: t,
+                        num_cached: ctx,
+                    })
+                    .collect();
+                b.mla(&q, &lat, &kvb, &dims, &segs, pool, &seqs, MlaMode::Auto)?;
                 Ok(())
             };
-            // Warm-up: the first append grows every cache's capacity.
-            step(&mut caches)?;
-            step(&mut caches)?;
+            step(&mut pool)?;
+            step(&mut pool)?;
             b.synchronize()?;
             let iters = 20;
             let t0 = Instant::now();
             for _ in 0..iters {
-                step(&mut caches)?;
+                step(&mut pool)?;
             }
             b.synchronize()?;
             let s = t0.elapsed().as_secs_f64() / iters as f64;
-            let bytes = (batch * (ctx + 2 + iters / 2) * lw * 4) as f64;
+            let bytes = (batch * (ctx + 1) * lw * 4) as f64;
             println!(
                 "absorbed decode B={batch:<3} ctx={:>4}K: {:.3} ms/layer, latent read {:.0} MB -> {:.2} TB/s ({:.0}% of 4.8 TB/s)",
                 ctx / 1024,

@@ -10,8 +10,9 @@ use cudarc::driver::CudaSlice;
 use kimi_core::config::KdaGate;
 use kimi_core::DType;
 use kimi_ops::{
-    check_segments, Backend, Error, HostTensor, KdaMode, KdaStepInputs, KdaStepWeights, MlaDims,
-    MlaMode, MlpWeights, MoeRouting, MoeWeights, Result, Segment,
+    check_paged, check_segments, Backend, Error, HostTensor, KdaMode, KdaStepInputs,
+    KdaStepWeights, MlaDims, MlaMode, MlpWeights, MoeRouting, MoeWeights, PagedSeq, Result,
+    Segment,
 };
 
 use crate::device::Device;
@@ -329,49 +330,6 @@ impl CudaBackend {
         tables.insert(key, t);
         Ok((ptr, aligned))
     }
-
-    /// Appends `len` latent rows (from `latent` row `start`) to `cache`, growing its
-    /// capacity by doubling.
-    fn append_rows(
-        &self,
-        cache: &mut CudaTensor,
-        latent: &CudaTensor,
-        start: usize,
-        len: usize,
-    ) -> Result<()> {
-        let lw = cache.shape[1];
-        let past = cache.shape[0];
-        let need = (past + len) * lw * 4;
-        if need > cache.buf.len() {
-            let cap = need.max(cache.buf.len() * 2).max(64 * lw * 4);
-            let mut grown = self.raw(cap, "mla")?;
-            let used = past * lw * 4;
-            if used > 0 {
-                self.dev
-                    .stream
-                    .memcpy_dtod(&cache.buf.slice(0..used), &mut grown.slice_mut(0..used))
-                    .op("mla")?;
-            }
-            cache.buf = grown;
-        }
-        // SAFETY: the cache has room for past+len rows of lw f32; latent holds rows
-        // start..start+len of width lw.
-        unsafe {
-            ops::elementwise::copy_cols(
-                &self.dev,
-                latent.ptr() + (start * lw * 4) as u64,
-                lw,
-                0,
-                cache.ptr() + (past * lw * 4) as u64,
-                lw,
-                0,
-                len,
-                lw,
-            )?
-        };
-        cache.shape[0] = past + len;
-        Ok(())
-    }
 }
 
 impl CudaBackend {
@@ -446,6 +404,11 @@ impl Backend for CudaBackend {
     fn zeros(&self, shape: &[usize]) -> Result<CudaTensor> {
         self.dev.enter("zeros")?;
         self.zeroed(shape, "zeros")
+    }
+
+    fn fill_zero(&self, t: &mut CudaTensor) -> Result<()> {
+        self.dev.enter("fill_zero")?;
+        self.dev.stream.memset_zeros(&mut t.buf).op("fill_zero")
     }
 
     fn to_f32(&self, t: &CudaTensor) -> Result<Vec<f32>> {
@@ -1261,7 +1224,8 @@ impl Backend for CudaBackend {
         kv_b: &CudaTensor,
         dims: &MlaDims,
         segments: &[Segment],
-        caches: &mut [&mut CudaTensor],
+        pool: &mut CudaTensor,
+        seqs: &[PagedSeq<'_>],
         mode: MlaMode,
     ) -> Result<CudaTensor> {
         const OP: &str = "mla";
@@ -1288,23 +1252,50 @@ impl Backend for CudaBackend {
                 ),
             ));
         }
-        check_segments(OP, segments, caches.len(), n)?;
+        check_segments(OP, segments, seqs.len(), n)?;
+        let block_size = check_paged(OP, &pool.shape, lw, segments, seqs)?;
+        if pool.dtype != DType::F32 {
+            return Err(shape_err(OP, "the latent pool is not f32".into()));
+        }
         let kdt = code(kv_b, OP)?;
         let out = self.zeroed(&[n, h * dv], OP)?;
-        // Absorbed segments are attended together after every cache has its new rows.
+        // Every segment's block table in one small upload; segment i's starts at offsets[i].
+        let mut flat = Vec::new();
+        let mut offsets = Vec::with_capacity(seqs.len());
+        for (seg, seq) in segments.iter().zip(seqs) {
+            offsets.push(flat.len());
+            let used = (seq.num_cached + seg.len).div_ceil(block_size);
+            flat.extend_from_slice(&seq.block_table[..used]);
+        }
+        let tables = self.upload_u32(&flat, OP)?;
+        let tables_ptr = Self::slice_ptr(&tables);
+        let paged = |i: usize| ops::mla::Paged {
+            pool: pool.ptr(),
+            table: tables_ptr + (offsets[i] * 4) as u64,
+            block_size,
+            width: lw,
+        };
+        for (i, (seg, seq)) in segments.iter().zip(seqs).enumerate() {
+            // SAFETY: latent holds rows seg.start..seg.start+seg.len of width lw; the table
+            // covers the new positions with blocks inside the pool (check_paged).
+            unsafe {
+                ops::mla::write_rows(
+                    &self.dev,
+                    latent.ptr() + (seg.start * lw * 4) as u64,
+                    paged(i),
+                    seq.num_cached,
+                    seg.len,
+                )?
+            };
+        }
+        // Absorbed segments are attended together (split-KV over the pool through their
+        // tables) after every sequence has its new rows; expanded ones one by one.
         let mut pieces = vec![];
-        for (seg, cache) in segments.iter().zip(caches.iter_mut()) {
-            if cache.shape.len() != 2 || cache.shape[1] != lw || cache.dtype != DType::F32 {
-                return Err(shape_err(
-                    OP,
-                    format!("cache {:?} is not [tokens, {lw}]", cache.shape),
-                ));
-            }
-            let past = cache.shape[0];
-            self.append_rows(cache, latent, seg.start, seg.len)?;
+        for (i, (seg, seq)) in segments.iter().zip(seqs).enumerate() {
             if seg.len == 0 {
                 continue;
             }
+            let past = seq.num_cached;
             let total = past + seg.len;
             let absorbed = match mode {
                 MlaMode::Auto => seg.len == 1,
@@ -1313,8 +1304,8 @@ impl Backend for CudaBackend {
             };
             if absorbed {
                 pieces.push(ops::mla::Piece {
-                    cache: cache.ptr(),
-                    block_table: 0,
+                    cache: pool.ptr(),
+                    block_table: paged(i).table,
                     past,
                     len: seg.len,
                     q_row: seg.start,
@@ -1323,20 +1314,24 @@ impl Backend for CudaBackend {
             }
             let qp = q.ptr() + (seg.start * qw * 4) as u64;
             let op_ = out.ptr() + (seg.start * h * dv * 4) as u64;
-            // Decompress every cached latent: c [total, r] · kv_bᵀ → [total, H*(dn+dv)].
+            // The flash kernel reads contiguous rows: gather the sequence's latents (for
+            // k_pe) and their c columns (for the decompression GEMM), then
+            // c [total, r] · kv_bᵀ → kv [total, H*(dn+dv)].
+            let rows = self.empty(&[total, lw], DType::F32, OP)?;
             let c = self.empty(&[total, r], DType::F32, OP)?;
-            // SAFETY: the cache holds total rows of lw >= r.
+            // SAFETY: rows/c hold total rows of lw / r <= lw f32; the table covers them.
             unsafe {
-                ops::elementwise::copy_cols(&self.dev, cache.ptr(), lw, 0, c.ptr(), r, 0, total, r)?
-            };
+                ops::mla::gather(&self.dev, paged(i), total, lw, rows.ptr())?;
+                ops::mla::gather(&self.dev, paged(i), total, r, c.ptr())?;
+            }
             let kv = self.matmul_op(&c, kv_b, OP)?;
-            // SAFETY: q/out point at this segment's rows (shapes checked above), the cache
-            // holds `total` contiguous rows of lw f32 and kv `total` rows of H*(dn+dv) f32.
+            // SAFETY: q/out point at this segment's rows (shapes checked above), rows holds
+            // `total` contiguous rows of lw f32 and kv `total` rows of H*(dn+dv) f32.
             unsafe {
                 ops::mla::expanded(
                     &self.dev,
                     qp,
-                    cache.ptr(),
+                    rows.ptr(),
                     kv.ptr(),
                     op_,
                     past,
@@ -1346,15 +1341,16 @@ impl Backend for CudaBackend {
             };
         }
         if !pieces.is_empty() {
-            // SAFETY: every piece's rows lie inside q/out (check_segments), its cache holds
-            // past+len contiguous rows of lw f32 (appended above) and kv_b is [H*(dn+dv), r]
-            // of dtype kdt.
+            // SAFETY: every piece's rows lie inside q/out (check_segments); its table (inside
+            // `tables`, alive until the end of this call and read by kernels queued on the
+            // same stream) covers past+len positions of the pool with blocks inside it
+            // (check_paged); kv_b is [H*(dn+dv), r] of dtype kdt.
             unsafe {
                 ops::mla::absorbed(
                     &self.dev,
                     q.ptr(),
                     &pieces,
-                    1,
+                    block_size,
                     kv_b.ptr(),
                     kdt,
                     out.ptr(),

@@ -77,6 +77,8 @@ const KERNELS: &[(&str, &[&str])] = &[
             "mla_decode_partial_vec",
             "mla_decode_combine",
             "mla_uv_project",
+            "mla_paged_write",
+            "mla_paged_gather",
         ],
     ),
     (

@@ -21,9 +21,11 @@
 //! A grows to 13 tokens: 13 > 3 * 4, so it takes b5 from the free list -> [b0, b1, b2, b5]
 //! ```
 //!
-//! On the CPU backend each sequence still stores its latent rows contiguously in its own
-//! `SeqCache`; this accounting is what admission and preemption decide by, and it is the
-//! block table a paged backend will index.
+//! The ids index real storage: the model runner's `CachePool` holds, per MLA layer, one
+//! pre-allocated `[num_blocks, block_size, r + rope]` pool (per Llama layer a key and a
+//! value pool) and, per KDA layer, `num_slots` state slots. The backend reads and writes a
+//! sequence's rows through its block table, so freeing a sequence here is all it takes to
+//! reuse its memory.
 
 use std::collections::VecDeque;
 
@@ -37,6 +39,17 @@ pub(crate) struct SeqBlocks {
     pub(crate) block_ids: Vec<BlockId>,
     /// KDA state slot, held while the sequence is running.
     pub(crate) slot: Option<u32>,
+    /// Leading `block_ids` already sent to the model runner.
+    num_sent: usize,
+}
+
+impl SeqBlocks {
+    /// Blocks added since the last call (all of them after a free).
+    pub(crate) fn take_new(&mut self) -> Vec<BlockId> {
+        let new = self.block_ids[self.num_sent..].to_vec();
+        self.num_sent = self.block_ids.len();
+        new
+    }
 }
 
 /// Hands out blocks and slots, and takes them back.
@@ -86,6 +99,7 @@ impl CacheManager {
     /// Returns every block and the slot of `seq` to the free lists.
     pub(crate) fn free(&mut self, seq: &mut SeqBlocks) {
         self.free_blocks.extend(seq.block_ids.drain(..));
+        seq.num_sent = 0;
         if let Some(slot) = seq.slot.take() {
             self.free_slots.push(slot);
         }
@@ -127,6 +141,24 @@ mod tests {
         assert_eq!(a, SeqBlocks::default());
         assert_eq!(cm.num_free_blocks(), 8);
         assert_eq!(cm.usage(), 0.0);
+    }
+
+    #[test]
+    fn new_blocks_are_sent_once_and_again_after_a_free() {
+        let mut cm = CacheManager::new(8, 4, 2);
+        let mut a = SeqBlocks::default();
+        assert!(cm.allocate(&mut a, 5));
+        assert_eq!(a.take_new(), vec![0, 1]);
+        assert!(cm.allocate(&mut a, 8));
+        assert_eq!(a.take_new(), Vec::<BlockId>::new());
+        assert!(cm.allocate(&mut a, 9));
+        assert_eq!(a.take_new(), vec![2]);
+        let mut b = SeqBlocks::default();
+        assert!(cm.allocate(&mut b, 4));
+        cm.free(&mut a);
+        // Freed blocks are reused oldest-freed first, after the never-used ones.
+        assert!(cm.allocate(&mut a, 20));
+        assert_eq!(a.take_new(), vec![4, 5, 6, 7, 0]);
     }
 
     #[test]

@@ -98,23 +98,32 @@ pub(crate) struct EngineLoop<B: Backend> {
 }
 
 impl<B: Backend> EngineLoop<B> {
+    /// The loop over `model` with its cache pool allocated: `num_blocks` blocks of
+    /// `block_size` tokens per MLA (or attention) layer and `max_num_seqs` KDA state slots,
+    /// the same numbers the cache manager hands out.
     pub(crate) fn new(
         model: Box<dyn CausalLm<B>>,
         config: &ServingConfig,
         commands: Receiver<Command>,
         shared: Arc<Shared>,
-    ) -> Self {
+    ) -> Result<Self, kimi_model::ModelError> {
+        let pool = model.new_pool(config.num_blocks, config.block_size, config.max_num_seqs)?;
         let cache = CacheManager::new(config.num_blocks, config.block_size, config.max_num_seqs);
-        Self {
-            runner: ModelRunner::new(model),
+        let runner = ModelRunner::new(model, pool);
+        let totals = EngineMetrics {
+            cache_bytes: runner.cache_bytes(),
+            ..EngineMetrics::default()
+        };
+        Ok(Self {
+            runner,
             scheduler: Scheduler::new(config.max_num_seqs, config.max_num_batched_tokens, cache),
             live: HashMap::new(),
             commands,
             shared,
             max_model_len: config.max_model_len,
             draining: false,
-            totals: EngineMetrics::default(),
-        }
+            totals,
+        })
     }
 
     /// Runs until shut down (or, once every handle is gone, until the last request ends).
@@ -451,7 +460,8 @@ mod tests {
             &config,
             receiver,
             Arc::clone(&shared),
-        );
+        )
+        .expect("the pool fits");
         let thread = std::thread::spawn(move || engine.run());
 
         // Token 100000 is outside the vocabulary: the forward pass fails.
@@ -476,6 +486,7 @@ mod tests {
         thread.join().expect("the engine thread exits cleanly");
         let metrics = shared.metrics.lock().expect("not poisoned").clone();
         assert_eq!((metrics.num_running, metrics.cache_usage), (0, 0.0));
+        assert!(metrics.cache_bytes > 0, "the pool is allocated up front");
         assert_eq!(metrics.generation_tokens_total, 3);
     }
 }

@@ -2,7 +2,7 @@
 
 use std::ops::ControlFlow;
 
-use kimi_model::{Batch, CausalLm, ForwardOptions, SeqCache};
+use kimi_model::{Batch, CachePool, CausalLm, ForwardOptions, SeqCache};
 use kimi_ops::{Backend, Segment};
 
 use crate::sampling::{Sampled, Sampler, SamplingParams};
@@ -69,20 +69,21 @@ impl<B: Backend> Engine<B> {
         if step == 0 {
             return Err(EngineError::Request("step must be at least 1".into()));
         }
-        let mut cache = self.model.new_cache()?;
+        let (mut pool, mut seq) = self.model.single_cache(ids.len())?;
         let mut all = Vec::with_capacity(ids.len() * self.model.vocab_size());
         for chunk in ids.chunks(step) {
-            let out = self.forward_chunk(chunk, &mut cache, true)?;
+            let out = self.forward_chunk(chunk, &mut pool, &mut seq, true)?;
             all.extend_from_slice(&out);
         }
         Ok(all)
     }
 
-    /// Runs `chunk` through `cache`; returns logits of every row or of the last one.
+    /// Runs `chunk` through `seq`; returns logits of every row or of the last one.
     fn forward_chunk(
         &self,
         chunk: &[u32],
-        cache: &mut SeqCache<B>,
+        pool: &mut CachePool<B>,
+        seq: &mut SeqCache,
         every_row: bool,
     ) -> Result<Vec<f32>> {
         let rows = if every_row {
@@ -100,7 +101,7 @@ impl<B: Backend> Engine<B> {
         };
         Ok(self
             .model
-            .forward(&batch, &mut [cache], self.options)?
+            .forward(&batch, pool, &mut [seq], self.options)?
             .logits)
     }
 
@@ -128,11 +129,13 @@ impl<B: Backend> Engine<B> {
             )));
         }
         let mut sampler = Sampler::new(params);
-        let mut cache = self.model.new_cache()?;
+        // One sequence's own pool, as large as the prompt and output can grow.
+        let max_tokens = prompt.len().saturating_add(params.max_tokens).min(max_len);
+        let (mut pool, mut seq) = self.model.single_cache(max_tokens)?;
         let start = std::time::Instant::now();
         let mut logits = Vec::new();
         for chunk in prompt.chunks(self.prefill_chunk.max(1)) {
-            logits = self.forward_chunk(chunk, &mut cache, false)?;
+            logits = self.forward_chunk(chunk, &mut pool, &mut seq, false)?;
         }
         let prefill_secs = start.elapsed().as_secs_f64();
         let decode_start = std::time::Instant::now();
@@ -155,7 +158,7 @@ impl<B: Backend> Engine<B> {
                 break FinishReason::Length;
             }
             let last = output_ids[output_ids.len() - 1];
-            logits = self.forward_chunk(&[last], &mut cache, false)?;
+            logits = self.forward_chunk(&[last], &mut pool, &mut seq, false)?;
         };
         Ok(Generation {
             tokens,

@@ -1,5 +1,10 @@
-//! The model runner: owns the model and every running sequence's cache, and turns a
-//! [`StepPlan`](crate::scheduler::StepPlan)'s chunks into one batched forward pass.
+//! The model runner: owns the model, the cache pool and every running sequence's place in
+//! it, and turns a [`StepPlan`](crate::scheduler::StepPlan)'s chunks into one batched
+//! forward pass.
+//!
+//! The pool is allocated once (`num_blocks` blocks per MLA layer, `max_num_seqs` KDA state
+//! slots); the scheduler's cache manager decides which blocks and slot a sequence owns, and
+//! each chunk carries the blocks added to its table since the last step.
 //!
 //! ```text
 //! chunks   [A: 1 token][B: 1 token][C: 5 tokens, samples][D: 8 tokens, more to come]
@@ -10,7 +15,7 @@
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use kimi_model::{Batch, CausalLm, ForwardOptions, ForwardOutput, SeqCache};
+use kimi_model::{Batch, CachePool, CausalLm, ForwardOptions, ForwardOutput, SeqCache};
 use kimi_ops::{Backend, Segment};
 
 use crate::scheduler::Chunk;
@@ -19,34 +24,46 @@ use crate::serving::RequestId;
 /// Runs steps on one model.
 pub(crate) struct ModelRunner<B: Backend> {
     model: Box<dyn CausalLm<B>>,
-    caches: HashMap<RequestId, SeqCache<B>>,
+    pool: CachePool<B>,
+    seqs: HashMap<RequestId, SeqCache>,
     options: ForwardOptions,
 }
 
 impl<B: Backend> ModelRunner<B> {
-    /// A runner with no sequences.
-    pub(crate) fn new(model: Box<dyn CausalLm<B>>) -> Self {
+    /// A runner with no sequences over a pool made for `model`.
+    pub(crate) fn new(model: Box<dyn CausalLm<B>>, pool: CachePool<B>) -> Self {
         Self {
             model,
-            caches: HashMap::new(),
+            pool,
+            seqs: HashMap::new(),
             options: ForwardOptions::default(),
         }
     }
 
-    /// Drops the cache of `id` (finished, cancelled or preempted).
+    /// Forgets `id` (finished, cancelled or preempted); its blocks and slot go back to the
+    /// cache manager, which frees them in the same call.
     pub(crate) fn release(&mut self, id: RequestId) {
-        self.caches.remove(&id);
+        self.seqs.remove(&id);
+    }
+
+    /// Bytes the cache pool occupies.
+    pub(crate) fn cache_bytes(&self) -> usize {
+        self.pool.size_bytes(self.model.backend())
     }
 
     /// One forward pass over `chunks`; logits come back for every chunk that samples, in
-    /// chunk order. A chunk starting at 0 gets a fresh cache. On error (a panic inside the
-    /// backend included) the caches of every chunk are dropped.
+    /// chunk order. A chunk starting at 0 starts its sequence afresh (its slot's state is
+    /// zeroed by the model). On error (a panic inside the backend included) every chunk's
+    /// sequence is forgotten.
     pub(crate) fn execute(&mut self, chunks: &[Chunk]) -> Result<ForwardOutput, String> {
-        let mut caches = Vec::with_capacity(chunks.len());
+        let mut seqs = Vec::with_capacity(chunks.len());
         for chunk in chunks {
-            let cache = match (chunk.start, self.caches.remove(&chunk.id)) {
-                (0, _) => self.model.new_cache().map_err(|e| e.to_string())?,
-                (start, Some(cache)) if cache.num_tokens == start => cache,
+            let seq = match (chunk.start, self.seqs.remove(&chunk.id)) {
+                (0, _) => SeqCache::new(chunk.slot, chunk.new_blocks.clone()),
+                (start, Some(mut seq)) if seq.num_tokens == start && seq.slot == chunk.slot => {
+                    seq.block_table.extend_from_slice(&chunk.new_blocks);
+                    seq
+                }
                 (start, _) => {
                     return Err(format!(
                         "internal error: the cache of request {} does not hold its first {start} tokens",
@@ -54,14 +71,14 @@ impl<B: Backend> ModelRunner<B> {
                     ))
                 }
             };
-            caches.push(cache);
+            seqs.push(seq);
         }
         let batch = batch_of(chunks);
-        let model = &self.model;
+        let (model, pool) = (&self.model, &mut self.pool);
         let options = self.options;
         let result = catch_unwind(AssertUnwindSafe(|| {
-            let mut refs: Vec<&mut SeqCache<B>> = caches.iter_mut().collect();
-            model.forward(&batch, &mut refs, options)
+            let mut refs: Vec<&mut SeqCache> = seqs.iter_mut().collect();
+            model.forward(&batch, pool, &mut refs, options)
         }));
         let num_rows = chunks.iter().filter(|c| c.samples).count();
         match result {
@@ -71,8 +88,8 @@ impl<B: Backend> ModelRunner<B> {
                 out.vocab_size
             )),
             Ok(Ok(out)) => {
-                for (chunk, cache) in chunks.iter().zip(caches) {
-                    self.caches.insert(chunk.id, cache);
+                for (chunk, seq) in chunks.iter().zip(seqs) {
+                    self.seqs.insert(chunk.id, seq);
                 }
                 Ok(out)
             }
@@ -121,6 +138,8 @@ mod tests {
             start,
             tokens: tokens.to_vec(),
             samples,
+            slot: id as u32,
+            new_blocks: vec![],
         };
         let chunks = [
             chunk(0, 4, &[5], true),

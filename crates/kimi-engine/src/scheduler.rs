@@ -70,6 +70,11 @@ pub(crate) struct Chunk {
     /// The chunk ends the sequence's known tokens, so the next token is sampled from the
     /// logits of its last row.
     pub(crate) samples: bool,
+    /// The sequence's KDA state slot.
+    pub(crate) slot: u32,
+    /// Blocks appended to the sequence's block table since its previous chunk (its whole
+    /// table when `start` is 0).
+    pub(crate) new_blocks: Vec<u32>,
 }
 
 /// What one step runs.
@@ -288,11 +293,18 @@ impl Scheduler {
         let start = seq.num_computed_tokens;
         seq.num_computed_tokens += len;
         *budget -= len;
+        debug_assert!(
+            seq.blocks.slot.is_some(),
+            "invariant: running sequences hold a slot"
+        );
         plan.chunks.push(Chunk {
             id,
             start,
             tokens: seq.tokens[start..start + len].to_vec(),
             samples: seq.num_computed_tokens == seq.tokens.len(),
+            // A missing slot (impossible) fails the forward pass as out of the pool.
+            slot: seq.blocks.slot.unwrap_or(u32::MAX),
+            new_blocks: seq.blocks.take_new(),
         });
     }
 }
@@ -339,6 +351,30 @@ mod tests {
         assert_eq!(lens(&plan), vec![(0, 11, 1, true), (1, 3, 1, true)]);
         assert_eq!(s.num_running(), 2);
         assert_eq!(s.num_waiting(), 0);
+    }
+
+    #[test]
+    fn chunks_carry_the_slot_and_only_the_new_blocks() {
+        let mut s = scheduler(4, 64, 8, 4);
+        s.add(RequestId(0), vec![1; 8]);
+        s.add(RequestId(1), vec![1; 3]);
+        let plan = s.schedule();
+        let blocks = |p: &StepPlan| -> Vec<(u32, Vec<u32>)> {
+            p.chunks
+                .iter()
+                .map(|c| (c.slot, c.new_blocks.clone()))
+                .collect()
+        };
+        assert_eq!(blocks(&plan), vec![(0, vec![0, 1]), (1, vec![2])]);
+        sample_all(&mut s, &plan);
+        // The 9th token of request 0 needs a third block; request 1's 4th fits in its first.
+        let plan = s.schedule();
+        assert_eq!(blocks(&plan), vec![(0, vec![3]), (1, vec![])]);
+        s.remove(RequestId(0));
+        s.add(RequestId(2), vec![1; 17]);
+        let plan = s.schedule();
+        // Request 2 gets the never-used blocks first, then request 0's, and its freed slot.
+        assert_eq!(blocks(&plan), vec![(0, vec![4, 5, 6, 7, 0])]);
     }
 
     #[test]

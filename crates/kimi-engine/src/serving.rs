@@ -33,9 +33,10 @@ pub struct ServingConfig {
     pub max_num_seqs: usize,
     /// Tokens per forward pass (`--max-num-batched-tokens`); prefills are chunked to fit.
     pub max_num_batched_tokens: usize,
-    /// Tokens per MLA cache block.
+    /// Tokens per cache block.
     pub block_size: usize,
-    /// MLA cache blocks available (capacity for admission and preemption).
+    /// Cache blocks per MLA (or attention) layer, allocated when the engine starts; they
+    /// bound admission and preemption.
     pub num_blocks: usize,
     /// Requests allowed to wait; more are refused with [`SubmitError::QueueFull`].
     pub max_waiting: usize,
@@ -114,8 +115,10 @@ pub struct EngineMetrics {
     pub num_running: usize,
     /// Requests waiting for admission.
     pub num_waiting: usize,
-    /// Fraction of MLA cache blocks in use, 0..1.
+    /// Fraction of cache blocks in use, 0..1.
     pub cache_usage: f64,
+    /// Bytes of the pre-allocated cache pool (every layer's blocks and state slots).
+    pub cache_bytes: usize,
     /// Prompt tokens processed since start.
     pub prompt_tokens_total: u64,
     /// Output tokens generated since start.
@@ -233,7 +236,8 @@ impl EngineHandle {
     ///
     /// [`EngineError::Request`] when `config` has a zero limit, a `max_model_len` over the
     /// model's context, fewer batched tokens than sequences, or fewer cache blocks than one
-    /// `max_model_len` sequence needs; or when the thread cannot be started.
+    /// `max_model_len` sequence needs; or when the cache pool cannot be allocated or the
+    /// thread cannot be started.
     pub fn spawn<B: Backend + 'static>(
         model: impl CausalLm<B> + 'static,
         config: ServingConfig,
@@ -244,7 +248,8 @@ impl EngineHandle {
         let model: Box<dyn CausalLm<B>> = Box::new(model);
         let (commands, receiver) = mpsc::channel();
         let shared = Arc::new(Shared::default());
-        let engine = EngineLoop::new(model, &config, receiver, Arc::clone(&shared));
+        let engine = EngineLoop::new(model, &config, receiver, Arc::clone(&shared))
+            .map_err(|e| EngineError::Request(format!("cannot allocate the cache pool: {e}")))?;
         let thread = std::thread::Builder::new()
             .name("kimi-engine".into())
             .spawn(move || engine.run())

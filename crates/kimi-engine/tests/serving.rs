@@ -387,6 +387,9 @@ fn cancellation_frees_capacity_for_a_waiting_request() {
         matches!(b.finish, Some(FinishReason::Length | FinishReason::Stop)),
         "{b:?}"
     );
+    // B's blocks are mostly A's, stale rows included: its tokens are those it gets alone.
+    let (want, _) = reference(&Engine::new(model()), &prompt(2, 30), &greedy(5));
+    assert_eq!(b.tokens, want);
     let m = wait_metrics(&engine, "an idle engine", |m| m.num_running == 0);
     assert_eq!(m.cache_usage, 0.0);
     engine.shutdown(true);
@@ -419,7 +422,8 @@ fn dropping_the_receiver_cancels_the_request() {
 #[test]
 fn preemption_by_recompute_keeps_greedy_tokens() {
     let single = Engine::new(model());
-    // 64 cached tokens in all, six requests of up to 40 tokens each.
+    // 64 cached tokens in all, six requests of up to 40 tokens each: preempted and finished
+    // requests' blocks go to others (out of order, stale rows included).
     let cfg = ServingConfig {
         max_model_len: 64,
         block_size: 4,

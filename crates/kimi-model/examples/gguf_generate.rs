@@ -116,7 +116,7 @@ fn generate(
     prompt: &[u32],
     args: &Args,
 ) -> Result<(Vec<u32>, f64, f64), Box<dyn std::error::Error>> {
-    let mut cache = model.new_cache()?;
+    let (mut pool, mut cache) = model.single_cache(prompt.len() + args.max_tokens)?;
     let mut step = |tokens: &[u32]| -> Result<u32, kimi_model::ModelError> {
         let batch = Batch {
             tokens: tokens.to_vec(),
@@ -126,7 +126,12 @@ fn generate(
             }],
             logits_rows: vec![tokens.len() - 1],
         };
-        let out = model.forward(&batch, &mut [&mut cache], ForwardOptions::default())?;
+        let out = model.forward(
+            &batch,
+            &mut pool,
+            &mut [&mut cache],
+            ForwardOptions::default(),
+        )?;
         Ok(argmax(&out.logits))
     };
     let is_end = |id: u32| !args.ignore_eos && model.eos_token_ids().contains(&id);

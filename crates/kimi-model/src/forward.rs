@@ -3,7 +3,7 @@
 
 use kimi_ops::{Backend, KdaMode, MlaMode, Segment};
 
-use crate::cache::SeqCache;
+use crate::cache::{CachePool, LayerSpec, SeqCache};
 use crate::{ModelError, Result};
 
 /// The tokens of one forward pass: several sequences' new tokens, flattened.
@@ -11,7 +11,7 @@ use crate::{ModelError, Result};
 pub struct Batch {
     /// New token ids of every sequence, back to back.
     pub tokens: Vec<u32>,
-    /// Where each sequence's tokens sit in `tokens`; segment `s` uses `caches[s]`.
+    /// Where each sequence's tokens sit in `tokens`; segment `s` uses `seqs[s]`.
     pub segments: Vec<Segment>,
     /// Rows of `tokens` whose logits are wanted (e.g. each segment's last row).
     pub logits_rows: Vec<usize>,
@@ -49,16 +49,50 @@ pub trait CausalLm<B: Backend>: Send + Sync {
     fn max_context(&self) -> usize;
     /// Token ids that end a sequence, from the model's metadata (may be empty).
     fn eos_token_ids(&self) -> &[u32];
-    /// Fresh (empty) state for a new sequence.
-    fn new_cache(&self) -> Result<SeqCache<B>>;
-    /// Runs the new tokens of several sequences through the model, updating their caches.
+    /// What each layer keeps per token or per sequence (sizes a [`CachePool`]).
+    fn cache_specs(&self) -> &[LayerSpec];
+    /// Runs the new tokens of several sequences through the model. Segment `s` belongs to
+    /// `seqs[s]`, whose block table must cover its tokens after this pass; its rows and
+    /// state are read and written in `pool`, and its `num_tokens` advances. A sequence at
+    /// `num_tokens == 0` starts from a zeroed state slot.
     fn forward(
         &self,
         batch: &Batch,
-        caches: &mut [&mut SeqCache<B>],
+        pool: &mut CachePool<B>,
+        seqs: &mut [&mut SeqCache],
         opts: ForwardOptions,
     ) -> Result<ForwardOutput>;
+
+    /// A cache pool of `num_blocks` blocks of `block_size` tokens and `num_slots` state
+    /// slots for this model.
+    fn new_pool(
+        &self,
+        num_blocks: usize,
+        block_size: usize,
+        num_slots: usize,
+    ) -> Result<CachePool<B>> {
+        CachePool::new(
+            self.backend(),
+            self.cache_specs(),
+            num_blocks,
+            block_size,
+            num_slots,
+        )
+    }
+
+    /// A pool holding one sequence of up to `max_tokens` tokens, and that sequence.
+    fn single_cache(&self, max_tokens: usize) -> Result<(CachePool<B>, SeqCache)> {
+        CachePool::single(
+            self.backend(),
+            self.cache_specs(),
+            max_tokens,
+            SINGLE_BLOCK_SIZE,
+        )
+    }
 }
+
+/// Block size of [`CausalLm::single_cache`] pools.
+pub const SINGLE_BLOCK_SIZE: usize = 16;
 
 impl<B: Backend, M: CausalLm<B> + ?Sized> CausalLm<B> for Box<M> {
     fn backend(&self) -> &B {
@@ -73,25 +107,26 @@ impl<B: Backend, M: CausalLm<B> + ?Sized> CausalLm<B> for Box<M> {
     fn eos_token_ids(&self) -> &[u32] {
         (**self).eos_token_ids()
     }
-    fn new_cache(&self) -> Result<SeqCache<B>> {
-        (**self).new_cache()
+    fn cache_specs(&self) -> &[LayerSpec] {
+        (**self).cache_specs()
     }
     fn forward(
         &self,
         batch: &Batch,
-        caches: &mut [&mut SeqCache<B>],
+        pool: &mut CachePool<B>,
+        seqs: &mut [&mut SeqCache],
         opts: ForwardOptions,
     ) -> Result<ForwardOutput> {
-        (**self).forward(batch, caches, opts)
+        (**self).forward(batch, pool, seqs, opts)
     }
 }
 
 /// Checks that a batch's segments and logits rows lie inside its tokens, that there is one
-/// cache per segment and that every token id is in the vocabulary.
+/// sequence per segment and that every token id is in the vocabulary.
 pub(crate) fn check_batch(batch: &Batch, num_caches: usize, vocab_size: usize) -> Result<()> {
     if batch.segments.len() != num_caches {
         return Err(input(&format!(
-            "{} segments but {num_caches} caches",
+            "{} segments but {num_caches} sequences",
             batch.segments.len()
         )));
     }

@@ -13,7 +13,7 @@ use kimi_core::ModelConfig;
 use kimi_ops::{Backend, Segment};
 use kimi_weights::Checkpoint;
 
-use crate::cache::{LayerCache, SeqCache};
+use crate::cache::{pick_mut, CachePool, LayerPool, LayerSpec, SeqCache};
 use crate::forward::{check_batch, input, Batch, CausalLm, ForwardOptions, ForwardOutput};
 use crate::layers::{FfnLayer, KdaLayer, Loader, MlaLayer};
 use crate::source::WeightSource;
@@ -39,6 +39,7 @@ pub struct KimiLinear<B: Backend> {
     layers: Vec<DecoderLayer<B::Tensor>>,
     norm: B::Tensor,
     lm_head: Option<B::Tensor>,
+    cache_specs: Vec<LayerSpec>,
 }
 
 impl<B: Backend> KimiLinear<B> {
@@ -111,6 +112,7 @@ impl<B: Backend> KimiLinear<B> {
         };
         source.check_all_used(&ld.used)?;
         Ok(Self {
+            cache_specs: LayerSpec::of_config(&config)?,
             backend,
             config,
             embed,
@@ -130,29 +132,24 @@ impl<B: Backend> KimiLinear<B> {
         &self.backend
     }
 
-    /// Fresh state for a new sequence.
-    pub fn new_cache(&self) -> Result<SeqCache<B>> {
-        SeqCache::new(&self.backend, &self.config)
-    }
-
-    /// Runs the new tokens of several sequences through the model, updating their caches.
+    /// Runs the new tokens of several sequences through the model (see
+    /// [`CausalLm::forward`]).
     pub fn forward(
         &self,
         batch: &Batch,
-        caches: &mut [&mut SeqCache<B>],
+        pool: &mut CachePool<B>,
+        seqs: &mut [&mut SeqCache],
         opts: ForwardOptions,
     ) -> Result<ForwardOutput> {
-        check_batch(batch, caches.len(), self.config.vocab_size)?;
-        if caches.iter().any(|c| c.layers.len() != self.layers.len()) {
-            return Err(input("cache layout does not match the model"));
-        }
+        check_batch(batch, seqs.len(), self.config.vocab_size)?;
         let be = &self.backend;
+        pool.prepare(be, self.layers.len(), seqs)?;
         let segs = &batch.segments;
         let mut x = be.embedding(&self.embed, &batch.tokens)?;
         let mut expert_counts = Vec::with_capacity(self.layers.len());
         for (i, layer) in self.layers.iter().enumerate() {
             let normed = be.rms_norm(&x, &layer.input_norm, self.config.rms_norm_eps)?;
-            let mixed = self.run_mixer(i, layer, &normed, segs, caches, opts)?;
+            let mixed = self.run_mixer(layer, &normed, segs, &mut pool.layers[i], seqs, opts)?;
             be.add_assign(&mut x, &mixed)?;
             let normed = be.rms_norm(&x, &layer.post_norm, self.config.rms_norm_eps)?;
             let (ffn_out, chosen) = layer.ffn.forward(be, &normed)?;
@@ -162,8 +159,8 @@ impl<B: Backend> KimiLinear<B> {
                 self.config.moe.as_ref().map_or(0, |m| m.num_experts),
             ));
         }
-        for (cache, seg) in caches.iter_mut().zip(segs) {
-            cache.num_tokens += seg.len;
+        for (seq, seg) in seqs.iter_mut().zip(segs) {
+            seq.num_tokens += seg.len;
         }
         let last = be.select_rows(&x, &batch.logits_rows)?;
         let normed = be.rms_norm(&last, &self.norm, self.config.rms_norm_eps)?;
@@ -177,30 +174,27 @@ impl<B: Backend> KimiLinear<B> {
 
     fn run_mixer(
         &self,
-        i: usize,
         layer: &DecoderLayer<B::Tensor>,
         x: &B::Tensor,
         segs: &[Segment],
-        caches: &mut [&mut SeqCache<B>],
+        pool: &mut LayerPool<B>,
+        seqs: &[&mut SeqCache],
         opts: ForwardOptions,
     ) -> Result<B::Tensor> {
         let be = &self.backend;
-        match &layer.mixer {
-            MixerLayer::Kda(m) => {
+        let mismatch = || input("cache layout does not match the model");
+        match (&layer.mixer, pool) {
+            (MixerLayer::Kda(m), LayerPool::Kda { conv, state }) => {
                 let c = self
                     .config
                     .kda
                     .as_ref()
                     .ok_or_else(|| input("KDA layer without KDA dimensions"))?;
-                let mut states = Vec::with_capacity(caches.len());
-                for cache in caches.iter_mut() {
-                    match &mut cache.layers[i] {
-                        LayerCache::Kda { conv, state } => states.push((conv, state)),
-                        LayerCache::Mla { .. } | LayerCache::Kv { .. } => {
-                            return Err(input("cache layout does not match the model"))
-                        }
-                    }
-                }
+                let slots: Vec<usize> = seqs.iter().map(|s| s.slot as usize).collect();
+                let mut states: Vec<_> = pick_mut(conv, &slots)?
+                    .into_iter()
+                    .zip(pick_mut(state, &slots)?)
+                    .collect();
                 m.forward(
                     be,
                     x,
@@ -211,23 +205,16 @@ impl<B: Backend> KimiLinear<B> {
                     opts.kda_mode,
                 )
             }
-            MixerLayer::Mla(m) => {
+            (MixerLayer::Mla(m), LayerPool::Mla { latent }) => {
                 let c = self
                     .config
                     .mla
                     .as_ref()
                     .ok_or_else(|| input("MLA layer without MLA dimensions"))?;
-                let mut latents = Vec::with_capacity(caches.len());
-                for cache in caches.iter_mut() {
-                    match &mut cache.layers[i] {
-                        LayerCache::Mla { latent } => latents.push(latent),
-                        LayerCache::Kda { .. } | LayerCache::Kv { .. } => {
-                            return Err(input("cache layout does not match the model"))
-                        }
-                    }
-                }
-                m.forward(be, x, c, segs, &mut latents, opts.mla_mode)
+                let paged: Vec<_> = seqs.iter().map(|s| s.paged()).collect();
+                m.forward(be, x, c, segs, latent, &paged, opts.mla_mode)
             }
+            _ => Err(mismatch()),
         }
     }
 }
@@ -258,15 +245,16 @@ impl<B: Backend> CausalLm<B> for KimiLinear<B> {
     fn eos_token_ids(&self) -> &[u32] {
         &self.config.eos_token_ids
     }
-    fn new_cache(&self) -> Result<SeqCache<B>> {
-        KimiLinear::new_cache(self)
+    fn cache_specs(&self) -> &[LayerSpec] {
+        &self.cache_specs
     }
     fn forward(
         &self,
         batch: &Batch,
-        caches: &mut [&mut SeqCache<B>],
+        pool: &mut CachePool<B>,
+        seqs: &mut [&mut SeqCache],
         opts: ForwardOptions,
     ) -> Result<ForwardOutput> {
-        KimiLinear::forward(self, batch, caches, opts)
+        KimiLinear::forward(self, batch, pool, seqs, opts)
     }
 }

@@ -8,7 +8,7 @@ use kimi_core::config::{KdaConfig, MlaConfig, MoeConfig};
 use kimi_core::DType;
 use kimi_ops::{
     Backend, HostTensor, KdaMode, KdaStepInputs, KdaStepWeights, MlaDims, MlaMode, MlpWeights,
-    MoeRouting, MoeWeights, Segment,
+    MoeRouting, MoeWeights, PagedSeq, Segment,
 };
 
 use crate::source::WeightSource;
@@ -125,7 +125,8 @@ impl<T> KdaLayer<T> {
         })
     }
 
-    /// `x` is the normalised layer input `[n, hidden]`; `caches[s]` is segment `s`'s KDA state.
+    /// `x` is the normalised layer input `[n, hidden]`; `caches[s]` is segment `s`'s KDA
+    /// state slot (convolution windows and recurrent state).
     #[allow(clippy::too_many_arguments)]
     pub fn forward<B: Backend<Tensor = T>>(
         &self,
@@ -243,13 +244,15 @@ impl<T> MlaLayer<T> {
         })
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub fn forward<B: Backend<Tensor = T>>(
         &self,
         be: &B,
         x: &T,
         c: &MlaConfig,
         segments: &[Segment],
-        caches: &mut [&mut T],
+        pool: &mut T,
+        seqs: &[PagedSeq<'_>],
         mode: MlaMode,
     ) -> Result<T> {
         let q = match &self.q {
@@ -271,7 +274,7 @@ impl<T> MlaLayer<T> {
             v_head_dim: c.v_head_dim,
             scale: ((c.qk_nope_head_dim + c.qk_rope_head_dim) as f32).powf(-0.5),
         };
-        let o = be.mla(&q, &latent, &self.kv_b, &dims, segments, caches, mode)?;
+        let o = be.mla(&q, &latent, &self.kv_b, &dims, segments, pool, seqs, mode)?;
         Ok(be.matmul(&o, &self.o)?)
     }
 }

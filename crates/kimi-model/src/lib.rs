@@ -1,9 +1,10 @@
 //! Model definitions, written once against the [`kimi_ops::Backend`] trait.
 //!
 //! [`KimiLinear`] loads a checkpoint through `kimi-weights`, uploads it to a backend and runs
-//! forward passes over a batch of sequences, each with its own [`SeqCache`] (KDA recurrent and
-//! convolution state, MLA latent cache). [`Llama`] does the same for Llama-architecture GGUF
-//! files (the SmolLM2 demo model) with a key/value cache. Both implement [`CausalLm`], the
+//! forward passes over a batch of sequences, each a [`SeqCache`] (block table and state slot)
+//! into a shared [`CachePool`] (KDA recurrent and convolution state slots, paged MLA latent
+//! cache). [`Llama`] does the same for Llama-architecture GGUF files (the SmolLM2 demo
+//! model) with a paged key/value cache. Both implement [`CausalLm`], the
 //! interface generation drives. Nothing here names a device.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
@@ -18,8 +19,8 @@ mod summary;
 
 use std::path::PathBuf;
 
-pub use cache::{LayerCache, SeqCache};
-pub use forward::{Batch, CausalLm, ForwardOptions, ForwardOutput};
+pub use cache::{CachePool, LayerPool, LayerSpec, SeqCache};
+pub use forward::{Batch, CausalLm, ForwardOptions, ForwardOutput, SINGLE_BLOCK_SIZE};
 pub use kimi_linear::KimiLinear;
 pub use llama::{Llama, LlamaConfig};
 pub use source::{RandomWeights, WeightSource};

@@ -14,9 +14,9 @@
 use std::collections::HashSet;
 
 use kimi_gguf::GgufFile;
-use kimi_ops::{AttentionDims, Backend, MlpWeights, RopeStyle, Segment};
+use kimi_ops::{AttentionDims, Backend, MlpWeights, PagedSeq, RopeStyle, Segment};
 
-use crate::cache::{LayerCache, SeqCache};
+use crate::cache::{CachePool, LayerPool, LayerSpec, SeqCache};
 use crate::forward::{check_batch, input, Batch, CausalLm, ForwardOptions, ForwardOutput};
 use crate::layers::Loader;
 use crate::source::{format_error, WeightSource};
@@ -185,6 +185,7 @@ pub struct Llama<B: Backend> {
     layers: Vec<LlamaLayer<B::Tensor>>,
     norm: B::Tensor,
     lm_head: Option<B::Tensor>,
+    cache_specs: Vec<LayerSpec>,
 }
 
 impl<B: Backend> Llama<B> {
@@ -232,6 +233,12 @@ impl<B: Backend> Llama<B> {
         };
         source.check_all_used(&ld.used)?;
         Ok(Self {
+            cache_specs: vec![
+                LayerSpec::Kv {
+                    width: config.kv_width()
+                };
+                layers.len()
+            ],
             backend,
             config,
             embed,
@@ -246,45 +253,36 @@ impl<B: Backend> Llama<B> {
         &self.config
     }
 
-    /// Fresh (empty) key/value caches for a new sequence.
-    pub fn new_cache(&self) -> Result<SeqCache<B>> {
-        let width = self.config.kv_width();
-        let layers = (0..self.layers.len())
-            .map(|_| {
-                Ok(LayerCache::Kv {
-                    k: self.backend.zeros(&[0, width])?,
-                    v: self.backend.zeros(&[0, width])?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(SeqCache {
-            layers,
-            num_tokens: 0,
-        })
-    }
-
-    /// Runs the new tokens of several sequences through the model, appending their keys
-    /// and values to the caches. `opts` is ignored (no KDA or MLA layers).
+    /// Runs the new tokens of several sequences through the model, writing their keys and
+    /// values to the paged caches (see [`CausalLm::forward`]). `opts` is ignored (no KDA or
+    /// MLA layers).
     pub fn forward(
         &self,
         batch: &Batch,
-        caches: &mut [&mut SeqCache<B>],
+        pool: &mut CachePool<B>,
+        seqs: &mut [&mut SeqCache],
         _opts: ForwardOptions,
     ) -> Result<ForwardOutput> {
         let c = &self.config;
-        check_batch(batch, caches.len(), c.vocab_size)?;
-        let positions = self.positions(batch, caches)?;
+        check_batch(batch, seqs.len(), c.vocab_size)?;
+        let positions = self.positions(batch, seqs)?;
         let be = &self.backend;
+        pool.prepare(be, self.layers.len(), seqs)?;
+        let paged: Vec<_> = seqs.iter().map(|s| s.paged()).collect();
         let mut x = be.embedding(&self.embed, &batch.tokens)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let normed = be.rms_norm(&x, &layer.attn_norm, c.rms_norm_eps)?;
-            let attn = self.attention(i, layer, &normed, &positions, &batch.segments, caches)?;
+            let LayerPool::Kv { k, v } = &mut pool.layers[i] else {
+                return Err(input("cache layout does not match the model"));
+            };
+            let attn =
+                self.attention(layer, &normed, &positions, &batch.segments, (k, v), &paged)?;
             be.add_assign(&mut x, &attn)?;
             let normed = be.rms_norm(&x, &layer.ffn_norm, c.rms_norm_eps)?;
             be.add_assign(&mut x, &be.mlp(&normed, &layer.mlp)?)?;
         }
-        for (cache, seg) in caches.iter_mut().zip(&batch.segments) {
-            cache.num_tokens += seg.len;
+        for (seq, seg) in seqs.iter_mut().zip(&batch.segments) {
+            seq.num_tokens += seg.len;
         }
         let last = be.select_rows(&x, &batch.logits_rows)?;
         let normed = be.rms_norm(&last, &self.norm, c.rms_norm_eps)?;
@@ -296,19 +294,11 @@ impl<B: Backend> Llama<B> {
         })
     }
 
-    /// Each row's position in its sequence (rows outside every segment get 0); checks the
-    /// caches' layout and that no sequence outgrows the context.
-    fn positions(&self, batch: &Batch, caches: &[&mut SeqCache<B>]) -> Result<Vec<usize>> {
+    /// Each row's position in its sequence (rows outside every segment get 0); checks
+    /// that no sequence outgrows the context.
+    fn positions(&self, batch: &Batch, caches: &[&mut SeqCache]) -> Result<Vec<usize>> {
         let mut positions = vec![0; batch.tokens.len()];
         for (seg, cache) in batch.segments.iter().zip(caches) {
-            let kv_layers = cache
-                .layers
-                .iter()
-                .filter(|l| matches!(l, LayerCache::Kv { .. }))
-                .count();
-            if cache.layers.len() != self.layers.len() || kv_layers != self.layers.len() {
-                return Err(input("cache layout does not match the model"));
-            }
             if cache.num_tokens + seg.len > self.config.max_context {
                 return Err(input(&format!(
                     "a sequence of {} tokens exceeds the model's context of {}",
@@ -328,12 +318,12 @@ impl<B: Backend> Llama<B> {
 
     fn attention(
         &self,
-        i: usize,
         layer: &LlamaLayer<B::Tensor>,
         x: &B::Tensor,
         positions: &[usize],
         segments: &[Segment],
-        caches: &mut [&mut SeqCache<B>],
+        (k_pool, v_pool): (&mut B::Tensor, &mut B::Tensor),
+        seqs: &[PagedSeq<'_>],
     ) -> Result<B::Tensor> {
         let (be, c) = (&self.backend, &self.config);
         let rope = |t: B::Tensor, heads: usize| {
@@ -342,20 +332,13 @@ impl<B: Backend> Llama<B> {
         let q = rope(be.matmul(x, &layer.q)?, c.num_heads)?;
         let k = rope(be.matmul(x, &layer.k)?, c.num_kv_heads)?;
         let v = be.matmul(x, &layer.v)?;
-        let mut kv = Vec::with_capacity(caches.len());
-        for cache in caches.iter_mut() {
-            match &mut cache.layers[i] {
-                LayerCache::Kv { k, v } => kv.push((k, v)),
-                _ => return Err(input("cache layout does not match the model")),
-            }
-        }
         let dims = AttentionDims {
             num_heads: c.num_heads,
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
             scale: (c.head_dim as f32).powf(-0.5),
         };
-        let o = be.attention(&q, &k, &v, &dims, segments, &mut kv)?;
+        let o = be.attention(&q, &k, &v, &dims, segments, k_pool, v_pool, seqs)?;
         Ok(be.matmul(&o, &layer.o)?)
     }
 }
@@ -373,15 +356,16 @@ impl<B: Backend> CausalLm<B> for Llama<B> {
     fn eos_token_ids(&self) -> &[u32] {
         &self.config.eos_token_ids
     }
-    fn new_cache(&self) -> Result<SeqCache<B>> {
-        Llama::new_cache(self)
+    fn cache_specs(&self) -> &[LayerSpec] {
+        &self.cache_specs
     }
     fn forward(
         &self,
         batch: &Batch,
-        caches: &mut [&mut SeqCache<B>],
+        pool: &mut CachePool<B>,
+        seqs: &mut [&mut SeqCache],
         opts: ForwardOptions,
     ) -> Result<ForwardOutput> {
-        Llama::forward(self, batch, caches, opts)
+        Llama::forward(self, batch, pool, seqs, opts)
     }
 }

@@ -3,12 +3,15 @@
 //! Fixtures come from `scripts/make_fixtures.py` (tiny random checkpoints in the hub layout,
 //! made with `KimiLinearForCausalLM` of transformers 5.17); see `fixtures/kimi-linear/README.md`.
 //! Every fixture is checked in three feed modes — whole-prompt prefill, 16-token chunks
-//! through the caches and token-by-token decode — and by a greedy continuation.
+//! through the caches and token-by-token decode — and by a greedy continuation. The feed
+//! modes run through a paged cache whose block table is scattered and out of order, whose
+//! block size does not divide the prompt and whose unused rows hold NaN.
 
 use std::path::{Path, PathBuf};
 
 use kimi_cpu::CpuBackend;
-use kimi_model::{Batch, ForwardOptions, KimiLinear, SeqCache};
+use kimi_model::{Batch, CachePool, CausalLm, ForwardOptions, KimiLinear, LayerPool, SeqCache};
+use kimi_ops::Backend;
 use kimi_ops::{KdaMode, MlaMode, Segment};
 use kimi_weights::Checkpoint;
 use serde_json::Value;
@@ -105,9 +108,55 @@ fn load(dir: &Path) -> Fixture {
     }
 }
 
+/// Tokens per block of the test pools: divides none of the fixture prompts.
+const BLOCK_SIZE: usize = 3;
+
+/// A pool of `num_blocks` blocks of [`BLOCK_SIZE`] tokens and `num_slots` slots whose
+/// MLA rows and KDA states all hold NaN: anything read before it is written poisons the
+/// logits.
+fn poisoned_pool(
+    model: &KimiLinear<CpuBackend>,
+    num_blocks: usize,
+    num_slots: usize,
+) -> CachePool<CpuBackend> {
+    let be = model.backend();
+    let mut pool = model.new_pool(num_blocks, BLOCK_SIZE, num_slots).unwrap();
+    let nan = |t: &mut <CpuBackend as Backend>::Tensor| {
+        let shape = be.shape(t).to_vec();
+        let n = shape.iter().product();
+        *t = be.upload_f32(&shape, &vec![f32::NAN; n]).unwrap();
+    };
+    for layer in &mut pool.layers {
+        match layer {
+            LayerPool::Mla { latent } => nan(latent),
+            LayerPool::Kda { conv, state } => {
+                conv.iter_mut().flatten().for_each(nan);
+                state.iter_mut().for_each(nan);
+            }
+            LayerPool::Kv { k, v } => {
+                nan(k);
+                nan(v);
+            }
+        }
+    }
+    pool
+}
+
+/// A poisoned pool for one sequence of up to `max_tokens` tokens and that sequence, whose
+/// block table takes every other block, last first: `[2m-2, 2m-4, …, 0]`.
+fn scattered(
+    model: &KimiLinear<CpuBackend>,
+    max_tokens: usize,
+) -> (CachePool<CpuBackend>, SeqCache) {
+    let m = max_tokens.div_ceil(BLOCK_SIZE);
+    let pool = poisoned_pool(model, 2 * m, 3);
+    let table = (0..m as u32).rev().map(|b| 2 * b).collect();
+    (pool, SeqCache::new(2, table))
+}
+
 /// Logits of every position, feeding `step` tokens per forward pass through one cache.
 fn run(model: &KimiLinear<CpuBackend>, ids: &[u32], step: usize, opts: ForwardOptions) -> Vec<f32> {
-    let mut cache: SeqCache<CpuBackend> = model.new_cache().unwrap();
+    let (mut pool, mut cache) = scattered(model, ids.len());
     let mut out = Vec::new();
     for chunk in ids.chunks(step) {
         let batch = Batch {
@@ -120,7 +169,7 @@ fn run(model: &KimiLinear<CpuBackend>, ids: &[u32], step: usize, opts: ForwardOp
         };
         out.extend(
             model
-                .forward(&batch, &mut [&mut cache], opts)
+                .forward(&batch, &mut pool, &mut [&mut cache], opts)
                 .unwrap()
                 .logits,
         );
@@ -199,7 +248,7 @@ fn greedy_continuation_matches_reference() {
         let greedy = &f.reference["greedy"];
         let mut ids = ids(&greedy["prompt_ids"]);
         let want = self::ids(&greedy["new_tokens"]);
-        let mut cache = f.model.new_cache().unwrap();
+        let (mut pool, mut cache) = f.model.single_cache(ids.len() + want.len()).unwrap();
         let mut feed = ids.clone();
         let mut got = Vec::new();
         while got.len() < want.len() {
@@ -213,7 +262,12 @@ fn greedy_continuation_matches_reference() {
             };
             let logits = f
                 .model
-                .forward(&batch, &mut [&mut cache], ForwardOptions::default())
+                .forward(
+                    &batch,
+                    &mut pool,
+                    &mut [&mut cache],
+                    ForwardOptions::default(),
+                )
                 .unwrap()
                 .logits;
             let next = logits
@@ -227,5 +281,95 @@ fn greedy_continuation_matches_reference() {
             feed = vec![next];
         }
         assert_eq!(got, want, "{}: greedy tokens", f.name);
+    }
+}
+
+/// Feeds several sequences `step` tokens at a time, all in each forward pass, through one
+/// shared pool; returns each sequence's logits of every position.
+fn run_together(
+    model: &KimiLinear<CpuBackend>,
+    pool: &mut CachePool<CpuBackend>,
+    seqs: &mut [(&[u32], &mut SeqCache)],
+    step: usize,
+) -> Vec<Vec<f32>> {
+    let mut outs = vec![Vec::new(); seqs.len()];
+    loop {
+        let mut batch = Batch::default();
+        let mut owners = Vec::new();
+        for (i, (ids, seq)) in seqs.iter().enumerate() {
+            let chunk = &ids[seq.num_tokens.min(ids.len())..];
+            let chunk = &chunk[..chunk.len().min(step)];
+            if chunk.is_empty() {
+                continue;
+            }
+            let start = batch.tokens.len();
+            batch.tokens.extend_from_slice(chunk);
+            batch.segments.push(Segment {
+                start,
+                len: chunk.len(),
+            });
+            batch.logits_rows.extend(start..start + chunk.len());
+            owners.push((i, chunk.len()));
+        }
+        if owners.is_empty() {
+            return outs;
+        }
+        let mut refs: Vec<&mut SeqCache> = Vec::new();
+        let mut rest: &mut [(&[u32], &mut SeqCache)] = seqs;
+        let mut taken = 0;
+        for &(i, _) in &owners {
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(i + 1 - taken);
+            refs.push(&mut *head[i - taken].1);
+            rest = tail;
+            taken = i + 1;
+        }
+        let logits = model
+            .forward(&batch, pool, &mut refs, ForwardOptions::default())
+            .unwrap()
+            .logits;
+        let vocab = model.config().vocab_size;
+        let mut rows = logits.chunks_exact(vocab);
+        for &(i, len) in &owners {
+            for _ in 0..len {
+                outs[i].extend_from_slice(rows.next().unwrap());
+            }
+        }
+    }
+}
+
+/// Two sequences share a pool and every forward pass, their blocks interleaved and out of
+/// order; then both finish and a third takes the first's slot and their blocks (stale rows
+/// and state included). Each gets exactly the logits it gets alone in its own pool.
+#[test]
+fn sequences_sharing_a_pool_match_running_alone() {
+    const STEP: usize = 7;
+    for dir in fixture_dirs() {
+        let f = load(&dir);
+        let p = &f.prompt;
+        let (a, b, c) = (&p[..p.len() / 2 + 1], &p[..], &p[3..p.len() - 2]);
+        let blocks = |n: usize| n.div_ceil(BLOCK_SIZE);
+        let num_blocks = blocks(a.len()) + blocks(b.len()) + 1;
+        let mut pool = poisoned_pool(&f.model, num_blocks, 2);
+        // Block k of the pool goes to A when k is odd (highest first), else to B.
+        let mut ids: Vec<u32> = (0..num_blocks as u32).rev().collect();
+        ids.sort_by_key(|k| k % 2 == 0);
+        let mut seq_a = SeqCache::new(1, ids[..blocks(a.len())].to_vec());
+        let mut seq_b = SeqCache::new(0, ids[blocks(a.len())..].to_vec());
+        let together = run_together(
+            &f.model,
+            &mut pool,
+            &mut [(a, &mut seq_a), (b, &mut seq_b)],
+            STEP,
+        );
+        let alone = |ids: &[u32]| run(&f.model, ids, STEP, ForwardOptions::default());
+        assert_eq!(together[0], alone(a), "{}: A", f.name);
+        assert_eq!(together[1], alone(b), "{}: B", f.name);
+        // A and B are finished: C reuses A's slot and their blocks, in another order.
+        let mut table = seq_a.block_table.clone();
+        table.reverse();
+        table.extend(&seq_b.block_table);
+        let mut seq_c = SeqCache::new(seq_a.slot, table);
+        let got = run_together(&f.model, &mut pool, &mut [(c, &mut seq_c)], STEP);
+        assert_eq!(got[0], alone(c), "{}: C", f.name);
     }
 }

@@ -65,13 +65,16 @@ fn argmax(logits: &[f32]) -> u32 {
 /// Greedy decoding through the [`CausalLm`] interface: prefill, then one token at a time,
 /// stopping after `max_tokens` or at an end-of-sequence id.
 fn greedy(model: &dyn CausalLm<CpuBackend>, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
-    let mut cache = model.new_cache().expect("cache");
+    let (mut pool, mut cache) = model
+        .single_cache(prompt.len() + max_tokens)
+        .expect("cache");
     let mut out = Vec::new();
     let mut tokens = prompt.to_vec();
     while out.len() < max_tokens {
         let logits = model
             .forward(
                 &one_segment(&tokens),
+                &mut pool,
                 &mut [&mut cache],
                 ForwardOptions::default(),
             )
@@ -318,18 +321,20 @@ fn check_feed_modes_agree(model: &dyn CausalLm<CpuBackend>, a: &[u32], b: &[u32]
     let opts = ForwardOptions::default();
     let vocab = model.vocab_size();
     let whole = {
-        let mut cache = model.new_cache().unwrap();
+        let (mut pool, mut cache) = model.single_cache(a.len()).unwrap();
         let mut batch = one_segment(a);
         batch.logits_rows = (0..a.len()).collect();
         model
-            .forward(&batch, &mut [&mut cache], opts)
+            .forward(&batch, &mut pool, &mut [&mut cache], opts)
             .unwrap()
             .logits
     };
-    let mut cache = model.new_cache().unwrap();
+    // Token by token through a scattered table of 2-token blocks in a shared pool.
+    let mut pool = model.new_pool(16, 2, 2).unwrap();
+    let mut cache = SeqCache::new(1, vec![9, 3, 14, 0, 7, 11]);
     for (t, &id) in a.iter().enumerate() {
         let step = model
-            .forward(&one_segment(&[id]), &mut [&mut cache], opts)
+            .forward(&one_segment(&[id]), &mut pool, &mut [&mut cache], opts)
             .unwrap()
             .logits;
         assert_close(&step, &whole[t * vocab..(t + 1) * vocab], tol);
@@ -337,9 +342,9 @@ fn check_feed_modes_agree(model: &dyn CausalLm<CpuBackend>, a: &[u32], b: &[u32]
     assert_eq!(cache.num_tokens, a.len());
 
     let alone = |ids: &[u32]| {
-        let mut cache = model.new_cache().unwrap();
+        let (mut pool, mut cache) = model.single_cache(ids.len()).unwrap();
         model
-            .forward(&one_segment(ids), &mut [&mut cache], opts)
+            .forward(&one_segment(ids), &mut pool, &mut [&mut cache], opts)
             .unwrap()
             .logits
     };
@@ -357,9 +362,12 @@ fn check_feed_modes_agree(model: &dyn CausalLm<CpuBackend>, a: &[u32], b: &[u32]
         ],
         logits_rows: vec![a.len() - 1, a.len() + b.len() - 1],
     };
-    let (mut ca, mut cb) = (model.new_cache().unwrap(), model.new_cache().unwrap());
+    // Both in the pool above, in blocks the first sequence never used (it is finished) and
+    // in the blocks it left behind, stale rows included.
+    let mut ca = SeqCache::new(0, vec![15, 1, 12, 2, 4, 10]);
+    let mut cb = SeqCache::new(1, vec![3, 0]);
     let both = model
-        .forward(&batch, &mut [&mut ca, &mut cb], opts)
+        .forward(&batch, &mut pool, &mut [&mut ca, &mut cb], opts)
         .unwrap()
         .logits;
     assert_close(&both[..vocab], &alone(a), tol);
@@ -415,20 +423,30 @@ fn tiny_model_rejects_what_it_cannot_run() {
 
     let model = Llama::load(CpuBackend::new(), &tiny_gguf(Spoil::default())).unwrap();
     let opts = ForwardOptions::default();
-    let mut cache = model.new_cache().unwrap();
+    let (mut pool, mut cache) = model.single_cache(TINY_CONTEXT as usize + 1).unwrap();
     let too_long = vec![1u32; TINY_CONTEXT as usize + 1];
     let err = model
-        .forward(&one_segment(&too_long), &mut [&mut cache], opts)
+        .forward(&one_segment(&too_long), &mut pool, &mut [&mut cache], opts)
         .unwrap_err();
     assert!(err.to_string().contains("context of 64"), "{err}");
-    let bad_id = model.forward(&one_segment(&[40]), &mut [&mut cache], opts);
+    let bad_id = model.forward(&one_segment(&[40]), &mut pool, &mut [&mut cache], opts);
     assert!(bad_id.is_err());
-    let mut wrong = SeqCache::<CpuBackend> {
-        layers: Vec::new(),
-        num_tokens: 0,
-    };
+    let mut short = SeqCache::new(0, vec![]);
     assert!(model
-        .forward(&one_segment(&[1]), &mut [&mut wrong], opts)
+        .forward(&one_segment(&[1]), &mut pool, &mut [&mut short], opts)
+        .is_err());
+    let mut no_slot = SeqCache::new(1, vec![0]);
+    assert!(model
+        .forward(&one_segment(&[1]), &mut pool, &mut [&mut no_slot], opts)
+        .is_err());
+    let mut other_layout = kimi_model::CachePool::new(model.backend(), &[], 4, 16, 1).unwrap();
+    assert!(model
+        .forward(
+            &one_segment(&[1]),
+            &mut other_layout,
+            &mut [&mut cache],
+            opts
+        )
         .is_err());
 }
 

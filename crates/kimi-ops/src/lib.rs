@@ -83,6 +83,74 @@ pub fn check_segments(
     Ok(())
 }
 
+/// One sequence's place in a paged cache: the blocks that hold its tokens.
+///
+/// A paged cache is one pre-allocated f32 pool `[num_blocks, block_size, width]` per layer.
+/// Token `i` of the sequence lives in row `i % block_size` of block
+/// `block_table[i / block_size]`; the table may list blocks in any order.
+///
+/// ```text
+/// pool (block_size 4):  b0 [ . . . . ]  b1 [ A4 A5 . . ]  b2 [ A0 A1 A2 A3 ]  b3 [ . . . . ]
+/// sequence A, 6 tokens: block_table [2, 1]
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PagedSeq<'a> {
+    /// Blocks in token order.
+    pub block_table: &'a [u32],
+    /// Tokens of the sequence already in the cache; the segment's new tokens are written
+    /// at positions `num_cached ..`.
+    pub num_cached: usize,
+}
+
+/// Checks a paged cache: `pool` is `[num_blocks, block_size, width]`, there is one
+/// [`PagedSeq`] per segment, and every table covers its sequence's tokens after the
+/// segment with blocks inside the pool. Returns `block_size`.
+pub fn check_paged(
+    op: &'static str,
+    pool_shape: &[usize],
+    width: usize,
+    segments: &[Segment],
+    seqs: &[PagedSeq<'_>],
+) -> Result<usize> {
+    let err = |detail: String| Error::Shape { op, detail };
+    let &[num_blocks, block_size, w] = pool_shape else {
+        return Err(err(format!(
+            "cache pool {pool_shape:?} is not [blocks, block_size, width]"
+        )));
+    };
+    if w != width || block_size == 0 {
+        return Err(err(format!(
+            "cache pool {pool_shape:?} is not [blocks, >0, {width}]"
+        )));
+    }
+    if seqs.len() != segments.len() {
+        return Err(err(format!(
+            "{} segments but {} block tables",
+            segments.len(),
+            seqs.len()
+        )));
+    }
+    for (seg, seq) in segments.iter().zip(seqs) {
+        let need = (seq.num_cached + seg.len).div_ceil(block_size);
+        if seq.block_table.len() < need {
+            return Err(err(format!(
+                "a block table of {} blocks cannot hold {} tokens in blocks of {block_size}",
+                seq.block_table.len(),
+                seq.num_cached + seg.len
+            )));
+        }
+        if let Some(b) = seq.block_table[..need]
+            .iter()
+            .find(|&&b| b as usize >= num_blocks)
+        {
+            return Err(err(format!(
+                "block {b} is outside the pool of {num_blocks}"
+            )));
+        }
+    }
+    Ok(block_size)
+}
+
 /// How the KDA core processes a segment of several tokens.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum KdaMode {
@@ -385,12 +453,14 @@ pub trait Backend: Send + Sync {
         kda_decode_composed(self, x, w, num_heads, segments, caches)
     }
 
-    /// Causal MLA over a latent cache, per segment.
+    /// Causal MLA over a paged latent cache, per segment.
     ///
     /// `q [n, H*(nope+rope)]`; `latent [n, r+rope]` holds each new token's normalised latent
-    /// `c` followed by its shared key `k_pe`; `kv_b [H*(nope+v), r]`. `caches[s]` holds
-    /// segment `s`'s earlier latents `[past, r+rope]` and gets the new rows appended.
-    /// Returns `[n, H*v]`.
+    /// `c` followed by its shared key `k_pe`; `kv_b [H*(nope+v), r]`. `pool` is the layer's
+    /// f32 cache `[num_blocks, block_size, r+rope]`; `seqs[s]` says where segment `s`'s
+    /// sequence lives in it (see [`PagedSeq`]). The segment's new latent rows are written to
+    /// positions `num_cached ..` of its table, then each new token attends over positions
+    /// `0 ..=` its own. Returns `[n, H*v]`.
     #[allow(clippy::too_many_arguments)]
     fn mla(
         &self,
@@ -399,9 +469,16 @@ pub trait Backend: Send + Sync {
         kv_b: &Self::Tensor,
         dims: &MlaDims,
         segments: &[Segment],
-        caches: &mut [&mut Self::Tensor],
+        pool: &mut Self::Tensor,
+        seqs: &[PagedSeq<'_>],
         mode: MlaMode,
     ) -> Result<Self::Tensor>;
+
+    /// Sets every element of an f32 tensor to zero in place (resets a recycled state slot).
+    fn fill_zero(&self, t: &mut Self::Tensor) -> Result<()> {
+        *t = self.zeros(self.shape(t))?;
+        Ok(())
+    }
 
     /// Rotary position embedding of `x [n, num_heads * head_dim]`, one position per row.
     ///
@@ -420,12 +497,14 @@ pub trait Backend: Send + Sync {
         Err(Error::Unsupported("rope".into()))
     }
 
-    /// Causal grouped-query attention over per-sequence key/value caches.
+    /// Causal grouped-query attention over paged key/value caches.
     ///
-    /// `q [n, Hq*D]` (already rotated), `k, v [n, Hkv*D]` (k already rotated). `caches[s]`
-    /// is segment `s`'s `(keys, values)`, each f32 `[past, Hkv*D]`; the segment's new rows
-    /// of `k` and `v` are appended to them, then each new token attends to every cached row
-    /// up to and including itself. Returns `[n, Hq*D]`.
+    /// `q [n, Hq*D]` (already rotated), `k, v [n, Hkv*D]` (k already rotated). `k_pool` and
+    /// `v_pool` are the layer's f32 caches, each `[num_blocks, block_size, Hkv*D]`; `seqs[s]`
+    /// says where segment `s`'s sequence lives in them (see [`PagedSeq`]). The segment's new
+    /// rows of `k` and `v` are written at positions `num_cached ..`, then each new token
+    /// attends to every position up to and including itself. Returns `[n, Hq*D]`.
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         q: &Self::Tensor,
@@ -433,9 +512,11 @@ pub trait Backend: Send + Sync {
         v: &Self::Tensor,
         dims: &AttentionDims,
         segments: &[Segment],
-        caches: &mut [(&mut Self::Tensor, &mut Self::Tensor)],
+        k_pool: &mut Self::Tensor,
+        v_pool: &mut Self::Tensor,
+        seqs: &[PagedSeq<'_>],
     ) -> Result<Self::Tensor> {
-        let _ = (q, k, v, dims, segments, caches);
+        let _ = (q, k, v, dims, segments, k_pool, v_pool, seqs);
         Err(Error::Unsupported("attention".into()))
     }
 }

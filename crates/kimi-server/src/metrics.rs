@@ -249,6 +249,12 @@ impl Metrics {
             engine.cache_usage.to_string(),
         );
         single(
+            "kimi:cache_pool_bytes",
+            "Bytes of the cache pool allocated at start (paged blocks and state slots).",
+            "gauge",
+            engine.cache_bytes.to_string(),
+        );
+        single(
             "vllm:prompt_tokens_total",
             "Number of prefill tokens processed.",
             "counter",

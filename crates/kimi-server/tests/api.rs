@@ -37,6 +37,7 @@ async fn models_health_and_metrics() {
         "vllm:num_requests_waiting",
         "vllm:gpu_cache_usage_perc",
         "vllm:kv_cache_usage_perc",
+        "kimi:cache_pool_bytes",
         "vllm:prompt_tokens_total",
         "vllm:generation_tokens_total",
         "vllm:time_to_first_token_seconds_bucket",

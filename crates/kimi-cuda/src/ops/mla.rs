@@ -403,3 +403,65 @@ mod tests {
         }
     }
 }
+
+/// A sequence's rows in a paged pool.
+#[derive(Clone, Copy)]
+pub(crate) struct Paged {
+    /// The pool `[num_blocks, block_size, width]` f32.
+    pub(crate) pool: u64,
+    /// The sequence's block table, u32 block ids.
+    pub(crate) table: u64,
+    /// Rows per block.
+    pub(crate) block_size: usize,
+    /// Row width.
+    pub(crate) width: usize,
+}
+
+/// Writes `len` rows `[len, width]` from `src` at the sequence's positions `first ..`.
+///
+/// # Safety
+/// `src` holds `len * width` f32; the table covers positions `first .. first+len` with
+/// blocks inside the pool.
+pub(crate) unsafe fn write_rows(
+    dev: &Device,
+    src: u64,
+    dst: Paged,
+    first: usize,
+    len: usize,
+) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    let (bs, first, lw) = (dst.block_size as i32, first as i32, dst.width as i32);
+    let mut b = dev.kernel("mla", "mla_paged_write")?;
+    b.arg(&src).arg(&dst.pool).arg(&dst.table);
+    b.arg(&bs).arg(&first).arg(&lw);
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(grid((len as u32, 1, 1), 128, 0)) }.op("mla")?;
+    Ok(())
+}
+
+/// Copies columns `0 .. ncols` of the sequence's positions `0 .. total` to `out
+/// [total, ncols]`.
+///
+/// # Safety
+/// `out` holds `total * ncols` f32, `ncols <= width`; the table covers `total` positions
+/// with blocks inside the pool.
+pub(crate) unsafe fn gather(
+    dev: &Device,
+    src: Paged,
+    total: usize,
+    ncols: usize,
+    out: u64,
+) -> Result<()> {
+    if total == 0 {
+        return Ok(());
+    }
+    let (bs, lw, nc) = (src.block_size as i32, src.width as i32, ncols as i32);
+    let mut b = dev.kernel("mla", "mla_paged_gather")?;
+    b.arg(&src.pool).arg(&src.table);
+    b.arg(&bs).arg(&lw).arg(&nc).arg(&out);
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(grid((total as u32, 1, 1), 128, 0)) }.op("mla")?;
+    Ok(())
+}

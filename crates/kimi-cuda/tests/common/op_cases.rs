@@ -12,7 +12,7 @@ use kimi_cpu::CpuBackend;
 use kimi_cuda::CudaBackend;
 use kimi_ops::{
     kda_decode_composed, Backend, HostTensor, KdaMode, KdaStepInputs, KdaStepWeights, MlaDims,
-    MlaMode, MlpWeights, MoeRouting, MoeWeights, Segment,
+    MlaMode, MlpWeights, MoeRouting, MoeWeights, PagedSeq, Segment,
 };
 
 pub type Res<T> = std::result::Result<T, Box<dyn Error>>;
@@ -460,7 +460,17 @@ pub fn op_kda_decode<B: Backend>(
     Ok(out)
 }
 
-pub fn op_mla<B: Backend>(b: &B, dims: MlaDims, mode: MlaMode, dt: DType) -> Res<Vec<Vec<f32>>> {
+/// Paged MLA over one pool with scattered, out-of-order block tables of `block_size`:
+/// a prefill of two sequences (13 and 40 tokens), a step of 1 and 3 tokens, then the first
+/// sequence is done and a third (20 tokens) reuses its blocks, stale rows included, next to
+/// 2 more tokens of the second. Outputs: each call's result, then the whole pool.
+pub fn op_mla<B: Backend>(
+    b: &B,
+    dims: MlaDims,
+    mode: MlaMode,
+    dt: DType,
+    block_size: usize,
+) -> Res<Vec<Vec<f32>>> {
     let mut r = Rng(9);
     let (h, rk, dn, dr, dv) = (
         dims.num_heads,
@@ -475,12 +485,25 @@ pub fn op_mla<B: Backend>(b: &B, dims: MlaDims, mode: MlaMode, dt: DType) -> Res
         &r.vec(h * (dn + dv) * rk, (rk as f32).powf(-0.5)),
         dt,
     )?;
-    let mut caches: Vec<B::Tensor> = (0..2)
-        .map(|_| b.zeros(&[0, rk + dr]))
-        .collect::<Result<_, _>>()?;
+    let blocks = |tokens: usize| tokens.div_ceil(block_size);
+    let num_blocks = blocks(14) + blocks(45) + blocks(20) + 1;
+    let mut pool = b.zeros(&[num_blocks, block_size, rk + dr])?;
+    // A scattered permutation of the pool's blocks.
+    let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
+    ids.sort_by_key(|&k| (k as usize * 37 + 11) % 101);
+    let (first, rest) = ids.split_at(blocks(14));
+    let (second, spare) = rest.split_at(blocks(45));
+    let mut third: Vec<u32> = first.iter().rev().copied().collect();
+    third.extend_from_slice(spare);
+    // (tables, cached lengths, new lengths) of each call.
+    type Call<'a> = ([&'a [u32]; 2], [usize; 2], [usize; 2]);
+    let calls: [Call<'_>; 3] = [
+        ([first, second], [0, 0], [13, 40]),
+        ([first, second], [13, 40], [1, 3]),
+        ([second, &third], [43, 0], [2, 20]),
+    ];
     let mut out = vec![];
-    // Two calls: a prefill of two sequences, then steps over the grown caches.
-    for lens in [[13usize, 40], [1, 3]] {
+    for (tables, cached, lens) in calls {
         let n: usize = lens.iter().sum();
         let q = b.upload_f32(&[n, h * (dn + dr)], &r.vec(n * h * (dn + dr), 1.0))?;
         let lat = b.upload_f32(&[n, rk + dr], &r.vec(n * (rk + dr), 1.0))?;
@@ -494,15 +517,22 @@ pub fn op_mla<B: Backend>(b: &B, dims: MlaDims, mode: MlaMode, dt: DType) -> Res
                 len: lens[1],
             },
         ];
-        let mut refs: Vec<&mut B::Tensor> = caches.iter_mut().collect();
+        let seqs = [
+            PagedSeq {
+                block_table: tables[0],
+                num_cached: cached[0],
+            },
+            PagedSeq {
+                block_table: tables[1],
+                num_cached: cached[1],
+            },
+        ];
         out.push(t(
             b,
-            &b.mla(&q, &lat, &kvb, &dims, &segs, &mut refs, mode)?,
+            &b.mla(&q, &lat, &kvb, &dims, &segs, &mut pool, &seqs, mode)?,
         )?);
     }
-    for c in &caches {
-        out.push(t(b, c)?);
-    }
+    out.push(t(b, &pool)?);
     Ok(out)
 }
 
@@ -535,10 +565,37 @@ pub fn op_mla_ctx<B: Backend>(
         &r.vec(h * (dn + dv) * rk, (rk as f32).powf(-0.5)),
         dt,
     )?;
-    let mut caches: Vec<B::Tensor> = past
+    // A paged pool of 16-token blocks; each sequence's blocks are interleaved with the
+    // others' and in descending order, so no table is contiguous. The `past` rows are
+    // random latents placed through the tables before the first call.
+    let bs = 16;
+    let need: Vec<usize> = past
         .iter()
-        .map(|&p| b.upload_f32(&[p, lw], &r.vec(p * lw, 1.0)))
-        .collect::<Result<_, _>>()?;
+        .zip(lens)
+        .map(|(&p, &l)| (p + l + steps).div_ceil(bs).max(1))
+        .collect();
+    let num_blocks: usize = need.iter().sum();
+    let seqs_n = past.len();
+    let mut tables: Vec<Vec<u32>> = vec![vec![]; seqs_n];
+    let mut next = num_blocks;
+    for j in 0..need.iter().copied().max().unwrap_or(0) {
+        for (s, table) in tables.iter_mut().enumerate() {
+            if j < need[s] {
+                next -= 1;
+                table.push(next as u32);
+            }
+        }
+    }
+    let mut host_pool = vec![0f32; num_blocks * bs * lw];
+    for (s, &p) in past.iter().enumerate() {
+        let rows = r.vec(p * lw, 1.0);
+        for i in 0..p {
+            let at = (tables[s][i / bs] as usize * bs + i % bs) * lw;
+            host_pool[at..at + lw].copy_from_slice(&rows[i * lw..(i + 1) * lw]);
+        }
+    }
+    let mut pool = b.upload_f32(&[num_blocks, bs, lw], &host_pool)?;
+    let mut cached: Vec<usize> = past.to_vec();
     let mut out = vec![];
     let calls: Vec<Vec<usize>> = std::iter::once(lens.to_vec())
         .chain((0..steps).map(|_| vec![1; past.len()]))
@@ -554,15 +611,23 @@ pub fn op_mla_ctx<B: Backend>(
             segs.push(Segment { start, len: l });
             start += l;
         }
-        let mut refs: Vec<&mut B::Tensor> = caches.iter_mut().collect();
+        let seqs: Vec<PagedSeq<'_>> = tables
+            .iter()
+            .zip(&cached)
+            .map(|(table, &num_cached)| PagedSeq {
+                block_table: table,
+                num_cached,
+            })
+            .collect();
         out.push(t(
             b,
-            &b.mla(&q, &lat, &kvb, &dims, &segs, &mut refs, mode)?,
+            &b.mla(&q, &lat, &kvb, &dims, &segs, &mut pool, &seqs, mode)?,
         )?);
+        for (c, l) in cached.iter_mut().zip(&lens) {
+            *c += l;
+        }
     }
-    for c in &caches {
-        out.push(t(b, c)?);
-    }
+    out.push(t(b, &pool)?);
     Ok(out)
 }
 
@@ -684,20 +749,36 @@ pub fn cases() -> Vec<(String, Case)> {
             case!(|b| op_kda(b, 4, 128, KdaMode::Auto)),
         ),
         (
-            "mla expanded small f32 (2 calls, 2 caches)".into(),
-            case!(|b| op_mla(b, small_mla, MlaMode::Expanded, DType::F32)),
+            "mla expanded small f32 paged bs16 (3 calls)".into(),
+            case!(|b| op_mla(b, small_mla, MlaMode::Expanded, DType::F32, 16)),
         ),
         (
-            "mla absorbed small f32".into(),
-            case!(|b| op_mla(b, small_mla, MlaMode::Absorbed, DType::F32)),
+            "mla expanded small f32 paged bs5".into(),
+            case!(|b| op_mla(b, small_mla, MlaMode::Expanded, DType::F32, 5)),
         ),
         (
-            "mla auto real-dims bf16".into(),
-            case!(|b| op_mla(b, real_mla, MlaMode::Auto, DType::BF16)),
+            "mla absorbed small f32 paged bs1".into(),
+            case!(|b| op_mla(b, small_mla, MlaMode::Absorbed, DType::F32, 1)),
         ),
         (
-            "mla absorbed real-dims bf16".into(),
-            case!(|b| op_mla(b, real_mla, MlaMode::Absorbed, DType::BF16)),
+            "mla absorbed small f32 paged bs7".into(),
+            case!(|b| op_mla(b, small_mla, MlaMode::Absorbed, DType::F32, 7)),
+        ),
+        (
+            "mla auto real-dims bf16 paged bs16".into(),
+            case!(|b| op_mla(b, real_mla, MlaMode::Auto, DType::BF16, 16)),
+        ),
+        (
+            "mla auto real-dims bf16 paged bs3".into(),
+            case!(|b| op_mla(b, real_mla, MlaMode::Auto, DType::BF16, 3)),
+        ),
+        (
+            "mla absorbed real-dims bf16 paged bs64".into(),
+            case!(|b| op_mla(b, real_mla, MlaMode::Absorbed, DType::BF16, 64)),
+        ),
+        (
+            "mla expanded real-dims bf16 paged bs11".into(),
+            case!(|b| op_mla(b, real_mla, MlaMode::Expanded, DType::BF16, 11)),
         ),
     ];
     v.extend(mla_cases());
