@@ -118,6 +118,19 @@ def check_metadata(reader):
                 fail(f"MoE metadata {k} missing")
         if hp["gating"] not in (None, int(gguf.ExpertGatingFuncType.SIGMOID)):
             fail("expert_gating_func must be SIGMOID (2)")
+    tok_model = field(reader, K.Tokenizer.MODEL)
+    if tok_model is not None:
+        if value(tok_model) != "gpt2" or value(field(reader, K.Tokenizer.PRE)) != "kimi-k2":
+            fail("Kimi's vocabulary is written as tokenizer.ggml.model gpt2, pre kimi-k2")
+        for key, elem in [(K.Tokenizer.LIST, VT.STRING), (K.Tokenizer.TOKEN_TYPE, VT.INT32),
+                          (K.Tokenizer.MERGES, VT.STRING)]:
+            f = field(reader, key)
+            if f is None or f.types[0] != VT.ARRAY or f.types[-1] != elem:
+                fail(f"{key}: must be an array of {elem.name}")
+            elif key != K.Tokenizer.MERGES and len(f.data) != hp["n_vocab"]:
+                fail(f"{key}: {len(f.data)} entries for vocab_size {hp['n_vocab']}")
+        for key in (K.Tokenizer.BOS_ID, K.Tokenizer.EOS_ID):
+            check_key(reader, key, [VT.UINT32])
     try:
         gguf.LlamaFileType(hp["file_type"])
     except ValueError:

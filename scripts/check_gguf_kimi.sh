@@ -22,3 +22,9 @@ for dir in fixtures/kimi-linear/*/; do
         "$venv/bin/python" scripts/check_gguf_kimi.py "$file" --checkpoint "$dir"
     done
 done
+# The demo checkpoint carries Kimi's tiktoken vocabulary: its GGUF has the tokenizer too.
+demo="$out/demo-model"
+mkdir -p "$demo"
+cp assets/demo-model/config.json assets/demo-model/model.safetensors assets/demo-tokenizer/* "$demo/"
+target/debug/kimi-infer convert --model "$demo" --quant q8_0 --out "$out/demo-q8_0.gguf" 2>/dev/null
+"$venv/bin/python" scripts/check_gguf_kimi.py "$out/demo-q8_0.gguf" --checkpoint "$demo"

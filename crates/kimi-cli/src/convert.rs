@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use kimi_model::gguf_kimi::{plan_export, ExportOptions, ExtraHparams, GgufQuant};
+use kimi_tokenizer::Tokenizer;
 use kimi_weights::Checkpoint;
 
 use crate::args::{ConvertArgs, QuantArg};
@@ -25,17 +26,13 @@ pub fn convert(args: ConvertArgs) -> anyhow::Result<()> {
         .ok()
         .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
         .unwrap_or_else(|| "kimi-linear".into());
+    let extra_metadata = tokenizer_metadata(dir, ckpt.config().vocab_size);
     let opts = ExportOptions {
         quant,
         name,
         extra: extra_hparams(dir)?,
-        extra_metadata: Vec::new(),
+        extra_metadata,
     };
-    // The tokenizer is not converted yet: say so rather than write a file without one silently.
-    eprintln!(
-        "note: no tokenizer is written (converting Kimi's tiktoken vocabulary to GGUF is not \
-         implemented); the GGUF carries the model and its special-token ids only"
-    );
     let plan = plan_export(&ckpt, ckpt.config(), &opts)
         .with_context(|| format!("cannot convert {}", dir.display()))?;
     for w in &plan.warnings {
@@ -67,6 +64,31 @@ pub fn convert(args: ConvertArgs) -> anyhow::Result<()> {
         start.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// The checkpoint's tokenizer as `tokenizer.ggml.*` metadata, or none (with a note).
+fn tokenizer_metadata(dir: &Path, vocab_size: usize) -> Vec<(String, kimi_gguf::Value)> {
+    match Tokenizer::from_dir(dir) {
+        Ok(t) => match t.gguf_metadata(vocab_size) {
+            Some(meta) => {
+                eprintln!("tokenizer: Kimi tiktoken vocabulary written as gpt2 BPE (pre kimi-k2)");
+                meta
+            }
+            None => {
+                eprintln!(
+                    "note: no tokenizer is written: only Kimi's tiktoken.model vocabulary can be \
+                     converted to GGUF yet"
+                );
+                Vec::new()
+            }
+        },
+        Err(e) => {
+            eprintln!(
+                "note: no tokenizer is written ({e}); the GGUF carries special-token ids only"
+            );
+            Vec::new()
+        }
+    }
 }
 
 /// `rope_theta` and the legacy `head_dim` of `config.json`, which llama.cpp's converter

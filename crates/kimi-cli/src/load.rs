@@ -154,8 +154,9 @@ fn load_kimi_gguf(path: &Path, file: &GgufFile, need_tokenizer: bool) -> anyhow:
     let tokenizer = if need_tokenizer {
         if file.get("tokenizer.ggml.model").is_none() {
             anyhow::bail!(
-                "{} carries no tokenizer (tokenizer.ggml.*): `kimi-infer convert` does not write \
-                 one yet; pass token ids (`kimi-infer logits --ids`) or use the checkpoint directory",
+                "{} carries no tokenizer (tokenizer.ggml.*): `kimi-infer convert` writes one only \
+                 from Kimi's tiktoken.model; pass token ids (`kimi-infer logits --ids`) or use the \
+                 checkpoint directory",
                 path.display()
             );
         }

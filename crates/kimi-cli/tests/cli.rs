@@ -449,3 +449,54 @@ fn convert_to_gguf_and_run_it() {
         stderr(&o)
     );
 }
+
+/// The demo checkpoint with its tiktoken tokenizer converts with the tokenizer, and the GGUF
+/// generates the same greedy text as the directory.
+#[test]
+fn converted_demo_model_generates_like_the_checkpoint() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    std::fs::create_dir(&dir).unwrap();
+    for (from, name) in [
+        ("demo-model", "config.json"),
+        ("demo-model", "model.safetensors"),
+        ("demo-tokenizer", "tiktoken.model"),
+        ("demo-tokenizer", "tokenizer_config.json"),
+        ("demo-tokenizer", "chat_template.jinja"),
+    ] {
+        std::fs::copy(root.join(from).join(name), dir.join(name)).unwrap();
+    }
+    let gguf = tmp.path().join("demo-q8_0.gguf");
+    let o = run(&[
+        "convert",
+        "--model",
+        dir.to_str().unwrap(),
+        "--quant",
+        "f32",
+        "--out",
+        gguf.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("tokenizer: Kimi tiktoken vocabulary"),
+        "{}",
+        stderr(&o)
+    );
+    let generate = |model: &Path| {
+        let o = run(&[
+            "run",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            "Hello there",
+            "--chat",
+            "--max-tokens",
+            "12",
+            "--ignore-eos",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+    };
+    assert_eq!(generate(&gguf), generate(&dir));
+}

@@ -47,6 +47,7 @@ const GPT2_PRE: [&str; 5] = ["gpt-2", "phi-2", "jina-es", "jina-de", "mpt"];
 const TOKEN_TYPE_NORMAL: i32 = 1;
 const TOKEN_TYPE_CONTROL: i32 = 3;
 const TOKEN_TYPE_USER_DEFINED: i32 = 4;
+const TOKEN_TYPE_UNUSED: i32 = 5;
 
 /// A GGUF file's tokenizer and the metadata around it.
 pub(crate) struct GgufTokenizer {
@@ -187,6 +188,87 @@ pub(crate) fn kimi_bpe(file: &GgufFile) -> Result<TiktokenBpe, TokenizerError> {
     TiktokenBpe::build(base, specials, file.path())
 }
 
+/// The `tokenizer.ggml.*` entries llama.cpp's converter writes for Kimi's tiktoken
+/// vocabulary (`KimiLinearModel.set_vocab`): `vocab_size` byte-level tokens (`[PAD{i}]`
+/// unused where an id has no token), control specials, and the merges recovered from the
+/// ranks (each token's last merge under tiktoken's rank order).
+pub(crate) fn kimi_metadata(
+    bpe: &TiktokenBpe,
+    vocab_size: usize,
+) -> Vec<(String, kimi_gguf::Value)> {
+    use kimi_gguf::Value;
+    let n_base = bpe.n_base();
+    let ranks: HashMap<&[u8], u32> = (0..n_base)
+        .filter_map(|id| bpe.token_bytes(id).map(|b| (b, id)))
+        .collect();
+    let mut tokens = Vec::with_capacity(vocab_size);
+    let mut types = Vec::with_capacity(vocab_size);
+    let mut merges = Vec::new();
+    for id in 0..vocab_size as u32 {
+        match bpe.token_bytes(id) {
+            Some(bytes) if id < n_base => {
+                tokens.push(byte_level_text(bytes));
+                types.push(TOKEN_TYPE_NORMAL);
+                if let Some((a, b)) = last_merge(bytes, id, &ranks) {
+                    merges.push(format!("{} {}", byte_level_text(a), byte_level_text(b)));
+                }
+            }
+            Some(name) => {
+                tokens.push(String::from_utf8_lossy(name).into_owned());
+                types.push(TOKEN_TYPE_CONTROL);
+            }
+            None => {
+                tokens.push(format!("[PAD{id}]"));
+                types.push(TOKEN_TYPE_UNUSED);
+            }
+        }
+    }
+    vec![
+        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), Value::String(KIMI_PRE.into())),
+        (
+            "tokenizer.ggml.tokens".into(),
+            Value::Array(Array::String(tokens)),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            Value::Array(Array::I32(types)),
+        ),
+        (
+            "tokenizer.ggml.merges".into(),
+            Value::Array(Array::String(merges)),
+        ),
+    ]
+}
+
+/// The two parts BPE joins last to form `token` (rank `rank`): merge adjacent parts by
+/// lowest rank below `rank` until none is left (llama.cpp's `QwenModel.bpe(max_rank=rank)`).
+fn last_merge<'t>(
+    token: &'t [u8],
+    rank: u32,
+    ranks: &HashMap<&[u8], u32>,
+) -> Option<(&'t [u8], &'t [u8])> {
+    if token.len() < 2 {
+        return None;
+    }
+    let mut cuts: Vec<usize> = (0..=token.len()).collect();
+    loop {
+        let best = (0..cuts.len() - 2)
+            .filter_map(|i| {
+                let r = *ranks.get(&token[cuts[i]..cuts[i + 2]])?;
+                (r < rank).then_some((r, i))
+            })
+            .min();
+        match best {
+            Some((_, i)) => {
+                cuts.remove(i + 1);
+            }
+            None => break,
+        }
+    }
+    (cuts.len() == 3).then(|| (&token[..cuts[1]], &token[cuts[1]..]))
+}
+
 /// GPT-2's `bytes_to_unicode`: printable bytes stand for themselves, the others for
 /// `U+0100 + n` in byte order.
 fn byte_encoder() -> Vec<char> {
@@ -209,7 +291,6 @@ fn byte_decoder() -> HashMap<char, u8> {
 }
 
 /// Byte-level text of `bytes` (the form `tokenizer.ggml.tokens` stores).
-#[cfg(test)]
 pub(crate) fn byte_level_text(bytes: &[u8]) -> String {
     let enc = byte_encoder();
     bytes.iter().map(|&b| enc[b as usize]).collect()
@@ -414,5 +495,18 @@ mod kimi_tests {
             assert_eq!(got.decode(&ids, false).expect("decode"), text);
         }
         assert_eq!(got.eos_ids()[0], want.eos_ids()[0]);
+
+        // The metadata written for a converted model loads back to the same tokenizer.
+        let mut w = GgufWriter::new();
+        for (k, v) in want.gguf_metadata(n as usize).expect("tiktoken vocabulary") {
+            w.add_metadata(k, v).expect("metadata");
+        }
+        let file = GgufFile::from_vec(w.to_bytes().expect("bytes")).expect("gguf");
+        let back = Tokenizer::from_gguf(&file).expect("written tokenizer");
+        let text = "Hello, world! 中文 and   spaces";
+        assert_eq!(back.encode(text, false).ok(), want.encode(text, false).ok());
+        assert!(file
+            .get_array("tokenizer.ggml.merges")
+            .is_ok_and(|m| !m.is_empty()));
     }
 }

@@ -215,6 +215,30 @@ impl Tokenizer {
         Ok(tokenizer)
     }
 
+    /// This tokenizer as the `tokenizer.ggml.*` metadata llama.cpp writes for a model of
+    /// `vocab_size` rows (ids, chat template included), or `None` for a vocabulary GGUF
+    /// cannot hold yet (only Kimi's tiktoken one is written).
+    pub fn gguf_metadata(&self, vocab_size: usize) -> Option<Vec<(String, kimi_gguf::Value)>> {
+        use kimi_gguf::Value;
+        let Backend::Tiktoken(bpe) = &self.backend else {
+            return None;
+        };
+        let mut meta = gguf::kimi_metadata(bpe, vocab_size);
+        if let Some(id) = self.bos_id {
+            meta.push(("tokenizer.ggml.bos_token_id".into(), Value::U32(id)));
+        }
+        if let Some(&id) = self.eos_ids.first() {
+            meta.push(("tokenizer.ggml.eos_token_id".into(), Value::U32(id)));
+        }
+        if let Some(t) = &self.chat_template {
+            meta.push((
+                "tokenizer.chat_template".into(),
+                Value::String(t.source().into()),
+            ));
+        }
+        Some(meta)
+    }
+
     fn find_eos_ids(&self, eos_token: Option<&str>) -> Vec<u32> {
         let mut ids = Vec::new();
         if let Some(id) = eos_token.and_then(|t| self.token_id(t)) {
