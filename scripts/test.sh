@@ -8,6 +8,8 @@ scripts/fetch_demo_model.sh
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace
+# Kimi Linear GGUFs from `kimi-infer convert`, checked by llama.cpp's gguf-py (pinned; PyPI once).
+scripts/check_gguf_kimi.sh
 scripts/test_openai.sh
 # nvcc 13.0 from PyPI compiles the sm_90a kernels: a broken kernel fails here. (GPU tests
 # run on an H200 through scripts/cuda/device-check.sh, never in CI.)

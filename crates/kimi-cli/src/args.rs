@@ -30,6 +30,50 @@ pub enum Command {
     Bench(BenchArgs),
     /// Serve the model over an OpenAI-compatible HTTP API with continuous batching.
     Serve(ServeArgs),
+    /// Convert a Kimi Linear checkpoint to a llama.cpp GGUF (architecture `kimi-linear`).
+    Convert(ConvertArgs),
+}
+
+/// `kimi-infer convert`.
+#[derive(Args, Debug)]
+pub struct ConvertArgs {
+    /// Checkpoint directory (config.json + safetensors).
+    #[arg(long, short = 'm')]
+    pub model: PathBuf,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = ConvertFormat::Gguf)]
+    pub to: ConvertFormat,
+    /// Tensor types: llama.cpp's converter for f32/f16/bf16/q8_0, llama-quantize's mixture
+    /// for q4_k_m.
+    #[arg(long, value_enum, default_value_t = QuantArg::F16)]
+    pub quant: QuantArg,
+    /// Output file.
+    #[arg(long, short = 'o')]
+    pub out: PathBuf,
+}
+
+/// Formats `convert` writes.
+#[derive(ValueEnum, Clone, Copy, Debug)]
+pub enum ConvertFormat {
+    /// GGUF with llama.cpp's `kimi-linear` names, shapes and metadata.
+    Gguf,
+}
+
+/// Tensor types of a converted GGUF.
+#[derive(ValueEnum, Clone, Copy, Debug)]
+pub enum QuantArg {
+    /// Everything f32.
+    F32,
+    /// Matrices f16.
+    F16,
+    /// Matrices bf16.
+    Bf16,
+    /// Matrices Q8_0.
+    #[value(name = "q8_0")]
+    Q8_0,
+    /// llama.cpp's Q4_K_M mixture (Q4_K, Q6_K for output and some attn_v/ffn_down).
+    #[value(name = "q4_k_m")]
+    Q4KM,
 }
 
 /// `kimi-infer serve`.
@@ -87,8 +131,9 @@ pub struct ServeArgs {
 /// Where the model comes from.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// Checkpoint directory (config.json + safetensors). Without it, the built-in demo model
-    /// (tiny, random weights: its text is gibberish) is used.
+    /// Checkpoint directory (config.json + safetensors) or GGUF file (llama-family or
+    /// kimi-linear). Without it, the built-in demo model (tiny, random weights: its text is
+    /// gibberish) is used.
     #[arg(long, short = 'm')]
     pub model: Option<PathBuf>,
     /// Device to run on: `cpu`, `cuda` or `cuda:N` (GPU N; needs a build with `--features cuda`).

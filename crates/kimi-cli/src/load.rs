@@ -1,7 +1,8 @@
 //! Resolving `--model` and loading checkpoint, model and tokenizer.
 //!
 //! `--model` is a checkpoint directory (config.json + safetensors: Kimi Linear) or a `.gguf`
-//! file (llama-family models). Without it, the real demo model
+//! file: `general.architecture = kimi-linear` loads Kimi Linear (llama.cpp's layout), anything
+//! else the llama-family model. Without it, the real demo model
 //! `models/SmolLM2-135M-Instruct.Q4_1.gguf` is used when `scripts/fetch_demo_model.sh` has
 //! fetched it, else the tiny random Kimi Linear compiled into the binary.
 
@@ -154,6 +155,9 @@ fn load_gguf<B: Backend + 'static>(
     need_tokenizer: bool,
 ) -> anyhow::Result<Loaded<B>> {
     let file = GgufFile::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    if file.get_str("general.architecture").ok() == Some(kimi_model::gguf_kimi::ARCH) {
+        return load_kimi_gguf(backend, path, &file, need_tokenizer);
+    }
     let model = Llama::load(backend, &file)
         .with_context(|| format!("cannot load the weights in {}", path.display()))?;
     let tokenizer = if need_tokenizer {
@@ -169,6 +173,39 @@ fn load_gguf<B: Backend + 'static>(
         weight_bytes: file.tensors().iter().map(|t| t.size_bytes).sum(),
         kv_values_per_token: 2 * (c.num_layers * c.num_kv_heads * c.head_dim) as u64,
     };
+    Ok(Loaded {
+        engine: Engine::new(model),
+        tokenizer,
+        dir: path.to_path_buf(),
+        info,
+    })
+}
+
+fn load_kimi_gguf<B: Backend + 'static>(
+    backend: B,
+    path: &Path,
+    file: &GgufFile,
+    need_tokenizer: bool,
+) -> anyhow::Result<Loaded<B>> {
+    let model = KimiLinear::load_gguf(backend, file)
+        .with_context(|| format!("cannot load the weights in {}", path.display()))?;
+    let tokenizer = if need_tokenizer {
+        if file.get("tokenizer.ggml.model").is_none() {
+            anyhow::bail!(
+                "{} carries no tokenizer (tokenizer.ggml.*): `kimi-infer convert` writes one only \
+                 from Kimi's tiktoken.model; pass token ids (`kimi-infer logits --ids`) or use the \
+                 checkpoint directory",
+                path.display()
+            );
+        }
+        Some(
+            Tokenizer::from_gguf(file)
+                .with_context(|| format!("cannot load the tokenizer in {}", path.display()))?,
+        )
+    } else {
+        None
+    };
+    let info = ModelInfo::Kimi(Box::new(model.config().clone()));
     Ok(Loaded {
         engine: Engine::new(model),
         tokenizer,

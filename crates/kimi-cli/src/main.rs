@@ -3,6 +3,7 @@
 
 mod args;
 mod bench;
+mod convert;
 mod demo;
 mod inspect;
 mod load;
@@ -37,6 +38,7 @@ fn main() {
         Command::Inspect(a) => inspect::inspect(a),
         Command::Bench(a) => bench::bench(a),
         Command::Serve(a) => serve::serve(a),
+        Command::Convert(a) => convert::convert(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

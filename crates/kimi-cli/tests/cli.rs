@@ -413,3 +413,122 @@ fn every_subcommand_has_help() {
         assert!(stdout(&o).contains("Usage"), "{sub}");
     }
 }
+
+/// `convert` writes a llama.cpp Kimi Linear GGUF that `--model file.gguf` loads: f16 of a bf16
+/// fixture is exact, so its logits match the reference as the checkpoint's do, in every feed
+/// mode; without a tokenizer, text commands say so.
+#[test]
+fn convert_to_gguf_and_run_it() {
+    let dir = fixture("hub-bf16-released-like");
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = tmp.path().join("model.gguf");
+    let o = run(&[
+        "convert",
+        "--model",
+        dir.to_str().unwrap(),
+        "--to",
+        "gguf",
+        "--quant",
+        "f16",
+        "--out",
+        gguf.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let log = stderr(&o);
+    assert!(
+        log.contains("blk.0.ssm_conv1d_q.weight") && log.contains("wrote"),
+        "{log}"
+    );
+    assert!(log.contains("no tokenizer is written"), "{log}");
+
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let ids: Vec<String> = reference["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap().to_string())
+        .collect();
+    let (_, want) = read_npy(&dir.join("logits.npy"));
+    for step in ["1000", "1"] {
+        let out = tmp.path().join("logits.npy");
+        let joined = ids.join(",");
+        let o = run(&[
+            "logits",
+            "--model",
+            gguf.to_str().unwrap(),
+            "--ids",
+            &joined,
+            "--step",
+            step,
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let (_, got) = read_npy(&out);
+        let num: f64 = got.iter().zip(&want).map(|(g, w)| (g - w).powi(2)).sum();
+        let den: f64 = want.iter().map(|w| w * w).sum();
+        let err = (num / den).sqrt();
+        assert!(err < 1e-4, "step {step}: relative error {err:e}");
+    }
+
+    let o = run(&["run", "--model", gguf.to_str().unwrap(), "--prompt", "hi"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("carries no tokenizer"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+/// The demo checkpoint with its tiktoken tokenizer converts with the tokenizer, and the GGUF
+/// generates the same greedy text as the directory.
+#[test]
+fn converted_demo_model_generates_like_the_checkpoint() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    std::fs::create_dir(&dir).unwrap();
+    for (from, name) in [
+        ("demo-model", "config.json"),
+        ("demo-model", "model.safetensors"),
+        ("demo-tokenizer", "tiktoken.model"),
+        ("demo-tokenizer", "tokenizer_config.json"),
+        ("demo-tokenizer", "chat_template.jinja"),
+    ] {
+        std::fs::copy(root.join(from).join(name), dir.join(name)).unwrap();
+    }
+    let gguf = tmp.path().join("demo-q8_0.gguf");
+    let o = run(&[
+        "convert",
+        "--model",
+        dir.to_str().unwrap(),
+        "--quant",
+        "f32",
+        "--out",
+        gguf.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("tokenizer: Kimi tiktoken vocabulary"),
+        "{}",
+        stderr(&o)
+    );
+    let generate = |model: &Path| {
+        let o = run(&[
+            "run",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            "Hello there",
+            "--chat",
+            "--max-tokens",
+            "12",
+            "--ignore-eos",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+    };
+    assert_eq!(generate(&gguf), generate(&dir));
+}

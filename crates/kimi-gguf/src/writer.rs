@@ -48,7 +48,10 @@ struct PendingTensor<'a> {
     /// Innermost first, as stored.
     ne: Vec<u64>,
     ggml_type: GgmlType,
-    data: Cow<'a, [u8]>,
+    /// `None` for a tensor declared with [`GgufWriter::add_tensor_info`], whose bytes come
+    /// later from [`GgufWriter::write_streamed`].
+    data: Option<Cow<'a, [u8]>>,
+    size_bytes: usize,
 }
 
 impl std::fmt::Debug for PendingTensor<'_> {
@@ -57,7 +60,7 @@ impl std::fmt::Debug for PendingTensor<'_> {
             .field("name", &self.name)
             .field("ne", &self.ne)
             .field("ggml_type", &self.ggml_type)
-            .field("size_bytes", &self.data.len())
+            .field("size_bytes", &self.size_bytes)
             .finish()
     }
 }
@@ -111,6 +114,46 @@ impl<'a> GgufWriter<'a> {
     ) -> Result<&mut Self> {
         let name = name.into();
         let data = data.into();
+        let pending = self.check_tensor(name, shape_outer_first, ggml_type)?;
+        if data.len() != pending.size_bytes {
+            return Err(GgufError::InvalidTensor {
+                tensor: pending.name,
+                reason: format!(
+                    "{ggml_type} {shape_outer_first:?} needs {} bytes, got {}",
+                    pending.size_bytes,
+                    data.len()
+                ),
+            });
+        }
+        self.push(PendingTensor {
+            data: Some(data),
+            ..pending
+        });
+        Ok(self)
+    }
+
+    /// Declares a tensor whose bytes are produced later, while the file is written, by
+    /// [`GgufWriter::write_streamed`] (so a converter never holds a whole model in memory).
+    /// The checks are those of [`GgufWriter::add_tensor`].
+    pub fn add_tensor_info(
+        &mut self,
+        name: impl Into<String>,
+        shape_outer_first: &[usize],
+        ggml_type: GgmlType,
+    ) -> Result<&mut Self> {
+        let pending = self.check_tensor(name.into(), shape_outer_first, ggml_type)?;
+        self.push(pending);
+        Ok(self)
+    }
+
+    /// Bytes `ggml_type` needs for `shape_outer_first` (whole blocks along the last
+    /// dimension), or why it cannot hold that shape.
+    fn check_tensor(
+        &self,
+        name: String,
+        shape_outer_first: &[usize],
+        ggml_type: GgmlType,
+    ) -> Result<PendingTensor<'a>> {
         let invalid = |reason: String| GgufError::InvalidTensor {
             tensor: name.clone(),
             reason,
@@ -131,7 +174,7 @@ impl<'a> GgufWriter<'a> {
             .rev()
             .skip(1)
             .try_fold(1usize, |a, &d| a.checked_mul(d));
-        let expected = ggml_type
+        let size_bytes = ggml_type
             .row_bytes(num_cols)
             .zip(num_rows)
             .and_then(|(row, rows)| row.checked_mul(rows))
@@ -142,20 +185,63 @@ impl<'a> GgufWriter<'a> {
                     ggml_type.block_size()
                 ))
             })?;
-        if data.len() != expected {
-            return Err(invalid(format!(
-                "{ggml_type} {shape_outer_first:?} needs {expected} bytes, got {}",
-                data.len()
-            )));
-        }
-        self.names.insert(name.clone());
-        self.tensors.push(PendingTensor {
+        Ok(PendingTensor {
             name,
             ne,
             ggml_type,
-            data,
-        });
-        Ok(self)
+            data: None,
+            size_bytes,
+        })
+    }
+
+    fn push(&mut self, tensor: PendingTensor<'a>) {
+        self.names.insert(tensor.name.clone());
+        self.tensors.push(tensor);
+    }
+
+    /// Writes the file at `path`, asking `fill(i)` for the bytes of the `i`-th tensor (in
+    /// the order added) that was declared with [`GgufWriter::add_tensor_info`]; tensors
+    /// added with their data are written as they are. Each tensor is written and dropped
+    /// before the next one is asked for.
+    pub fn write_streamed<E: From<GgufError>>(
+        &self,
+        path: impl AsRef<Path>,
+        mut fill: impl FnMut(usize) -> std::result::Result<Vec<u8>, E>,
+    ) -> std::result::Result<(), E> {
+        let path = path.as_ref();
+        let file = File::create(path).map_err(GgufError::io(path))?;
+        let mut out = BufWriter::new(file);
+        let alignment = self.alignment.unwrap_or(DEFAULT_ALIGNMENT);
+        let mut w = CountingWriter {
+            out: &mut out,
+            written: 0,
+        };
+        self.write_header(&mut w, alignment)
+            .map_err(GgufError::io(path))?;
+        for (i, t) in self.tensors.iter().enumerate() {
+            let owned;
+            let bytes: &[u8] = match &t.data {
+                Some(data) => data,
+                None => {
+                    owned = fill(i)?;
+                    &owned
+                }
+            };
+            if bytes.len() != t.size_bytes {
+                return Err(GgufError::InvalidTensor {
+                    tensor: t.name.clone(),
+                    reason: format!("needs {} bytes, got {}", t.size_bytes, bytes.len()),
+                }
+                .into());
+            }
+            w.put(bytes).map_err(GgufError::io(path))?;
+            w.pad_to(alignment).map_err(GgufError::io(path))?;
+        }
+        out.into_inner()
+            .map_err(|e| e.into_error())
+            .and_then(|f| f.sync_all())
+            .map_err(GgufError::io(path))?;
+        Ok(())
     }
 
     /// Writes the file at `path` (created or truncated).
@@ -178,36 +264,52 @@ impl<'a> GgufWriter<'a> {
         Ok(out)
     }
 
-    /// Writes the file to `out`.
+    /// Writes the file to `out`. Fails for a tensor declared without its data
+    /// ([`GgufWriter::add_tensor_info`]; use [`GgufWriter::write_streamed`]).
     pub fn write_to(&self, out: &mut impl Write) -> std::io::Result<()> {
         let alignment = self.alignment.unwrap_or(DEFAULT_ALIGNMENT);
         let mut w = CountingWriter { out, written: 0 };
+        self.write_header(&mut w, alignment)?;
+        for t in &self.tensors {
+            let data = t.data.as_deref().ok_or_else(|| {
+                std::io::Error::other(format!(
+                    "tensor `{}` was declared without data; write it with write_streamed",
+                    t.name
+                ))
+            })?;
+            w.put(data)?;
+            w.pad_to(alignment)?;
+        }
+        Ok(())
+    }
+
+    /// Magic, counts, metadata and tensor infos, padded to the data section.
+    fn write_header<W: Write>(
+        &self,
+        w: &mut CountingWriter<'_, W>,
+        alignment: u64,
+    ) -> std::io::Result<()> {
         w.put(&MAGIC)?;
         w.put(&3u32.to_le_bytes())?;
         w.put(&(self.tensors.len() as u64).to_le_bytes())?;
         w.put(&(self.metadata.len() as u64).to_le_bytes())?;
         for (key, value) in &self.metadata {
-            write_string(&mut w, key)?;
+            write_string(w, key)?;
             w.put(&value.value_type().id().to_le_bytes())?;
-            write_value(&mut w, value)?;
+            write_value(w, value)?;
         }
         let mut offset = 0u64;
         for t in &self.tensors {
-            write_string(&mut w, &t.name)?;
+            write_string(w, &t.name)?;
             w.put(&(t.ne.len() as u32).to_le_bytes())?;
             for d in &t.ne {
                 w.put(&d.to_le_bytes())?;
             }
             w.put(&t.ggml_type.id().to_le_bytes())?;
             w.put(&offset.to_le_bytes())?;
-            offset = aligned(offset.saturating_add(t.data.len() as u64), alignment)?;
+            offset = aligned(offset.saturating_add(t.size_bytes as u64), alignment)?;
         }
-        w.pad_to(alignment)?;
-        for t in &self.tensors {
-            w.put(&t.data)?;
-            w.pad_to(alignment)?;
-        }
-        Ok(())
+        w.pad_to(alignment)
     }
 }
 
@@ -285,5 +387,39 @@ fn write_array<W: Write>(w: &mut CountingWriter<'_, W>, array: &Array) -> std::i
         Array::Bool(v) => v.iter().try_for_each(|&b| w.put(&[u8::from(b)])),
         Array::String(v) => v.iter().try_for_each(|s| write_string(w, s)),
         Array::Array(v) => v.iter().try_for_each(|a| write_array(w, a)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::GgufFile;
+
+    #[test]
+    fn streamed_tensors_read_back_like_added_ones() {
+        let dir = std::env::temp_dir().join(format!("kimi-gguf-stream-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("s.gguf");
+        let mut w = GgufWriter::new();
+        w.add_tensor("a", &[2], GgmlType::F32, vec![0u8; 8])
+            .expect("a");
+        w.add_tensor_info("b", &[3], GgmlType::F32).expect("b");
+        assert!(w.to_bytes().is_err(), "declared data must be streamed");
+        let result: Result<()> = w.write_streamed(&path, |i| {
+            assert_eq!(i, 1);
+            Ok([1f32, 2.0, 3.0]
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect())
+        });
+        result.expect("written");
+        let file = GgufFile::open(&path).expect("readable");
+        assert_eq!(
+            file.tensor("b").and_then(|t| t.to_f32()).ok(),
+            Some(vec![1.0, 2.0, 3.0])
+        );
+        let short: Result<()> = w.write_streamed(&path, |_| Ok(vec![0u8; 4]));
+        assert!(short.is_err(), "a wrong size is rejected");
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

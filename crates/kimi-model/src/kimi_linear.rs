@@ -49,6 +49,14 @@ impl<B: Backend> KimiLinear<B> {
         Self::load_from(backend, ckpt.config().clone(), ckpt)
     }
 
+    /// Loads a llama.cpp Kimi Linear GGUF (`general.architecture = kimi-linear`): the config
+    /// from its metadata, the weights through [`crate::gguf_kimi::KimiGguf`].
+    pub fn load_gguf(backend: B, file: &kimi_gguf::GgufFile) -> Result<Self> {
+        let config = crate::gguf_kimi::config_from_gguf(file)?;
+        let source = crate::gguf_kimi::KimiGguf::new(file, &config);
+        Self::load_from(backend, config, &source)
+    }
+
     /// Builds the model of `config` from any weight source (e.g. [`crate::RandomWeights`]).
     pub fn load_from(backend: B, config: ModelConfig, source: &dyn WeightSource) -> Result<Self> {
         let hidden = config.hidden_size;

@@ -11,6 +11,7 @@
 
 mod cache;
 mod forward;
+pub mod gguf_kimi;
 mod kimi_linear;
 mod layers;
 mod llama;

@@ -9,6 +9,11 @@
 //! pre = gpt-2 | mpt | olmo | … (or none)  the GPT-2 regex, byte-level
 //! ```
 //! Tokens of type 3 (control) become special tokens, type 4 (user-defined) plain added tokens.
+//!
+//! `pre = kimi-k2` (Kimi's `tiktoken.model` as llama.cpp's converter writes it) is built as
+//! the tiktoken backend instead: ranks are the ids of the normal tokens, specials follow.
+
+use std::collections::HashMap;
 
 use kimi_gguf::{Array, GgufFile};
 use tokenizers::models::bpe::{Vocab, BPE};
@@ -19,6 +24,7 @@ use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::AddedToken;
 
 use crate::hf::{HfTokenizer, PieceScheme};
+use crate::tiktoken::TiktokenBpe;
 use crate::TokenizerError;
 
 /// Pre-tokenizers that split digits one by one before the GPT-2 regex (llama.cpp's
@@ -38,8 +44,10 @@ const DIGIT_SPLIT_PRE: [&str; 7] = [
 const GPT2_PRE: [&str; 5] = ["gpt-2", "phi-2", "jina-es", "jina-de", "mpt"];
 
 /// ggml token types (`enum llama_token_type`).
+const TOKEN_TYPE_NORMAL: i32 = 1;
 const TOKEN_TYPE_CONTROL: i32 = 3;
 const TOKEN_TYPE_USER_DEFINED: i32 = 4;
+const TOKEN_TYPE_UNUSED: i32 = 5;
 
 /// A GGUF file's tokenizer and the metadata around it.
 pub(crate) struct GgufTokenizer {
@@ -130,6 +138,162 @@ pub(crate) fn load(file: &GgufFile) -> Result<GgufTokenizer, TokenizerError> {
         eos_id: optional_id("tokenizer.ggml.eos_token_id")?,
         chat_template,
     })
+}
+
+/// `tokenizer.ggml.pre` of Kimi's tiktoken vocabulary in llama.cpp's converter.
+pub(crate) const KIMI_PRE: &str = "kimi-k2";
+
+/// Whether the file holds Kimi's vocabulary (gpt2 model, `kimi-k2` pre-tokenizer).
+pub(crate) fn is_kimi(file: &GgufFile) -> bool {
+    file.get_str("tokenizer.ggml.model").ok() == Some("gpt2")
+        && file.get_str("tokenizer.ggml.pre").ok() == Some(KIMI_PRE)
+}
+
+/// Kimi's tiktoken BPE from the token list llama.cpp's converter writes: normal tokens are
+/// the byte-level-encoded tiktoken ranks (id = rank), the control (or unused) tokens after
+/// them the special tokens. The merges are not needed: tiktoken merges by rank.
+pub(crate) fn kimi_bpe(file: &GgufFile) -> Result<TiktokenBpe, TokenizerError> {
+    let invalid = |reason: String| TokenizerError::InvalidFile {
+        path: file.path().to_path_buf(),
+        reason,
+    };
+    let tokens = strings(file, "tokenizer.ggml.tokens")?;
+    let types = token_types(file, tokens.len())?;
+    let n_base = types
+        .iter()
+        .position(|&t| t != TOKEN_TYPE_NORMAL)
+        .unwrap_or(types.len());
+    if let Some(i) = types[n_base..].iter().position(|&t| t == TOKEN_TYPE_NORMAL) {
+        return Err(invalid(format!(
+            "{KIMI_PRE} vocabulary: normal token {} follows the special tokens from {n_base}",
+            n_base + i
+        )));
+    }
+    let decode = byte_decoder();
+    let base = tokens[..n_base]
+        .iter()
+        .enumerate()
+        .map(|(id, t)| {
+            t.chars()
+                .map(|c| decode.get(&c).copied())
+                .collect::<Option<Vec<u8>>>()
+                .ok_or_else(|| invalid(format!("token {id} {t:?} is not byte-level text")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let specials = tokens[n_base..]
+        .iter()
+        .zip(n_base as u32..)
+        .map(|(name, id)| (name.clone(), id))
+        .collect();
+    TiktokenBpe::build(base, specials, file.path())
+}
+
+/// The `tokenizer.ggml.*` entries llama.cpp's converter writes for Kimi's tiktoken
+/// vocabulary (`KimiLinearModel.set_vocab`): `vocab_size` byte-level tokens (`[PAD{i}]`
+/// unused where an id has no token), control specials, and the merges recovered from the
+/// ranks (each token's last merge under tiktoken's rank order).
+pub(crate) fn kimi_metadata(
+    bpe: &TiktokenBpe,
+    vocab_size: usize,
+) -> Vec<(String, kimi_gguf::Value)> {
+    use kimi_gguf::Value;
+    let n_base = bpe.n_base();
+    let ranks: HashMap<&[u8], u32> = (0..n_base)
+        .filter_map(|id| bpe.token_bytes(id).map(|b| (b, id)))
+        .collect();
+    let mut tokens = Vec::with_capacity(vocab_size);
+    let mut types = Vec::with_capacity(vocab_size);
+    let mut merges = Vec::new();
+    for id in 0..vocab_size as u32 {
+        match bpe.token_bytes(id) {
+            Some(bytes) if id < n_base => {
+                tokens.push(byte_level_text(bytes));
+                types.push(TOKEN_TYPE_NORMAL);
+                if let Some((a, b)) = last_merge(bytes, id, &ranks) {
+                    merges.push(format!("{} {}", byte_level_text(a), byte_level_text(b)));
+                }
+            }
+            Some(name) => {
+                tokens.push(String::from_utf8_lossy(name).into_owned());
+                types.push(TOKEN_TYPE_CONTROL);
+            }
+            None => {
+                tokens.push(format!("[PAD{id}]"));
+                types.push(TOKEN_TYPE_UNUSED);
+            }
+        }
+    }
+    vec![
+        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), Value::String(KIMI_PRE.into())),
+        (
+            "tokenizer.ggml.tokens".into(),
+            Value::Array(Array::String(tokens)),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            Value::Array(Array::I32(types)),
+        ),
+        (
+            "tokenizer.ggml.merges".into(),
+            Value::Array(Array::String(merges)),
+        ),
+    ]
+}
+
+/// The two parts BPE joins last to form `token` (rank `rank`): merge adjacent parts by
+/// lowest rank below `rank` until none is left (llama.cpp's `QwenModel.bpe(max_rank=rank)`).
+fn last_merge<'t>(
+    token: &'t [u8],
+    rank: u32,
+    ranks: &HashMap<&[u8], u32>,
+) -> Option<(&'t [u8], &'t [u8])> {
+    if token.len() < 2 {
+        return None;
+    }
+    let mut cuts: Vec<usize> = (0..=token.len()).collect();
+    loop {
+        let best = (0..cuts.len() - 2)
+            .filter_map(|i| {
+                let r = *ranks.get(&token[cuts[i]..cuts[i + 2]])?;
+                (r < rank).then_some((r, i))
+            })
+            .min();
+        match best {
+            Some((_, i)) => {
+                cuts.remove(i + 1);
+            }
+            None => break,
+        }
+    }
+    (cuts.len() == 3).then(|| (&token[..cuts[1]], &token[cuts[1]..]))
+}
+
+/// GPT-2's `bytes_to_unicode`: printable bytes stand for themselves, the others for
+/// `U+0100 + n` in byte order.
+fn byte_encoder() -> Vec<char> {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut next = 0u32;
+    (0..=255u8)
+        .map(|b| {
+            if printable(b) {
+                char::from(b)
+            } else {
+                next += 1;
+                char::from_u32(255 + next).unwrap_or('\u{FFFD}')
+            }
+        })
+        .collect()
+}
+
+fn byte_decoder() -> HashMap<char, u8> {
+    byte_encoder().into_iter().zip(0..=255u8).collect()
+}
+
+/// Byte-level text of `bytes` (the form `tokenizer.ggml.tokens` stores).
+pub(crate) fn byte_level_text(bytes: &[u8]) -> String {
+    let enc = byte_encoder();
+    bytes.iter().map(|&b| enc[b as usize]).collect()
 }
 
 fn pre_tokenizer(pre: &str) -> Option<PreTokenizerWrapper> {
@@ -277,5 +441,72 @@ mod tests {
         let file = GgufFile::from_vec(w.to_bytes().expect("bytes")).expect("parses");
         let err = Tokenizer::from_gguf(&file).unwrap_err().to_string();
         assert!(err.contains("`llama` is not supported"), "{err}");
+    }
+}
+
+#[cfg(test)]
+mod kimi_tests {
+    use std::path::Path;
+
+    use kimi_gguf::{Array, GgufFile, GgufWriter, Value};
+
+    use crate::Tokenizer;
+
+    /// The demo tiktoken vocabulary written as llama.cpp's converter writes Kimi's
+    /// (byte-level tokens, control tokens after the base ones, `pre = kimi-k2`) encodes and
+    /// decodes exactly as the directory it came from.
+    #[test]
+    fn kimi_k2_vocabulary_matches_the_tiktoken_directory() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/demo-tokenizer");
+        let want = Tokenizer::from_dir(&dir).expect("demo tokenizer");
+        let n = want.vocab_size() as u32;
+        let n_base = want.num_base_tokens().expect("tiktoken");
+        let tokens: Vec<String> = (0..n)
+            .map(|id| {
+                let bytes = want.token_bytes(id).expect("token");
+                if id < n_base {
+                    super::byte_level_text(&bytes)
+                } else {
+                    String::from_utf8(bytes).expect("special names are text")
+                }
+            })
+            .collect();
+        let types: Vec<i32> = (0..n).map(|id| if id < n_base { 1 } else { 3 }).collect();
+        let mut w = GgufWriter::new();
+        let meta = [
+            ("tokenizer.ggml.model", Value::String("gpt2".into())),
+            ("tokenizer.ggml.pre", Value::String(super::KIMI_PRE.into())),
+            ("tokenizer.ggml.tokens", Value::Array(Array::String(tokens))),
+            ("tokenizer.ggml.token_type", Value::Array(Array::I32(types))),
+            ("tokenizer.ggml.eos_token_id", Value::U32(want.eos_ids()[0])),
+        ];
+        for (k, v) in meta {
+            w.add_metadata(k, v).expect("metadata");
+        }
+        let file = GgufFile::from_vec(w.to_bytes().expect("bytes")).expect("gguf");
+        let got = Tokenizer::from_gguf(&file).expect("kimi-k2 tokenizer");
+        for text in [
+            "Hello, world! 123 4567",
+            "  tabs\tand\nnew lines\n\n",
+            "中文 mixed Ünïcödé's",
+        ] {
+            let ids = want.encode(text, false).expect("encode");
+            assert_eq!(got.encode(text, false).expect("encode"), ids, "{text:?}");
+            assert_eq!(got.decode(&ids, false).expect("decode"), text);
+        }
+        assert_eq!(got.eos_ids()[0], want.eos_ids()[0]);
+
+        // The metadata written for a converted model loads back to the same tokenizer.
+        let mut w = GgufWriter::new();
+        for (k, v) in want.gguf_metadata(n as usize).expect("tiktoken vocabulary") {
+            w.add_metadata(k, v).expect("metadata");
+        }
+        let file = GgufFile::from_vec(w.to_bytes().expect("bytes")).expect("gguf");
+        let back = Tokenizer::from_gguf(&file).expect("written tokenizer");
+        let text = "Hello, world! 中文 and   spaces";
+        assert_eq!(back.encode(text, false).ok(), want.encode(text, false).ok());
+        assert!(file
+            .get_array("tokenizer.ggml.merges")
+            .is_ok_and(|m| !m.is_empty()));
     }
 }

@@ -143,8 +143,12 @@ impl Tokenizer {
     /// (byte-level BPE from `tokenizer.ggml.tokens` and `tokenizer.ggml.merges`, with the
     /// pre-tokenizer `tokenizer.ggml.pre` names), control tokens (`token_type` 3) as special
     /// tokens, bos/eos from `tokenizer.ggml.bos_token_id`/`eos_token_id`, and the chat
-    /// template from `tokenizer.chat_template`. Other tokenizer models are rejected.
+    /// template from `tokenizer.chat_template`. `tokenizer.ggml.pre = kimi-k2` builds Kimi's
+    /// tiktoken BPE from the same token list. Other tokenizer models are rejected.
     pub fn from_gguf(file: &kimi_gguf::GgufFile) -> Result<Tokenizer, TokenizerError> {
+        if gguf::is_kimi(file) {
+            return Self::from_gguf_kimi(file);
+        }
         let loaded = gguf::load(file)?;
         let text = |id: Option<u32>| {
             id.and_then(|id| loaded.hf.token_bytes(id))
@@ -169,6 +173,70 @@ impl Tokenizer {
             }
         }
         Ok(tokenizer)
+    }
+
+    /// Kimi's vocabulary in a GGUF (`tokenizer.ggml.pre = kimi-k2`, as llama.cpp converts
+    /// `tiktoken.model`): the tiktoken backend with Kimi's regex, not a `tokenizers` BPE.
+    fn from_gguf_kimi(file: &kimi_gguf::GgufFile) -> Result<Tokenizer, TokenizerError> {
+        let bpe = gguf::kimi_bpe(file)?;
+        let id = |key: &str| -> Result<Option<u32>, TokenizerError> {
+            match file.get(key) {
+                Some(_) => Ok(Some(file.get_u32(key)?)),
+                None => Ok(None),
+            }
+        };
+        let (bos_id, eos_id) = (
+            id("tokenizer.ggml.bos_token_id")?,
+            id("tokenizer.ggml.eos_token_id")?,
+        );
+        let text = |id: Option<u32>| {
+            id.and_then(|id| bpe.token_bytes(id))
+                .map(|b| String::from_utf8_lossy(b).into_owned())
+        };
+        let chat_template = match file.get("tokenizer.chat_template") {
+            Some(_) => Some(ChatTemplate::new(
+                file.get_str("tokenizer.chat_template")?,
+                text(bos_id),
+                text(eos_id),
+            )?),
+            None => None,
+        };
+        let mut tokenizer = Tokenizer {
+            backend: Backend::Tiktoken(Box::new(bpe)),
+            bos_id,
+            eos_ids: eos_id.into_iter().collect(),
+            chat_template,
+        };
+        for id in tokenizer.find_eos_ids(None) {
+            if !tokenizer.eos_ids.contains(&id) {
+                tokenizer.eos_ids.push(id);
+            }
+        }
+        Ok(tokenizer)
+    }
+
+    /// This tokenizer as the `tokenizer.ggml.*` metadata llama.cpp writes for a model of
+    /// `vocab_size` rows (ids, chat template included), or `None` for a vocabulary GGUF
+    /// cannot hold yet (only Kimi's tiktoken one is written).
+    pub fn gguf_metadata(&self, vocab_size: usize) -> Option<Vec<(String, kimi_gguf::Value)>> {
+        use kimi_gguf::Value;
+        let Backend::Tiktoken(bpe) = &self.backend else {
+            return None;
+        };
+        let mut meta = gguf::kimi_metadata(bpe, vocab_size);
+        if let Some(id) = self.bos_id {
+            meta.push(("tokenizer.ggml.bos_token_id".into(), Value::U32(id)));
+        }
+        if let Some(&id) = self.eos_ids.first() {
+            meta.push(("tokenizer.ggml.eos_token_id".into(), Value::U32(id)));
+        }
+        if let Some(t) = &self.chat_template {
+            meta.push((
+                "tokenizer.chat_template".into(),
+                Value::String(t.source().into()),
+            ));
+        }
+        Some(meta)
     }
 
     fn find_eos_ids(&self, eos_token: Option<&str>) -> Vec<u32> {

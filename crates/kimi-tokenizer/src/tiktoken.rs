@@ -57,7 +57,7 @@ impl TiktokenBpe {
         config_path: &Path,
     ) -> Result<Self, TokenizerError> {
         let text = crate::config::read_to_string(vocab_path)?;
-        let mut tokens = parse_vocab(&text, vocab_path)?;
+        let tokens = parse_vocab(&text, vocab_path)?;
         let n_base = u32::try_from(tokens.len())
             .ok()
             .filter(|n| n.checked_add(NUM_SPECIAL_TOKENS).is_some())
@@ -66,6 +66,21 @@ impl TiktokenBpe {
                 reason: format!("{} tokens is too many for u32 ids", tokens.len()),
             })?;
         let specials = special_tokens(n_base, added_tokens, config_path)?;
+        Self::build(tokens, specials, vocab_path)
+    }
+
+    /// The BPE of base tokens `tokens` (rank = id) and `specials` (ids `tokens.len()..`,
+    /// contiguous), pre-split by Kimi's regex; `origin` names the source in errors.
+    pub(crate) fn build(
+        mut tokens: Vec<Vec<u8>>,
+        specials: HashMap<String, u32>,
+        origin: &Path,
+    ) -> Result<Self, TokenizerError> {
+        let vocab_path = origin;
+        let n_base = u32::try_from(tokens.len()).map_err(|_| TokenizerError::InvalidFile {
+            path: origin.to_path_buf(),
+            reason: format!("{} tokens is too many for u32 ids", tokens.len()),
+        })?;
 
         let encoder = tokens
             .iter()

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Converts every Kimi Linear fixture with `kimi-infer convert` (f16, q8_0, q4_k_m) and checks
+# each file with llama.cpp's own gguf-py (scripts/check_gguf_kimi.py): metadata keys and
+# types, tensor names, ggml shapes, types and values against the safetensors checkpoint.
+# gguf-py is pinned and installed once into target/gguf-venv (PyPI); later runs are offline.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+GGUF_PY_VERSION=0.19.0
+venv=target/gguf-venv
+if ! "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('gguf') != '$GGUF_PY_VERSION')" 2>/dev/null; then
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet "gguf==$GGUF_PY_VERSION"
+fi
+cargo build --quiet -p kimi-cli
+out=target/gguf-check
+mkdir -p "$out"
+for dir in fixtures/kimi-linear/*/; do
+    name=$(basename "$dir")
+    for quant in f16 q8_0 q4_k_m; do
+        file="$out/$name-$quant.gguf"
+        target/debug/kimi-infer convert --model "$dir" --quant "$quant" --out "$file" 2>/dev/null
+        "$venv/bin/python" scripts/check_gguf_kimi.py "$file" --checkpoint "$dir"
+    done
+done
+# The demo checkpoint carries Kimi's tiktoken vocabulary: its GGUF has the tokenizer too.
+demo="$out/demo-model"
+mkdir -p "$demo"
+cp assets/demo-model/config.json assets/demo-model/model.safetensors assets/demo-tokenizer/* "$demo/"
+target/debug/kimi-infer convert --model "$demo" --quant q8_0 --out "$out/demo-q8_0.gguf" 2>/dev/null
+"$venv/bin/python" scripts/check_gguf_kimi.py "$out/demo-q8_0.gguf" --checkpoint "$demo"
