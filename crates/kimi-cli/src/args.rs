@@ -81,6 +81,11 @@ pub struct ModelArgs {
     /// (tiny, random weights: its text is gibberish) is used.
     #[arg(long, short = 'm')]
     pub model: Option<PathBuf>,
+    /// Multiply block-quantized (GGUF) weights in f32 instead of quantizing activations to
+    /// int8 per 32 values: slower, but equal to the f32 product of the dequantized weights
+    /// (reference outputs; the int8 path can flip greedy choices between near-tied tokens).
+    #[arg(long)]
+    pub f32_matmul: bool,
 }
 
 /// Sampling flags shared by `run` and `chat`.

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use kimi_core::ModelConfig;
-use kimi_cpu::CpuBackend;
+use kimi_cpu::{CpuBackend, QuantMatmul};
 use kimi_engine::Engine;
 use kimi_gguf::GgufFile;
 use kimi_model::{KimiLinear, Llama, ModelSummary};
@@ -96,7 +96,11 @@ pub fn is_gguf(path: &Path) -> bool {
 pub fn load(args: &ModelArgs, need_tokenizer: bool) -> anyhow::Result<Loaded> {
     let path = model_path(args)?;
     if is_gguf(&path) {
-        return load_gguf(&path, need_tokenizer);
+        let backend = match args.f32_matmul {
+            true => CpuBackend::with_quant_matmul(QuantMatmul::F32),
+            false => CpuBackend::new(),
+        };
+        return load_gguf(backend, &path, need_tokenizer);
     }
     let ckpt = Checkpoint::open(&path)
         .with_context(|| format!("cannot open the model in {}", path.display()))?;
@@ -119,9 +123,9 @@ pub fn load(args: &ModelArgs, need_tokenizer: bool) -> anyhow::Result<Loaded> {
     })
 }
 
-fn load_gguf(path: &Path, need_tokenizer: bool) -> anyhow::Result<Loaded> {
+fn load_gguf(backend: CpuBackend, path: &Path, need_tokenizer: bool) -> anyhow::Result<Loaded> {
     let file = GgufFile::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    let model = Llama::load(CpuBackend::new(), &file)
+    let model = Llama::load(backend, &file)
         .with_context(|| format!("cannot load the weights in {}", path.display()))?;
     let tokenizer = if need_tokenizer {
         Some(

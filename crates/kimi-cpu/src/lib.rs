@@ -15,10 +15,12 @@ mod matmul;
 mod mla;
 mod moe;
 mod norm;
+mod qdot;
 mod quant;
 pub mod simd;
 mod tensor;
 
+pub use matmul::{QuantMatmul, INT8_MAX_TOKENS};
 pub use tensor::{CpuTensor, Storage};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -30,14 +32,28 @@ use kimi_ops::{
     MoeWeights, Result, RopeStyle, Segment,
 };
 
-/// The CPU backend. Cheap to construct; holds no state besides the thread pool it uses.
+/// The CPU backend. Cheap to construct; holds no state besides the thread pool it uses
+/// and how it multiplies block-quantized weights.
 #[derive(Clone, Debug, Default)]
-pub struct CpuBackend;
+pub struct CpuBackend {
+    quant_matmul: QuantMatmul,
+}
 
 impl CpuBackend {
-    /// A backend using rayon's global thread pool.
+    /// A backend on the CPU backend's thread pool, with the fast integer kernels for
+    /// block-quantized weights ([`QuantMatmul::Int8`]).
     pub fn new() -> Self {
-        Self
+        Self::default()
+    }
+
+    /// A backend that multiplies block-quantized weights as `mode` says.
+    pub fn with_quant_matmul(mode: QuantMatmul) -> Self {
+        Self { quant_matmul: mode }
+    }
+
+    /// How this backend multiplies block-quantized weights.
+    pub fn quant_matmul(&self) -> QuantMatmul {
+        self.quant_matmul
     }
 }
 
@@ -69,7 +85,7 @@ impl Backend for CpuBackend {
         pool().install(|| norm::embedding(table, ids))
     }
     fn matmul(&self, x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
-        pool().install(|| matmul::matmul(x, w))
+        pool().install(|| matmul::matmul(x, w, self.quant_matmul))
     }
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
         pool().install(|| norm::rms_norm(x, weight, eps))
@@ -95,7 +111,7 @@ impl Backend for CpuBackend {
         CpuTensor::f32(x.shape(), v)
     }
     fn mlp(&self, x: &CpuTensor, w: &MlpWeights<CpuTensor>) -> Result<CpuTensor> {
-        pool().install(|| moe::mlp(x, w))
+        pool().install(|| moe::mlp(x, w, self.quant_matmul))
     }
     fn moe(
         &self,
@@ -103,7 +119,7 @@ impl Backend for CpuBackend {
         w: &MoeWeights<CpuTensor>,
         routing: &MoeRouting,
     ) -> Result<(CpuTensor, Vec<u32>)> {
-        pool().install(|| moe::moe(x, w, routing))
+        pool().install(|| moe::moe(x, w, routing, self.quant_matmul))
     }
     fn short_conv_silu(
         &self,
