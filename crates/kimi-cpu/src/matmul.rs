@@ -10,7 +10,7 @@
 use rayon::prelude::*;
 
 use crate::qdot::{self, Kind, Q8Acts};
-use crate::simd::{dot, dot4};
+use crate::simd::{dot, dot4, dot4x4};
 use crate::tensor::{row_to_f32, shape_err, CpuTensor, Storage};
 use kimi_ops::Result;
 
@@ -93,8 +93,9 @@ pub fn matmul(x: &CpuTensor, w: &CpuTensor, mode: QuantMatmul) -> Result<CpuTens
 }
 
 /// `out[r * n + t] = wrows[r] · x[t]` for every row of `wrows [rows, k]` and token of
-/// `xs [n, k]`, four tokens at a time (a lone last token, as in decode, takes the single
-/// dot product, which rounds exactly as `dot4` does on AVX2).
+/// `xs [n, k]`, four rows by four tokens at a time (a lone last token, as in decode, takes
+/// the single dot product, which rounds exactly as `dot4` and `dot4x4` do on AVX2 and on
+/// AVX-512).
 fn multiply_rows(wrows: &[f32], xs: &[f32], n: usize, out: &mut [f32]) {
     let k = xs.len() / n.max(1);
     let rows = out.len() / n.max(1);
@@ -111,8 +112,18 @@ fn multiply_rows(wrows: &[f32], xs: &[f32], n: usize, out: &mut [f32]) {
             &xs[t * k..(t + 1) * k]
         };
         let xrows = [tok(0), tok(1), tok(2), tok(3)];
-        for r in 0..rows {
-            let d = dot4(&wrows[r * k..(r + 1) * k], xrows);
+        let full = rows / 4 * 4;
+        let wrow = |r: usize| &wrows[r * k..(r + 1) * k];
+        for r0 in (0..full).step_by(4) {
+            let d = dot4x4([wrow(r0), wrow(r0 + 1), wrow(r0 + 2), wrow(r0 + 3)], xrows);
+            for (r, dr) in d.iter().enumerate() {
+                for (i, v) in dr.iter().enumerate().take((n - t0).min(4)) {
+                    out[(r0 + r) * n + t0 + i] = *v;
+                }
+            }
+        }
+        for r in full..rows {
+            let d = dot4(wrow(r), xrows);
             for (i, v) in d.iter().enumerate().take((n - t0).min(4)) {
                 out[r * n + t0 + i] = *v;
             }
