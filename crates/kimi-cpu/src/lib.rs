@@ -81,26 +81,29 @@ impl Backend for CpuBackend {
     fn size_bytes(&self, t: &CpuTensor) -> usize {
         t.size_bytes()
     }
+    // The row and norm ops are sequential loops over a few rows, run on the calling thread:
+    // handing each to the pool would cost two thread wake-ups, more than the work itself
+    // in a decode step (about ten such ops per layer).
     fn embedding(&self, table: &CpuTensor, ids: &[u32]) -> Result<CpuTensor> {
-        pool().install(|| norm::embedding(table, ids))
+        norm::embedding(table, ids)
     }
     fn matmul(&self, x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
         pool().install(|| matmul::matmul(x, w, self.quant_matmul))
     }
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
-        pool().install(|| norm::rms_norm(x, weight, eps))
+        norm::rms_norm(x, weight, eps)
     }
     fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
-        pool().install(|| norm::add_assign(x, y))
+        norm::add_assign(x, y)
     }
     fn select_rows(&self, x: &CpuTensor, rows: &[usize]) -> Result<CpuTensor> {
-        pool().install(|| norm::select_rows(x, rows))
+        norm::select_rows(x, rows)
     }
     fn split_cols(&self, x: &CpuTensor, widths: &[usize]) -> Result<Vec<CpuTensor>> {
-        pool().install(|| norm::split_cols(x, widths))
+        norm::split_cols(x, widths)
     }
     fn concat_cols(&self, parts: &[&CpuTensor]) -> Result<CpuTensor> {
-        pool().install(|| norm::concat_cols(parts))
+        norm::concat_cols(parts)
     }
     fn sigmoid(&self, x: &CpuTensor) -> Result<CpuTensor> {
         let v = x
@@ -184,7 +187,11 @@ impl Backend for CpuBackend {
         theta: f32,
         style: RopeStyle,
     ) -> Result<CpuTensor> {
-        pool().install(|| attention::rope(x, positions, num_heads, head_dim, theta, style))
+        let rope = || attention::rope(x, positions, num_heads, head_dim, theta, style);
+        match positions.len() <= attention::SEQUENTIAL_ROPE_ROWS {
+            true => rope(),
+            false => pool().install(rope),
+        }
     }
     fn attention(
         &self,
