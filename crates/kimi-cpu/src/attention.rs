@@ -74,7 +74,9 @@ pub fn rope(
     if n <= SEQUENTIAL_ROPE_ROWS {
         out.chunks_mut(width).zip(positions).for_each(rotate);
     } else {
-        out.par_chunks_mut(width).zip(positions.par_iter()).for_each(rotate);
+        out.par_chunks_mut(width)
+            .zip(positions.par_iter())
+            .for_each(rotate);
     }
     CpuTensor::f32(&x.shape, out)
 }

@@ -10,7 +10,7 @@
 use rayon::prelude::*;
 
 use crate::qdot::{self, Kind, Q8Acts};
-use crate::simd::{dot, dot4, dot4x4};
+use crate::simd::{dot, dot4, dot4x4, dot_bf16};
 use crate::tensor::{row_to_f32, shape_err, CpuTensor, Storage};
 use kimi_ops::Result;
 
@@ -72,6 +72,12 @@ pub fn matmul(x: &CpuTensor, w: &CpuTensor, mode: QuantMatmul) -> Result<CpuTens
             match &w.storage {
                 Storage::F32(v) => multiply_rows(&v[row0 * k..(row0 + rows) * k], xs, n, chunk),
                 Storage::Quant { .. } => quantized_rows(&w.storage, row0, xs, k, n, chunk),
+                // Decode: widen bf16 in registers; equal to the tile path's rounding.
+                Storage::Bf16(v) if n == 1 => {
+                    for (r, o) in chunk.iter_mut().enumerate() {
+                        *o = dot_bf16(&v[(row0 + r) * k..(row0 + r + 1) * k], xs);
+                    }
+                }
                 other => {
                     let mut wbuf = vec![0f32; rows * k];
                     for r in 0..rows {

@@ -38,6 +38,30 @@ pub fn dot4(w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
     dot4_scalar(w, x)
 }
 
+/// `Σ w[i]·x[i]` for a row of bf16 weights, widened in registers on AVX-512 (decode reads
+/// the bf16 bytes once and writes no f32 copy). Equals `dot` of the widened row bit for bit
+/// on every variant. `x` must be at least `w.len()` long.
+pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx512() && std::is_x86_feature_detected!("avx512bw") {
+            // SAFETY: AVX-512F and BW were detected on this CPU just above.
+            return unsafe { avx512::dot_bf16(w, x) };
+        }
+    }
+    let widen = |b: &u16| f32::from_bits(u32::from(*b) << 16);
+    let mut buf = [0f32; 4096];
+    match w.len() <= buf.len() {
+        true => {
+            for (o, b) in buf.iter_mut().zip(w) {
+                *o = widen(b);
+            }
+            dot(&buf[..w.len()], x)
+        }
+        false => dot(&w.iter().map(widen).collect::<Vec<_>>(), x),
+    }
+}
+
 /// `Σ a[i]·b[i]` over the shorter of the two slices.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
@@ -168,6 +192,32 @@ mod avx512 {
                 let x = _mm512_maskz_loadu_ps(m, a.as_ptr().add(i));
                 let y = _mm512_maskz_loadu_ps(m, b.as_ptr().add(i));
                 acc = _mm512_fmadd_ps(x, y, acc);
+            }
+            i += 16;
+        }
+        _mm512_reduce_add_ps(acc)
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512F and BW.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub unsafe fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
+        let n = w.len();
+        assert!(
+            x.len() >= n,
+            "dot_bf16: activation row shorter than the weights"
+        );
+        let mut acc = _mm512_setzero_ps();
+        let mut i = 0;
+        while i < n {
+            let m = tail_mask(n - i);
+            // SAFETY: the mask covers only indices below n, inside both slices; masked-off
+            // lanes are not read. bf16 → f32 is a 16-bit left shift (exact).
+            unsafe {
+                let h = _mm256_maskz_loadu_epi16(m, w.as_ptr().add(i).cast());
+                let wf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                let xv = _mm512_maskz_loadu_ps(m, x.as_ptr().add(i));
+                acc = _mm512_fmadd_ps(wf, xv, acc);
             }
             i += 16;
         }
@@ -385,6 +435,17 @@ mod tests {
                     assert_eq!(tile[r][t].to_bits(), dot(wr, x[t]).to_bits(), "n={n}");
                 }
             }
+            // bf16 rows: the fused kernel equals the product of the widened row.
+            let wb: Vec<u16> = w.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+            let widened: Vec<f32> = wb
+                .iter()
+                .map(|b| f32::from_bits(u32::from(*b) << 16))
+                .collect();
+            assert_eq!(
+                dot_bf16(&wb, x[1]).to_bits(),
+                dot(&widened, x[1]).to_bits(),
+                "n={n}"
+            );
             let a = dot4(&w, x);
             let b = dot4_scalar(&w, x);
             let single = dot(&w, x[2]);
