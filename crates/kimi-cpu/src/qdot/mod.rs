@@ -26,6 +26,10 @@ use kimi_core::DType;
 /// Values per activation block.
 pub(crate) const QK: usize = 32;
 
+/// 1.5·2^23: `(y + ROUNDER) - ROUNDER` is `y` rounded to nearest, ties to even, for
+/// |y| < 2^22.
+const ROUNDER: f32 = 12_582_912.0;
+
 /// Weight block types with integer kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
@@ -117,7 +121,9 @@ impl Q8Acts {
             let id = if d > 0.0 { 1.0 / d } else { 0.0 };
             let mut s = 0i32;
             for (q, v) in q.iter_mut().zip(x) {
-                let r = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
+                // Adding and removing 1.5·2^23 rounds to nearest even (|v·id| ≤ 127), as
+                // `round_ties_even` does, without its libm call on baseline x86_64.
+                let r = ((v * id + ROUNDER) - ROUNDER).clamp(-127.0, 127.0) as i8;
                 *q = r;
                 s += i32::from(r);
             }

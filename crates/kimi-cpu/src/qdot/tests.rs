@@ -27,6 +27,16 @@ fn widths(kind: Kind) -> &'static [usize] {
 }
 
 #[test]
+fn the_rounding_trick_rounds_ties_to_even() {
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let mut ys: Vec<f32> = (-300..=300).map(|i| i as f32 * 0.5).collect();
+    ys.extend((0..10_000).map(|_| rng.random_range(-128.0f32..128.0)));
+    for y in ys {
+        assert_eq!((y + ROUNDER) - ROUNDER, y.round_ties_even(), "{y}");
+    }
+}
+
+#[test]
 fn quantized_activations_are_within_half_a_step() {
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     let (n, k) = (3, 96);
