@@ -25,7 +25,7 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         a.decode_batch.iter().all(|&b| b >= 1) && a.decode_steps >= 1 && a.context >= 1,
         "need --decode-batch sizes >= 1, --decode-steps >= 1 and --context >= 1"
     );
-    crate::load::with_backend!(a.model.device, |backend| bench_on(backend, a))
+    crate::load::with_backend!(a.model, |backend| bench_on(backend, a))
 }
 
 fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()> {

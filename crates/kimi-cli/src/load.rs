@@ -33,13 +33,19 @@ pub enum ModelInfo {
     },
 }
 
-/// Runs `$body` with `$b` bound to a fresh backend for `$device` ([`crate::args::Device`]).
+/// Runs `$body` with `$b` bound to a fresh backend for the `--device` (and CPU matmul mode)
+/// of `$args` ([`crate::args::ModelArgs`]).
 /// Commands are generic over the backend; this is the one place that names them.
 macro_rules! with_backend {
-    ($device:expr, |$b:ident| $body:expr) => {
-        match $device {
+    ($args:expr, |$b:ident| $body:expr) => {{
+        let (device, int8_matmul) = ($args.device, $args.int8_matmul);
+        match device {
             $crate::args::Device::Cpu => {
-                let $b = kimi_cpu::CpuBackend::new();
+                let $b = kimi_cpu::CpuBackend::with_quant_matmul(if int8_matmul {
+                    kimi_cpu::QuantMatmul::Int8
+                } else {
+                    kimi_cpu::QuantMatmul::F32
+                });
                 $body
             }
             #[cfg(feature = "cuda")]
@@ -54,7 +60,7 @@ macro_rules! with_backend {
                  `cargo build --release -p kimi-cli --features cuda` (see scripts/cuda/setup.sh)"
             ),
         }
-    };
+    }};
 }
 pub(crate) use with_backend;
 

@@ -7,7 +7,7 @@ use crate::args::{KdaModeArg, LogitsArgs, MlaModeArg};
 
 pub fn logits(a: LogitsArgs) -> anyhow::Result<()> {
     anyhow::ensure!(!a.ids.is_empty(), "--ids needs at least one token id");
-    crate::load::with_backend!(a.model.device, |backend| logits_on(backend, a))
+    crate::load::with_backend!(a.model, |backend| logits_on(backend, a))
 }
 
 fn logits_on<B: Backend + 'static>(backend: B, a: LogitsArgs) -> anyhow::Result<()> {

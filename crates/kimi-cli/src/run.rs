@@ -14,7 +14,7 @@ use serde_json::json;
 use crate::args::{ChatArgs, RunArgs, SamplingArgs};
 
 pub fn run(a: RunArgs) -> anyhow::Result<()> {
-    crate::load::with_backend!(a.model.device, |backend| run_on(backend, a))
+    crate::load::with_backend!(a.model, |backend| run_on(backend, a))
 }
 
 fn run_on<B: Backend + 'static>(backend: B, a: RunArgs) -> anyhow::Result<()> {
@@ -50,7 +50,7 @@ fn run_on<B: Backend + 'static>(backend: B, a: RunArgs) -> anyhow::Result<()> {
 }
 
 pub fn chat(a: ChatArgs) -> anyhow::Result<()> {
-    crate::load::with_backend!(a.model.device, |backend| chat_on(backend, a))
+    crate::load::with_backend!(a.model, |backend| chat_on(backend, a))
 }
 
 fn chat_on<B: Backend + 'static>(backend: B, a: ChatArgs) -> anyhow::Result<()> {

@@ -14,7 +14,7 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
         a.gpu_memory_utilization > 0.0 && a.gpu_memory_utilization <= 1.0,
         "--gpu-memory-utilization must be in (0, 1]"
     );
-    crate::load::with_backend!(a.model.device, |backend| serve_on(backend, a))
+    crate::load::with_backend!(a.model, |backend| serve_on(backend, a))
 }
 
 fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()> {

@@ -20,6 +20,10 @@ use crate::tensor::{shape_err, CpuTensor};
 use kimi_ops::{check_paged, check_segments};
 use kimi_ops::{AttentionDims, PagedSeq, Result, RopeStyle, Segment};
 
+/// Up to this many rows `rope` runs sequentially (the backend then calls it on the calling
+/// thread, without a hand-off to the pool).
+pub const SEQUENTIAL_ROPE_ROWS: usize = 8;
+
 /// See `Backend::rope`.
 pub fn rope(
     x: &CpuTensor,
@@ -49,28 +53,34 @@ pub fn rope(
     if width == 0 {
         return CpuTensor::f32(&x.shape, out);
     }
-    out.par_chunks_mut(width)
-        .zip(positions.par_iter())
-        .for_each(|(row, &pos)| {
-            let (cos, sin): (Vec<f32>, Vec<f32>) = inv_freq
-                .iter()
-                .map(|f| {
-                    let angle = pos as f64 * f;
-                    (angle.cos() as f32, angle.sin() as f32)
-                })
-                .unzip();
-            for head in row.chunks_exact_mut(head_dim) {
-                for i in 0..half {
-                    let (a, b) = match style {
-                        RopeStyle::Adjacent => (2 * i, 2 * i + 1),
-                        RopeStyle::HalfSplit => (i, i + half),
-                    };
-                    let (x0, x1) = (head[a], head[b]);
-                    head[a] = x0 * cos[i] - x1 * sin[i];
-                    head[b] = x0 * sin[i] + x1 * cos[i];
-                }
+    let rotate = |(row, &pos): (&mut [f32], &usize)| {
+        let (cos, sin): (Vec<f32>, Vec<f32>) = inv_freq
+            .iter()
+            .map(|f| {
+                let angle = pos as f64 * f;
+                (angle.cos() as f32, angle.sin() as f32)
+            })
+            .unzip();
+        for head in row.chunks_exact_mut(head_dim) {
+            for i in 0..half {
+                let (a, b) = match style {
+                    RopeStyle::Adjacent => (2 * i, 2 * i + 1),
+                    RopeStyle::HalfSplit => (i, i + half),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * cos[i] - x1 * sin[i];
+                head[b] = x0 * sin[i] + x1 * cos[i];
             }
-        });
+        }
+    };
+    // A few rows (decode) are cheaper on the calling thread than spread over the pool.
+    if n <= SEQUENTIAL_ROPE_ROWS {
+        out.chunks_mut(width).zip(positions).for_each(rotate);
+    } else {
+        out.par_chunks_mut(width)
+            .zip(positions.par_iter())
+            .for_each(rotate);
+    }
     CpuTensor::f32(&x.shape, out)
 }
 

@@ -16,10 +16,12 @@ mod mla;
 mod moe;
 mod norm;
 mod paged;
+mod qdot;
 mod quant;
 pub mod simd;
 mod tensor;
 
+pub use matmul::{QuantMatmul, INT8_MAX_TOKENS};
 pub use tensor::{CpuTensor, Storage};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -31,14 +33,28 @@ use kimi_ops::{
     MoeWeights, PagedSeq, Result, RopeStyle, Segment,
 };
 
-/// The CPU backend. Cheap to construct; holds no state besides the thread pool it uses.
+/// The CPU backend. Cheap to construct; holds no state besides the thread pool it uses
+/// and how it multiplies block-quantized weights.
 #[derive(Clone, Debug, Default)]
-pub struct CpuBackend;
+pub struct CpuBackend {
+    quant_matmul: QuantMatmul,
+}
 
 impl CpuBackend {
-    /// A backend using rayon's global thread pool.
+    /// A backend on the CPU backend's thread pool, with the fast integer kernels for
+    /// block-quantized weights ([`QuantMatmul::Int8`]).
     pub fn new() -> Self {
-        Self
+        Self::default()
+    }
+
+    /// A backend that multiplies block-quantized weights as `mode` says.
+    pub fn with_quant_matmul(mode: QuantMatmul) -> Self {
+        Self { quant_matmul: mode }
+    }
+
+    /// How this backend multiplies block-quantized weights.
+    pub fn quant_matmul(&self) -> QuantMatmul {
+        self.quant_matmul
     }
 }
 
@@ -66,26 +82,29 @@ impl Backend for CpuBackend {
     fn size_bytes(&self, t: &CpuTensor) -> usize {
         t.size_bytes()
     }
+    // The row and norm ops are sequential loops over a few rows, run on the calling thread:
+    // handing each to the pool would cost two thread wake-ups, more than the work itself
+    // in a decode step (about ten such ops per layer).
     fn embedding(&self, table: &CpuTensor, ids: &[u32]) -> Result<CpuTensor> {
-        pool().install(|| norm::embedding(table, ids))
+        norm::embedding(table, ids)
     }
     fn matmul(&self, x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
-        pool().install(|| matmul::matmul(x, w))
+        pool().install(|| matmul::matmul(x, w, self.quant_matmul))
     }
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
-        pool().install(|| norm::rms_norm(x, weight, eps))
+        norm::rms_norm(x, weight, eps)
     }
     fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
-        pool().install(|| norm::add_assign(x, y))
+        norm::add_assign(x, y)
     }
     fn select_rows(&self, x: &CpuTensor, rows: &[usize]) -> Result<CpuTensor> {
-        pool().install(|| norm::select_rows(x, rows))
+        norm::select_rows(x, rows)
     }
     fn split_cols(&self, x: &CpuTensor, widths: &[usize]) -> Result<Vec<CpuTensor>> {
-        pool().install(|| norm::split_cols(x, widths))
+        norm::split_cols(x, widths)
     }
     fn concat_cols(&self, parts: &[&CpuTensor]) -> Result<CpuTensor> {
-        pool().install(|| norm::concat_cols(parts))
+        norm::concat_cols(parts)
     }
     fn sigmoid(&self, x: &CpuTensor) -> Result<CpuTensor> {
         let v = x
@@ -96,7 +115,7 @@ impl Backend for CpuBackend {
         CpuTensor::f32(x.shape(), v)
     }
     fn mlp(&self, x: &CpuTensor, w: &MlpWeights<CpuTensor>) -> Result<CpuTensor> {
-        pool().install(|| moe::mlp(x, w))
+        pool().install(|| moe::mlp(x, w, self.quant_matmul))
     }
     fn moe(
         &self,
@@ -104,7 +123,7 @@ impl Backend for CpuBackend {
         w: &MoeWeights<CpuTensor>,
         routing: &MoeRouting,
     ) -> Result<(CpuTensor, Vec<u32>)> {
-        pool().install(|| moe::moe(x, w, routing))
+        pool().install(|| moe::moe(x, w, routing, self.quant_matmul))
     }
     fn short_conv_silu(
         &self,
@@ -174,7 +193,11 @@ impl Backend for CpuBackend {
         theta: f32,
         style: RopeStyle,
     ) -> Result<CpuTensor> {
-        pool().install(|| attention::rope(x, positions, num_heads, head_dim, theta, style))
+        let rope = || attention::rope(x, positions, num_heads, head_dim, theta, style);
+        match positions.len() <= attention::SEQUENTIAL_ROPE_ROWS {
+            true => rope(),
+            false => pool().install(rope),
+        }
     }
     fn attention(
         &self,

@@ -3,16 +3,42 @@
 //! Work is split over blocks of output features. Each task converts its block of weight
 //! rows to f32 once, then multiplies it with every token row four tokens at a time, so a
 //! weight element is read from memory once per call (decode is bound by that read).
-//! Block-quantized rows are dequantized a few at a time into an L1-sized buffer instead.
+//! Block-quantized weights take one of two paths (see [`QuantMatmul`]): the integer kernels
+//! of `crate::qdot` on int8-quantized activations, or f32 products with rows dequantized a
+//! few at a time into an L1-sized buffer.
 
 use rayon::prelude::*;
 
-use crate::simd::{dot, dot4};
+use crate::qdot::{self, Kind, Q8Acts};
+use crate::simd::{dot, dot4, dot4x4, dot_bf16};
 use crate::tensor::{row_to_f32, shape_err, CpuTensor, Storage};
 use kimi_ops::Result;
 
+/// How block-quantized weights multiply f32 activations.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum QuantMatmul {
+    /// Batches of up to [`INT8_MAX_TOKENS`] tokens (decode) quantize the activations to
+    /// int8 per 32-value block, as llama.cpp does, and dot them with the packed weights in
+    /// integer arithmetic (types with kernels in `crate::qdot`). Results differ from the
+    /// f32 product by the rounding of the activations (at most half a step per value),
+    /// which can flip a greedy choice between near-tied tokens. Within that path a token's
+    /// result does not depend on the other tokens of its batch. Larger batches (prefill)
+    /// take the f32 path, which measured faster there.
+    #[default]
+    Int8,
+    /// Always dequantize weights to f32 and multiply with the f32 activations: the product
+    /// of the dequantized weights up to f32 summation order (golden-output tests use it).
+    F32,
+}
+
+/// The largest batch [`QuantMatmul::Int8`] runs on the integer kernels. Above it the
+/// integer kernels' per-block scaling (one multiply, broadcast and FMA per block and token)
+/// costs more than dequantizing a tile once and running the f32 kernel over all tokens:
+/// at 128 tokens they were 1.3–2× slower (`examples/quant_bench.rs`).
+pub const INT8_MAX_TOKENS: usize = 8;
+
 /// `x [n, k] · w[o, k]ᵀ → [n, o]`.
-pub fn matmul(x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
+pub fn matmul(x: &CpuTensor, w: &CpuTensor, mode: QuantMatmul) -> Result<CpuTensor> {
     let (n, k) = x.rows_cols("matmul")?;
     let (o, wk) = weight_dims(w)?;
     if k != wk {
@@ -25,15 +51,33 @@ pub fn matmul(x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
     let mut out_t = vec![0f32; o * n];
     let threads = rayon::current_num_threads().max(1);
     let block = (o / (threads * 8)).clamp(8, 128);
+    // The integer path quantizes the activations once for all tasks.
+    let int8 = match &w.storage {
+        Storage::Quant { dtype, bytes } if mode == QuantMatmul::Int8 && n <= INT8_MAX_TOKENS => {
+            Kind::of(*dtype).map(|kind| (kind, bytes, Q8Acts::quantize(xs, n, k)))
+        }
+        _ => None,
+    };
     out_t
         .par_chunks_mut(block * n.max(1))
         .enumerate()
         .for_each(|(b, chunk)| {
             let row0 = b * block;
             let rows = chunk.len() / n.max(1);
+            if let Some((kind, bytes, xq)) = &int8 {
+                let rb = kind.row_bytes(k);
+                qdot::matmul_rows(*kind, &bytes[row0 * rb..(row0 + rows) * rb], xq, chunk);
+                return;
+            }
             match &w.storage {
                 Storage::F32(v) => multiply_rows(&v[row0 * k..(row0 + rows) * k], xs, n, chunk),
                 Storage::Quant { .. } => quantized_rows(&w.storage, row0, xs, k, n, chunk),
+                // Decode: widen bf16 in registers; equal to the tile path's rounding.
+                Storage::Bf16(v) if n == 1 => {
+                    for (r, o) in chunk.iter_mut().enumerate() {
+                        *o = dot_bf16(&v[(row0 + r) * k..(row0 + r + 1) * k], xs);
+                    }
+                }
                 other => {
                     let mut wbuf = vec![0f32; rows * k];
                     for r in 0..rows {
@@ -55,8 +99,9 @@ pub fn matmul(x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
 }
 
 /// `out[r * n + t] = wrows[r] · x[t]` for every row of `wrows [rows, k]` and token of
-/// `xs [n, k]`, four tokens at a time (a lone last token, as in decode, takes the single
-/// dot product, which rounds exactly as `dot4` does on AVX2).
+/// `xs [n, k]`, four rows by four tokens at a time (a lone last token, as in decode, takes
+/// the single dot product, which rounds exactly as `dot4` and `dot4x4` do on AVX2 and on
+/// AVX-512).
 fn multiply_rows(wrows: &[f32], xs: &[f32], n: usize, out: &mut [f32]) {
     let k = xs.len() / n.max(1);
     let rows = out.len() / n.max(1);
@@ -73,8 +118,18 @@ fn multiply_rows(wrows: &[f32], xs: &[f32], n: usize, out: &mut [f32]) {
             &xs[t * k..(t + 1) * k]
         };
         let xrows = [tok(0), tok(1), tok(2), tok(3)];
-        for r in 0..rows {
-            let d = dot4(&wrows[r * k..(r + 1) * k], xrows);
+        let full = rows / 4 * 4;
+        let wrow = |r: usize| &wrows[r * k..(r + 1) * k];
+        for r0 in (0..full).step_by(4) {
+            let d = dot4x4([wrow(r0), wrow(r0 + 1), wrow(r0 + 2), wrow(r0 + 3)], xrows);
+            for (r, dr) in d.iter().enumerate() {
+                for (i, v) in dr.iter().enumerate().take((n - t0).min(4)) {
+                    out[(r0 + r) * n + t0 + i] = *v;
+                }
+            }
+        }
+        for r in full..rows {
+            let d = dot4(wrow(r), xrows);
             for (i, v) in d.iter().enumerate().take((n - t0).min(4)) {
                 out[r * n + t0 + i] = *v;
             }
@@ -140,7 +195,7 @@ mod tests {
                 .collect();
             let xt = CpuTensor::f32(&[n, k], x.clone()).unwrap();
             let wt = CpuTensor::f32(&[o, k], w.clone()).unwrap();
-            let y = matmul(&xt, &wt).unwrap().to_f32_vec();
+            let y = matmul(&xt, &wt, QuantMatmul::F32).unwrap().to_f32_vec();
             let want = naive(&x, &w, n, k, o);
             for (a, b) in y.iter().zip(&want) {
                 assert!((a - b).abs() < 1e-4, "{a} vs {b}");
@@ -151,7 +206,7 @@ mod tests {
                 shape: vec![o, k],
                 storage: Storage::Bf16(wb),
             };
-            let y = matmul(&xt, &wt).unwrap().to_f32_vec();
+            let y = matmul(&xt, &wt, QuantMatmul::F32).unwrap().to_f32_vec();
             let want = naive(&x, &wround, n, k, o);
             for (a, b) in y.iter().zip(&want) {
                 assert!((a - b).abs() < 1e-4, "{a} vs {b}");
@@ -168,7 +223,7 @@ mod tests {
                 shape: vec![o, k],
                 storage: Storage::F16(wh),
             };
-            let y = matmul(&xt, &wt).unwrap().to_f32_vec();
+            let y = matmul(&xt, &wt, QuantMatmul::F32).unwrap().to_f32_vec();
             let want = naive(&x, &wround, n, k, o);
             for (a, b) in y.iter().zip(&want) {
                 assert!((a - b).abs() < 1e-4, "{a} vs {b}");
@@ -205,7 +260,7 @@ mod tests {
             .unwrap();
             assert_eq!(wt.size_bytes(), bytes.len());
             assert_eq!(wt.to_f32_vec(), wround);
-            let y = matmul(&xt, &wt).unwrap().to_f32_vec();
+            let y = matmul(&xt, &wt, QuantMatmul::F32).unwrap().to_f32_vec();
             let want = naive(&x, &wround, n, k, o);
             for (a, b) in y.iter().zip(&want) {
                 assert!((a - b).abs() < 1e-4, "{dtype}: {a} vs {b}");

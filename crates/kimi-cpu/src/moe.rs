@@ -1,14 +1,14 @@
 //! Mixture of experts: sigmoid router with bias-corrected, group-limited top-k selection,
 //! SwiGLU experts and shared experts (spec §5).
 
-use crate::matmul::matmul;
+use crate::matmul::{matmul, QuantMatmul};
 use crate::tensor::{shape_err, CpuTensor};
 use kimi_ops::{MlpWeights, MoeRouting, MoeWeights, Result};
 
 /// See `Backend::mlp`.
-pub fn mlp(x: &CpuTensor, w: &MlpWeights<CpuTensor>) -> Result<CpuTensor> {
-    let mut gate = matmul(x, &w.gate)?;
-    let up = matmul(x, &w.up)?;
+pub fn mlp(x: &CpuTensor, w: &MlpWeights<CpuTensor>, mode: QuantMatmul) -> Result<CpuTensor> {
+    let mut gate = matmul(x, &w.gate, mode)?;
+    let up = matmul(x, &w.up, mode)?;
     {
         let g = gate.as_f32_mut("mlp")?;
         let u = up.as_f32("mlp")?;
@@ -19,7 +19,7 @@ pub fn mlp(x: &CpuTensor, w: &MlpWeights<CpuTensor>) -> Result<CpuTensor> {
             *gi = crate::kda::silu(*gi) * ui;
         }
     }
-    matmul(&gate, &w.down)
+    matmul(&gate, &w.down, mode)
 }
 
 /// Chosen experts and their weights for one token.
@@ -82,6 +82,7 @@ pub fn moe(
     x: &CpuTensor,
     w: &MoeWeights<CpuTensor>,
     r: &MoeRouting,
+    mode: QuantMatmul,
 ) -> Result<(CpuTensor, Vec<u32>)> {
     let (n, d) = x.rows_cols("moe")?;
     let num_experts = w.experts.len();
@@ -102,7 +103,8 @@ pub fn moe(
             format!("{num_experts} experts in {} groups", r.num_groups),
         ));
     }
-    let logits = matmul(x, &w.router)?.to_f32_vec();
+    // The router stays in f32: expert choice is sensitive to small changes.
+    let logits = matmul(x, &w.router, QuantMatmul::F32)?.to_f32_vec();
     let bias = w.correction_bias.as_ref().map(|b| b.to_f32_vec());
     let xs = x.as_f32("moe")?;
     let routes: Vec<Route> = (0..n)
@@ -133,7 +135,7 @@ pub fn moe(
         for (t, _) in &users {
             rows.extend_from_slice(&xs[t * d..(t + 1) * d]);
         }
-        let y = mlp(&CpuTensor::f32(&[users.len(), d], rows)?, ew)?;
+        let y = mlp(&CpuTensor::f32(&[users.len(), d], rows)?, ew, mode)?;
         let ys = y.as_f32("moe")?;
         for (i, (t, wt)) in users.iter().enumerate() {
             for j in 0..d {
@@ -142,7 +144,7 @@ pub fn moe(
         }
     }
     if let Some(shared) = &w.shared {
-        let y = mlp(x, shared)?;
+        let y = mlp(x, shared, mode)?;
         for (o, v) in out.iter_mut().zip(y.as_f32("moe")?) {
             *o += v;
         }

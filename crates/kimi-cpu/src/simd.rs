@@ -1,14 +1,35 @@
-//! Dot-product and dequantization kernels with a portable fallback and an AVX2+FMA variant
-//! chosen at run time.
+//! Dot-product and dequantization kernels with a portable fallback, an AVX2+FMA variant and
+//! an AVX-512 variant chosen at run time.
 //!
-//! These are the inner loops of every matmul. The AVX2 functions are `unsafe` only because
-//! they need the CPU features that the dispatcher checks first.
+//! These are the inner loops of every f32 matmul. The SIMD functions are `unsafe` only
+//! because they need the CPU features that the dispatcher checks first. On AVX-512 every
+//! product (`dot`, `dot4`, `dot4x4`) sums each pair of rows in the same order (16 lanes,
+//! masked tail, one reduction), so a token's result does not depend on how many tokens or
+//! rows were computed with it.
+
+/// `out[r][t] = w[r] · x[t]` for four weight rows and four token rows at once: on AVX-512
+/// sixteen accumulators, so each loaded vector feeds four FMAs (prefill is bound by the
+/// FMA rate, not by loads). Every row must be at least `w[0].len()` long.
+pub fn dot4x4(w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx512() {
+            // SAFETY: AVX-512F was detected on this CPU just above.
+            return unsafe { avx512::dot4x4(w, x) };
+        }
+    }
+    w.map(|row| dot4(row, x))
+}
 
 /// `Σ w[i]·x_t[i]` for four token rows `x_t` at once, so each weight element is loaded once
 /// per four tokens. Rows shorter than four tokens pass the same slice several times.
 pub fn dot4(w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
     #[cfg(target_arch = "x86_64")]
     {
+        if has_avx512() {
+            // SAFETY: AVX-512F was detected on this CPU just above.
+            return unsafe { avx512::dot4x4([w, w, w, w], x)[0] };
+        }
         if has_avx2_fma() {
             // SAFETY: the AVX2 and FMA features were detected on this CPU just above.
             return unsafe { avx2::dot4(w, x) };
@@ -17,12 +38,40 @@ pub fn dot4(w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
     dot4_scalar(w, x)
 }
 
+/// `Σ w[i]·x[i]` for a row of bf16 weights, widened in registers on AVX-512 (decode reads
+/// the bf16 bytes once and writes no f32 copy). Equals `dot` of the widened row bit for bit
+/// on every variant. `x` must be at least `w.len()` long.
+pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx512() && std::is_x86_feature_detected!("avx512bw") {
+            // SAFETY: AVX-512F and BW were detected on this CPU just above.
+            return unsafe { avx512::dot_bf16(w, x) };
+        }
+    }
+    let widen = |b: &u16| f32::from_bits(u32::from(*b) << 16);
+    let mut buf = [0f32; 4096];
+    match w.len() <= buf.len() {
+        true => {
+            for (o, b) in buf.iter_mut().zip(w) {
+                *o = widen(b);
+            }
+            dot(&buf[..w.len()], x)
+        }
+        false => dot(&w.iter().map(widen).collect::<Vec<_>>(), x),
+    }
+}
+
 /// `Σ a[i]·b[i]` over the shorter of the two slices.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
     #[cfg(target_arch = "x86_64")]
     {
+        if has_avx512() {
+            // SAFETY: AVX-512F was detected on this CPU just above.
+            return unsafe { avx512::dot(a, b) };
+        }
         if has_avx2_fma() {
             // SAFETY: the AVX2 and FMA features were detected on this CPU just above.
             return unsafe { avx2::dot(a, b) };
@@ -110,6 +159,99 @@ pub fn flush_subnormals_to_zero() {
 #[cfg(target_arch = "x86_64")]
 fn has_avx2_fma() -> bool {
     std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx512() -> bool {
+    std::is_x86_feature_detected!("avx512f")
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// Lanes `0..len` set (the masked tail of a row).
+    #[inline]
+    fn tail_mask(len: usize) -> __mmask16 {
+        ((1u32 << len.min(16)) - 1) as __mmask16
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512F; `b` must be at least `a.len()` long.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len();
+        assert!(b.len() >= n, "dot: second row shorter than the first");
+        let mut acc = _mm512_setzero_ps();
+        let mut i = 0;
+        while i < n {
+            let m = tail_mask(n - i);
+            // SAFETY: the mask covers only indices below n, inside both slices; masked-off
+            // lanes are not read.
+            unsafe {
+                let x = _mm512_maskz_loadu_ps(m, a.as_ptr().add(i));
+                let y = _mm512_maskz_loadu_ps(m, b.as_ptr().add(i));
+                acc = _mm512_fmadd_ps(x, y, acc);
+            }
+            i += 16;
+        }
+        _mm512_reduce_add_ps(acc)
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512F and BW.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub unsafe fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
+        let n = w.len();
+        assert!(
+            x.len() >= n,
+            "dot_bf16: activation row shorter than the weights"
+        );
+        let mut acc = _mm512_setzero_ps();
+        let mut i = 0;
+        while i < n {
+            let m = tail_mask(n - i);
+            // SAFETY: the mask covers only indices below n, inside both slices; masked-off
+            // lanes are not read. bf16 → f32 is a 16-bit left shift (exact).
+            unsafe {
+                let h = _mm256_maskz_loadu_epi16(m, w.as_ptr().add(i).cast());
+                let wf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                let xv = _mm512_maskz_loadu_ps(m, x.as_ptr().add(i));
+                acc = _mm512_fmadd_ps(wf, xv, acc);
+            }
+            i += 16;
+        }
+        _mm512_reduce_add_ps(acc)
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512F; every `x[t]` and `w[r]` must be at least `w[0].len()`
+    /// long.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot4x4(w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
+        let n = w[0].len();
+        assert!(
+            w.iter().chain(&x).all(|r| r.len() >= n),
+            "dot4x4: row shorter than the first weight row"
+        );
+        let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+        let mut i = 0;
+        while i < n {
+            let m = tail_mask(n - i);
+            // SAFETY: the mask covers only indices below n, inside every row (asserted).
+            unsafe {
+                let wv = w.map(|r| _mm512_maskz_loadu_ps(m, r.as_ptr().add(i)));
+                let xv = x.map(|r| _mm512_maskz_loadu_ps(m, r.as_ptr().add(i)));
+                for r in 0..4 {
+                    for t in 0..4 {
+                        acc[r][t] = _mm512_fmadd_ps(wv[r], xv[t], acc[r][t]);
+                    }
+                }
+            }
+            i += 16;
+        }
+        acc.map(|row| row.map(|a| _mm512_reduce_add_ps(a)))
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -282,6 +424,35 @@ mod tests {
                 })
                 .collect();
             let x = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
+            // Four weight rows by four tokens: each pair exactly as the single products.
+            let ws: Vec<Vec<f32>> = (0..4)
+                .map(|r| w.iter().map(|v| v * (r as f32 + 1.0) - 0.01).collect())
+                .collect();
+            let tile = dot4x4([&ws[0], &ws[1], &ws[2], &ws[3]], x);
+            // One summation order for every product is an AVX-512 guarantee.
+            #[cfg(target_arch = "x86_64")]
+            let same_order = has_avx512();
+            #[cfg(not(target_arch = "x86_64"))]
+            let same_order = false;
+            for (r, wr) in ws.iter().enumerate() {
+                assert_eq!(tile[r], dot4(wr, x), "n={n}");
+                for t in 0..4 {
+                    if same_order {
+                        assert_eq!(tile[r][t].to_bits(), dot(wr, x[t]).to_bits(), "n={n}");
+                    }
+                }
+            }
+            // bf16 rows: the fused kernel equals the product of the widened row.
+            let wb: Vec<u16> = w.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+            let widened: Vec<f32> = wb
+                .iter()
+                .map(|b| f32::from_bits(u32::from(*b) << 16))
+                .collect();
+            assert_eq!(
+                dot_bf16(&wb, x[1]).to_bits(),
+                dot(&widened, x[1]).to_bits(),
+                "n={n}"
+            );
             let a = dot4(&w, x);
             let b = dot4_scalar(&w, x);
             let single = dot(&w, x[2]);

@@ -1,0 +1,326 @@
+//! Integer matrix-vector kernels for block-quantized weights.
+//!
+//! The activation rows of a matmul are quantized once to int8 blocks of 32 values
+//! ([`Q8Acts`], the counterpart of ggml's Q8_1: one f32 scale and the scaled sum per
+//! block); every weight block is then dotted with them in integer arithmetic, straight from
+//! its packed bytes, and only the per-block result is scaled in f32. Decode (a few tokens)
+//! reads each weight block once for all tokens and never writes dequantized weights.
+//!
+//! The result differs from the f32 product with dequantized weights by the rounding of the
+//! activations (at most half a step, `d / 2`, per value); the tests check that bound.
+//!
+//! Variants, chosen once at run time ([`Isa::best`]): portable scalar code (the reference
+//! for the others), AVX2 (`maddubs`/`madd`), AVX-512 VNNI (`vpdpbusd`) and NEON
+//! (aarch64). Integer parts agree bit for bit across variants; only the order of the f32
+//! sums of per-block results differs.
+
+#[cfg(target_arch = "aarch64")]
+mod neon;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use std::sync::OnceLock;
+
+use kimi_core::DType;
+
+/// Values per activation block.
+pub(crate) const QK: usize = 32;
+
+/// 1.5·2^23: `(y + ROUNDER) - ROUNDER` is `y` rounded to nearest, ties to even, for
+/// |y| < 2^22.
+const ROUNDER: f32 = 12_582_912.0;
+
+/// Weight block types with integer kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// `d:f16 | qs[16]`, `(nibble - 8) * d`.
+    Q4_0,
+    /// `d:f16 m:f16 | qs[16]`, `nibble * d + m`.
+    Q4_1,
+    /// `d:f16 | qs:i8[32]`, `q * d`.
+    Q8_0,
+    /// 256-value super-blocks: `d:f16 dmin:f16 | scales[12] | qs[128]`,
+    /// `d * sc_j * nibble - dmin * m_j` for sub-block `j` of 32.
+    Q4K,
+}
+
+impl Kind {
+    /// The kernel kind of a weight dtype, if it has one.
+    pub(crate) fn of(dtype: DType) -> Option<Kind> {
+        Some(match dtype {
+            DType::Q4_0 => Kind::Q4_0,
+            DType::Q4_1 => Kind::Q4_1,
+            DType::Q8_0 => Kind::Q8_0,
+            DType::Q4_K => Kind::Q4K,
+            _ => return None,
+        })
+    }
+
+    /// Values per weight block.
+    pub(crate) fn block_values(self) -> usize {
+        match self {
+            Kind::Q4K => 256,
+            _ => QK,
+        }
+    }
+
+    /// Bytes per weight block.
+    pub(crate) fn block_bytes(self) -> usize {
+        match self {
+            Kind::Q4_0 => 18,
+            Kind::Q4_1 => 20,
+            Kind::Q8_0 => 34,
+            Kind::Q4K => 144,
+        }
+    }
+
+    /// Bytes of one weight row of `k` values (`k` a whole number of blocks).
+    pub(crate) fn row_bytes(self, k: usize) -> usize {
+        k / self.block_values() * self.block_bytes()
+    }
+}
+
+/// Activation rows `[n, k]` quantized to int8 blocks of [`QK`]: value ≈ `q * d`.
+/// `sum = d * Σq` per block lets a weight's constant term (Q4_0's −8, Q4_1's min, Q4_K's
+/// mins) be applied once per block instead of once per value.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Q8Acts {
+    /// Tokens.
+    pub n: usize,
+    /// Values per token, a multiple of [`QK`].
+    pub k: usize,
+    /// `[n, k]`, each in `-127..=127`.
+    pub qs: Vec<i8>,
+    /// `[n, k / QK]` block scales.
+    pub d: Vec<f32>,
+    /// `[n, k / QK]` block sums `d * Σq`.
+    pub sum: Vec<f32>,
+}
+
+impl Q8Acts {
+    /// Quantizes `xs [n, k]`: per block `d = max|x| / 127` and `q = round(x / d)` (ties to
+    /// even, as the SIMD conversions round). Non-finite inputs give unspecified (but
+    /// memory-safe) results.
+    pub(crate) fn quantize(xs: &[f32], n: usize, k: usize) -> Self {
+        debug_assert!(k.is_multiple_of(QK) && xs.len() == n * k);
+        let nb = k / QK;
+        let mut a = Q8Acts {
+            n,
+            k,
+            qs: vec![0; n * k],
+            d: vec![0.0; n * nb],
+            sum: vec![0.0; n * nb],
+        };
+        for (b, (x, q)) in xs
+            .chunks_exact(QK)
+            .zip(a.qs.chunks_exact_mut(QK))
+            .enumerate()
+        {
+            let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let mut s = 0i32;
+            for (q, v) in q.iter_mut().zip(x) {
+                // Adding and removing 1.5·2^23 rounds to nearest even (|v·id| ≤ 127), as
+                // `round_ties_even` does, without its libm call on baseline x86_64.
+                let r = ((v * id + ROUNDER) - ROUNDER).clamp(-127.0, 127.0) as i8;
+                *q = r;
+                s += i32::from(r);
+            }
+            a.d[b] = d;
+            a.sum[b] = d * s as f32;
+        }
+        a
+    }
+
+    /// Blocks per token.
+    pub(crate) fn blocks(&self) -> usize {
+        self.k / QK
+    }
+}
+
+/// The instruction set a kernel uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isa {
+    /// Portable Rust, the reference.
+    Scalar,
+    /// AVX2 + FMA + F16C: `maddubs`/`madd` dot products.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    /// AVX-512 F/BW/VL + VNNI: `vpdpbusd` dot products.
+    #[cfg(target_arch = "x86_64")]
+    Avx512Vnni,
+    /// NEON (always present on aarch64): widening multiplies and pairwise adds.
+    #[cfg(target_arch = "aarch64")]
+    Neon,
+}
+
+impl Isa {
+    /// The best variant this CPU runs, detected once.
+    pub(crate) fn best() -> Isa {
+        static BEST: OnceLock<Isa> = OnceLock::new();
+        *BEST.get_or_init(|| Isa::available().into_iter().last().unwrap_or(Isa::Scalar))
+    }
+
+    /// Every variant this CPU runs, worst first (the tests run them all).
+    pub(crate) fn available() -> Vec<Isa> {
+        #[allow(unused_mut)]
+        let mut v = vec![Isa::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx2") && has!("fma") && has!("f16c") {
+                v.push(Isa::Avx2);
+                if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni") {
+                    v.push(Isa::Avx512Vnni);
+                }
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        v.push(Isa::Neon);
+        v
+    }
+}
+
+/// `out[r * x.n + t] = row r of w · token t of x` for every whole row of `k = x.k` values in
+/// `w` (packed `kind` blocks) and every token, with the best kernel of this CPU.
+pub(crate) fn matmul_rows(kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
+    matmul_rows_with(Isa::best(), kind, w, x, out)
+}
+
+/// [`matmul_rows`] with a given variant; `isa` must be one of [`Isa::available`].
+pub(crate) fn matmul_rows_with(isa: Isa, kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
+    let row_bytes = kind.row_bytes(x.k);
+    let rows = w.len().checked_div(row_bytes).unwrap_or(0);
+    // Every kernel relies on these: whole rows, whole blocks, room for every result.
+    assert!(
+        x.k.is_multiple_of(kind.block_values())
+            && w.len() == rows * row_bytes
+            && out.len() == rows * x.n
+            && x.qs.len() == x.n * x.k
+            && x.d.len() == x.n * x.blocks()
+            && x.sum.len() == x.d.len(),
+        "qdot: inconsistent sizes"
+    );
+    match isa {
+        Isa::Scalar => scalar::matmul_rows(kind, w, x, out),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => {
+            assert!(Isa::available().contains(&Isa::Avx2));
+            // SAFETY: AVX2, FMA and F16C were detected (the assert above); sizes were
+            // checked above.
+            unsafe { x86::matmul_rows_avx2(kind, w, x, out) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => {
+            assert!(Isa::available().contains(&Isa::Avx512Vnni));
+            // SAFETY: AVX2/FMA/F16C and AVX-512 F/BW/VL/VNNI were detected (the assert
+            // above); sizes were checked above.
+            unsafe { x86::matmul_rows_vnni(kind, w, x, out) }
+        }
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => {
+            // SAFETY: NEON is part of the aarch64 baseline; sizes were checked above.
+            unsafe { neon::matmul_rows(kind, w, x, out) }
+        }
+    }
+}
+
+/// Little-endian f16 at `b[i..i + 2]`, widened exactly.
+#[inline(always)]
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    crate::quant::f16_to_f32(u16::from_le_bytes([b[i], b[i + 1]]))
+}
+
+/// Sub-block `j`'s 6-bit scale and min of a Q4_K super-block (`scales` is its 12 bytes).
+#[inline(always)]
+fn q4k_scale_min(j: usize, scales: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (scales[j] & 63, scales[j + 4] & 63)
+    } else {
+        (
+            (scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4),
+            (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4),
+        )
+    }
+}
+
+/// The portable kernels: the reference the SIMD variants are tested against.
+mod scalar {
+    use super::*;
+
+    pub(super) fn matmul_rows(kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
+        let row_bytes = kind.row_bytes(x.k);
+        for (r, row) in w.chunks_exact(row_bytes.max(1)).enumerate() {
+            for t in 0..x.n {
+                out[r * x.n + t] = row_dot(kind, row, x, t);
+            }
+        }
+    }
+
+    /// One weight row · token `t`: per-block integer dot, scaled and summed in f32.
+    fn row_dot(kind: Kind, row: &[u8], x: &Q8Acts, t: usize) -> f32 {
+        let nb = x.blocks();
+        let qs = &x.qs[t * x.k..(t + 1) * x.k];
+        let (xd, xs) = (&x.d[t * nb..(t + 1) * nb], &x.sum[t * nb..(t + 1) * nb]);
+        let nibble_dot = |nib: &[u8], q: &[i8]| -> i32 {
+            (0..16)
+                .map(|j| {
+                    i32::from(nib[j] & 0xF) * i32::from(q[j])
+                        + i32::from(nib[j] >> 4) * i32::from(q[j + 16])
+                })
+                .sum()
+        };
+        let (mut acc, mut offset) = (0f32, 0f32);
+        match kind {
+            Kind::Q4_0 | Kind::Q4_1 | Kind::Q8_0 => {
+                let bb = kind.block_bytes();
+                for (b, blk) in row.chunks_exact(bb).enumerate() {
+                    let q = &qs[b * QK..(b + 1) * QK];
+                    let dw = f16_at(blk, 0);
+                    let dot = match kind {
+                        Kind::Q8_0 => blk[2..]
+                            .iter()
+                            .zip(q)
+                            .map(|(&w, &v)| i32::from(w as i8) * i32::from(v))
+                            .sum(),
+                        Kind::Q4_0 => nibble_dot(&blk[2..], q),
+                        _ => nibble_dot(&blk[4..], q),
+                    };
+                    acc += dw * xd[b] * dot as f32;
+                    match kind {
+                        Kind::Q4_0 => offset += -8.0 * dw * xs[b],
+                        Kind::Q4_1 => offset += f16_at(blk, 2) * xs[b],
+                        _ => {}
+                    }
+                }
+            }
+            Kind::Q4K => {
+                for (sb, blk) in row.chunks_exact(144).enumerate() {
+                    let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+                    let (scales, nibs) = (&blk[4..16], &blk[16..]);
+                    for j in 0..8 {
+                        let (sc, m) = q4k_scale_min(j, scales);
+                        let b = sb * 8 + j;
+                        let q = &qs[b * QK..(b + 1) * QK];
+                        let half = &nibs[32 * (j / 2)..32 * (j / 2) + 32];
+                        let dot: i32 = half
+                            .iter()
+                            .zip(q)
+                            .map(|(&v, &x)| {
+                                let v = if j % 2 == 0 { v & 0xF } else { v >> 4 };
+                                i32::from(v) * i32::from(x)
+                            })
+                            .sum();
+                        acc += d * f32::from(sc) * xd[b] * dot as f32;
+                        offset += -dmin * f32::from(m) * xs[b];
+                    }
+                }
+            }
+        }
+        acc + offset
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,111 @@
+//! aarch64 NEON kernels (baseline NEON only: widening multiplies and pairwise adds, no
+//! `dotprod` extension). Each block's integer dot is reduced to a scalar and then scaled
+//! and summed in exactly the scalar kernel's order, so results equal the scalar ones bit
+//! for bit.
+
+use std::arch::aarch64::*;
+
+use super::{q4k_scale_min, Kind, Q8Acts, QK};
+
+/// # Safety
+/// Sizes as checked by `qdot::matmul_rows_with` (NEON is part of the aarch64 baseline).
+pub(super) unsafe fn matmul_rows(kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
+    let row_bytes = kind.row_bytes(x.k);
+    for (r, row) in w.chunks_exact(row_bytes.max(1)).enumerate() {
+        for t in 0..x.n {
+            // SAFETY: `row` is one whole row and token `t` exists (checked by the caller).
+            out[r * x.n + t] = unsafe { row_dot(kind, row, x, t) };
+        }
+    }
+}
+
+/// `acc + Σ w[i]·x[i]` over 16 signed bytes, widened to i32 lanes (|products| ≤ 2^14, so
+/// the i16 stage cannot overflow).
+#[inline(always)]
+unsafe fn dot16(acc: int32x4_t, w: int8x16_t, x: int8x16_t) -> int32x4_t {
+    // SAFETY: NEON is baseline on aarch64; register-only operations.
+    unsafe {
+        let lo = vmull_s8(vget_low_s8(w), vget_low_s8(x));
+        let hi = vmull_high_s8(w, x);
+        vpadalq_s16(vpadalq_s16(acc, lo), hi)
+    }
+}
+
+#[inline(always)]
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    crate::quant::f16_to_f32(u16::from_le_bytes([b[i], b[i + 1]]))
+}
+
+/// # Safety
+/// `row` is one whole row of `x.k` values of `kind`; token `t` exists in `x`.
+unsafe fn row_dot(kind: Kind, row: &[u8], x: &Q8Acts, t: usize) -> f32 {
+    let nb = x.blocks();
+    let qs = &x.qs[t * x.k..(t + 1) * x.k];
+    let (xd, xs) = (&x.d[t * nb..(t + 1) * nb], &x.sum[t * nb..(t + 1) * nb]);
+    let (mut acc, mut offset) = (0f32, 0f32);
+    // SAFETY (every load below): each reads 16 bytes inside a slice that was bounds-checked
+    // to hold them (`blk`, `q` and `half` are exact sub-slices).
+    unsafe {
+        let m4 = vdupq_n_u8(0x0F);
+        match kind {
+            Kind::Q4_0 | Kind::Q4_1 | Kind::Q8_0 => {
+                let bb = kind.block_bytes();
+                for (b, blk) in row.chunks_exact(bb).enumerate() {
+                    let q = &qs[b * QK..(b + 1) * QK];
+                    let x0 = vld1q_s8(q.as_ptr());
+                    let x1 = vld1q_s8(q[16..].as_ptr());
+                    let dw = f16_at(blk, 0);
+                    let sum = match kind {
+                        Kind::Q8_0 => {
+                            let w0 = vld1q_s8(blk[2..18].as_ptr().cast());
+                            let w1 = vld1q_s8(blk[18..34].as_ptr().cast());
+                            dot16(dot16(vdupq_n_s32(0), w0, x0), w1, x1)
+                        }
+                        _ => {
+                            let qo = if kind == Kind::Q4_0 { 2 } else { 4 };
+                            let nib = vld1q_u8(blk[qo..qo + 16].as_ptr());
+                            let lo = vreinterpretq_s8_u8(vandq_u8(nib, m4));
+                            let hi = vreinterpretq_s8_u8(vshrq_n_u8::<4>(nib));
+                            dot16(dot16(vdupq_n_s32(0), lo, x0), hi, x1)
+                        }
+                    };
+                    let dot = vaddvq_s32(sum);
+                    // The scalar kernel's expressions, in its order.
+                    acc += dw * xd[b] * dot as f32;
+                    match kind {
+                        Kind::Q4_0 => offset += -8.0 * dw * xs[b],
+                        Kind::Q4_1 => offset += f16_at(blk, 2) * xs[b],
+                        _ => {}
+                    }
+                }
+            }
+            Kind::Q4K => {
+                for (sb, blk) in row.chunks_exact(144).enumerate() {
+                    let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+                    let (scales, nibs) = (&blk[4..16], &blk[16..144]);
+                    for j in 0..8 {
+                        let (sc, m) = q4k_scale_min(j, scales);
+                        let b = sb * 8 + j;
+                        let q = &qs[b * QK..(b + 1) * QK];
+                        let half = &nibs[32 * (j / 2)..32 * (j / 2) + 32];
+                        let mut sum = vdupq_n_s32(0);
+                        for h in 0..2 {
+                            let v = vld1q_u8(half[16 * h..16 * h + 16].as_ptr());
+                            let v = if j % 2 == 0 {
+                                vandq_u8(v, m4)
+                            } else {
+                                vshrq_n_u8::<4>(v)
+                            };
+                            let xv = vld1q_s8(q[16 * h..16 * h + 16].as_ptr());
+                            sum = dot16(sum, vreinterpretq_s8_u8(v), xv);
+                        }
+                        let dot = vaddvq_s32(sum);
+                        acc += d * f32::from(sc) * xd[b] * dot as f32;
+                        offset += -dmin * f32::from(m) * xs[b];
+                    }
+                }
+            }
+        }
+    }
+    acc + offset
+}

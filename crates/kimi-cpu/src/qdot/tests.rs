@@ -1,0 +1,237 @@
+use super::*;
+use kimi_gguf::GgmlType;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const KINDS: [Kind; 4] = [Kind::Q4_0, Kind::Q4_1, Kind::Q8_0, Kind::Q4K];
+
+fn ggml(kind: Kind) -> GgmlType {
+    match kind {
+        Kind::Q4_0 => GgmlType::Q4_0,
+        Kind::Q4_1 => GgmlType::Q4_1,
+        Kind::Q8_0 => GgmlType::Q8_0,
+        Kind::Q4K => GgmlType::Q4_K,
+    }
+}
+
+fn f16_bits(v: f32) -> [u8; 2] {
+    half::f16::from_f32(v).to_bits().to_le_bytes()
+}
+
+/// Column counts per kind: one block, a few, and the demo model's 576 / 1536.
+fn widths(kind: Kind) -> &'static [usize] {
+    match kind {
+        Kind::Q4K => &[256, 512, 1536],
+        _ => &[32, 96, 576, 1536],
+    }
+}
+
+#[test]
+fn the_rounding_trick_rounds_ties_to_even() {
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let mut ys: Vec<f32> = (-300..=300).map(|i| i as f32 * 0.5).collect();
+    ys.extend((0..10_000).map(|_| rng.random_range(-128.0f32..128.0)));
+    for y in ys {
+        assert_eq!((y + ROUNDER) - ROUNDER, y.round_ties_even(), "{y}");
+    }
+}
+
+#[test]
+fn quantized_activations_are_within_half_a_step() {
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let (n, k) = (3, 96);
+    let mut xs: Vec<f32> = (0..n * k).map(|_| rng.random_range(-3.0..3.0)).collect();
+    xs[32..64].fill(0.0); // an all-zero block
+    xs[64] = 1e-30; // a tiny one
+    let a = Q8Acts::quantize(&xs, n, k);
+    assert_eq!((a.n, a.k, a.blocks()), (n, k, 3));
+    for (b, x) in xs.chunks_exact(QK).enumerate() {
+        let q = &a.qs[b * QK..(b + 1) * QK];
+        let d = a.d[b];
+        for (v, &qv) in x.iter().zip(q) {
+            assert!((-127..=127).contains(&qv));
+            assert!(
+                (v - f32::from(qv) * d).abs() <= d * 0.5 * (1.0 + 1e-6),
+                "{v}"
+            );
+        }
+        let s: i32 = q.iter().map(|&v| i32::from(v)).sum();
+        assert_eq!(a.sum[b], d * s as f32);
+        // The block's largest value maps to ±127.
+        assert!(d == 0.0 || q.iter().any(|v| v.abs() == 127));
+    }
+    assert_eq!(a.d[1], 0.0);
+    assert!(a.qs[32..64].iter().all(|&q| q == 0));
+}
+
+/// Weight rows with random quant bits but power-of-two scales and small activations, so
+/// that every product and partial sum is exact in f32: then every variant must return
+/// exactly the scalar kernel's result (this checks the integer parts bit for bit).
+fn exact_case(
+    kind: Kind,
+    rows: usize,
+    n: usize,
+    k: usize,
+    rng: &mut ChaCha8Rng,
+) -> (Vec<u8>, Q8Acts) {
+    let pow2 = |rng: &mut ChaCha8Rng, lo: i32, hi: i32| 2f32.powi(rng.random_range(lo..=hi));
+    let mut w = vec![0u8; rows * kind.row_bytes(k)];
+    for blk in w.chunks_exact_mut(kind.block_bytes()) {
+        rng.fill(blk);
+        blk[..2].copy_from_slice(&f16_bits(pow2(rng, -2, -1)));
+        match kind {
+            Kind::Q4_1 => blk[2..4].copy_from_slice(&f16_bits(pow2(rng, -2, -1))),
+            Kind::Q4K => blk[2..4].copy_from_slice(&f16_bits(pow2(rng, -2, -1))),
+            Kind::Q8_0 => {
+                for q in &mut blk[2..] {
+                    *q = (rng.random_range(-4i8..=4)) as u8;
+                }
+            }
+            Kind::Q4_0 => {}
+        }
+    }
+    let nb = k / QK;
+    let mut x = Q8Acts {
+        n,
+        k,
+        qs: (0..n * k).map(|_| rng.random_range(-4i8..=4)).collect(),
+        d: (0..n * nb).map(|_| pow2(rng, -3, -2)).collect(),
+        sum: vec![0.0; n * nb],
+    };
+    for b in 0..n * nb {
+        let s: i32 = x.qs[b * QK..(b + 1) * QK]
+            .iter()
+            .map(|&v| i32::from(v))
+            .sum();
+        x.sum[b] = x.d[b] * s as f32;
+    }
+    (w, x)
+}
+
+#[test]
+fn every_variant_equals_scalar_bit_for_bit_on_exact_values() {
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    for kind in KINDS {
+        for &k in widths(kind) {
+            for n in [1, 2, 3, 4, 5, 9] {
+                let rows = 3;
+                let (w, x) = exact_case(kind, rows, n, k, &mut rng);
+                let mut want = vec![0f32; rows * n];
+                matmul_rows_with(Isa::Scalar, kind, &w, &x, &mut want);
+                for isa in Isa::available() {
+                    let mut got = vec![f32::NAN; rows * n];
+                    matmul_rows_with(isa, kind, &w, &x, &mut got);
+                    let same = got
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{kind:?} {isa:?} k={k} n={n}: {got:?} vs {want:?}");
+                }
+            }
+        }
+    }
+}
+
+/// Random weights quantized by `kimi-gguf` (the reference format) and random activations.
+fn random_case(
+    kind: Kind,
+    rows: usize,
+    n: usize,
+    k: usize,
+    rng: &mut ChaCha8Rng,
+) -> (Vec<u8>, Vec<f32>, Vec<f32>) {
+    let w: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let bytes = kimi_gguf::quantize(ggml(kind), &w).expect("quantizes");
+    let wd = kimi_gguf::dequantize(ggml(kind), &bytes, w.len()).expect("dequantizes");
+    let xs: Vec<f32> = (0..n * k)
+        .map(|i| rng.random_range(-2.0..2.0) * if i % 7 == 0 { 4.0 } else { 1.0 })
+        .collect();
+    (bytes, wd, xs)
+}
+
+/// The scalar kernel against dequantize-then-f64-dot: the only difference allowed is the
+/// rounding of the activations, at most `d / 2` per value, so
+/// `|error| ≤ Σ |w_i| · d(block of i) / 2`, plus f32 rounding of the sums (1e-5 relative).
+#[test]
+fn scalar_equals_dequantized_product_within_the_activation_rounding() {
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    for kind in KINDS {
+        for &k in widths(kind) {
+            let (rows, n) = (4, 3);
+            let (bytes, wd, xs) = random_case(kind, rows, n, k, &mut rng);
+            let x = Q8Acts::quantize(&xs, n, k);
+            let mut got = vec![0f32; rows * n];
+            matmul_rows_with(Isa::Scalar, kind, &bytes, &x, &mut got);
+            for r in 0..rows {
+                for t in 0..n {
+                    let (wr, xr) = (&wd[r * k..(r + 1) * k], &xs[t * k..(t + 1) * k]);
+                    let exact: f64 = wr
+                        .iter()
+                        .zip(xr)
+                        .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                        .sum();
+                    let magnitude: f64 = wr
+                        .iter()
+                        .zip(xr)
+                        .map(|(a, b)| f64::from((a * b).abs()))
+                        .sum();
+                    let bound: f64 = wr
+                        .iter()
+                        .enumerate()
+                        .map(|(i, a)| {
+                            f64::from(a.abs()) * f64::from(x.d[t * (k / QK) + i / QK]) / 2.0
+                        })
+                        .sum();
+                    let err = (f64::from(got[r * n + t]) - exact).abs();
+                    assert!(
+                        err <= bound * (1.0 + 1e-5) + 1e-5 * magnitude,
+                        "{kind:?} k={k}: error {err} > bound {bound}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// On general values the SIMD variants differ from the scalar one only by the order of
+/// f32 additions of per-block results: 1e-5 of the sum of magnitudes.
+#[test]
+fn every_variant_matches_scalar_on_random_values() {
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    for kind in KINDS {
+        for &k in widths(kind) {
+            for n in [1, 4, 7] {
+                let rows = 5;
+                let (bytes, wd, xs) = random_case(kind, rows, n, k, &mut rng);
+                let x = Q8Acts::quantize(&xs, n, k);
+                let mut want = vec![0f32; rows * n];
+                matmul_rows_with(Isa::Scalar, kind, &bytes, &x, &mut want);
+                for isa in Isa::available() {
+                    let mut got = vec![0f32; rows * n];
+                    matmul_rows_with(isa, kind, &bytes, &x, &mut got);
+                    for r in 0..rows {
+                        for t in 0..n {
+                            let magnitude: f32 =
+                                (0..k).map(|i| (wd[r * k + i] * xs[t * k + i]).abs()).sum();
+                            let (a, b) = (got[r * n + t], want[r * n + t]);
+                            assert!(
+                                (a - b).abs() <= 1e-5 * magnitude,
+                                "{kind:?} {isa:?} k={k} n={n}: {a} vs {b}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_best_variant_is_one_of_the_available_ones() {
+    let all = Isa::available();
+    assert_eq!(all[0], Isa::Scalar);
+    assert_eq!(Isa::best(), *all.last().expect("scalar at least"));
+    assert_eq!(Kind::of(DType::Q4_K), Some(Kind::Q4K));
+    assert_eq!(Kind::of(DType::Q6_K), None);
+    assert_eq!(Kind::Q4_1.row_bytes(576), 18 * 20);
+}
