@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Cross-builds the CPU crates for aarch64-unknown-linux-gnu and runs their tests (unit,
+# integration and doc tests) under qemu-aarch64 user-mode emulation. The toolchain comes from
+# scripts/arm/setup.sh (Debian's rustc + arm64 std; see there why not rustup's). Extra
+# arguments go to `cargo test` (e.g. `scripts/arm/test.sh -p kimi-cpu -- simd`); with none,
+# the crates below are tested.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+eval "$(scripts/arm/setup.sh | sed -n 's/^\(RUSTC\|RUSTDOC\)=/export \1=/p')"
+
+target=aarch64-unknown-linux-gnu
+export CARGO_TARGET_DIR=$PWD/.arm/target    # apart from target/: another rustc, another target
+export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
+export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu"
+export CC_aarch64_unknown_linux_gnu=aarch64-linux-gnu-gcc
+export AR_aarch64_unknown_linux_gnu=aarch64-linux-gnu-ar
+
+"$RUSTC" -V
+if [ $# -eq 0 ]; then
+  set -- -p kimi-core -p kimi-gguf -p kimi-tokenizer -p kimi-ops -p kimi-cpu -p kimi-model \
+    -p kimi-engine -p kimi-weights
+fi
+cargo test --target "$target" "$@"
