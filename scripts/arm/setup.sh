@@ -67,7 +67,8 @@ if [ ! -f "$stamp" ] || [ ! -x "$root_dir/root/usr/bin/rustc.real" ]; then
   (cd "$root_dir"/debs && apt-get download -q $pkgs >/dev/null)
   mkdir -p "$root_dir"/root
   for d in "$root_dir"/debs/*.deb; do dpkg -x "$d" "$root_dir"/root; done
-  rm -rf "$root_dir"/debs/* "$apt_dir"/state/lists/*   # ~300 MB of indexes, no longer needed
+  # ~450 MB of indexes and caches, no longer needed.
+  rm -rf "$root_dir"/debs/* "$apt_dir"/state/lists/* "$apt_dir"/cache/*.bin
   for tool in rustc rustdoc; do mv "$root_dir/root/usr/bin/$tool" "$root_dir/root/usr/bin/$tool.real"; done
   "$root_dir"/root/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2 --library-path \
     "$root_dir"/root/usr/lib/x86_64-linux-gnu "$root_dir"/root/usr/bin/rustc.real -V >"$stamp"
