@@ -290,6 +290,43 @@ impl CudaBackend {
         (ok && inter > 0).then_some((inter, dt))
     }
 
+    /// The last step of both device MoE paths: adds the routing-weighted pair rows `y [p, d]`
+    /// to the shared expert's output (or to zero), then reads the chosen experts back: the
+    /// layer's only host read, after all of its work is queued.
+    #[allow(clippy::too_many_arguments)]
+    fn combine_routed(
+        &self,
+        y: &CudaTensor,
+        wts: &CudaTensor,
+        ids: &CudaTensor,
+        shared_out: Option<CudaTensor>,
+        n: usize,
+        d: usize,
+        k: usize,
+    ) -> Result<(CudaTensor, Vec<u32>)> {
+        const OP: &str = "moe";
+        let accumulate = shared_out.is_some();
+        let out = match shared_out {
+            Some(o) => o,
+            None => self.empty(&[n, d], DType::F32, OP)?,
+        };
+        // SAFETY: y holds n*k*d f32, wts n*k, out n*d.
+        unsafe {
+            ops::moe::combine(
+                &self.dev,
+                y.ptr(),
+                wts.ptr(),
+                out.ptr(),
+                n,
+                d,
+                k,
+                accumulate,
+            )?
+        };
+        let ids = self.to_f32(ids)?.into_iter().map(f32::to_bits).collect();
+        Ok((out, ids))
+    }
+
     /// The intermediate size when the routed experts fit the grouped tensor-core kernel:
     /// bf16 gate/up `[inter, d]` and down `[d, inter]` with both sizes multiples of 64.
     fn grouped_moe_shape(&self, w: &MoeWeights<CudaTensor>, d: usize) -> Option<usize> {
@@ -794,31 +831,7 @@ impl Backend for CudaBackend {
                     aligned,
                 )?
             };
-            let accumulate = shared_out.is_some();
-            let out = match shared_out {
-                Some(o) => o,
-                None => self.empty(&[n, d], DType::F32, OP)?,
-            };
-            // SAFETY: y holds p*d f32, wts p, out n*d.
-            unsafe {
-                ops::moe::combine(
-                    &self.dev,
-                    y.ptr(),
-                    wts_dev.ptr(),
-                    out.ptr(),
-                    n,
-                    d,
-                    k,
-                    accumulate,
-                )?
-            };
-            // The only host read: the chosen experts, after all the work is queued.
-            let ids: Vec<u32> = self
-                .to_f32(&ids_dev)?
-                .into_iter()
-                .map(f32::to_bits)
-                .collect();
-            return Ok((out, ids));
+            return self.combine_routed(&y, &wts_dev, &ids_dev, shared_out, n, d, k);
         }
         if let Some(inter) = self.grouped_moe_shape(w, d) {
             let (table, aligned) = self.expert_table(w)?;
@@ -862,31 +875,8 @@ impl Backend for CudaBackend {
                         inter,
                     )?;
                 }
-                let accumulate = shared_out.is_some();
-                let out = match shared_out {
-                    Some(o) => o,
-                    None => self.empty(&[n, d], DType::F32, OP)?,
-                };
-                // SAFETY: y holds p*d f32, wts p, out n*d.
-                unsafe {
-                    ops::moe::combine(
-                        &self.dev,
-                        y.ptr(),
-                        wts_dev.ptr(),
-                        out.ptr(),
-                        n,
-                        d,
-                        k,
-                        accumulate,
-                    )?
-                };
-                let ids: Vec<u32> = self
-                    .to_f32(&ids_dev)?
-                    .into_iter()
-                    .map(f32::to_bits)
-                    .collect();
                 drop((offsets, slots, rows, wsel));
-                return Ok((out, ids));
+                return self.combine_routed(&y, &wts_dev, &ids_dev, shared_out, n, d, k);
             }
         }
         // Other shapes or dtypes: cuBLAS per expert, with one host read of [ids | counts].
