@@ -67,6 +67,9 @@ impl Backend for CpuBackend {
     fn upload(&self, host: HostTensor<'_>) -> Result<CpuTensor> {
         CpuTensor::from_host(host)
     }
+    fn run_pass<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        pool().install(f)
+    }
     fn upload_f32(&self, shape: &[usize], data: &[f32]) -> Result<CpuTensor> {
         CpuTensor::f32(shape, data.to_vec())
     }

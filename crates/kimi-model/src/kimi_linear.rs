@@ -263,6 +263,7 @@ impl<B: Backend> CausalLm<B> for KimiLinear<B> {
         seqs: &mut [&mut SeqCache],
         opts: ForwardOptions,
     ) -> Result<ForwardOutput> {
-        KimiLinear::forward(self, batch, pool, seqs, opts)
+        self.backend
+            .run_pass(|| KimiLinear::forward(self, batch, pool, seqs, opts))
     }
 }

@@ -366,6 +366,7 @@ impl<B: Backend> CausalLm<B> for Llama<B> {
         seqs: &mut [&mut SeqCache],
         opts: ForwardOptions,
     ) -> Result<ForwardOutput> {
-        Llama::forward(self, batch, pool, seqs, opts)
+        self.backend
+            .run_pass(|| Llama::forward(self, batch, pool, seqs, opts))
     }
 }

@@ -113,8 +113,8 @@ fn every_variant_equals_scalar_bit_for_bit_on_exact_values() {
     let mut rng = ChaCha8Rng::seed_from_u64(2);
     for kind in KINDS {
         for &k in widths(kind) {
-            for n in [1, 2, 3, 4, 5, 9] {
-                let rows = 3;
+            // Row counts around the tile heights (1, 2 and 4 rows) and their tails.
+            for (n, rows) in [(1, 3), (1, 9), (2, 6), (3, 3), (4, 5), (5, 4), (9, 7)] {
                 let (w, x) = exact_case(kind, rows, n, k, &mut rng);
                 let mut want = vec![0f32; rows * n];
                 matmul_rows_with(Isa::Scalar, kind, &w, &x, &mut want);
@@ -200,8 +200,7 @@ fn every_variant_matches_scalar_on_random_values() {
     let mut rng = ChaCha8Rng::seed_from_u64(4);
     for kind in KINDS {
         for &k in widths(kind) {
-            for n in [1, 4, 7] {
-                let rows = 5;
+            for (n, rows) in [(1, 5), (1, 8), (2, 9), (4, 5), (7, 6)] {
                 let (bytes, wd, xs) = random_case(kind, rows, n, k, &mut rng);
                 let x = Q8Acts::quantize(&xs, n, k);
                 let mut want = vec![0f32; rows * n];

@@ -1,6 +1,11 @@
 //! x86_64 kernels: one body over 256-bit vectors, instantiated with two dot-product units,
 //! AVX2 (`vpmaddubsw` + `vpmaddwd`) and AVX-512 VNNI (`vpdpbusd`, EVEX on 256 bits).
 //!
+//! Work goes in tiles of `R` weight rows by `N` tokens: each weight block is expanded once
+//! per tile and each activation block loaded once per tile, and the `R·N` accumulators are
+//! independent, so the per-block latency chains (scale conversion, integer dot, FMA) of one
+//! row overlap with those of the others. A row at a time leaves the core waiting on them.
+//!
 //! The bodies are `#[inline(always)]` generic functions so that they inline into the
 //! `#[target_feature]` entry points and compile with those features.
 
@@ -10,6 +15,11 @@ use super::{q4k_scale_min, Kind, Q8Acts, QK};
 
 /// `Σ w[4i..4i+4]·x[4i..4i+4]` per i32 lane, `w` unsigned and at most 128, `x` signed.
 trait I8Dot {
+    /// Rows per tile when at least four tokens are multiplied: as many accumulators as the
+    /// unit's register file holds beside the operands (16 ymm registers on AVX2, 32 with
+    /// AVX-512).
+    const WIDE_ROWS: usize;
+
     /// # Safety
     /// The CPU must have the unit's features (the entry points guarantee it).
     unsafe fn dot(w: __m256i, x: __m256i) -> __m256i;
@@ -17,6 +27,8 @@ trait I8Dot {
 
 struct Maddubs;
 impl I8Dot for Maddubs {
+    const WIDE_ROWS: usize = 2;
+
     #[inline(always)]
     unsafe fn dot(w: __m256i, x: __m256i) -> __m256i {
         // SAFETY: AVX2 (caller). Pair sums are at most 2·128·127 < 2^15: no saturation
@@ -27,6 +39,8 @@ impl I8Dot for Maddubs {
 
 struct Vnni;
 impl I8Dot for Vnni {
+    const WIDE_ROWS: usize = 4;
+
     #[inline(always)]
     unsafe fn dot(w: __m256i, x: __m256i) -> __m256i {
         // SAFETY: AVX-512 VNNI + VL (caller).
@@ -51,38 +65,53 @@ pub(super) unsafe fn matmul_rows_vnni(kind: Kind, w: &[u8], x: &Q8Acts, out: &mu
     unsafe { rows::<Vnni>(kind, w, x, out) }
 }
 
-/// Every row, tokens four at a time so each weight block is expanded once per four tokens.
+/// Every row and token, in tiles: four rows per token for one or two tokens (decode),
+/// `D::WIDE_ROWS` rows by four tokens otherwise; single rows and fewer tokens at the edges.
 #[inline(always)]
 unsafe fn rows<D: I8Dot>(kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
-    let n = x.n;
-    let row_bytes = kind.row_bytes(x.k);
-    for (r, row) in w.chunks_exact(row_bytes.max(1)).enumerate() {
+    let (n, rb) = (x.n, kind.row_bytes(x.k));
+    let nrows = w.len().checked_div(rb).unwrap_or(0);
+    let (tile_rows, tile_tokens) = if n <= 2 { (4, n) } else { (D::WIDE_ROWS, 4) };
+    let mut r0 = 0;
+    while r0 < nrows {
+        let nr = if r0 + tile_rows <= nrows {
+            tile_rows
+        } else {
+            1
+        };
         let mut t0 = 0;
         while t0 < n {
-            let nt = (n - t0).min(4);
-            let o = &mut out[r * n + t0..r * n + t0 + nt];
-            // SAFETY: features from the caller; `row` is one whole row of `x.k` values and
-            // tokens t0..t0 + nt exist in `x` (sizes checked by the dispatcher).
+            let nt = (n - t0).min(tile_tokens);
+            // SAFETY: rows r0..r0 + nr and tokens t0..t0 + nt exist (sizes checked by the
+            // dispatcher); features from the caller.
             unsafe {
-                match nt {
-                    1 => row_tokens::<D, 1>(kind, row, x, t0, o),
-                    2 => row_tokens::<D, 2>(kind, row, x, t0, o),
-                    3 => row_tokens::<D, 3>(kind, row, x, t0, o),
-                    _ => row_tokens::<D, 4>(kind, row, x, t0, o),
+                match (nr, nt) {
+                    (1, 1) => tile::<D, 1, 1>(kind, w, rb, r0, x, t0, out),
+                    (1, 2) => tile::<D, 1, 2>(kind, w, rb, r0, x, t0, out),
+                    (1, 3) => tile::<D, 1, 3>(kind, w, rb, r0, x, t0, out),
+                    (1, _) => tile::<D, 1, 4>(kind, w, rb, r0, x, t0, out),
+                    (2, 1) => tile::<D, 2, 1>(kind, w, rb, r0, x, t0, out),
+                    (2, 2) => tile::<D, 2, 2>(kind, w, rb, r0, x, t0, out),
+                    (2, 3) => tile::<D, 2, 3>(kind, w, rb, r0, x, t0, out),
+                    (2, _) => tile::<D, 2, 4>(kind, w, rb, r0, x, t0, out),
+                    (_, 1) => tile::<D, 4, 1>(kind, w, rb, r0, x, t0, out),
+                    (_, 2) => tile::<D, 4, 2>(kind, w, rb, r0, x, t0, out),
+                    (_, 3) => tile::<D, 4, 3>(kind, w, rb, r0, x, t0, out),
+                    (_, _) => tile::<D, 4, 4>(kind, w, rb, r0, x, t0, out),
                 }
             }
             t0 += nt;
         }
+        r0 += nr;
     }
 }
 
+/// The two f16 values at `p` and `p + 2` as f32, in lanes 0 and 1. A 32-bit load into a
+/// fresh register (`vmovd`): a 16-bit insert would merge into, and wait on, a live one.
 #[inline(always)]
-unsafe fn f16_at(p: *const u8) -> f32 {
-    // SAFETY: the caller passes a pointer to two readable bytes; F16C is enabled.
-    unsafe {
-        let h = std::ptr::read_unaligned(p.cast::<u16>());
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))))
-    }
+unsafe fn f16_pair(p: *const u8) -> __m128 {
+    // SAFETY: the caller passes a pointer to four readable bytes; F16C is enabled.
+    unsafe { _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p.cast::<i32>()))) }
 }
 
 #[inline(always)]
@@ -95,106 +124,137 @@ unsafe fn hsum(v: __m256) -> f32 {
     }
 }
 
-/// `out[i] = row · token t0 + i` for `i < N`.
+/// `out[(r0 + j) * n + t0 + i] = row r0 + j · token t0 + i` for `j < R`, `i < N`.
 ///
 /// # Safety
-/// Features from the caller; `row` is `kind.row_bytes(x.k)` bytes; tokens `t0..t0 + N`
-/// exist in `x`, whose arrays have their documented sizes; `out.len() == N`.
+/// Features from the caller; `w` holds whole rows of `rb` bytes and rows `r0..r0 + R`
+/// exist; tokens `t0..t0 + N` exist in `x`, whose arrays have their documented sizes;
+/// `out` has `x.n` results per row.
 #[inline(always)]
-unsafe fn row_tokens<D: I8Dot, const N: usize>(
+unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
     kind: Kind,
-    row: &[u8],
+    w: &[u8],
+    rb: usize,
+    r0: usize,
     x: &Q8Acts,
     t0: usize,
     out: &mut [f32],
 ) {
     let nb = x.blocks();
-    let rp = row.as_ptr();
-    // SAFETY (for every pointer offset below): token t0 + i < x.n, so its `k` values and
-    // `nb` scales and sums lie inside `x.qs`, `x.d` and `x.sum`; block `b < nb` of this
-    // row lies inside `row` (a whole row of `nb` 32-value blocks, or `nb / 8` Q4_K
-    // super-blocks), and every load below stays within its block.
+    // SAFETY (for every pointer offset below): rows r0 + j < rows lie inside `w`; token
+    // t0 + i < x.n, so its `k` values and `nb` scales and sums lie inside `x.qs`, `x.d`
+    // and `x.sum`; block `b < nb` of a row lies inside that row (a whole row of `nb`
+    // 32-value blocks, or `nb / 8` Q4_K super-blocks), and every load below stays within
+    // its block (the f16 pair loads read a block's first four bytes; Q8_0 and Q4_0 blocks
+    // have at least 18).
+    let rp: [*const u8; R] = std::array::from_fn(|j| unsafe { w.as_ptr().add((r0 + j) * rb) });
     let qs: [*const i8; N] = std::array::from_fn(|i| unsafe { x.qs.as_ptr().add((t0 + i) * x.k) });
     let xd: [*const f32; N] = std::array::from_fn(|i| unsafe { x.d.as_ptr().add((t0 + i) * nb) });
     let xs: [*const f32; N] = std::array::from_fn(|i| unsafe { x.sum.as_ptr().add((t0 + i) * nb) });
-    let mut off = [0f32; N];
+    let mut off = [[0f32; N]; R];
     unsafe {
-        let mut acc = [_mm256_setzero_ps(); N];
+        let mut acc = [[_mm256_setzero_ps(); N]; R];
         let m4 = _mm256_set1_epi8(0x0F);
         match kind {
             Kind::Q4_0 | Kind::Q4_1 => {
-                let (bb, qo) = if kind == Kind::Q4_0 { (18, 2) } else { (20, 4) };
+                let q4_0 = kind == Kind::Q4_0;
+                let (bb, qo) = if q4_0 { (18, 2) } else { (20, 4) };
                 for b in 0..nb {
-                    let blk = rp.add(b * bb);
-                    let dw = f16_at(blk);
-                    let c = if kind == Kind::Q4_0 {
-                        -8.0 * dw
-                    } else {
-                        f16_at(blk.add(2))
-                    };
-                    // Byte j holds value j (low nibble) and j + 16 (high nibble).
-                    let nib = _mm_loadu_si128(blk.add(qo).cast());
-                    let wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), m4);
-                    for i in 0..N {
-                        let xv = _mm256_loadu_si256(qs[i].add(b * QK).cast());
-                        let p = _mm256_cvtepi32_ps(D::dot(wv, xv));
-                        acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * *xd[i].add(b)), p, acc[i]);
-                        off[i] += c * *xs[i].add(b);
+                    let xv: [__m256i; N] =
+                        std::array::from_fn(|i| _mm256_loadu_si256(qs[i].add(b * QK).cast()));
+                    let xdb: [f32; N] = std::array::from_fn(|i| *xd[i].add(b));
+                    let xsb: [f32; N] = std::array::from_fn(|i| *xs[i].add(b));
+                    for j in 0..R {
+                        let blk = rp[j].add(b * bb);
+                        // Q4_0: d then the first two quant bytes; Q4_1: d and m.
+                        let dm = f16_pair(blk);
+                        let dw = _mm_cvtss_f32(dm);
+                        let c = if q4_0 {
+                            -8.0 * dw
+                        } else {
+                            _mm_cvtss_f32(_mm_movehdup_ps(dm))
+                        };
+                        // Byte j holds value j (low nibble) and j + 16 (high nibble).
+                        let nib = _mm_loadu_si128(blk.add(qo).cast());
+                        let wv =
+                            _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), m4);
+                        for i in 0..N {
+                            let p = _mm256_cvtepi32_ps(D::dot(wv, xv[i]));
+                            acc[j][i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xdb[i]), p, acc[j][i]);
+                            off[j][i] += c * xsb[i];
+                        }
                     }
                 }
             }
             Kind::Q8_0 => {
                 for b in 0..nb {
-                    let blk = rp.add(b * 34);
-                    let dw = f16_at(blk);
-                    let wv = _mm256_loadu_si256(blk.add(2).cast());
-                    // Signed × signed as |w| × (x · sign w).
-                    let aw = _mm256_abs_epi8(wv);
-                    for i in 0..N {
-                        let xv = _mm256_loadu_si256(qs[i].add(b * QK).cast());
-                        let p = _mm256_cvtepi32_ps(D::dot(aw, _mm256_sign_epi8(xv, wv)));
-                        acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * *xd[i].add(b)), p, acc[i]);
+                    let xv: [__m256i; N] =
+                        std::array::from_fn(|i| _mm256_loadu_si256(qs[i].add(b * QK).cast()));
+                    let xdb: [f32; N] = std::array::from_fn(|i| *xd[i].add(b));
+                    for j in 0..R {
+                        let blk = rp[j].add(b * 34);
+                        let dw = _mm_cvtss_f32(f16_pair(blk));
+                        let wv = _mm256_loadu_si256(blk.add(2).cast());
+                        // Signed × signed as |w| × (x · sign w).
+                        let aw = _mm256_abs_epi8(wv);
+                        for i in 0..N {
+                            let p = _mm256_cvtepi32_ps(D::dot(aw, _mm256_sign_epi8(xv[i], wv)));
+                            acc[j][i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xdb[i]), p, acc[j][i]);
+                        }
                     }
                 }
             }
             Kind::Q4K => {
                 for sb in 0..nb / 8 {
-                    let blk = rp.add(sb * 144);
-                    let (d, dmin) = (f16_at(blk), f16_at(blk.add(2)));
-                    let scales = std::slice::from_raw_parts(blk.add(4), 12);
-                    let mut sc = [0f32; 8];
-                    let mut mn = [0f32; 8];
-                    for j in 0..8 {
-                        let (s, m) = q4k_scale_min(j, scales);
-                        sc[j] = d * f32::from(s);
-                        mn[j] = -dmin * f32::from(m);
-                    }
-                    for pair in 0..4 {
-                        // 32 bytes: low nibbles are sub-block 2·pair, high ones 2·pair + 1.
-                        let q = _mm256_loadu_si256(blk.add(16 + 32 * pair).cast());
-                        let lo = _mm256_and_si256(q, m4);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-                        let b = sb * 8 + 2 * pair;
-                        for i in 0..N {
-                            let x0 = _mm256_loadu_si256(qs[i].add(b * QK).cast());
-                            let x1 = _mm256_loadu_si256(qs[i].add((b + 1) * QK).cast());
-                            let p0 = _mm256_cvtepi32_ps(D::dot(lo, x0));
-                            let p1 = _mm256_cvtepi32_ps(D::dot(hi, x1));
-                            let s0 = _mm256_set1_ps(sc[2 * pair] * *xd[i].add(b));
-                            let s1 = _mm256_set1_ps(sc[2 * pair + 1] * *xd[i].add(b + 1));
-                            acc[i] = _mm256_fmadd_ps(s1, p1, _mm256_fmadd_ps(s0, p0, acc[i]));
+                    let mut sc = [[0f32; 8]; R];
+                    let mut mn = [[0f32; 8]; R];
+                    for j in 0..R {
+                        let blk = rp[j].add(sb * 144);
+                        let dd = f16_pair(blk);
+                        let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
+                        let scales = std::slice::from_raw_parts(blk.add(4), 12);
+                        for s in 0..8 {
+                            let (q, m) = q4k_scale_min(s, scales);
+                            sc[j][s] = d * f32::from(q);
+                            mn[j][s] = -dmin * f32::from(m);
                         }
                     }
-                    for i in 0..N {
-                        for (j, m) in mn.iter().enumerate() {
-                            off[i] += m * *xs[i].add(sb * 8 + j);
+                    for pair in 0..4 {
+                        let b = sb * 8 + 2 * pair;
+                        let x0: [__m256i; N] =
+                            std::array::from_fn(|i| _mm256_loadu_si256(qs[i].add(b * QK).cast()));
+                        let x1: [__m256i; N] = std::array::from_fn(|i| {
+                            _mm256_loadu_si256(qs[i].add((b + 1) * QK).cast())
+                        });
+                        for j in 0..R {
+                            // 32 bytes: low nibbles are sub-block 2·pair, high ones 2·pair + 1.
+                            let q = _mm256_loadu_si256(rp[j].add(sb * 144 + 16 + 32 * pair).cast());
+                            let lo = _mm256_and_si256(q, m4);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                            for i in 0..N {
+                                let p0 = _mm256_cvtepi32_ps(D::dot(lo, x0[i]));
+                                let p1 = _mm256_cvtepi32_ps(D::dot(hi, x1[i]));
+                                let s0 = _mm256_set1_ps(sc[j][2 * pair] * *xd[i].add(b));
+                                let s1 = _mm256_set1_ps(sc[j][2 * pair + 1] * *xd[i].add(b + 1));
+                                acc[j][i] =
+                                    _mm256_fmadd_ps(s1, p1, _mm256_fmadd_ps(s0, p0, acc[j][i]));
+                            }
+                        }
+                    }
+                    for j in 0..R {
+                        for i in 0..N {
+                            for (s, m) in mn[j].iter().enumerate() {
+                                off[j][i] += m * *xs[i].add(sb * 8 + s);
+                            }
                         }
                     }
                 }
             }
         }
-        for i in 0..N {
-            out[i] = hsum(acc[i]) + off[i];
+        for j in 0..R {
+            for i in 0..N {
+                out[(r0 + j) * x.n + t0 + i] = hsum(acc[j][i]) + off[j][i];
+            }
         }
     }
 }
