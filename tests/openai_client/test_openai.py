@@ -369,7 +369,7 @@ def test_bad_inputs(client, model, server):
             "name": "f", "parameters": {"type": "nonsense"}}}])
     with pytest.raises(openai.BadRequestError):
         chat(client, model, "x", tool_choice="required")
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError):
         chat(client, "no-such-model", "x")
     bad_key = openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

@@ -48,6 +48,14 @@ impl ApiError {
         err
     }
 
+    /// 400 for a request body naming a model this server does not serve (a bad request
+    /// field like any other; `GET /v1/models/{id}` answers 404 instead).
+    pub fn unknown_model(model: &str) -> Self {
+        let mut err = Self::model_not_found(model);
+        err.status = StatusCode::BAD_REQUEST;
+        err
+    }
+
     /// 404 for an unknown path.
     pub fn route_not_found(path: &str) -> Self {
         let message = format!("Unknown request URL: {path}");

@@ -190,7 +190,7 @@ pub(crate) async fn blocking<T: Send + 'static>(
 pub(crate) fn check_model(inner: &Inner, body: &Body) -> Result<String, ApiError> {
     let served = &inner.config.served_model_name;
     match body.str("model")? {
-        Some(model) if model != served => Err(ApiError::model_not_found(model)),
+        Some(model) if model != served => Err(ApiError::unknown_model(model)),
         _ => Ok(served.clone()),
     }
 }

@@ -20,7 +20,7 @@ fn chat_cases() -> Vec<(Value, u16, Option<&'static str>)> {
     };
     let long = "word ".repeat(3000);
     vec![
-        (with(json!({"model": "gpt-4"})), 404, Some("model")),
+        (with(json!({"model": "gpt-4"})), 400, Some("model")),
         (with(json!({"model": 7})), 400, Some("model")),
         (json!({"model": MODEL}), 400, Some("messages")),
         (with(json!({"messages": []})), 400, Some("messages")),
@@ -297,7 +297,7 @@ async fn bad_completion_requests_get_openai_errors() {
             400,
             Some("prompt"),
         ),
-        (json!({"model": "nope", "prompt": "a"}), 404, Some("model")),
+        (json!({"model": "nope", "prompt": "a"}), 400, Some("model")),
     ];
     for (body, status, param) in cases {
         let resp = post(server.addr, "/v1/completions", &body).await;
