@@ -101,7 +101,9 @@ extern "C" __global__ void moe_route(const float* logits, const void* bias, int 
 // Device-side expert dispatch (no host round trip).
 //
 // `moe_lists` (one block) sorts the P = n*top_k (token, k) pairs by expert: `offsets[E+1]`
-// (exclusive prefix sum of the per-expert counts) and `slots[P]` (pair numbers, grouped by
+// (exclusive prefix sum of the per-expert counts), followed in the same buffer by the
+// experts that received pairs (`offsets[E+1]` = their number, then the experts in increasing
+// order; 2E+2 entries in all), and `slots[P]` (pair numbers, grouped by
 // expert; order inside one expert is arbitrary and does not change any result). It also
 // writes, per slot, the token row (`rows`) and routing weight (`wsel`) for the cuBLAS path,
 // and `meta = [ids (P) | counts (E)]` so the host can read both back in one copy.
@@ -119,13 +121,16 @@ extern "C" __global__ void moe_lists(const uint32_t* ids, const float* weights, 
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    uint32_t o = 0;
+    uint32_t o = 0, na = 0;
+    uint32_t* active = offsets + E + 1;
     for (int e = 0; e < E; ++e) {
       cur[e] = o;
       offsets[e] = o;
       o += cnt[e];
+      if (cnt[e] > 0) active[1 + na++] = (uint32_t)e;
     }
     offsets[E] = o;
+    active[0] = na;
   }
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) meta[P + e] = cnt[e];
@@ -155,30 +160,35 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Expert GEMV over the pairs routed to one expert. Grid (ceil(rows_out/8), P); block 256 =
-// 8 warps, one output row per warp. Block (x, s) works only if slot s is the first slot of its
-// expert e, and then for every pair p routed to e (tokens in groups of TG, so that one pass
-// over a weight row serves TG tokens). `wtab` holds per expert the three weight addresses
-// (gate, up, down); `glu` = 1: out[p, j] = silu(gate_e[j]·x) * (up_e[j]·x) with x = in[p /
-// top_k] (hidden rows); glu = 0: out[p, j] = down_e[j]·in[p] (intermediate rows). Weights of
-// dtype `dt`; `vec` = 1 when dt is bf16 and cols % 8 == 0 (16-byte loads). f32 accumulation.
+// Expert GEMV over the pairs routed to one expert. Grid (ceil(rows_out/8), min(P, E)); block
+// 256 = 8 warps, one output row per warp. Block (x, j) serves the j-th expert that received
+// pairs (the active list after `offsets`; blocks past its length exit at once, so a batch
+// that reaches few experts costs few blocks), for every pair p routed to it, tokens in
+// groups of TG so that one pass over a weight row serves TG tokens. `wtab` holds per expert
+// the three weight addresses (gate, up, down); `glu` = 1: out[p, j] = silu(gate_e[j]·x) *
+// (up_e[j]·x) with x = in[p / top_k] (hidden rows); glu = 0: out[p, j] = down_e[j]·in[p]
+// (intermediate rows). Weights of dtype `dt`; `vec` = 1 when dt is bf16 and cols % 8 == 0
+// (16-byte loads). `stage` = 1: the group's TG activation rows are first copied to shared
+// memory (TG * cols floats of dynamic shared memory), which the 8 warps then share instead
+// of each reading them from L1/L2. f32 accumulation.
 #define TG 4
 extern "C" __global__ void __launch_bounds__(256)
     moe_expert_gemv(const uint64_t* wtab, int glu, const float* in, int top_k,
-                    const uint32_t* ids, const uint32_t* offsets, const uint32_t* slots,
-                    float* out, int rows_out, int cols, int dt, int vec) {
-  const int s = blockIdx.y;
-  const uint32_t p0 = slots[s];
-  const uint32_t e = ids[p0];
-  const uint32_t beg = offsets[e];
-  if ((uint32_t)s != beg) return;
-  const uint32_t end = offsets[e + 1];
+                    const uint32_t* offsets, int E, const uint32_t* slots, float* out,
+                    int rows_out, int cols, int dt, int vec, int stage) {
+  extern __shared__ float4 xs_sm4[];
+  float* xs_sm = reinterpret_cast<float*>(xs_sm4);
+  const uint32_t* active = offsets + E + 1;
+  if (blockIdx.y >= active[0]) return;
+  const uint32_t e = active[1 + blockIdx.y];
+  const uint32_t beg = offsets[e], end = offsets[e + 1];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row = blockIdx.x * 8 + warp;
-  if (row >= rows_out) return;
+  // Rows past the end still take part in staging (and its barriers).
+  const bool has_row = row < rows_out;
   const void* wa = reinterpret_cast<const void*>(wtab[3 * e + (glu ? 0 : 2)]);
   const void* wb = reinterpret_cast<const void*>(wtab[3 * e + 1]);
-  const size_t roff = (size_t)row * cols;
+  const size_t roff = (size_t)(has_row ? row : 0) * cols;
   for (uint32_t g0 = beg; g0 < end; g0 += TG) {
     const int ng = min((uint32_t)TG, end - g0);
     const float* xr[TG];
@@ -189,6 +199,18 @@ extern "C" __global__ void __launch_bounds__(256)
       pr[g] = p;
       xr[g] = in + (size_t)(glu ? p / top_k : p) * cols;
     }
+    if (stage) {
+      __syncthreads();  // the previous group's rows are no longer read
+      const int c4 = cols >> 2;
+      for (int i = threadIdx.x; i < ng * c4; i += blockDim.x) {
+        const int g = i / c4, c = i - g * c4;
+        xs_sm4[g * c4 + c] = reinterpret_cast<const float4*>(xr[g])[c];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int g = 0; g < TG; ++g) xr[g] = xs_sm + (size_t)g * cols;
+    }
+    if (!has_row) continue;
     float aa[TG], ab[TG];
 #pragma unroll
     for (int g = 0; g < TG; ++g) aa[g] = ab[g] = 0.0f;
@@ -220,11 +242,11 @@ extern "C" __global__ void __launch_bounds__(256)
             if (g < ng) {
               const float4* x4 = reinterpret_cast<const float4*>(xr[g] + 8 * c);
               float4 x0 = x4[0], x1 = x4[1];
-              float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+              float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
               for (int i = 0; i < 8; ++i) {
-                aa[g] = fmaf(fa[i], xs[i], aa[g]);
-                if (glu) ab[g] = fmaf(fb[i], xs[i], ab[g]);
+                aa[g] = fmaf(fa[i], xv[i], aa[g]);
+                if (glu) ab[g] = fmaf(fb[i], xv[i], ab[g]);
               }
             }
           }

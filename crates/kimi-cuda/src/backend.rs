@@ -754,7 +754,8 @@ impl Backend for CudaBackend {
         };
         // Pairs grouped by expert, on the device.
         let (k, p) = (r.top_k, n * r.top_k);
-        let offsets = self.raw((e + 1) * 4, OP)?;
+        // Offsets, then the active-expert list (see `moe_lists`).
+        let offsets = self.raw((2 * e + 2) * 4, OP)?;
         let slots = self.raw(p * 4, OP)?;
         let rows = self.raw(p * 4, OP)?;
         let wsel = self.raw(p * 4, OP)?;
@@ -804,8 +805,8 @@ impl Backend for CudaBackend {
                     true,
                     x.ptr(),
                     k,
-                    ids_dev.ptr(),
                     offsets_ptr,
+                    e,
                     slots_ptr,
                     h.ptr(),
                     p,
@@ -820,8 +821,8 @@ impl Backend for CudaBackend {
                     false,
                     h.ptr(),
                     k,
-                    ids_dev.ptr(),
                     offsets_ptr,
+                    e,
                     slots_ptr,
                     y.ptr(),
                     p,

@@ -54,7 +54,8 @@ pub(crate) unsafe fn route(
 /// Groups the `p = n * top_k` routed pairs by expert (see `moe_lists` in `kernels/moe.cu`).
 ///
 /// # Safety
-/// `ids`/`weights` hold `p` entries with ids `< e`; `offsets` holds `e + 1` u32, `slots`,
+/// `ids`/`weights` hold `p` entries with ids `< e`; `offsets` holds `2 * e + 2` u32 (the
+/// offsets, then the active-expert list), `slots`,
 /// `rows` and `wsel` `p` entries, `meta` `p + e` u32.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn lists(
@@ -84,9 +85,9 @@ pub(crate) unsafe fn lists(
 /// # Safety
 /// `wtab` holds `3 * e` weight addresses (gate, up: `[rows_out, cols]` when `glu`; down:
 /// `[rows_out, cols]` otherwise) of dtype `dt`; `input` holds `cols`-wide f32 rows (tokens
-/// when `glu`, pairs otherwise); `ids`, `offsets`, `slots` come from [`lists`] for `p`
-/// pairs; `out` holds `p * rows_out` f32; `aligned`: every weight and `input` is 16-byte
-/// aligned.
+/// when `glu`, pairs otherwise); `offsets` (with its active-expert list, `2 * e + 2`
+/// entries) and `slots` come from [`lists`] for `p` pairs; `out` holds `p * rows_out` f32;
+/// `aligned`: every weight and `input` is 16-byte aligned.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn expert_gemv(
     dev: &Device,
@@ -94,8 +95,8 @@ pub(crate) unsafe fn expert_gemv(
     glu: bool,
     input: u64,
     top_k: usize,
-    ids: u64,
     offsets: u64,
+    e: usize,
     slots: u64,
     out: u64,
     p: usize,
@@ -105,16 +106,32 @@ pub(crate) unsafe fn expert_gemv(
     aligned: bool,
 ) -> Result<()> {
     let vec = (aligned && dt == 1 && cols.is_multiple_of(8)) as i32;
-    let (g, ki, ro, co) = (glu as i32, top_k as i32, rows_out as i32, cols as i32);
+    // Activation rows go through shared memory where a group of them fits in the default
+    // 48 KiB (and rows are float4-aligned).
+    let stage_bytes = EXPERT_GEMV_GROUP * cols * 4;
+    let stage = aligned && cols.is_multiple_of(4) && stage_bytes <= 48 * 1024;
+    let (g, ki, ei, ro, co) = (
+        glu as i32,
+        top_k as i32,
+        e as i32,
+        rows_out as i32,
+        cols as i32,
+    );
+    let st = stage as i32;
     let mut b = dev.kernel("moe", "moe_expert_gemv")?;
     b.arg(&wtab).arg(&g).arg(&input).arg(&ki);
-    b.arg(&ids).arg(&offsets).arg(&slots).arg(&out);
-    b.arg(&ro).arg(&co).arg(&dt).arg(&vec);
+    b.arg(&offsets).arg(&ei).arg(&slots).arg(&out);
+    b.arg(&ro).arg(&co).arg(&dt).arg(&vec).arg(&st);
     let gx = rows_out.div_ceil(8) as u32;
+    let gy = p.min(e) as u32;
+    let smem = if stage { stage_bytes as u32 } else { 0 };
     // SAFETY: see the function's contract.
-    unsafe { b.launch(grid((gx, p as u32, 1), 256, 0)) }.op("moe")?;
+    unsafe { b.launch(grid((gx, gy, 1), 256, smem)) }.op("moe")?;
     Ok(())
 }
+
+/// Tokens per pass over a weight row in `moe_expert_gemv` (`TG` in `kernels/moe.cu`).
+const EXPERT_GEMV_GROUP: usize = 4;
 
 /// `out[t] (+)= Σ_k weights[t, k] · y[t * top_k + k]` over `n` tokens of width `d`.
 ///
