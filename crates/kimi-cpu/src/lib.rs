@@ -125,8 +125,18 @@ impl Backend for CpuBackend {
         x: &CpuTensor,
         w: &MoeWeights<CpuTensor>,
         routing: &MoeRouting,
-    ) -> Result<(CpuTensor, Vec<u32>)> {
-        pool().install(|| moe::moe(x, w, routing, self.quant_matmul))
+    ) -> Result<(CpuTensor, CpuTensor)> {
+        let (y, ids) = pool().install(|| moe::moe(x, w, routing, self.quant_matmul))?;
+        // Ids as f32 values: exact below 2^24 experts.
+        let chosen = CpuTensor::f32(&[ids.len()], ids.iter().map(|&e| e as f32).collect())?;
+        Ok((y, chosen))
+    }
+    fn expert_ids(&self, chosen: &CpuTensor) -> Result<Vec<u32>> {
+        Ok(chosen
+            .as_f32("expert_ids")?
+            .iter()
+            .map(|&e| e as u32)
+            .collect())
     }
     fn short_conv_silu(
         &self,

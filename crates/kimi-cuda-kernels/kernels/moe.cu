@@ -160,10 +160,10 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Expert GEMV over the pairs routed to one expert. Grid (ceil(rows_out/8), min(P, E)); block
-// 256 = 8 warps, one output row per warp. Block (x, j) serves the j-th expert that received
-// pairs (the active list after `offsets`; blocks past its length exit at once, so a batch
-// that reaches few experts costs few blocks), for every pair p routed to it, tokens in
+// Expert GEMV over the pairs routed to one expert. Grid (ceil(rows_out/16), min(P, E));
+// block 256 = 8 warps, two output rows per warp. Block (x, j) serves the j-th expert that
+// received pairs (the active list after `offsets`; blocks past its length exit at once, so a
+// batch that reaches few experts costs few blocks), for every pair p routed to it, tokens in
 // groups of TG so that one pass over a weight row serves TG tokens. `wtab` holds per expert
 // the three weight addresses (gate, up, down); `glu` = 1: out[p, j] = silu(gate_e[j]·x) *
 // (up_e[j]·x) with x = in[p / top_k] (hidden rows); glu = 0: out[p, j] = down_e[j]·in[p]
@@ -171,8 +171,69 @@ __device__ __forceinline__ float warp_sum(float v) {
 // (16-byte loads). `stage` = 1: the group's TG activation rows are first copied to shared
 // memory (TG * cols floats of dynamic shared memory), which the 8 warps then share instead
 // of each reading them from L1/L2. f32 accumulation.
+//
+// The weight stream is what bounds this kernel (see kernels/gemv.cu): each lane issues eight
+// 16-byte loads (two rows, and gate + up or four steps of down) before any arithmetic.
 #define TG 4
-extern "C" __global__ void __launch_bounds__(256)
+#define EX_RW 2
+
+template <bool GLU>
+__device__ __forceinline__ void expert_rows_vec(const __nv_bfloat16* wa,
+                                                const __nv_bfloat16* wb, const float* const* xr,
+                                                int ng, int cols, int row0, int rows_out,
+                                                float (&aa)[EX_RW][TG],
+                                                float (&ab)[EX_RW][TG]) {
+  constexpr int U = GLU ? 2 : 4;
+  const int lane = threadIdx.x & 31;
+  const int nv = cols >> 3;
+  const uint4* va[EX_RW];
+  const uint4* vb[EX_RW];
+#pragma unroll
+  for (int r = 0; r < EX_RW; ++r) {
+    const size_t roff = (size_t)min(row0 + r, rows_out - 1) * cols;
+    va[r] = reinterpret_cast<const uint4*>(wa + roff);
+    vb[r] = reinterpret_cast<const uint4*>(wb + roff);
+  }
+  for (int c0 = lane; c0 < nv; c0 += 32 * U) {
+    uint4 la[EX_RW][U], lb[EX_RW][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < EX_RW; ++r)
+        if (c0 + 32 * u < nv) {
+          la[r][u] = __ldg(va[r] + c0 + 32 * u);
+          if (GLU) lb[r][u] = __ldg(vb[r] + c0 + 32 * u);
+        }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+      if (c >= nv) break;
+#pragma unroll
+      for (int g = 0; g < TG; ++g) {
+        if (g < ng) {
+          const float4* x4 = reinterpret_cast<const float4*>(xr[g] + 8 * c);
+          const float4 x0 = x4[0], x1 = x4[1];
+          const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+          for (int r = 0; r < EX_RW; ++r) {
+            float fa[8];
+            bf16x8(la[r][u], fa);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) aa[r][g] = fmaf(fa[i], xv[i], aa[r][g]);
+            if (GLU) {
+              float fb[8];
+              bf16x8(lb[r][u], fb);
+#pragma unroll
+              for (int i = 0; i < 8; ++i) ab[r][g] = fmaf(fb[i], xv[i], ab[r][g]);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2)
     moe_expert_gemv(const uint64_t* wtab, int glu, const float* in, int top_k,
                     const uint32_t* offsets, int E, const uint32_t* slots, float* out,
                     int rows_out, int cols, int dt, int vec, int stage) {
@@ -183,12 +244,11 @@ extern "C" __global__ void __launch_bounds__(256)
   const uint32_t e = active[1 + blockIdx.y];
   const uint32_t beg = offsets[e], end = offsets[e + 1];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row = blockIdx.x * 8 + warp;
-  // Rows past the end still take part in staging (and its barriers).
-  const bool has_row = row < rows_out;
+  const int row0 = (blockIdx.x * 8 + warp) * EX_RW;
+  // Warps past the last row still take part in staging (and its barriers).
+  const bool has_row = row0 < rows_out;
   const void* wa = reinterpret_cast<const void*>(wtab[3 * e + (glu ? 0 : 2)]);
   const void* wb = reinterpret_cast<const void*>(wtab[3 * e + 1]);
-  const size_t roff = (size_t)(has_row ? row : 0) * cols;
   for (uint32_t g0 = beg; g0 < end; g0 += TG) {
     const int ng = min((uint32_t)TG, end - g0);
     const float* xr[TG];
@@ -211,68 +271,46 @@ extern "C" __global__ void __launch_bounds__(256)
       for (int g = 0; g < TG; ++g) xr[g] = xs_sm + (size_t)g * cols;
     }
     if (!has_row) continue;
-    float aa[TG], ab[TG];
+    float aa[EX_RW][TG], ab[EX_RW][TG];
 #pragma unroll
-    for (int g = 0; g < TG; ++g) aa[g] = ab[g] = 0.0f;
+    for (int r = 0; r < EX_RW; ++r)
+#pragma unroll
+      for (int g = 0; g < TG; ++g) aa[r][g] = ab[r][g] = 0.0f;
     if (vec) {
-      const uint4* va = reinterpret_cast<const uint4*>(
-          reinterpret_cast<const __nv_bfloat16*>(wa) + roff);
-      const uint4* vb = reinterpret_cast<const uint4*>(
-          reinterpret_cast<const __nv_bfloat16*>(wb) + roff);
-      const int nv = cols >> 3;
-      // Two rows x two 16-byte loads in flight per lane before any arithmetic.
-      for (int c0 = lane; c0 < nv; c0 += 64) {
-        uint4 la[2], lb[2];
+      const __nv_bfloat16* ha = reinterpret_cast<const __nv_bfloat16*>(wa);
+      const __nv_bfloat16* hb = reinterpret_cast<const __nv_bfloat16*>(wb);
+      if (glu)
+        expert_rows_vec<true>(ha, hb, xr, ng, cols, row0, rows_out, aa, ab);
+      else
+        expert_rows_vec<false>(ha, hb, xr, ng, cols, row0, rows_out, aa, ab);
+    } else {
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          if (c0 + 32 * u < nv) {
-            la[u] = __ldg(va + c0 + 32 * u);
-            if (glu) lb[u] = __ldg(vb + c0 + 32 * u);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          const int c = c0 + 32 * u;
-          if (c >= nv) break;
-          float fa[8], fb[8];
-          bf16x8(la[u], fa);
-          if (glu) bf16x8(lb[u], fb);
+      for (int r = 0; r < EX_RW; ++r) {
+        const size_t roff = (size_t)min(row0 + r, rows_out - 1) * cols;
+        for (int c = lane; c < cols; c += 32) {
+          float fa = ld(wa, roff + c, dt);
+          float fb = glu ? ld(wb, roff + c, dt) : 0.0f;
 #pragma unroll
           for (int g = 0; g < TG; ++g) {
             if (g < ng) {
-              const float4* x4 = reinterpret_cast<const float4*>(xr[g] + 8 * c);
-              float4 x0 = x4[0], x1 = x4[1];
-              float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-              for (int i = 0; i < 8; ++i) {
-                aa[g] = fmaf(fa[i], xv[i], aa[g]);
-                if (glu) ab[g] = fmaf(fb[i], xv[i], ab[g]);
-              }
+              float xv = xr[g][c];
+              aa[r][g] = fmaf(fa, xv, aa[r][g]);
+              ab[r][g] = fmaf(fb, xv, ab[r][g]);
             }
-          }
-        }
-      }
-    } else {
-      for (int c = lane; c < cols; c += 32) {
-        float fa = ld(wa, roff + c, dt);
-        float fb = glu ? ld(wb, roff + c, dt) : 0.0f;
-#pragma unroll
-        for (int g = 0; g < TG; ++g) {
-          if (g < ng) {
-            float xv = xr[g][c];
-            aa[g] = fmaf(fa, xv, aa[g]);
-            ab[g] = fmaf(fb, xv, ab[g]);
           }
         }
       }
     }
 #pragma unroll
-    for (int g = 0; g < TG; ++g) {
-      float a = warp_sum(aa[g]);
-      float b = warp_sum(ab[g]);
-      if (lane == 0 && g < ng) {
-        float v = glu ? (a / (1.0f + expf(-a))) * b : a;
-        out[(size_t)pr[g] * rows_out + row] = v;
+    for (int r = 0; r < EX_RW; ++r) {
+#pragma unroll
+      for (int g = 0; g < TG; ++g) {
+        float a = warp_sum(aa[r][g]);
+        float b = warp_sum(ab[r][g]);
+        if (lane == 0 && g < ng && row0 + r < rows_out) {
+          float v = glu ? (a / (1.0f + expf(-a))) * b : a;
+          out[(size_t)pr[g] * rows_out + row0 + r] = v;
+        }
       }
     }
   }

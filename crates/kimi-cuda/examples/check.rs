@@ -617,8 +617,11 @@ impl Backend for Profiled {
         x: &Self::Tensor,
         w: &MoeWeights<Self::Tensor>,
         r: &MoeRouting,
-    ) -> kimi_ops::Result<(Self::Tensor, Vec<u32>)> {
+    ) -> kimi_ops::Result<(Self::Tensor, Self::Tensor)> {
         self.timed("moe", |b| b.moe(x, w, r))
+    }
+    fn expert_ids(&self, chosen: &Self::Tensor) -> kimi_ops::Result<Vec<u32>> {
+        self.timed("expert_ids", |b| b.expert_ids(chosen))
     }
     fn short_conv_silu(
         &self,

@@ -291,19 +291,19 @@ impl CudaBackend {
     }
 
     /// The last step of both device MoE paths: adds the routing-weighted pair rows `y [p, d]`
-    /// to the shared expert's output (or to zero), then reads the chosen experts back: the
-    /// layer's only host read, after all of its work is queued.
+    /// to the shared expert's output (or to zero). The chosen experts stay on the device
+    /// (`ids`), for `expert_ids` to read once the pass is queued: no host wait per layer.
     #[allow(clippy::too_many_arguments)]
     fn combine_routed(
         &self,
         y: &CudaTensor,
         wts: &CudaTensor,
-        ids: &CudaTensor,
+        ids: CudaTensor,
         shared_out: Option<CudaTensor>,
         n: usize,
         d: usize,
         k: usize,
-    ) -> Result<(CudaTensor, Vec<u32>)> {
+    ) -> Result<(CudaTensor, CudaTensor)> {
         const OP: &str = "moe";
         let accumulate = shared_out.is_some();
         let out = match shared_out {
@@ -323,7 +323,6 @@ impl CudaBackend {
                 accumulate,
             )?
         };
-        let ids = self.to_f32(ids)?.into_iter().map(f32::to_bits).collect();
         Ok((out, ids))
     }
 
@@ -701,7 +700,7 @@ impl Backend for CudaBackend {
         x: &CudaTensor,
         w: &MoeWeights<CudaTensor>,
         r: &MoeRouting,
-    ) -> Result<(CudaTensor, Vec<u32>)> {
+    ) -> Result<(CudaTensor, CudaTensor)> {
         const OP: &str = "moe";
         self.dev.enter(OP)?;
         let (n, d) = f32_rows(x, OP)?;
@@ -736,7 +735,7 @@ impl Backend for CudaBackend {
         let ids_dev = self.empty(&[n, r.top_k], DType::F32, OP)?;
         let wts_dev = self.empty(&[n, r.top_k], DType::F32, OP)?;
         if n == 0 {
-            return Ok((self.zeroed(&[n, d], OP)?, vec![]));
+            return Ok((self.zeroed(&[n, d], OP)?, ids_dev));
         }
         // SAFETY: logits [n,e] f32; ids/weights hold n*top_k 4-byte entries.
         unsafe {
@@ -832,7 +831,7 @@ impl Backend for CudaBackend {
                     aligned,
                 )?
             };
-            return self.combine_routed(&y, &wts_dev, &ids_dev, shared_out, n, d, k);
+            return self.combine_routed(&y, &wts_dev, ids_dev, shared_out, n, d, k);
         }
         if let Some(inter) = self.grouped_moe_shape(w, d) {
             let (table, aligned) = self.expert_table(w)?;
@@ -877,7 +876,7 @@ impl Backend for CudaBackend {
                     )?;
                 }
                 drop((offsets, slots, rows, wsel));
-                return self.combine_routed(&y, &wts_dev, &ids_dev, shared_out, n, d, k);
+                return self.combine_routed(&y, &wts_dev, ids_dev, shared_out, n, d, k);
             }
         }
         // Other shapes or dtypes: cuBLAS per expert, with one host read of [ids | counts].
@@ -932,7 +931,12 @@ impl Backend for CudaBackend {
         // Keep the index buffers alive until the queued kernels have read them.
         self.dev.stream.synchronize().op(OP)?;
         drop((offsets, slots, rows, wsel));
-        Ok((out, ids.to_vec()))
+        Ok((out, ids_dev))
+    }
+
+    fn expert_ids(&self, chosen: &CudaTensor) -> Result<Vec<u32>> {
+        // `moe_route` writes u32 ids into the f32-typed buffer: read the bits back.
+        Ok(self.to_f32(chosen)?.into_iter().map(f32::to_bits).collect())
     }
 
     fn short_conv_silu(

@@ -49,7 +49,7 @@ const KERNELS: &[(&str, &[&str])] = &[
         ],
     ),
     ("conv", &["short_conv_silu", "short_conv_state"]),
-    ("gemv", &["gemv_bf16"]),
+    ("gemv", &["gemv_bf16", "gemv_bf16_8"]),
     (
         "kda",
         &[

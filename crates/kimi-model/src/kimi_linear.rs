@@ -154,7 +154,7 @@ impl<B: Backend> KimiLinear<B> {
         pool.prepare(be, self.layers.len(), seqs)?;
         let segs = &batch.segments;
         let mut x = be.embedding(&self.embed, &batch.tokens)?;
-        let mut expert_counts = Vec::with_capacity(self.layers.len());
+        let mut chosen_per_layer = Vec::with_capacity(self.layers.len());
         for (i, layer) in self.layers.iter().enumerate() {
             let normed = be.rms_norm(&x, &layer.input_norm, self.config.rms_norm_eps)?;
             let mixed = self.run_mixer(layer, &normed, segs, &mut pool.layers[i], seqs, opts)?;
@@ -162,10 +162,7 @@ impl<B: Backend> KimiLinear<B> {
             let normed = be.rms_norm(&x, &layer.post_norm, self.config.rms_norm_eps)?;
             let (ffn_out, chosen) = layer.ffn.forward(be, &normed)?;
             be.add_assign(&mut x, &ffn_out)?;
-            expert_counts.push(count_experts(
-                &chosen,
-                self.config.moe.as_ref().map_or(0, |m| m.num_experts),
-            ));
+            chosen_per_layer.push(chosen);
         }
         for (seq, seg) in seqs.iter_mut().zip(segs) {
             seq.num_tokens += seg.len;
@@ -173,8 +170,18 @@ impl<B: Backend> KimiLinear<B> {
         let last = be.select_rows(&x, &batch.logits_rows)?;
         let normed = be.rms_norm(&last, &self.norm, self.config.rms_norm_eps)?;
         let logits = be.matmul(&normed, self.lm_head.as_ref().unwrap_or(&self.embed))?;
+        let logits = be.to_f32(&logits)?;
+        // The experts are read after the logits: by then the device has finished the pass.
+        let num_experts = self.config.moe.as_ref().map_or(0, |m| m.num_experts);
+        let expert_counts = chosen_per_layer
+            .iter()
+            .map(|c| match c {
+                Some(c) => Ok(count_experts(&be.expert_ids(c)?, num_experts)),
+                None => Ok(Vec::new()),
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(ForwardOutput {
-            logits: be.to_f32(&logits)?,
+            logits,
             vocab_size: self.config.vocab_size,
             expert_counts,
         })

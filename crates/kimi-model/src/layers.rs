@@ -353,11 +353,15 @@ impl<T> FfnLayer<T> {
         ))
     }
 
-    /// Returns the output and, for MoE, the chosen experts (`top_k` per token).
-    pub fn forward<B: Backend<Tensor = T>>(&self, be: &B, x: &T) -> Result<(T, Vec<u32>)> {
+    /// Returns the output and, for MoE, the chosen experts (read with
+    /// [`Backend::expert_ids`]).
+    pub fn forward<B: Backend<Tensor = T>>(&self, be: &B, x: &T) -> Result<(T, Option<T>)> {
         match self {
-            Self::Dense(w) => Ok((be.mlp(x, w)?, Vec::new())),
-            Self::Moe(w, r) => Ok(be.moe(x, w, r)?),
+            Self::Dense(w) => Ok((be.mlp(x, w)?, None)),
+            Self::Moe(w, r) => {
+                let (y, chosen) = be.moe(x, w, r)?;
+                Ok((y, Some(chosen)))
+            }
         }
     }
 }

@@ -383,13 +383,17 @@ pub trait Backend: Send + Sync {
     /// SwiGLU MLP `down(silu(x·gateᵀ) ⊙ x·upᵀ)` on `x [n, hidden]`.
     fn mlp(&self, x: &Self::Tensor, w: &MlpWeights<Self::Tensor>) -> Result<Self::Tensor>;
     /// Routed experts plus shared experts on `x [n, hidden]` → `[n, hidden]`.
-    /// Returns the output and the chosen expert ids, `top_k` per token.
+    /// Returns the output and the chosen experts, `top_k` per token, in a tensor only
+    /// [`Backend::expert_ids`] reads: a GPU backend can then read every layer's choices
+    /// after the whole pass is queued, with one wait, instead of waiting once per layer.
     fn moe(
         &self,
         x: &Self::Tensor,
         w: &MoeWeights<Self::Tensor>,
         routing: &MoeRouting,
-    ) -> Result<(Self::Tensor, Vec<u32>)>;
+    ) -> Result<(Self::Tensor, Self::Tensor)>;
+    /// The expert ids held by the second tensor [`Backend::moe`] returns.
+    fn expert_ids(&self, chosen: &Self::Tensor) -> Result<Vec<u32>>;
 
     /// Causal depthwise convolution followed by SiLU, per segment.
     ///

@@ -77,9 +77,16 @@ pub(crate) unsafe fn gemv_bf16(
         return Ok(());
     }
     let (ni, oi, ki) = (n as i32, o as i32, k as i32);
-    let mut b = dev.kernel("matmul", "gemv_bf16")?;
+    if n > 8 {
+        return Err(kimi_ops::Error::Device(format!(
+            "gemv_bf16: {n} rows, at most 8"
+        )));
+    }
+    let name = if n <= 4 { "gemv_bf16" } else { "gemv_bf16_8" };
+    let mut b = dev.kernel("matmul", name)?;
     b.arg(&w).arg(&x).arg(&y).arg(&ni).arg(&oi).arg(&ki);
     // SAFETY: see the function's contract.
-    unsafe { b.launch(grid((o.div_ceil(8) as u32, 1, 1), 256, 0)) }.op("matmul")?;
+    // Eight warps of two rows each per block (`GEMV_RW` in `kernels/gemv.cu`).
+    unsafe { b.launch(grid((o.div_ceil(16) as u32, 1, 1), 256, 0)) }.op("matmul")?;
     Ok(())
 }

@@ -233,7 +233,8 @@ pub fn op_moe_sized<B: Backend>(
         scaling: 2.5,
         weights_use_bias: false,
     };
-    let (y, ids) = b.moe(&x, &w, &routing)?;
+    let (y, chosen) = b.moe(&x, &w, &routing)?;
+    let ids = b.expert_ids(&chosen)?;
     Ok(vec![t(b, &y)?, ids.iter().map(|&i| i as f32).collect()])
 }
 
