@@ -109,10 +109,7 @@ pub(crate) unsafe fn expert_gemv(
     // Activation rows go through shared memory where a group of them fits in the default
     // 48 KiB (and rows are float4-aligned).
     let stage_bytes = EXPERT_GEMV_GROUP * cols * 4;
-    let stage = aligned
-        && cols.is_multiple_of(4)
-        && stage_bytes <= 48 * 1024
-        && std::env::var("KIMI_MOE_STAGE").map_or(true, |v| v != "0");
+    let stage = aligned && cols.is_multiple_of(4) && stage_bytes <= 48 * 1024;
     let (g, ki, ei, ro, co) = (
         glu as i32,
         top_k as i32,
@@ -127,11 +124,7 @@ pub(crate) unsafe fn expert_gemv(
     b.arg(&ro).arg(&co).arg(&dt).arg(&vec).arg(&st);
     // Eight warps of two rows each per block (`EX_RW` in `kernels/moe.cu`).
     let gx = rows_out.div_ceil(16) as u32;
-    let gy = if std::env::var("KIMI_MOE_ALL").is_ok() {
-        p
-    } else {
-        p.min(e)
-    } as u32;
+    let gy = p.min(e) as u32;
     let smem = if stage { stage_bytes as u32 } else { 0 };
     // SAFETY: see the function's contract.
     unsafe { b.launch(grid((gx, gy, 1), 256, smem)) }.op("moe")?;
