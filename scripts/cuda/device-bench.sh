@@ -3,7 +3,7 @@
 # side by side on the same GPU. Build here first: scripts/cuda/build-check.sh; fetch the
 # Python wheels (fla-core, flash-linear-attention, einops, openai) into .whl/ with
 # scripts/cuda/fetch-wheels.sh. Then on the device, from the repository root:
-#   scripts/cuda/device-bench.sh OUT_DIR [check] [kernels] [profile] [peers] [bench] [hf] [serve]
+#   scripts/cuda/device-bench.sh OUT_DIR [check] [kernels] [profile] [peers] [bench] [hf] [serve] [serve-cpu]
 # (no stage names = all). Each stage writes OUT_DIR/<stage>.txt (+ JSON where it has one).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -71,10 +71,31 @@ if want serve; then
     --base-url http://127.0.0.1:8011/v1 --model kimi-48b-random --concurrency 1 16 64 \
     --num-requests 64 --max-tokens 64 --prompt-ids 512 --json "$OUT/serve.json" 2>&1 | tail -20 | tee "$OUT/serve.txt"
   kill -TERM $SERVER; wait $SERVER
-  # The same engine offline (no HTTP): the server-overhead baseline at concurrency 64.
-  timeout 300 .device-bin/kimi-infer bench --device cuda --random-config "$CONFIG" \
-    --prompt-len 512 --gen-len 64 --repeats 1 --batch 64 --json "$OUT/serve-offline.json" \
-    2>&1 | tee -a "$OUT/serve.txt"
-  curl -s localhost:8011/metrics >/dev/null 2>&1 || true
+  # The same engine offline (no HTTP): the server-overhead baselines at concurrency 16 and 64.
+  for b in 16 64; do
+    timeout 300 .device-bin/kimi-infer bench --device cuda --random-config "$CONFIG" \
+      --prompt-len 512 --gen-len 64 --repeats 1 --batch $b --json "$OUT/serve-offline-$b.json" \
+      2>&1 | tee -a "$OUT/serve.txt"
+  done
+fi
+# The CPU backend serving the built-in demo model, with the server (and the offline engine it
+# is compared with) on cores 0-1 and the load generator on other cores, so that the client's
+# own CPU time does not count against the server as it does on a 2-core machine.
+if want serve-cpu; then
+  taskset -c 0,1 .device-bin/kimi-infer serve --threads 2 --port 8012 --max-num-seqs 64 \
+    > "$OUT/serve-cpu-server.log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 1 60); do
+    curl -sf localhost:8012/health >/dev/null 2>&1 && break
+    sleep 1
+  done
+  PYTHONPATH="$PYLIB/openai-env:$PYTHONPATH" timeout 300 taskset -c 4-11 python3 bench/serve_load.py \
+    --base-url http://127.0.0.1:8012/v1 --concurrency 1 16 64 --num-requests 64 --max-tokens 32 \
+    --prompt-ids 64 --json "$OUT/serve-cpu.json" 2>&1 | tail -20 | tee "$OUT/serve-cpu.txt"
+  kill -TERM $SERVER; wait $SERVER
+  for b in 1 16 64; do
+    timeout 120 taskset -c 0,1 .device-bin/kimi-infer bench --threads 2 --prompt-len 64 --gen-len 32 \
+      --repeats 3 --batch $b --json "$OUT/serve-cpu-offline-$b.json" 2>&1 | tee -a "$OUT/serve-cpu.txt"
+  done
 fi
 echo "# done: $STAGES" | tee -a "$OUT/env.txt"
