@@ -64,6 +64,7 @@ use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
 use kimi_tokenizer::Tokenizer;
+use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 
 pub use config::ServerConfig;
@@ -133,6 +134,13 @@ pub async fn serve_listener(
     if let Ok(addr) = listener.local_addr() {
         tracing::info!("kimi-server listening on http://{addr}");
     }
+    // Streams write one small SSE event per token: without TCP_NODELAY, Nagle's algorithm
+    // holds each one back until the client's delayed ACK (up to 40 ms) arrives.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("cannot set TCP_NODELAY: {e}");
+        }
+    });
     axum::serve(listener, router(state))
         .with_graceful_shutdown(shutdown)
         .await
