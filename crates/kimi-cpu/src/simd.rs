@@ -77,6 +77,12 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
             return unsafe { avx2::dot(a, b) };
         }
     }
+    dot_scalar(a, b)
+}
+
+/// The portable `dot`: eight lanes, then the tail.
+pub fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
     let mut acc = [0f32; 8];
     let full = n / 8 * 8;
     for i in (0..full).step_by(8) {
@@ -84,7 +90,14 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
             acc[l] += a[i + l] * b[i + l];
         }
     }
-    acc.iter().sum::<f32>() + (full..n).map(|i| a[i] * b[i]).sum::<f32>()
+    // The tail is added term by term onto the lanes' sum, exactly as `dot4_scalar` does, so
+    // a token's result does not depend on whether it went through `dot` (a lone token) or
+    // `dot4` (a group): batches give each sequence the numbers it gets alone.
+    let mut s: f32 = acc.iter().sum();
+    for i in full..n {
+        s += a[i] * b[i];
+    }
+    s
 }
 
 /// Dequantizes whole blocks of a Q8_0/Q4_0/Q4_1 weight row: AVX2 when the CPU has it, else
@@ -411,6 +424,33 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The portable single and four-token products round identically, for every tail
+    /// length: batch invariance on machines without the x86 kernels rests on it.
+    #[test]
+    fn portable_dot_equals_portable_dot4_bit_for_bit() {
+        for n in 0..40usize {
+            let w: Vec<f32> = (0..n)
+                .map(|i| ((i * 29 % 13) as f32 - 6.0) * 0.37)
+                .collect();
+            let rows: Vec<Vec<f32>> = (0..4)
+                .map(|t| {
+                    (0..n)
+                        .map(|i| ((i * 11 + t * 5) % 19) as f32 * 0.071 - 0.6)
+                        .collect()
+                })
+                .collect();
+            let x = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
+            let four = dot4_scalar(&w, x);
+            for t in 0..4 {
+                assert_eq!(
+                    dot_scalar(&w, x[t]).to_bits(),
+                    four[t].to_bits(),
+                    "n={n} t={t}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn dispatched_matches_scalar() {

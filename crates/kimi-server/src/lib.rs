@@ -62,9 +62,9 @@ use axum::http::Uri;
 use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::Router;
 use kimi_tokenizer::Tokenizer;
-use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 
 pub use config::ServerConfig;
