@@ -126,6 +126,8 @@ def check_metadata(reader):
         for key, elem in [(K.Tokenizer.LIST, VT.STRING), (K.Tokenizer.TOKEN_TYPE, VT.INT32),
                           (K.Tokenizer.MERGES, VT.STRING)]:
             f = field(reader, key)
+            if f is None and key == K.Tokenizer.MERGES:
+                continue  # a vocabulary of single bytes has none; llama.cpp needs none for kimi-k2
             if f is None or f.types[0] != VT.ARRAY or f.types[-1] != elem:
                 fail(f"{key}: must be an array of {elem.name}")
             elif key != K.Tokenizer.MERGES and len(f.data) != hp["n_vocab"]:

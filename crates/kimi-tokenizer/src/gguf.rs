@@ -223,7 +223,7 @@ pub(crate) fn kimi_metadata(
             }
         }
     }
-    vec![
+    let mut meta = vec![
         ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
         ("tokenizer.ggml.pre".into(), Value::String(KIMI_PRE.into())),
         (
@@ -234,11 +234,16 @@ pub(crate) fn kimi_metadata(
             "tokenizer.ggml.token_type".into(),
             Value::Array(Array::I32(types)),
         ),
-        (
+    ];
+    // gguf-py cannot write an empty array (nor read back its element type); llama.cpp needs
+    // no merges for `pre = kimi-k2`. Only a vocabulary of single bytes has none.
+    if !merges.is_empty() {
+        meta.push((
             "tokenizer.ggml.merges".into(),
             Value::Array(Array::String(merges)),
-        ),
-    ]
+        ));
+    }
+    meta
 }
 
 /// The two parts BPE joins last to form `token` (rank `rank`): merge adjacent parts by
@@ -539,5 +544,6 @@ mod kimi_tests {
         assert_eq!(back.eos_ids(), vec![746]);
         assert_eq!(back.token_id("[PAD]"), Some(999));
         assert_eq!(back.token_id("<|reserved_token_300|>"), Some(300));
+        assert!(file.get("tokenizer.ggml.merges").is_none());
     }
 }
