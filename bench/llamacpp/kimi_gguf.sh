@@ -91,6 +91,14 @@ if [ "${SKIP_GREEDY:-0}" != 1 ]; then
     tags="$tags $q"
     log "greedy $q"
     "$TOOL" "$f" "$THREADS" "$N_GEN" "$ids" > "$tmp/llama-$q.txt" 2> /dev/null
+    # The same weights in f32 math: llama-quantize dequantizes the file's tensors to F32, so
+    # llama.cpp runs exactly the file's values without rounding activations to 8 or 16 bits.
+    if [ "$q" != f32 ]; then
+      "$ROOT/build/bin/llama-quantize" --allow-requantize "$f" "$tmp/deq.gguf" F32 "$THREADS" \
+        > "$tmp/deq-$q.log" 2>&1 || { tail -5 "$tmp/deq-$q.log" >&2; exit 1; }
+      "$TOOL" "$tmp/deq.gguf" "$THREADS" "$N_GEN" "$ids" > "$tmp/llama-deq-$q.txt" 2> /dev/null
+      rm -f "$tmp/deq.gguf"
+    fi
     for mode in f32 int8; do
       flag=$([ "$mode" = int8 ] && echo --int8-matmul || true)
       # shellcheck disable=SC2086
@@ -99,17 +107,25 @@ if [ "${SKIP_GREEDY:-0}" != 1 ]; then
     done
   done
   python3 - "$tmp" "$GREEDY" "$tags" "$NAME" "$ids" "$THREADS" "$(git describe --always --dirty)" <<'PY'
-import re, sys
+import os, re, sys
 tmp, out, quants, name, ids, threads, commit = sys.argv[1:]
 lines = [f"# greedy token ids, llama.cpp (llama_greedy_logits.cpp) vs kimi-infer {commit} (run --logprobs 2)",
+         "# llama.cpp deq: llama.cpp on the file's weights dequantized to F32 (llama-quantize",
+         "# --allow-requantize FILE OUT F32), i.e. the file's values without 8/16-bit activations",
          f"# model {name}-random.QUANT.gguf, prompt ids {ids}, {threads} threads, temperature 0",
          "# margin = top-1 minus top-2 logit at the step (kimi: log-probability difference, the same)", ""]
 for q in quants.split():
-    llama = [(int(m[1]), float(m[2]), int(m[3]), float(m[4])) for m in re.finditer(
-        r"step \d+: id=(\d+) top1=(\S+) top2=(\d+):(\S+) margin", open(f"{tmp}/llama-{q}.txt").read())]
+    def steps(path):
+        return [(int(m[1]), float(m[2]), int(m[3]), float(m[4])) for m in re.finditer(
+            r"step \d+: id=(\d+) top1=(\S+) top2=(\d+):(\S+) margin", open(path).read())]
+    llama = steps(f"{tmp}/llama-{q}.txt")
     lines.append(f"== {q}" + (" (control: the same config with every expert routed, "
                               f"{name}-allexperts-random.q8_0.gguf)" if q.startswith("control") else ""))
     lines.append(f"llama.cpp       : {','.join(str(t[0]) for t in llama)}")
+    deq = steps(f"{tmp}/llama-deq-{q}.txt") if os.path.exists(f"{tmp}/llama-deq-{q}.txt") else None
+    if deq is not None:
+        lines.append(f"llama.cpp deq   : {','.join(str(t[0]) for t in deq)}"
+                     "  (the file's weights dequantized to F32 by llama-quantize)")
     for mode in ("f32", "int8"):
         kimi = [(int(m[1]), float(m[2]), int(m[3]), float(m[4])) for m in re.finditer(
             r"\[token (\d+) logprob \S+ top \d+:(\S+) (\d+):([^\]\s]+)\]",
@@ -125,6 +141,10 @@ for q in quants.split():
             note += (f"; step {prefix}: llama.cpp {l[0]} (margin {l[1] - l[3]:.4f} over {l[2]}), "
                      f"kimi-infer {k[0]} (margin {k[1] - k[3]:.4f} over {k[2]})")
         lines.append(note)
+        if deq is not None:
+            n = min(len(deq), len(kimi))
+            prefix = next((i for i in range(n) if deq[i][0] != kimi[i][0]), n)
+            lines.append(f"  {label} vs llama.cpp deq: first {prefix}/{n} ids agree")
     lines.append("")
 open(out, "w").write("\n".join(lines))
 print("\n".join(lines))
