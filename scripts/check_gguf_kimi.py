@@ -9,7 +9,8 @@ package (gguf-py, pinned in scripts/check_gguf_kimi.sh):
   `gguf.constants.TENSOR_NAMES` for a block below `block_count`, nothing missing;
 * shapes: the ggml `ne` of `create_tensor` in `kimi-linear.cpp` (conv 4-D `[W, 1, C, 1]`,
   `ssm_a` `[1, H, 1, 1]`, `attn_k_b` `[nope, kv_lora, H]`, stacked experts ...);
-* types: norms, 1-D tensors, the router and non-`.weight` tensors F32 (converter rules);
+* types: norms, 1-D tensors, the router, the KDA convolutions and non-`.weight` tensors F32
+  (converter rules; llama.cpp aborts on an F16 `ssm_conv1d_*`);
 * values (with `--checkpoint DIR`): every tensor dequantized by gguf-py against the
   safetensors tensors transformed as `convert_hf_to_gguf.py` does (`-exp(A_log)`, experts
   stacked, `kv_b_proj` split with the key half transposed), within the type's tolerance.
@@ -125,6 +126,8 @@ def check_metadata(reader):
         for key, elem in [(K.Tokenizer.LIST, VT.STRING), (K.Tokenizer.TOKEN_TYPE, VT.INT32),
                           (K.Tokenizer.MERGES, VT.STRING)]:
             f = field(reader, key)
+            if f is None and key == K.Tokenizer.MERGES:
+                continue  # a vocabulary of single bytes has none; llama.cpp needs none for kimi-k2
             if f is None or f.types[0] != VT.ARRAY or f.types[-1] != elem:
                 fail(f"{key}: must be an array of {elem.name}")
             elif key != K.Tokenizer.MERGES and len(f.data) != hp["n_vocab"]:
@@ -222,7 +225,8 @@ def check_tensors(reader, hp):
         if [int(x) for x in t.shape] != ne:
             fail(f"{name}: ne {list(map(int, t.shape))}, llama.cpp expects {ne}")
         must_f32 = (len([d for d in ne if d != 1]) <= 1 or name.endswith("_norm.weight")
-                    or "ffn_gate_inp" in name or not name.endswith(".weight"))
+                    or "ffn_gate_inp" in name or "ssm_conv1d" in name
+                    or not name.endswith(".weight"))
         if must_f32 and t.tensor_type != QT.F32:
             fail(f"{name}: {t.tensor_type.name}, the converter keeps it F32")
     for name in set(tensors) - set(exp):

@@ -11,6 +11,7 @@
 #      KIMI_FLAGS (default --int8-matmul: int8 activations, as llama.cpp's quantized products),
 #      FILES (default: the demo Q4_1 file and its Q8_0 requantization made by run.sh),
 #      DATE (default today, UTC), OUT (default bench/llamacpp/side-by-side-<date>.json).
+# kimi_gguf.sh runs it on Kimi Linear GGUFs made with `kimi-infer convert --random-config`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 

@@ -30,7 +30,8 @@ pub enum Command {
     Bench(BenchArgs),
     /// Serve the model over an OpenAI-compatible HTTP API with continuous batching.
     Serve(ServeArgs),
-    /// Convert a Kimi Linear checkpoint to a llama.cpp GGUF (architecture `kimi-linear`).
+    /// Convert a Kimi Linear checkpoint (or a config with random weights) to a llama.cpp GGUF
+    /// (architecture `kimi-linear`).
     Convert(ConvertArgs),
 }
 
@@ -38,8 +39,13 @@ pub enum Command {
 #[derive(Args, Debug)]
 pub struct ConvertArgs {
     /// Checkpoint directory (config.json + safetensors).
-    #[arg(long, short = 'm')]
-    pub model: PathBuf,
+    #[arg(long, short = 'm', required_unless_present = "random_config")]
+    pub model: Option<PathBuf>,
+    /// Convert a config.json with deterministic random bf16 weights (those of `bench
+    /// --random-config`) instead of a checkpoint; the file gets a byte-level stand-in
+    /// vocabulary (ids 0-255 are bytes, the rest special tokens) so llama.cpp loads it.
+    #[arg(long, conflicts_with = "model")]
+    pub random_config: Option<PathBuf>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = ConvertFormat::Gguf)]
     pub to: ConvertFormat,

@@ -1,19 +1,19 @@
-//! `kimi-infer convert`: a Kimi Linear checkpoint directory to a llama.cpp GGUF.
+//! `kimi-infer convert`: a Kimi Linear checkpoint directory, or a config.json with
+//! deterministic random weights, to a llama.cpp GGUF.
 
 use std::path::Path;
 use std::time::Instant;
 
 use anyhow::Context;
+use kimi_core::{DType, ModelConfig};
 use kimi_model::gguf_kimi::{plan_export, ExportOptions, ExtraHparams, GgufQuant};
+use kimi_model::{RandomWeights, WeightSource};
 use kimi_tokenizer::Tokenizer;
 use kimi_weights::Checkpoint;
 
 use crate::args::{ConvertArgs, QuantArg};
 
 pub fn convert(args: ConvertArgs) -> anyhow::Result<()> {
-    let dir = &args.model;
-    let ckpt = Checkpoint::open(dir)
-        .with_context(|| format!("cannot open the checkpoint in {}", dir.display()))?;
     let quant = match args.quant {
         QuantArg::F32 => GgufQuant::F32,
         QuantArg::F16 => GgufQuant::F16,
@@ -21,27 +21,79 @@ pub fn convert(args: ConvertArgs) -> anyhow::Result<()> {
         QuantArg::Q8_0 => GgufQuant::Q8_0,
         QuantArg::Q4KM => GgufQuant::Q4KM,
     };
-    let name = dir
-        .canonicalize()
-        .ok()
-        .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
-        .unwrap_or_else(|| "kimi-linear".into());
-    let extra_metadata = tokenizer_metadata(dir, ckpt.config().vocab_size);
-    let opts = ExportOptions {
-        quant,
-        name,
-        extra: extra_hparams(dir)?,
-        extra_metadata,
-    };
-    let plan = plan_export(&ckpt, ckpt.config(), &opts)
-        .with_context(|| format!("cannot convert {}", dir.display()))?;
+    match (&args.model, &args.random_config) {
+        (_, Some(config_path)) => {
+            let text = std::fs::read_to_string(config_path)
+                .with_context(|| format!("cannot read {}", config_path.display()))?;
+            let config = ModelConfig::from_json_str(&text).with_context(|| {
+                format!("cannot parse the model config {}", config_path.display())
+            })?;
+            let name = config_path
+                .file_stem()
+                .map(|n| n.to_string_lossy().trim_end_matches(".config").to_string())
+                .unwrap_or_else(|| "kimi-linear".into());
+            let opts = ExportOptions {
+                quant,
+                name: format!("{name} (random weights)"),
+                extra: extra_hparams(config_path)?,
+                extra_metadata: placeholder_vocab(&config),
+            };
+            // The weights `bench --random-config` runs (bf16, seed 0).
+            let source = RandomWeights {
+                dtype: DType::BF16,
+                seed: 0,
+            };
+            write(
+                &source,
+                &config,
+                &opts,
+                &args.out,
+                &config_path.display().to_string(),
+            )
+        }
+        (Some(dir), None) => {
+            let ckpt = Checkpoint::open(dir)
+                .with_context(|| format!("cannot open the checkpoint in {}", dir.display()))?;
+            let name = dir
+                .canonicalize()
+                .ok()
+                .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .unwrap_or_else(|| "kimi-linear".into());
+            let extra_metadata = tokenizer_metadata(dir, ckpt.config().vocab_size);
+            let opts = ExportOptions {
+                quant,
+                name,
+                extra: extra_hparams(&dir.join("config.json"))?,
+                extra_metadata,
+            };
+            write(
+                &ckpt,
+                ckpt.config(),
+                &opts,
+                &args.out,
+                &dir.display().to_string(),
+            )
+        }
+        (None, None) => anyhow::bail!("convert needs --model DIR or --random-config CONFIG.json"),
+    }
+}
+
+fn write(
+    source: &dyn WeightSource,
+    config: &ModelConfig,
+    opts: &ExportOptions,
+    out: &Path,
+    what: &str,
+) -> anyhow::Result<()> {
+    let plan =
+        plan_export(source, config, opts).with_context(|| format!("cannot convert {what}"))?;
     for w in &plan.warnings {
         eprintln!("warning: {w}");
     }
     let total = plan.tensors.len();
     let width = total.to_string().len();
     let start = Instant::now();
-    plan.write(&ckpt, &args.out, &mut |i, t| {
+    plan.write(source, out, &mut |i, t| {
         let note = t
             .fallback
             .as_deref()
@@ -55,11 +107,11 @@ pub fn convert(args: ConvertArgs) -> anyhow::Result<()> {
             t.shape
         );
     })
-    .with_context(|| format!("cannot write {}", args.out.display()))?;
-    let bytes = std::fs::metadata(&args.out).map(|m| m.len()).unwrap_or(0);
+    .with_context(|| format!("cannot write {}", out.display()))?;
+    let bytes = std::fs::metadata(out).map(|m| m.len()).unwrap_or(0);
     eprintln!(
         "wrote {} ({total} tensors, {:.1} MiB) in {:.1} s",
-        args.out.display(),
+        out.display(),
         bytes as f64 / (1 << 20) as f64,
         start.elapsed().as_secs_f64()
     );
@@ -91,12 +143,39 @@ fn tokenizer_metadata(dir: &Path, vocab_size: usize) -> Vec<(String, kimi_gguf::
     }
 }
 
-/// `rope_theta` and the legacy `head_dim` of `config.json`, which llama.cpp's converter
-/// writes but kimi-infer's config does not keep.
-fn extra_hparams(dir: &Path) -> anyhow::Result<ExtraHparams> {
-    let path = dir.join("config.json");
+/// A byte-level stand-in vocabulary for a model without a tokenizer: llama.cpp refuses a
+/// GGUF without `tokenizer.ggml.model`, and with it both llama.cpp and kimi-infer can tokenize
+/// text (byte by byte) and stop at the config's eos id.
+fn placeholder_vocab(config: &ModelConfig) -> Vec<(String, kimi_gguf::Value)> {
+    let tokenizer = Tokenizer::byte_level_placeholder(
+        config.vocab_size,
+        config.bos_token_id,
+        config.eos_token_ids.first().copied(),
+        config.pad_token_id,
+    );
+    match tokenizer.and_then(|t| t.gguf_metadata(config.vocab_size)) {
+        Some(meta) => {
+            eprintln!(
+                "tokenizer: byte-level stand-in vocabulary (ids 0-255 are bytes, {} special ids)",
+                config.vocab_size - 256
+            );
+            meta
+        }
+        None => {
+            eprintln!(
+                "note: no tokenizer is written: a stand-in vocabulary needs at least 256 ids \
+                 (llama.cpp will not load the file)"
+            );
+            Vec::new()
+        }
+    }
+}
+
+/// `rope_theta` and the legacy `head_dim` of `config.json` (at `path`), which llama.cpp's
+/// converter writes but kimi-infer's config does not keep.
+fn extra_hparams(path: &Path) -> anyhow::Result<ExtraHparams> {
     let text =
-        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let json: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
     let rope_theta = json

@@ -532,3 +532,101 @@ fn converted_demo_model_generates_like_the_checkpoint() {
     };
     assert_eq!(generate(&gguf), generate(&dir));
 }
+
+/// `convert --random-config` writes the deterministic random weights of a config with a
+/// byte-level stand-in vocabulary: f32 and bf16 files hold the same (bf16) values, so their
+/// logits agree exactly, and the vocabulary lets `run` tokenize text byte by byte.
+#[test]
+fn convert_random_config_to_gguf() {
+    let config = fixture("hub-bf16-released-like").join("config.json");
+    let tmp = tempfile::tempdir().unwrap();
+    let mut logits = Vec::new();
+    for quant in ["f32", "bf16"] {
+        let gguf = tmp.path().join(format!("random-{quant}.gguf"));
+        let o = run(&[
+            "convert",
+            "--random-config",
+            config.to_str().unwrap(),
+            "--quant",
+            quant,
+            "--out",
+            gguf.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(
+            stderr(&o).contains("byte-level stand-in vocabulary"),
+            "{}",
+            stderr(&o)
+        );
+        let out = tmp.path().join(format!("logits-{quant}.npy"));
+        let o = run(&[
+            "logits",
+            "--model",
+            gguf.to_str().unwrap(),
+            "--ids",
+            "104,105,33,7",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let (shape, values) = read_npy(&out);
+        assert_eq!(shape, [4, 256]);
+        assert!(values.iter().all(|v| v.is_finite()));
+        logits.push(values);
+
+        let o = run(&[
+            "run",
+            "--model",
+            gguf.to_str().unwrap(),
+            "--prompt",
+            "hi!",
+            "--max-tokens",
+            "3",
+            "--ignore-eos",
+            "--logprobs",
+            "1",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert_eq!(stderr(&o).matches("[token ").count(), 3, "{}", stderr(&o));
+    }
+    assert_eq!(logits[0], logits[1]);
+}
+
+/// A missing or malformed config, or no source at all, is a clear error, not a panic.
+#[test]
+fn convert_random_config_bad_input() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("never.gguf");
+    let out = out.to_str().unwrap();
+    let missing = tmp.path().join("missing.json");
+    let o = run(&[
+        "convert",
+        "--random-config",
+        missing.to_str().unwrap(),
+        "--out",
+        out,
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("cannot read"), "{}", stderr(&o));
+
+    let bad = tmp.path().join("bad.json");
+    std::fs::write(&bad, "{\"model_type\": \"kimi_linear\", \"hidden_size\": ").unwrap();
+    let o = run(&[
+        "convert",
+        "--random-config",
+        bad.to_str().unwrap(),
+        "--out",
+        out,
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("cannot parse the model config"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!Path::new(out).exists());
+
+    let o = run(&["convert", "--out", out]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--model"), "{}", stderr(&o));
+}

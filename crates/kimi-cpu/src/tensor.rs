@@ -186,9 +186,12 @@ pub(crate) fn row_to_f32(storage: &Storage, offset: usize, out: &mut [f32]) {
             }
         }
         Storage::F16(v) => {
-            for (o, &b) in out.iter_mut().zip(&v[offset..offset + n]) {
-                *o = f16::from_bits(b).to_f32();
-            }
+            // The slice conversion runs 8 values per F16C instruction where the CPU has it
+            // (one call per value measured 70 % of an F16 model's decode time).
+            use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+            v[offset..offset + n]
+                .reinterpret_cast::<f16>()
+                .convert_to_f32_slice(out);
         }
         Storage::Quant { dtype, bytes } => {
             let (block, block_bytes) = (dtype.block_size(), dtype.block_bytes());

@@ -223,7 +223,7 @@ pub(crate) fn kimi_metadata(
             }
         }
     }
-    vec![
+    let mut meta = vec![
         ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
         ("tokenizer.ggml.pre".into(), Value::String(KIMI_PRE.into())),
         (
@@ -234,11 +234,16 @@ pub(crate) fn kimi_metadata(
             "tokenizer.ggml.token_type".into(),
             Value::Array(Array::I32(types)),
         ),
-        (
+    ];
+    // gguf-py cannot write an empty array (nor read back its element type); llama.cpp needs
+    // no merges for `pre = kimi-k2`. Only a vocabulary of single bytes has none.
+    if !merges.is_empty() {
+        meta.push((
             "tokenizer.ggml.merges".into(),
             Value::Array(Array::String(merges)),
-        ),
-    ]
+        ));
+    }
+    meta
 }
 
 /// The two parts BPE joins last to form `token` (rank `rank`): merge adjacent parts by
@@ -508,5 +513,37 @@ mod kimi_tests {
         assert!(file
             .get_array("tokenizer.ggml.merges")
             .is_ok_and(|m| !m.is_empty()));
+    }
+
+    /// The byte-level stand-in vocabulary of random-weight conversions loads back from its
+    /// GGUF metadata: bytes are ids 0–255, the rest are special tokens, bos/eos kept.
+    #[test]
+    fn byte_level_placeholder_round_trips_through_gguf() {
+        assert!(Tokenizer::byte_level_placeholder(255, None, None, None).is_none());
+        let tok = Tokenizer::byte_level_placeholder(1000, Some(744), Some(746), Some(999))
+            .expect("placeholder");
+        let meta = tok.gguf_metadata(1000).expect("tiktoken backend");
+        let mut w = GgufWriter::new();
+        for (k, v) in meta {
+            w.add_metadata(k, v).expect("metadata");
+        }
+        let file = GgufFile::from_vec(w.to_bytes().expect("bytes")).expect("gguf");
+        assert_eq!(
+            file.get_array("tokenizer.ggml.tokens")
+                .map(|t| t.len())
+                .ok(),
+            Some(1000)
+        );
+        let back = Tokenizer::from_gguf(&file).expect("placeholder tokenizer");
+        assert_eq!(back.vocab_size(), 1000);
+        let text = "Hi, wörld\n";
+        let ids = back.encode(text, false).expect("encode");
+        assert_eq!(ids, text.bytes().map(u32::from).collect::<Vec<_>>());
+        assert_eq!(back.decode(&ids, false).expect("decode"), text);
+        assert_eq!(back.bos_id(), Some(744));
+        assert_eq!(back.eos_ids(), vec![746]);
+        assert_eq!(back.token_id("[PAD]"), Some(999));
+        assert_eq!(back.token_id("<|reserved_token_300|>"), Some(300));
+        assert!(file.get("tokenizer.ggml.merges").is_none());
     }
 }

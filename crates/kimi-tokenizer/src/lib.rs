@@ -215,6 +215,45 @@ impl Tokenizer {
         Ok(tokenizer)
     }
 
+    /// A stand-in vocabulary of `vocab_size` ids for a model that has no tokenizer (random
+    /// weights): the 256 single bytes as ids 0–255, so text is encoded byte by byte, and every
+    /// further id a special token (`[BOS]`, `[EOS]`, `[PAD]` at the given ids, else
+    /// `<|reserved_token_{id}|>`). Its [`Self::gguf_metadata`] is Kimi's layout (`pre =
+    /// kimi-k2`), which llama.cpp and kimi-infer both load. `None` below 256 ids. Ids of
+    /// `bos`/`eos`/`pad` at or past `vocab_size` are left out.
+    pub fn byte_level_placeholder(
+        vocab_size: usize,
+        bos: Option<u32>,
+        eos: Option<u32>,
+        pad: Option<u32>,
+    ) -> Option<Tokenizer> {
+        let n = u32::try_from(vocab_size).ok().filter(|&n| n >= 256)?;
+        let in_vocab = |id: Option<u32>| id.filter(|&id| id < n);
+        let (bos, eos, pad) = (in_vocab(bos), in_vocab(eos), in_vocab(pad));
+        let specials = (256..n)
+            .map(|id| {
+                let name = if Some(id) == eos {
+                    "[EOS]".to_string()
+                } else if Some(id) == bos {
+                    "[BOS]".to_string()
+                } else if Some(id) == pad {
+                    "[PAD]".to_string()
+                } else {
+                    format!("<|reserved_token_{id}|>")
+                };
+                (name, id)
+            })
+            .collect();
+        let base = (0..=255u8).map(|b| vec![b]).collect();
+        let bpe = TiktokenBpe::build(base, specials, Path::new("<byte-level placeholder>")).ok()?;
+        Some(Tokenizer {
+            backend: Backend::Tiktoken(Box::new(bpe)),
+            bos_id: bos,
+            eos_ids: eos.into_iter().collect(),
+            chat_template: None,
+        })
+    }
+
     /// This tokenizer as the `tokenizer.ggml.*` metadata llama.cpp writes for a model of
     /// `vocab_size` rows (ids, chat template included), or `None` for a vocabulary GGUF
     /// cannot hold yet (only Kimi's tiktoken one is written).

@@ -204,12 +204,15 @@ pub(super) fn quantize_q4_k(x: &[f32; QK_K], b: &mut [u8; 144]) {
 pub(super) fn dequantize_q4_k(b: &[u8; 144], y: &mut [f32; QK_K]) {
     let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
     let (scales, qs) = (&b[4..16], &b[16..]);
-    for (i, y) in y.iter_mut().enumerate() {
-        let (c, l, high) = (i / 64, i % 32, i % 64 >= 32);
-        let (sc, m) = scale_min(i / 32, scales);
-        let q = qs[32 * c + l];
-        let q = if high { q >> 4 } else { q & 0xF };
-        *y = d * f32::from(sc) * f32::from(q) - dmin * f32::from(m);
+    // Sub-block s (32 values): low nibbles of qs[32·(s/2)..] for even s, high for odd s.
+    // One scale and min per sub-block, so the inner loop vectorizes; the same products.
+    for (s, y) in y.chunks_exact_mut(32).enumerate() {
+        let (sc, m) = scale_min(s, scales);
+        let (d1, m1) = (d * f32::from(sc), dmin * f32::from(m));
+        let (qs, shift) = (&qs[32 * (s / 2)..32 * (s / 2) + 32], 4 * (s % 2));
+        for (y, &q) in y.iter_mut().zip(qs) {
+            *y = d1 * f32::from((q >> shift) & 0xF) - m1;
+        }
     }
 }
 
@@ -323,13 +326,23 @@ pub(super) fn quantize_q6_k(x: &[f32; QK_K], b: &mut [u8; 210]) {
 pub(super) fn dequantize_q6_k(b: &[u8; 210], y: &mut [f32; QK_K]) {
     let d = f16_at(b, 208);
     let (ql, qh, scales) = (&b[..128], &b[128..192], &b[192..208]);
-    for (i, y) in y.iter_mut().enumerate() {
-        let (h, k, l) = (i / 128, (i % 128) / 32, i % 32);
-        let low = ql[64 * h + 32 * (k % 2) + l];
-        let low = if k >= 2 { low >> 4 } else { low & 0xF };
-        let high = (qh[32 * h + l] >> (2 * k)) & 3;
-        let q = i32::from(low | high << 4) - 32;
-        *y = d * f32::from(scales[i / 16] as i8) * q as f32;
+    // Value 128·h + 32·k + l: low nibble of ql[64·h + 32·(k % 2) + l] (high nibble for k ≥ 2),
+    // bits 2k..2k+1 of qh[32·h + l], scale scales[8·h + 2·k + l / 16]. Laid out as ggml's
+    // `dequantize_row_q6_K` (fixed strides, so the loop vectorizes; the same products).
+    for (h, y) in y.chunks_exact_mut(128).enumerate() {
+        let (ql, qh, sc) = (
+            &ql[64 * h..64 * h + 64],
+            &qh[32 * h..32 * h + 32],
+            &scales[8 * h..],
+        );
+        for l in 0..32 {
+            let q = |low: u8, shift: u32| f32::from((low | ((qh[l] >> shift) & 3) << 4) as i8 - 32);
+            let s = |k: usize| f32::from(sc[2 * k + l / 16] as i8);
+            y[l] = d * s(0) * q(ql[l] & 0xF, 0);
+            y[l + 32] = d * s(1) * q(ql[l + 32] & 0xF, 2);
+            y[l + 64] = d * s(2) * q(ql[l] >> 4, 4);
+            y[l + 96] = d * s(3) * q(ql[l + 32] >> 4, 6);
+        }
     }
 }
 

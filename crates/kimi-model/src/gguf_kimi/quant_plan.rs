@@ -1,10 +1,11 @@
 //! Which GGML type each tensor gets, following llama.cpp:
 //!
 //! * f32 / f16 / bf16 / q8_0: `convert_hf_to_gguf.py` `ModelBase.prepare_tensors` — 1-D
-//!   tensors, `*_norm.weight`, the router (`ffn_gate_inp`) and every tensor whose name does
-//!   not end in `.weight` (`ssm_a`, `ssm_dt.bias`, `exp_probs_b.bias`) stay F32; the rest take
-//!   the output type, falling back to F16 when a row is not whole Q8_0 blocks (gguf-py's
-//!   `QuantError` path; this is what happens to the width-4 convolutions).
+//!   tensors, `*_norm.weight`, the router (`ffn_gate_inp`), the KDA convolutions
+//!   (`ssm_conv1d_{q,k,v}`: llama.cpp's `ggml_ssm_conv` asserts F32 kernels and aborts on
+//!   F16 ones) and every tensor whose name does not end in `.weight` (`ssm_a`, `ssm_dt.bias`,
+//!   `exp_probs_b.bias`) stay F32; the rest take the output type, falling back to F16 when a
+//!   row is not whole Q8_0 blocks (gguf-py's `QuantError` path).
 //! * q4_k_m: `llama-quantize` (`src/llama-quant.cpp`) on top of the f16 file: a tensor is
 //!   requantized only if its name ends in `weight`, it has ≥ 2 non-unit dimensions and it is
 //!   not a norm, the router or an `ssm_conv1d*` kernel. Default Q4_K; `output.weight` (and a
@@ -104,6 +105,7 @@ fn convert_type(r: &Recipe, quant: GgufQuant) -> Choice {
     let keep_f32 = r.shape.len() <= 1
         || r.gguf.ends_with("_norm.weight")
         || r.gguf.ends_with("ffn_gate_inp.weight")
+        || r.gguf.contains("ssm_conv1d")
         || !r.gguf.ends_with(".weight");
     let wanted = match quant {
         _ if keep_f32 => GgmlType::F32,
@@ -245,5 +247,40 @@ mod tests {
         // 27 layers (Kimi-Linear-48B): first 3, last 4, and every third in between.
         let picked: Vec<usize> = (0..27).filter(|&i| use_more_bits(i, 27)).collect();
         assert_eq!(picked, [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 24, 25, 26]);
+    }
+
+    /// llama.cpp's `ggml_ssm_conv` aborts (`GGML_ASSERT(src1->nb[0] == sizeof(float))`) on a
+    /// KDA convolution that is not F32, so every file type keeps them F32, as
+    /// `convert_hf_to_gguf.py` does; matrices still take the file type.
+    #[test]
+    fn kda_convolutions_stay_f32_in_every_file_type() {
+        let config = kimi_core::ModelConfig::from_json_str(include_str!(
+            "../../../kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json"
+        ))
+        .expect("48B config");
+        let recipes = super::super::recipes::recipes(&config);
+        let convs = recipes
+            .iter()
+            .filter(|r| r.gguf.contains("ssm_conv1d"))
+            .count();
+        assert_eq!(convs, 3 * 20, "q, k and v kernels of the 20 KDA layers");
+        for quant in [
+            GgufQuant::F32,
+            GgufQuant::F16,
+            GgufQuant::Bf16,
+            GgufQuant::Q8_0,
+            GgufQuant::Q4KM,
+        ] {
+            let choices = plan(&recipes, quant, config.layers.len(), 256);
+            for (r, c) in recipes.iter().zip(&choices) {
+                if r.gguf.contains("ssm_conv1d") {
+                    assert_eq!(c.ggml_type, GgmlType::F32, "{quant:?} {}", r.gguf);
+                    assert!(c.fallback.is_none(), "{quant:?} {}", r.gguf);
+                }
+                if r.gguf == "blk.0.attn_q.weight" && quant != GgufQuant::F32 {
+                    assert_ne!(c.ggml_type, GgmlType::F32, "{quant:?}");
+                }
+            }
+        }
     }
 }
