@@ -12,6 +12,13 @@ shift || true
 STAGES="${*:-check kernels peers bench hf serve}"
 mkdir -p "$OUT"
 want() { [[ " $STAGES " == *" $1 "* ]]; }
+# Waits up to $2 seconds for a server on port $1 to answer /health.
+wait_healthy() {
+  for _ in $(seq 1 "$2"); do
+    curl -sf "localhost:$1/health" >/dev/null 2>&1 && return 0
+    sleep 1
+  done
+}
 CONFIG=crates/kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json
 
 # cuBLAS 13: the system toolkit, else PyTorch's pip wheel.
@@ -63,10 +70,7 @@ if want serve; then
     --served-model-name kimi-48b-random --port 8011 --max-model-len 4096 --max-num-seqs 64 \
     > "$OUT/serve-server.log" 2>&1 &
   SERVER=$!
-  for _ in $(seq 1 120); do
-    curl -sf localhost:8011/health >/dev/null 2>&1 && break
-    sleep 1
-  done
+  wait_healthy 8011 120
   PYTHONPATH="$PYLIB/openai-env:$PYTHONPATH" timeout 300 python3 bench/serve_load.py \
     --base-url http://127.0.0.1:8011/v1 --model kimi-48b-random --concurrency 1 16 64 \
     --num-requests 64 --max-tokens 64 --prompt-ids 512 --json "$OUT/serve.json" 2>&1 | tail -20 | tee "$OUT/serve.txt"
@@ -85,10 +89,7 @@ if want serve-cpu; then
   taskset -c 0,1 .device-bin/kimi-infer serve --threads 2 --port 8012 --max-num-seqs 64 \
     > "$OUT/serve-cpu-server.log" 2>&1 &
   SERVER=$!
-  for _ in $(seq 1 60); do
-    curl -sf localhost:8012/health >/dev/null 2>&1 && break
-    sleep 1
-  done
+  wait_healthy 8012 60
   PYTHONPATH="$PYLIB/openai-env:$PYTHONPATH" timeout 300 taskset -c 4-11 python3 bench/serve_load.py \
     --base-url http://127.0.0.1:8012/v1 --concurrency 1 16 64 --num-requests 64 --max-tokens 32 \
     --prompt-ids 64 --json "$OUT/serve-cpu.json" 2>&1 | tail -20 | tee "$OUT/serve-cpu.txt"

@@ -328,9 +328,9 @@ fn argmax(v: &[f32]) -> (usize, bool) {
     (best, finite)
 }
 
-fn forward_last(
-    model: &KimiLinear<CudaBackend>,
-    pool: &mut CachePool<CudaBackend>,
+fn forward_last<B: Backend>(
+    model: &KimiLinear<B>,
+    pool: &mut CachePool<B>,
     cache: &mut SeqCache,
     toks: &[u32],
 ) -> Res<Vec<f32>> {
@@ -717,20 +717,9 @@ fn profile_big() -> Res<()> {
         },
     )?;
     let vocab = model.config().vocab_size;
-    let run =
-        |(pool, cache): &mut (CachePool<Profiled>, SeqCache), toks: &[u32]| -> Res<Vec<f32>> {
-            let batch = Batch {
-                tokens: toks.to_vec(),
-                segments: vec![Segment {
-                    start: 0,
-                    len: toks.len(),
-                }],
-                logits_rows: vec![toks.len() - 1],
-            };
-            Ok(model
-                .forward(&batch, pool, &mut [cache], ForwardOptions::default())?
-                .logits)
-        };
+    let run = |(pool, cache): &mut (CachePool<Profiled>, SeqCache), toks: &[u32]| {
+        forward_last(&model, pool, cache, toks)
+    };
     for prec in [GemmPrecision::Split, GemmPrecision::Half] {
         model.backend().inner.set_gemm_precision(prec);
         let prompt: Vec<u32> = (0..512).map(|i| (i * 9973 % vocab) as u32).collect();
