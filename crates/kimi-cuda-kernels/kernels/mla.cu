@@ -309,7 +309,7 @@ __device__ __forceinline__ const float* latent_row(const MlaSeq& s, int row, int
 }
 
 // q_cat[(t*H + h)] = [W_uk[h]ᵀ q_nope(t, h) ‖ q_pe(t, h)] (width lw) for launch-local token
-// t < ntok, whose q row is rows[t]. Grid (H, ceil(ntok / 8)), block 256.
+// t < ntok, whose q row is rows[t]. Grid (H, ceil(ntok / 8), ceil(r / 64)), block 256.
 extern "C" __global__ void __launch_bounds__(256)
     mla_q_absorb(const float* q, const uint32_t* rows, int ntok, const void* kvb, int kdt,
                  float* qcat, int H, int r, int dn, int dr, int dv) {
@@ -321,16 +321,28 @@ extern "C" __global__ void __launch_bounds__(256)
     qn[k][d] = k < nt ? q[((size_t)rows[t0 + k] * H + h) * dq + d] : 0.0f;
   }
   __syncthreads();
+  // CTA z covers columns z*64 .. z*64+63; its four 64-thread quarters split the dn rows of
+  // W_uk and add up through shared memory (more CTAs in flight: at one token, H CTAs alone
+  // read the weight far below the memory's bandwidth).
+  __shared__ float part[4][8][64];
+  const int cl = threadIdx.x & 63, quarter = threadIdx.x >> 6;
+  const int c = blockIdx.z * 64 + cl;
   const size_t wk = (size_t)h * ph * r;
-  for (int c = threadIdx.x; c < r; c += blockDim.x) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int i = 0; i < dn; ++i) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  if (c < r)
+    for (int i = quarter; i < dn; i += 4) {
       const float w = ld(kvb, wk + (size_t)i * r + c, kdt);
 #pragma unroll
       for (int k = 0; k < 8; ++k) acc[k] = fmaf(qn[k][i], w, acc[k]);
     }
-    for (int k = 0; k < nt; ++k) qcat[((size_t)(t0 + k) * H + h) * lw + c] = acc[k];
-  }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) part[quarter][k][cl] = acc[k];
+  __syncthreads();
+  if (quarter == 0 && c < r)
+    for (int k = 0; k < nt; ++k)
+      qcat[((size_t)(t0 + k) * H + h) * lw + c] =
+          (part[0][k][cl] + part[1][k][cl]) + (part[2][k][cl] + part[3][k][cl]);
+  if (blockIdx.z != 0) return;
   for (int i = threadIdx.x; i < nt * dr; i += blockDim.x) {
     const int k = i / dr, e = i - k * dr;
     qcat[((size_t)(t0 + k) * H + h) * lw + r + e] =
@@ -609,7 +621,7 @@ extern "C" __global__ void mla_decode_combine(const float2* part_ml, const float
 }
 
 // out[rows[t]*H + h] (width dv) = W_uv[h] · o_lat[t*H + h] for launch-local token t < ntok.
-// Grid (H, ceil(ntok / 8)), block 256, dynamic shared memory 8*r floats.
+// Grid (H, ceil(ntok / 8), splits of the dv rows), block 256, dynamic shared memory 8*r floats.
 extern "C" __global__ void __launch_bounds__(256)
     mla_uv_project(const float* olat, const uint32_t* rows, int ntok, const void* kvb, int kdt,
                    float* out, int H, int r, int dn, int dv) {
@@ -622,7 +634,8 @@ extern "C" __global__ void __launch_bounds__(256)
   }
   __syncthreads();
   const size_t wv = ((size_t)h * (dn + dv) + dn) * r;
-  for (int j = warp; j < dv; j += nw) {
+  // CTA z of gridDim.z takes every gridDim.z-th group of nw output rows.
+  for (int j = blockIdx.z * nw + warp; j < dv; j += nw * gridDim.z) {
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int c = lane; c < r; c += 32) {
       const float w = ld(kvb, wv + (size_t)j * r + c, kdt);
@@ -647,12 +660,18 @@ __device__ __forceinline__ size_t paged_row(const unsigned* table, int bs, int s
   return (size_t)table[s / bs] * bs + s % bs;
 }
 
-// Writes src [len, lw] to positions first .. first+len-1 of the sequence. Grid (len).
-extern "C" __global__ void mla_paged_write(const float* src, float* pool, const unsigned* table,
-                                           int bs, int first, int lw) {
+// Writes every row j of src [n, lw] that belongs to a sequence: where[2j] is the offset of
+// that sequence's block table in `tables`, where[2j+1] the row's position (0xffffffff: not a
+// cache row). One launch per layer for a whole batch; the positions are data, so a replayed
+// decode graph needs no new arguments. Grid (n).
+extern "C" __global__ void mla_paged_write_rows(const float* src, float* pool,
+                                                const unsigned* tables, const unsigned* where,
+                                                int bs, int lw) {
   const int j = blockIdx.x;
+  const unsigned pos = where[2 * j + 1];
+  if (pos == 0xffffffffu) return;
   const float* from = src + (size_t)j * lw;
-  float* to = pool + paged_row(table, bs, first + j) * lw;
+  float* to = pool + paged_row(tables + where[2 * j], bs, (int)pos) * lw;
   for (int i = threadIdx.x; i < lw; i += blockDim.x) to[i] = from[i];
 }
 

@@ -160,8 +160,9 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Expert GEMV over the pairs routed to one expert. Grid (ceil(rows_out/16), min(P, E));
-// block 256 = 8 warps, two output rows per warp. Block (x, j) serves the j-th expert that
+// Expert GEMV over the pairs routed to one expert. Grid (ceil(rows_out/(16*rb)), min(P, E));
+// block 256 = 8 warps, two output rows per warp, `rb` times over (more rows per CTA when
+// many pairs fill the GPU anyway: fewer, longer CTAs stage the activations less often). Block (x, j) serves the j-th expert that
 // received pairs (the active list after `offsets`; blocks past its length exit at once, so a
 // batch that reaches few experts costs few blocks), for every pair p routed to it, tokens in
 // groups of TG so that one pass over a weight row serves TG tokens. `wtab` holds per expert
@@ -177,9 +178,13 @@ __device__ __forceinline__ float warp_sum(float v) {
 #define TG 4
 #define EX_RW 2
 
-template <bool GLU>
+// `split` = 1: the activation rows are staged in shared memory as two halves (float4 2c of
+// the row first, then every float4 2c+1), so that a lane's two float4 of step c sit 16 bytes
+// from its neighbours' (no bank conflicts); 0: plain rows.
+template <bool GLU, bool SPLIT>
 __device__ __forceinline__ void expert_rows_vec(const __nv_bfloat16* wa,
-                                                const __nv_bfloat16* wb, const float* const* xr,
+                                                const __nv_bfloat16* wb,
+                                                const float* const (&xr)[TG], const float* xs,
                                                 int ng, int cols, int row0, int rows_out,
                                                 float (&aa)[EX_RW][TG],
                                                 float (&ab)[EX_RW][TG]) {
@@ -211,8 +216,9 @@ __device__ __forceinline__ void expert_rows_vec(const __nv_bfloat16* wa,
 #pragma unroll
       for (int g = 0; g < TG; ++g) {
         if (g < ng) {
-          const float4* x4 = reinterpret_cast<const float4*>(xr[g] + 8 * c);
-          const float4 x0 = x4[0], x1 = x4[1];
+          const float4* x4 = reinterpret_cast<const float4*>(SPLIT ? xs + g * cols : xr[g]);
+          const float4 x0 = SPLIT ? x4[c] : x4[2 * c];
+          const float4 x1 = SPLIT ? x4[nv + c] : x4[2 * c + 1];
           const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
           for (int r = 0; r < EX_RW; ++r) {
@@ -236,7 +242,7 @@ __device__ __forceinline__ void expert_rows_vec(const __nv_bfloat16* wa,
 extern "C" __global__ void __launch_bounds__(256, 2)
     moe_expert_gemv(const uint64_t* wtab, int glu, const float* in, int top_k,
                     const uint32_t* offsets, int E, const uint32_t* slots, float* out,
-                    int rows_out, int cols, int dt, int vec, int stage) {
+                    int rows_out, int cols, int dt, int vec, int stage, int rb) {
   extern __shared__ float4 xs_sm4[];
   float* xs_sm = reinterpret_cast<float*>(xs_sm4);
   const uint32_t* active = offsets + E + 1;
@@ -244,9 +250,6 @@ extern "C" __global__ void __launch_bounds__(256, 2)
   const uint32_t e = active[1 + blockIdx.y];
   const uint32_t beg = offsets[e], end = offsets[e + 1];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row0 = (blockIdx.x * 8 + warp) * EX_RW;
-  // Warps past the last row still take part in staging (and its barriers).
-  const bool has_row = row0 < rows_out;
   const void* wa = reinterpret_cast<const void*>(wtab[3 * e + (glu ? 0 : 2)]);
   const void* wb = reinterpret_cast<const void*>(wtab[3 * e + 1]);
   for (uint32_t g0 = beg; g0 < end; g0 += TG) {
@@ -262,15 +265,25 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     if (stage) {
       __syncthreads();  // the previous group's rows are no longer read
       const int c4 = cols >> 2;
+      // With 16-byte weight loads (`vec`), in the split layout of expert_rows_vec.
+      const int half = c4 >> 1;
       for (int i = threadIdx.x; i < ng * c4; i += blockDim.x) {
         const int g = i / c4, c = i - g * c4;
-        xs_sm4[g * c4 + c] = reinterpret_cast<const float4*>(xr[g])[c];
+        const int at = vec ? (c & 1) * half + (c >> 1) : c;
+        // The row from `slots`, not xr[g]: a runtime index would put xr in local memory.
+        const uint32_t p = slots[g0 + g];
+        const float* src = in + (size_t)(glu ? p / top_k : p) * cols;
+        xs_sm4[g * c4 + at] = reinterpret_cast<const float4*>(src)[c];
       }
       __syncthreads();
 #pragma unroll
       for (int g = 0; g < TG; ++g) xr[g] = xs_sm + (size_t)g * cols;
     }
-    if (!has_row) continue;
+    // `rb` row blocks of 16 per CTA: the staged activations serve them all. Warps past the
+    // last row leave this loop but still take part in the next group's staging barriers.
+    for (int rbi = 0; rbi < rb; ++rbi) {
+    const int row0 = ((blockIdx.x * rb + rbi) * 8 + warp) * EX_RW;
+    if (row0 >= rows_out) break;
     float aa[EX_RW][TG], ab[EX_RW][TG];
 #pragma unroll
     for (int r = 0; r < EX_RW; ++r)
@@ -279,10 +292,14 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     if (vec) {
       const __nv_bfloat16* ha = reinterpret_cast<const __nv_bfloat16*>(wa);
       const __nv_bfloat16* hb = reinterpret_cast<const __nv_bfloat16*>(wb);
-      if (glu)
-        expert_rows_vec<true>(ha, hb, xr, ng, cols, row0, rows_out, aa, ab);
+      if (glu && stage)
+        expert_rows_vec<true, true>(ha, hb, xr, xs_sm, ng, cols, row0, rows_out, aa, ab);
+      else if (glu)
+        expert_rows_vec<true, false>(ha, hb, xr, xs_sm, ng, cols, row0, rows_out, aa, ab);
+      else if (stage)
+        expert_rows_vec<false, true>(ha, hb, xr, xs_sm, ng, cols, row0, rows_out, aa, ab);
       else
-        expert_rows_vec<false>(ha, hb, xr, ng, cols, row0, rows_out, aa, ab);
+        expert_rows_vec<false, false>(ha, hb, xr, xs_sm, ng, cols, row0, rows_out, aa, ab);
     } else {
 #pragma unroll
       for (int r = 0; r < EX_RW; ++r) {
@@ -312,6 +329,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
           out[(size_t)pr[g] * rows_out + row0 + r] = v;
         }
       }
+    }
     }
   }
 }

@@ -65,6 +65,18 @@ fn main() {
             failed = true;
         }
     }
+    if args.iter().any(|a| a == "tune") {
+        if let Err(e) = tune() {
+            println!("tune: ERROR {e}");
+            failed = true;
+        }
+    }
+    if args.iter().any(|a| a == "ncu-step") {
+        if let Err(e) = ncu_step() {
+            println!("ncu-step: ERROR {e}");
+            failed = true;
+        }
+    }
     if args.iter().any(|a| a == "kda-bench") {
         if let Err(e) = kda_bench() {
             println!("kda-bench: ERROR {e}");
@@ -386,6 +398,217 @@ fn generate(model: &KimiLinear<CudaBackend>, num_tokens: usize, vocab: usize) ->
     Ok(())
 }
 
+/// Sequences decoded together, one token each per step, in a pool of 16-token blocks
+/// (sequence s takes blocks s, s + batch, s + 2 batch, ...).
+struct DecodeRun {
+    pool: CachePool<CudaBackend>,
+    caches: Vec<SeqCache>,
+    next: Vec<u32>,
+}
+
+impl DecodeRun {
+    /// `batch` sequences after their 16-token prompts, with room for `steps` more tokens.
+    fn new(model: &KimiLinear<CudaBackend>, batch: usize, steps: usize) -> Res<Self> {
+        Self::with_prompt(model, batch, 16, steps)
+    }
+
+    /// `batch` sequences after `prompt_len`-token prompts, with room for `steps` more.
+    fn with_prompt(
+        model: &KimiLinear<CudaBackend>,
+        batch: usize,
+        prompt_len: usize,
+        steps: usize,
+    ) -> Res<Self> {
+        let vocab = model.config().vocab_size;
+        let per_seq = (prompt_len + steps).div_ceil(16);
+        let mut pool = model.new_pool(batch * per_seq, 16, batch)?;
+        let mut caches: Vec<SeqCache> = (0..batch)
+            .map(|s| {
+                let table = (0..per_seq).map(|k| (k * batch + s) as u32).collect();
+                SeqCache::new(s as u32, table)
+            })
+            .collect();
+        let mut next = Vec::with_capacity(batch);
+        for (s, c) in caches.iter_mut().enumerate() {
+            let prompt: Vec<u32> = (0..prompt_len)
+                .map(|i| ((i + 31 * s) * 9973 % vocab) as u32)
+                .collect();
+            let logits = forward_last(model, &mut pool, c, &prompt)?;
+            next.push(argmax(&logits).0 as u32);
+        }
+        Ok(Self { pool, caches, next })
+    }
+
+    /// One decode step of every sequence, feeding `tokens`; returns the logits.
+    fn step(&mut self, model: &KimiLinear<CudaBackend>, tokens: &[u32]) -> Res<Vec<f32>> {
+        let batch = self.caches.len();
+        let b = Batch {
+            tokens: tokens.to_vec(),
+            segments: (0..batch).map(|s| Segment { start: s, len: 1 }).collect(),
+            logits_rows: (0..batch).collect(),
+        };
+        let mut refs: Vec<&mut SeqCache> = self.caches.iter_mut().collect();
+        Ok(model
+            .forward(&b, &mut self.pool, &mut refs, ForwardOptions::default())?
+            .logits)
+    }
+}
+
+/// Decode step times of the 48B-shaped model after 1K-token prompts, in one process so that
+/// the variants compare on the same machine state: CUDA graphs off/on at batch 1, 8 and 64,
+/// and at batch 64 the routed-expert GEMV's row blocks per CTA.
+fn tune() -> Res<()> {
+    let text = std::fs::read_to_string(
+        "crates/kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json",
+    )?;
+    let config = ModelConfig::from_json_str(&text)?;
+    let model = KimiLinear::load_from(
+        CudaBackend::new(0)?,
+        config,
+        &RandomWeights {
+            dtype: DType::BF16,
+            seed: 0,
+        },
+    )?;
+    let be = model.backend();
+    let (warm, timed) = (3, 12);
+    for batch in [1usize, 8, 64] {
+        let mut variants: Vec<(bool, usize)> = vec![(false, 0), (true, 0)];
+        if batch == 64 {
+            variants.extend([(true, 1), (true, 2), (true, 8)]);
+        }
+        // One set of sequences for every variant (their contexts grow by a few hundred
+        // tokens over the run); variants alternate, twice over.
+        let total = 2 * variants.len() * (warm + timed);
+        let mut run = DecodeRun::with_prompt(&model, batch, 1024, total)?;
+        for round in 0..2 {
+            for &(graphs, rb) in &variants {
+                be.set_cuda_graphs(graphs);
+                be.set_moe_row_blocks(rb);
+                let mut ms = Vec::with_capacity(timed);
+                for i in 0..warm + timed {
+                    let t = run.next.clone();
+                    be.synchronize()?;
+                    let t0 = Instant::now();
+                    run.step(&model, &t)?;
+                    if i >= warm {
+                        ms.push(t0.elapsed().as_secs_f64() * 1e3);
+                    }
+                }
+                ms.sort_by(|a, b| a.total_cmp(b));
+                let med = ms[ms.len() / 2];
+                println!(
+                    "tune round {round} B={batch:<3} graphs {:<3} row blocks {}: step median {med:.3} ms = {:.1} tok/s (min {:.3}, max {:.3})",
+                    if graphs { "on" } else { "off" },
+                    if rb == 0 { "auto".to_string() } else { rb.to_string() },
+                    batch as f64 / med * 1e3,
+                    ms[0],
+                    ms[ms.len() - 1],
+                );
+                let _ = std::io::stdout().flush();
+            }
+        }
+    }
+    be.set_cuda_graphs(true);
+    be.set_moe_row_blocks(0);
+    println!(
+        "graph passes op-by-op/captured/replayed {:?}",
+        be.graph_pass_counts()
+    );
+    if let Some(why) = be.last_graph_recapture() {
+        println!("last recapture: {why}");
+    }
+    check_graphs(&model, &[1, 8, 64])
+}
+
+/// One decode step of the 48B-shaped model at each `NCU_BATCH` (default 1) after 16-token
+/// prompts, op by op, inside a profiler range: run under `ncu --profile-from-start off` to
+/// time every kernel of exactly one step.
+fn ncu_step() -> Res<()> {
+    let text = std::fs::read_to_string(
+        "crates/kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json",
+    )?;
+    let config = ModelConfig::from_json_str(&text)?;
+    let model = KimiLinear::load_from(
+        CudaBackend::new(0)?,
+        config,
+        &RandomWeights {
+            dtype: DType::BF16,
+            seed: 0,
+        },
+    )?;
+    let be = model.backend();
+    be.set_cuda_graphs(false);
+    let batches: Vec<usize> = std::env::var("NCU_BATCH")
+        .unwrap_or_else(|_| "1".into())
+        .split(',')
+        .filter_map(|s| s.parse().ok())
+        .collect();
+    for batch in batches {
+        let mut run = DecodeRun::new(&model, batch, 4)?;
+        for _ in 0..2 {
+            let t = run.next.clone();
+            run.step(&model, &t)?;
+        }
+        be.synchronize()?;
+        // SAFETY: plain profiler API calls bracketing one synchronised step.
+        unsafe { cudarc::driver::sys::cuProfilerStart() };
+        let t = run.next.clone();
+        run.step(&model, &t)?;
+        be.synchronize()?;
+        // SAFETY: as above.
+        unsafe { cudarc::driver::sys::cuProfilerStop() };
+        println!("ncu-step: profiled one decode step at batch {batch}");
+    }
+    if std::env::var_os("NCU_GRAPHS").is_some() {
+        check_graphs(&model, &[64])?;
+    }
+    Ok(())
+}
+
+/// Decode steps replayed through CUDA graphs against the same steps issued op by op: two
+/// identical runs stepped alternately, graphs on for one and off for the other.
+fn check_graphs(model: &KimiLinear<CudaBackend>, batches: &[usize]) -> Res<()> {
+    let be = model.backend();
+    let vocab = model.config().vocab_size;
+    let steps = 40;
+    for &batch in batches {
+        let mut graphed = DecodeRun::new(model, batch, steps)?;
+        let mut eager = DecodeRun::new(model, batch, steps)?;
+        let before = be.graph_pass_counts();
+        let (mut identical, mut worst) = (0, 0f64);
+        for _ in 0..steps {
+            let tokens = graphed.next.clone();
+            be.set_cuda_graphs(true);
+            let g = graphed.step(model, &tokens)?;
+            be.set_cuda_graphs(false);
+            let e = eager.step(model, &tokens)?;
+            identical += usize::from(g == e);
+            worst = worst.max(rel_err(&g, &e));
+            for (s, row) in g.chunks_exact(vocab).enumerate() {
+                graphed.next[s] = argmax(row).0 as u32;
+            }
+        }
+        be.set_cuda_graphs(true);
+        let after = be.graph_pass_counts();
+        let counts: Vec<u64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
+        println!(
+            "graphs B={batch}: {identical}/{steps} steps bit-identical to op by op, worst rel err \
+             {worst:.2e}; graph passes op-by-op/captured/replayed {counts:?} -> {}",
+            if worst <= 1e-6 && counts[2] > 0 {
+                "ok"
+            } else {
+                "FAIL"
+            }
+        );
+        if let Some(why) = be.last_graph_recapture() {
+            println!("  last recapture: {why}");
+        }
+        let _ = std::io::stdout().flush();
+    }
+    Ok(())
+}
+
 /// `batch` sequences (16-token prompts) decoded together for `steps` steps: one forward of
 /// `batch` one-token segments per step.
 fn decode_batch(
@@ -471,6 +694,7 @@ fn check_big(num_tokens: usize) -> Res<()> {
     );
     let _ = std::io::stdout().flush();
     let vocab = model.config().vocab_size;
+    check_graphs(&model, &[1, 8, 64])?;
     for (prec, tokens) in [
         (GemmPrecision::Split, num_tokens),
         (GemmPrecision::Half, num_tokens.min(300)),

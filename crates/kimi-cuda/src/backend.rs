@@ -6,7 +6,6 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Mutex;
 
 use cudarc::cublas::sys::cudaDataType;
-use cudarc::driver::CudaSlice;
 use kimi_core::config::KdaGate;
 use kimi_core::DType;
 use kimi_ops::{
@@ -15,6 +14,7 @@ use kimi_ops::{
     Segment,
 };
 
+use crate::buffer::DevBuf;
 use crate::device::Device;
 use crate::error::OpContext;
 use crate::ops;
@@ -42,7 +42,7 @@ pub struct CudaBackend {
     ordinal: usize,
     device_name: String,
     /// Expert address tables of the fused MoE path, by their contents.
-    moe_tables: Mutex<HashMap<Vec<u64>, CudaSlice<u8>>>,
+    moe_tables: Mutex<HashMap<Vec<u64>, DevBuf>>,
 }
 
 /// Up to this many tokens, routed experts run as fused GEMV kernels over all (token, expert)
@@ -105,7 +105,28 @@ impl CudaBackend {
 
     /// Waits for all queued work (for timing).
     pub fn synchronize(&self) -> Result<()> {
-        self.dev.stream.synchronize().op("synchronize")
+        self.dev.synchronize("synchronize")
+    }
+
+    /// Turns CUDA graphs for decode passes on or off (on by default unless the environment
+    /// sets `KIMI_CUDA_GRAPHS=0`).
+    pub fn set_cuda_graphs(&self, on: bool) {
+        self.dev.set_graphs(on);
+    }
+
+    /// Forces the routed-expert GEMV's 16-row blocks per CTA (0 = automatic), for tuning.
+    pub fn set_moe_row_blocks(&self, n: usize) {
+        ops::moe::set_row_blocks(n);
+    }
+
+    /// Why a pass's existing CUDA graph was last captured again instead of patched.
+    pub fn last_graph_recapture(&self) -> Option<String> {
+        self.dev.last_recapture()
+    }
+
+    /// How recorded passes reached the GPU so far: `[op by op, captured, replayed]`.
+    pub fn graph_pass_counts(&self) -> [u64; 3] {
+        self.dev.pass_counts.lock().map_or([0; 3], |c| *c)
     }
 
     /// Free and total device memory in bytes.
@@ -113,10 +134,10 @@ impl CudaBackend {
         self.dev.ctx.mem_get_info().op("mem_info")
     }
 
-    fn raw(&self, bytes: usize, op: &'static str) -> Result<CudaSlice<u8>> {
-        // SAFETY: every caller writes each element it later reads (kernels or copies
-        // fill the buffer before use); spare capacity is never read.
-        unsafe { self.dev.stream.alloc::<u8>(bytes.max(4)) }.op(op)
+    fn raw(&self, bytes: usize, op: &'static str) -> Result<DevBuf> {
+        // Every caller writes each element it later reads (kernels or copies fill the
+        // buffer before use); spare capacity is never read.
+        self.dev.alloc(bytes, op)
     }
 
     /// An uninitialised tensor; the caller's kernel writes every element.
@@ -134,26 +155,22 @@ impl CudaBackend {
         Ok(CudaTensor {
             shape: shape.to_vec(),
             dtype: DType::F32,
-            buf: self.dev.stream.alloc_zeros::<u8>((n * 4).max(4)).op(op)?,
+            buf: self.dev.alloc_zeros(n * 4, op)?,
         })
     }
 
-    fn upload_u32(&self, v: &[u32], op: &'static str) -> Result<CudaSlice<u8>> {
+    fn upload_u32(&self, v: &[u32], op: &'static str) -> Result<DevBuf> {
         let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
         self.upload_bytes(&bytes, op)
     }
 
-    fn upload_bytes(&self, bytes: &[u8], op: &'static str) -> Result<CudaSlice<u8>> {
-        if bytes.is_empty() {
-            return self.raw(4, op);
-        }
-        self.dev.stream.clone_htod(bytes).op(op)
+    /// Bytes for this pass (ids, tables): staged inside a recorded pass.
+    fn upload_bytes(&self, bytes: &[u8], op: &'static str) -> Result<DevBuf> {
+        self.dev.upload(bytes, op)
     }
 
-    fn slice_ptr(s: &CudaSlice<u8>) -> u64 {
-        use cudarc::driver::DevicePtr;
-        let (p, _guard) = s.device_ptr(s.stream());
-        p
+    fn slice_ptr(s: &DevBuf) -> u64 {
+        s.ptr()
     }
 
     /// An f32 copy of a weight of any supported dtype (or `None` if already f32).
@@ -361,7 +378,8 @@ impl CudaBackend {
             return Ok((Self::slice_ptr(t), aligned));
         }
         let bytes: Vec<u8> = key.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let t = self.upload_bytes(&bytes, "moe")?;
+        // Kept across passes: never from a pass arena.
+        let t = self.dev.upload_kept(&bytes, "moe")?;
         let ptr = Self::slice_ptr(&t);
         tables.insert(key, t);
         Ok((ptr, aligned))
@@ -424,7 +442,7 @@ impl Backend for CudaBackend {
         Ok(CudaTensor {
             shape: host.shape.to_vec(),
             dtype: host.dtype,
-            buf: self.upload_bytes(host.bytes, "upload")?,
+            buf: self.dev.upload_kept(host.bytes, "upload")?,
         })
     }
 
@@ -444,7 +462,8 @@ impl Backend for CudaBackend {
 
     fn fill_zero(&self, t: &mut CudaTensor) -> Result<()> {
         self.dev.enter("fill_zero")?;
-        self.dev.stream.memset_zeros(&mut t.buf).op("fill_zero")
+        // SAFETY: the buffer holds len() bytes.
+        unsafe { self.dev.zero(t.buf.ptr(), t.buf.len(), "fill_zero") }
     }
 
     fn to_f32(&self, t: &CudaTensor) -> Result<Vec<f32>> {
@@ -459,23 +478,13 @@ impl Backend for CudaBackend {
             // every byte pattern is a valid f32, and u8 needs no alignment.
             let bytes =
                 unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), nb) };
-            if nb > 0 {
-                self.dev
-                    .stream
-                    .memcpy_dtoh(&t.buf.slice(0..nb), bytes)
-                    .op("to_f32")?;
-            }
-            self.dev.stream.synchronize().op("to_f32")?;
+            // SAFETY: the tensor holds nb bytes.
+            unsafe { self.dev.read(t.buf.ptr(), bytes, "to_f32")? };
             return Ok(out);
         }
         let mut host = vec![0u8; nb];
-        if nb > 0 {
-            self.dev
-                .stream
-                .memcpy_dtoh(&t.buf.slice(0..nb), &mut host)
-                .op("to_f32")?;
-        }
-        self.dev.stream.synchronize().op("to_f32")?;
+        // SAFETY: the tensor holds nb bytes.
+        unsafe { self.dev.read(t.buf.ptr(), &mut host, "to_f32")? };
         Ok(match t.dtype {
             DType::F32 => host
                 .chunks_exact(4)
@@ -509,6 +518,11 @@ impl Backend for CudaBackend {
 
     fn measure_read_bandwidth(&self) -> Option<f64> {
         self.copy_bandwidth().ok()
+    }
+
+    fn replayable<R>(&self, key: Option<u64>, f: impl FnOnce() -> R) -> Result<R> {
+        self.dev.enter("replay_pass")?;
+        self.dev.replay_pass(key, f)
     }
 
     fn embedding(&self, table: &CudaTensor, ids: &[u32]) -> Result<CudaTensor> {
@@ -724,8 +738,19 @@ impl Backend for CudaBackend {
                 format!("{e} experts in {} groups", r.num_groups),
             ));
         }
-        // The router runs in f32, as on the CPU, so that near-ties pick the same experts.
-        let router32 = self.as_f32_copy(&w.router, OP)?;
+        // The router runs in f32, as on the CPU, so that near-ties pick the same experts: a
+        // few rows against bf16 take the GEMV kernel (f32 products of the exact weights),
+        // more rows an f32 GEMM against an f32 copy of the router.
+        let gemv = n <= GEMV_MAX_ROWS
+            && w.router.dtype == DType::BF16
+            && self.gemm_precision() == GemmPrecision::Split
+            && (x.ptr() | w.router.ptr()).is_multiple_of(16)
+            && d.is_multiple_of(8);
+        let router32 = if gemv {
+            None
+        } else {
+            self.as_f32_copy(&w.router, OP)?
+        };
         let logits = self.matmul_op(x, router32.as_ref().unwrap_or(&w.router), OP)?;
         let (bias, bdt) = match &w.correction_bias {
             Some(b) if b.len() == e => (b.ptr(), code(b, OP)?),
@@ -929,7 +954,7 @@ impl Backend for CudaBackend {
             off += cnt;
         }
         // Keep the index buffers alive until the queued kernels have read them.
-        self.dev.stream.synchronize().op(OP)?;
+        self.dev.synchronize(OP)?;
         drop((offsets, slots, rows, wsel));
         Ok((out, ids_dev))
     }
@@ -1279,6 +1304,9 @@ impl Backend for CudaBackend {
             offsets.push(flat.len());
             let used = (seq.num_cached + seg.len).div_ceil(block_size);
             flat.extend_from_slice(&seq.block_table[..used]);
+            // Padded to a power of two, so that decode steps upload tables of one size
+            // (and a replayed graph's copy stays valid) until the context doubles.
+            flat.resize(flat.len() + used.next_power_of_two() - used, 0);
         }
         let tables = self.upload_u32(&flat, OP)?;
         let tables_ptr = Self::slice_ptr(&tables);
@@ -1288,19 +1316,31 @@ impl Backend for CudaBackend {
             block_size,
             width: lw,
         };
+        // Every new latent row to its sequence's position, in one launch.
+        let mut where_ = vec![u32::MAX; 2 * n];
         for (i, (seg, seq)) in segments.iter().zip(seqs).enumerate() {
-            // SAFETY: latent holds rows seg.start..seg.start+seg.len of width lw; the table
-            // covers the new positions with blocks inside the pool (check_paged).
-            unsafe {
-                ops::mla::write_rows(
-                    &self.dev,
-                    latent.ptr() + (seg.start * lw * 4) as u64,
-                    paged(i),
-                    seq.num_cached,
-                    seg.len,
-                )?
-            };
+            for j in 0..seg.len {
+                let row = seg.start + j;
+                where_[2 * row] = offsets[i] as u32;
+                where_[2 * row + 1] = u32::try_from(seq.num_cached + j)
+                    .map_err(|_| shape_err(OP, "position beyond 2^32".into()))?;
+            }
         }
+        let where_dev = self.upload_u32(&where_, OP)?;
+        // SAFETY: latent holds n rows of width lw; each named table covers its rows' new
+        // positions with blocks inside the pool (check_paged); where_ holds 2n u32.
+        unsafe {
+            ops::mla::write_rows_all(
+                &self.dev,
+                latent.ptr(),
+                pool.ptr(),
+                tables_ptr,
+                where_dev.ptr(),
+                n,
+                block_size,
+                lw,
+            )?
+        };
         // Absorbed segments are attended together (split-KV over the pool through their
         // tables) after every sequence has its new rows; expanded ones one by one.
         let mut pieces = vec![];

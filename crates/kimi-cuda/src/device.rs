@@ -1,15 +1,19 @@
 //! The device: one CUDA context and stream, a cuBLAS handle and the embedded kernels.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
+use cudarc::cublas::sys::cudaDataType;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::CUfunction_attribute_enum;
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchArgs, LaunchConfig};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, LaunchConfig};
 use cudarc::nvrtc::Ptx;
 use kimi_ops::Result;
 
+use crate::buffer::{Arena, DevBuf};
 use crate::error::{Error, OpContext};
+use crate::graph::{self, Args, GemmOp, GraphCache, KernelOp, Op, Outcome};
 
 /// Kernels with more than 48 KiB of dynamic shared memory opt in to this much.
 pub(crate) const MAX_DYNAMIC_SMEM_BYTES: u32 = 200 * 1024;
@@ -77,7 +81,7 @@ const KERNELS: &[(&str, &[&str])] = &[
             "mla_decode_partial_vec",
             "mla_decode_combine",
             "mla_uv_project",
-            "mla_paged_write",
+            "mla_paged_write_rows",
             "mla_paged_gather",
         ],
     ),
@@ -88,12 +92,24 @@ const KERNELS: &[(&str, &[&str])] = &[
     ("moe_gemm", &["moe_grouped_mma"]),
 ];
 
-/// One GPU: context, the stream every operation runs on, cuBLAS and the kernel table.
+/// Bytes of the pass arena (`buffer.rs`) unless `KIMI_CUDA_GRAPH_ARENA_MB` says otherwise:
+/// a 64-sequence decode step of the 48B model peaks near 100 MB.
+const DEFAULT_ARENA_MB: usize = 512;
+
+/// One GPU: context, the stream every operation runs on, cuBLAS, the kernel table and the
+/// state of recorded passes (arena and CUDA graphs, see `graph.rs`).
 pub(crate) struct Device {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: Arc<CudaStream>,
     pub(crate) blas: CudaBlas,
     functions: HashMap<&'static str, CudaFunction>,
+    /// Whether decode passes run through CUDA graphs (`KIMI_CUDA_GRAPHS=0` turns them off).
+    graphs_on: AtomicBool,
+    /// The pass arena, made on the first recorded pass; `Err` once it could not be made.
+    arena: Mutex<Option<std::result::Result<Arc<Arena>, ()>>>,
+    graphs: Mutex<GraphCache>,
+    /// Counts of how recorded passes reached the GPU: eager, captured, replayed.
+    pub(crate) pass_counts: Mutex<[u64; 3]>,
 }
 
 impl Device {
@@ -115,7 +131,8 @@ impl Device {
         // SAFETY: called before any allocation or launch on this context; every operation
         // runs on the one stream below, so stream order alone keeps buffers consistent.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of our own: the legacy default stream cannot be captured into a graph.
+        let stream = ctx.new_stream().op("init")?;
         let blas = CudaBlas::new(stream.clone()).op("init cuBLAS")?;
         let mut functions = HashMap::new();
         for (module, names) in KERNELS {
@@ -138,11 +155,16 @@ impl Device {
                 functions.insert(*name, f);
             }
         }
+        let graphs_on = std::env::var("KIMI_CUDA_GRAPHS").map_or(true, |v| v != "0");
         Ok(Self {
             ctx,
             stream,
             blas,
             functions,
+            graphs_on: AtomicBool::new(graphs_on),
+            arena: Mutex::new(None),
+            graphs: Mutex::new(GraphCache::new()),
+            pass_counts: Mutex::new([0; 3]),
         })
     }
 
@@ -152,7 +174,7 @@ impl Device {
     }
 
     /// A launch builder for kernel `name`.
-    pub(crate) fn kernel(&self, op: &'static str, name: &str) -> Result<LaunchArgs<'_>> {
+    pub(crate) fn kernel(&self, op: &'static str, name: &str) -> Result<Launch<'_>> {
         let f = self
             .functions
             .get(name)
@@ -160,7 +182,284 @@ impl Device {
                 op,
                 name: name.to_string(),
             })?;
-        Ok(self.stream.launch_builder(f))
+        Ok(Launch {
+            dev: self,
+            func: f.cu_function() as usize,
+            args: Args::default(),
+        })
+    }
+
+    fn blas_handle(&self) -> graph::sys_blas::Handle {
+        graph::sys_blas::Handle(*self.blas.handle())
+    }
+
+    /// Queues `op` now, or records it inside a recorded pass.
+    ///
+    /// # Safety
+    /// As [`graph::issue`]: the op's addresses are live buffers of the sizes it uses.
+    pub(crate) unsafe fn submit(&self, op: Op) -> std::result::Result<(), DriverError> {
+        match graph::record(self.stream.cu_stream(), op) {
+            None => Ok(()),
+            // SAFETY: the caller's contract; eager ops carry no uploads.
+            Some(op) => unsafe {
+                graph::issue(
+                    &op,
+                    self.stream.cu_stream(),
+                    std::ptr::null(),
+                    self.blas_handle(),
+                )
+            },
+        }
+    }
+
+    /// `y [n, o] = x [n, k] · w [o, k]ᵀ` through cuBLAS (see `ops/gemm.rs`).
+    ///
+    /// # Safety
+    /// `x` holds `n * k` and `w` `o * k` elements of type `ab`; `y` holds `n * o` f32.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn gemm(
+        &self,
+        x: u64,
+        w: u64,
+        ab: cudaDataType,
+        y: u64,
+        n: usize,
+        k: usize,
+        o: usize,
+    ) -> Result<()> {
+        let op = Op::Gemm(GemmOp {
+            x,
+            w,
+            ab,
+            y,
+            n,
+            k,
+            o,
+        });
+        // SAFETY: the caller's contract.
+        unsafe { self.submit(op) }.op("matmul")
+    }
+
+    /// An uninitialised buffer of at least `bytes` (every reader's producer writes it):
+    /// from the pass arena inside a recorded pass, else from the stream-ordered pool.
+    pub(crate) fn alloc(&self, bytes: usize, op: &'static str) -> Result<DevBuf> {
+        if graph::recording(self.stream.cu_stream()) {
+            let arena = self
+                .arena
+                .lock()
+                .ok()
+                .and_then(|a| a.as_ref().and_then(|r| r.as_ref().ok().cloned()));
+            if let Some(b) = arena.and_then(|a| a.take(bytes)) {
+                return Ok(b);
+            }
+            // A full arena: this pass gets pool memory and is issued op by op.
+            graph::spoil();
+        }
+        // SAFETY: see the doc comment; spare capacity is never read.
+        let s = unsafe { self.stream.alloc::<u8>(bytes.max(4)) }.op(op)?;
+        Ok(DevBuf::from_pool(s))
+    }
+
+    /// A buffer of `bytes` zero bytes.
+    pub(crate) fn alloc_zeros(&self, bytes: usize, op: &'static str) -> Result<DevBuf> {
+        let b = self.alloc(bytes, op)?;
+        // SAFETY: `b` holds at least `bytes` bytes.
+        unsafe { self.zero(b.ptr(), bytes.max(4).min(b.len()), op)? };
+        Ok(b)
+    }
+
+    /// Sets `len` bytes at `dst` to zero, in stream order.
+    ///
+    /// # Safety
+    /// `dst` points at `len` bytes of live device memory.
+    pub(crate) unsafe fn zero(&self, dst: u64, len: usize, op: &'static str) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.submit(Op::Zero { dst, len }) }.op(op)
+    }
+
+    /// A device copy of `bytes`, for the current pass (token ids, tables): inside a
+    /// recorded pass staged so that a replayed graph reads the new values.
+    pub(crate) fn upload(&self, bytes: &[u8], op: &'static str) -> Result<DevBuf> {
+        let stream = self.stream.cu_stream();
+        if graph::recording(stream) {
+            let b = self.alloc(bytes.len(), op)?;
+            if graph::record_upload(stream, b.ptr(), bytes) {
+                return Ok(b);
+            }
+        }
+        self.upload_kept(bytes, op)
+    }
+
+    /// A device copy of `bytes` that may outlive the current pass (weights, tables kept
+    /// across passes): always from the pool, copied now.
+    pub(crate) fn upload_kept(&self, bytes: &[u8], op: &'static str) -> Result<DevBuf> {
+        if bytes.is_empty() {
+            // SAFETY: nothing reads an empty buffer.
+            let s = unsafe { self.stream.alloc::<u8>(4) }.op(op)?;
+            return Ok(DevBuf::from_pool(s));
+        }
+        let s = self.stream.clone_htod(bytes).op(op)?;
+        Ok(DevBuf::from_pool(s))
+    }
+
+    /// Queues what the current pass has recorded so far (a read-back needs the results);
+    /// the rest of the pass runs op by op.
+    pub(crate) fn flush(&self, op: &'static str) -> Result<()> {
+        let stream = self.stream.cu_stream();
+        if let Some((ops, staging)) = graph::drain(stream) {
+            for o in &ops {
+                // SAFETY: recorded by this pass, whose buffers are alive (the arena's blocks
+                // until the pass ends, pool buffers kept by the recorder).
+                unsafe { graph::issue(o, stream, staging.as_ptr(), self.blas_handle()) }.op(op)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies `dst.len()` bytes from `src` to the host once all queued work is done
+    /// (queuing a recorded pass's ops first).
+    ///
+    /// # Safety
+    /// `src` points at `dst.len()` bytes of live device memory.
+    pub(crate) unsafe fn read(&self, src: u64, dst: &mut [u8], op: &'static str) -> Result<()> {
+        self.flush(op)?;
+        if !dst.is_empty() {
+            // SAFETY: the caller's contract; `dst` is writable for its length and the
+            // synchronize below completes the copy before it is used.
+            unsafe {
+                cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
+                    dst.as_mut_ptr().cast(),
+                    src,
+                    dst.len(),
+                    self.stream.cu_stream(),
+                )
+            }
+            .result()
+            .op(op)?;
+        }
+        self.stream.synchronize().op(op)
+    }
+
+    /// Waits for all queued work, after queuing a recorded pass's ops.
+    pub(crate) fn synchronize(&self, op: &'static str) -> Result<()> {
+        self.flush(op)?;
+        self.stream.synchronize().op(op)
+    }
+
+    /// Why an existing graph was last captured again, if one was.
+    pub(crate) fn last_recapture(&self) -> Option<String> {
+        self.graphs.lock().ok()?.last_recapture.clone()
+    }
+
+    /// Turns CUDA graphs for recorded passes on or off.
+    pub(crate) fn set_graphs(&self, on: bool) {
+        self.graphs_on.store(on, Ordering::Relaxed);
+    }
+
+    /// The arena, made on first use; `None` if it cannot be.
+    fn arena(&self) -> Option<Arc<Arena>> {
+        let mut slot = self.arena.lock().ok()?;
+        if slot.is_none() {
+            let mb = std::env::var("KIMI_CUDA_GRAPH_ARENA_MB")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(DEFAULT_ARENA_MB);
+            // SAFETY: arena blocks are written by their producers before they are read.
+            let made = unsafe { self.stream.alloc::<u8>(mb << 20) };
+            *slot = Some(match made {
+                Ok(mem) => Ok(Arc::new(Arena::new(mem))),
+                Err(e) => {
+                    tracing::warn!("no CUDA graphs: cannot allocate a {mb} MiB pass arena ({e})");
+                    Err(())
+                }
+            });
+        }
+        slot.as_ref()?.as_ref().ok().cloned()
+    }
+
+    /// Runs `f`, one pass of queued work named `key`, recorded and replayed as a CUDA
+    /// graph (see `graph.rs`); without a key, with graphs off or inside another pass, `f`
+    /// runs as is.
+    pub(crate) fn replay_pass<R>(&self, key: Option<u64>, f: impl FnOnce() -> R) -> Result<R> {
+        const OP: &str = "replay_pass";
+        let Some(key) = key else { return Ok(f()) };
+        if !self.graphs_on.load(Ordering::Relaxed) || graph::recording_any() {
+            return Ok(f());
+        }
+        let Some(arena) = self.arena() else {
+            return Ok(f());
+        };
+        // The pinned staging and the arena are reused: the last pass must be done with them.
+        self.stream.synchronize().op(OP)?;
+        if !arena.reset() {
+            // A tensor of an earlier pass is still alive in the arena.
+            return Ok(f());
+        }
+        let stream = self.stream.cu_stream();
+        graph::start(stream);
+        /// Ends the recording if `f` unwinds.
+        struct Stop;
+        impl Drop for Stop {
+            fn drop(&mut self) {
+                let _ = graph::stop();
+            }
+        }
+        let guard = Stop;
+        let out = f();
+        let rec = graph::stop();
+        drop(guard);
+        let Some(rec) = rec else { return Ok(out) };
+        let mut cache = self
+            .graphs
+            .lock()
+            .map_err(|_| kimi_ops::Error::Device("graph cache lock poisoned".into()))?;
+        // SAFETY: the ops were recorded by this pass on this device; the arena blocks they
+        // name stay reserved until the next pass, which waits for this one first.
+        let outcome = unsafe { cache.run(key, rec, stream, self.blas_handle()) }.op(OP)?;
+        if let Ok(mut c) = self.pass_counts.lock() {
+            match outcome {
+                Outcome::Empty => {}
+                Outcome::Eager => c[0] += 1,
+                Outcome::Captured => c[1] += 1,
+                Outcome::Replayed => c[2] += 1,
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A kernel launch being built: `dev.kernel(..)?.arg(&x).arg(&n)`, then `launch(cfg)`.
+pub(crate) struct Launch<'a> {
+    dev: &'a Device,
+    func: usize,
+    args: Args,
+}
+
+impl Launch<'_> {
+    /// Appends an argument (by value: the builder copies it).
+    pub(crate) fn arg<T: cudarc::driver::DeviceRepr>(&mut self, v: &T) -> &mut Self {
+        self.args.push(v);
+        self
+    }
+
+    /// Queues (or records) the launch.
+    ///
+    /// # Safety
+    /// The arguments match the kernel's parameters, and every buffer they name is live and
+    /// large enough for the grid.
+    pub(crate) unsafe fn launch(
+        &mut self,
+        cfg: LaunchConfig,
+    ) -> std::result::Result<(), DriverError> {
+        let op = Op::Kernel(KernelOp {
+            func: self.func,
+            grid: cfg.grid_dim,
+            block: cfg.block_dim.0,
+            smem: cfg.shared_mem_bytes,
+            args: std::mem::take(&mut self.args),
+        });
+        // SAFETY: the caller's contract.
+        unsafe { self.dev.submit(op) }
     }
 }
 

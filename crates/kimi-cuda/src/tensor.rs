@@ -6,14 +6,15 @@
 //!       |<- shape.product() * dtype size ->|  spare  |
 //! ```
 
-use cudarc::driver::{CudaSlice, DevicePtr};
 use kimi_core::DType;
+
+use crate::buffer::DevBuf;
 
 /// A dense row-major tensor in device memory.
 pub struct CudaTensor {
     pub(crate) shape: Vec<usize>,
     pub(crate) dtype: DType,
-    pub(crate) buf: CudaSlice<u8>,
+    pub(crate) buf: DevBuf,
 }
 
 impl std::fmt::Debug for CudaTensor {
@@ -54,9 +55,7 @@ impl CudaTensor {
 
     /// The raw device address of the first element.
     pub(crate) fn ptr(&self) -> u64 {
-        // Event tracking is off (see `Device::new`), so the guard records nothing.
-        let (p, _guard) = self.buf.device_ptr(self.buf.stream());
-        p
+        self.buf.ptr()
     }
 
     /// `[rows, cols]` with leading dimensions folded into rows.

@@ -152,24 +152,14 @@ impl<B: Backend> KimiLinear<B> {
         check_batch(batch, seqs.len(), self.config.vocab_size)?;
         let be = &self.backend;
         pool.prepare(be, self.layers.len(), seqs)?;
-        let segs = &batch.segments;
-        let mut x = be.embedding(&self.embed, &batch.tokens)?;
-        let mut chosen_per_layer = Vec::with_capacity(self.layers.len());
-        for (i, layer) in self.layers.iter().enumerate() {
-            let normed = be.rms_norm(&x, &layer.input_norm, self.config.rms_norm_eps)?;
-            let mixed = self.run_mixer(layer, &normed, segs, &mut pool.layers[i], seqs, opts)?;
-            be.add_assign(&mut x, &mixed)?;
-            let normed = be.rms_norm(&x, &layer.post_norm, self.config.rms_norm_eps)?;
-            let (ffn_out, chosen) = layer.ffn.forward(be, &normed)?;
-            be.add_assign(&mut x, &ffn_out)?;
-            chosen_per_layer.push(chosen);
-        }
-        for (seq, seg) in seqs.iter_mut().zip(segs) {
+        // Decode steps of one batch size queue the same work: let the backend replay it.
+        let decode = batch.segments.iter().all(|s| s.len == 1);
+        let key = decode.then_some(batch.segments.len() as u64);
+        let (logits, chosen_per_layer) =
+            be.replayable(key, || self.queue_pass(batch, pool, seqs, opts))??;
+        for (seq, seg) in seqs.iter_mut().zip(&batch.segments) {
             seq.num_tokens += seg.len;
         }
-        let last = be.select_rows(&x, &batch.logits_rows)?;
-        let normed = be.rms_norm(&last, &self.norm, self.config.rms_norm_eps)?;
-        let logits = be.matmul(&normed, self.lm_head.as_ref().unwrap_or(&self.embed))?;
         let logits = be.to_f32(&logits)?;
         // The experts are read after the logits: by then the device has finished the pass.
         let num_experts = self.config.moe.as_ref().map_or(0, |m| m.num_experts);
@@ -185,6 +175,35 @@ impl<B: Backend> KimiLinear<B> {
             vocab_size: self.config.vocab_size,
             expert_counts,
         })
+    }
+
+    /// Queues the device work of one pass and returns the logits of `batch.logits_rows` and
+    /// each layer's chosen experts, still on the device.
+    #[allow(clippy::type_complexity)]
+    fn queue_pass(
+        &self,
+        batch: &Batch,
+        pool: &mut CachePool<B>,
+        seqs: &[&mut SeqCache],
+        opts: ForwardOptions,
+    ) -> Result<(B::Tensor, Vec<Option<B::Tensor>>)> {
+        let be = &self.backend;
+        let segs = &batch.segments;
+        let mut x = be.embedding(&self.embed, &batch.tokens)?;
+        let mut chosen_per_layer = Vec::with_capacity(self.layers.len());
+        for (i, layer) in self.layers.iter().enumerate() {
+            let normed = be.rms_norm(&x, &layer.input_norm, self.config.rms_norm_eps)?;
+            let mixed = self.run_mixer(layer, &normed, segs, &mut pool.layers[i], seqs, opts)?;
+            be.add_assign(&mut x, &mixed)?;
+            let normed = be.rms_norm(&x, &layer.post_norm, self.config.rms_norm_eps)?;
+            let (ffn_out, chosen) = layer.ffn.forward(be, &normed)?;
+            be.add_assign(&mut x, &ffn_out)?;
+            chosen_per_layer.push(chosen);
+        }
+        let last = be.select_rows(&x, &batch.logits_rows)?;
+        let normed = be.rms_norm(&last, &self.norm, self.config.rms_norm_eps)?;
+        let logits = be.matmul(&normed, self.lm_head.as_ref().unwrap_or(&self.embed))?;
+        Ok((logits, chosen_per_layer))
     }
 
     fn run_mixer(

@@ -363,6 +363,18 @@ pub trait Backend: Send + Sync {
         f()
     }
 
+    /// Runs `f`, which queues one forward pass of device work and reads nothing back, as
+    /// a unit the backend may record and replay. `key` names passes that launch the same
+    /// work on buffers of the same sizes (decode steps of one batch size); `None` runs `f`
+    /// as is. The CUDA backend records the pass, captures it once per key as a CUDA graph
+    /// and replays the graph, patching the kernel arguments that changed (positions,
+    /// split counts): one launch per step instead of hundreds. Tensors `f` returns must be
+    /// read (and dropped) before the next replayable pass. Default: calls `f`.
+    fn replayable<R>(&self, key: Option<u64>, f: impl FnOnce() -> R) -> Result<R> {
+        let _ = key;
+        Ok(f())
+    }
+
     /// Rows of `table` `[vocab, d]` for `ids` → `[ids.len(), d]`.
     fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
     /// `x [n, in] · wᵀ` with `w [out, in]` → `[n, out]`.

@@ -101,6 +101,7 @@ impl CudaBackend {
             kind,
             lb,
             eps: w.eps,
+            _pad: 0,
         };
         let entries: Vec<(usize, u64, [u64; 3])> = segments
             .iter()

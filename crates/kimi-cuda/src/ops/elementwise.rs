@@ -1,6 +1,5 @@
 //! Launchers of `kernels/elementwise.cu`.
 
-use cudarc::driver::PushKernelArg;
 use kimi_ops::Result;
 
 use crate::device::{flat, grid, Device};

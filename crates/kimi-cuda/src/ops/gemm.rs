@@ -3,9 +3,7 @@
 //! Row-major `y = x·wᵀ` is column-major `yᵀ (out×n) = op(W) · X` with `W` read as the
 //! column-major `[in × out]` matrix `wᵀ`, transposed: `gemm(T, N, m=out, n, k=in)`.
 
-use cudarc::cublas::result::gemm_ex;
-use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-use cudarc::driver::PushKernelArg;
+use cudarc::cublas::sys::cudaDataType;
 use kimi_ops::Result;
 
 use crate::device::{grid, Device};
@@ -30,32 +28,8 @@ pub(crate) unsafe fn gemm(
     if n == 0 || o == 0 {
         return Ok(());
     }
-    let (alpha, beta) = (1.0f32, 0.0f32);
-    // SAFETY: the caller guarantees the buffers; the handle is bound to `dev.stream`.
-    unsafe {
-        gemm_ex(
-            *dev.blas.handle(),
-            cublasOperation_t::CUBLAS_OP_T,
-            cublasOperation_t::CUBLAS_OP_N,
-            o as i32,
-            n as i32,
-            k as i32,
-            (&alpha) as *const f32 as *const _,
-            w as *const _,
-            ab,
-            k as i32,
-            x as *const _,
-            ab,
-            k as i32,
-            (&beta) as *const f32 as *const _,
-            y as *mut _,
-            cudaDataType::CUDA_R_32F,
-            o as i32,
-            cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    }
-    .op("matmul")
+    // SAFETY: the caller's contract.
+    unsafe { dev.gemm(x, w, ab, y, n, k, o) }
 }
 
 /// `y = x·wᵀ` for a few rows: f32 `x [n, k]`, bf16 `w [o, k]`, f32 `y [n, o]`, f32 products

@@ -1,6 +1,5 @@
 //! Launchers of `kernels/kda.cu`.
 
-use cudarc::driver::PushKernelArg;
 use kimi_ops::{Error, Result};
 
 use crate::device::{flat, grid, Device, MAX_DYNAMIC_SMEM_BYTES};
@@ -106,8 +105,13 @@ pub(crate) struct SegTable {
     start: [i32; MAX_SEGS],
     len: [i32; MAX_SEGS],
     chunk0: [i32; MAX_SEGS],
+    /// The C compiler's padding before `state`, spelled out so every byte is initialised
+    /// (launches copy arguments as bytes).
+    _pad: i32,
     state: [u64; MAX_SEGS],
 }
+
+const _: () = assert!(std::mem::size_of::<SegTable>() == 4 + 3 * 4 * MAX_SEGS + 4 + 8 * MAX_SEGS);
 
 // SAFETY: plain-old-data with the C layout of `struct KdaSegs` (repr(C), same field order).
 unsafe impl cudarc::driver::DeviceRepr for SegTable {}
@@ -127,6 +131,7 @@ impl SegTable {
             start: [0; MAX_SEGS],
             len: [0; MAX_SEGS],
             chunk0: [0; MAX_SEGS],
+            _pad: 0,
             state: [0; MAX_SEGS],
         };
         let mut chunks = 0usize;
@@ -237,9 +242,13 @@ pub(crate) unsafe fn chunked(
 pub(crate) struct StepSegs {
     n: i32,
     row: [i32; MAX_SEGS],
+    /// The C compiler's padding before `state` (see `SegTable`).
+    _pad: i32,
     state: [u64; MAX_SEGS],
     conv: [[u64; MAX_SEGS]; 3],
 }
+
+const _: () = assert!(std::mem::size_of::<StepSegs>() == 4 + 4 * MAX_SEGS + 4 + 4 * 8 * MAX_SEGS);
 
 // SAFETY: plain-old-data with the C layout of `struct KdaStepSegs`.
 unsafe impl cudarc::driver::DeviceRepr for StepSegs {}
@@ -256,6 +265,7 @@ impl StepSegs {
         let mut t = StepSegs {
             n: segs.len() as i32,
             row: [0; MAX_SEGS],
+            _pad: 0,
             state: [0; MAX_SEGS],
             conv: [[0; MAX_SEGS]; 3],
         };
@@ -311,7 +321,11 @@ pub(crate) struct StepArgs {
     pub lb: f32,
     /// RMSNorm epsilon.
     pub eps: f32,
+    /// The C struct's tail padding to 8 bytes (see `SegTable`).
+    pub _pad: i32,
 }
+
+const _: () = assert!(std::mem::size_of::<StepArgs>() == 152);
 
 // SAFETY: plain-old-data with the C layout of `struct KdaStepArgs`.
 unsafe impl cudarc::driver::DeviceRepr for StepArgs {}

@@ -1,9 +1,9 @@
 //! Launchers of `kernels/mla.cu`: the flash-style expanded prefill and the split-KV
 //! absorbed decode (q absorb → partial attention per latent chunk → combine → W_uv).
 
-use cudarc::driver::{CudaSlice, PushKernelArg};
 use kimi_ops::{Error, MlaDims, Result};
 
+use crate::buffer::DevBuf;
 use crate::device::{grid, Device, MAX_DYNAMIC_SMEM_BYTES};
 use crate::error::OpContext;
 
@@ -18,6 +18,9 @@ const DECODE_TILE: usize = 16;
 const MIN_CHUNK: usize = 256;
 /// Decode CTAs to aim for: four per SM of an H200 (132 SMs; one resident CTA per SM).
 const TARGET_CTAS: usize = 4 * 132;
+/// CTAs per (head, token group) of `mla_uv_project`, each taking a share of the dv output
+/// rows: with one token, H CTAs alone read W_uv far below the memory's bandwidth.
+const UV_SPLITS: usize = 4;
 /// Absorbed queries (tokens) per launch group: bounds the q_cat, partial and o_lat buffers
 /// (≤ ~55 MB on the real model) whatever the segment lengths.
 const GROUP_TOKENS: usize = 128;
@@ -187,16 +190,20 @@ fn launch_groups(pieces: &[Piece]) -> Vec<Vec<Piece>> {
     groups
 }
 
-/// Splits per sequence so that about [`TARGET_CTAS`] CTAs run: `(nchunks, chunk_len per
-/// piece)`.
-fn split_plan(group: &[Piece], h: usize) -> (usize, Vec<usize>) {
+/// The most chunks [`split_plan`] gives `group`, whatever its context lengths.
+fn max_chunks(group: &[Piece], h: usize) -> usize {
     let row_tiles: usize = group
         .iter()
         .map(|p| (p.len * h).div_ceil(DECODE_ROWS))
         .sum();
+    TARGET_CTAS.div_ceil(row_tiles.max(1)).max(1)
+}
+
+/// Splits per sequence so that about [`TARGET_CTAS`] CTAs run: `(nchunks, chunk_len per
+/// piece)`.
+fn split_plan(group: &[Piece], h: usize) -> (usize, Vec<usize>) {
     let max_total = group.iter().map(|p| p.past + p.len).max().unwrap_or(1);
-    let nchunks = TARGET_CTAS
-        .div_ceil(row_tiles.max(1))
+    let nchunks = max_chunks(group, h)
         .min(max_total.div_ceil(MIN_CHUNK))
         .max(1);
     let lens = group
@@ -207,15 +214,13 @@ fn split_plan(group: &[Piece], h: usize) -> (usize, Vec<usize>) {
 }
 
 /// An uninitialised device buffer of `n` f32 (every element read is written first).
-fn scratch(dev: &Device, n: usize) -> Result<CudaSlice<u8>> {
-    // SAFETY: the kernels below write every element they later read.
-    unsafe { dev.stream.alloc::<u8>((n * 4).max(16)) }.op("mla")
+fn scratch(dev: &Device, n: usize) -> Result<DevBuf> {
+    // The kernels below write every element they later read.
+    dev.alloc((n * 4).max(16), "mla")
 }
 
-fn ptr(s: &CudaSlice<u8>) -> u64 {
-    use cudarc::driver::DevicePtr;
-    let (p, _guard) = s.device_ptr(s.stream());
-    p
+fn ptr(s: &DevBuf) -> u64 {
+    s.ptr()
 }
 
 /// Absorbed attention of every piece: `out[q_row + i]` for each piece's `len` queries.
@@ -262,10 +267,11 @@ pub(crate) unsafe fn absorbed(
         return Ok(());
     }
     let plans: Vec<(usize, Vec<usize>)> = groups.iter().map(|g| split_plan(g, hu)).collect();
+    // Sized for the most chunks `split_plan` can choose, not this step's: the scratch then
+    // keeps its size as the context grows (so a replayed decode graph stays valid).
     let max_parts = groups
         .iter()
-        .zip(&plans)
-        .map(|(g, (nc, _))| g.iter().map(|p| p.len).sum::<usize>() * nc)
+        .map(|g| g.iter().map(|p| p.len).sum::<usize>() * max_chunks(g, hu))
         .max()
         .unwrap_or(0);
     // Scratch shared by the groups (stream order serialises their use).
@@ -297,7 +303,7 @@ pub(crate) unsafe fn absorbed(
         }
         let rows_off = bytes.len() as u64;
         bytes.extend(rows.iter().flat_map(|x| x.to_le_bytes()));
-        let table = dev.stream.clone_htod(&bytes).op("mla")?;
+        let table = dev.upload(&bytes, "mla")?;
         let seqs_p = ptr(&table);
         let rows_p = seqs_p + rows_off;
         let ntok = rows.len();
@@ -313,9 +319,11 @@ pub(crate) unsafe fn absorbed(
             .arg(&kdt)
             .arg(&qcat_p);
         b.arg(&h).arg(&r).arg(&dn).arg(&dr).arg(&dv);
-        // SAFETY: grid (H, ceil(ntok/8)) × 256 threads; `rows` holds ntok valid q rows;
-        // q_cat has room for ntok*H rows of r+dr f32; dn <= 256 fits its static buffer.
-        unsafe { b.launch(grid((hu as u32, tok_groups, 1), 256, 0)) }.op("mla")?;
+        let col_blocks = ru.div_ceil(64) as u32;
+        // SAFETY: grid (H, ceil(ntok/8), ceil(r/64)) × 256 threads; `rows` holds ntok valid
+        // q rows; q_cat has room for ntok*H rows of r+dr f32; dn <= 256 fits its static
+        // buffer.
+        unsafe { b.launch(grid((hu as u32, tok_groups, col_blocks), 256, 0)) }.op("mla")?;
 
         let row_tiles = group
             .iter()
@@ -352,10 +360,17 @@ pub(crate) unsafe fn absorbed(
             .arg(&kdt)
             .arg(&out);
         b.arg(&h).arg(&r).arg(&dn).arg(&dv);
-        // SAFETY: grid (H, ceil(ntok/8)) × 256 threads with 8*r f32 of dynamic shared
-        // memory (<= 16 KiB); writes `out` rows named by `rows`, each H*dv wide.
-        unsafe { b.launch(grid((hu as u32, tok_groups, 1), 256, (8 * ru * 4) as u32)) }
-            .op("mla")?;
+        let row_splits = UV_SPLITS.min(dims.v_head_dim.div_ceil(8)).max(1) as u32;
+        // SAFETY: grid (H, ceil(ntok/8), splits) × 256 threads with 8*r f32 of dynamic
+        // shared memory (<= 16 KiB); writes `out` rows named by `rows`, each H*dv wide.
+        unsafe {
+            b.launch(grid(
+                (hu as u32, tok_groups, row_splits),
+                256,
+                (8 * ru * 4) as u32,
+            ))
+        }
+        .op("mla")?;
         // `table` and the scratch buffers are freed in stream order after these launches.
     }
     Ok(())
@@ -417,27 +432,33 @@ pub(crate) struct Paged {
     pub(crate) width: usize,
 }
 
-/// Writes `len` rows `[len, width]` from `src` at the sequence's positions `first ..`.
+/// Writes each row `j < n` of `src [n, width]` to its sequence's position: `where_[2j]` is
+/// the u32 offset of the sequence's block table in `tables`, `where_[2j+1]` the position
+/// (`u32::MAX` skips the row). One launch for every sequence of a batch.
 ///
 /// # Safety
-/// `src` holds `len * width` f32; the table covers positions `first .. first+len` with
-/// blocks inside the pool.
-pub(crate) unsafe fn write_rows(
+/// `src` holds `n * width` f32 and `where_` `2n` u32; every table named covers its rows'
+/// positions with blocks inside the pool `[_, block_size, width]`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn write_rows_all(
     dev: &Device,
     src: u64,
-    dst: Paged,
-    first: usize,
-    len: usize,
+    pool: u64,
+    tables: u64,
+    where_: u64,
+    n: usize,
+    block_size: usize,
+    width: usize,
 ) -> Result<()> {
-    if len == 0 {
+    if n == 0 {
         return Ok(());
     }
-    let (bs, first, lw) = (dst.block_size as i32, first as i32, dst.width as i32);
-    let mut b = dev.kernel("mla", "mla_paged_write")?;
-    b.arg(&src).arg(&dst.pool).arg(&dst.table);
-    b.arg(&bs).arg(&first).arg(&lw);
+    let (bs, lw) = (block_size as i32, width as i32);
+    let mut b = dev.kernel("mla", "mla_paged_write_rows")?;
+    b.arg(&src).arg(&pool).arg(&tables).arg(&where_);
+    b.arg(&bs).arg(&lw);
     // SAFETY: see the function's contract.
-    unsafe { b.launch(grid((len as u32, 1, 1), 128, 0)) }.op("mla")?;
+    unsafe { b.launch(grid((n as u32, 1, 1), 128, 0)) }.op("mla")?;
     Ok(())
 }
 

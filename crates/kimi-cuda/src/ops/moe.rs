@@ -1,6 +1,5 @@
 //! Launchers of `kernels/moe.cu`.
 
-use cudarc::driver::PushKernelArg;
 use kimi_ops::{MoeRouting, Result};
 
 use crate::device::{flat, grid, Device};
@@ -118,17 +117,42 @@ pub(crate) unsafe fn expert_gemv(
         cols as i32,
     );
     let st = stage as i32;
+    let rb = row_blocks(p);
+    let rbi = rb as i32;
     let mut b = dev.kernel("moe", "moe_expert_gemv")?;
     b.arg(&wtab).arg(&g).arg(&input).arg(&ki);
     b.arg(&offsets).arg(&ei).arg(&slots).arg(&out);
-    b.arg(&ro).arg(&co).arg(&dt).arg(&vec).arg(&st);
-    // Eight warps of two rows each per block (`EX_RW` in `kernels/moe.cu`).
-    let gx = rows_out.div_ceil(16) as u32;
+    b.arg(&ro).arg(&co).arg(&dt).arg(&vec).arg(&st).arg(&rbi);
+    // Eight warps of two rows each per block (`EX_RW` in `kernels/moe.cu`), rb times.
+    let gx = rows_out.div_ceil(16 * rb) as u32;
     let gy = p.min(e) as u32;
     let smem = if stage { stage_bytes as u32 } else { 0 };
     // SAFETY: see the function's contract.
     unsafe { b.launch(grid((gx, gy, 1), 256, smem)) }.op("moe")?;
     Ok(())
+}
+
+/// Row blocks of 16 per CTA of `moe_expert_gemv` for `p` (token, expert) pairs: one while
+/// few experts are active (every CTA is needed to fill the GPU), more once most experts
+/// are. [`set_row_blocks`] overrides it (for tuning).
+fn row_blocks(p: usize) -> usize {
+    match ROW_BLOCKS.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => {
+            if p >= 128 {
+                4
+            } else {
+                1
+            }
+        }
+        forced => forced,
+    }
+}
+
+static ROW_BLOCKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Forces `moe_expert_gemv`'s row blocks per CTA (0 = automatic).
+pub(crate) fn set_row_blocks(n: usize) {
+    ROW_BLOCKS.store(n, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Tokens per pass over a weight row in `moe_expert_gemv` (`TG` in `kernels/moe.cu`).
