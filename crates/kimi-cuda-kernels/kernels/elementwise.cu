@@ -27,6 +27,25 @@ extern "C" __global__ void rms_norm(const float* x, const void* w, int wdt, cons
   }
 }
 
+// x += y, then out = rms_norm(x) * w: rms_norm's arithmetic in the same order (bit for bit
+// add_assign followed by rms_norm), one launch instead of two. One block per row.
+extern "C" __global__ void add_rms_norm(float* x, const float* y, const void* w, int wdt,
+                                        float* out, int d, float eps) {
+  __shared__ float red[32];
+  size_t r = blockIdx.x;
+  float* xr = x + r * d;
+  const float* yr = y + r * d;
+  float ss = 0.0f;
+  for (int j = threadIdx.x; j < d; j += blockDim.x) {
+    const float v = xr[j] + yr[j];
+    xr[j] = v;
+    ss += v * v;
+  }
+  ss = block_sum(ss, red);
+  float inv = 1.0f / sqrtf(ss / (float)d + eps);
+  for (int j = threadIdx.x; j < d; j += blockDim.x) out[r * d + j] = xr[j] * inv * ld(w, j, wdt);
+}
+
 extern "C" __global__ void add_assign(float* x, const float* y, size_t n) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x)

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::sys::cudaDataType;
 use kimi_core::config::KdaGate;
@@ -146,7 +146,8 @@ impl CudaBackend {
         Ok(CudaTensor {
             shape: shape.to_vec(),
             dtype,
-            buf: self.raw(n * dtype.size_bytes(), op)?,
+            buf: Arc::new(self.raw(n * dtype.size_bytes(), op)?),
+            offset: 0,
         })
     }
 
@@ -155,7 +156,8 @@ impl CudaBackend {
         Ok(CudaTensor {
             shape: shape.to_vec(),
             dtype: DType::F32,
-            buf: self.dev.alloc_zeros(n * 4, op)?,
+            buf: Arc::new(self.dev.alloc_zeros(n * 4, op)?),
+            offset: 0,
         })
     }
 
@@ -442,7 +444,8 @@ impl Backend for CudaBackend {
         Ok(CudaTensor {
             shape: host.shape.to_vec(),
             dtype: host.dtype,
-            buf: self.dev.upload_kept(host.bytes, "upload")?,
+            buf: Arc::new(self.dev.upload_kept(host.bytes, "upload")?),
+            offset: 0,
         })
     }
 
@@ -463,7 +466,7 @@ impl Backend for CudaBackend {
     fn fill_zero(&self, t: &mut CudaTensor) -> Result<()> {
         self.dev.enter("fill_zero")?;
         // SAFETY: the buffer holds len() bytes.
-        unsafe { self.dev.zero(t.buf.ptr(), t.buf.len(), "fill_zero") }
+        unsafe { self.dev.zero(t.ptr(), t.len_bytes(), "fill_zero") }
     }
 
     fn to_f32(&self, t: &CudaTensor) -> Result<Vec<f32>> {
@@ -479,12 +482,12 @@ impl Backend for CudaBackend {
             let bytes =
                 unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), nb) };
             // SAFETY: the tensor holds nb bytes.
-            unsafe { self.dev.read(t.buf.ptr(), bytes, "to_f32")? };
+            unsafe { self.dev.read(t.ptr(), bytes, "to_f32")? };
             return Ok(out);
         }
         let mut host = vec![0u8; nb];
         // SAFETY: the tensor holds nb bytes.
-        unsafe { self.dev.read(t.buf.ptr(), &mut host, "to_f32")? };
+        unsafe { self.dev.read(t.ptr(), &mut host, "to_f32")? };
         Ok(match t.dtype {
             DType::F32 => host
                 .chunks_exact(4)
@@ -507,7 +510,7 @@ impl Backend for CudaBackend {
     }
 
     fn size_bytes(&self, t: &CudaTensor) -> usize {
-        t.buf.len()
+        t.capacity_bytes()
     }
 
     fn memory_info(&self) -> Option<(u64, u64)> {
@@ -595,6 +598,46 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
+    fn add_rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        y: &CudaTensor,
+        weight: &CudaTensor,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        const OP: &str = "add_rms_norm";
+        self.dev.enter(OP)?;
+        let (n, d) = f32_rows(x, OP)?;
+        if x.shape != y.shape || y.dtype != DType::F32 || weight.len() != d {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "x {:?}, y {:?}, weight {:?}",
+                    x.shape, y.shape, weight.shape
+                ),
+            ));
+        }
+        let wdt = code(weight, OP)?;
+        let out = self.empty(&x.shape, DType::F32, OP)?;
+        if n * d > 0 {
+            // SAFETY: x, y and out hold n*d f32 (out is fresh); weight d elements.
+            unsafe {
+                ops::elementwise::add_rms_norm(
+                    &self.dev,
+                    x.ptr(),
+                    y.ptr(),
+                    weight.ptr(),
+                    wdt,
+                    out.ptr(),
+                    n,
+                    d,
+                    eps,
+                )?
+            };
+        }
+        Ok(out)
+    }
+
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
         const OP: &str = "add";
         self.dev.enter(OP)?;
@@ -628,6 +671,28 @@ impl Backend for CudaBackend {
                 OP,
                 format!("widths {widths:?} do not add up to {d}"),
             ));
+        }
+        // One row: each block of columns is contiguous, so the parts are views of `x` (no
+        // copies: a decode step splits fused projections this way). Offsets stay 64-byte
+        // aligned for the kernels' vector loads.
+        let mut starts = widths.iter().scan(0, |acc, &w| {
+            let s = *acc;
+            *acc += w;
+            Some(s)
+        });
+        if n == 1 && starts.all(|s| (s * 4).is_multiple_of(64)) {
+            let mut off = 0;
+            let mut parts = Vec::with_capacity(widths.len());
+            for &w in widths {
+                parts.push(CudaTensor {
+                    shape: vec![1, w],
+                    dtype: DType::F32,
+                    buf: x.buf.clone(),
+                    offset: x.offset + off * 4,
+                });
+                off += w;
+            }
+            return Ok(parts);
         }
         let mut off = 0;
         let mut parts = Vec::with_capacity(widths.len());
@@ -738,19 +803,8 @@ impl Backend for CudaBackend {
                 format!("{e} experts in {} groups", r.num_groups),
             ));
         }
-        // The router runs in f32, as on the CPU, so that near-ties pick the same experts: a
-        // few rows against bf16 take the GEMV kernel (f32 products of the exact weights),
-        // more rows an f32 GEMM against an f32 copy of the router.
-        let gemv = n <= GEMV_MAX_ROWS
-            && w.router.dtype == DType::BF16
-            && self.gemm_precision() == GemmPrecision::Split
-            && (x.ptr() | w.router.ptr()).is_multiple_of(16)
-            && d.is_multiple_of(8);
-        let router32 = if gemv {
-            None
-        } else {
-            self.as_f32_copy(&w.router, OP)?
-        };
+        // The router runs in f32, as on the CPU, so that near-ties pick the same experts.
+        let router32 = self.as_f32_copy(&w.router, OP)?;
         let logits = self.matmul_op(x, router32.as_ref().unwrap_or(&w.router), OP)?;
         let (bias, bdt) = match &w.correction_bias {
             Some(b) if b.len() == e => (b.ptr(), code(b, OP)?),

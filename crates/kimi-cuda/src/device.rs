@@ -38,6 +38,7 @@ const KERNELS: &[(&str, &[&str])] = &[
         &[
             "embedding",
             "rms_norm",
+            "add_rms_norm",
             "add_assign",
             "sigmoid",
             "silu_mul",

@@ -1,12 +1,15 @@
-//! The device tensor: a shape, a dtype and a device buffer that may be larger than the
-//! tensor (MLA caches grow by appending rows into spare capacity).
+//! The device tensor: a shape, a dtype and a place in a device buffer, which it may share
+//! with other tensors (the column blocks of a one-row matrix are views of it, see
+//! `split_cols`).
 //!
 //! ```text
-//!  buf: |<------------- capacity bytes ------------->|
-//!       |<- shape.product() * dtype size ->|  spare  |
+//!  buf: |<------------------ buffer bytes ------------------>|
+//!       | offset |<- shape.product() * dtype size ->|  spare  |
 //! ```
 
 use kimi_core::DType;
+
+use std::sync::Arc;
 
 use crate::buffer::DevBuf;
 
@@ -14,7 +17,9 @@ use crate::buffer::DevBuf;
 pub struct CudaTensor {
     pub(crate) shape: Vec<usize>,
     pub(crate) dtype: DType,
-    pub(crate) buf: DevBuf,
+    pub(crate) buf: Arc<DevBuf>,
+    /// Bytes from the start of `buf` to the first element.
+    pub(crate) offset: usize,
 }
 
 impl std::fmt::Debug for CudaTensor {
@@ -22,7 +27,7 @@ impl std::fmt::Debug for CudaTensor {
         f.debug_struct("CudaTensor")
             .field("shape", &self.shape)
             .field("dtype", &self.dtype)
-            .field("capacity_bytes", &self.buf.len())
+            .field("capacity_bytes", &self.capacity_bytes())
             .finish()
     }
 }
@@ -55,7 +60,12 @@ impl CudaTensor {
 
     /// The raw device address of the first element.
     pub(crate) fn ptr(&self) -> u64 {
-        self.buf.ptr()
+        self.buf.ptr() + self.offset as u64
+    }
+
+    /// Bytes from the first element to the end of the buffer.
+    pub(crate) fn capacity_bytes(&self) -> usize {
+        self.buf.len() - self.offset
     }
 
     /// `[rows, cols]` with leading dimensions folded into rows.

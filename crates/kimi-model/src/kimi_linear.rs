@@ -189,19 +189,27 @@ impl<B: Backend> KimiLinear<B> {
     ) -> Result<(B::Tensor, Vec<Option<B::Tensor>>)> {
         let be = &self.backend;
         let segs = &batch.segments;
+        let eps = self.config.rms_norm_eps;
         let mut x = be.embedding(&self.embed, &batch.tokens)?;
         let mut chosen_per_layer = Vec::with_capacity(self.layers.len());
+        // The last sublayer's output, added to `x` together with the next norm.
+        let mut pending: Option<B::Tensor> = None;
         for (i, layer) in self.layers.iter().enumerate() {
-            let normed = be.rms_norm(&x, &layer.input_norm, self.config.rms_norm_eps)?;
+            let normed = match pending.take() {
+                Some(y) => be.add_rms_norm(&mut x, &y, &layer.input_norm, eps)?,
+                None => be.rms_norm(&x, &layer.input_norm, eps)?,
+            };
             let mixed = self.run_mixer(layer, &normed, segs, &mut pool.layers[i], seqs, opts)?;
-            be.add_assign(&mut x, &mixed)?;
-            let normed = be.rms_norm(&x, &layer.post_norm, self.config.rms_norm_eps)?;
+            let normed = be.add_rms_norm(&mut x, &mixed, &layer.post_norm, eps)?;
             let (ffn_out, chosen) = layer.ffn.forward(be, &normed)?;
-            be.add_assign(&mut x, &ffn_out)?;
+            pending = Some(ffn_out);
             chosen_per_layer.push(chosen);
         }
+        if let Some(y) = pending {
+            be.add_assign(&mut x, &y)?;
+        }
         let last = be.select_rows(&x, &batch.logits_rows)?;
-        let normed = be.rms_norm(&last, &self.norm, self.config.rms_norm_eps)?;
+        let normed = be.rms_norm(&last, &self.norm, eps)?;
         let logits = be.matmul(&normed, self.lm_head.as_ref().unwrap_or(&self.embed))?;
         Ok((logits, chosen_per_layer))
     }

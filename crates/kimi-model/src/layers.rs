@@ -63,6 +63,42 @@ impl<B: Backend> Loader<'_, B> {
         Ok(self.backend.upload_f32(shape, &values)?)
     }
 
+    /// The matrices `names` (each `[rows_i, cols]`) stacked by rows into one
+    /// `[Σ rows_i, cols]` matrix when they share a dtype, so that one matmul reads the input
+    /// once for all of them; else each alone.
+    pub fn stacked(
+        &mut self,
+        names: &[(String, usize)],
+        cols: usize,
+    ) -> Result<Stacked<B::Tensor>> {
+        let mut parts = Vec::with_capacity(names.len());
+        for (name, rows) in names {
+            parts.push(self.source.load(name, &[*rows, cols])?);
+            self.used.insert(name.clone());
+        }
+        let rows: Vec<usize> = names.iter().map(|(_, r)| *r).collect();
+        let dtype = parts[0].0;
+        if parts.iter().all(|(d, _)| *d == dtype) {
+            let bytes: Vec<u8> = parts.iter().flat_map(|(_, b)| b.iter().copied()).collect();
+            let shape = [rows.iter().sum(), cols];
+            let w = self.backend.upload(HostTensor {
+                shape: &shape,
+                dtype,
+                bytes: &bytes,
+            })?;
+            return Ok(Stacked::One(w, rows));
+        }
+        let mut each = Vec::with_capacity(parts.len());
+        for ((dtype, bytes), rows) in parts.iter().zip(&rows) {
+            each.push(self.backend.upload(HostTensor {
+                shape: &[*rows, cols],
+                dtype: *dtype,
+                bytes,
+            })?);
+        }
+        Ok(Stacked::Each(each))
+    }
+
     pub fn mlp(
         &mut self,
         prefix: &str,
@@ -78,21 +114,44 @@ impl<B: Backend> Loader<'_, B> {
     }
 }
 
+/// Matrices that multiply the same input: stacked by rows into one (one read of the input,
+/// one launch on a GPU) or, where their dtypes differ, kept apart.
+pub(crate) enum Stacked<T> {
+    /// `[Σ rows, cols]` and each part's rows.
+    One(T, Vec<usize>),
+    Each(Vec<T>),
+}
+
+impl<T> Stacked<T> {
+    /// `x · wᵢᵀ` for every part, in order.
+    pub fn matmul<B: Backend<Tensor = T>>(&self, be: &B, x: &T) -> Result<Vec<T>> {
+        match self {
+            Stacked::One(w, rows) => Ok(be.split_cols(&be.matmul(x, w)?, rows)?),
+            Stacked::Each(ws) => ws.iter().map(|w| Ok(be.matmul(x, w)?)).collect(),
+        }
+    }
+}
+
 /// KDA mixer weights.
 pub(crate) struct KdaLayer<T> {
-    q: T,
-    k: T,
-    v: T,
+    /// q, k, v, f_a, g_a and b projections of the layer input (see [`KdaLayer::project`]).
+    input_proj: Stacked<T>,
     conv: [T; 3],
-    f_a: T,
     f_b: T,
     a_log: T,
     dt_bias: T,
-    b: T,
-    g_a: T,
     g_b: T,
     o_norm: T,
     o: T,
+}
+
+/// What [`KdaLayer::project`] returns: q, k, v before the convolutions, the forget-gate
+/// pre-activation f, the β logits and the output gate z.
+struct KdaProjections<T> {
+    qkv: [T; 3],
+    f: T,
+    beta_logits: T,
+    z: T,
 }
 
 impl<T> KdaLayer<T> {
@@ -104,24 +163,47 @@ impl<T> KdaLayer<T> {
     ) -> Result<Self> {
         let (h, d, w) = (c.num_heads, c.head_dim, c.conv_kernel);
         let width = h * d;
+        let input_proj = ld.stacked(
+            &[
+                (format!("{p}.q_proj.weight"), width),
+                (format!("{p}.k_proj.weight"), width),
+                (format!("{p}.v_proj.weight"), width),
+                (format!("{p}.f_a_proj.weight"), d),
+                (format!("{p}.g_a_proj.weight"), d),
+                (format!("{p}.b_proj.weight"), h),
+            ],
+            hidden,
+        )?;
         Ok(Self {
-            q: ld.get(&format!("{p}.q_proj.weight"), &[width, hidden])?,
-            k: ld.get(&format!("{p}.k_proj.weight"), &[width, hidden])?,
-            v: ld.get(&format!("{p}.v_proj.weight"), &[width, hidden])?,
+            input_proj,
             conv: [
                 ld.get(&format!("{p}.q_conv1d.weight"), &[width, 1, w])?,
                 ld.get(&format!("{p}.k_conv1d.weight"), &[width, 1, w])?,
                 ld.get(&format!("{p}.v_conv1d.weight"), &[width, 1, w])?,
             ],
-            f_a: ld.get(&format!("{p}.f_a_proj.weight"), &[d, hidden])?,
             f_b: ld.get(&format!("{p}.f_b_proj.weight"), &[width, d])?,
             a_log: ld.get(&format!("{p}.A_log"), &[1, 1, h, 1])?,
             dt_bias: ld.get(&format!("{p}.dt_bias"), &[width])?,
-            b: ld.get(&format!("{p}.b_proj.weight"), &[h, hidden])?,
-            g_a: ld.get(&format!("{p}.g_a_proj.weight"), &[d, hidden])?,
             g_b: ld.get(&format!("{p}.g_b_proj.weight"), &[width, d])?,
             o_norm: ld.get(&format!("{p}.o_norm.weight"), &[d])?,
             o: ld.get(&format!("{p}.o_proj.weight"), &[hidden, width])?,
+        })
+    }
+
+    /// The projections of the normalised layer input `x [n, hidden]`.
+    fn project<B: Backend<Tensor = T>>(&self, be: &B, x: &T) -> Result<KdaProjections<T>> {
+        let mut parts = self.input_proj.matmul(be, x)?.into_iter();
+        let mut next = || {
+            parts
+                .next()
+                .ok_or_else(|| crate::forward::input("KDA projections"))
+        };
+        let (q, k, v, f_a, g_a, b) = (next()?, next()?, next()?, next()?, next()?, next()?);
+        Ok(KdaProjections {
+            qkv: [q, k, v],
+            f: be.matmul(&f_a, &self.f_b)?,
+            beta_logits: b,
+            z: be.matmul(&g_a, &self.g_b)?,
         })
     }
 
@@ -142,20 +224,13 @@ impl<T> KdaLayer<T> {
         // chunked mode keeps the separate ops so tests can drive the chunked kernels.
         let decode =
             !segments.is_empty() && segments.iter().all(|s| s.len == 1) && mode != KdaMode::Chunked;
+        let p = self.project(be, x)?;
         if decode {
-            let pre = [
-                be.matmul(x, &self.q)?,
-                be.matmul(x, &self.k)?,
-                be.matmul(x, &self.v)?,
-            ];
-            let f = be.matmul(&be.matmul(x, &self.f_a)?, &self.f_b)?;
-            let b = be.matmul(x, &self.b)?;
-            let z = be.matmul(&be.matmul(x, &self.g_a)?, &self.g_b)?;
             let inputs = KdaStepInputs {
-                qkv: [&pre[0], &pre[1], &pre[2]],
-                f: &f,
-                beta_logits: &b,
-                z: &z,
+                qkv: [&p.qkv[0], &p.qkv[1], &p.qkv[2]],
+                f: &p.f,
+                beta_logits: &p.beta_logits,
+                z: &p.z,
             };
             let weights = KdaStepWeights {
                 conv: [&self.conv[0], &self.conv[1], &self.conv[2]],
@@ -169,15 +244,13 @@ impl<T> KdaLayer<T> {
             return Ok(be.matmul(&y, &self.o)?);
         }
         let mut streams = Vec::with_capacity(3);
-        for (i, proj) in [&self.q, &self.k, &self.v].into_iter().enumerate() {
-            let pre = be.matmul(x, proj)?;
+        for (i, pre) in p.qkv.iter().enumerate() {
             let mut states: Vec<&mut T> = caches.iter_mut().map(|(conv, _)| &mut conv[i]).collect();
-            streams.push(be.short_conv_silu(&pre, &self.conv[i], segments, &mut states)?);
+            streams.push(be.short_conv_silu(pre, &self.conv[i], segments, &mut states)?);
         }
-        let f = be.matmul(&be.matmul(x, &self.f_a)?, &self.f_b)?;
-        let g = be.kda_gate(&f, &self.a_log, &self.dt_bias, c.num_heads, c.gate)?;
-        let beta = be.sigmoid(&be.matmul(x, &self.b)?)?;
-        let z = be.matmul(&be.matmul(x, &self.g_a)?, &self.g_b)?;
+        let g = be.kda_gate(&p.f, &self.a_log, &self.dt_bias, c.num_heads, c.gate)?;
+        let beta = be.sigmoid(&p.beta_logits)?;
+        let z = p.z;
         let mut states: Vec<&mut T> = caches.iter_mut().map(|(_, s)| &mut **s).collect();
         let o = be.kda(
             &streams[0],

@@ -381,11 +381,26 @@ pub trait Backend: Send + Sync {
     fn matmul(&self, x: &Self::Tensor, w: &Self::Tensor) -> Result<Self::Tensor>;
     /// Per-row RMSNorm of `x [n, d]` times `weight [d]`.
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
+    /// The residual step between two sublayers: `x += y`, then the RMSNorm of the new `x`
+    /// times `weight` (one kernel on a GPU). Default: [`Backend::add_assign`] then
+    /// [`Backend::rms_norm`], which a fused version must match bit for bit.
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        y: &Self::Tensor,
+        weight: &Self::Tensor,
+        eps: f32,
+    ) -> Result<Self::Tensor> {
+        self.add_assign(x, y)?;
+        self.rms_norm(x, weight, eps)
+    }
     /// `x += y`, both `[n, d]`.
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
     /// Picks rows of `x [n, d]` → `[rows.len(), d]`.
     fn select_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor>;
-    /// Splits `x [n, sum(widths)]` into column blocks `[n, widths[i]]`.
+    /// Splits `x [n, sum(widths)]` into column blocks `[n, widths[i]]`. The blocks may share
+    /// memory with `x` (the CUDA backend returns views of a one-row `x`): `x` must not be
+    /// written while they are in use.
     fn split_cols(&self, x: &Self::Tensor, widths: &[usize]) -> Result<Vec<Self::Tensor>>;
     /// Concatenates `[n, w_i]` matrices along columns.
     fn concat_cols(&self, parts: &[&Self::Tensor]) -> Result<Self::Tensor>;

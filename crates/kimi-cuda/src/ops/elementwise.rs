@@ -57,6 +57,36 @@ pub(crate) unsafe fn rms_norm(
     Ok(())
 }
 
+/// `x += y`, then `out` = row RMSNorm of `x` times `w [d]` (dtype `wdt`).
+///
+/// # Safety
+/// `x`, `y` and `out` hold `rows * d` f32 (`out` not aliasing `x`); `w` holds `d` elements.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn add_rms_norm(
+    dev: &Device,
+    x: u64,
+    y: u64,
+    w: u64,
+    wdt: i32,
+    out: u64,
+    rows: usize,
+    d: usize,
+    eps: f32,
+) -> Result<()> {
+    let d = d as i32;
+    let mut b = dev.kernel("rms_norm", "add_rms_norm")?;
+    b.arg(&x)
+        .arg(&y)
+        .arg(&w)
+        .arg(&wdt)
+        .arg(&out)
+        .arg(&d)
+        .arg(&eps);
+    // SAFETY: see the function's contract; one block per row.
+    unsafe { b.launch(grid((rows as u32, 1, 1), 256, 0)) }.op("rms_norm")?;
+    Ok(())
+}
+
 /// Launches a grid-stride kernel over `n` elements with arguments `(a, b, n)`.
 ///
 /// # Safety

@@ -128,10 +128,15 @@ pub fn op_matmul<B: Backend>(b: &B, n: usize, k: usize, o: usize, dt: DType) -> 
 
 pub fn op_rows<B: Backend>(b: &B, n: usize, d: usize) -> Res<Vec<Vec<f32>>> {
     let mut r = Rng(3);
-    let mut x = b.upload_f32(&[n, d], &r.vec(n * d, 2.0))?;
+    let xv = r.vec(n * d, 2.0);
+    let mut x = b.upload_f32(&[n, d], &xv)?;
     let y = b.upload_f32(&[n, d], &r.vec(n * d, 2.0))?;
     let w = weight(b, &[d], &r.vec(d, 1.0), DType::BF16)?;
     let norm = t(b, &b.rms_norm(&x, &w, 1e-6)?)?;
+    // The fused residual step, on a second copy of x: the sum and its norm.
+    let mut x2 = b.upload_f32(&[n, d], &xv)?;
+    let fused_norm = t(b, &b.add_rms_norm(&mut x2, &y, &w, 1e-6)?)?;
+    let fused_sum = t(b, &x2)?;
     let sig = t(b, &b.sigmoid(&x)?)?;
     b.add_assign(&mut x, &y)?;
     let added = t(b, &x)?;
@@ -147,7 +152,9 @@ pub fn op_rows<B: Backend>(b: &B, n: usize, d: usize) -> Res<Vec<Vec<f32>>> {
     let z = b.upload_f32(&[n, d], &r.vec(n * d, 2.0))?;
     let gw = weight(b, &[d / 4], &r.vec(d / 4, 1.0), DType::F32)?;
     let gated = t(b, &b.gated_rms_norm(&y, &z, &gw, 1e-5)?)?;
-    Ok(vec![norm, sig, added, sel, split, cat, gated])
+    Ok(vec![
+        norm, sig, added, sel, split, cat, gated, fused_norm, fused_sum,
+    ])
 }
 
 pub fn mlp_weights<B: Backend>(
@@ -684,12 +691,16 @@ pub fn cases() -> Vec<(String, Case)> {
             case!(|b| op_matmul(b, 5, 260, 70, DType::BF16)),
         ),
         (
-            "rows(norm,sig,add,sel,split,cat,gated) 5x64".into(),
+            "rows(norm,sig,add,sel,split,cat,gated,add+norm) 5x64".into(),
             case!(|b| op_rows(b, 5, 64)),
         ),
         (
-            "rows(norm,sig,add,sel,split,cat,gated) 40x2304".into(),
+            "rows(norm,sig,add,sel,split,cat,gated,add+norm) 40x2304".into(),
             case!(|b| op_rows(b, 40, 2304)),
+        ),
+        (
+            "rows(...) 1x2304 (split as views)".into(),
+            case!(|b| op_rows(b, 1, 2304)),
         ),
         ("mlp 7x256x512".into(), case!(|b| op_mlp(b, 7, 256, 512))),
         (
