@@ -26,7 +26,7 @@ fn main() {
         .init();
     let cli = Cli::parse();
     if let Some(threads) = cli.threads {
-        if let Err(e) = rayon_threads(threads) {
+        if let Err(e) = cpu_threads(threads) {
             eprintln!("error: {e:#}");
             std::process::exit(2);
         }
@@ -46,7 +46,7 @@ fn main() {
     }
 }
 
-fn rayon_threads(n: usize) -> anyhow::Result<()> {
+fn cpu_threads(n: usize) -> anyhow::Result<()> {
     anyhow::ensure!(n > 0, "--threads must be at least 1");
     kimi_cpu::set_num_threads(n).map_err(|e| anyhow::anyhow!("cannot set the thread count: {e}"))
 }

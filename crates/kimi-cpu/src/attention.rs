@@ -11,8 +11,6 @@
 //!   token t of the segment sees rows 0 ..= past + t
 //! ```
 
-use rayon::prelude::*;
-
 use crate::mla::softmax;
 use crate::paged::{write_rows, PagedRows};
 use crate::simd::dot;
@@ -20,9 +18,9 @@ use crate::tensor::{shape_err, CpuTensor};
 use kimi_ops::{check_paged, check_segments};
 use kimi_ops::{AttentionDims, PagedSeq, Result, RopeStyle, Segment};
 
-/// Up to this many rows `rope` runs sequentially (the backend then calls it on the calling
-/// thread, without a hand-off to the pool).
-pub const SEQUENTIAL_ROPE_ROWS: usize = 8;
+/// Up to this many rows (decode) `rope` runs on the calling thread alone: a parallel
+/// section would cost more than rotating them.
+const SEQUENTIAL_ROPE_ROWS: usize = 8;
 
 /// See `Backend::rope`.
 pub fn rope(
@@ -73,13 +71,14 @@ pub fn rope(
             }
         }
     };
-    // A few rows (decode) are cheaper on the calling thread than spread over the pool.
     if n <= SEQUENTIAL_ROPE_ROWS {
         out.chunks_mut(width).zip(positions).for_each(rotate);
     } else {
-        out.par_chunks_mut(width)
-            .zip(positions.par_iter())
-            .for_each(rotate);
+        crate::team().for_each_part(&mut out, width, 1, |first, part| {
+            part.chunks_mut(width)
+                .zip(&positions[first..])
+                .for_each(rotate);
+        });
     }
     CpuTensor::f32(&x.shape, out)
 }
@@ -138,25 +137,23 @@ pub fn attention(
         .flat_map(|s| (0..hq).map(move |head| (s, head)))
         .collect();
     let group = hq / hkv;
-    let results: Vec<Vec<f32>> = tasks
-        .par_iter()
-        .map(|&(s, head)| {
-            let (seg, seq) = (segments[s], &seqs[s]);
-            attend_head(
-                &qs[seg.start * qw..(seg.start + seg.len) * qw],
-                PagedRows::new(k_rows, seq, block_size, kvw),
-                PagedRows::new(v_rows, seq, block_size, kvw),
-                seq.num_cached,
-                Head {
-                    q_offset: head * d,
-                    kv_offset: head / group * d,
-                    q_width: qw,
-                    dim: d,
-                    scale: dims.scale,
-                },
-            )
-        })
-        .collect();
+    let results: Vec<Vec<f32>> = crate::team().map(tasks.len(), |task| {
+        let (s, head) = tasks[task];
+        let (seg, seq) = (segments[s], &seqs[s]);
+        attend_head(
+            &qs[seg.start * qw..(seg.start + seg.len) * qw],
+            PagedRows::new(k_rows, seq, block_size, kvw),
+            PagedRows::new(v_rows, seq, block_size, kvw),
+            seq.num_cached,
+            Head {
+                q_offset: head * d,
+                kv_offset: head / group * d,
+                q_width: qw,
+                dim: d,
+                scale: dims.scale,
+            },
+        )
+    });
     let mut out = vec![0f32; n * qw];
     for (&(s, head), o) in tasks.iter().zip(&results) {
         let seg = segments[s];

@@ -5,8 +5,6 @@
 //! `naive_recurrent_kda` / `naive_chunk_kda`, transformers `torch_recurrent_kda` /
 //! `torch_chunk_kda`). States are f32 `[H, K, V]`, key-major as in fla.
 
-use rayon::prelude::*;
-
 use crate::tensor::{shape_err, CpuTensor};
 use kimi_core::config::KdaGate;
 use kimi_ops::{check_segments, KdaMode, Result, Segment};
@@ -171,34 +169,30 @@ pub fn kda(
             KdaMode::Recurrent => false,
             KdaMode::Chunked => true,
         };
-        let head_outputs: Vec<Vec<f32>> = st
-            .par_chunks_mut(d * d)
-            .enumerate()
-            .map(|(h, s)| {
-                let gather = |src: &[f32]| -> Vec<f32> {
-                    let mut buf = Vec::with_capacity(seg.len * d);
-                    for t in seg.start..seg.start + seg.len {
-                        buf.extend_from_slice(&src[t * width + h * d..t * width + (h + 1) * d]);
-                    }
-                    buf
-                };
-                let mut inp = HeadInputs {
-                    q: gather(qs),
-                    k: gather(ks),
-                    v: gather(vs),
-                    g: gather(gs),
-                    beta: (seg.start..seg.start + seg.len)
-                        .map(|t| bs[t * num_heads + h])
-                        .collect(),
-                };
-                normalize_qk(&mut inp, d);
-                if chunked {
-                    chunked_head(&inp, s, d)
-                } else {
-                    recurrent_head(&inp, s, d)
+        let head_outputs: Vec<Vec<f32>> = crate::team().map_chunks_mut(st, d * d, |h, s| {
+            let gather = |src: &[f32]| -> Vec<f32> {
+                let mut buf = Vec::with_capacity(seg.len * d);
+                for t in seg.start..seg.start + seg.len {
+                    buf.extend_from_slice(&src[t * width + h * d..t * width + (h + 1) * d]);
                 }
-            })
-            .collect();
+                buf
+            };
+            let mut inp = HeadInputs {
+                q: gather(qs),
+                k: gather(ks),
+                v: gather(vs),
+                g: gather(gs),
+                beta: (seg.start..seg.start + seg.len)
+                    .map(|t| bs[t * num_heads + h])
+                    .collect(),
+            };
+            normalize_qk(&mut inp, d);
+            if chunked {
+                chunked_head(&inp, s, d)
+            } else {
+                recurrent_head(&inp, s, d)
+            }
+        });
         for (h, o) in head_outputs.iter().enumerate() {
             for t in 0..seg.len {
                 out[(seg.start + t) * width + h * d..(seg.start + t) * width + (h + 1) * d]

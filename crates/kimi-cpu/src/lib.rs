@@ -2,10 +2,16 @@
 //!
 //! Activations and recurrent states are f32; weights keep their checkpoint dtype (bf16, f16,
 //! f32 or a ggml block-quantized type from a GGUF file) and are widened to f32 inside the
-//! matmul, block by block. Work is spread over the
-//! rayon thread pool (output features for matmuls, heads for attention).
+//! matmul, block by block. Parallel sections (output features for matmuls, heads for
+//! attention) run on a spinning fork-join team (`team`): the calling thread and
+//! `num_threads() - 1` workers, which do not go to sleep between the few hundred short
+//! sections of a decode step. Every op, and a whole forward pass ([`Backend::run_pass`]),
+//! runs with subnormal floats flushed to zero on the calling thread, as on the workers:
+//! decay products in KDA underflow through the subnormal range, where x86 arithmetic is
+//! about 20x slower, and values that small do not change any result at f32 precision.
 //!
-//! `unsafe` appears only in [`simd`], for AVX2/FMA intrinsics selected at run time.
+//! `unsafe` appears only for SIMD intrinsics selected at run time ([`simd`] and the
+//! quantized kernels) and in `team`, which hands a borrowed closure to its workers.
 #![deny(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
@@ -19,6 +25,7 @@ mod paged;
 mod qdot;
 mod quant;
 pub mod simd;
+mod team;
 mod tensor;
 
 pub use matmul::{QuantMatmul, INT8_MAX_TOKENS};
@@ -33,15 +40,15 @@ use kimi_ops::{
     MoeWeights, PagedSeq, Result, RopeStyle, Segment,
 };
 
-/// The CPU backend. Cheap to construct; holds no state besides the thread pool it uses
-/// and how it multiplies block-quantized weights.
+/// The CPU backend. Cheap to construct; holds no state besides how it multiplies
+/// block-quantized weights (its threads are shared by the process).
 #[derive(Clone, Debug, Default)]
 pub struct CpuBackend {
     quant_matmul: QuantMatmul,
 }
 
 impl CpuBackend {
-    /// A backend on the CPU backend's thread pool, with the fast integer kernels for
+    /// A backend on the CPU backend's threads, with the fast integer kernels for
     /// block-quantized weights ([`QuantMatmul::Int8`]).
     pub fn new() -> Self {
         Self::default()
@@ -68,7 +75,7 @@ impl Backend for CpuBackend {
         CpuTensor::from_host(host)
     }
     fn run_pass<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        pool().install(f)
+        flushing(f)
     }
     fn upload_f32(&self, shape: &[usize], data: &[f32]) -> Result<CpuTensor> {
         CpuTensor::f32(shape, data.to_vec())
@@ -85,14 +92,13 @@ impl Backend for CpuBackend {
     fn size_bytes(&self, t: &CpuTensor) -> usize {
         t.size_bytes()
     }
-    // The row and norm ops are sequential loops over a few rows, run on the calling thread:
-    // handing each to the pool would cost two thread wake-ups, more than the work itself
-    // in a decode step (about ten such ops per layer).
+    // The row and norm ops are sequential loops over a few rows, run on the calling thread
+    // as they are (a parallel section would cost more than the work in a decode step).
     fn embedding(&self, table: &CpuTensor, ids: &[u32]) -> Result<CpuTensor> {
         norm::embedding(table, ids)
     }
     fn matmul(&self, x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
-        pool().install(|| matmul::matmul(x, w, self.quant_matmul))
+        flushing(|| matmul::matmul(x, w, self.quant_matmul))
     }
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
         norm::rms_norm(x, weight, eps)
@@ -118,7 +124,7 @@ impl Backend for CpuBackend {
         CpuTensor::f32(x.shape(), v)
     }
     fn mlp(&self, x: &CpuTensor, w: &MlpWeights<CpuTensor>) -> Result<CpuTensor> {
-        pool().install(|| moe::mlp(x, w, self.quant_matmul))
+        flushing(|| moe::mlp(x, w, self.quant_matmul))
     }
     fn moe(
         &self,
@@ -126,7 +132,7 @@ impl Backend for CpuBackend {
         w: &MoeWeights<CpuTensor>,
         routing: &MoeRouting,
     ) -> Result<(CpuTensor, CpuTensor)> {
-        let (y, ids) = pool().install(|| moe::moe(x, w, routing, self.quant_matmul))?;
+        let (y, ids) = flushing(|| moe::moe(x, w, routing, self.quant_matmul))?;
         // Ids as f32 values: exact below 2^24 experts.
         let chosen = CpuTensor::f32(&[ids.len()], ids.iter().map(|&e| e as f32).collect())?;
         Ok((y, chosen))
@@ -145,7 +151,7 @@ impl Backend for CpuBackend {
         segments: &[Segment],
         states: &mut [&mut CpuTensor],
     ) -> Result<CpuTensor> {
-        pool().install(|| kda::short_conv_silu(x, weight, segments, states))
+        flushing(|| kda::short_conv_silu(x, weight, segments, states))
     }
     fn kda_gate(
         &self,
@@ -155,7 +161,7 @@ impl Backend for CpuBackend {
         num_heads: usize,
         gate: KdaGate,
     ) -> Result<CpuTensor> {
-        pool().install(|| kda::gate(f, a_log, dt_bias, num_heads, gate))
+        flushing(|| kda::gate(f, a_log, dt_bias, num_heads, gate))
     }
     fn kda(
         &self,
@@ -169,7 +175,7 @@ impl Backend for CpuBackend {
         states: &mut [&mut CpuTensor],
         mode: KdaMode,
     ) -> Result<CpuTensor> {
-        pool().install(|| kda::kda(q, k, v, g, beta, num_heads, segments, states, mode))
+        flushing(|| kda::kda(q, k, v, g, beta, num_heads, segments, states, mode))
     }
     fn gated_rms_norm(
         &self,
@@ -178,7 +184,7 @@ impl Backend for CpuBackend {
         weight: &CpuTensor,
         eps: f32,
     ) -> Result<CpuTensor> {
-        pool().install(|| kda::gated_rms_norm(o, z, weight, eps))
+        flushing(|| kda::gated_rms_norm(o, z, weight, eps))
     }
     fn mla(
         &self,
@@ -191,7 +197,7 @@ impl Backend for CpuBackend {
         seqs: &[PagedSeq<'_>],
         mode: MlaMode,
     ) -> Result<CpuTensor> {
-        pool().install(|| mla::mla(q, latent, kv_b, dims, segments, cache_pool, seqs, mode))
+        flushing(|| mla::mla(q, latent, kv_b, dims, segments, cache_pool, seqs, mode))
     }
     fn fill_zero(&self, t: &mut CpuTensor) -> Result<()> {
         t.as_f32_mut("fill_zero")?.fill(0.0);
@@ -206,11 +212,7 @@ impl Backend for CpuBackend {
         theta: f32,
         style: RopeStyle,
     ) -> Result<CpuTensor> {
-        let rope = || attention::rope(x, positions, num_heads, head_dim, theta, style);
-        match positions.len() <= attention::SEQUENTIAL_ROPE_ROWS {
-            true => rope(),
-            false => pool().install(rope),
-        }
+        flushing(|| attention::rope(x, positions, num_heads, head_dim, theta, style))
     }
     fn attention(
         &self,
@@ -223,48 +225,53 @@ impl Backend for CpuBackend {
         v_pool: &mut CpuTensor,
         seqs: &[PagedSeq<'_>],
     ) -> Result<CpuTensor> {
-        pool().install(|| attention::attention(q, k, v, dims, segments, k_pool, v_pool, seqs))
+        flushing(|| attention::attention(q, k, v, dims, segments, k_pool, v_pool, seqs))
     }
 }
 
 static NUM_THREADS: AtomicUsize = AtomicUsize::new(0);
-static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
+static TEAM: OnceLock<team::Team> = OnceLock::new();
 
-/// Sets the number of worker threads the CPU backend uses. Call before any work.
+/// Sets the number of threads the CPU backend uses, the calling one included. Call before
+/// any work.
 pub fn set_num_threads(n: usize) -> std::result::Result<(), String> {
     if n == 0 {
         return Err("the thread count must be at least 1".into());
     }
-    if POOL.get().is_some() {
-        return Err("the CPU thread pool is already running".into());
+    if TEAM.get().is_some() {
+        return Err("the CPU threads are already running".into());
     }
     NUM_THREADS.store(n, Ordering::Relaxed);
     Ok(())
 }
 
-/// Number of worker threads of the CPU backend.
+/// Number of threads of the CPU backend, the calling one included.
 pub fn num_threads() -> usize {
-    pool().current_num_threads()
+    team().threads()
 }
 
-/// The backend's own thread pool. Its workers flush subnormal floats to zero: decay
-/// products in KDA underflow through the subnormal range, where x86 arithmetic is about
-/// 20x slower, and values that small do not change any result at f32 precision.
-fn pool() -> &'static rayon::ThreadPool {
-    POOL.get_or_init(|| {
-        let mut builder = rayon::ThreadPoolBuilder::new()
-            .thread_name(|i| format!("kimi-cpu-{i}"))
-            .start_handler(|_| simd::flush_subnormals_to_zero());
-        let n = NUM_THREADS.load(Ordering::Relaxed);
-        if n > 0 {
-            builder = builder.num_threads(n);
-        }
-        builder.build().unwrap_or_else(|_| {
-            // Building a pool only fails if threads cannot be spawned; fall back to one.
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(1)
-                .build()
-                .expect("invariant: a one-thread pool can start")
-        })
+/// The team that runs the backend's parallel sections: [`set_num_threads`] threads, else
+/// `RAYON_NUM_THREADS` (which sized the rayon pool the team replaced), else one per core.
+fn team() -> &'static team::Team {
+    TEAM.get_or_init(|| {
+        let from_env = || {
+            std::env::var("RAYON_NUM_THREADS")
+                .ok()
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .filter(|&n| n > 0)
+        };
+        let n = match NUM_THREADS.load(Ordering::Relaxed) {
+            0 => from_env()
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+            n => n,
+        };
+        team::Team::new(n, team::spin_budget())
     })
+}
+
+/// Runs `f` on the calling thread with subnormal floats flushed to zero, as the team's
+/// workers always do, so that no value depends on which thread computed it.
+fn flushing<R>(f: impl FnOnce() -> R) -> R {
+    let _mode = simd::FlushSubnormals::new();
+    f()
 }

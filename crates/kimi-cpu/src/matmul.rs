@@ -1,16 +1,17 @@
 //! `y = x · wᵀ` for f32 activations and f32/bf16/f16 or block-quantized weights.
 //!
-//! Work is split over blocks of output features. Each task converts its block of weight
-//! rows to f32 once, then multiplies it with every token row four tokens at a time, so a
+//! Work is split over output features: each thread of the CPU team takes one contiguous
+//! range of weight rows (the same rows whatever the batch, so a token's result does not
+//! depend on the thread count) and goes through it in blocks. Each block of weight rows is
+//! converted to f32 once, then multiplied with every token row four tokens at a time, so a
 //! weight element is read from memory once per call (decode is bound by that read).
 //! Block-quantized weights take one of two paths (see [`QuantMatmul`]): the integer kernels
 //! of `crate::qdot` on int8-quantized activations, or f32 products with rows dequantized a
 //! few at a time into an L1-sized buffer.
 
-use rayon::prelude::*;
-
 use crate::qdot::{self, Kind, Q8Acts};
 use crate::simd::{dot, dot4, dot4x4, dot_bf16};
+use crate::team::Team;
 use crate::tensor::{row_to_f32, shape_err, CpuTensor, Storage};
 use kimi_ops::Result;
 
@@ -37,65 +38,206 @@ pub enum QuantMatmul {
 /// at 128 tokens they were 1.3–2× slower (`examples/quant_bench.rs`).
 pub const INT8_MAX_TOKENS: usize = 8;
 
-/// `x [n, k] · w[o, k]ᵀ → [n, o]`.
+/// Weight rows per block within a thread's range: 128 rows of up to a few thousand f32
+/// values stay in L2 while every token passes over them.
+const BLOCK_ROWS: usize = 128;
+
+/// Thread ranges start at multiples of this many rows: whole kernel tiles (4 rows), and
+/// for a single token whole 64-byte lines of the output, so no line is written by two
+/// threads.
+const ROW_ALIGN: usize = 16;
+
+/// `x [n, k] · w[o, k]ᵀ → [n, o]`, on the CPU backend's team.
 pub fn matmul(x: &CpuTensor, w: &CpuTensor, mode: QuantMatmul) -> Result<CpuTensor> {
-    let (n, k) = x.rows_cols("matmul")?;
+    matmul_on(crate::team(), x, w, mode)
+}
+
+/// [`matmul`] on the given team.
+pub(crate) fn matmul_on(
+    team: &Team,
+    x: &CpuTensor,
+    w: &CpuTensor,
+    mode: QuantMatmul,
+) -> Result<CpuTensor> {
+    let (n, k, o) = dims("matmul", x, w)?;
+    let xs = x.as_f32("matmul")?;
+    let q8 = int8_acts(xs, n, k, mode, &[w]);
+    let product = Product::new(xs, n, k, w, mode, q8.as_ref());
+    let mut out_t = vec![0f32; o * n];
+    team.for_each_part(&mut out_t, n.max(1), ROW_ALIGN, |first, part| {
+        for (b, chunk) in part.chunks_mut(BLOCK_ROWS * n.max(1)).enumerate() {
+            product.rows(first + b * BLOCK_ROWS, chunk);
+        }
+    });
+    token_major(x, out_t, n, o)
+}
+
+/// `silu(x · gateᵀ) ⊙ (x · upᵀ)`, SwiGLU's hidden activations `[n, o]`, in one section of
+/// the CPU backend's team: each thread multiplies the same rows of both weights and
+/// combines them, and the activations are quantized once for both. The values are those
+/// of the two matmuls followed by the element-wise product.
+pub fn swiglu(
+    x: &CpuTensor,
+    gate: &CpuTensor,
+    up: &CpuTensor,
+    mode: QuantMatmul,
+) -> Result<CpuTensor> {
+    swiglu_on(crate::team(), x, gate, up, mode)
+}
+
+/// [`swiglu`] on the given team.
+pub(crate) fn swiglu_on(
+    team: &Team,
+    x: &CpuTensor,
+    gate: &CpuTensor,
+    up: &CpuTensor,
+    mode: QuantMatmul,
+) -> Result<CpuTensor> {
+    let (n, k, o) = dims("mlp", x, gate)?;
+    if up.shape != gate.shape {
+        return Err(shape_err(
+            "mlp",
+            format!("gate {:?} and up {:?} differ", gate.shape, up.shape),
+        ));
+    }
+    let xs = x.as_f32("mlp")?;
+    let q8 = int8_acts(xs, n, k, mode, &[gate, up]);
+    let (g, u) = (
+        Product::new(xs, n, k, gate, mode, q8.as_ref()),
+        Product::new(xs, n, k, up, mode, q8.as_ref()),
+    );
+    let mut out_t = vec![0f32; o * n];
+    team.for_each_part(&mut out_t, n.max(1), ROW_ALIGN, |first, part| {
+        let mut ubuf = vec![0f32; part.len().min(BLOCK_ROWS * n.max(1))];
+        for (b, chunk) in part.chunks_mut(BLOCK_ROWS * n.max(1)).enumerate() {
+            let row0 = first + b * BLOCK_ROWS;
+            let ub = &mut ubuf[..chunk.len()];
+            g.rows(row0, chunk);
+            u.rows(row0, ub);
+            for (gi, ui) in chunk.iter_mut().zip(ub.iter()) {
+                *gi = crate::kda::silu(*gi) * ui;
+            }
+        }
+    });
+    token_major(x, out_t, n, o)
+}
+
+/// `(n, k, o)` of `x [n, k] · w[o, k]ᵀ`, or a shape error.
+fn dims(op: &'static str, x: &CpuTensor, w: &CpuTensor) -> Result<(usize, usize, usize)> {
+    let (n, k) = x.rows_cols(op)?;
     let (o, wk) = weight_dims(w)?;
     if k != wk {
         return Err(shape_err(
-            "matmul",
+            op,
             format!("activation {:?} does not fit weight {:?}", x.shape, w.shape),
         ));
     }
-    let xs = x.as_f32("matmul")?;
-    let mut out_t = vec![0f32; o * n];
-    let threads = rayon::current_num_threads().max(1);
-    let block = (o / (threads * 8)).clamp(8, 128);
-    // The integer path quantizes the activations once for all tasks.
-    let int8 = match &w.storage {
-        Storage::Quant { dtype, bytes } if mode == QuantMatmul::Int8 && n <= INT8_MAX_TOKENS => {
-            Kind::of(*dtype).map(|kind| (kind, bytes, Q8Acts::quantize(xs, n, k)))
+    Ok((n, k, o))
+}
+
+/// The integer kernel for weight `w`, if `mode` and the batch size take that path.
+fn int8_kind(w: &CpuTensor, n: usize, mode: QuantMatmul) -> Option<Kind> {
+    match &w.storage {
+        Storage::Quant { dtype, .. } if mode == QuantMatmul::Int8 && n <= INT8_MAX_TOKENS => {
+            Kind::of(*dtype)
         }
         _ => None,
-    };
-    out_t
-        .par_chunks_mut(block * n.max(1))
-        .enumerate()
-        .for_each(|(b, chunk)| {
-            let row0 = b * block;
-            let rows = chunk.len() / n.max(1);
-            if let Some((kind, bytes, xq)) = &int8 {
-                let rb = kind.row_bytes(k);
-                qdot::matmul_rows(*kind, &bytes[row0 * rb..(row0 + rows) * rb], xq, chunk);
-                return;
-            }
-            match &w.storage {
-                Storage::F32(v) => multiply_rows(&v[row0 * k..(row0 + rows) * k], xs, n, chunk),
-                Storage::Quant { .. } => quantized_rows(&w.storage, row0, xs, k, n, chunk),
-                // Decode: widen bf16 in registers; equal to the tile path's rounding.
-                Storage::Bf16(v) if n == 1 => {
-                    for (r, o) in chunk.iter_mut().enumerate() {
-                        *o = dot_bf16(&v[(row0 + r) * k..(row0 + r + 1) * k], xs);
-                    }
-                }
-                other => {
-                    let mut wbuf = vec![0f32; rows * k];
-                    for r in 0..rows {
-                        row_to_f32(other, (row0 + r) * k, &mut wbuf[r * k..(r + 1) * k]);
-                    }
-                    multiply_rows(&wbuf, xs, n, chunk);
-                }
-            }
-        });
-    let mut out = vec![0f32; n * o];
-    for r in 0..o {
-        for t in 0..n {
-            out[t * o + r] = out_t[r * n + t];
-        }
     }
+}
+
+/// The activations quantized once, by the calling thread, if any of `weights` takes the
+/// integer path.
+fn int8_acts(
+    xs: &[f32],
+    n: usize,
+    k: usize,
+    mode: QuantMatmul,
+    weights: &[&CpuTensor],
+) -> Option<Q8Acts> {
+    weights
+        .iter()
+        .any(|w| int8_kind(w, n, mode).is_some())
+        .then(|| Q8Acts::quantize(xs, n, k))
+}
+
+/// `out_t [o, n]` (one weight row's results together, as the kernels write them) as a
+/// tensor `[.., n, o]` shaped like `x` but for its last dimension.
+fn token_major(x: &CpuTensor, out_t: Vec<f32>, n: usize, o: usize) -> Result<CpuTensor> {
+    let out = if n == 1 {
+        out_t
+    } else {
+        let mut out = vec![0f32; n * o];
+        for r in 0..o {
+            for t in 0..n {
+                out[t * o + r] = out_t[r * n + t];
+            }
+        }
+        out
+    };
     let mut shape = x.shape[..x.shape.len() - 1].to_vec();
     shape.push(o);
     CpuTensor::f32(&shape, out)
+}
+
+/// One product `x [n, k] · w[o, k]ᵀ`, ready to compute any block of output rows.
+struct Product<'a> {
+    xs: &'a [f32],
+    n: usize,
+    k: usize,
+    w: &'a Storage,
+    /// The integer kernel, the packed weights and the quantized activations.
+    int8: Option<(Kind, &'a [u8], &'a Q8Acts)>,
+}
+
+impl<'a> Product<'a> {
+    fn new(
+        xs: &'a [f32],
+        n: usize,
+        k: usize,
+        w: &'a CpuTensor,
+        mode: QuantMatmul,
+        q8: Option<&'a Q8Acts>,
+    ) -> Self {
+        let int8 = match (&w.storage, int8_kind(w, n, mode), q8) {
+            (Storage::Quant { bytes, .. }, Some(kind), Some(q8)) => Some((kind, &bytes[..], q8)),
+            _ => None,
+        };
+        Product {
+            xs,
+            n,
+            k,
+            w: &w.storage,
+            int8,
+        }
+    }
+
+    /// Output rows `row0..row0 + chunk.len() / n`, weight-row-major (`chunk[r * n + t]`).
+    fn rows(&self, row0: usize, chunk: &mut [f32]) {
+        let (xs, n, k) = (self.xs, self.n, self.k);
+        let rows = chunk.len() / n.max(1);
+        if let Some((kind, bytes, xq)) = self.int8 {
+            let rb = kind.row_bytes(k);
+            qdot::matmul_rows(kind, &bytes[row0 * rb..(row0 + rows) * rb], xq, chunk);
+            return;
+        }
+        match self.w {
+            Storage::F32(v) => multiply_rows(&v[row0 * k..(row0 + rows) * k], xs, n, chunk),
+            Storage::Quant { .. } => quantized_rows(self.w, row0, xs, k, n, chunk),
+            // Decode: widen bf16 in registers; equal to the tile path's rounding.
+            Storage::Bf16(v) if n == 1 => {
+                for (r, o) in chunk.iter_mut().enumerate() {
+                    *o = dot_bf16(&v[(row0 + r) * k..(row0 + r + 1) * k], xs);
+                }
+            }
+            other => {
+                let mut wbuf = vec![0f32; rows * k];
+                for r in 0..rows {
+                    row_to_f32(other, (row0 + r) * k, &mut wbuf[r * k..(r + 1) * k]);
+                }
+                multiply_rows(&wbuf, xs, n, chunk);
+            }
+        }
+    }
 }
 
 /// `out[r * n + t] = wrows[r] · x[t]` for every row of `wrows [rows, k]` and token of
@@ -229,6 +371,107 @@ mod tests {
                 assert!((a - b).abs() < 1e-4, "{a} vs {b}");
             }
         }
+    }
+
+    /// Every path gives the same bits whatever the team size (ranges of rows move between
+    /// threads; each row's products must not change).
+    #[test]
+    fn results_do_not_depend_on_the_thread_count() {
+        use kimi_core::DType;
+        use kimi_gguf::GgmlType;
+        let teams: Vec<Team> = [1, 2, 3, 7]
+            .into_iter()
+            .map(|t| Team::new(t, crate::team::DEFAULT_SPIN))
+            .collect();
+        let k = 256;
+        for o in [1, 37, 300] {
+            let w: Vec<f32> = (0..o * k)
+                .map(|i| ((i * 5 % 19) as f32 - 9.0) * 0.02)
+                .collect();
+            let q41 = kimi_gguf::quantize(GgmlType::Q4_1, &w).unwrap();
+            let to_bits = |v: &[f32]| -> Vec<u16> {
+                v.iter().map(|v| bf16::from_f32(*v).to_bits()).collect()
+            };
+            let weights = [
+                CpuTensor::f32(&[o, k], w.clone()).unwrap(),
+                CpuTensor {
+                    shape: vec![o, k],
+                    storage: Storage::Bf16(to_bits(&w)),
+                },
+                CpuTensor::from_host(kimi_ops::HostTensor {
+                    shape: &[o, k],
+                    dtype: DType::Q4_1,
+                    bytes: &q41,
+                })
+                .unwrap(),
+            ];
+            for n in [1, 3, 9] {
+                let x: Vec<f32> = (0..n * k)
+                    .map(|i| ((i * 7 % 23) as f32 - 11.0) * 0.03)
+                    .collect();
+                let xt = CpuTensor::f32(&[n, k], x).unwrap();
+                for wt in &weights {
+                    for mode in [QuantMatmul::F32, QuantMatmul::Int8] {
+                        let run = |team| {
+                            let y = matmul_on(team, &xt, wt, mode).unwrap().to_f32_vec();
+                            y.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                        };
+                        let want = run(&teams[0]);
+                        for team in &teams[1..] {
+                            assert_eq!(run(team), want, "o={o} n={n} {mode:?}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The fused SwiGLU equals its two matmuls and the element-wise product, bit for bit.
+    #[test]
+    fn swiglu_matches_two_matmuls() {
+        use kimi_core::DType;
+        use kimi_gguf::GgmlType;
+        let (k, o) = (256, 300);
+        let weight = |seed: usize| -> (CpuTensor, CpuTensor) {
+            let w: Vec<f32> = (0..o * k)
+                .map(|i| (((i + seed) * 5 % 19) as f32 - 9.0) * 0.02)
+                .collect();
+            let q = kimi_gguf::quantize(GgmlType::Q4_1, &w).unwrap();
+            let q = CpuTensor::from_host(kimi_ops::HostTensor {
+                shape: &[o, k],
+                dtype: DType::Q4_1,
+                bytes: &q,
+            })
+            .unwrap();
+            (CpuTensor::f32(&[o, k], w).unwrap(), q)
+        };
+        let ((gf, gq), (uf, uq)) = (weight(0), weight(7));
+        for team in [1, 2, 3].map(|t| Team::new(t, crate::team::DEFAULT_SPIN)) {
+            for n in [1, 3, 9] {
+                let x: Vec<f32> = (0..n * k)
+                    .map(|i| ((i * 7 % 23) as f32 - 11.0) * 0.03)
+                    .collect();
+                let xt = CpuTensor::f32(&[n, k], x).unwrap();
+                for (g, u) in [(&gf, &uf), (&gq, &uq), (&gq, &uf)] {
+                    for mode in [QuantMatmul::F32, QuantMatmul::Int8] {
+                        let gy = matmul_on(&team, &xt, g, mode).unwrap().to_f32_vec();
+                        let uy = matmul_on(&team, &xt, u, mode).unwrap().to_f32_vec();
+                        let want: Vec<u32> = gy
+                            .iter()
+                            .zip(&uy)
+                            .map(|(g, u)| (crate::kda::silu(*g) * u).to_bits())
+                            .collect();
+                        let got = swiglu_on(&team, &xt, g, u, mode).unwrap();
+                        assert_eq!(got.shape, vec![n, o]);
+                        let got: Vec<u32> = got.to_f32_vec().iter().map(|v| v.to_bits()).collect();
+                        assert_eq!(got, want, "n={n} {mode:?}");
+                    }
+                }
+            }
+        }
+        let x = CpuTensor::f32(&[1, k], vec![0.0; k]).unwrap();
+        let small = CpuTensor::f32(&[3, k], vec![0.0; 3 * k]).unwrap();
+        assert!(swiglu(&x, &gf, &small, QuantMatmul::F32).is_err());
     }
 
     /// Quantized weights multiply as their dequantized f32 values do (Q4_1 and Q8_0 are

@@ -5,8 +5,6 @@
 //! its rows through its block table (`kimi_ops::PagedSeq`). Kimi Linear's MLA is NoPE, so
 //! nothing is rotated.
 
-use rayon::prelude::*;
-
 use crate::paged::{write_rows, PagedRows};
 use crate::simd::dot;
 use crate::tensor::{shape_err, CpuTensor};
@@ -100,38 +98,37 @@ fn expanded_attention(
     let total = past + new;
     let per_head = dn + dv;
     // kv[s, h, :] = W_kvb[h] · c(s): [total, h, dn + dv].
-    let kv: Vec<f32> = (0..total)
-        .into_par_iter()
-        .flat_map_iter(|s| {
+    let mut kv = vec![0f32; total * h * per_head];
+    crate::team().for_each_part(&mut kv, h * per_head, 1, |first, part| {
+        for (s, kv_s) in (first..).zip(part.chunks_mut(h * per_head)) {
             let c = &cache.row(s)[..r];
-            (0..h * per_head).map(move |row| dot(&kvb[row * r..(row + 1) * r], c))
-        })
-        .collect();
-    let head_out: Vec<Vec<f32>> = (0..h)
-        .into_par_iter()
-        .map(|head| {
-            let mut o = vec![0f32; new * dv];
-            let mut scores = vec![0f32; total];
-            for t in 0..new {
-                let qt = &q[(t * h + head) * (dn + dr)..(t * h + head + 1) * (dn + dr)];
-                let visible = past + t + 1;
-                for (s, score) in scores.iter_mut().enumerate().take(visible) {
-                    let k = &kv[(s * h + head) * per_head..(s * h + head) * per_head + dn];
-                    let kpe = &cache.row(s)[r..];
-                    *score = (dot(&qt[..dn], k) + dot(&qt[dn..], kpe)) * scale;
-                }
-                softmax(&mut scores[..visible]);
-                let ot = &mut o[t * dv..(t + 1) * dv];
-                for (s, p) in scores.iter().enumerate().take(visible) {
-                    let v = &kv[(s * h + head) * per_head + dn..(s * h + head + 1) * per_head];
-                    for (oj, vj) in ot.iter_mut().zip(v) {
-                        *oj += p * vj;
-                    }
+            for (row, v) in kv_s.iter_mut().enumerate() {
+                *v = dot(&kvb[row * r..(row + 1) * r], c);
+            }
+        }
+    });
+    let head_out: Vec<Vec<f32>> = crate::team().map(h, |head| {
+        let mut o = vec![0f32; new * dv];
+        let mut scores = vec![0f32; total];
+        for t in 0..new {
+            let qt = &q[(t * h + head) * (dn + dr)..(t * h + head + 1) * (dn + dr)];
+            let visible = past + t + 1;
+            for (s, score) in scores.iter_mut().enumerate().take(visible) {
+                let k = &kv[(s * h + head) * per_head..(s * h + head) * per_head + dn];
+                let kpe = &cache.row(s)[r..];
+                *score = (dot(&qt[..dn], k) + dot(&qt[dn..], kpe)) * scale;
+            }
+            softmax(&mut scores[..visible]);
+            let ot = &mut o[t * dv..(t + 1) * dv];
+            for (s, p) in scores.iter().enumerate().take(visible) {
+                let v = &kv[(s * h + head) * per_head + dn..(s * h + head + 1) * per_head];
+                for (oj, vj) in ot.iter_mut().zip(v) {
+                    *oj += p * vj;
                 }
             }
-            o
-        })
-        .collect();
+        }
+        o
+    });
     interleave_heads(&head_out, new, h, dv)
 }
 
@@ -154,42 +151,39 @@ fn absorbed_attention(
     } = *dims;
     let total = past + new;
     let per_head = dn + dv;
-    let head_out: Vec<Vec<f32>> = (0..h)
-        .into_par_iter()
-        .map(|head| {
-            let w_uk = &kvb[head * per_head * r..(head * per_head + dn) * r];
-            let w_uv = &kvb[(head * per_head + dn) * r..(head + 1) * per_head * r];
-            let mut o = vec![0f32; new * dv];
-            let mut scores = vec![0f32; total];
-            let mut q_lat = vec![0f32; r];
-            let mut o_lat = vec![0f32; r];
-            for t in 0..new {
-                let qt = &q[(t * h + head) * (dn + dr)..(t * h + head + 1) * (dn + dr)];
-                q_lat.iter_mut().for_each(|x| *x = 0.0);
-                for (i, qi) in qt[..dn].iter().enumerate() {
-                    for (ql, w) in q_lat.iter_mut().zip(&w_uk[i * r..(i + 1) * r]) {
-                        *ql += qi * w;
-                    }
-                }
-                let visible = past + t + 1;
-                for (s, score) in scores.iter_mut().enumerate().take(visible) {
-                    let row = cache.row(s);
-                    *score = (dot(&q_lat, &row[..r]) + dot(&qt[dn..], &row[r..])) * scale;
-                }
-                softmax(&mut scores[..visible]);
-                o_lat.iter_mut().for_each(|x| *x = 0.0);
-                for (s, p) in scores.iter().enumerate().take(visible) {
-                    for (ol, c) in o_lat.iter_mut().zip(&cache.row(s)[..r]) {
-                        *ol += p * c;
-                    }
-                }
-                for j in 0..dv {
-                    o[t * dv + j] = dot(&w_uv[j * r..(j + 1) * r], &o_lat);
+    let head_out: Vec<Vec<f32>> = crate::team().map(h, |head| {
+        let w_uk = &kvb[head * per_head * r..(head * per_head + dn) * r];
+        let w_uv = &kvb[(head * per_head + dn) * r..(head + 1) * per_head * r];
+        let mut o = vec![0f32; new * dv];
+        let mut scores = vec![0f32; total];
+        let mut q_lat = vec![0f32; r];
+        let mut o_lat = vec![0f32; r];
+        for t in 0..new {
+            let qt = &q[(t * h + head) * (dn + dr)..(t * h + head + 1) * (dn + dr)];
+            q_lat.iter_mut().for_each(|x| *x = 0.0);
+            for (i, qi) in qt[..dn].iter().enumerate() {
+                for (ql, w) in q_lat.iter_mut().zip(&w_uk[i * r..(i + 1) * r]) {
+                    *ql += qi * w;
                 }
             }
-            o
-        })
-        .collect();
+            let visible = past + t + 1;
+            for (s, score) in scores.iter_mut().enumerate().take(visible) {
+                let row = cache.row(s);
+                *score = (dot(&q_lat, &row[..r]) + dot(&qt[dn..], &row[r..])) * scale;
+            }
+            softmax(&mut scores[..visible]);
+            o_lat.iter_mut().for_each(|x| *x = 0.0);
+            for (s, p) in scores.iter().enumerate().take(visible) {
+                for (ol, c) in o_lat.iter_mut().zip(&cache.row(s)[..r]) {
+                    *ol += p * c;
+                }
+            }
+            for j in 0..dv {
+                o[t * dv + j] = dot(&w_uv[j * r..(j + 1) * r], &o_lat);
+            }
+        }
+        o
+    });
     interleave_heads(&head_out, new, h, dv)
 }
 

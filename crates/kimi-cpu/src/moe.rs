@@ -1,25 +1,14 @@
 //! Mixture of experts: sigmoid router with bias-corrected, group-limited top-k selection,
 //! SwiGLU experts and shared experts (spec §5).
 
-use crate::matmul::{matmul, QuantMatmul};
+use crate::matmul::{matmul, swiglu, QuantMatmul};
 use crate::tensor::{shape_err, CpuTensor};
 use kimi_ops::{MlpWeights, MoeRouting, MoeWeights, Result};
 
-/// See `Backend::mlp`.
+/// See `Backend::mlp`. Gate and up run in one parallel section (see [`swiglu`]).
 pub fn mlp(x: &CpuTensor, w: &MlpWeights<CpuTensor>, mode: QuantMatmul) -> Result<CpuTensor> {
-    let mut gate = matmul(x, &w.gate, mode)?;
-    let up = matmul(x, &w.up, mode)?;
-    {
-        let g = gate.as_f32_mut("mlp")?;
-        let u = up.as_f32("mlp")?;
-        if g.len() != u.len() {
-            return Err(shape_err("mlp", "gate and up widths differ".into()));
-        }
-        for (gi, ui) in g.iter_mut().zip(u) {
-            *gi = crate::kda::silu(*gi) * ui;
-        }
-    }
-    matmul(&gate, &w.down, mode)
+    let hidden = swiglu(x, &w.gate, &w.up, mode)?;
+    matmul(&hidden, &w.down, mode)
 }
 
 /// Chosen experts and their weights for one token.

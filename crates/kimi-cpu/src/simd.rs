@@ -143,30 +143,104 @@ pub fn dot4_scalar(w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
 /// Makes the calling thread treat subnormal floats as zero (x86: MXCSR FTZ and DAZ bits;
 /// AArch64: FPCR.FZ).
 pub fn flush_subnormals_to_zero() {
+    fp_mode::write(fp_mode::flushing(fp_mode::read()));
+}
+
+/// Flushes subnormal floats to zero on the calling thread while it lives, as
+/// [`flush_subnormals_to_zero`] does; dropping it restores the thread's previous mode.
+pub(crate) struct FlushSubnormals {
+    saved: fp_mode::Bits,
+    /// The mode belongs to this thread: the guard must be dropped where it was made.
+    _this_thread: std::marker::PhantomData<*const ()>,
+}
+
+impl FlushSubnormals {
+    pub(crate) fn new() -> Self {
+        let saved = fp_mode::read();
+        fp_mode::write(fp_mode::flushing(saved));
+        FlushSubnormals {
+            saved,
+            _this_thread: std::marker::PhantomData,
+        }
+    }
+}
+
+impl Drop for FlushSubnormals {
+    fn drop(&mut self) {
+        fp_mode::write(self.saved);
+    }
+}
+
+/// The calling thread's floating-point control register. Only values read from it, with
+/// the flush bits added, are written back: rounding and exception masks never change.
+mod fp_mode {
     #[cfg(target_arch = "x86_64")]
-    {
-        const FTZ_DAZ: u32 = (1 << 15) | (1 << 6);
+    pub(super) type Bits = u32;
+
+    /// `bits` with MXCSR FTZ (bit 15) and DAZ (bit 6) set.
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn flushing(bits: Bits) -> Bits {
+        bits | (1 << 15) | (1 << 6)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn read() -> Bits {
         let mut csr: u32 = 0;
-        // SAFETY: stmxcsr/ldmxcsr read and write this thread's SSE control register (SSE is
-        // part of x86_64); the pointers are to live locals. Setting FTZ/DAZ only changes how
-        // subnormal values are treated, which no code here relies on.
+        // SAFETY: stmxcsr stores this thread's SSE control register (SSE is part of x86_64)
+        // into a live local.
         unsafe {
             std::arch::asm!("stmxcsr [{}]", in(reg) &mut csr, options(nostack, preserves_flags));
-            csr |= FTZ_DAZ;
+        }
+        csr
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn write(csr: Bits) {
+        // SAFETY: ldmxcsr loads this thread's SSE control register from a live local. `csr`
+        // is a value `read` returned, maybe with FTZ/DAZ added, which only changes how
+        // subnormal values are treated; no code here relies on them.
+        unsafe {
             std::arch::asm!("ldmxcsr [{}]", in(reg) &csr, options(nostack, preserves_flags));
         }
     }
+
     #[cfg(target_arch = "aarch64")]
-    {
-        // SAFETY: reads and writes this thread's floating-point control register; setting FZ
-        // (bit 24) only flushes subnormal values to zero.
+    pub(super) type Bits = u64;
+
+    /// `bits` with FPCR.FZ (bit 24) set.
+    #[cfg(target_arch = "aarch64")]
+    pub(super) fn flushing(bits: Bits) -> Bits {
+        bits | (1 << 24)
+    }
+
+    #[cfg(target_arch = "aarch64")]
+    pub(super) fn read() -> Bits {
+        let fpcr: u64;
+        // SAFETY: reads this thread's floating-point control register.
         unsafe {
-            let mut fpcr: u64;
             std::arch::asm!("mrs {}, fpcr", out(reg) fpcr, options(nomem, nostack, preserves_flags));
-            fpcr |= 1 << 24;
+        }
+        fpcr
+    }
+
+    #[cfg(target_arch = "aarch64")]
+    pub(super) fn write(fpcr: Bits) {
+        // SAFETY: writes this thread's floating-point control register with a value `read`
+        // returned, maybe with FZ added, which only flushes subnormal values to zero.
+        unsafe {
             std::arch::asm!("msr fpcr, {}", in(reg) fpcr, options(nomem, nostack, preserves_flags));
         }
     }
+
+    // Elsewhere there is no mode to set.
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    pub(super) type Bits = ();
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    pub(super) fn flushing(_: Bits) -> Bits {}
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    pub(super) fn read() -> Bits {}
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    pub(super) fn write(_: Bits) {}
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -512,6 +586,27 @@ mod tests {
                     "n={n}"
                 );
             }
+        }
+    }
+
+    /// The guard flushes while it lives and restores the thread's mode when dropped.
+    #[test]
+    fn flush_guard_restores_the_previous_mode() {
+        use std::hint::black_box;
+        let half_min = || black_box(f32::MIN_POSITIVE) * black_box(0.5);
+        let (inside, after) = std::thread::spawn(move || {
+            let inside = {
+                let _flush = FlushSubnormals::new();
+                let _nested = FlushSubnormals::new();
+                half_min()
+            };
+            (inside, half_min())
+        })
+        .join()
+        .unwrap();
+        assert!(after.is_subnormal(), "{after:e}");
+        if cfg!(any(target_arch = "x86_64", target_arch = "aarch64")) {
+            assert_eq!(inside, 0.0);
         }
     }
 

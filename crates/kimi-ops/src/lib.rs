@@ -355,10 +355,10 @@ pub trait Backend: Send + Sync {
         None
     }
     /// Runs `f`, a whole forward pass, where this backend's ops start cheapest. The CPU
-    /// backend runs it on one of its own worker threads, so each op's parallel section
-    /// starts in place instead of handing its work to the pool and sleeping until the
-    /// pool is done (two context switches per op, a quarter of a small model's decode
-    /// time). Other backends just call it.
+    /// backend runs it on the calling thread with its floating-point mode set once for the
+    /// pass (subnormals flushed to zero, as on its worker threads); each op's parallel
+    /// section then starts in place on that thread and its spinning workers. Other backends
+    /// just call it.
     fn run_pass<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         f()
     }
