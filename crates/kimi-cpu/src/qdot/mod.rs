@@ -116,16 +116,20 @@ impl Q8Acts {
             .zip(a.qs.chunks_exact_mut(QK))
             .enumerate()
         {
-            let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
+            let d = block_amax(x) / 127.0;
             let id = if d > 0.0 { 1.0 / d } else { 0.0 };
             let mut s = 0i32;
             for (q, v) in q.iter_mut().zip(x) {
-                // Adding and removing 1.5·2^23 rounds to nearest even (|v·id| ≤ 127), as
-                // `round_ties_even` does, without its libm call on baseline x86_64.
-                let r = ((v * id + ROUNDER) - ROUNDER).clamp(-127.0, 127.0) as i8;
-                *q = r;
-                s += i32::from(r);
+                // Adding 1.5·2^23 rounds to nearest even (|v·id| ≤ 127), as
+                // `round_ties_even` does, and leaves the integer in the low bits: read as
+                // an integer, this is `((y + ROUNDER) - ROUNDER).clamp(-127.0, 127.0) as i8`
+                // (NaN to 0, ±∞ to ±127) without a float-to-int conversion, which keeps the
+                // loop in vector registers.
+                let y = v * id + ROUNDER;
+                let r = (y.to_bits() as i32).wrapping_sub(ROUNDER.to_bits() as i32);
+                let r = if y.is_nan() { 0 } else { r.clamp(-127, 127) };
+                *q = r as i8;
+                s += r;
             }
             a.d[b] = d;
             a.sum[b] = d * s as f32;
@@ -137,6 +141,23 @@ impl Q8Acts {
     pub(crate) fn blocks(&self) -> usize {
         self.k / QK
     }
+}
+
+/// The largest `|v|` of a block, NaNs ignored, as `fold(0, |m, v| m.max(v.abs()))` but in
+/// eight independent lanes (`a > m` keeps `m` for a NaN, as `max` does, and compiles to one
+/// vector max): a serial chain of 32 maxima, each waiting on the last, is slower than the
+/// rest of the quantization.
+fn block_amax(x: &[f32]) -> f32 {
+    let max = |m: f32, a: f32| if a > m { a } else { m };
+    let mut lanes = [0f32; 8];
+    for c in x.chunks_exact(8) {
+        for (l, v) in lanes.iter_mut().zip(c) {
+            *l = max(*l, v.abs());
+        }
+    }
+    let tail = x.chunks_exact(8).remainder();
+    tail.iter()
+        .fold(lanes.into_iter().fold(0f32, max), |m, v| max(m, v.abs()))
 }
 
 /// The instruction set a kernel uses.

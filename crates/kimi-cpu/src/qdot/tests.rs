@@ -234,3 +234,64 @@ fn the_best_variant_is_one_of_the_available_ones() {
     assert_eq!(Kind::of(DType::Q6_K), None);
     assert_eq!(Kind::Q4_1.row_bytes(576), 18 * 20);
 }
+
+/// The quantizer's vector-friendly form equals the plain one (per block: a serial `max`
+/// fold, then round through ±1.5·2^23 in f32 and a saturating cast) bit for bit, ties,
+/// zeros, subnormals and non-finite values included.
+#[test]
+fn quantize_equals_the_plain_form() {
+    fn plain(xs: &[f32]) -> (Vec<i8>, Vec<f32>, Vec<f32>) {
+        let (mut qs, mut d, mut sum) = (Vec::new(), Vec::new(), Vec::new());
+        for x in xs.chunks_exact(QK) {
+            let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let db = amax / 127.0;
+            let id = if db > 0.0 { 1.0 / db } else { 0.0 };
+            let mut s = 0i32;
+            for v in x {
+                let r = ((v * id + ROUNDER) - ROUNDER).clamp(-127.0, 127.0) as i8;
+                qs.push(r);
+                s += i32::from(r);
+            }
+            d.push(db);
+            sum.push(db * s as f32);
+        }
+        (qs, d, sum)
+    }
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let mut blocks: Vec<Vec<f32>> = Vec::new();
+    // Random magnitudes over many octaves.
+    for _ in 0..200 {
+        let scale = 2f32.powi(rng.random_range(-30..30));
+        blocks.push(
+            (0..QK)
+                .map(|_| rng.random_range(-1.0..1.0) * scale)
+                .collect(),
+        );
+    }
+    // Exact ties: with amax 127, v·id lands on halves.
+    blocks.push(
+        (0..QK)
+            .map(|i| if i == 0 { 127.0 } else { i as f32 - 15.5 })
+            .collect(),
+    );
+    blocks.push(vec![0.0; QK]);
+    blocks.push(
+        (0..QK)
+            .map(|i| if i % 2 == 0 { -0.0 } else { 0.0 })
+            .collect(),
+    );
+    blocks.push((0..QK).map(|i| f32::from_bits(i as u32 + 1)).collect());
+    for special in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::MAX] {
+        let mut b: Vec<f32> = (0..QK).map(|i| i as f32 * 0.25 - 4.0).collect();
+        b[5] = special;
+        blocks.push(b);
+        blocks.push(vec![special; QK]);
+    }
+    let xs: Vec<f32> = blocks.concat();
+    let a = Q8Acts::quantize(&xs, 1, xs.len());
+    let (qs, d, sum) = plain(&xs);
+    assert_eq!(a.qs, qs);
+    assert_eq!(bits(&a.d), bits(&d));
+    assert_eq!(bits(&a.sum), bits(&sum));
+}
