@@ -16,8 +16,10 @@ SERVER_CORES="${SERVER_CORES:-0}" CLIENT_CORES="${CLIENT_CORES:-1}" THREADS="${T
 PY="${PY:-target/openai-venv/bin/python}" BIN="${BIN:-target/release/kimi-infer}"
 PORT="${PORT:-8013}" PROMPT="${PROMPT:-64}" GEN="${GEN:-32}" REQS="${REQS:-64}"
 mkdir -p "$OUT"
+# The offline engine (`bench --batch B`) schedules at most 2 × PROMPT tokens per step; the
+# server gets the same budget so that both run the same steps.
 taskset -c "$SERVER_CORES" "$BIN" serve "$@" --threads "$THREADS" --port "$PORT" \
-  --max-num-seqs 64 > "$OUT/server.log" 2>&1 &
+  --max-num-seqs 64 --max-num-batched-tokens $((2 * PROMPT)) > "$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 1 120); do curl -sf "localhost:$PORT/health" >/dev/null 2>&1 && break; sleep 1; done
