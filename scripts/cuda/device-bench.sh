@@ -68,7 +68,7 @@ if want serve; then
   python3 bench/synthetic_tokenizer.py --vocab 163840 --out "$TOK" >/dev/null
   .device-bin/kimi-infer serve --device cuda --random-config "$CONFIG" --tokenizer "$TOK" \
     --served-model-name kimi-48b-random --port 8011 --max-model-len 4096 --max-num-seqs 64 \
-    > "$OUT/serve-server.log" 2>&1 &
+    --max-num-batched-tokens 1024 > "$OUT/serve-server.log" 2>&1 &
   SERVER=$!
   wait_healthy 8011 120
   PYTHONPATH="$PYLIB/openai-env:$PYTHONPATH" timeout 300 python3 bench/serve_load.py \
@@ -76,6 +76,7 @@ if want serve; then
     --num-requests 64 --max-tokens 64 --prompt-ids 512 --json "$OUT/serve.json" 2>&1 | tail -20 | tee "$OUT/serve.txt"
   kill -TERM $SERVER; wait $SERVER
   # The same engine offline (no HTTP): the server-overhead baselines at concurrency 16 and 64.
+  # `bench --batch` schedules at most 2 × 512 tokens per step; the server above got the same.
   for b in 16 64; do
     timeout 300 .device-bin/kimi-infer bench --device cuda --random-config "$CONFIG" \
       --prompt-len 512 --gen-len 64 --repeats 1 --batch $b --json "$OUT/serve-offline-$b.json" \
