@@ -16,8 +16,16 @@
 //!    KDA decode step per layer (fused and composed, B=1 and 64), synchronised wall time.
 //!
 //! `kda-ops` (only when named) runs just the KDA op cases of 1.
+//! 7. With `tune` (only when named): decode step times of the 48B-shaped model with CUDA
+//!    graphs off and on and the MoE GEMV's row blocks, in one process; then the graph check.
+//! 8. With `ncu-step` (only when named): one op-by-op decode step per `NCU_BATCH` inside a
+//!    profiler range, for `ncu --profile-from-start off` (`scripts/cuda/ncu_summary.py`).
 //!
-//! Usage: `check [ops] [kda-ops] [fixtures] [big N_TOKENS] [profile] [mla-bench] [kda-bench]`
+//! Part 3 starts by decoding 40 steps at batch 1, 8 and 64 twice, through CUDA graphs and
+//! op by op, and requires the logits to be bit-identical.
+//!
+//! Usage: `check [ops] [kda-ops] [fixtures] [big N_TOKENS] [profile] [mla-bench] [kda-bench]
+//! [tune] [ncu-step]`
 //! (default: 1-3, 1000 tokens).
 
 use std::collections::HashSet;
@@ -45,66 +53,37 @@ use op_cases::{rel_err, CpuRun, CudaRun};
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let all = args.is_empty();
-    let want = |s: &str| all || args.iter().any(|a| a == s);
     let big_tokens = args
         .iter()
         .position(|a| a == "big")
         .and_then(|i| args.get(i + 1))
         .and_then(|s| s.parse().ok())
         .unwrap_or(1000usize);
+    // (name, runs by default, what it runs), in order.
+    type Stage<'a> = (&'static str, bool, Box<dyn Fn() -> Res<()> + 'a>);
+    let stages: Vec<Stage> = vec![
+        ("mla-bench", false, Box::new(mla_bench)),
+        ("profile", false, Box::new(profile_big)),
+        ("tune", false, Box::new(tune)),
+        ("ncu-step", false, Box::new(ncu_step)),
+        ("kda-bench", false, Box::new(kda_bench)),
+        (
+            "kda-ops",
+            false,
+            Box::new(|| check_ops(op_cases::kda_cases())),
+        ),
+        ("ops", true, Box::new(|| check_ops(op_cases::cases()))),
+        ("fixtures", true, Box::new(check_fixtures)),
+        ("big", true, Box::new(|| check_big(big_tokens))),
+    ];
     let mut failed = false;
-    if args.iter().any(|a| a == "mla-bench") {
-        if let Err(e) = mla_bench() {
-            println!("mla-bench: ERROR {e}");
-            failed = true;
-        }
-    }
-    if args.iter().any(|a| a == "profile") {
-        if let Err(e) = profile_big() {
-            println!("profile: ERROR {e}");
-            failed = true;
-        }
-    }
-    if args.iter().any(|a| a == "tune") {
-        if let Err(e) = tune() {
-            println!("tune: ERROR {e}");
-            failed = true;
-        }
-    }
-    if args.iter().any(|a| a == "ncu-step") {
-        if let Err(e) = ncu_step() {
-            println!("ncu-step: ERROR {e}");
-            failed = true;
-        }
-    }
-    if args.iter().any(|a| a == "kda-bench") {
-        if let Err(e) = kda_bench() {
-            println!("kda-bench: ERROR {e}");
-            failed = true;
-        }
-    }
-    if args.iter().any(|a| a == "kda-ops") {
-        if let Err(e) = check_ops(op_cases::kda_cases()) {
-            println!("kda-ops: ERROR {e}");
-            failed = true;
-        }
-    }
-    if want("ops") {
-        if let Err(e) = check_ops(op_cases::cases()) {
-            println!("ops: ERROR {e}");
-            failed = true;
-        }
-    }
-    if want("fixtures") {
-        if let Err(e) = check_fixtures() {
-            println!("fixtures: ERROR {e}");
-            failed = true;
-        }
-    }
-    if want("big") {
-        if let Err(e) = check_big(big_tokens) {
-            println!("big: ERROR {e}");
-            failed = true;
+    for (name, default, run) in &stages {
+        let named = args.iter().any(|a| a == name);
+        if named || (*default && all) {
+            if let Err(e) = run() {
+                println!("{name}: ERROR {e}");
+                failed = true;
+            }
         }
     }
     println!(
@@ -454,22 +433,27 @@ impl DecodeRun {
     }
 }
 
-/// Decode step times of the 48B-shaped model after 1K-token prompts, in one process so that
-/// the variants compare on the same machine state: CUDA graphs off/on at batch 1, 8 and 64,
-/// and at batch 64 the routed-expert GEMV's row blocks per CTA.
-fn tune() -> Res<()> {
+/// The Kimi-Linear-48B-A3B config with random bf16 weights on `backend`.
+fn big_model<B: Backend>(backend: B) -> Res<KimiLinear<B>> {
     let text = std::fs::read_to_string(
         "crates/kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json",
     )?;
     let config = ModelConfig::from_json_str(&text)?;
-    let model = KimiLinear::load_from(
-        CudaBackend::new(0)?,
+    Ok(KimiLinear::load_from(
+        backend,
         config,
         &RandomWeights {
             dtype: DType::BF16,
             seed: 0,
         },
-    )?;
+    )?)
+}
+
+/// Decode step times of the 48B-shaped model after 1K-token prompts, in one process so that
+/// the variants compare on the same machine state: CUDA graphs off/on at batch 1, 8 and 64,
+/// and at batch 64 the routed-expert GEMV's row blocks per CTA.
+fn tune() -> Res<()> {
+    let model = big_model(CudaBackend::new(0)?)?;
     let be = model.backend();
     let (warm, timed) = (3, 12);
     for batch in [1usize, 8, 64] {
@@ -525,18 +509,7 @@ fn tune() -> Res<()> {
 /// prompts, op by op, inside a profiler range: run under `ncu --profile-from-start off` to
 /// time every kernel of exactly one step.
 fn ncu_step() -> Res<()> {
-    let text = std::fs::read_to_string(
-        "crates/kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json",
-    )?;
-    let config = ModelConfig::from_json_str(&text)?;
-    let model = KimiLinear::load_from(
-        CudaBackend::new(0)?,
-        config,
-        &RandomWeights {
-            dtype: DType::BF16,
-            seed: 0,
-        },
-    )?;
+    let model = big_model(CudaBackend::new(0)?)?;
     let be = model.backend();
     be.set_cuda_graphs(false);
     let batches: Vec<usize> = std::env::var("NCU_BATCH")
@@ -669,20 +642,9 @@ fn decode_batch(
 
 fn check_big(num_tokens: usize) -> Res<()> {
     println!("== 3. Kimi-Linear-48B-A3B-shaped model, random bf16 weights");
-    let text = std::fs::read_to_string(
-        "crates/kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json",
-    )?;
-    let config = ModelConfig::from_json_str(&text)?;
     let backend = CudaBackend::new(0)?;
     let t0 = Instant::now();
-    let model = KimiLinear::load_from(
-        backend,
-        config,
-        &RandomWeights {
-            dtype: DType::BF16,
-            seed: 0,
-        },
-    )?;
+    let model = big_model(backend)?;
     let be = model.backend();
     be.synchronize()?;
     let (free, total) = be.mem_info()?;
@@ -924,22 +886,10 @@ impl Backend for Profiled {
 /// Per-op device time of a decode step and of an 8K prefill on the 48B-shaped model.
 fn profile_big() -> Res<()> {
     println!("== 4. per-op profile, 48B-shaped model (each op synchronised: launch gaps are charged to ops)");
-    let text = std::fs::read_to_string(
-        "crates/kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json",
-    )?;
-    let config = ModelConfig::from_json_str(&text)?;
-    let backend = Profiled {
+    let model = big_model(Profiled {
         inner: CudaBackend::new(0)?,
         times: Default::default(),
-    };
-    let model = KimiLinear::load_from(
-        backend,
-        config,
-        &RandomWeights {
-            dtype: DType::BF16,
-            seed: 0,
-        },
-    )?;
+    })?;
     let vocab = model.config().vocab_size;
     let run = |(pool, cache): &mut (CachePool<Profiled>, SeqCache), toks: &[u32]| {
         forward_last(&model, pool, cache, toks)

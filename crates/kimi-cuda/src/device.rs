@@ -4,7 +4,6 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use cudarc::cublas::sys::cudaDataType;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, LaunchConfig};
@@ -13,7 +12,7 @@ use kimi_ops::Result;
 
 use crate::buffer::{Arena, DevBuf};
 use crate::error::{Error, OpContext};
-use crate::graph::{self, Args, GemmOp, GraphCache, KernelOp, Op, Outcome};
+use crate::graph::{self, Args, GraphCache, KernelOp, Op, Outcome};
 
 /// Kernels with more than 48 KiB of dynamic shared memory opt in to this much.
 pub(crate) const MAX_DYNAMIC_SMEM_BYTES: u32 = 200 * 1024;
@@ -211,34 +210,6 @@ impl Device {
                 )
             },
         }
-    }
-
-    /// `y [n, o] = x [n, k] · w [o, k]ᵀ` through cuBLAS (see `ops/gemm.rs`).
-    ///
-    /// # Safety
-    /// `x` holds `n * k` and `w` `o * k` elements of type `ab`; `y` holds `n * o` f32.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn gemm(
-        &self,
-        x: u64,
-        w: u64,
-        ab: cudaDataType,
-        y: u64,
-        n: usize,
-        k: usize,
-        o: usize,
-    ) -> Result<()> {
-        let op = Op::Gemm(GemmOp {
-            x,
-            w,
-            ab,
-            y,
-            n,
-            k,
-            o,
-        });
-        // SAFETY: the caller's contract.
-        unsafe { self.submit(op) }.op("matmul")
     }
 
     /// An uninitialised buffer of at least `bytes` (every reader's producer writes it):

@@ -8,6 +8,7 @@ use kimi_ops::Result;
 
 use crate::device::{grid, Device};
 use crate::error::OpContext;
+use crate::graph::{GemmOp, Op};
 
 /// `y = x·wᵀ`: `x` and `w` both of element type `ab` (f32, bf16 or f16), `y` f32,
 /// f32 accumulation.
@@ -28,8 +29,17 @@ pub(crate) unsafe fn gemm(
     if n == 0 || o == 0 {
         return Ok(());
     }
-    // SAFETY: the caller's contract.
-    unsafe { dev.gemm(x, w, ab, y, n, k, o) }
+    let op = Op::Gemm(GemmOp {
+        x,
+        w,
+        ab,
+        y,
+        n,
+        k,
+        o,
+    });
+    // SAFETY: the caller's contract (issued by `graph::issue`, or recorded for it).
+    unsafe { dev.submit(op) }.op("matmul")
 }
 
 /// `y = x·wᵀ` for a few rows: f32 `x [n, k]`, bf16 `w [o, k]`, f32 `y [n, o]`, f32 products
