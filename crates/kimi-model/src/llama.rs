@@ -18,7 +18,7 @@ use kimi_ops::{AttentionDims, Backend, MlpWeights, PagedSeq, RopeStyle, Segment}
 
 use crate::cache::{CachePool, LayerPool, LayerSpec, SeqCache};
 use crate::forward::{check_batch, input, Batch, CausalLm, ForwardOptions, ForwardOutput};
-use crate::layers::Loader;
+use crate::layers::{Loader, Stacked};
 use crate::source::{format_error, WeightSource};
 use crate::Result;
 
@@ -169,9 +169,8 @@ fn eos_token_ids(file: &GgufFile) -> Result<Vec<u32>> {
 
 struct LlamaLayer<T> {
     attn_norm: T,
-    q: T,
-    k: T,
-    v: T,
+    /// `attn_q`, `attn_k` and `attn_v`: one matmul when they share a type.
+    qkv: Stacked<T>,
     o: T,
     ffn_norm: T,
     mlp: MlpWeights<T>,
@@ -210,13 +209,19 @@ impl<B: Backend> Llama<B> {
         let embed = ld.get("token_embd.weight", &[c.vocab_size, hidden])?;
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
+            let qkv = ld.stacked(
+                &[
+                    (format!("blk.{i}.attn_q.weight"), q_width),
+                    (format!("blk.{i}.attn_k.weight"), c.kv_width()),
+                    (format!("blk.{i}.attn_v.weight"), c.kv_width()),
+                ],
+                hidden,
+            )?;
             let mut get =
                 |name: &str, shape: &[usize]| ld.get(&format!("blk.{i}.{name}.weight"), shape);
             layers.push(LlamaLayer {
                 attn_norm: get("attn_norm", &[hidden])?,
-                q: get("attn_q", &[q_width, hidden])?,
-                k: get("attn_k", &[c.kv_width(), hidden])?,
-                v: get("attn_v", &[c.kv_width(), hidden])?,
+                qkv,
                 o: get("attn_output", &[hidden, q_width])?,
                 ffn_norm: get("ffn_norm", &[hidden])?,
                 mlp: MlpWeights {
@@ -329,9 +334,12 @@ impl<B: Backend> Llama<B> {
         let rope = |t: B::Tensor, heads: usize| {
             be.rope(&t, positions, heads, c.head_dim, c.rope_theta, c.rope_style)
         };
-        let q = rope(be.matmul(x, &layer.q)?, c.num_heads)?;
-        let k = rope(be.matmul(x, &layer.k)?, c.num_kv_heads)?;
-        let v = be.matmul(x, &layer.v)?;
+        let mut qkv = layer.qkv.matmul(be, x)?.into_iter();
+        let (Some(q), Some(k), Some(v)) = (qkv.next(), qkv.next(), qkv.next()) else {
+            return Err(input("attention projections"));
+        };
+        let q = rope(q, c.num_heads)?;
+        let k = rope(k, c.num_kv_heads)?;
         let dims = AttentionDims {
             num_heads: c.num_heads,
             num_kv_heads: c.num_kv_heads,
