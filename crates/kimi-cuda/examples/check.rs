@@ -595,41 +595,18 @@ fn decode_batch(
     steps: usize,
     vocab: usize,
 ) -> Res<()> {
-    // One pool of 16-token blocks; sequence s takes blocks s, s + batch, s + 2 batch, ...
-    let per_seq = (16 + steps).div_ceil(16);
-    let mut pool = model.new_pool(batch * per_seq, 16, batch)?;
-    let mut caches: Vec<SeqCache> = (0..batch)
-        .map(|s| {
-            let table = (0..per_seq).map(|k| (k * batch + s) as u32).collect();
-            SeqCache::new(s as u32, table)
-        })
-        .collect();
-    let mut next = Vec::with_capacity(batch);
-    for (s, c) in caches.iter_mut().enumerate() {
-        let prompt: Vec<u32> = (0..16)
-            .map(|i| ((i + 31 * s) * 9973 % vocab) as u32)
-            .collect();
-        let logits = forward_last(model, &mut pool, c, &prompt)?;
-        next.push(argmax(&logits).0 as u32);
-    }
+    let mut run = DecodeRun::new(model, batch, steps)?;
     let mut step_ms = Vec::with_capacity(steps);
     let mut all_finite = true;
     for _ in 0..steps {
-        let b = Batch {
-            tokens: next.clone(),
-            segments: (0..batch).map(|s| Segment { start: s, len: 1 }).collect(),
-            logits_rows: (0..batch).collect(),
-        };
-        let mut refs: Vec<&mut SeqCache> = caches.iter_mut().collect();
+        let tokens = run.next.clone();
         let ts = Instant::now();
-        let logits = model
-            .forward(&b, &mut pool, &mut refs, ForwardOptions::default())?
-            .logits;
+        let logits = run.step(model, &tokens)?;
         step_ms.push(ts.elapsed().as_secs_f64() * 1e3);
         for (s, row) in logits.chunks_exact(vocab).enumerate() {
             let (n, f) = argmax(row);
             all_finite &= f;
-            next[s] = n as u32;
+            run.next[s] = n as u32;
         }
     }
     step_ms.sort_by(|a, b| a.total_cmp(b));
