@@ -335,7 +335,8 @@ pub struct BenchArgs {
     /// Tokens to decode for the decode measurement.
     #[arg(long, default_value_t = 32)]
     pub gen_len: usize,
-    /// Timed repetitions (the best is reported).
+    /// Timed repetitions of each measurement, single requests and --batch waves alike (the
+    /// best is reported).
     #[arg(long, default_value_t = 2)]
     pub repeats: usize,
     /// Also write the results as JSON to this file.

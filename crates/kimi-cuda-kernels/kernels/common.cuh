@@ -11,6 +11,21 @@ __device__ __forceinline__ float ld(const void* p, size_t i, int dt) {
   return reinterpret_cast<const float*>(p)[i];
 }
 
+// Programmatic dependent launch (sm_90): kernels are launched so that the next kernel's
+// blocks may start while this one still runs. Every kernel therefore waits for its
+// predecessor to finish (and its writes to be visible) before it touches activations
+// (`pdl_wait`), then lets its successor launch (`pdl_launch`). Because every kernel waits,
+// completion stays ordered down the whole chain. Without the launch attribute both are
+// no-ops. Only reads of immutable data (weights) may come before `pdl_wait`.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+__device__ __forceinline__ void pdl_enter() {
+  pdl_wait();
+  pdl_launch();
+}
+
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // Sum over the block; `red` holds at least 32 floats. Every thread gets the result.

@@ -11,6 +11,7 @@ __device__ __forceinline__ float conv_input(const float* x, const float* state, 
 extern "C" __global__ void short_conv_silu(const float* x, const void* w, int wdt,
                                            const float* state, float* out, int start, int len,
                                            int C, int W) {
+  pdl_enter();
   size_t n = (size_t)len * C;
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x) {
@@ -25,6 +26,7 @@ extern "C" __global__ void short_conv_silu(const float* x, const void* w, int wd
 // next_state = the last W-1 inputs (old state, then the segment's rows).
 extern "C" __global__ void short_conv_state(const float* x, const float* state,
                                             float* next_state, int start, int len, int C, int W) {
+  pdl_enter();
   size_t n = (size_t)(W - 1) * C;
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x) {

@@ -5,6 +5,7 @@
 // out[t, :] = table[ids[t], :] as f32. grid (num_tokens), block 256.
 extern "C" __global__ void embedding(const void* table, int dt, const uint32_t* ids,
                                      float* out, int d) {
+  pdl_enter();
   size_t t = blockIdx.x;
   size_t row = ids[t];
   for (int j = threadIdx.x; j < d; j += blockDim.x) out[t * d + j] = ld(table, row * d + j, dt);
@@ -13,6 +14,7 @@ extern "C" __global__ void embedding(const void* table, int dt, const uint32_t* 
 // out = x * rsqrt(mean(x^2) + eps) * w [* sigmoid(z)], rows of width d. grid (rows), block 256.
 extern "C" __global__ void rms_norm(const float* x, const void* w, int wdt, const float* z,
                                     float* out, int d, float eps) {
+  pdl_enter();
   __shared__ float red[32];
   size_t r = blockIdx.x;
   const float* xr = x + r * d;
@@ -31,6 +33,7 @@ extern "C" __global__ void rms_norm(const float* x, const void* w, int wdt, cons
 // add_assign followed by rms_norm), one launch instead of two. One block per row.
 extern "C" __global__ void add_rms_norm(float* x, const float* y, const void* w, int wdt,
                                         float* out, int d, float eps) {
+  pdl_enter();
   __shared__ float red[32];
   size_t r = blockIdx.x;
   float* xr = x + r * d;
@@ -47,12 +50,14 @@ extern "C" __global__ void add_rms_norm(float* x, const float* y, const void* w,
 }
 
 extern "C" __global__ void add_assign(float* x, const float* y, size_t n) {
+  pdl_enter();
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x)
     x[i] += y[i];
 }
 
 extern "C" __global__ void sigmoid(const float* x, float* out, size_t n) {
+  pdl_enter();
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x)
     out[i] = sigmoidf_(x[i]);
@@ -60,6 +65,7 @@ extern "C" __global__ void sigmoid(const float* x, float* out, size_t n) {
 
 // gate = silu(gate) * up.
 extern "C" __global__ void silu_mul(float* gate, const float* up, size_t n) {
+  pdl_enter();
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x) {
     float g = gate[i];
@@ -70,6 +76,7 @@ extern "C" __global__ void silu_mul(float* gate, const float* up, size_t n) {
 // dst[r, dst_off + j] = src[r, src_off + j] for j < w. grid-stride over rows*w.
 extern "C" __global__ void copy_cols(const float* src, int src_ld, int src_off, float* dst,
                                      int dst_ld, int dst_off, int rows, int w) {
+  pdl_enter();
   size_t n = (size_t)rows * w;
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x) {
@@ -80,6 +87,7 @@ extern "C" __global__ void copy_cols(const float* src, int src_ld, int src_off, 
 
 // out[i, :] = x[rows[i], :]. grid (num_rows), block 256.
 extern "C" __global__ void gather_rows(const float* x, const uint32_t* rows, float* out, int d) {
+  pdl_enter();
   size_t i = blockIdx.x;
   size_t r = rows[i];
   for (int j = threadIdx.x; j < d; j += blockDim.x) out[i * d + j] = x[r * d + j];
@@ -88,6 +96,7 @@ extern "C" __global__ void gather_rows(const float* x, const uint32_t* rows, flo
 // out[rows[i], :] += weights[i] * y[i, :]. One launch per expert, so rows are distinct.
 extern "C" __global__ void scatter_add_rows(const float* y, const uint32_t* rows,
                                             const float* weights, float* out, int d) {
+  pdl_enter();
   size_t i = blockIdx.x;
   size_t r = rows[i];
   float wt = weights[i];
@@ -95,18 +104,21 @@ extern "C" __global__ void scatter_add_rows(const float* y, const uint32_t* rows
 }
 
 extern "C" __global__ void cast_f32_bf16(const float* x, __nv_bfloat16* out, size_t n) {
+  pdl_enter();
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x)
     out[i] = __float2bfloat16(x[i]);
 }
 
 extern "C" __global__ void cast_f32_f16(const float* x, __half* out, size_t n) {
+  pdl_enter();
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x)
     out[i] = __float2half(x[i]);
 }
 
 extern "C" __global__ void cast_to_f32(const void* x, int dt, float* out, size_t n) {
+  pdl_enter();
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x)
     out[i] = ld(x, i, dt);
@@ -116,6 +128,7 @@ extern "C" __global__ void cast_to_f32(const void* x, int dt, float* out, size_t
 // hi = round(x), rows [n, 2n) get lo = round(x - hi), so W·hi + W·lo carries ~16 mantissa
 // bits of x instead of 8. `n_elems` = rows * cols of x.
 extern "C" __global__ void split_f32_bf16(const float* x, __nv_bfloat16* out, size_t n_elems) {
+  pdl_enter();
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_elems;
        i += (size_t)gridDim.x * blockDim.x) {
     __nv_bfloat16 hi = __float2bfloat16(x[i]);
@@ -125,6 +138,7 @@ extern "C" __global__ void split_f32_bf16(const float* x, __nv_bfloat16* out, si
 }
 
 extern "C" __global__ void split_f32_f16(const float* x, __half* out, size_t n_elems) {
+  pdl_enter();
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_elems;
        i += (size_t)gridDim.x * blockDim.x) {
     __half hi = __float2half(x[i]);
@@ -135,6 +149,7 @@ extern "C" __global__ void split_f32_f16(const float* x, __half* out, size_t n_e
 
 // y[i] = y2[i] + y2[m + i]: sums the hi and lo halves of a split GEMM's output.
 extern "C" __global__ void sum_halves(const float* y2, float* y, size_t m) {
+  pdl_enter();
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < m;
        i += (size_t)gridDim.x * blockDim.x)
     y[i] = y2[i] + y2[m + i];

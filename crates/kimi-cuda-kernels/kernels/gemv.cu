@@ -82,6 +82,7 @@ __device__ __forceinline__ void gemv_rows(const __nv_bfloat16* w, const float* x
 // 64-register bound.
 extern "C" __global__ void __launch_bounds__(256, 4)
     gemv_bf16(const __nv_bfloat16* w, const float* x, float* y, int n, int o, int k) {
+  pdl_enter();
   if (n == 1)
     gemv_rows<1>(w, x, y, n, o, k, 0);
   else
@@ -91,5 +92,139 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 // Five to eight tokens in one pass over the weights, at half the occupancy.
 extern "C" __global__ void __launch_bounds__(256, 2)
     gemv_bf16_8(const __nv_bfloat16* w, const float* x, float* y, int n, int o, int k) {
+  pdl_enter();
   gemv_rows<8>(w, x, y, n, o, k, 0);
+}
+
+// ---------------------------------------------------------------------------------------
+// The same product with the weight tile fetched by the TMA engine (`cp.async.bulk`): one
+// thread queues a bulk copy per weight row into shared memory, so a CTA has its whole tile
+// (`rows` x k bf16, at most 48 KiB) in flight at once at no register cost, and several CTAs
+// per SM keep ~150 KiB in flight: one DRAM round trip per tile instead of one per 1024
+// columns. The copies are queued before `pdl_wait`, since weights never depend on the
+// previous kernel: the fetch overlaps the previous kernel's tail.
+//
+// grid ceil(o / rows), block 256 = 8 warps, dynamic smem rows * k * 2 bytes, rows <= 8.
+// Needs k % 8 == 0 and 16-byte aligned `w` and `x`.
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+template <int NT>
+__device__ __forceinline__ void gemv_bulk(const __nv_bfloat16* w, const float* x, float* y,
+                                          int n, int o, int k, int rows) {
+  extern __shared__ __align__(128) uint8_t tile[];
+  __shared__ __align__(8) uint64_t bar;
+  __shared__ float part[8][8 * NT];
+  const int row0 = blockIdx.x * rows;
+  const int nrows = min(rows, o - row0);
+  const uint32_t row_bytes = (uint32_t)k * 2u;
+  const uint32_t bar_a = smem_addr(&bar);
+  if (threadIdx.x == 0) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar_a) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar_a),
+                 "r"(row_bytes * (uint32_t)nrows)
+                 : "memory");
+    for (int r = 0; r < nrows; ++r) {
+      const __nv_bfloat16* src = w + (size_t)(row0 + r) * k;
+      asm volatile(
+          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+          "[%3];" ::"r"(smem_addr(tile + (size_t)r * row_bytes)),
+          "l"(src), "r"(row_bytes), "r"(bar_a)
+          : "memory");
+    }
+  }
+  pdl_enter();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int ng = min(NT, n);
+  float acc[8][NT];
+#pragma unroll
+  for (int r = 0; r < 8; ++r)
+#pragma unroll
+    for (int g = 0; g < NT; ++g) acc[r][g] = 0.0f;
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, "
+        "p; }"
+        : "=r"(done)
+        : "r"(bar_a)
+        : "memory");
+  }
+  // Warp w takes every 8th 16-byte column group of all the tile's rows, so each activation
+  // value is read once per CTA (not once per row).
+  const int nv = k >> 3;
+  for (int c = warp * 32 + lane; c < nv; c += 256) {
+    float xv[NT][8];
+#pragma unroll
+    for (int g = 0; g < NT; ++g) {
+      if (g < ng) {
+        const float4* x4 = reinterpret_cast<const float4*>(x + (size_t)g * k + 8 * c);
+        const float4 a = x4[0], b = x4[1];
+        xv[g][0] = a.x, xv[g][1] = a.y, xv[g][2] = a.z, xv[g][3] = a.w;
+        xv[g][4] = b.x, xv[g][5] = b.y, xv[g][6] = b.z, xv[g][7] = b.w;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      if (r < nrows) {
+        const uint4 v = reinterpret_cast<const uint4*>(tile + (size_t)r * row_bytes)[c];
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+        float f[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 t = __bfloat1622float2(h[i]);
+          f[2 * i] = t.x, f[2 * i + 1] = t.y;
+        }
+#pragma unroll
+        for (int g = 0; g < NT; ++g) {
+          if (g < ng) {
+            float s = acc[r][g];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s = fmaf(f[i], xv[g][i], s);
+            acc[r][g] = s;
+          }
+        }
+      }
+    }
+  }
+  // Warp sums, then the 8 warps' partials through shared memory.
+#pragma unroll
+  for (int r = 0; r < 8; ++r)
+#pragma unroll
+    for (int g = 0; g < NT; ++g) {
+      float s = acc[r][g];
+      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+      if (lane == 0) part[warp][r * NT + g] = s;
+    }
+  __syncthreads();
+  for (int i = threadIdx.x; i < nrows * NT; i += blockDim.x) {
+    const int r = i / NT, g = i % NT;
+    if (g < ng) {
+      float s = 0.0f;
+#pragma unroll
+      for (int w8 = 0; w8 < 8; ++w8) s += part[w8][i];
+      y[(size_t)g * o + row0 + r] = s;
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    gemv_bulk_1(const __nv_bfloat16* w, const float* x, float* y, int n, int o, int k, int rows) {
+  gemv_bulk<1>(w, x, y, n, o, k, rows);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    gemv_bulk_4(const __nv_bfloat16* w, const float* x, float* y, int n, int o, int k, int rows) {
+  gemv_bulk<4>(w, x, y, n, o, k, rows);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    gemv_bulk_8(const __nv_bfloat16* w, const float* x, float* y, int n, int o, int k, int rows) {
+  gemv_bulk<8>(w, x, y, n, o, k, rows);
 }

@@ -6,6 +6,7 @@
 extern "C" __global__ void kda_gate(const float* f, const void* a_log, int adt, const void* dt_bias,
                                     int bdt, float* g, size_t n, int width, int d, int kind,
                                     float lb) {
+  pdl_enter();
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x) {
     int c = (int)(i % width);
@@ -76,6 +77,7 @@ __device__ void kda_recurrent_impl(const float* q, const float* k, const float* 
   extern "C" __global__ void __launch_bounds__(N) kda_recurrent_##N(                         \
       const float* q, const float* k, const float* v, const float* g, const float* beta,      \
       float* state, float* out, int start, int len, int H, int D) {                           \
+    pdl_enter();                                                                              \
     kda_recurrent_impl<N>(q, k, v, g, beta, state, out, start, len, H, D);                    \
   }
 KDA_RECURRENT(32)
@@ -210,6 +212,7 @@ __device__ void recurrent_split(const float* q, const float* k, const float* v, 
   extern "C" __global__ void __launch_bounds__(128) kda_recurrent_split_##D(                 \
       const float* q, const float* k, const float* v, const float* g, const float* beta,      \
       const KdaSegs segs, float* out, int H) {                                                \
+    pdl_enter();                                                                              \
     recurrent_split<D>(q, k, v, g, beta, segs, out, H);                                       \
   }
 KDA_RECURRENT_SPLIT(64)
@@ -305,6 +308,7 @@ __device__ void decode_step(const KdaStepArgs& a, const KdaStepSegs& segs) {
 #define KDA_DECODE(D)                                                                         \
   extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(128)                \
       kda_decode_##D(const KdaStepArgs a, const KdaStepSegs segs) {                           \
+    pdl_enter();                                                                              \
     decode_step<D>(a, segs);                                                                  \
   }
 KDA_DECODE(64)
@@ -629,11 +633,13 @@ __device__ void chunk_state(const float* q, const float* k, const float* v, cons
   extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep_##D(                   \
       const float* q, const float* k, const float* g, const float* beta, const KdaSegs segs,  \
       float* scratch, int H) {                                                                \
+    pdl_enter();                                                                              \
     chunk_prep<D>(q, k, g, beta, segs, scratch, H);                                           \
   }                                                                                           \
   extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_state_##D(                  \
       const float* q, const float* k, const float* v, const float* g, const float* beta,      \
       const KdaSegs segs, const float* scratch, float* out, int H) {                          \
+    pdl_enter();                                                                              \
     chunk_state<D>(q, k, v, g, beta, segs, scratch, out, H);                                  \
   }
 KDA_CHUNK(64)

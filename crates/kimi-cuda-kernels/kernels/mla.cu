@@ -273,6 +273,7 @@ __device__ __forceinline__ void flash_prefill(const float* __restrict__ q,
 extern "C" __global__ void __launch_bounds__(256, 1)
     mla_flash_prefill(const float* q, const float* cache, const float* kv, float* out, int past,
                       int len, int H, int r, int dn, int dr, int dv, float scale_log2) {
+  pdl_enter();
   flash_prefill<false>(q, cache, kv, out, past, len, H, r, dn, dr, dv, scale_log2);
 }
 
@@ -281,6 +282,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     mla_flash_prefill_vec(const float* q, const float* cache, const float* kv, float* out,
                           int past, int len, int H, int r, int dn, int dr, int dv,
                           float scale_log2) {
+  pdl_enter();
   flash_prefill<true>(q, cache, kv, out, past, len, H, r, dn, dr, dv, scale_log2);
 }
 
@@ -313,6 +315,7 @@ __device__ __forceinline__ const float* latent_row(const MlaSeq& s, int row, int
 extern "C" __global__ void __launch_bounds__(256)
     mla_q_absorb(const float* q, const uint32_t* rows, int ntok, const void* kvb, int kdt,
                  float* qcat, int H, int r, int dn, int dr, int dv) {
+  pdl_enter();
   __shared__ float qn[8][256];  // dn <= 256
   const int h = blockIdx.x, t0 = blockIdx.y * 8, nt = min(8, ntok - t0);
   const int dq = dn + dr, lw = r + dr, ph = dn + dv;
@@ -588,6 +591,7 @@ __device__ __forceinline__ void decode_partial(const MlaSeq* __restrict__ seqs, 
 extern "C" __global__ void __launch_bounds__(256, 1)
     mla_decode_partial(const MlaSeq* seqs, int block_size, const float* qcat, float2* part_ml,
                        float* part_o, int nchunks, int H, int r, int dr, float scale_log2) {
+  pdl_enter();
   decode_partial<false>(seqs, block_size, qcat, part_ml, part_o, nchunks, H, r, dr, scale_log2);
 }
 
@@ -596,6 +600,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     mla_decode_partial_vec(const MlaSeq* seqs, int block_size, const float* qcat,
                            float2* part_ml, float* part_o, int nchunks, int H, int r, int dr,
                            float scale_log2) {
+  pdl_enter();
   decode_partial<true>(seqs, block_size, qcat, part_ml, part_o, nchunks, H, r, dr, scale_log2);
 }
 
@@ -603,6 +608,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 // visible row (l_x > 0). Grid (rows), block 128.
 extern "C" __global__ void mla_decode_combine(const float2* part_ml, const float* part_o,
                                               int nchunks, int r, float* olat) {
+  pdl_enter();
   const size_t row = blockIdx.x;
   const float2* ml = part_ml + row * nchunks;
   float mx = -INFINITY;
@@ -625,6 +631,7 @@ extern "C" __global__ void mla_decode_combine(const float2* part_ml, const float
 extern "C" __global__ void __launch_bounds__(256)
     mla_uv_project(const float* olat, const uint32_t* rows, int ntok, const void* kvb, int kdt,
                    float* out, int H, int r, int dn, int dv) {
+  pdl_enter();
   extern __shared__ float os[];  // [8][r]
   const int h = blockIdx.x, t0 = blockIdx.y * 8, nt = min(8, ntok - t0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -667,6 +674,7 @@ __device__ __forceinline__ size_t paged_row(const unsigned* table, int bs, int s
 extern "C" __global__ void mla_paged_write_rows(const float* src, float* pool,
                                                 const unsigned* tables, const unsigned* where,
                                                 int bs, int lw) {
+  pdl_enter();
   const int j = blockIdx.x;
   const unsigned pos = where[2 * j + 1];
   if (pos == 0xffffffffu) return;
@@ -678,6 +686,7 @@ extern "C" __global__ void mla_paged_write_rows(const float* src, float* pool,
 // Gathers columns 0 .. ncols-1 of positions 0 .. total-1 into out [total, ncols]. Grid (total).
 extern "C" __global__ void mla_paged_gather(const float* pool, const unsigned* table, int bs,
                                             int lw, int ncols, float* out) {
+  pdl_enter();
   const int s = blockIdx.x;
   const float* from = pool + paged_row(table, bs, s) * lw;
   float* to = out + (size_t)s * ncols;

@@ -9,6 +9,7 @@ extern "C" __global__ void moe_route(const float* logits, const void* bias, int 
                                      uint32_t* ids, float* weights, int E, int top_k,
                                      int num_groups, int topk_group, int renormalize,
                                      float scaling, int weights_use_bias) {
+  pdl_enter();
   extern __shared__ float sm[];
   float* scores = sm;
   float* choice = sm + E;
@@ -110,6 +111,7 @@ extern "C" __global__ void moe_route(const float* logits, const void* bias, int 
 extern "C" __global__ void moe_lists(const uint32_t* ids, const float* weights, int P, int E,
                                      int top_k, uint32_t* offsets, uint32_t* slots,
                                      uint32_t* rows, float* wsel, uint32_t* meta) {
+  pdl_enter();
   extern __shared__ uint32_t cnt_sm[];
   uint32_t* cnt = cnt_sm;
   uint32_t* cur = cnt_sm + E;
@@ -243,6 +245,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     moe_expert_gemv(const uint64_t* wtab, int glu, const float* in, int top_k,
                     const uint32_t* offsets, int E, const uint32_t* slots, float* out,
                     int rows_out, int cols, int dt, int vec, int stage, int rb) {
+  pdl_enter();
   extern __shared__ float4 xs_sm4[];
   float* xs_sm = reinterpret_cast<float*>(xs_sm4);
   const uint32_t* active = offsets + E + 1;
@@ -338,6 +341,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 // thread, no atomics. `accumulate` = 0 overwrites `out`.
 extern "C" __global__ void moe_combine(const float* y, const float* weights, float* out, int n,
                                        int d, int top_k, int accumulate) {
+  pdl_enter();
   size_t total = (size_t)n * d;
   for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < total;
        idx += (size_t)gridDim.x * blockDim.x) {

@@ -45,6 +45,7 @@ extern "C" __global__ void __launch_bounds__(128)
     moe_grouped_mma(const uint64_t* wtab, int glu, int split, const float* in, int top_k,
                     const uint32_t* offsets, const uint32_t* slots, int E, float* out, int N,
                     int K) {
+  pdl_enter();
   __shared__ __align__(128) GemmSmem sm;
   __shared__ int tile_expert, tile_row0;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

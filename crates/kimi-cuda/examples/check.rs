@@ -17,15 +17,18 @@
 //!
 //! `kda-ops` (only when named) runs just the KDA op cases of 1.
 //! 7. With `tune` (only when named): decode step times of the 48B-shaped model with CUDA
-//!    graphs off and on and the MoE GEMV's row blocks, in one process; then the graph check.
+//!    graphs, programmatic dependent launch and the GEMV kernel toggled, in one process;
+//!    then the graph check.
 //! 8. With `ncu-step` (only when named): one op-by-op decode step per `NCU_BATCH` inside a
 //!    profiler range, for `ncu --profile-from-start off` (`scripts/cuda/ncu_summary.py`).
+//! 9. With `gemv-bench` (only when named): the small-batch bf16 GEMV kernels at the 48B
+//!    model's decode shapes, streaming from HBM, with and without programmatic launch.
 //!
 //! Part 3 starts by decoding 40 steps at batch 1, 8 and 64 twice, through CUDA graphs and
 //! op by op, and requires the logits to be bit-identical.
 //!
 //! Usage: `check [ops] [kda-ops] [fixtures] [big N_TOKENS] [profile] [mla-bench] [kda-bench]
-//! [tune] [ncu-step]`
+//! [tune] [gemv-bench] [ncu-step]`
 //! (default: 1-3, 1000 tokens).
 
 use std::collections::HashSet;
@@ -65,6 +68,7 @@ fn main() {
         ("mla-bench", false, Box::new(mla_bench)),
         ("profile", false, Box::new(profile_big)),
         ("tune", false, Box::new(tune)),
+        ("gemv-bench", false, Box::new(gemv_bench)),
         ("ncu-step", false, Box::new(ncu_step)),
         ("kda-bench", false, Box::new(kda_bench)),
         (
@@ -456,19 +460,23 @@ fn tune() -> Res<()> {
     let model = big_model(CudaBackend::new(0)?)?;
     let be = model.backend();
     let (warm, timed) = (3, 12);
+    // (label, CUDA graphs, programmatic dependent launch, GEMV variant)
+    let variants: [(&str, bool, bool, usize); 4] = [
+        ("graphs off, pdl off, old gemv ", false, false, 1),
+        ("graphs on,  pdl off, old gemv ", true, false, 1),
+        ("graphs on,  pdl on,  auto gemv", true, true, 0),
+        ("graphs off, pdl on,  auto gemv", false, true, 0),
+    ];
     for batch in [1usize, 8, 64] {
-        let mut variants: Vec<(bool, usize)> = vec![(false, 0), (true, 0)];
-        if batch == 64 {
-            variants.extend([(true, 1), (true, 2), (true, 8)]);
-        }
         // One set of sequences for every variant (their contexts grow by a few hundred
         // tokens over the run); variants alternate, twice over.
         let total = 2 * variants.len() * (warm + timed);
         let mut run = DecodeRun::with_prompt(&model, batch, 1024, total)?;
         for round in 0..2 {
-            for &(graphs, rb) in &variants {
+            for &(label, graphs, pdl, gemv) in &variants {
                 be.set_cuda_graphs(graphs);
-                be.set_moe_row_blocks(rb);
+                be.set_pdl(pdl);
+                be.set_gemv_variant(gemv);
                 let mut ms = Vec::with_capacity(timed);
                 for i in 0..warm + timed {
                     let t = run.next.clone();
@@ -482,9 +490,7 @@ fn tune() -> Res<()> {
                 ms.sort_by(|a, b| a.total_cmp(b));
                 let med = ms[ms.len() / 2];
                 println!(
-                    "tune round {round} B={batch:<3} graphs {:<3} row blocks {}: step median {med:.3} ms = {:.1} tok/s (min {:.3}, max {:.3})",
-                    if graphs { "on" } else { "off" },
-                    if rb == 0 { "auto".to_string() } else { rb.to_string() },
+                    "tune round {round} B={batch:<3} {label}: step median {med:.3} ms = {:.1} tok/s (min {:.3}, max {:.3})",
                     batch as f64 / med * 1e3,
                     ms[0],
                     ms[ms.len() - 1],
@@ -494,7 +500,8 @@ fn tune() -> Res<()> {
         }
     }
     be.set_cuda_graphs(true);
-    be.set_moe_row_blocks(0);
+    be.set_pdl(true);
+    be.set_gemv_variant(0);
     println!(
         "graph passes op-by-op/captured/replayed {:?}",
         be.graph_pass_counts()
@@ -503,6 +510,81 @@ fn tune() -> Res<()> {
         println!("last recapture: {why}");
     }
     check_graphs(&model, &[1, 8, 64])
+}
+
+/// The small-batch bf16 GEMV at the 48B model's decode shapes, inside a replayed pass (as in
+/// a decode step): each shape rotates over enough copies of its matrix (>= 320 MB) that
+/// every call streams from HBM, not L2. Both kernels, with and without programmatic
+/// dependent launch, at 1 and 8 tokens.
+fn gemv_bench() -> Res<()> {
+    println!("== GEMV: bf16 weights, f32 activations, back-to-back calls in a CUDA graph");
+    let be = CudaBackend::new(0)?;
+    println!("device: {}", be.name());
+    let mut r = op_cases::Rng(7);
+    let shapes: [(&str, usize, usize); 11] = [
+        ("kda in (q,k,v,f,g,b)", 12576, 2304),
+        ("kda f_b / g_b", 4096, 128),
+        ("o_proj", 2304, 4096),
+        ("mla q_proj", 6144, 2304),
+        ("mla kv_a", 576, 2304),
+        ("shared gate / up", 1024, 2304),
+        ("shared down", 2304, 1024),
+        ("router", 256, 2304),
+        ("dense gate / up", 9216, 2304),
+        ("dense down", 2304, 9216),
+        ("lm_head", 163840, 2304),
+    ];
+    let variants: [(&str, usize, bool); 4] = [
+        ("old", 1, false),
+        ("old+pdl", 1, true),
+        ("bulk+pdl", 2, true),
+        ("auto+pdl", 0, true),
+    ];
+    let mut key = 1u64 << 40;
+    for (name, o, k) in shapes {
+        let bytes = o * k * 2;
+        let copies = (320usize << 20).div_ceil(bytes).clamp(1, 256);
+        let host = r.vec(o * k, 0.05);
+        let ws: Vec<_> = (0..copies)
+            .map(|_| op_cases::weight(&be, &[o, k], &host, DType::BF16))
+            .collect::<Res<_>>()?;
+        drop(host);
+        let calls = copies.max(32);
+        for n in [1usize, 8] {
+            let x = be.upload_f32(&[n, k], &r.vec(n * k, 1.0))?;
+            let mut line = format!("gemv {name:<22} o={o:<6} k={k:<5} n={n}:");
+            be.set_gemv_variant(1);
+            let reference = be.to_f32(&be.matmul(&x, &ws[0])?)?;
+            for &(label, variant, pdl) in &variants {
+                be.set_gemv_variant(variant);
+                be.set_pdl(pdl);
+                let err = rel_err(&be.to_f32(&be.matmul(&x, &ws[0])?)?, &reference);
+                if err > 1e-5 {
+                    return Err(format!("gemv {name} n={n} {label}: rel err {err:.2e}").into());
+                }
+                key += 1;
+                let pass = || -> kimi_ops::Result<()> {
+                    be.replayable(Some(key), || -> kimi_ops::Result<()> {
+                        for i in 0..calls {
+                            drop(be.matmul(&x, &ws[i % copies])?);
+                        }
+                        Ok(())
+                    })?
+                };
+                let secs = time_calls(&be, 2, 10, pass)? / calls as f64;
+                line += &format!(
+                    "  {label} {:6.2} us {:5.2} TB/s",
+                    secs * 1e6,
+                    bytes as f64 / secs / 1e12
+                );
+            }
+            println!("{line}");
+            let _ = std::io::stdout().flush();
+        }
+    }
+    be.set_gemv_variant(0);
+    be.set_pdl(true);
+    Ok(())
 }
 
 /// One decode step of the 48B-shaped model at each `NCU_BATCH` (default 1) after 16-token

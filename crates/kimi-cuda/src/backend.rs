@@ -108,10 +108,22 @@ impl CudaBackend {
         self.dev.synchronize("synchronize")
     }
 
-    /// Turns CUDA graphs for decode passes on or off (on by default unless the environment
-    /// sets `KIMI_CUDA_GRAPHS=0`).
+    /// Turns CUDA graphs for decode passes on or off (off by default unless the environment
+    /// sets `KIMI_CUDA_GRAPHS=1`).
     pub fn set_cuda_graphs(&self, on: bool) {
         self.dev.set_graphs(on);
+    }
+
+    /// Turns programmatic dependent launch on or off (on unless `KIMI_CUDA_PDL=0`), for
+    /// comparison.
+    pub fn set_pdl(&self, on: bool) {
+        self.dev.set_pdl(on);
+    }
+
+    /// Picks the small-batch bf16 GEMV kernel: 0 = automatic, 1 = the register-streaming
+    /// `gemv_bf16`, 2 = the TMA-fed `gemv_bulk` wherever it fits. For comparison.
+    pub fn set_gemv_variant(&self, v: usize) {
+        ops::gemm::set_gemv_variant(v);
     }
 
     /// Forces the routed-expert GEMV's 16-row blocks per CTA (0 = automatic), for tuning.

@@ -53,7 +53,16 @@ const KERNELS: &[(&str, &[&str])] = &[
         ],
     ),
     ("conv", &["short_conv_silu", "short_conv_state"]),
-    ("gemv", &["gemv_bf16", "gemv_bf16_8"]),
+    (
+        "gemv",
+        &[
+            "gemv_bf16",
+            "gemv_bf16_8",
+            "gemv_bulk_1",
+            "gemv_bulk_4",
+            "gemv_bulk_8",
+        ],
+    ),
     (
         "kda",
         &[
@@ -103,8 +112,12 @@ pub(crate) struct Device {
     pub(crate) stream: Arc<CudaStream>,
     pub(crate) blas: CudaBlas,
     functions: HashMap<&'static str, CudaFunction>,
-    /// Whether decode passes run through CUDA graphs (`KIMI_CUDA_GRAPHS=0` turns them off).
+    /// Whether decode passes run through CUDA graphs (`KIMI_CUDA_GRAPHS=1` turns them on).
     graphs_on: AtomicBool,
+    /// Whether kernels launch with programmatic stream serialization, so that a kernel's
+    /// blocks start while its predecessor drains (`pdl_wait` in `kernels/common.cuh`);
+    /// `KIMI_CUDA_PDL=0` turns it off.
+    pdl_on: AtomicBool,
     /// The pass arena, made on the first recorded pass; `Err` once it could not be made.
     arena: Mutex<Option<std::result::Result<Arc<Arena>, ()>>>,
     graphs: Mutex<GraphCache>,
@@ -155,13 +168,19 @@ impl Device {
                 functions.insert(*name, f);
             }
         }
-        let graphs_on = std::env::var("KIMI_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        // Graphs are off by default: with programmatic dependent launch, issuing a decode
+        // step op by op was 4-8 % faster than replaying it as a graph on an H200 (`check
+        // tune`, device-results/2026-11-30-session5), although the captured graphs do carry
+        // programmatic edges. `KIMI_CUDA_GRAPHS=1` turns them on.
+        let graphs_on = std::env::var("KIMI_CUDA_GRAPHS").is_ok_and(|v| v == "1");
+        let pdl_on = std::env::var("KIMI_CUDA_PDL").map_or(true, |v| v != "0");
         Ok(Self {
             ctx,
             stream,
             blas,
             functions,
             graphs_on: AtomicBool::new(graphs_on),
+            pdl_on: AtomicBool::new(pdl_on),
             arena: Mutex::new(None),
             graphs: Mutex::new(GraphCache::new()),
             pass_counts: Mutex::new([0; 3]),
@@ -324,6 +343,12 @@ impl Device {
     }
 
     /// Turns CUDA graphs for recorded passes on or off.
+    /// Turns programmatic dependent launch on or off for later launches (a captured graph
+    /// whose launches differ is captured again).
+    pub(crate) fn set_pdl(&self, on: bool) {
+        self.pdl_on.store(on, Ordering::Relaxed);
+    }
+
     pub(crate) fn set_graphs(&self, on: bool) {
         self.graphs_on.store(on, Ordering::Relaxed);
     }
@@ -428,6 +453,7 @@ impl Launch<'_> {
             grid: cfg.grid_dim,
             block: cfg.block_dim.0,
             smem: cfg.shared_mem_bytes,
+            pdl: self.dev.pdl_on.load(Ordering::Relaxed),
             args: std::mem::take(&mut self.args),
         });
         // SAFETY: the caller's contract.

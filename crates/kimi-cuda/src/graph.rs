@@ -70,6 +70,8 @@ pub(crate) struct KernelOp {
     pub(crate) grid: (u32, u32, u32),
     pub(crate) block: u32,
     pub(crate) smem: u32,
+    /// Launched with programmatic stream serialization (see `Device::set_pdl`).
+    pub(crate) pdl: bool,
     pub(crate) args: Args,
 }
 
@@ -129,18 +131,31 @@ pub(crate) unsafe fn issue(
         Op::Kernel(k) => {
             let mut args = k.args.clone();
             let mut params = args.pointers();
-            // SAFETY: the caller's contract; `params` points into `args`, alive here.
+            let mut attr = sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                // SAFETY: an all-zero union is a valid value of each of its integer fields.
+                value: unsafe { std::mem::zeroed() },
+            };
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let config = sys::CUlaunchConfig {
+                gridDimX: k.grid.0,
+                gridDimY: k.grid.1,
+                gridDimZ: k.grid.2,
+                blockDimX: k.block,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: k.smem,
+                hStream: stream,
+                attrs: &mut attr,
+                numAttrs: u32::from(k.pdl),
+            };
+            // SAFETY: the caller's contract; `params` points into `args` and `config` at
+            // `attr`, both alive here.
             unsafe {
-                sys::cuLaunchKernel(
+                sys::cuLaunchKernelEx(
+                    &config,
                     k.func as sys::CUfunction,
-                    k.grid.0,
-                    k.grid.1,
-                    k.grid.2,
-                    k.block,
-                    1,
-                    1,
-                    k.smem,
-                    stream,
                     params.as_mut_ptr(),
                     std::ptr::null_mut(),
                 )
@@ -417,7 +432,9 @@ impl Graph {
         for (i, (old, new)) in self.ops.iter().zip(ops).enumerate() {
             match (old, new) {
                 _ if old == new => {}
-                (Op::Kernel(a), Op::Kernel(b)) if a.func == b.func && a.block == b.block => {
+                (Op::Kernel(a), Op::Kernel(b))
+                    if a.func == b.func && a.block == b.block && a.pdl == b.pdl =>
+                {
                     changed.push(i)
                 }
                 _ => return Ok(Err(format!("op {i} changed ({})", old.kind()))),
