@@ -57,16 +57,18 @@ async def one(client, model, prompt, max_tokens, out):
                 "tpot": (end - first) / (n - 1) if first is not None and n > 1 else None})
 
 
-async def level(client, model, concurrency, num_requests, max_tokens, prompt_words, prompt_ids):
+async def level(client, model, concurrency, num_requests, max_tokens, prompt_words, prompt_ids,
+                vocab):
     sem = asyncio.Semaphore(concurrency)
     results = []
 
     async def guarded(i):
         async with sem:
             if prompt_ids:
-                # Same token ids as `kimi-infer bench` (first id varied per request, as --batch does).
-                prompt = [((j * 2654435761) % 1000) for j in range(prompt_ids)]
-                prompt[0] = i % 1000
+                # The token ids of `kimi-infer bench` (`bench_prompt`, first id varied per
+                # request as --batch does), given the model's vocabulary size.
+                prompt = [((j * 2654435761) % vocab) for j in range(prompt_ids)]
+                prompt[0] = i % vocab
             else:
                 prompt = " ".join(f"word{(i * 7 + j) % 97}" for j in range(prompt_words))
             await one(client, model, prompt, max_tokens, results)
@@ -98,6 +100,8 @@ async def main():
     ap.add_argument("--prompt-words", type=int, default=24)
     ap.add_argument("--prompt-ids", type=int, default=0,
                     help="send this many token ids to /v1/completions instead of chat text")
+    ap.add_argument("--vocab", type=int, default=163840,
+                    help="vocabulary size for --prompt-ids (the model's, as `kimi-infer bench` uses)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     client = AsyncOpenAI(base_url=a.base_url, api_key=a.api_key, timeout=600)
@@ -105,7 +109,7 @@ async def main():
     report = {"base_url": a.base_url, "model": model, "levels": []}
     for c in a.concurrency:
         r = await level(client, model, c, max(a.num_requests, c), a.max_tokens, a.prompt_words,
-                        a.prompt_ids)
+                        a.prompt_ids, a.vocab)
         report["levels"].append(r)
         print(f"concurrency {c:>3}: {r['output_tokens_per_sec']:8.1f} tok/s  "
               f"TTFT p50 {r['ttft_secs'].get('p50', 0)*1e3:7.1f} ms p99 {r['ttft_secs'].get('p99', 0)*1e3:7.1f} ms  "

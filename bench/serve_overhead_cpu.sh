@@ -15,6 +15,9 @@ shift
 SERVER_CORES="${SERVER_CORES:-0}" CLIENT_CORES="${CLIENT_CORES:-1}" THREADS="${THREADS:-1}"
 PY="${PY:-target/openai-venv/bin/python}" BIN="${BIN:-target/release/kimi-infer}"
 PORT="${PORT:-8013}" PROMPT="${PROMPT:-64}" GEN="${GEN:-32}" REQS="${REQS:-64}"
+# The model's vocabulary size, so that the prompts are `kimi-infer bench`'s token ids
+# (SmolLM2-135M: 49152).
+VOCAB="${VOCAB:-49152}"
 mkdir -p "$OUT"
 # The offline engine (`bench --batch B`) schedules at most 2 × PROMPT tokens per step; the
 # server gets the same budget so that both run the same steps.
@@ -25,7 +28,7 @@ trap 'kill -TERM $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 1 120); do curl -sf "localhost:$PORT/health" >/dev/null 2>&1 && break; sleep 1; done
 taskset -c "$CLIENT_CORES" "$PY" bench/serve_load.py --base-url "http://127.0.0.1:$PORT/v1" \
   --concurrency 1 16 64 --num-requests "$REQS" --max-tokens "$GEN" --prompt-ids "$PROMPT" \
-  --json "$OUT/serve.json" 2>&1 | tail -12 | tee "$OUT/serve.txt"
+  --vocab "$VOCAB" --json "$OUT/serve.json" 2>&1 | tail -12 | tee "$OUT/serve.txt"
 kill -TERM $SERVER; wait $SERVER || true
 trap - EXIT
 for b in 1 16 64; do

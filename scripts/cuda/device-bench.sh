@@ -73,7 +73,7 @@ if want serve; then
   wait_healthy 8011 120
   PYTHONPATH="$PYLIB/openai-env:$PYTHONPATH" timeout 300 python3 bench/serve_load.py \
     --base-url http://127.0.0.1:8011/v1 --model kimi-48b-random --concurrency 1 16 16 16 64 64 64 \
-    --num-requests 64 --max-tokens 64 --prompt-ids 512 --json "$OUT/serve.json" 2>&1 | tail -20 | tee "$OUT/serve.txt"
+    --num-requests 64 --max-tokens 64 --prompt-ids 512 --vocab 163840 --json "$OUT/serve.json" 2>&1 | tail -20 | tee "$OUT/serve.txt"
   kill -TERM $SERVER; wait $SERVER
   # The same engine offline (no HTTP): the server-overhead baselines at concurrency 16 and 64.
   # `bench --batch` schedules at most 2 × 512 tokens per step; the server above got the same.
@@ -94,7 +94,7 @@ if want serve-cpu; then
   wait_healthy 8012 60
   PYTHONPATH="$PYLIB/openai-env:$PYTHONPATH" timeout 300 taskset -c 4-11 python3 bench/serve_load.py \
     --base-url http://127.0.0.1:8012/v1 --concurrency 1 16 64 --num-requests 64 --max-tokens 32 \
-    --prompt-ids 64 --json "$OUT/serve-cpu.json" 2>&1 | tail -20 | tee "$OUT/serve-cpu.txt"
+    --prompt-ids 64 --vocab 1212 --json "$OUT/serve-cpu.json" 2>&1 | tail -20 | tee "$OUT/serve-cpu.txt"
   kill -TERM $SERVER; wait $SERVER
   for b in 1 16 64; do
     timeout 120 taskset -c 0,1 .device-bin/kimi-infer bench --threads 2 --prompt-len 64 --gen-len 32 \

@@ -223,7 +223,8 @@ struct BatchTiming {
 
 /// Prefills `batch` sequences with `context` tokens each (several sequences per forward pass,
 /// at most ~8K tokens), then times `steps` forward passes that decode one token for every
-/// sequence: the model's own batched decode, without scheduler or sampling.
+/// sequence: the model's own batched decode, without scheduler, each next token picked
+/// greedily on the backend as the serving engine does for greedy requests.
 fn decode_batch<B: Backend>(
     model: &dyn CausalLm<B>,
     batch: usize,
@@ -245,7 +246,10 @@ fn decode_batch<B: Backend>(
             SeqCache::new(s as u32, (first..first + per_seq as u32).collect())
         })
         .collect();
-    let opts = ForwardOptions::default();
+    let opts = ForwardOptions {
+        greedy_ids: true,
+        ..ForwardOptions::default()
+    };
     let prefill_start = Instant::now();
     let per_pass = (8192 / context).max(1);
     let mut last = vec![0u32; batch];
@@ -263,8 +267,8 @@ fn decode_batch<B: Backend>(
         }
         let mut refs: Vec<&mut SeqCache> = caches[group.clone()].iter_mut().collect();
         let out = model.forward(&b, &mut pool, &mut refs, opts)?;
-        for (i, s) in group.enumerate() {
-            last[s] = argmax(&out.logits[i * out.vocab_size..(i + 1) * out.vocab_size]);
+        for (s, &id) in group.zip(&out.token_ids) {
+            last[s] = id;
         }
     }
     let prefill_secs = prefill_start.elapsed().as_secs_f64();
@@ -281,9 +285,8 @@ fn decode_batch<B: Backend>(
         let out = model.forward(&b, &mut pool, &mut refs, opts)?;
         times.push(t.elapsed().as_secs_f64());
         memory_used = memory_used.max(device_memory_used(model.backend()));
-        for (s, id) in last.iter_mut().enumerate() {
-            *id = argmax(&out.logits[s * out.vocab_size..(s + 1) * out.vocab_size]);
-        }
+        anyhow::ensure!(out.token_ids.len() == batch, "one token per sequence");
+        last.copy_from_slice(&out.token_ids);
     }
     times.sort_by(f64::total_cmp);
     Ok(BatchTiming {
@@ -292,16 +295,6 @@ fn decode_batch<B: Backend>(
         prefill_secs,
         memory_used,
     })
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// Average stored bytes per parameter (2 for bf16 checkpoints).

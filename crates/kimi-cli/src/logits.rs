@@ -23,6 +23,7 @@ fn logits_on<B: Backend + 'static>(backend: B, a: LogitsArgs) -> anyhow::Result<
             MlaModeArg::Expanded => MlaMode::Expanded,
             MlaModeArg::Absorbed => MlaMode::Absorbed,
         },
+        ..ForwardOptions::default()
     };
     let step = a.step.unwrap_or(a.ids.len());
     anyhow::ensure!(step >= 1, "--step must be at least 1");

@@ -154,3 +154,39 @@ extern "C" __global__ void sum_halves(const float* y2, float* y, size_t m) {
        i += (size_t)gridDim.x * blockDim.x)
     y[i] = y2[i] + y2[m + i];
 }
+
+// out[r] = the index of the largest value of row r of x [rows, d]: NaN never wins, +inf
+// counts as FLT_MAX, ties go to the lowest index, a row of -inf/NaN gives 0 (the rule of
+// `kimi_ops::argmax_row`). grid (rows), block 256.
+extern "C" __global__ void argmax_rows(const float* x, uint32_t* out, int d) {
+  pdl_enter();
+  __shared__ float sv[32];
+  __shared__ uint32_t si[32];
+  const float* xr = x + (size_t)blockIdx.x * d;
+  float bv = -INFINITY;
+  uint32_t bi = 0;
+  for (int j = threadIdx.x; j < d; j += blockDim.x) {
+    const float v = fminf(xr[j], 3.402823466e38f);  // fminf(NaN, m) = m: filter NaN first
+    if (xr[j] == xr[j] && v > bv) bv = v, bi = (uint32_t)j;
+  }
+  // (value, index) pairs: larger value wins, then lower index; an empty lane has -inf at 0.
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const uint32_t oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) sv[warp] = bv, si[warp] = bi;
+  __syncthreads();
+  if (warp == 0) {
+    const int nw = (blockDim.x + 31) >> 5;
+    bv = lane < nw ? sv[lane] : -INFINITY;
+    bi = lane < nw ? si[lane] : 0u;
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const uint32_t oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+    }
+    if (lane == 0) out[blockIdx.x] = bi;
+  }
+}

@@ -107,10 +107,6 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 // grid ceil(o / rows), block 256 = 8 warps, dynamic smem rows * k * 2 bytes, rows <= 8.
 // Needs k % 8 == 0 and 16-byte aligned `w` and `x`.
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
-
 template <int NT>
 __device__ __forceinline__ void gemv_bulk(const __nv_bfloat16* w, const float* x, float* y,
                                           int n, int o, int k, int rows) {
@@ -121,23 +117,13 @@ __device__ __forceinline__ void gemv_bulk(const __nv_bfloat16* w, const float* x
   const int nrows = min(rows, o - row0);
   const uint32_t row_bytes = (uint32_t)k * 2u;
   const uint32_t bar_a = smem_addr(&bar);
-  if (threadIdx.x == 0) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar_a) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (threadIdx.x == 0) bar_init(bar_a);
   __syncthreads();
   if (threadIdx.x == 0) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar_a),
-                 "r"(row_bytes * (uint32_t)nrows)
-                 : "memory");
-    for (int r = 0; r < nrows; ++r) {
-      const __nv_bfloat16* src = w + (size_t)(row0 + r) * k;
-      asm volatile(
-          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
-          "[%3];" ::"r"(smem_addr(tile + (size_t)r * row_bytes)),
-          "l"(src), "r"(row_bytes), "r"(bar_a)
-          : "memory");
-    }
+    bar_expect(bar_a, row_bytes * (uint32_t)nrows);
+    for (int r = 0; r < nrows; ++r)
+      bulk_copy(smem_addr(tile + (size_t)r * row_bytes), w + (size_t)(row0 + r) * k, row_bytes,
+                bar_a);
   }
   pdl_enter();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -147,15 +133,7 @@ __device__ __forceinline__ void gemv_bulk(const __nv_bfloat16* w, const float* x
   for (int r = 0; r < 8; ++r)
 #pragma unroll
     for (int g = 0; g < NT; ++g) acc[r][g] = 0.0f;
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, "
-        "p; }"
-        : "=r"(done)
-        : "r"(bar_a)
-        : "memory");
-  }
+  bar_wait(bar_a, 0);
   // Warp w takes every 8th 16-byte column group of all the tile's rows, so each activation
   // value is read once per CTA (not once per row).
   const int nv = k >> 3;

@@ -229,6 +229,7 @@ fn check_fixtures() -> Res<()> {
     let absorbed = ForwardOptions {
         kda_mode: KdaMode::Auto,
         mla_mode: MlaMode::Absorbed,
+        ..ForwardOptions::default()
     };
     for dir in dirs {
         let name = dir

@@ -15,7 +15,7 @@ use kimi_ops::{
 };
 
 use crate::buffer::DevBuf;
-use crate::device::Device;
+use crate::device::{grid, Device};
 use crate::error::OpContext;
 use crate::ops;
 use crate::tensor::{dtype_code, CudaTensor};
@@ -1023,6 +1023,28 @@ impl Backend for CudaBackend {
         self.dev.synchronize(OP)?;
         drop((offsets, slots, rows, wsel));
         Ok((out, ids_dev))
+    }
+
+    fn argmax_rows(&self, x: &CudaTensor) -> Result<Vec<u32>> {
+        const OP: &str = "argmax_rows";
+        self.dev.enter(OP)?;
+        let (rows, d) = f32_rows(x, OP)?;
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let ids = self.dev.alloc(rows * 4, OP)?;
+        let di = d as i32;
+        let mut b = self.dev.kernel(OP, "argmax_rows")?;
+        b.arg(&x.ptr()).arg(&ids.ptr()).arg(&di);
+        // SAFETY: x holds rows * d f32 and ids rows u32.
+        unsafe { b.launch(grid((rows as u32, 1, 1), 256, 0)) }.op(OP)?;
+        let mut out = vec![0u32; rows];
+        // SAFETY: `out` owns rows * 4 bytes; every byte pattern is a valid u32.
+        let bytes =
+            unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), rows * 4) };
+        // SAFETY: `ids` holds rows * 4 bytes.
+        unsafe { self.dev.read(ids.ptr(), bytes, OP)? };
+        Ok(out)
     }
 
     fn expert_ids(&self, chosen: &CudaTensor) -> Result<Vec<u32>> {

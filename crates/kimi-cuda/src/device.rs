@@ -50,6 +50,7 @@ const KERNELS: &[(&str, &[&str])] = &[
             "split_f32_bf16",
             "split_f32_f16",
             "sum_halves",
+            "argmax_rows",
         ],
     ),
     ("conv", &["short_conv_silu", "short_conv_state"]),

@@ -24,7 +24,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::cache_manager::CacheManager;
 use crate::runner::{panic_message, ModelRunner};
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::{Sampled, Sampler, SamplingParams};
 use crate::scheduler::{Chunk, Scheduler, StepPlan};
 use crate::serving::{EngineMetrics, Event, LogitsProcessor, Request, RequestId, ServingConfig};
 use crate::FinishReason;
@@ -228,10 +228,21 @@ impl<B: Backend> EngineLoop<B> {
             return;
         }
         self.note_first_schedule(&plan);
-        match self.runner.execute(&plan.chunks) {
+        // When every sampling row is plain greedy, the backend picks the tokens where the
+        // logits are and only token ids come back.
+        let greedy = plan.chunks.iter().filter(|c| c.samples).all(|c| {
+            self.live
+                .get(&c.id)
+                .is_some_and(|l| l.processor.is_none() && l.sampler.is_plain_greedy())
+        });
+        match self.runner.execute(&plan.chunks, greedy) {
             Ok(out) => {
                 self.count_experts(&out.expert_counts);
-                self.sample_rows(&plan.chunks, out.logits, out.vocab_size);
+                if greedy {
+                    self.take_greedy(&plan.chunks, &out.token_ids);
+                } else {
+                    self.sample_rows(&plan.chunks, out.logits, out.vocab_size);
+                }
             }
             Err(message) => {
                 for chunk in &plan.chunks {
@@ -283,14 +294,29 @@ impl<B: Backend> EngineLoop<B> {
     fn sample_rows(&mut self, chunks: &[Chunk], mut logits: Vec<f32>, vocab_size: usize) {
         let sampling = chunks.iter().filter(|c| c.samples);
         for (chunk, row) in sampling.zip(logits.chunks_exact_mut(vocab_size.max(1))) {
-            if let Err(end) = self.sample_one(chunk.id, row) {
+            if let Err(end) = self.sample_one(chunk.id, Pick::Sample(row)) {
+                self.finish(chunk.id, end);
+            }
+        }
+    }
+
+    /// Takes the backend's greedy tokens, one per chunk that samples, in chunk order.
+    fn take_greedy(&mut self, chunks: &[Chunk], tokens: &[u32]) {
+        let sampling = chunks.iter().filter(|c| c.samples);
+        for (chunk, &token) in sampling.zip(tokens) {
+            let sampled = Sampled {
+                token,
+                logprob: f32::NAN,
+                top_logprobs: Vec::new(),
+            };
+            if let Err(end) = self.sample_one(chunk.id, Pick::Chosen(sampled)) {
                 self.finish(chunk.id, end);
             }
         }
     }
 
     /// Samples one token for `id` and sends it; `Err` says how the request ends.
-    fn sample_one(&mut self, id: RequestId, logits: &mut [f32]) -> Result<(), End> {
+    fn sample_one(&mut self, id: RequestId, pick: Pick<'_>) -> Result<(), End> {
         let (Some(live), Some(seq)) = (self.live.get_mut(&id), self.scheduler.get(id)) else {
             return Ok(());
         };
@@ -300,11 +326,16 @@ impl<B: Backend> EngineLoop<B> {
             let queued_secs = live.queued_secs.unwrap_or(0.0);
             send(&live.events, Event::Started { queued_secs })?;
         }
-        if let Some(processor) = live.processor.as_mut() {
-            guarded(|| processor.mask(logits))?;
-        }
         let (prompt, output) = seq.prompt_and_output();
-        let sampled = live.sampler.sample(logits, prompt, output);
+        let sampled = match pick {
+            Pick::Chosen(sampled) => sampled,
+            Pick::Sample(logits) => {
+                if let Some(processor) = live.processor.as_mut() {
+                    guarded(|| processor.mask(logits))?;
+                }
+                live.sampler.sample(logits, prompt, output)
+            }
+        };
         let token = sampled.token;
         let is_stop = live.params.stop_token_ids.contains(&token)
             || (!live.params.ignore_eos && live.eos_ids.contains(&token));
@@ -367,6 +398,14 @@ impl<B: Backend> EngineLoop<B> {
             .unwrap_or_else(|e| e.into_inner());
         shared.clone_from(m);
     }
+}
+
+/// How a row's token is chosen.
+enum Pick<'a> {
+    /// By the request's sampler, from its logits row (masked first by its processor).
+    Sample(&'a mut [f32]),
+    /// Already chosen (greedy, on the backend).
+    Chosen(Sampled),
 }
 
 /// Sends an event; a closed receiver means the client left.

@@ -55,7 +55,14 @@ impl<B: Backend> ModelRunner<B> {
     /// chunk order. A chunk starting at 0 starts its sequence afresh (its slot's state is
     /// zeroed by the model). On error (a panic inside the backend included) every chunk's
     /// sequence is forgotten.
-    pub(crate) fn execute(&mut self, chunks: &[Chunk]) -> Result<ForwardOutput, String> {
+    ///
+    /// With `greedy`, the model returns each sampling chunk's greedy token instead of its
+    /// logits row ([`ForwardOptions::greedy_ids`]).
+    pub(crate) fn execute(
+        &mut self,
+        chunks: &[Chunk],
+        greedy: bool,
+    ) -> Result<ForwardOutput, String> {
         let mut seqs = Vec::with_capacity(chunks.len());
         for chunk in chunks {
             let seq = match (chunk.start, self.seqs.remove(&chunk.id)) {
@@ -75,18 +82,27 @@ impl<B: Backend> ModelRunner<B> {
         }
         let batch = batch_of(chunks);
         let (model, pool) = (&self.model, &mut self.pool);
-        let options = self.options;
+        let options = ForwardOptions {
+            greedy_ids: greedy,
+            ..self.options
+        };
         let result = catch_unwind(AssertUnwindSafe(|| {
             let mut refs: Vec<&mut SeqCache> = seqs.iter_mut().collect();
             model.forward(&batch, pool, &mut refs, options)
         }));
         let num_rows = chunks.iter().filter(|c| c.samples).count();
         match result {
-            Ok(Ok(out)) if out.logits.len() != num_rows * out.vocab_size => Err(format!(
-                "internal error: the model returned {} logits for {num_rows} rows of {}",
-                out.logits.len(),
-                out.vocab_size
+            Ok(Ok(out)) if greedy && out.token_ids.len() != num_rows => Err(format!(
+                "internal error: the model returned {} tokens for {num_rows} rows",
+                out.token_ids.len()
             )),
+            Ok(Ok(out)) if !greedy && out.logits.len() != num_rows * out.vocab_size => {
+                Err(format!(
+                    "internal error: the model returned {} logits for {num_rows} rows of {}",
+                    out.logits.len(),
+                    out.vocab_size
+                ))
+            }
             Ok(Ok(out)) => {
                 for (chunk, seq) in chunks.iter().zip(seqs) {
                     self.seqs.insert(chunk.id, seq);

@@ -53,9 +53,11 @@ fn prompt(seed: usize, len: usize) -> Vec<u32> {
         .collect()
 }
 
+/// Greedy, with the chosen token's logprob reported (its bits stand for the logits row).
 fn greedy(max_tokens: usize) -> SamplingParams {
     SamplingParams {
         max_tokens,
+        logprobs: Some(0),
         ..SamplingParams::default()
     }
 }
@@ -225,6 +227,43 @@ impl LogitsProcessor for Gate {
 fn the_handle_is_clone_send_and_sync() {
     fn check<T: Clone + Send + Sync + 'static>() {}
     check::<EngineHandle>();
+}
+
+/// Plain greedy requests (no logprobs, no penalties) have their tokens picked by the
+/// backend (`argmax_rows`, only ids come back); they must be the tokens the host sampler
+/// picks from the same logits, batched or alone.
+#[test]
+fn backend_greedy_picks_the_samplers_tokens() {
+    let single = Engine::new(model());
+    let plain = |max_tokens| SamplingParams {
+        max_tokens,
+        ..SamplingParams::default()
+    };
+    let cases: Vec<(Vec<u32>, usize)> =
+        (0..12).map(|i| (prompt(i, 1 + (i * 29) % 50), 8)).collect();
+    let want: Vec<_> = cases
+        .iter()
+        .map(|(p, n)| reference(&single, p, &greedy(*n)))
+        .collect();
+    let engine = spawn(config());
+    let mut rxs: Vec<_> = cases
+        .iter()
+        .map(|(p, n)| {
+            engine
+                .submit(request(p.clone(), plain(*n)))
+                .expect("accepted")
+                .1
+        })
+        .collect();
+    for (i, (rx, (tokens, finish))) in rxs.iter_mut().zip(&want).enumerate() {
+        let out = collect(rx);
+        assert_eq!(&out.tokens, tokens, "request {i}");
+        assert_eq!(out.finish, Some(*finish), "request {i}");
+        assert!(
+            out.logprob_bits.iter().all(|&b| f32::from_bits(b).is_nan()),
+            "request {i}: no logprob was asked for"
+        );
+    }
 }
 
 #[test]

@@ -25,13 +25,19 @@ pub struct ForwardOptions {
     pub kda_mode: KdaMode,
     /// MLA attention form.
     pub mla_mode: MlaMode,
+    /// Return each logits row's greedy token ([`kimi_ops::argmax_row`]) in
+    /// [`ForwardOutput::token_ids`] instead of the rows themselves: the backend picks them
+    /// where the logits are (42 MB of logits per 64-sequence step stay on the GPU).
+    pub greedy_ids: bool,
 }
 
 /// Result of a forward pass.
 #[derive(Clone, Debug)]
 pub struct ForwardOutput {
-    /// `[logits_rows.len(), vocab]`, row-major.
+    /// `[logits_rows.len(), vocab]`, row-major; empty with [`ForwardOptions::greedy_ids`].
     pub logits: Vec<f32>,
+    /// With [`ForwardOptions::greedy_ids`], the greedy token of each logits row; else empty.
+    pub token_ids: Vec<u32>,
     /// Vocabulary size (row width of `logits`).
     pub vocab_size: usize,
     /// For each layer, how many times each expert was chosen in this pass (empty for dense layers).

@@ -160,7 +160,11 @@ impl<B: Backend> KimiLinear<B> {
         for (seq, seg) in seqs.iter_mut().zip(&batch.segments) {
             seq.num_tokens += seg.len;
         }
-        let logits = be.to_f32(&logits)?;
+        let (logits, token_ids) = if opts.greedy_ids {
+            (Vec::new(), be.argmax_rows(&logits)?)
+        } else {
+            (be.to_f32(&logits)?, Vec::new())
+        };
         // The experts are read after the logits: by then the device has finished the pass.
         let num_experts = self.config.moe.as_ref().map_or(0, |m| m.num_experts);
         let expert_counts = chosen_per_layer
@@ -172,6 +176,7 @@ impl<B: Backend> KimiLinear<B> {
             .collect::<Result<Vec<_>>>()?;
         Ok(ForwardOutput {
             logits,
+            token_ids,
             vocab_size: self.config.vocab_size,
             expert_counts,
         })

@@ -266,7 +266,7 @@ impl<B: Backend> Llama<B> {
         batch: &Batch,
         pool: &mut CachePool<B>,
         seqs: &mut [&mut SeqCache],
-        _opts: ForwardOptions,
+        opts: ForwardOptions,
     ) -> Result<ForwardOutput> {
         let c = &self.config;
         check_batch(batch, seqs.len(), c.vocab_size)?;
@@ -292,8 +292,14 @@ impl<B: Backend> Llama<B> {
         let last = be.select_rows(&x, &batch.logits_rows)?;
         let normed = be.rms_norm(&last, &self.norm, c.rms_norm_eps)?;
         let logits = be.matmul(&normed, self.lm_head.as_ref().unwrap_or(&self.embed))?;
+        let (logits, token_ids) = if opts.greedy_ids {
+            (Vec::new(), be.argmax_rows(&logits)?)
+        } else {
+            (be.to_f32(&logits)?, Vec::new())
+        };
         Ok(ForwardOutput {
-            logits: be.to_f32(&logits)?,
+            logits,
+            token_ids,
             vocab_size: c.vocab_size,
             expert_counts: vec![Vec::new(); self.layers.len()],
         })

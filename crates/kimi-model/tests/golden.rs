@@ -216,6 +216,7 @@ fn prefill_matches_reference() {
             ForwardOptions {
                 kda_mode: KdaMode::Recurrent,
                 mla_mode: MlaMode::Absorbed,
+                ..ForwardOptions::default()
             },
         ),
     ]);
@@ -236,6 +237,7 @@ fn decode_step_1_matches_reference() {
             ForwardOptions {
                 kda_mode: KdaMode::Chunked,
                 mla_mode: MlaMode::Expanded,
+                ..ForwardOptions::default()
             },
         ),
     ]);

@@ -49,6 +49,21 @@ pub struct HostTensor<'a> {
     pub bytes: &'a [u8],
 }
 
+/// The index of the largest value of `row`, as greedy sampling picks it: NaN counts as
+/// `-inf`, `+inf` as the largest finite value, ties go to the lowest index, and a row with
+/// nothing above `-inf` gives 0.
+pub fn argmax_row(row: &[f32]) -> u32 {
+    let mut best = (0usize, f32::NEG_INFINITY);
+    for (i, &x) in row.iter().enumerate() {
+        // Not `min`: that would turn NaN into f32::MAX.
+        let x = if x > f32::MAX { f32::MAX } else { x };
+        if x > best.1 {
+            best = (i, x);
+        }
+    }
+    best.0 as u32
+}
+
 /// The rows of one sequence inside a flattened activation matrix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Segment {
@@ -342,6 +357,14 @@ pub trait Backend: Send + Sync {
     fn to_f32(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
     /// Dimensions of a tensor, outermost first.
     fn shape<'a>(&self, t: &'a Self::Tensor) -> &'a [usize];
+    /// The greedy choice of each row of the f32 matrix `x` `[rows, cols]`
+    /// ([`argmax_row`]'s rule), without copying the rows to the host where the backend
+    /// can avoid it. Default: reads `x` back and scans it here.
+    fn argmax_rows(&self, x: &Self::Tensor) -> Result<Vec<u32>> {
+        let cols = self.shape(x).last().copied().unwrap_or(0);
+        let values = self.to_f32(x)?;
+        Ok(values.chunks(cols.max(1)).map(argmax_row).collect())
+    }
     /// Bytes the tensor occupies on the device.
     fn size_bytes(&self, t: &Self::Tensor) -> usize;
     /// Free and total bytes of the device memory this backend allocates from, where the
@@ -557,5 +580,26 @@ pub trait Backend: Send + Sync {
     ) -> Result<Self::Tensor> {
         let _ = (q, k, v, dims, segments, k_pool, v_pool, seqs);
         Err(Error::Unsupported("attention".into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::argmax_row;
+
+    #[test]
+    fn argmax_row_follows_greedy_sampling() {
+        assert_eq!(
+            argmax_row(&[1.0, 3.0, 3.0, 2.0]),
+            1,
+            "ties go to the lowest index"
+        );
+        assert_eq!(argmax_row(&[f32::NAN, 0.5, f32::NAN]), 1, "NaN never wins");
+        assert_eq!(argmax_row(&[f32::NEG_INFINITY; 3]), 0);
+        assert_eq!(argmax_row(&[f32::NAN, f32::NAN]), 0);
+        assert_eq!(argmax_row(&[]), 0);
+        // +inf counts as the largest finite value, so an earlier f32::MAX ties and wins.
+        assert_eq!(argmax_row(&[f32::MAX, f32::INFINITY]), 0);
+        assert_eq!(argmax_row(&[-1.0, f32::INFINITY]), 1);
     }
 }

@@ -119,6 +119,64 @@ pub fn op_embedding<B: Backend>(b: &B, vocab: usize, d: usize, dt: DType) -> Res
     Ok(vec![t(b, &b.embedding(&table, &ids)?)?])
 }
 
+/// Greedy picks of rows with ties, NaN, +inf and nothing above -inf, then random rows of
+/// a 163,840-token vocabulary; the ids as f32 (exact).
+pub fn op_argmax<B: Backend>(b: &B) -> Res<Vec<Vec<f32>>> {
+    let (nan, inf) = (f32::NAN, f32::INFINITY);
+    let d = 7;
+    let mut rows: Vec<f32> = vec![
+        1.0,
+        3.0,
+        3.0,
+        2.0,
+        0.0,
+        0.0,
+        0.0, //
+        nan,
+        0.5,
+        nan,
+        -1.0,
+        nan,
+        0.5,
+        nan, //
+        -inf,
+        -inf,
+        -inf,
+        -inf,
+        -inf,
+        -inf,
+        -inf, //
+        nan,
+        nan,
+        nan,
+        nan,
+        nan,
+        nan,
+        nan, //
+        f32::MAX,
+        inf,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        0.0, //
+        -1.0,
+        -2.0,
+        inf,
+        0.0,
+        inf,
+        0.0,
+        0.0,
+    ];
+    let small = b.upload_f32(&[rows.len() / d, d], &rows)?;
+    let mut r = Rng(17);
+    let vocab = 163_840;
+    rows = r.vec(3 * vocab, 4.0);
+    let big = b.upload_f32(&[3, vocab], &rows)?;
+    let ids = |t| -> Res<Vec<f32>> { Ok(b.argmax_rows(t)?.iter().map(|&i| i as f32).collect()) };
+    Ok(vec![ids(&small)?, ids(&big)?])
+}
+
 pub fn op_matmul<B: Backend>(b: &B, n: usize, k: usize, o: usize, dt: DType) -> Res<Vec<Vec<f32>>> {
     let mut r = Rng(2);
     let x = b.upload_f32(&[n, k], &r.vec(n * k, 1.0))?;
@@ -674,6 +732,7 @@ pub fn cases() -> Vec<(String, Case)> {
             "matmul f32 33x512->300".into(),
             case!(|b| op_matmul(b, 33, 512, 300, DType::F32)),
         ),
+        ("argmax rows (greedy picks)".into(), case!(op_argmax)),
         (
             "matmul bf16 1x2304->1024".into(),
             case!(|b| op_matmul(b, 1, 2304, 1024, DType::BF16)),
