@@ -124,6 +124,91 @@ unsafe fn hsum(v: __m256) -> f32 {
     }
 }
 
+/// Q5_0's high bits as bytes: byte `j` is `0x10` where bit `j` of `qh` is set, else 0.
+#[inline(always)]
+unsafe fn q5_0_high_bits(qh: u32) -> __m256i {
+    // SAFETY: AVX2 (caller); register-only operations.
+    unsafe {
+        // Byte j takes byte j / 8 of qh (each 128-bit lane holds all four), then tests its
+        // bit j % 8.
+        let sel = _mm256_set_epi64x(
+            0x0303_0303_0303_0303,
+            0x0202_0202_0202_0202,
+            0x0101_0101_0101_0101,
+            0,
+        );
+        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), sel);
+        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+        _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+    }
+}
+
+/// Bit `s` (< 8) of every byte of `qh`, moved to bit 4: Q5_K's fifth bits of sub-block `s`.
+#[inline(always)]
+unsafe fn fifth_bit(qh: __m256i, s: u32) -> __m256i {
+    // SAFETY: AVX2 (caller); register-only operations.
+    unsafe {
+        let bit = _mm256_set1_epi8((1u8 << s) as i8);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+        _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+    }
+}
+
+/// The 32 values `q - 32` of activation block `s` (0..8) of the Q6_K super-block at `blk`
+/// (layout in `qdot::q6k_level`), as signed bytes.
+///
+/// # Safety
+/// AVX2 (caller); `blk` points to a whole 210-byte block.
+#[inline(always)]
+unsafe fn q6k_levels(blk: *const u8, s: usize) -> __m256i {
+    let (h, k) = (s / 4, s % 4);
+    // SAFETY: both 32-byte loads lie in the block's ql[128] and qh[64].
+    unsafe {
+        let ql = _mm256_loadu_si256(blk.add(64 * h + 32 * (k % 2)).cast());
+        let qh = _mm256_loadu_si256(blk.add(128 + 32 * h).cast());
+        let m4 = _mm256_set1_epi8(0x0F);
+        let low = if k < 2 {
+            _mm256_and_si256(ql, m4)
+        } else {
+            _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4)
+        };
+        // Bits 2k..2k + 2 of each byte to bits 4..6; the 16-bit shifts carry bits across
+        // bytes only into positions the mask drops.
+        let high = match k {
+            0 => _mm256_slli_epi16(qh, 4),
+            1 => _mm256_slli_epi16(qh, 2),
+            2 => qh,
+            _ => _mm256_srli_epi16(qh, 2),
+        };
+        let high = _mm256_and_si256(high, _mm256_set1_epi8(0x30));
+        _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32))
+    }
+}
+
+/// Q6_K's 16 sub-block scales at `p` as `madd` operands, one per activation block `s`:
+/// `scales[2s]` in the 8 low 16-bit lanes (values 0..16), `scales[2s + 1]` in the high ones.
+///
+/// # Safety
+/// AVX2 (caller); `p` points to 16 readable bytes.
+#[inline(always)]
+unsafe fn q6k_scales(p: *const u8) -> [__m256i; 8] {
+    // SAFETY: reads p[0..16] (caller); register operations.
+    std::array::from_fn(|s| unsafe {
+        let sc = |i: usize| i16::from(*p.add(i) as i8);
+        _mm256_set_m128i(_mm_set1_epi16(sc(2 * s + 1)), _mm_set1_epi16(sc(2 * s)))
+    })
+}
+
+/// `Σ sc·w·x` per i32 lane over four values, `w` unsigned and at most 32, `sc` an i16 per
+/// pair of values: `maddubs` pair sums (at most 2·32·127) times the scales in `madd`
+/// (at most 2^22 per lane, exact). AVX2 instructions, so both units share it.
+#[inline(always)]
+unsafe fn scaled_dot(w: __m256i, x: __m256i, sc: __m256i) -> __m256i {
+    // SAFETY: AVX2 (caller).
+    unsafe { _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), sc) }
+}
+
 /// `out[(r0 + j) * n + t0 + i] = row r0 + j · token t0 + i` for `j < R`, `i < N`.
 ///
 /// # Safety
@@ -144,9 +229,9 @@ unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
     // SAFETY (for every pointer offset below): rows r0 + j < rows lie inside `w`; token
     // t0 + i < x.n, so its `k` values and `nb` scales and sums lie inside `x.qs`, `x.d`
     // and `x.sum`; block `b < nb` of a row lies inside that row (a whole row of `nb`
-    // 32-value blocks, or `nb / 8` Q4_K super-blocks), and every load below stays within
-    // its block (the f16 pair loads read a block's first four bytes; Q8_0 and Q4_0 blocks
-    // have at least 18).
+    // 32-value blocks, or `nb / 8` super-blocks), and every load below stays within its
+    // block (the f16 pair loads read four bytes of a block of at least 18; Q6_K's ends at
+    // the block's last byte).
     let rp: [*const u8; R] = std::array::from_fn(|j| unsafe { w.as_ptr().add((r0 + j) * rb) });
     let qs: [*const i8; N] = std::array::from_fn(|i| unsafe { x.qs.as_ptr().add((t0 + i) * x.k) });
     let xd: [*const f32; N] = std::array::from_fn(|i| unsafe { x.d.as_ptr().add((t0 + i) * nb) });
@@ -156,9 +241,12 @@ unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
         let mut acc = [[_mm256_setzero_ps(); N]; R];
         let m4 = _mm256_set1_epi8(0x0F);
         match kind {
-            Kind::Q4_0 | Kind::Q4_1 => {
-                let q4_0 = kind == Kind::Q4_0;
-                let (bb, qo) = if q4_0 { (18, 2) } else { (20, 4) };
+            Kind::Q4_0 | Kind::Q4_1 | Kind::Q5_0 => {
+                let (bb, qo) = match kind {
+                    Kind::Q4_0 => (18, 2),
+                    Kind::Q4_1 => (20, 4),
+                    _ => (22, 6),
+                };
                 for b in 0..nb {
                     let xv: [__m256i; N] =
                         std::array::from_fn(|i| _mm256_loadu_si256(qs[i].add(b * QK).cast()));
@@ -166,18 +254,22 @@ unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
                     let xsb: [f32; N] = std::array::from_fn(|i| *xs[i].add(b));
                     for j in 0..R {
                         let blk = rp[j].add(b * bb);
-                        // Q4_0: d then the first two quant bytes; Q4_1: d and m.
+                        // Q4_0 and Q5_0: d then two more bytes; Q4_1: d and m.
                         let dm = f16_pair(blk);
                         let dw = _mm_cvtss_f32(dm);
-                        let c = if q4_0 {
-                            -8.0 * dw
-                        } else {
-                            _mm_cvtss_f32(_mm_movehdup_ps(dm))
+                        let c = match kind {
+                            Kind::Q4_0 => -8.0 * dw,
+                            Kind::Q5_0 => -16.0 * dw,
+                            _ => _mm_cvtss_f32(_mm_movehdup_ps(dm)),
                         };
                         // Byte j holds value j (low nibble) and j + 16 (high nibble).
                         let nib = _mm_loadu_si128(blk.add(qo).cast());
-                        let wv =
+                        let mut wv =
                             _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), m4);
+                        if kind == Kind::Q5_0 {
+                            let qh = std::ptr::read_unaligned(blk.add(2).cast::<u32>());
+                            wv = _mm256_or_si256(wv, q5_0_high_bits(u32::from_le(qh)));
+                        }
                         for i in 0..N {
                             let p = _mm256_cvtepi32_ps(D::dot(wv, xv[i]));
                             acc[j][i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xdb[i]), p, acc[j][i]);
@@ -204,12 +296,14 @@ unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
                     }
                 }
             }
-            Kind::Q4K => {
+            Kind::Q4K | Kind::Q5K => {
+                let five = kind == Kind::Q5K;
+                let (bb, qo) = if five { (176, 48) } else { (144, 16) };
                 for sb in 0..nb / 8 {
                     let mut sc = [[0f32; 8]; R];
                     let mut mn = [[0f32; 8]; R];
                     for j in 0..R {
-                        let blk = rp[j].add(sb * 144);
+                        let blk = rp[j].add(sb * bb);
                         let dd = f16_pair(blk);
                         let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
                         let scales = std::slice::from_raw_parts(blk.add(4), 12);
@@ -227,10 +321,17 @@ unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
                             _mm256_loadu_si256(qs[i].add((b + 1) * QK).cast())
                         });
                         for j in 0..R {
+                            let blk = rp[j].add(sb * bb);
                             // 32 bytes: low nibbles are sub-block 2·pair, high ones 2·pair + 1.
-                            let q = _mm256_loadu_si256(rp[j].add(sb * 144 + 16 + 32 * pair).cast());
-                            let lo = _mm256_and_si256(q, m4);
-                            let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                            let q = _mm256_loadu_si256(blk.add(qo + 32 * pair).cast());
+                            let mut lo = _mm256_and_si256(q, m4);
+                            let mut hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                            if five {
+                                // Bit s of qh[l] is the fifth bit of value l of sub-block s.
+                                let qh = _mm256_loadu_si256(blk.add(16).cast());
+                                lo = _mm256_or_si256(lo, fifth_bit(qh, 2 * pair as u32));
+                                hi = _mm256_or_si256(hi, fifth_bit(qh, 2 * pair as u32 + 1));
+                            }
                             for i in 0..N {
                                 let p0 = _mm256_cvtepi32_ps(D::dot(lo, x0[i]));
                                 let p1 = _mm256_cvtepi32_ps(D::dot(hi, x1[i]));
@@ -245,6 +346,38 @@ unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
                         for i in 0..N {
                             for (s, m) in mn[j].iter().enumerate() {
                                 off[j][i] += m * *xs[i].add(sb * 8 + s);
+                            }
+                        }
+                    }
+                }
+            }
+            Kind::Q6K => {
+                for sb in 0..nb / 8 {
+                    let mut dq = [0f32; R];
+                    // Per activation block, each row's scales.
+                    let mut scv = [[_mm256_setzero_si256(); R]; 8];
+                    for j in 0..R {
+                        let blk = rp[j].add(sb * 210);
+                        // `d` is the block's last two bytes: read the pair that ends there.
+                        dq[j] = _mm_cvtss_f32(_mm_movehdup_ps(f16_pair(blk.add(206))));
+                        for (s, v) in q6k_scales(blk.add(192)).into_iter().enumerate() {
+                            scv[s][j] = v;
+                        }
+                    }
+                    for (s, scs) in scv.iter().enumerate() {
+                        let b = sb * 8 + s;
+                        let xv: [__m256i; N] =
+                            std::array::from_fn(|i| _mm256_loadu_si256(qs[i].add(b * QK).cast()));
+                        let xdb: [f32; N] = std::array::from_fn(|i| *xd[i].add(b));
+                        for j in 0..R {
+                            let wv = q6k_levels(rp[j].add(sb * 210), s);
+                            // Signed × signed as |w| × (x · sign w), as for Q8_0.
+                            let aw = _mm256_abs_epi8(wv);
+                            for i in 0..N {
+                                let p = scaled_dot(aw, _mm256_sign_epi8(xv[i], wv), scs[j]);
+                                let p = _mm256_cvtepi32_ps(p);
+                                acc[j][i] =
+                                    _mm256_fmadd_ps(_mm256_set1_ps(dq[j] * xdb[i]), p, acc[j][i]);
                             }
                         }
                     }
