@@ -155,8 +155,8 @@ unsafe fn fifth_bit(qh: __m256i, s: u32) -> __m256i {
     }
 }
 
-/// The 32 values `q - 32` of activation block `s` (0..8) of the Q6_K super-block at `blk`
-/// (layout in `qdot::q6k_level`), as signed bytes.
+/// The 32 six-bit values `q` (0..64) of activation block `s` (0..8) of the Q6_K
+/// super-block at `blk` (layout in `qdot::q6k_level`), as bytes.
 ///
 /// # Safety
 /// AVX2 (caller); `blk` points to a whole 210-byte block.
@@ -181,32 +181,26 @@ unsafe fn q6k_levels(blk: *const u8, s: usize) -> __m256i {
             2 => qh,
             _ => _mm256_srli_epi16(qh, 2),
         };
-        let high = _mm256_and_si256(high, _mm256_set1_epi8(0x30));
-        _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32))
+        _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x30)))
     }
 }
 
-/// Q6_K's 16 sub-block scales at `p` as `madd` operands, one per activation block `s`:
-/// `scales[2s]` in the 8 low 16-bit lanes (values 0..16), `scales[2s + 1]` in the high ones.
-///
-/// # Safety
-/// AVX2 (caller); `p` points to 16 readable bytes.
+/// Activation block `s`'s two Q6_K sub-block scales as `madd` operands: `all` holds the
+/// 16 scales as i16; the result has `scales[2s]` in the low eight 16-bit lanes (values
+/// 0..16) and `scales[2s + 1]` in the high ones.
 #[inline(always)]
-unsafe fn q6k_scales(p: *const u8) -> [__m256i; 8] {
-    // SAFETY: reads p[0..16] (caller); register operations.
-    std::array::from_fn(|s| unsafe {
-        let sc = |i: usize| i16::from(*p.add(i) as i8);
-        _mm256_set_m128i(_mm_set1_epi16(sc(2 * s + 1)), _mm_set1_epi16(sc(2 * s)))
-    })
-}
-
-/// `Σ sc·w·x` per i32 lane over four values, `w` unsigned and at most 32, `sc` an i16 per
-/// pair of values: `maddubs` pair sums (at most 2·32·127) times the scales in `madd`
-/// (at most 2^22 per lane, exact). AVX2 instructions, so both units share it.
-#[inline(always)]
-unsafe fn scaled_dot(w: __m256i, x: __m256i, sc: __m256i) -> __m256i {
-    // SAFETY: AVX2 (caller).
-    unsafe { _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), sc) }
+unsafe fn q6k_block_scales(all: __m256i, s: usize) -> __m256i {
+    // SAFETY: AVX2 (caller); register-only operations.
+    unsafe {
+        // Every 32-bit lane gets the pair (scales[2s], scales[2s + 1]), then each 128-bit
+        // half keeps one of the two.
+        let pair = _mm256_permutevar8x32_epi32(all, _mm256_set1_epi32(s as i32));
+        let pick = _mm256_setr_epi8(
+            0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, //
+            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3,
+        );
+        _mm256_shuffle_epi8(pair, pick)
+    }
 }
 
 /// `out[(r0 + j) * n + t0 + i] = row r0 + j · token t0 + i` for `j < R`, `i < N`.
@@ -354,28 +348,30 @@ unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
             Kind::Q6K => {
                 for sb in 0..nb / 8 {
                     let mut dq = [0f32; R];
-                    // Per activation block, each row's scales.
-                    let mut scv = [[_mm256_setzero_si256(); R]; 8];
+                    let mut scales = [_mm256_setzero_si256(); R];
                     for j in 0..R {
                         let blk = rp[j].add(sb * 210);
                         // `d` is the block's last two bytes: read the pair that ends there.
                         dq[j] = _mm_cvtss_f32(_mm_movehdup_ps(f16_pair(blk.add(206))));
-                        for (s, v) in q6k_scales(blk.add(192)).into_iter().enumerate() {
-                            scv[s][j] = v;
-                        }
+                        scales[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(192).cast()));
                     }
-                    for (s, scs) in scv.iter().enumerate() {
+                    for s in 0..8 {
                         let b = sb * 8 + s;
                         let xv: [__m256i; N] =
                             std::array::from_fn(|i| _mm256_loadu_si256(qs[i].add(b * QK).cast()));
+                        // 32·x in pair sums, the part of (q - 32)·x every row shares.
+                        let x32: [__m256i; N] = std::array::from_fn(|i| {
+                            _mm256_maddubs_epi16(_mm256_set1_epi8(32), xv[i])
+                        });
                         let xdb: [f32; N] = std::array::from_fn(|i| *xd[i].add(b));
                         for j in 0..R {
-                            let wv = q6k_levels(rp[j].add(sb * 210), s);
-                            // Signed × signed as |w| × (x · sign w), as for Q8_0.
-                            let aw = _mm256_abs_epi8(wv);
+                            let q = q6k_levels(rp[j].add(sb * 210), s);
+                            let sc = q6k_block_scales(scales[j], s);
                             for i in 0..N {
-                                let p = scaled_dot(aw, _mm256_sign_epi8(xv[i], wv), scs[j]);
-                                let p = _mm256_cvtepi32_ps(p);
+                                // Pair sums of q·x (at most 2·63·127) less those of 32·x
+                                // (2·32·127): within i16, no saturation.
+                                let qx = _mm256_sub_epi16(_mm256_maddubs_epi16(q, xv[i]), x32[i]);
+                                let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(qx, sc));
                                 acc[j][i] =
                                     _mm256_fmadd_ps(_mm256_set1_ps(dq[j] * xdb[i]), p, acc[j][i]);
                             }
