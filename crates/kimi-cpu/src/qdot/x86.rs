@@ -235,12 +235,9 @@ unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
         let mut acc = [[_mm256_setzero_ps(); N]; R];
         let m4 = _mm256_set1_epi8(0x0F);
         match kind {
-            Kind::Q4_0 | Kind::Q4_1 | Kind::Q5_0 => {
-                let (bb, qo) = match kind {
-                    Kind::Q4_0 => (18, 2),
-                    Kind::Q4_1 => (20, 4),
-                    _ => (22, 6),
-                };
+            Kind::Q4_0 | Kind::Q4_1 => {
+                let q4_0 = kind == Kind::Q4_0;
+                let (bb, qo) = if q4_0 { (18, 2) } else { (20, 4) };
                 for b in 0..nb {
                     let xv: [__m256i; N] =
                         std::array::from_fn(|i| _mm256_loadu_si256(qs[i].add(b * QK).cast()));
@@ -248,26 +245,46 @@ unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
                     let xsb: [f32; N] = std::array::from_fn(|i| *xs[i].add(b));
                     for j in 0..R {
                         let blk = rp[j].add(b * bb);
-                        // Q4_0 and Q5_0: d then two more bytes; Q4_1: d and m.
+                        // Q4_0: d then the first two quant bytes; Q4_1: d and m.
                         let dm = f16_pair(blk);
                         let dw = _mm_cvtss_f32(dm);
-                        let c = match kind {
-                            Kind::Q4_0 => -8.0 * dw,
-                            Kind::Q5_0 => -16.0 * dw,
-                            _ => _mm_cvtss_f32(_mm_movehdup_ps(dm)),
+                        let c = if q4_0 {
+                            -8.0 * dw
+                        } else {
+                            _mm_cvtss_f32(_mm_movehdup_ps(dm))
                         };
                         // Byte j holds value j (low nibble) and j + 16 (high nibble).
                         let nib = _mm_loadu_si128(blk.add(qo).cast());
-                        let mut wv =
+                        let wv =
                             _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), m4);
-                        if kind == Kind::Q5_0 {
-                            let qh = std::ptr::read_unaligned(blk.add(2).cast::<u32>());
-                            wv = _mm256_or_si256(wv, q5_0_high_bits(u32::from_le(qh)));
-                        }
                         for i in 0..N {
                             let p = _mm256_cvtepi32_ps(D::dot(wv, xv[i]));
                             acc[j][i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xdb[i]), p, acc[j][i]);
                             off[j][i] += c * xsb[i];
+                        }
+                    }
+                }
+            }
+            // Q4_0's loop with the fifth bits and a -16 offset; an arm of its own keeps
+            // the Q4 loops free of per-block type tests.
+            Kind::Q5_0 => {
+                for b in 0..nb {
+                    let xv: [__m256i; N] =
+                        std::array::from_fn(|i| _mm256_loadu_si256(qs[i].add(b * QK).cast()));
+                    let xdb: [f32; N] = std::array::from_fn(|i| *xd[i].add(b));
+                    let xsb: [f32; N] = std::array::from_fn(|i| *xs[i].add(b));
+                    for j in 0..R {
+                        let blk = rp[j].add(b * 22);
+                        let dw = _mm_cvtss_f32(f16_pair(blk));
+                        let qh = u32::from_le(std::ptr::read_unaligned(blk.add(2).cast::<u32>()));
+                        let nib = _mm_loadu_si128(blk.add(6).cast());
+                        let wv =
+                            _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), m4);
+                        let wv = _mm256_or_si256(wv, q5_0_high_bits(qh));
+                        for i in 0..N {
+                            let p = _mm256_cvtepi32_ps(D::dot(wv, xv[i]));
+                            acc[j][i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xdb[i]), p, acc[j][i]);
+                            off[j][i] += -16.0 * dw * xsb[i];
                         }
                     }
                 }
