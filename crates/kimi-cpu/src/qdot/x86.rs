@@ -203,6 +203,83 @@ unsafe fn q6k_block_scales(all: __m256i, s: usize) -> __m256i {
     }
 }
 
+/// The row, token, scale and sum pointers of a tile (see [`tile`]).
+struct TilePtrs<const R: usize, const N: usize> {
+    rp: [*const u8; R],
+    qs: [*const i8; N],
+    xd: [*const f32; N],
+    xs: [*const f32; N],
+}
+
+/// Q4_K (`FIVE` false) or Q5_K super-blocks of a tile: 8 sub-blocks of 32 with 6-bit
+/// scales and mins, the mins applied through the activation block sums.
+///
+/// # Safety
+/// As [`tile`], whose pointers `t` holds.
+#[inline(always)]
+unsafe fn scale_min_blocks<D: I8Dot, const R: usize, const N: usize, const FIVE: bool>(
+    t: &TilePtrs<R, N>,
+    nb: usize,
+    acc: &mut [[__m256; N]; R],
+    off: &mut [[f32; N]; R],
+) {
+    let TilePtrs { rp, qs, xd, xs } = t;
+    // SAFETY: as in `tile`: every pointer offset stays inside its row, token or block.
+    unsafe {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let (bb, qo) = if FIVE { (176, 48) } else { (144, 16) };
+        for sb in 0..nb / 8 {
+            let mut sc = [[0f32; 8]; R];
+            let mut mn = [[0f32; 8]; R];
+            for j in 0..R {
+                let blk = rp[j].add(sb * bb);
+                let dd = f16_pair(blk);
+                let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
+                let scales = std::slice::from_raw_parts(blk.add(4), 12);
+                for s in 0..8 {
+                    let (q, m) = q4k_scale_min(s, scales);
+                    sc[j][s] = d * f32::from(q);
+                    mn[j][s] = -dmin * f32::from(m);
+                }
+            }
+            for pair in 0..4 {
+                let b = sb * 8 + 2 * pair;
+                let x0: [__m256i; N] =
+                    std::array::from_fn(|i| _mm256_loadu_si256(qs[i].add(b * QK).cast()));
+                let x1: [__m256i; N] =
+                    std::array::from_fn(|i| _mm256_loadu_si256(qs[i].add((b + 1) * QK).cast()));
+                for j in 0..R {
+                    let blk = rp[j].add(sb * bb);
+                    // 32 bytes: low nibbles are sub-block 2·pair, high ones 2·pair + 1.
+                    let q = _mm256_loadu_si256(blk.add(qo + 32 * pair).cast());
+                    let mut lo = _mm256_and_si256(q, m4);
+                    let mut hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                    if FIVE {
+                        // Bit s of qh[l] is the fifth bit of value l of sub-block s.
+                        let qh = _mm256_loadu_si256(blk.add(16).cast());
+                        lo = _mm256_or_si256(lo, fifth_bit(qh, 2 * pair as u32));
+                        hi = _mm256_or_si256(hi, fifth_bit(qh, 2 * pair as u32 + 1));
+                    }
+                    for i in 0..N {
+                        let p0 = _mm256_cvtepi32_ps(D::dot(lo, x0[i]));
+                        let p1 = _mm256_cvtepi32_ps(D::dot(hi, x1[i]));
+                        let s0 = _mm256_set1_ps(sc[j][2 * pair] * *xd[i].add(b));
+                        let s1 = _mm256_set1_ps(sc[j][2 * pair + 1] * *xd[i].add(b + 1));
+                        acc[j][i] = _mm256_fmadd_ps(s1, p1, _mm256_fmadd_ps(s0, p0, acc[j][i]));
+                    }
+                }
+            }
+            for j in 0..R {
+                for i in 0..N {
+                    for (s, m) in mn[j].iter().enumerate() {
+                        off[j][i] += m * *xs[i].add(sb * 8 + s);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// `out[(r0 + j) * n + t0 + i] = row r0 + j · token t0 + i` for `j < R`, `i < N`.
 ///
 /// # Safety
@@ -307,60 +384,14 @@ unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
                     }
                 }
             }
-            Kind::Q4K | Kind::Q5K => {
-                let five = kind == Kind::Q5K;
-                let (bb, qo) = if five { (176, 48) } else { (144, 16) };
-                for sb in 0..nb / 8 {
-                    let mut sc = [[0f32; 8]; R];
-                    let mut mn = [[0f32; 8]; R];
-                    for j in 0..R {
-                        let blk = rp[j].add(sb * bb);
-                        let dd = f16_pair(blk);
-                        let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
-                        let scales = std::slice::from_raw_parts(blk.add(4), 12);
-                        for s in 0..8 {
-                            let (q, m) = q4k_scale_min(s, scales);
-                            sc[j][s] = d * f32::from(q);
-                            mn[j][s] = -dmin * f32::from(m);
-                        }
-                    }
-                    for pair in 0..4 {
-                        let b = sb * 8 + 2 * pair;
-                        let x0: [__m256i; N] =
-                            std::array::from_fn(|i| _mm256_loadu_si256(qs[i].add(b * QK).cast()));
-                        let x1: [__m256i; N] = std::array::from_fn(|i| {
-                            _mm256_loadu_si256(qs[i].add((b + 1) * QK).cast())
-                        });
-                        for j in 0..R {
-                            let blk = rp[j].add(sb * bb);
-                            // 32 bytes: low nibbles are sub-block 2·pair, high ones 2·pair + 1.
-                            let q = _mm256_loadu_si256(blk.add(qo + 32 * pair).cast());
-                            let mut lo = _mm256_and_si256(q, m4);
-                            let mut hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-                            if five {
-                                // Bit s of qh[l] is the fifth bit of value l of sub-block s.
-                                let qh = _mm256_loadu_si256(blk.add(16).cast());
-                                lo = _mm256_or_si256(lo, fifth_bit(qh, 2 * pair as u32));
-                                hi = _mm256_or_si256(hi, fifth_bit(qh, 2 * pair as u32 + 1));
-                            }
-                            for i in 0..N {
-                                let p0 = _mm256_cvtepi32_ps(D::dot(lo, x0[i]));
-                                let p1 = _mm256_cvtepi32_ps(D::dot(hi, x1[i]));
-                                let s0 = _mm256_set1_ps(sc[j][2 * pair] * *xd[i].add(b));
-                                let s1 = _mm256_set1_ps(sc[j][2 * pair + 1] * *xd[i].add(b + 1));
-                                acc[j][i] =
-                                    _mm256_fmadd_ps(s1, p1, _mm256_fmadd_ps(s0, p0, acc[j][i]));
-                            }
-                        }
-                    }
-                    for j in 0..R {
-                        for i in 0..N {
-                            for (s, m) in mn[j].iter().enumerate() {
-                                off[j][i] += m * *xs[i].add(sb * 8 + s);
-                            }
-                        }
-                    }
-                }
+            // A function per type, so that Q4_K's loop carries no test for Q5_K's bits.
+            Kind::Q4K => {
+                let ptrs = TilePtrs { rp, qs, xd, xs };
+                scale_min_blocks::<D, R, N, false>(&ptrs, nb, &mut acc, &mut off);
+            }
+            Kind::Q5K => {
+                let ptrs = TilePtrs { rp, qs, xd, xs };
+                scale_min_blocks::<D, R, N, true>(&ptrs, nb, &mut acc, &mut off);
             }
             Kind::Q6K => {
                 for sb in 0..nb / 8 {
