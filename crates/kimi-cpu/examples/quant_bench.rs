@@ -24,10 +24,16 @@ fn main() {
         (DType::Q4_1, GgmlType::Q4_1),
         (DType::Q8_0, GgmlType::Q8_0),
         (DType::Q4_0, GgmlType::Q4_0),
+        (DType::Q5_0, GgmlType::Q5_0),
         (DType::Q4_K, GgmlType::Q4_K),
+        (DType::Q5_K, GgmlType::Q5_K),
+        (DType::Q6_K, GgmlType::Q6_K),
     ] {
         for (n, k, o) in [
             (1usize, 576usize, 1536usize),
+            (1, 1024, 4096),
+            (1, 4096, 1024),
+            (128, 1024, 4096),
             (1, 1536, 576),
             (1, 576, 49152),
             (4, 576, 1536),

@@ -475,7 +475,8 @@ mod tests {
     }
 
     /// Quantized weights multiply as their dequantized f32 values do (Q4_1 and Q8_0 are
-    /// the demo model's types; Q4_K covers the 256-value super-blocks).
+    /// the demo model's types; the K types cover the 256-value super-blocks), on the f32
+    /// path and, up to the activation rounding, on the integer one.
     #[test]
     fn quantized_weights_match_dequantized() {
         use kimi_core::DType;
@@ -490,8 +491,11 @@ mod tests {
         let xt = CpuTensor::f32(&[n, k], x.clone()).unwrap();
         for (dtype, ty) in [
             (DType::Q4_1, GgmlType::Q4_1),
+            (DType::Q5_0, GgmlType::Q5_0),
             (DType::Q8_0, GgmlType::Q8_0),
             (DType::Q4_K, GgmlType::Q4_K),
+            (DType::Q5_K, GgmlType::Q5_K),
+            (DType::Q6_K, GgmlType::Q6_K),
         ] {
             let bytes = kimi_gguf::quantize(ty, &w).unwrap();
             let wround = kimi_gguf::dequantize(ty, &bytes, w.len()).unwrap();
@@ -507,6 +511,14 @@ mod tests {
             let want = naive(&x, &wround, n, k, o);
             for (a, b) in y.iter().zip(&want) {
                 assert!((a - b).abs() < 1e-4, "{dtype}: {a} vs {b}");
+            }
+            // |x| ≤ 0.33, so int8 activations round by at most 0.33 / 254 per value.
+            assert!(int8_kind(&wt, INT8_MAX_TOKENS, QuantMatmul::Int8).is_some());
+            let y = matmul(&xt, &wt, QuantMatmul::Int8).unwrap().to_f32_vec();
+            for (i, (a, b)) in y.iter().zip(&want).enumerate() {
+                let row = &wround[(i % o) * k..(i % o + 1) * k];
+                let bound = row.iter().map(|v| v.abs()).sum::<f32>() * 0.33 / 254.0 + 1e-4;
+                assert!((a - b).abs() <= bound, "{dtype} int8: {a} vs {b}");
             }
             let emb = crate::norm::embedding(&wt, &[3, 0, 36])
                 .unwrap()

@@ -37,11 +37,19 @@ pub(crate) enum Kind {
     Q4_0,
     /// `d:f16 m:f16 | qs[16]`, `nibble * d + m`.
     Q4_1,
+    /// `d:f16 | qh:u32 | qs[16]`, `((nibble | bit_j(qh) << 4) - 16) * d`.
+    Q5_0,
     /// `d:f16 | qs:i8[32]`, `q * d`.
     Q8_0,
     /// 256-value super-blocks: `d:f16 dmin:f16 | scales[12] | qs[128]`,
     /// `d * sc_j * nibble - dmin * m_j` for sub-block `j` of 32.
     Q4K,
+    /// Q4_K with a fifth bit per value: `d:f16 dmin:f16 | scales[12] | qh[32] | qs[128]`,
+    /// `d * sc_j * (nibble | bit_j(qh[l]) << 4) - dmin * m_j` for value `l` of sub-block `j`.
+    Q5K,
+    /// 256-value super-blocks of 16 sub-blocks of 16: `ql[128] | qh[64] | scales:i8[16] |
+    /// d:f16`, `d * scales[s] * (q - 32)` with 6-bit `q` (see [`q6k_level`]).
+    Q6K,
 }
 
 impl Kind {
@@ -50,8 +58,11 @@ impl Kind {
         Some(match dtype {
             DType::Q4_0 => Kind::Q4_0,
             DType::Q4_1 => Kind::Q4_1,
+            DType::Q5_0 => Kind::Q5_0,
             DType::Q8_0 => Kind::Q8_0,
             DType::Q4_K => Kind::Q4K,
+            DType::Q5_K => Kind::Q5K,
+            DType::Q6_K => Kind::Q6K,
             _ => return None,
         })
     }
@@ -59,8 +70,8 @@ impl Kind {
     /// Values per weight block.
     pub(crate) fn block_values(self) -> usize {
         match self {
-            Kind::Q4K => 256,
-            _ => QK,
+            Kind::Q4K | Kind::Q5K | Kind::Q6K => 256,
+            Kind::Q4_0 | Kind::Q4_1 | Kind::Q5_0 | Kind::Q8_0 => QK,
         }
     }
 
@@ -69,8 +80,11 @@ impl Kind {
         match self {
             Kind::Q4_0 => 18,
             Kind::Q4_1 => 20,
+            Kind::Q5_0 => 22,
             Kind::Q8_0 => 34,
             Kind::Q4K => 144,
+            Kind::Q5K => 176,
+            Kind::Q6K => 210,
         }
     }
 
@@ -81,8 +95,8 @@ impl Kind {
 }
 
 /// Activation rows `[n, k]` quantized to int8 blocks of [`QK`]: value ≈ `q * d`.
-/// `sum = d * Σq` per block lets a weight's constant term (Q4_0's −8, Q4_1's min, Q4_K's
-/// mins) be applied once per block instead of once per value.
+/// `sum = d * Σq` per block lets a weight's constant term (Q4_0's −8, Q5_0's −16, Q4_1's
+/// min, Q4_K's and Q5_K's mins) be applied once per block instead of once per value.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Q8Acts {
     /// Tokens.
@@ -266,6 +280,26 @@ fn q4k_scale_min(j: usize, scales: &[u8]) -> (u8, u8) {
     }
 }
 
+/// Level `j` (0..32) of a Q5_0 block's packed bytes `qs[16]` and high bits `qh`: the nibble
+/// (low for `j < 16`, high for the rest) with bit `j` of `qh` on top, in `0..32`.
+#[inline(always)]
+fn q5_0_level(qs: &[u8], qh: u32, j: usize) -> u8 {
+    let nibble = if j < 16 { qs[j] & 0xF } else { qs[j - 16] >> 4 };
+    nibble | (((qh >> j) & 1) as u8) << 4
+}
+
+/// Value `i` (0..256) of a Q6_K super-block, `q - 32` in `-32..32`. Half `h` of 128 values
+/// keeps its low nibbles in `ql[64h..64h + 64]` and top bit pairs in `qh[32h..32h + 32]`:
+/// value `128h + 32k + l` has the low (`k < 2`) or high nibble of `ql[64h + 32(k % 2) + l]`
+/// and bits `2k..2k + 2` of `qh[32h + l]`.
+#[inline(always)]
+fn q6k_level(blk: &[u8], i: usize) -> i8 {
+    let (h, k, l) = (i / 128, i % 128 / 32, i % 32);
+    let low = (blk[64 * h + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0xF;
+    let high = (blk[128 + 32 * h + l] >> (2 * k)) & 3;
+    (low | high << 4) as i8 - 32
+}
+
 /// The portable kernels: the reference the SIMD variants are tested against.
 mod scalar {
     use super::*;
@@ -294,7 +328,7 @@ mod scalar {
         };
         let (mut acc, mut offset) = (0f32, 0f32);
         match kind {
-            Kind::Q4_0 | Kind::Q4_1 | Kind::Q8_0 => {
+            Kind::Q4_0 | Kind::Q4_1 | Kind::Q5_0 | Kind::Q8_0 => {
                 let bb = kind.block_bytes();
                 for (b, blk) in row.chunks_exact(bb).enumerate() {
                     let q = &qs[b * QK..(b + 1) * QK];
@@ -306,20 +340,30 @@ mod scalar {
                             .map(|(&w, &v)| i32::from(w as i8) * i32::from(v))
                             .sum(),
                         Kind::Q4_0 => nibble_dot(&blk[2..], q),
+                        Kind::Q5_0 => {
+                            let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                            (0..QK)
+                                .map(|j| i32::from(q5_0_level(&blk[6..], qh, j)) * i32::from(q[j]))
+                                .sum()
+                        }
                         _ => nibble_dot(&blk[4..], q),
                     };
                     acc += dw * xd[b] * dot as f32;
                     match kind {
                         Kind::Q4_0 => offset += -8.0 * dw * xs[b],
+                        Kind::Q5_0 => offset += -16.0 * dw * xs[b],
                         Kind::Q4_1 => offset += f16_at(blk, 2) * xs[b],
                         _ => {}
                     }
                 }
             }
-            Kind::Q4K => {
-                for (sb, blk) in row.chunks_exact(144).enumerate() {
+            Kind::Q4K | Kind::Q5K => {
+                let five = kind == Kind::Q5K;
+                for (sb, blk) in row.chunks_exact(kind.block_bytes()).enumerate() {
                     let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
-                    let (scales, nibs) = (&blk[4..16], &blk[16..]);
+                    // Q5_K's 32 bytes of fifth bits sit between the scales and the nibbles.
+                    let (scales, qh) = (&blk[4..16], &blk[16..48]);
+                    let nibs = &blk[if five { 48 } else { 16 }..];
                     for j in 0..8 {
                         let (sc, m) = q4k_scale_min(j, scales);
                         let b = sb * 8 + j;
@@ -328,13 +372,38 @@ mod scalar {
                         let dot: i32 = half
                             .iter()
                             .zip(q)
-                            .map(|(&v, &x)| {
+                            .enumerate()
+                            .map(|(l, (&v, &x))| {
                                 let v = if j % 2 == 0 { v & 0xF } else { v >> 4 };
+                                let v = if five { v | ((qh[l] >> j) & 1) << 4 } else { v };
                                 i32::from(v) * i32::from(x)
                             })
                             .sum();
                         acc += d * f32::from(sc) * xd[b] * dot as f32;
                         offset += -dmin * f32::from(m) * xs[b];
+                    }
+                }
+            }
+            Kind::Q6K => {
+                for (sb, blk) in row.chunks_exact(210).enumerate() {
+                    let d = f16_at(blk, 208);
+                    for j in 0..8 {
+                        let b = sb * 8 + j;
+                        let q = &qs[b * QK..(b + 1) * QK];
+                        // Two 16-value sub-blocks, scales[2j] and scales[2j + 1]: the
+                        // integer dot of the block is exact (|Σ| < 2^24).
+                        let dot: i32 = (0..2)
+                            .map(|s| {
+                                let sc = i32::from(blk[192 + 2 * j + s] as i8);
+                                let part: i32 = (16 * s..16 * s + 16)
+                                    .map(|l| {
+                                        i32::from(q6k_level(blk, 32 * j + l)) * i32::from(q[l])
+                                    })
+                                    .sum();
+                                sc * part
+                            })
+                            .sum();
+                        acc += d * xd[b] * dot as f32;
                     }
                 }
             }

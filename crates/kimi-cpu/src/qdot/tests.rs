@@ -3,14 +3,25 @@ use kimi_gguf::GgmlType;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-const KINDS: [Kind; 4] = [Kind::Q4_0, Kind::Q4_1, Kind::Q8_0, Kind::Q4K];
+const KINDS: [Kind; 7] = [
+    Kind::Q4_0,
+    Kind::Q4_1,
+    Kind::Q5_0,
+    Kind::Q8_0,
+    Kind::Q4K,
+    Kind::Q5K,
+    Kind::Q6K,
+];
 
 fn ggml(kind: Kind) -> GgmlType {
     match kind {
         Kind::Q4_0 => GgmlType::Q4_0,
         Kind::Q4_1 => GgmlType::Q4_1,
+        Kind::Q5_0 => GgmlType::Q5_0,
         Kind::Q8_0 => GgmlType::Q8_0,
         Kind::Q4K => GgmlType::Q4_K,
+        Kind::Q5K => GgmlType::Q5_K,
+        Kind::Q6K => GgmlType::Q6_K,
     }
 }
 
@@ -21,8 +32,8 @@ fn f16_bits(v: f32) -> [u8; 2] {
 /// Column counts per kind: one block, a few, and the demo model's 576 / 1536.
 fn widths(kind: Kind) -> &'static [usize] {
     match kind {
-        Kind::Q4K => &[256, 512, 1536],
-        _ => &[32, 96, 576, 1536],
+        Kind::Q4K | Kind::Q5K | Kind::Q6K => &[256, 512, 1536],
+        Kind::Q4_0 | Kind::Q4_1 | Kind::Q5_0 | Kind::Q8_0 => &[32, 96, 128, 576, 1536],
     }
 }
 
@@ -78,16 +89,25 @@ fn exact_case(
     let mut w = vec![0u8; rows * kind.row_bytes(k)];
     for blk in w.chunks_exact_mut(kind.block_bytes()) {
         rng.fill(blk);
-        blk[..2].copy_from_slice(&f16_bits(pow2(rng, -2, -1)));
         match kind {
-            Kind::Q4_1 => blk[2..4].copy_from_slice(&f16_bits(pow2(rng, -2, -1))),
-            Kind::Q4K => blk[2..4].copy_from_slice(&f16_bits(pow2(rng, -2, -1))),
+            Kind::Q4_1 | Kind::Q4K | Kind::Q5K => {
+                blk[..2].copy_from_slice(&f16_bits(pow2(rng, -2, -1)));
+                blk[2..4].copy_from_slice(&f16_bits(pow2(rng, -2, -1)));
+            }
             Kind::Q8_0 => {
+                blk[..2].copy_from_slice(&f16_bits(pow2(rng, -2, -1)));
                 for q in &mut blk[2..] {
                     *q = (rng.random_range(-4i8..=4)) as u8;
                 }
             }
-            Kind::Q4_0 => {}
+            Kind::Q4_0 | Kind::Q5_0 => blk[..2].copy_from_slice(&f16_bits(pow2(rng, -2, -1))),
+            Kind::Q6K => {
+                // Small scales of both signs keep every partial sum exact in f32.
+                for sc in &mut blk[192..208] {
+                    *sc = (rng.random_range(-8i8..=8)) as u8;
+                }
+                blk[208..].copy_from_slice(&f16_bits(pow2(rng, -2, -1)));
+            }
         }
     }
     let nb = k / QK;
@@ -231,7 +251,9 @@ fn the_best_variant_is_one_of_the_available_ones() {
     assert_eq!(all[0], Isa::Scalar);
     assert_eq!(Isa::best(), *all.last().expect("scalar at least"));
     assert_eq!(Kind::of(DType::Q4_K), Some(Kind::Q4K));
-    assert_eq!(Kind::of(DType::Q6_K), None);
+    assert_eq!(Kind::of(DType::Q6_K), Some(Kind::Q6K));
+    assert_eq!(Kind::of(DType::Q5_1), None);
+    assert_eq!(Kind::Q6K.row_bytes(512), 2 * 210);
     assert_eq!(Kind::Q4_1.row_bytes(576), 18 * 20);
 }
 

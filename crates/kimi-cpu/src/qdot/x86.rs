@@ -124,6 +124,162 @@ unsafe fn hsum(v: __m256) -> f32 {
     }
 }
 
+/// Q5_0's high bits as bytes: byte `j` is `0x10` where bit `j` of `qh` is set, else 0.
+#[inline(always)]
+unsafe fn q5_0_high_bits(qh: u32) -> __m256i {
+    // SAFETY: AVX2 (caller); register-only operations.
+    unsafe {
+        // Byte j takes byte j / 8 of qh (each 128-bit lane holds all four), then tests its
+        // bit j % 8.
+        let sel = _mm256_set_epi64x(
+            0x0303_0303_0303_0303,
+            0x0202_0202_0202_0202,
+            0x0101_0101_0101_0101,
+            0,
+        );
+        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), sel);
+        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+        _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+    }
+}
+
+/// Bit `s` (< 8) of every byte of `qh`, moved to bit 4: Q5_K's fifth bits of sub-block `s`.
+#[inline(always)]
+unsafe fn fifth_bit(qh: __m256i, s: u32) -> __m256i {
+    // SAFETY: AVX2 (caller); register-only operations.
+    unsafe {
+        let bit = _mm256_set1_epi8((1u8 << s) as i8);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+        _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+    }
+}
+
+/// The 32 six-bit values `q` (0..64) of activation block `s` (0..8) of the Q6_K
+/// super-block at `blk` (layout in `qdot::q6k_level`), as bytes.
+///
+/// # Safety
+/// AVX2 (caller); `blk` points to a whole 210-byte block.
+#[inline(always)]
+unsafe fn q6k_levels(blk: *const u8, s: usize) -> __m256i {
+    let (h, k) = (s / 4, s % 4);
+    // SAFETY: both 32-byte loads lie in the block's ql[128] and qh[64].
+    unsafe {
+        let ql = _mm256_loadu_si256(blk.add(64 * h + 32 * (k % 2)).cast());
+        let qh = _mm256_loadu_si256(blk.add(128 + 32 * h).cast());
+        let m4 = _mm256_set1_epi8(0x0F);
+        let low = if k < 2 {
+            _mm256_and_si256(ql, m4)
+        } else {
+            _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4)
+        };
+        // Bits 2k..2k + 2 of each byte to bits 4..6; the 16-bit shifts carry bits across
+        // bytes only into positions the mask drops.
+        let high = match k {
+            0 => _mm256_slli_epi16(qh, 4),
+            1 => _mm256_slli_epi16(qh, 2),
+            2 => qh,
+            _ => _mm256_srli_epi16(qh, 2),
+        };
+        _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x30)))
+    }
+}
+
+/// Activation block `s`'s two Q6_K sub-block scales as `madd` operands: `all` holds the
+/// 16 scales as i16; the result has `scales[2s]` in the low eight 16-bit lanes (values
+/// 0..16) and `scales[2s + 1]` in the high ones.
+#[inline(always)]
+unsafe fn q6k_block_scales(all: __m256i, s: usize) -> __m256i {
+    // SAFETY: AVX2 (caller); register-only operations.
+    unsafe {
+        // Every 32-bit lane gets the pair (scales[2s], scales[2s + 1]), then each 128-bit
+        // half keeps one of the two.
+        let pair = _mm256_permutevar8x32_epi32(all, _mm256_set1_epi32(s as i32));
+        let pick = _mm256_setr_epi8(
+            0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, //
+            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3,
+        );
+        _mm256_shuffle_epi8(pair, pick)
+    }
+}
+
+/// The row, token, scale and sum pointers of a tile (see [`tile`]).
+struct TilePtrs<const R: usize, const N: usize> {
+    rp: [*const u8; R],
+    qs: [*const i8; N],
+    xd: [*const f32; N],
+    xs: [*const f32; N],
+}
+
+/// Q4_K (`FIVE` false) or Q5_K super-blocks of a tile: 8 sub-blocks of 32 with 6-bit
+/// scales and mins, the mins applied through the activation block sums.
+///
+/// # Safety
+/// As [`tile`], whose pointers `t` holds.
+#[inline(always)]
+unsafe fn scale_min_blocks<D: I8Dot, const R: usize, const N: usize, const FIVE: bool>(
+    t: &TilePtrs<R, N>,
+    nb: usize,
+    acc: &mut [[__m256; N]; R],
+    off: &mut [[f32; N]; R],
+) {
+    let TilePtrs { rp, qs, xd, xs } = t;
+    // SAFETY: as in `tile`: every pointer offset stays inside its row, token or block.
+    unsafe {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let (bb, qo) = if FIVE { (176, 48) } else { (144, 16) };
+        for sb in 0..nb / 8 {
+            let mut sc = [[0f32; 8]; R];
+            let mut mn = [[0f32; 8]; R];
+            for j in 0..R {
+                let blk = rp[j].add(sb * bb);
+                let dd = f16_pair(blk);
+                let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
+                let scales = std::slice::from_raw_parts(blk.add(4), 12);
+                for s in 0..8 {
+                    let (q, m) = q4k_scale_min(s, scales);
+                    sc[j][s] = d * f32::from(q);
+                    mn[j][s] = -dmin * f32::from(m);
+                }
+            }
+            for pair in 0..4 {
+                let b = sb * 8 + 2 * pair;
+                let x0: [__m256i; N] =
+                    std::array::from_fn(|i| _mm256_loadu_si256(qs[i].add(b * QK).cast()));
+                let x1: [__m256i; N] =
+                    std::array::from_fn(|i| _mm256_loadu_si256(qs[i].add((b + 1) * QK).cast()));
+                for j in 0..R {
+                    let blk = rp[j].add(sb * bb);
+                    // 32 bytes: low nibbles are sub-block 2·pair, high ones 2·pair + 1.
+                    let q = _mm256_loadu_si256(blk.add(qo + 32 * pair).cast());
+                    let mut lo = _mm256_and_si256(q, m4);
+                    let mut hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                    if FIVE {
+                        // Bit s of qh[l] is the fifth bit of value l of sub-block s.
+                        let qh = _mm256_loadu_si256(blk.add(16).cast());
+                        lo = _mm256_or_si256(lo, fifth_bit(qh, 2 * pair as u32));
+                        hi = _mm256_or_si256(hi, fifth_bit(qh, 2 * pair as u32 + 1));
+                    }
+                    for i in 0..N {
+                        let p0 = _mm256_cvtepi32_ps(D::dot(lo, x0[i]));
+                        let p1 = _mm256_cvtepi32_ps(D::dot(hi, x1[i]));
+                        let s0 = _mm256_set1_ps(sc[j][2 * pair] * *xd[i].add(b));
+                        let s1 = _mm256_set1_ps(sc[j][2 * pair + 1] * *xd[i].add(b + 1));
+                        acc[j][i] = _mm256_fmadd_ps(s1, p1, _mm256_fmadd_ps(s0, p0, acc[j][i]));
+                    }
+                }
+            }
+            for j in 0..R {
+                for i in 0..N {
+                    for (s, m) in mn[j].iter().enumerate() {
+                        off[j][i] += m * *xs[i].add(sb * 8 + s);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// `out[(r0 + j) * n + t0 + i] = row r0 + j · token t0 + i` for `j < R`, `i < N`.
 ///
 /// # Safety
@@ -144,9 +300,9 @@ unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
     // SAFETY (for every pointer offset below): rows r0 + j < rows lie inside `w`; token
     // t0 + i < x.n, so its `k` values and `nb` scales and sums lie inside `x.qs`, `x.d`
     // and `x.sum`; block `b < nb` of a row lies inside that row (a whole row of `nb`
-    // 32-value blocks, or `nb / 8` Q4_K super-blocks), and every load below stays within
-    // its block (the f16 pair loads read a block's first four bytes; Q8_0 and Q4_0 blocks
-    // have at least 18).
+    // 32-value blocks, or `nb / 8` super-blocks), and every load below stays within its
+    // block (the f16 pair loads read four bytes of a block of at least 18; Q6_K's ends at
+    // the block's last byte).
     let rp: [*const u8; R] = std::array::from_fn(|j| unsafe { w.as_ptr().add((r0 + j) * rb) });
     let qs: [*const i8; N] = std::array::from_fn(|i| unsafe { x.qs.as_ptr().add((t0 + i) * x.k) });
     let xd: [*const f32; N] = std::array::from_fn(|i| unsafe { x.d.as_ptr().add((t0 + i) * nb) });
@@ -186,6 +342,30 @@ unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
                     }
                 }
             }
+            // Q4_0's loop with the fifth bits and a -16 offset; an arm of its own keeps
+            // the Q4 loops free of per-block type tests.
+            Kind::Q5_0 => {
+                for b in 0..nb {
+                    let xv: [__m256i; N] =
+                        std::array::from_fn(|i| _mm256_loadu_si256(qs[i].add(b * QK).cast()));
+                    let xdb: [f32; N] = std::array::from_fn(|i| *xd[i].add(b));
+                    let xsb: [f32; N] = std::array::from_fn(|i| *xs[i].add(b));
+                    for j in 0..R {
+                        let blk = rp[j].add(b * 22);
+                        let dw = _mm_cvtss_f32(f16_pair(blk));
+                        let qh = u32::from_le(std::ptr::read_unaligned(blk.add(2).cast::<u32>()));
+                        let nib = _mm_loadu_si128(blk.add(6).cast());
+                        let wv =
+                            _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), m4);
+                        let wv = _mm256_or_si256(wv, q5_0_high_bits(qh));
+                        for i in 0..N {
+                            let p = _mm256_cvtepi32_ps(D::dot(wv, xv[i]));
+                            acc[j][i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xdb[i]), p, acc[j][i]);
+                            off[j][i] += -16.0 * dw * xsb[i];
+                        }
+                    }
+                }
+            }
             Kind::Q8_0 => {
                 for b in 0..nb {
                     let xv: [__m256i; N] =
@@ -204,47 +384,44 @@ unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
                     }
                 }
             }
+            // A function per type, so that Q4_K's loop carries no test for Q5_K's bits.
             Kind::Q4K => {
+                let ptrs = TilePtrs { rp, qs, xd, xs };
+                scale_min_blocks::<D, R, N, false>(&ptrs, nb, &mut acc, &mut off);
+            }
+            Kind::Q5K => {
+                let ptrs = TilePtrs { rp, qs, xd, xs };
+                scale_min_blocks::<D, R, N, true>(&ptrs, nb, &mut acc, &mut off);
+            }
+            Kind::Q6K => {
                 for sb in 0..nb / 8 {
-                    let mut sc = [[0f32; 8]; R];
-                    let mut mn = [[0f32; 8]; R];
+                    let mut dq = [0f32; R];
+                    let mut scales = [_mm256_setzero_si256(); R];
                     for j in 0..R {
-                        let blk = rp[j].add(sb * 144);
-                        let dd = f16_pair(blk);
-                        let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
-                        let scales = std::slice::from_raw_parts(blk.add(4), 12);
-                        for s in 0..8 {
-                            let (q, m) = q4k_scale_min(s, scales);
-                            sc[j][s] = d * f32::from(q);
-                            mn[j][s] = -dmin * f32::from(m);
-                        }
+                        let blk = rp[j].add(sb * 210);
+                        // `d` is the block's last two bytes: read the pair that ends there.
+                        dq[j] = _mm_cvtss_f32(_mm_movehdup_ps(f16_pair(blk.add(206))));
+                        scales[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(192).cast()));
                     }
-                    for pair in 0..4 {
-                        let b = sb * 8 + 2 * pair;
-                        let x0: [__m256i; N] =
+                    for s in 0..8 {
+                        let b = sb * 8 + s;
+                        let xv: [__m256i; N] =
                             std::array::from_fn(|i| _mm256_loadu_si256(qs[i].add(b * QK).cast()));
-                        let x1: [__m256i; N] = std::array::from_fn(|i| {
-                            _mm256_loadu_si256(qs[i].add((b + 1) * QK).cast())
+                        // 32·x in pair sums, the part of (q - 32)·x every row shares.
+                        let x32: [__m256i; N] = std::array::from_fn(|i| {
+                            _mm256_maddubs_epi16(_mm256_set1_epi8(32), xv[i])
                         });
+                        let xdb: [f32; N] = std::array::from_fn(|i| *xd[i].add(b));
                         for j in 0..R {
-                            // 32 bytes: low nibbles are sub-block 2·pair, high ones 2·pair + 1.
-                            let q = _mm256_loadu_si256(rp[j].add(sb * 144 + 16 + 32 * pair).cast());
-                            let lo = _mm256_and_si256(q, m4);
-                            let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                            let q = q6k_levels(rp[j].add(sb * 210), s);
+                            let sc = q6k_block_scales(scales[j], s);
                             for i in 0..N {
-                                let p0 = _mm256_cvtepi32_ps(D::dot(lo, x0[i]));
-                                let p1 = _mm256_cvtepi32_ps(D::dot(hi, x1[i]));
-                                let s0 = _mm256_set1_ps(sc[j][2 * pair] * *xd[i].add(b));
-                                let s1 = _mm256_set1_ps(sc[j][2 * pair + 1] * *xd[i].add(b + 1));
+                                // Pair sums of q·x (at most 2·63·127) less those of 32·x
+                                // (2·32·127): within i16, no saturation.
+                                let qx = _mm256_sub_epi16(_mm256_maddubs_epi16(q, xv[i]), x32[i]);
+                                let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(qx, sc));
                                 acc[j][i] =
-                                    _mm256_fmadd_ps(s1, p1, _mm256_fmadd_ps(s0, p0, acc[j][i]));
-                            }
-                        }
-                    }
-                    for j in 0..R {
-                        for i in 0..N {
-                            for (s, m) in mn[j].iter().enumerate() {
-                                off[j][i] += m * *xs[i].add(sb * 8 + s);
+                                    _mm256_fmadd_ps(_mm256_set1_ps(dq[j] * xdb[i]), p, acc[j][i]);
                             }
                         }
                     }
