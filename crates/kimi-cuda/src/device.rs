@@ -343,13 +343,13 @@ impl Device {
         self.graphs.lock().ok()?.last_recapture.clone()
     }
 
-    /// Turns CUDA graphs for recorded passes on or off.
     /// Turns programmatic dependent launch on or off for later launches (a captured graph
     /// whose launches differ is captured again).
     pub(crate) fn set_pdl(&self, on: bool) {
         self.pdl_on.store(on, Ordering::Relaxed);
     }
 
+    /// Turns CUDA graphs for recorded passes on or off.
     pub(crate) fn set_graphs(&self, on: bool) {
         self.graphs_on.store(on, Ordering::Relaxed);
     }

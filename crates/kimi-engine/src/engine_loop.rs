@@ -304,12 +304,7 @@ impl<B: Backend> EngineLoop<B> {
     fn take_greedy(&mut self, chunks: &[Chunk], tokens: &[u32]) {
         let sampling = chunks.iter().filter(|c| c.samples);
         for (chunk, &token) in sampling.zip(tokens) {
-            let sampled = Sampled {
-                token,
-                logprob: f32::NAN,
-                top_logprobs: Vec::new(),
-            };
-            if let Err(end) = self.sample_one(chunk.id, Pick::Chosen(sampled)) {
+            if let Err(end) = self.sample_one(chunk.id, Pick::Chosen(Sampled::greedy(token))) {
                 self.finish(chunk.id, end);
             }
         }

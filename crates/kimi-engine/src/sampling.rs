@@ -174,6 +174,17 @@ pub struct Sampled {
     pub top_logprobs: Vec<(TokenId, f32)>,
 }
 
+impl Sampled {
+    /// A greedy pick reported without logprobs (`logprob` NaN: not computed).
+    pub fn greedy(token: TokenId) -> Self {
+        Sampled {
+            token,
+            logprob: f32::NAN,
+            top_logprobs: Vec::new(),
+        }
+    }
+}
+
 /// Logits are summed in blocks of this many tokens; the block sums let an unfiltered draw
 /// find its token without a second pass over the whole vocabulary.
 const BLOCK_TOKENS: usize = 1024;
@@ -298,11 +309,7 @@ impl Sampler {
             };
         }
         if self.temperature == 0.0 && !self.wants_logprob {
-            return Sampled {
-                token: best,
-                logprob: f32::NAN,
-                top_logprobs: Vec::new(),
-            };
+            return Sampled::greedy(best);
         }
         // Leaves the temperature-1 block sums in `block_sums` for `draw` to reuse.
         let total = exp_block_sums(logits, max, 1.0, &mut self.block_sums);
