@@ -39,8 +39,13 @@ pub enum ModelInfo {
 macro_rules! with_backend {
     ($args:expr, |$b:ident| $body:expr) => {{
         let (device, int8_matmul) = ($args.device, $args.int8_matmul);
+        #[cfg(feature = "cuda")]
+        let bf16_activations = $args.bf16_activations;
         match device {
             $crate::args::Device::Cpu => {
+                if $args.bf16_activations {
+                    anyhow::bail!("--bf16-activations applies to --device cuda only");
+                }
                 let $b = kimi_cpu::CpuBackend::with_quant_matmul(if int8_matmul {
                     kimi_cpu::QuantMatmul::Int8
                 } else {
@@ -52,6 +57,9 @@ macro_rules! with_backend {
             $crate::args::Device::Cuda(ordinal) => {
                 let $b = kimi_cuda::CudaBackend::new(ordinal)
                     .map_err(|e| anyhow::anyhow!("cannot start CUDA device {ordinal}: {e}"))?;
+                if bf16_activations {
+                    $b.set_gemm_precision(kimi_cuda::GemmPrecision::Half);
+                }
                 $body
             }
             #[cfg(not(feature = "cuda"))]

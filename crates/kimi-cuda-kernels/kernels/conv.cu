@@ -23,6 +23,46 @@ extern "C" __global__ void short_conv_silu(const float* x, const void* w, int wd
   }
 }
 
+// The same for a fixed width: thread (channel, run of CONV_RUN tokens) keeps the last W-1
+// inputs in registers, so every input is read once and the weights once per run. Grid
+// (ceil(C / blockDim.x), ceil(len / CONV_RUN)); sums in the order of short_conv_silu.
+#define CONV_RUN 16
+template <int W>
+__device__ __forceinline__ void conv_runs(const float* x, const void* w, int wdt,
+                                          const float* state, float* out, int start, int len,
+                                          int C) {
+  const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+  const int t0 = blockIdx.y * CONV_RUN;
+  if (ch >= C || t0 >= len) return;
+  float wk[W], hist[W - 1];
+#pragma unroll
+  for (int j = 0; j < W; ++j) wk[j] = ld(w, (size_t)ch * W + j, wdt);
+#pragma unroll
+  for (int j = 0; j < W - 1; ++j) hist[j] = conv_input(x, state, start, t0 - (W - 1) + j, ch, C, W);
+  const int t1 = min(len, t0 + CONV_RUN);
+  for (int t = t0; t < t1; ++t) {
+    const float xin = x[(size_t)(start + t) * C + ch];
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < W - 1; ++j) acc += wk[j] * hist[j];
+    acc += wk[W - 1] * xin;
+#pragma unroll
+    for (int j = 0; j + 1 < W - 1; ++j) hist[j] = hist[j + 1];
+    hist[W - 2] = xin;
+    out[(size_t)(start + t) * C + ch] = acc * sigmoidf_(acc);
+  }
+}
+#define CONV_RUNS_KERNEL(W)                                                                    \
+  extern "C" __global__ void short_conv_silu_w##W(const float* x, const void* w, int wdt,     \
+                                                  const float* state, float* out, int start, \
+                                                  int len, int C) {                          \
+    pdl_enter();                                                                             \
+    conv_runs<W>(x, w, wdt, state, out, start, len, C);                                      \
+  }
+CONV_RUNS_KERNEL(2)
+CONV_RUNS_KERNEL(3)
+CONV_RUNS_KERNEL(4)
+
 // next_state = the last W-1 inputs (old state, then the segment's rows).
 extern "C" __global__ void short_conv_state(const float* x, const float* state,
                                             float* next_state, int start, int len, int C, int W) {

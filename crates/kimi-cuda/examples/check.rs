@@ -23,12 +23,15 @@
 //!    profiler range, for `ncu --profile-from-start off` (`scripts/cuda/ncu_summary.py`).
 //! 9. With `gemv-bench` (only when named): the small-batch bf16 GEMV kernels at the 48B
 //!    model's decode shapes, streaming from HBM, with and without programmatic launch.
+//! 10. With `moe-bench` (only when named): one MoE layer of the 48B model (256 experts,
+//!     top-8, hidden 2304, expert width 1024) at prefill sizes, both grouped expert GEMMs
+//!     and both precisions, against the single-stage kernel's output.
 //!
 //! Part 3 starts by decoding 40 steps at batch 1, 8 and 64 twice, through CUDA graphs and
 //! op by op, and requires the logits to be bit-identical.
 //!
 //! Usage: `check [ops] [kda-ops] [fixtures] [big N_TOKENS] [profile] [mla-bench] [kda-bench]
-//! [tune] [gemv-bench] [ncu-step]`
+//! [tune] [gemv-bench] [ncu-step] [moe-bench]`
 //! (default: 1-3, 1000 tokens).
 
 use std::collections::HashSet;
@@ -69,6 +72,7 @@ fn main() {
         ("profile", false, Box::new(profile_big)),
         ("tune", false, Box::new(tune)),
         ("gemv-bench", false, Box::new(gemv_bench)),
+        ("moe-bench", false, Box::new(moe_bench)),
         ("ncu-step", false, Box::new(ncu_step)),
         ("kda-bench", false, Box::new(kda_bench)),
         (
@@ -511,6 +515,73 @@ fn tune() -> Res<()> {
         println!("last recapture: {why}");
     }
     check_graphs(&model, &[1, 8, 64])
+}
+
+/// One 48B-shaped MoE layer at prefill sizes: each grouped expert GEMM (the pipelined
+/// `moe_mma_*` and the single-stage `moe_grouped_mma`) in both precisions, synchronised
+/// wall time of the whole op (routing, shared expert and combine included) and the routed
+/// experts' useful TFLOP/s; outputs compared with the single-stage kernel in Split.
+fn moe_bench() -> Res<()> {
+    println!("== MoE layer: 256 experts top-8 (groups 1), hidden 2304, width 1024, bf16 weights");
+    let be = CudaBackend::new(0)?;
+    println!("device: {}", be.name());
+    let (d, inter, e, top_k) = (2304usize, 1024usize, 256usize, 8usize);
+    let mut r = op_cases::Rng(11);
+    let router = op_cases::weight(
+        &be,
+        &[e, d],
+        &r.vec(e * d, (d as f32).powf(-0.5)),
+        DType::BF16,
+    )?;
+    let experts = (0..e)
+        .map(|_| op_cases::mlp_weights(&be, &mut r, d, inter))
+        .collect::<Res<Vec<_>>>()?;
+    let shared = Some(op_cases::mlp_weights(&be, &mut r, d, inter)?);
+    let w = MoeWeights {
+        router,
+        correction_bias: Some(be.upload_f32(&[e], &r.vec(e, 0.1))?),
+        experts,
+        shared,
+    };
+    let routing = MoeRouting {
+        top_k,
+        num_groups: 1,
+        topk_group: 1,
+        renormalize: true,
+        scaling: 2.5,
+        weights_use_bias: false,
+    };
+    for n in [1024usize, 8192] {
+        let x = be.upload_f32(&[n, d], &r.vec(n * d, 1.0))?;
+        let flops = (n * top_k * 3 * d * inter * 2) as f64;
+        be.set_gemm_precision(GemmPrecision::Split);
+        be.set_moe_grouped_variant(1);
+        let reference = be.to_f32(&be.moe(&x, &w, &routing)?.0)?;
+        for (label, variant) in [("single-stage", 1usize), ("pipelined   ", 0)] {
+            for prec in [GemmPrecision::Split, GemmPrecision::Half] {
+                be.set_moe_grouped_variant(variant);
+                be.set_gemm_precision(prec);
+                let y = be.to_f32(&be.moe(&x, &w, &routing)?.0)?;
+                let err = rel_err(&y, &reference);
+                let reps = 5;
+                be.synchronize()?;
+                let t0 = Instant::now();
+                for _ in 0..reps {
+                    be.moe(&x, &w, &routing)?;
+                }
+                be.synchronize()?;
+                let ms = t0.elapsed().as_secs_f64() * 1e3 / reps as f64;
+                println!(
+                    "moe n={n:<5} {label} {prec:?}: {ms:.3} ms = {:.0} TFLOP/s routed (useful), rel err vs single-stage Split {err:.2e}",
+                    flops / ms * 1e-9
+                );
+                let _ = std::io::stdout().flush();
+            }
+        }
+    }
+    be.set_gemm_precision(GemmPrecision::Split);
+    be.set_moe_grouped_variant(0);
+    Ok(())
 }
 
 /// The small-batch bf16 GEMV at the 48B model's decode shapes, inside a replayed pass (as in

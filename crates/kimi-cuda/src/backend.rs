@@ -34,6 +34,16 @@ pub enum GemmPrecision {
     Half,
 }
 
+/// Device lists of a MoE layer's routed pairs grouped by expert (`moe_lists`).
+struct PairLists {
+    /// `u32 [E + 1]` start of each expert's pairs.
+    offsets: u64,
+    /// `u32 [P]` pair number (token * top_k + j) at each sorted position.
+    slots: u64,
+    experts: usize,
+    top_k: usize,
+}
+
 /// The CUDA backend on one GPU. See the crate documentation for its precision.
 pub struct CudaBackend {
     dev: Device,
@@ -46,12 +56,26 @@ pub struct CudaBackend {
 }
 
 /// Up to this many tokens, routed experts run as fused GEMV kernels over all (token, expert)
-/// pairs; above it, as one cuBLAS SwiGLU per chosen expert.
-const FUSED_MOE_MAX_TOKENS: usize = 64;
+/// pairs; above it, as grouped tensor-core GEMMs. `KIMI_CUDA_FUSED_MOE_MAX_TOKENS`
+/// overrides it (for measurements).
+fn fused_moe_max_tokens() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        std::env::var("KIMI_CUDA_FUSED_MOE_MAX_TOKENS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(64)
+    })
+}
 
 /// Up to this many rows, Split-precision GEMMs against bf16 weights run as an f32-product
 /// GEMV kernel (`kernels/gemv.cu`) instead of split + cuBLAS + sum.
 const GEMV_MAX_ROWS: usize = 8;
+
+/// From this many rows, a Split-precision GEMM runs as two accumulating GEMMs (hi, then
+/// lo) instead of one of twice the rows plus a summing pass: the weight is read twice, which
+/// costs little once the product is compute-bound, and the [2n, o] intermediate goes away.
+const SPLIT_ACCUMULATE_MIN_ROWS: usize = 512;
 
 fn shape_err(op: &'static str, detail: String) -> Error {
     Error::Shape { op, detail }
@@ -129,6 +153,12 @@ impl CudaBackend {
     /// Forces the routed-expert GEMV's 16-row blocks per CTA (0 = automatic), for tuning.
     pub fn set_moe_row_blocks(&self, n: usize) {
         ops::moe::set_row_blocks(n);
+    }
+
+    /// Picks the grouped expert GEMM of many-token MoE layers: 0 = automatic (pipelined
+    /// `moe_mma_*`), 1 = the single-stage `moe_grouped_mma`. For comparison.
+    pub fn set_moe_grouped_variant(&self, v: usize) {
+        ops::moe::set_grouped_variant(v);
     }
 
     /// Why a pass's existing CUDA graph was last captured again instead of patched.
@@ -259,10 +289,23 @@ impl CudaBackend {
             unsafe { ops::gemm::gemm(&self.dev, xh.ptr(), w.ptr(), ab, y.ptr(), n, k, o)? };
             return Ok(y);
         }
-        // Rows [0,n) = hi, [n,2n) = lo; one GEMM of 2n rows reads the weight once.
+        // Rows [0,n) = hi, [n,2n) = lo.
         let xs = self.empty(&[2 * n, k], w.dtype, op)?;
         // SAFETY: x holds n*k f32 and xs 2*n*k halves.
         unsafe { ops::elementwise::binary(&self.dev, op, split, x.ptr(), xs.ptr(), n * k)? };
+        if n >= SPLIT_ACCUMULATE_MIN_ROWS {
+            // Many rows (prefill): y = hi·wᵀ, then y += lo·wᵀ (cuBLAS's beta = 1), no
+            // [2n, o] intermediate and no summing pass.
+            let lo = xs.ptr() + (n * k * 2) as u64;
+            // SAFETY: both halves of xs are [n,k] of dtype `ab` like w [o,k]; y [n,o] f32
+            // holds the first product before the second adds to it.
+            unsafe {
+                ops::gemm::gemm_into(&self.dev, xs.ptr(), w.ptr(), ab, y.ptr(), n, k, o, false)?;
+                ops::gemm::gemm_into(&self.dev, lo, w.ptr(), ab, y.ptr(), n, k, o, true)?;
+            }
+            return Ok(y);
+        }
+        // Few rows (decode batches): one GEMM of 2n rows reads the weight once.
         let y2 = self.empty(&[2 * n, o], DType::F32, op)?;
         // SAFETY: xs [2n,k] and w [o,k] share dtype `ab`; y2 [2n,o] f32.
         unsafe { ops::gemm::gemm(&self.dev, xs.ptr(), w.ptr(), ab, y2.ptr(), 2 * n, k, o)? };
@@ -295,7 +338,7 @@ impl CudaBackend {
     }
 
     /// `(intermediate, weight dtype code)` when the routed experts can take the fused
-    /// device path: at most [`FUSED_MOE_MAX_TOKENS`] tokens and every expert's gate/up
+    /// device path: at most [`fused_moe_max_tokens`] tokens and every expert's gate/up
     /// `[inter, d]` and down `[d, inter]` of one dtype.
     fn fused_moe_shape(
         &self,
@@ -303,7 +346,7 @@ impl CudaBackend {
         d: usize,
         n: usize,
     ) -> Option<(usize, i32)> {
-        if n > FUSED_MOE_MAX_TOKENS {
+        if n > fused_moe_max_tokens() {
             return None;
         }
         let first = w.experts.first()?;
@@ -373,6 +416,80 @@ impl CudaBackend {
                         .all(|t| t.dtype == DType::BF16)
             });
         ok.then_some(inter)
+    }
+
+    /// Routed experts of many tokens on the pipelined tensor-core kernels: the hidden
+    /// states become bf16 rows once (hi and lo terms when `split`), gate/up writes the
+    /// SwiGLU rows in sorted pair order as bf16, down reads them contiguously. Returns the
+    /// f32 expert outputs `[p, d]` in pair order.
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_moe_pipelined(
+        &self,
+        x: &CudaTensor,
+        table: u64,
+        split: bool,
+        lists: &PairLists,
+        n: usize,
+        d: usize,
+        inter: usize,
+    ) -> Result<CudaTensor> {
+        const OP: &str = "moe";
+        let p = n * lists.top_k;
+        let terms = if split { 2 } else { 1 };
+        let xs = self.empty(&[terms * n, d], DType::BF16, OP)?;
+        let kernel = if split {
+            "split_f32_bf16"
+        } else {
+            "cast_f32_bf16"
+        };
+        // SAFETY: x holds n*d f32 and xs terms*n*d bf16.
+        unsafe { ops::elementwise::binary(&self.dev, OP, kernel, x.ptr(), xs.ptr(), n * d)? };
+        let h = self.empty(&[terms * p, inter], DType::BF16, OP)?;
+        let y = self.empty(&[p, d], DType::F32, OP)?;
+        let bm = ops::moe::mma_tile_rows(p, lists.experts);
+        // SAFETY: the caller checked (grouped_moe_shape) bf16 gate/up [inter, d] and down
+        // [d, inter] for every expert, 16-byte aligned, d % 64 == 0 and inter % 64 == 0;
+        // xs holds n token rows (+ n lo rows at n*d), h p pair rows (+ p lo rows at
+        // p*inter), y p rows of d f32; offsets/slots come from `lists` for p pairs.
+        unsafe {
+            ops::moe::grouped_mma_pipelined(
+                &self.dev,
+                table,
+                true,
+                split,
+                xs.ptr(),
+                n * d,
+                lists.top_k,
+                lists.offsets,
+                lists.slots,
+                lists.experts,
+                h.ptr(),
+                p * inter,
+                p,
+                inter,
+                d,
+                bm,
+            )?;
+            ops::moe::grouped_mma_pipelined(
+                &self.dev,
+                table,
+                false,
+                split,
+                h.ptr(),
+                p * inter,
+                lists.top_k,
+                lists.offsets,
+                lists.slots,
+                lists.experts,
+                y.ptr(),
+                0,
+                p,
+                d,
+                inter,
+                bm,
+            )?;
+        }
+        Ok(y)
     }
 
     /// The device table of every expert's (gate, up, down) addresses, uploaded once per
@@ -926,8 +1043,19 @@ impl Backend for CudaBackend {
         }
         if let Some(inter) = self.grouped_moe_shape(w, d) {
             let (table, aligned) = self.expert_table(w)?;
+            let split = self.gemm_precision() == GemmPrecision::Split;
+            if aligned && ops::moe::pipelined_grouped() {
+                let lists = PairLists {
+                    offsets: offsets_ptr,
+                    slots: slots_ptr,
+                    experts: e,
+                    top_k: k,
+                };
+                let y = self.grouped_moe_pipelined(x, table, split, &lists, n, d, inter)?;
+                drop((offsets, slots, rows, wsel));
+                return self.combine_routed(&y, &wts_dev, ids_dev, shared_out, n, d, k);
+            }
             if aligned && x.ptr().is_multiple_of(16) {
-                let split = self.gemm_precision() == GemmPrecision::Split;
                 let h = self.empty(&[p, inter], DType::F32, OP)?;
                 let y = self.empty(&[p, d], DType::F32, OP)?;
                 // SAFETY: grouped_moe_shape checked bf16 gate/up [inter, d] and down

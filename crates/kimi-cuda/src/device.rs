@@ -24,6 +24,10 @@ const BIG_SMEM_KERNELS: &[&str] = &[
     "mla_decode_partial",
     "mla_decode_partial_vec",
     "moe_route",
+    "moe_mma_64_half",
+    "moe_mma_64_split",
+    "moe_mma_128_half",
+    "moe_mma_128_split",
     "kda_chunk_prep_64",
     "kda_chunk_prep_128",
     "kda_chunk_state_64",
@@ -53,7 +57,16 @@ const KERNELS: &[(&str, &[&str])] = &[
             "argmax_rows",
         ],
     ),
-    ("conv", &["short_conv_silu", "short_conv_state"]),
+    (
+        "conv",
+        &[
+            "short_conv_silu",
+            "short_conv_silu_w2",
+            "short_conv_silu_w3",
+            "short_conv_silu_w4",
+            "short_conv_state",
+        ],
+    ),
     (
         "gemv",
         &[
@@ -99,7 +112,16 @@ const KERNELS: &[(&str, &[&str])] = &[
         "moe",
         &["moe_route", "moe_lists", "moe_expert_gemv", "moe_combine"],
     ),
-    ("moe_gemm", &["moe_grouped_mma"]),
+    (
+        "moe_gemm",
+        &[
+            "moe_grouped_mma",
+            "moe_mma_64_half",
+            "moe_mma_64_split",
+            "moe_mma_128_half",
+            "moe_mma_128_split",
+        ],
+    ),
 ];
 
 /// Bytes of the pass arena (`buffer.rs`) unless `KIMI_CUDA_GRAPH_ARENA_MB` says otherwise:

@@ -75,7 +75,7 @@ pub(crate) struct KernelOp {
     pub(crate) args: Args,
 }
 
-/// `y [n, o] = x [n, k] · w [o, k]ᵀ` through cuBLAS (see `ops/gemm.rs`).
+/// `y [n, o] (+)= x [n, k] · w [o, k]ᵀ` through cuBLAS (see `ops/gemm.rs`).
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) struct GemmOp {
     pub(crate) x: u64,
@@ -85,6 +85,8 @@ pub(crate) struct GemmOp {
     pub(crate) n: usize,
     pub(crate) k: usize,
     pub(crate) o: usize,
+    /// Add to `y` instead of overwriting it.
+    pub(crate) accumulate: bool,
 }
 
 /// One unit of device work of a pass.
@@ -163,7 +165,7 @@ pub(crate) unsafe fn issue(
             .result()
         }
         Op::Gemm(g) => {
-            let (alpha, beta) = (1.0f32, 0.0f32);
+            let (alpha, beta) = (1.0f32, if g.accumulate { 1.0f32 } else { 0.0 });
             // SAFETY: the caller's contract (see `ops::gemm::gemm` for the layout).
             unsafe {
                 gemm_ex(

@@ -28,6 +28,26 @@ pub(crate) unsafe fn gemm(
     k: usize,
     o: usize,
 ) -> Result<()> {
+    // SAFETY: the caller's contract.
+    unsafe { gemm_into(dev, x, w, ab, y, n, k, o, false) }
+}
+
+/// `y = x·wᵀ`, or `y += x·wᵀ` when `accumulate`; otherwise as [`gemm`].
+///
+/// # Safety
+/// As [`gemm`]; with `accumulate`, `y` holds initialised values.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_into(
+    dev: &Device,
+    x: u64,
+    w: u64,
+    ab: cudaDataType,
+    y: u64,
+    n: usize,
+    k: usize,
+    o: usize,
+    accumulate: bool,
+) -> Result<()> {
     if n == 0 || o == 0 {
         return Ok(());
     }
@@ -39,6 +59,7 @@ pub(crate) unsafe fn gemm(
         n,
         k,
         o,
+        accumulate,
     });
     // SAFETY: the caller's contract (issued by `graph::issue`, or recorded for it).
     unsafe { dev.submit(op) }.op("matmul")

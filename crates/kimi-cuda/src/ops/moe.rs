@@ -229,3 +229,92 @@ pub(crate) unsafe fn grouped_mma(
     unsafe { b.launch(grid(((n_out / 64) as u32, tiles as u32, 1), 128, 0)) }.op("moe")?;
     Ok(())
 }
+
+/// Which grouped expert GEMM prefill uses: 0 = automatic (the pipelined `moe_mma_*`),
+/// 1 = the older single-stage `moe_grouped_mma`. For comparison (`check tune`).
+static GROUPED_VARIANT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Chooses the grouped expert GEMM (0 = automatic, 1 = `moe_grouped_mma`).
+pub(crate) fn set_grouped_variant(v: usize) {
+    GROUPED_VARIANT.store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether prefill takes the pipelined `moe_mma_*` kernels.
+pub(crate) fn pipelined_grouped() -> bool {
+    GROUPED_VARIANT.load(std::sync::atomic::Ordering::Relaxed) != 1
+}
+
+/// Pairs per tile of the pipelined grouped GEMM: 128 once experts get ~100 pairs on
+/// average, else 64 (fewer padded rows in the last tile of each expert).
+pub(crate) fn mma_tile_rows(p: usize, e: usize) -> usize {
+    if p >= 96 * e.max(1) {
+        128
+    } else {
+        64
+    }
+}
+
+/// Dynamic shared memory of `moe_mma_{bm}_*` (`moe_mma_smem_bytes` in `kernels/moe_gemm.cu`).
+pub(crate) fn mma_smem_bytes(bm: usize) -> usize {
+    const BN: usize = 128;
+    const LDS: usize = 40;
+    const STAGES: usize = 3;
+    (STAGES * (2 * bm + BN) * LDS * 2).max(bm * (BN + 4) * 4)
+}
+
+/// One projection of every routed pair with the pipelined tensor-core kernel
+/// (`moe_mma_*` in `kernels/moe_gemm.cu`).
+///
+/// `glu`: gate/up of the hidden states `a` (bf16 rows per token, the lo terms `a_lo`
+/// elements further when `split`) into `out` = bf16 `h` rows in sorted pair order (lo terms
+/// `out_lo` elements further); `n_out` = intermediate, `k` = hidden. Otherwise the down
+/// projection of those `h` rows into f32 `out [p, n_out]` in pair order.
+///
+/// # Safety
+/// `wtab` holds `3 * e` addresses of 16-byte aligned bf16 weights (gate and up
+/// `[n_out, k]` when `glu`, down `[n_out, k]` otherwise); `a` holds the rows described
+/// above (`n` tokens or `p` pairs of `k` bf16, twice when `split`); `offsets`/`slots` come
+/// from [`lists`] for `p` pairs; `out` holds `p * n_out` bf16 (twice when `split`) for
+/// `glu`, else `p * n_out` f32; `k % 32 == 0`, `n_out % 64 == 0`; `bm` is 64 or 128.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn grouped_mma_pipelined(
+    dev: &Device,
+    wtab: u64,
+    glu: bool,
+    split: bool,
+    a: u64,
+    a_lo: usize,
+    top_k: usize,
+    offsets: u64,
+    slots: u64,
+    e: usize,
+    out: u64,
+    out_lo: usize,
+    p: usize,
+    n_out: usize,
+    k: usize,
+    bm: usize,
+) -> Result<()> {
+    let name = match (bm, split) {
+        (128, true) => "moe_mma_128_split",
+        (128, false) => "moe_mma_128_half",
+        (_, true) => "moe_mma_64_split",
+        (_, false) => "moe_mma_64_half",
+    };
+    let bm = if bm == 128 { 128 } else { 64 };
+    let (g, ki, ei) = (glu as i32, top_k as i32, e as i32);
+    let (ni, kk) = (n_out as i32, k as i32);
+    let (alo, olo) = (a_lo as u64, out_lo as u64);
+    let mut b = dev.kernel("moe", name)?;
+    b.arg(&wtab).arg(&g).arg(&a).arg(&alo).arg(&ki);
+    b.arg(&offsets).arg(&slots).arg(&ei).arg(&out).arg(&olo);
+    b.arg(&ni).arg(&kk);
+    // Each expert with pairs has at most one partial tile: an upper bound on the tiles,
+    // known without reading the counts back; CTAs past the last tile exit at once.
+    let tiles = p.div_ceil(bm) + e.min(p);
+    let cols = if glu { n_out / 64 } else { n_out.div_ceil(128) };
+    let smem = mma_smem_bytes(bm) as u32;
+    // SAFETY: see the function's contract; the kernel opts in to `smem` bytes at load.
+    unsafe { b.launch(grid((cols as u32, tiles as u32, 1), 256, smem)) }.op("moe")?;
+    Ok(())
+}

@@ -742,6 +742,10 @@ pub fn cases() -> Vec<(String, Case)> {
             case!(|b| op_matmul(b, 77, 2304, 512, DType::BF16)),
         ),
         (
+            "matmul bf16 600x512->136 (two accumulating GEMMs)".into(),
+            case!(|b| op_matmul(b, 600, 512, 136, DType::BF16)),
+        ),
+        (
             "matmul 8x256x301 bf16 (gemv)".into(),
             case!(|b| op_matmul(b, 8, 256, 301, DType::BF16)),
         ),
@@ -799,6 +803,10 @@ pub fn cases() -> Vec<(String, Case)> {
             case!(|b| op_conv(b, 96, 4)),
         ),
         ("short_conv c=40 w=3".into(), case!(|b| op_conv(b, 40, 3))),
+        (
+            "short_conv c=33 w=5 (generic kernel)".into(),
+            case!(|b| op_conv(b, 33, 5)),
+        ),
         (
             "kda_gate softplus 4x32".into(),
             case!(|b| op_gate(b, 4, 32, KdaGate::Softplus)),
