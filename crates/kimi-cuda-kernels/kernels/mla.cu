@@ -5,6 +5,8 @@
 // * Expanded (prefill): flash attention per (64-query tile, head) over the decompressed
 //   kv [total, H*(dn+dv)] (k_nope ‖ v per head) and the k_pe columns of a contiguous
 //   [total, lw] latent view. Online softmax, K/V tiles in shared memory, any length.
+//   `mla_flash_prefill_mma` does the same on bf16 tensor cores (128-query tiles) where the
+//   widths allow, with hi + lo operands for near-f32 results.
 // * Absorbed (decode, small segments): q_lat = W_ukᵀ q_nope per (token, head)
 //   (`mla_q_absorb`), split-KV attention of 32 query rows (token, head) over chunks of
 //   latent rows (`mla_decode_partial`, all heads of a token share each latent row read),
