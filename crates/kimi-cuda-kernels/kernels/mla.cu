@@ -5,6 +5,8 @@
 // * Expanded (prefill): flash attention per (64-query tile, head) over the decompressed
 //   kv [total, H*(dn+dv)] (k_nope ‖ v per head) and the k_pe columns of a contiguous
 //   [total, lw] latent view. Online softmax, K/V tiles in shared memory, any length.
+//   `mla_flash_prefill_mma` does the same on bf16 tensor cores (128-query tiles) where the
+//   widths allow, with hi + lo operands for near-f32 results.
 // * Absorbed (decode, small segments): q_lat = W_ukᵀ q_nope per (token, head)
 //   (`mla_q_absorb`), split-KV attention of 32 query rows (token, head) over chunks of
 //   latent rows (`mla_decode_partial`, all heads of a token share each latent row read),
@@ -284,6 +286,369 @@ extern "C" __global__ void __launch_bounds__(256, 1)
                           float scale_log2) {
   pdl_enter();
   flash_prefill<true>(q, cache, kv, out, past, len, H, r, dn, dr, dv, scale_log2);
+}
+
+// ---------------------------------------------------------------- expanded prefill on tensor cores
+
+// The same attention as flash_prefill with both products on bf16 tensor cores
+// (mma.sync m16n8k16, f32 accumulators). Each f32 operand x is held as hi = bf16(x) and,
+// with `split`, lo = bf16(x - hi); a product is then hi·hi + lo·hi + hi·lo (three MMAs),
+// which leaves ~2^-17 relative error per product (the dropped lo·lo and lo's own rounding)
+// instead of bf16's 2^-9. Softmax statistics and the output stay in f32 registers.
+namespace fm {
+// 8 warps of 16 query rows. Q (hi and lo) plus one K and one V tile take 184 KiB of shared
+// memory at dq = 192, dv = 128, so one CTA fills an SM whatever its size: 8 warps rather than
+// 4 keep more MMAs in flight per SM and halve the K/V reads and bf16 conversions per query.
+constexpr int BM = 128;  // queries per CTA
+constexpr int BN = 64;   // keys per tile
+constexpr int NT = 256;  // threads
+// float4s per thread of the next K / V tile held in registers while the current tile is
+// multiplied (16 threads per row, 4 rows of 16): K columns beyond 192 (dq > 192) are loaded
+// when stored instead; dv <= 128 always fits.
+constexpr int KPF = 12;
+constexpr int VPF = 8;
+}  // namespace fm
+
+// Dynamic shared memory of mla_flash_prefill_mma, in bytes: Q, K, V as hi and lo bf16 rows
+// padded by 8 elements (an odd number of 16-byte units per row, so ldmatrix's eight row
+// reads hit eight different bank groups).
+__host__ __device__ __forceinline__ size_t flash_mma_smem_bytes(int dq, int dv) {
+  return (size_t)4 * (fm::BM + fm::BN) * (dq + 8) + (size_t)4 * fm::BN * (dv + 8);
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+// c += a·b for one m16n8k16 tile (bf16 in, f32 accumulate).
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t bf2_bits(__nv_bfloat162 v) {
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+// (x, y) -> hi = bf16 pair (x in the low half), lo = bf16 pair of the remainders.
+__device__ __forceinline__ void split2(float x, float y, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+  const float2 hf = __bfloat1622float2(h);
+  hi = bf2_bits(h);
+  lo = bf2_bits(__floats2bfloat162_rn(x - hf.x, y - hf.y));
+}
+// Four floats to bf16 at hi (and their remainders at lo), 8 bytes each.
+template <bool SPLIT>
+__device__ __forceinline__ void st_split4(__nv_bfloat16* hi, __nv_bfloat16* lo, float4 v) {
+  uint32_t h0, l0, h1, l1;
+  split2(v.x, v.y, h0, l0);
+  split2(v.z, v.w, h1, l1);
+  *reinterpret_cast<uint2*>(hi) = make_uint2(h0, h1);
+  if constexpr (SPLIT) *reinterpret_cast<uint2*>(lo) = make_uint2(l0, l1);
+}
+
+// One (128-query tile, head); widths and pointers as mla_flash_prefill_mma requires.
+template <bool SPLIT>
+__device__ __forceinline__ void flash_prefill_mma(const float* __restrict__ q,
+                                                  const float* __restrict__ cache,
+                                                  const float* __restrict__ kv,
+                                                  float* __restrict__ out, int past, int len,
+                                                  int H, int r, int dn, int dr, int dv,
+                                                  float scale_log2) {
+  using namespace fm;
+  extern __shared__ __align__(16) float sm[];
+  const int dq = dn + dr, ldk = dq + 8, ldv = dv + 8;
+  const int lw = r + dr, ph = dn + dv, total = past + len;
+  __nv_bfloat16* Qh = reinterpret_cast<__nv_bfloat16*>(sm);  // [BM][ldk]
+  __nv_bfloat16* Ql = Qh + BM * ldk;                          // [BM][ldk]
+  __nv_bfloat16* Kh = Ql + BM * ldk;                          // [BN][ldk]
+  __nv_bfloat16* Kl = Kh + BN * ldk;                          // [BN][ldk]
+  __nv_bfloat16* Vh = Kl + BN * ldk;                          // [BN][ldv]
+  __nv_bfloat16* Vl = Vh + BN * ldv;                          // [BN][ldv]
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int h = blockIdx.y;
+  // Longest (last) query tiles first: causal work grows with the tile index.
+  const int qt0 = (gridDim.x - 1 - blockIdx.x) * BM;
+  // Loader layout: 16 threads per row, each a float4 column in every 16.
+  const int cl = tid & 15, rg = tid >> 4;
+
+  const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
+  // K row s (zero past the end): k_nope(s, h) ‖ k_pe(s); col a multiple of 4.
+  auto k_at = [&](int s, int col) -> float4 {
+    if (s >= total) return zero4;
+    return col < dn ? ld4(kv + ((size_t)s * H + h) * ph + col)
+                    : ld4(cache + (size_t)s * lw + r + (col - dn));
+  };
+  auto v_at = [&](int s, int col) -> float4 {
+    if (s >= total) return zero4;
+    return ld4(kv + ((size_t)s * H + h) * ph + dn + col);
+  };
+  // Rows rg + 16i, float4 columns cl + 16jc of a key tile.
+  auto fetch_k = [&](int s0, float4 (&reg)[KPF]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int jc = 0; jc < 3; ++jc) {
+        const int col = (cl + 16 * jc) * 4;
+        reg[i * 3 + jc] = col < dq ? k_at(s0 + rg + 16 * i, col) : zero4;
+      }
+  };
+  auto put_k = [&](int s0, const float4 (&reg)[KPF]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = rg + 16 * i;
+#pragma unroll
+      for (int jc = 0; jc < 3; ++jc) {
+        const int col = (cl + 16 * jc) * 4;
+        const int at = row * ldk + col;
+        if (col < dq) st_split4<SPLIT>(Kh + at, Kl + at, reg[i * 3 + jc]);
+      }
+      const int col = (cl + 48) * 4, at = row * ldk + col;
+      if (col < dq) st_split4<SPLIT>(Kh + at, Kl + at, k_at(s0 + row, col));
+    }
+  };
+  auto fetch_v = [&](int s0, float4 (&reg)[VPF]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int jc = 0; jc < 2; ++jc) {
+        const int col = (cl + 16 * jc) * 4;
+        reg[i * 2 + jc] = col < dv ? v_at(s0 + rg + 16 * i, col) : zero4;
+      }
+  };
+  auto put_v = [&](const float4 (&reg)[VPF]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int jc = 0; jc < 2; ++jc) {
+        const int col = (cl + 16 * jc) * 4, at = (rg + 16 * i) * ldv + col;
+        if (col < dv) st_split4<SPLIT>(Vh + at, Vl + at, reg[i * 2 + jc]);
+      }
+  };
+
+  // Keys any row of this tile can see: s <= past + qt0 + BM - 1, s < total.
+  const int kv_end = min(total, past + qt0 + BM);
+  const int ntiles = (kv_end + BN - 1) / BN;
+  // This warp's rows qt0 + 16w .. +15: the last key any of them sees (rows past len see
+  // keys up to total - 1 at most, which the s < total test covers).
+  const int wrow0 = qt0 + 16 * w;
+  const bool has_rows = wrow0 < len;
+  const int wlast = past + wrow0 + 15;
+
+  // Prologue: K_0 and V_0 loads in flight while Q is converted.
+  float4 kreg[KPF], vreg[VPF];
+  fetch_k(0, kreg);
+  fetch_v(0, vreg);
+#pragma unroll 1
+  for (int i = 0; i < BM / 16; ++i) {
+    const int row = rg + 16 * i, t = qt0 + row;
+#pragma unroll
+    for (int jc = 0; jc < 4; ++jc) {
+      const int col = (cl + 16 * jc) * 4;
+      if (col < dq) {
+        const float4 x = t < len ? ld4(q + ((size_t)t * H + h) * dq + col) : zero4;
+        st_split4<SPLIT>(Qh + row * ldk + col, Ql + row * ldk + col, x);
+      }
+    }
+  }
+  put_k(0, kreg);
+  __syncthreads();
+
+  // ldmatrix lane addresses (bytes). A (Q rows, row-major): lanes 0-15 rows 0-15 at k 0,
+  // lanes 16-31 rows 0-15 at k 8 -> a0..a3. B of QKᵀ (K rows = n, k contiguous): lanes
+  // 0-7 keys 0-7 / k 0, 8-15 keys 0-7 / k 8, 16-23 keys 8-15 / k 0, 24-31 keys 8-15 / k 8 ->
+  // (b0, b1) of n-tiles 2np and 2np+1. B of P·V through .trans (V rows = k, n contiguous):
+  // lanes 0-7 keys 0-7 / cols 0-7, 8-15 keys 8-15 / cols 0-7, 16-23 keys 0-7 / cols 8-15,
+  // 24-31 keys 8-15 / cols 8-15 -> (b0, b1) of n-tiles 2np and 2np+1.
+  const uint32_t qa = smem_addr(Qh + (16 * w + (lane & 15)) * ldk + (lane >> 4) * 8);
+  const int l7 = lane & 7, l8 = (lane >> 3) & 1, l16 = lane >> 4;
+  const uint32_t ka = smem_addr(Kh + (l7 + 8 * l16) * ldk + 8 * l8);
+  const uint32_t va = smem_addr(Vh + (l7 + 8 * l8) * ldv + 8 * l16);
+  const uint32_t qlo = BM * ldk * 2, klo = BN * ldk * 2, vlo = BN * ldv * 2;  // hi -> lo
+
+  // Rows g and g + 8 of the warp's 16: running max (log2 domain), this thread's share of
+  // the running sum (its quad's four shares add up at the end) and O (n-tile, C fragment).
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float o[16][4];
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[nt][e] = 0.0f;
+
+  // Per tile j: S = Q K_jᵀ; V_j to shared memory; K_{j+1} loads issued; softmax; sync;
+  // O += P V_j; V_{j+1} loads issued; K_{j+1} to shared memory; sync. K_{j+1}'s loads are
+  // covered by P·V, V_{j+1}'s by the next QKᵀ. Ks is written only after the first sync
+  // (every warp done with S), Vs only after the previous tile's second (done with P·V).
+  for (int j = 0; j < ntiles; ++j) {
+    const int s0 = j * BN;
+    const bool active = has_rows && s0 <= wlast;
+    // Keys of this tile that any row of the warp sees (>= 1 when active: s0 < kv_end).
+    const int nvis = min(BN, min(total, wlast + 1) - s0);
+    float sacc[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sacc[nt][e] = 0.0f;
+    if (active) {
+      const int npairs = (nvis + 15) >> 4;
+#pragma unroll 1
+      for (int ks = 0; ks < dq / 16; ++ks) {
+        uint32_t ah[4], al[4];
+        ldsm_x4(ah, qa + ks * 32);
+        if constexpr (SPLIT) ldsm_x4(al, qa + qlo + ks * 32);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          if (np < npairs) {
+            const uint32_t kb = ka + (np * 16 * ldk + ks * 16) * 2;
+            uint32_t bh[4];
+            ldsm_x4(bh, kb);
+            mma16816(sacc[2 * np], ah, bh[0], bh[1]);
+            mma16816(sacc[2 * np + 1], ah, bh[2], bh[3]);
+            if constexpr (SPLIT) {
+              uint32_t bl[4];
+              ldsm_x4(bl, kb + klo);
+              mma16816(sacc[2 * np], al, bh[0], bh[1]);
+              mma16816(sacc[2 * np + 1], al, bh[2], bh[3]);
+              mma16816(sacc[2 * np], ah, bl[0], bl[1]);
+              mma16816(sacc[2 * np + 1], ah, bl[2], bl[3]);
+            }
+          }
+        }
+      }
+    }
+    put_v(vreg);
+    if (j + 1 < ntiles) fetch_k(s0 + BN, kreg);
+
+    // Online softmax. sacc[nt][2rr + e] is row g + 8rr, key s0 + 8nt + 2c + e; the C
+    // fragments of keys 16kk .. 16kk+15 (n-tiles 2kk, 2kk+1) are the A fragment of P·V.
+    uint32_t ph_[4][4], pl_[4][4];
+    if (active) {
+      // Every key of the tile visible to every row of the warp: no mask needed.
+      const bool full = s0 + BN - 1 <= past + wrow0 && s0 + BN <= total;
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float v = sacc[nt][2 * rr + e] * scale_log2;
+            if (!full) {
+              const int s = s0 + 8 * nt + 2 * c + e;
+              if (s > past + wrow0 + g + 8 * rr || s >= total) v = -INFINITY;
+            }
+            sacc[nt][2 * rr + e] = v;
+            mx[rr] = fmaxf(mx[rr], v);
+          }
+      float ref[2];
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
+        mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
+        const float mnew = fmaxf(m[rr], mx[rr]);
+        // A row with no visible key yet keeps m = -inf; exponents then use 0 (all p = 0).
+        ref[rr] = mnew == -INFINITY ? 0.0f : mnew;
+        const float alpha = exp2f(m[rr] - ref[rr]);
+        m[rr] = mnew;
+        l[rr] *= alpha;
+#pragma unroll
+        for (int nt = 0; nt < 16; ++nt) {
+          o[nt][2 * rr] *= alpha;
+          o[nt][2 * rr + 1] *= alpha;
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float p = exp2f(sacc[nt][e] - ref[e >> 1]);
+          l[e >> 1] += p;
+          sacc[nt][e] = p;
+        }
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        split2(sacc[2 * kk][0], sacc[2 * kk][1], ph_[kk][0], pl_[kk][0]);
+        split2(sacc[2 * kk][2], sacc[2 * kk][3], ph_[kk][1], pl_[kk][1]);
+        split2(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1], ph_[kk][2], pl_[kk][2]);
+        split2(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3], ph_[kk][3], pl_[kk][3]);
+      }
+    }
+    __syncthreads();  // V_j stored by every thread
+
+    if (active) {
+      const int ksteps = (nvis + 15) >> 4;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        if (kk < ksteps) {
+#pragma unroll
+          for (int np = 0; np < 8; ++np) {
+            if (np < dv / 16) {
+              const uint32_t vb = va + (kk * 16 * ldv + np * 16) * 2;
+              uint32_t bh[4];
+              ldsm_x4_t(bh, vb);
+              mma16816(o[2 * np], ph_[kk], bh[0], bh[1]);
+              mma16816(o[2 * np + 1], ph_[kk], bh[2], bh[3]);
+              if constexpr (SPLIT) {
+                uint32_t bl[4];
+                ldsm_x4_t(bl, vb + vlo);
+                mma16816(o[2 * np], pl_[kk], bh[0], bh[1]);
+                mma16816(o[2 * np + 1], pl_[kk], bh[2], bh[3]);
+                mma16816(o[2 * np], ph_[kk], bl[0], bl[1]);
+                mma16816(o[2 * np + 1], ph_[kk], bl[2], bl[3]);
+              }
+            }
+          }
+        }
+      }
+    }
+    if (j + 1 < ntiles) {
+      fetch_v(s0 + BN, vreg);
+      put_k(s0 + BN, kreg);
+      __syncthreads();  // K_{j+1} stored by every thread; every warp done with V_j
+    }
+  }
+
+  if (!has_rows) return;
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    float sum = l[rr];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int t = wrow0 + g + 8 * rr;
+    if (t >= len) continue;
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    float* orow = out + ((size_t)t * H + h) * dv + 2 * c;
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt)
+      if (nt < dv / 8)
+        *reinterpret_cast<float2*>(orow + 8 * nt) =
+            make_float2(o[nt][2 * rr] * inv, o[nt][2 * rr + 1] * inv);
+  }
+}
+
+// Grid (ceil(len / 128), H), block 256, dynamic shared memory flash_mma_smem_bytes(dn + dr,
+// dv). Arguments as mla_flash_prefill, plus split (1: hi/lo operands, near f32; 0: bf16).
+// Needs dn + dr and dv multiples of 16, dn, dr, r multiples of 4, dn + dr <= 256, dv <= 128
+// and 16-byte aligned pointers.
+extern "C" __global__ void __launch_bounds__(fm::NT, 1)
+    mla_flash_prefill_mma(const float* q, const float* cache, const float* kv, float* out,
+                          int past, int len, int H, int r, int dn, int dr, int dv,
+                          float scale_log2, int split) {
+  pdl_enter();
+  if (split)
+    flash_prefill_mma<true>(q, cache, kv, out, past, len, H, r, dn, dr, dv, scale_log2);
+  else
+    flash_prefill_mma<false>(q, cache, kv, out, past, len, H, r, dn, dr, dv, scale_log2);
 }
 
 // ---------------------------------------------------------------- absorbed (split-KV) decode

@@ -10,7 +10,8 @@
 //!
 //! 4. With `profile` (only when named): per-op device time of decode and 8K prefill.
 //! 5. With `mla-bench` (only when named): the MLA op alone on real dimensions: expanded
-//!    prefill of 8192 tokens, absorbed decode at contexts 1K/32K/128K for 1 and 64
+//!    prefill of 8192 tokens (the f32 and the tensor-core kernel, the op and the attention
+//!    kernel alone, with its error against the f32 kernel), absorbed decode at contexts 1K/32K/128K for 1 and 64
 //!    sequences, with the implied latent-read bandwidth.
 //! 6. With `kda-bench` (only when named): chunked KDA at T=8192 (H=32/64/96, D=128) and the
 //!    KDA decode step per layer (fused and composed, B=1 and 64), synchronised wall time.
@@ -1162,38 +1163,84 @@ fn mla_bench() -> Res<()> {
         start: 0,
         len: t_len,
     }];
-    let mut best = f64::INFINITY;
     let bs = 16usize;
     let table: Vec<u32> = (0..t_len.div_ceil(bs) as u32).collect();
     let mut pool = b.zeros(&[table.len(), bs, lw])?;
-    for _ in 0..4 {
-        b.synchronize()?;
-        let t0 = Instant::now();
-        let seqs = [PagedSeq {
-            block_table: &table,
-            num_cached: 0,
-        }];
-        let y = b.mla(
-            &q,
-            &lat,
-            &kvb,
-            &dims,
-            &seg,
-            &mut pool,
-            &seqs,
-            MlaMode::Expanded,
-        )?;
-        b.synchronize()?;
-        best = best.min(t0.elapsed().as_secs_f64());
-        drop(y);
-    }
     let flops = 2.0 * h as f64 * (t_len * (t_len + 1) / 2) as f64 * (dn + dr + dv) as f64;
-    println!(
-        "expanded prefill T={t_len}: {:.2} ms (best of 4) = {:.1} TFLOP/s causal attention (kv_b GEMM included in the time)",
-        best * 1e3,
-        flops / best / 1e12
-    );
-    let _ = std::io::stdout().flush();
+    for (label, variant) in [("f32 kernel", 1usize), ("auto (mma)", 0)] {
+        b.set_mla_prefill_variant(variant);
+        let mut best = f64::INFINITY;
+        for _ in 0..4 {
+            b.synchronize()?;
+            let t0 = Instant::now();
+            let seqs = [PagedSeq {
+                block_table: &table,
+                num_cached: 0,
+            }];
+            let y = b.mla(
+                &q,
+                &lat,
+                &kvb,
+                &dims,
+                &seg,
+                &mut pool,
+                &seqs,
+                MlaMode::Expanded,
+            )?;
+            b.synchronize()?;
+            best = best.min(t0.elapsed().as_secs_f64());
+            drop(y);
+        }
+        println!(
+            "expanded prefill T={t_len}, {label}, Split: {:.2} ms (best of 4) = {:.1} TFLOP/s causal attention (kv_b GEMM included in the time)",
+            best * 1e3,
+            flops / best / 1e12
+        );
+        let _ = std::io::stdout().flush();
+    }
+
+    // The attention kernel alone (no append, no kv_b GEMM) on random kv rows: the f32
+    // kernel, then the tensor-core kernel with hi+lo operands (Split) and bf16 (Half), each
+    // against the f32 kernel's output. q is scaled so that the softmax is not flat.
+    let qa = b.upload_f32(&[t_len, qw], &rng.vec(t_len * qw, 4.0))?;
+    let kv = b.upload_f32(
+        &[t_len, h * (dn + dv)],
+        &rng.vec(t_len * h * (dn + dv), 1.0),
+    )?;
+    let variants = [
+        ("f32 kernel", 1usize, GemmPrecision::Split),
+        ("mma Split", 0, GemmPrecision::Split),
+        ("mma Half", 0, GemmPrecision::Half),
+    ];
+    let mut reference: Vec<f32> = vec![];
+    for (label, variant, precision) in variants {
+        b.set_mla_prefill_variant(variant);
+        b.set_gemm_precision(precision);
+        let got = b.to_f32(&b.mla_expanded_attention(&qa, &lat, &kv, &dims, 0)?)?;
+        if reference.is_empty() {
+            reference = got.clone();
+        }
+        let err = rel_err(&got, &reference);
+        let nonfinite = got.iter().filter(|x| !x.is_finite()).count();
+        let secs = time_calls(&b, 1, 5, || {
+            drop(b.mla_expanded_attention(&qa, &lat, &kv, &dims, 0)?);
+            Ok(())
+        })?;
+        println!(
+            "attention kernel T={t_len} H={h}, {label:<10}: {:7.2} ms = {:6.1} TFLOP/s, rel err vs f32 kernel {err:.2e}{}",
+            secs * 1e3,
+            flops / secs / 1e12,
+            if nonfinite > 0 {
+                format!(" ({nonfinite} non-finite outputs!)")
+            } else {
+                String::new()
+            }
+        );
+        let _ = std::io::stdout().flush();
+    }
+    b.set_mla_prefill_variant(0);
+    b.set_gemm_precision(GemmPrecision::Split);
+    drop((qa, kv, reference));
 
     // Absorbed decode: `batch` sequences at context `ctx`, one new token each per call.
     for &batch in &[1usize, 64] {

@@ -150,6 +150,70 @@ impl CudaBackend {
         ops::gemm::set_gemv_variant(v);
     }
 
+    /// Picks the expanded-prefill MLA kernel: 0 = automatic (the bf16 tensor-core kernel
+    /// wherever it fits, with hi + lo operands under [`GemmPrecision::Split`]), 1 = the f32
+    /// CUDA-core kernel. Process-wide; `KIMI_CUDA_MLA_PREFILL=f32` makes 1 the default. For
+    /// comparison.
+    pub fn set_mla_prefill_variant(&self, v: usize) {
+        ops::mla::set_prefill_variant(v);
+    }
+
+    /// The expanded-prefill attention alone, for timing: `q [len, H*(dn+dr)]` attends over
+    /// `past + len` keys whose k_pe are columns `r..` of `rows [past+len, r+dr]` and whose
+    /// k_nope ‖ v per head are `kv [past+len, H*(dn+dv)]` (all f32), with the kernel chosen
+    /// by [`Self::set_mla_prefill_variant`] and [`Self::gemm_precision`]. Returns
+    /// `[len, H*dv]`.
+    pub fn mla_expanded_attention(
+        &self,
+        q: &CudaTensor,
+        rows: &CudaTensor,
+        kv: &CudaTensor,
+        dims: &MlaDims,
+        past: usize,
+    ) -> Result<CudaTensor> {
+        const OP: &str = "mla";
+        self.dev.enter(OP)?;
+        let (h, dn, dr, dv) = (
+            dims.num_heads,
+            dims.qk_nope_head_dim,
+            dims.qk_rope_head_dim,
+            dims.v_head_dim,
+        );
+        let (len, qw) = f32_rows(q, OP)?;
+        let total = past + len;
+        if qw != h * (dn + dr)
+            || f32_rows(rows, OP)? != (total, dims.kv_lora_rank + dr)
+            || f32_rows(kv, OP)? != (total, h * (dn + dv))
+        {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "q {:?}, rows {:?}, kv {:?} do not fit {dims:?} with {past} cached rows",
+                    q.shape, rows.shape, kv.shape
+                ),
+            ));
+        }
+        let out = self.zeroed(&[len, h * dv], OP)?;
+        let split = self.gemm_precision() == GemmPrecision::Split;
+        // SAFETY: shapes checked above: q holds len rows, rows/kv past+len rows of the
+        // widths the kernel reads, out len rows of H*dv f32.
+        unsafe {
+            ops::mla::expanded(
+                &self.dev,
+                q.ptr(),
+                rows.ptr(),
+                kv.ptr(),
+                out.ptr(),
+                past,
+                len,
+                dims,
+                split,
+                ops::mla::prefill_variant(),
+            )?
+        };
+        Ok(out)
+    }
+
     /// Forces the routed-expert GEMV's 16-row blocks per CTA (0 = automatic), for tuning.
     pub fn set_moe_row_blocks(&self, n: usize) {
         ops::moe::set_row_blocks(n);
@@ -1560,6 +1624,8 @@ impl Backend for CudaBackend {
         // Absorbed segments are attended together (split-KV over the pool through their
         // tables) after every sequence has its new rows; expanded ones one by one.
         let mut pieces = vec![];
+        let split = self.gemm_precision() == GemmPrecision::Split;
+        let variant = ops::mla::prefill_variant();
         for (i, (seg, seq)) in segments.iter().zip(seqs).enumerate() {
             if seg.len == 0 {
                 continue;
@@ -1606,6 +1672,8 @@ impl Backend for CudaBackend {
                     past,
                     seg.len,
                     dims,
+                    split,
+                    variant,
                 )?
             };
         }

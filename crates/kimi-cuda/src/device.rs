@@ -21,6 +21,7 @@ pub(crate) const MAX_DYNAMIC_SMEM_BYTES: u32 = 200 * 1024;
 const BIG_SMEM_KERNELS: &[&str] = &[
     "mla_flash_prefill",
     "mla_flash_prefill_vec",
+    "mla_flash_prefill_mma",
     "mla_decode_partial",
     "mla_decode_partial_vec",
     "moe_route",
@@ -99,6 +100,7 @@ const KERNELS: &[(&str, &[&str])] = &[
         &[
             "mla_flash_prefill",
             "mla_flash_prefill_vec",
+            "mla_flash_prefill_mma",
             "mla_q_absorb",
             "mla_decode_partial",
             "mla_decode_partial_vec",

@@ -13,7 +13,10 @@
 //! skips cuBLAS: with `Split`, GEMMs of at most 8 rows against bf16 weights run as an
 //! f32-product GEMV kernel, and the routed experts of at most 64 tokens run as fused GEMV
 //! kernels over every (token, expert) pair, grouped by expert on the device (bf16 weights
-//! read in f32, f32 accumulation), with no host round trip before the experts.
+//! read in f32, f32 accumulation), with no host round trip before the experts. MLA's
+//! expanded (prefill) attention runs on bf16 tensor cores as well: under `Split` Q, K, V and
+//! the probabilities enter as `hi + lo` pairs (three MMAs per product), under `Half` rounded
+//! once; softmax and accumulation stay f32.
 //!
 //! Without the `cuda` feature this crate is a stub: [`CudaBackend::new`] returns
 //! [`kimi_ops::Error::Unsupported`], and nothing CUDA is compiled or linked.

@@ -1,6 +1,8 @@
 //! Launchers of `kernels/mla.cu`: the flash-style expanded prefill and the split-KV
 //! absorbed decode (q absorb → partial attention per latent chunk → combine → W_uv).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use kimi_ops::{Error, MlaDims, Result};
 
 use crate::buffer::DevBuf;
@@ -9,6 +11,10 @@ use crate::error::OpContext;
 
 /// Queries per CTA of the flash prefill kernel.
 const FLASH_BM: usize = 64;
+/// Queries per CTA of the tensor-core prefill kernel (`fm::BM` in `mla.cu`).
+const MMA_BM: usize = 128;
+/// Keys per tile of the tensor-core prefill kernel (`fm::BN`).
+const MMA_BN: usize = 64;
 /// Query rows (token, head) per CTA of the decode kernel.
 const DECODE_ROWS: usize = 32;
 /// Latent rows per decode tile; chunk lengths are multiples of it.
@@ -36,6 +42,36 @@ fn smem_ld(w: usize) -> usize {
 
 fn flash_smem_bytes(dq: usize) -> usize {
     (2 * FLASH_BM * smem_ld(dq) + 64 * 128 + FLASH_BM * 68) * 4
+}
+
+/// `flash_mma_smem_bytes` of `mla.cu`: Q, K and V tiles as hi and lo bf16 rows of `d + 8`.
+fn mma_smem_bytes(dq: usize, dv: usize) -> usize {
+    4 * (MMA_BM + MMA_BN) * (dq + 8) + 4 * MMA_BN * (dv + 8)
+}
+
+/// Which kernel expanded prefill uses: 0 = automatic (the tensor-core
+/// `mla_flash_prefill_mma` wherever it fits, else the f32 kernel), 1 = always the f32
+/// `mla_flash_prefill[_vec]`. `usize::MAX` = not chosen yet: `KIMI_CUDA_MLA_PREFILL=f32`
+/// picks 1 on first use.
+static PREFILL_VARIANT: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// Sets [`PREFILL_VARIANT`] (for comparison and tests).
+pub(crate) fn set_prefill_variant(v: usize) {
+    PREFILL_VARIANT.store(v, Ordering::Relaxed);
+}
+
+/// The kernel choice of expanded prefill (see [`PREFILL_VARIANT`]).
+pub(crate) fn prefill_variant() -> usize {
+    let v = PREFILL_VARIANT.load(Ordering::Relaxed);
+    if v != usize::MAX {
+        return v;
+    }
+    let env = usize::from(std::env::var("KIMI_CUDA_MLA_PREFILL").is_ok_and(|s| s == "f32"));
+    // A concurrent `set_prefill_variant` wins over the environment.
+    match PREFILL_VARIANT.compare_exchange(usize::MAX, env, Ordering::Relaxed, Ordering::Relaxed) {
+        Ok(_) => env,
+        Err(set) => set,
+    }
 }
 
 fn decode_smem_bytes(lw: usize) -> usize {
@@ -71,6 +107,8 @@ fn to_i32(x: usize, what: &str) -> Result<i32> {
 }
 
 /// Expanded (prefill) attention of one segment: `len` queries over `past + len` keys.
+/// `variant` as [`PREFILL_VARIANT`]: 0 runs the tensor-core kernel where it fits (with
+/// `split`, its operands as bf16 hi + lo pairs, near f32; without, bf16), 1 the f32 kernel.
 ///
 /// # Safety
 /// `q` holds this segment's `len` rows of `H*(dn+dr)` f32, `cache` `past+len` contiguous
@@ -86,6 +124,8 @@ pub(crate) unsafe fn expanded(
     past: usize,
     len: usize,
     dims: &MlaDims,
+    split: bool,
+    variant: usize,
 ) -> Result<()> {
     if len == 0 {
         return Ok(());
@@ -107,16 +147,25 @@ pub(crate) unsafe fn expanded(
     .iter()
     .all(|d| d.is_multiple_of(4))
         && aligned(&[q, cache, kv, out]);
-    let name = if vec {
-        "mla_flash_prefill_vec"
+    let mma_smem = mma_smem_bytes(dq, dims.v_head_dim);
+    let mma = variant == 0
+        && vec
+        && dq.is_multiple_of(16)
+        && dims.v_head_dim.is_multiple_of(16)
+        && mma_smem <= MAX_DYNAMIC_SMEM_BYTES as usize;
+    let (name, bm, smem) = if mma {
+        ("mla_flash_prefill_mma", MMA_BM, mma_smem)
+    } else if vec {
+        ("mla_flash_prefill_vec", FLASH_BM, smem)
     } else {
-        "mla_flash_prefill"
+        ("mla_flash_prefill", FLASH_BM, smem)
     };
-    let tiles = u32::try_from(len.div_ceil(FLASH_BM))
+    let tiles = u32::try_from(len.div_ceil(bm))
         .map_err(|_| Error::Unsupported(format!("mla segment of {len} tokens")))?;
     let (p, n) = (to_i32(past, "past")?, to_i32(len, "len")?);
     to_i32(past + len, "context")?;
     let scale_log2 = dims.scale * std::f32::consts::LOG2_E;
+    let split = i32::from(split);
     let mut b = dev.kernel("mla", name)?;
     b.arg(&q).arg(&cache).arg(&kv).arg(&out).arg(&p).arg(&n);
     b.arg(&h)
@@ -125,10 +174,14 @@ pub(crate) unsafe fn expanded(
         .arg(&dr)
         .arg(&dv)
         .arg(&scale_log2);
+    if mma {
+        b.arg(&split);
+    }
     let cfg = grid((tiles, dims.num_heads as u32, 1), 256, smem as u32);
-    // SAFETY: grid (query tiles, H) × 256 threads with flash_smem_bytes(dn+dr) of dynamic
-    // shared memory (opted in at load), as the kernel expects; buffer sizes per the contract
-    // above; the vec variant only with widths % 4 == 0 and 16-byte aligned pointers.
+    // SAFETY: grid (query tiles of `bm`, H) × 256 threads with the chosen kernel's dynamic
+    // shared memory (opted in at load, within the limit), as the kernel expects; buffer sizes
+    // per the contract above; the vec and mma variants only with widths % 4 == 0 and 16-byte
+    // aligned pointers, mma only with dn+dr, dv % 16 == 0 (dn+dr <= 256, dv <= 128 above).
     unsafe { b.launch(cfg) }.op("mla")?;
     Ok(())
 }

@@ -616,6 +616,23 @@ pub fn op_mla_ctx<B: Backend>(
     steps: usize,
     seed: u64,
 ) -> Res<Vec<Vec<f32>>> {
+    let calls: Vec<Vec<usize>> = std::iter::once(lens.to_vec())
+        .chain((0..steps).map(|_| vec![1; past.len()]))
+        .collect();
+    op_mla_calls(b, dims, mode, dt, past, &calls, seed)
+}
+
+/// As [`op_mla_ctx`] with the calls spelled out: call `k` adds `calls[k][i]` tokens to
+/// sequence `i` (each call a segment per sequence).
+pub fn op_mla_calls<B: Backend>(
+    b: &B,
+    dims: MlaDims,
+    mode: MlaMode,
+    dt: DType,
+    past: &[usize],
+    calls: &[Vec<usize>],
+    seed: u64,
+) -> Res<Vec<Vec<f32>>> {
     let mut r = Rng(seed);
     let (h, rk, dn, dr, dv) = (
         dims.num_heads,
@@ -637,8 +654,12 @@ pub fn op_mla_ctx<B: Backend>(
     let bs = 16;
     let need: Vec<usize> = past
         .iter()
-        .zip(lens)
-        .map(|(&p, &l)| (p + l + steps).div_ceil(bs).max(1))
+        .enumerate()
+        .map(|(i, &p)| {
+            (p + calls.iter().map(|c| c[i]).sum::<usize>())
+                .div_ceil(bs)
+                .max(1)
+        })
         .collect();
     let num_blocks: usize = need.iter().sum();
     let seqs_n = past.len();
@@ -663,9 +684,6 @@ pub fn op_mla_ctx<B: Backend>(
     let mut pool = b.upload_f32(&[num_blocks, bs, lw], &host_pool)?;
     let mut cached: Vec<usize> = past.to_vec();
     let mut out = vec![];
-    let calls: Vec<Vec<usize>> = std::iter::once(lens.to_vec())
-        .chain((0..steps).map(|_| vec![1; past.len()]))
-        .collect();
     for lens in calls {
         let n: usize = lens.iter().sum();
         // q scaled up so that the softmax is not flat over long contexts.
@@ -673,7 +691,7 @@ pub fn op_mla_ctx<B: Backend>(
         let lat = b.upload_f32(&[n, lw], &r.vec(n * lw, 1.0))?;
         let mut segs = vec![];
         let mut start = 0;
-        for &l in &lens {
+        for &l in lens {
             segs.push(Segment { start, len: l });
             start += l;
         }
@@ -689,7 +707,7 @@ pub fn op_mla_ctx<B: Backend>(
             b,
             &b.mla(&q, &lat, &kvb, &dims, &segs, &mut pool, &seqs, mode)?,
         )?);
-        for (c, l) in cached.iter_mut().zip(&lens) {
+        for (c, l) in cached.iter_mut().zip(lens) {
             *c += l;
         }
     }
@@ -945,6 +963,38 @@ fn mla_cases() -> Vec<(String, Case)> {
             &[17, 130, 64],
             0,
             24
+        )),
+    ));
+    // The tensor-core prefill kernel (real head dims, 4 heads): a 200-token prompt (two
+    // 128-query tiles, the second partial), then 75 more tokens over 200 cached; and two
+    // sequences with cached rows, then a one-token and a 190-token Expanded call. Totals
+    // are not multiples of the 64-key tile.
+    let mma_mla = MlaDims {
+        num_heads: 4,
+        ..real_mla
+    };
+    v.push((
+        "mla prefill mma H=4 bf16 T=200 past 0, then T=75 past 200".into(),
+        case!(move |b| op_mla_calls(
+            b,
+            mma_mla,
+            MlaMode::Expanded,
+            DType::BF16,
+            &[0],
+            &[vec![200], vec![75]],
+            28
+        )),
+    ));
+    v.push((
+        "mla prefill mma H=4 bf16 T=130,61 past 37,0, then T=1,190".into(),
+        case!(move |b| op_mla_calls(
+            b,
+            mma_mla,
+            MlaMode::Expanded,
+            DType::BF16,
+            &[37, 0],
+            &[vec![130, 61], vec![1, 190]],
+            29
         )),
     ));
     // Absorbed decode: contexts 1, 100, 5000, 70000 (past the old shared-memory cap), one
