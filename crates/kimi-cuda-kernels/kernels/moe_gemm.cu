@@ -213,15 +213,18 @@ namespace mg {
 constexpr int BN = 128;      // weight rows per CTA
 constexpr int BK = 32;       // k per stage
 constexpr int LDS = BK + 8;  // bf16 row stride in smem: 80 bytes, ldmatrix conflict-free
-constexpr int STAGES = 3;
 constexpr int THREADS = 256;  // 8 warps: 2 (rows) x 4 (weight-row slices of 32)
 }  // namespace mg
 
+// Pipeline depth: 3 stages of 128-row tiles keep two CTAs per SM; 64-row tiles (small
+// groups, where streaming the weights is the bound) afford 4 with two CTAs per SM.
+__host__ __device__ constexpr int moe_mma_stages(int bm) { return bm == 128 ? 3 : 4; }
+
 __host__ __device__ constexpr size_t moe_mma_smem_bytes(int bm) {
   // Pipeline stages, or the f32 epilogue tile, whichever is larger.
-  return (size_t)mg::STAGES * (2 * bm + mg::BN) * mg::LDS * 2 >
+  return (size_t)moe_mma_stages(bm) * (2 * bm + mg::BN) * mg::LDS * 2 >
                  (size_t)bm * (mg::BN + 4) * 4
-             ? (size_t)mg::STAGES * (2 * bm + mg::BN) * mg::LDS * 2
+             ? (size_t)moe_mma_stages(bm) * (2 * bm + mg::BN) * mg::LDS * 2
              : (size_t)bm * (mg::BN + 4) * 4;
 }
 
@@ -283,6 +286,7 @@ __device__ __forceinline__ void moe_mma_tile(const uint64_t* wtab, int glu,
                                              int E, void* out, size_t out_lo, int N, int K) {
   using namespace mg;
   constexpr int MT = BM / 32;  // m16 tiles per warp (each warp: BM/2 rows x 32 weight rows)
+  constexpr int STAGES = moe_mma_stages(BM);
   extern __shared__ __align__(128) uint8_t smem_raw[];
   __nv_bfloat16* sm = reinterpret_cast<__nv_bfloat16*>(smem_raw);
   __shared__ int tile_expert, tile_row0;

@@ -258,8 +258,8 @@ pub(crate) fn mma_tile_rows(p: usize, e: usize) -> usize {
 pub(crate) fn mma_smem_bytes(bm: usize) -> usize {
     const BN: usize = 128;
     const LDS: usize = 40;
-    const STAGES: usize = 3;
-    (STAGES * (2 * bm + BN) * LDS * 2).max(bm * (BN + 4) * 4)
+    let stages = if bm == 128 { 3 } else { 4 };
+    (stages * (2 * bm + BN) * LDS * 2).max(bm * (BN + 4) * 4)
 }
 
 /// One projection of every routed pair with the pipelined tensor-core kernel
