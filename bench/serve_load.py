@@ -39,6 +39,7 @@ async def one(client, model, prompt, max_tokens, out):
     else:
         stream = await client.chat.completions.create(
             messages=[{"role": "user", "content": prompt}], **common)
+    accepted = time.perf_counter()  # the server has the request and answered with headers
     usage = None
     async for chunk in stream:
         if chunk.usage is not None:
@@ -53,8 +54,29 @@ async def one(client, model, prompt, max_tokens, out):
             tokens += 1
     end = time.perf_counter()
     n = usage.completion_tokens if usage is not None else tokens
-    out.append({"ttft": (first or end) - start, "e2e": end - start, "tokens": n,
+    out.append({"accepted": accepted, "ttft": (first or end) - start, "e2e": end - start, "tokens": n,
                 "tpot": (end - first) / (n - 1) if first is not None and n > 1 else None})
+
+
+ENGINE_COUNTERS = ("kimi:engine_steps_total", "kimi:engine_step_tokens_total",
+                   "kimi:engine_step_seconds_total")
+
+
+async def engine_counters(client):
+    """The server's engine-step counters from /metrics (empty if it has none)."""
+    url = str(client.base_url).rstrip("/")
+    url = url[: -len("/v1")] if url.endswith("/v1") else url
+    try:
+        r = await client._client.get(url + "/metrics")
+        values = {}
+        for line in r.text.splitlines():
+            name, _, value = line.rpartition(" ")
+            name = name.split("{")[0]
+            if name in ENGINE_COUNTERS:
+                values[name] = float(value)
+        return values
+    except Exception:
+        return {}
 
 
 async def level(client, model, concurrency, num_requests, max_tokens, prompt_words, prompt_ids,
@@ -73,9 +95,12 @@ async def level(client, model, concurrency, num_requests, max_tokens, prompt_wor
                 prompt = " ".join(f"word{(i * 7 + j) % 97}" for j in range(prompt_words))
             await one(client, model, prompt, max_tokens, results)
 
+    before = await engine_counters(client)
     start = time.perf_counter()
     await asyncio.gather(*(guarded(i) for i in range(num_requests)))
     wall = time.perf_counter() - start
+    after = await engine_counters(client)
+    steps = {k: after[k] - before[k] for k in after if k in before}
     total = sum(r["tokens"] for r in results)
     return {
         "concurrency": concurrency,
@@ -86,6 +111,8 @@ async def level(client, model, concurrency, num_requests, max_tokens, prompt_wor
         "ttft_secs": percentiles([r["ttft"] for r in results]),
         "tpot_secs": percentiles([r["tpot"] for r in results if r["tpot"] is not None]),
         "e2e_secs": percentiles([r["e2e"] for r in results]),
+        "accepted_offsets_secs": percentiles([r["accepted"] - start for r in results]),
+        "engine": steps,
     }
 
 
@@ -115,6 +142,14 @@ async def main():
               f"TTFT p50 {r['ttft_secs'].get('p50', 0)*1e3:7.1f} ms p99 {r['ttft_secs'].get('p99', 0)*1e3:7.1f} ms  "
               f"TPOT p50 {r['tpot_secs'].get('p50', 0)*1e3:6.1f} ms p99 {r['tpot_secs'].get('p99', 0)*1e3:6.1f} ms",
               flush=True)
+        e = r["engine"]
+        if e.get("kimi:engine_steps_total"):
+            steps = e["kimi:engine_steps_total"]
+            print(f"      engine: {steps:.0f} steps, "
+                  f"{e.get('kimi:engine_step_tokens_total', 0) / steps:.1f} tokens/step, "
+                  f"{e.get('kimi:engine_step_seconds_total', 0):.3f} s in passes of {r['wall_secs']:.3f} s; "
+                  f"requests accepted by {r['accepted_offsets_secs'].get('p50', 0)*1e3:.0f} ms (p50) / "
+                  f"{r['accepted_offsets_secs'].get('p99', 0)*1e3:.0f} ms (p99)", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -361,6 +361,7 @@ fn batched_throughput<B: Backend + 'static>(
     // first wave also pays one-time costs (CUDA graph captures per batch size).
     let mut best = 0.0f64;
     for _ in 0..a.repeats {
+        let before = handle.metrics();
         let start = Instant::now();
         let mut receivers = Vec::with_capacity(a.batch);
         for i in 0..a.batch {
@@ -391,7 +392,17 @@ fn batched_throughput<B: Backend + 'static>(
                 }
             }
         }
-        best = best.max(tokens as f64 / start.elapsed().as_secs_f64());
+        let wall = start.elapsed().as_secs_f64();
+        let after = handle.metrics();
+        let steps = after.steps_total - before.steps_total;
+        // How the wave was scheduled, comparable with a server's `kimi:engine_step*` counters.
+        println!(
+            "wave        {:.1} output tokens/s: {steps} steps, {:.1} tokens/step, {:.3} s in passes of {wall:.3} s",
+            tokens as f64 / wall,
+            (after.step_tokens_total - before.step_tokens_total) as f64 / steps.max(1) as f64,
+            after.step_seconds_total - before.step_seconds_total,
+        );
+        best = best.max(tokens as f64 / wall);
     }
     handle.shutdown(false);
     Ok(best)

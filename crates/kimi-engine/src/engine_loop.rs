@@ -235,7 +235,16 @@ impl<B: Backend> EngineLoop<B> {
                 .get(&c.id)
                 .is_some_and(|l| l.processor.is_none() && l.sampler.is_plain_greedy())
         });
-        match self.runner.execute(&plan.chunks, greedy) {
+        let started = Instant::now();
+        let result = self.runner.execute(&plan.chunks, greedy);
+        self.totals.steps_total += 1;
+        self.totals.step_tokens_total += plan
+            .chunks
+            .iter()
+            .map(|c| c.tokens.len() as u64)
+            .sum::<u64>();
+        self.totals.step_seconds_total += started.elapsed().as_secs_f64();
+        match result {
             Ok(out) => {
                 self.count_experts(&out.expert_counts);
                 if greedy {

@@ -125,6 +125,12 @@ pub struct EngineMetrics {
     pub generation_tokens_total: u64,
     /// Preemptions since start.
     pub num_preemptions_total: u64,
+    /// Forward passes (engine steps) since start.
+    pub steps_total: u64,
+    /// Tokens fed to those passes (prompt chunks and decode tokens).
+    pub step_tokens_total: u64,
+    /// Seconds spent in those passes (scheduling excluded), for telling idle time from work.
+    pub step_seconds_total: f64,
     /// For each layer, how many times each expert was chosen since start (empty for dense layers).
     pub expert_counts: Vec<Vec<u64>>,
 }

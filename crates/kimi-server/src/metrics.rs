@@ -267,6 +267,24 @@ impl Metrics {
             engine.generation_tokens_total.to_string(),
         );
         single(
+            "kimi:engine_steps_total",
+            "Forward passes (engine steps) run.",
+            "counter",
+            engine.steps_total.to_string(),
+        );
+        single(
+            "kimi:engine_step_tokens_total",
+            "Tokens fed to forward passes (prompt chunks and decode tokens).",
+            "counter",
+            engine.step_tokens_total.to_string(),
+        );
+        single(
+            "kimi:engine_step_seconds_total",
+            "Seconds spent in forward passes; wall time minus this is idle or scheduling time.",
+            "counter",
+            engine.step_seconds_total.to_string(),
+        );
+        single(
             "vllm:num_preemptions_total",
             "Cumulative number of preemptions from the engine.",
             "counter",
