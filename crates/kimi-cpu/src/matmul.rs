@@ -10,7 +10,7 @@
 //! few at a time into an L1-sized buffer.
 
 use crate::qdot::{self, Kind, Q8Acts};
-use crate::simd::{dot, dot4, dot4x4, dot_bf16};
+use crate::simd::{dot, dot4, dot4x4, dot_bf16, dot_f16};
 use crate::team::Team;
 use crate::tensor::{row_to_f32, shape_err, CpuTensor, Storage};
 use kimi_ops::Result;
@@ -222,19 +222,19 @@ impl<'a> Product<'a> {
         }
         match self.w {
             Storage::F32(v) => multiply_rows(&v[row0 * k..(row0 + rows) * k], xs, n, chunk),
-            Storage::Quant { .. } => quantized_rows(self.w, row0, xs, k, n, chunk),
-            // Decode: widen bf16 in registers; equal to the tile path's rounding.
+            // Decode: widen 16-bit weights in registers; equal to the tile path's rounding.
             Storage::Bf16(v) if n == 1 => {
                 for (r, o) in chunk.iter_mut().enumerate() {
                     *o = dot_bf16(&v[(row0 + r) * k..(row0 + r + 1) * k], xs);
                 }
             }
-            other => {
-                let mut wbuf = vec![0f32; rows * k];
-                for r in 0..rows {
-                    row_to_f32(other, (row0 + r) * k, &mut wbuf[r * k..(r + 1) * k]);
+            Storage::F16(v) if n == 1 => {
+                for (r, o) in chunk.iter_mut().enumerate() {
+                    *o = dot_f16(&v[(row0 + r) * k..(row0 + r + 1) * k], xs);
                 }
-                multiply_rows(&wbuf, xs, n, chunk);
+            }
+            Storage::Quant { .. } | Storage::Bf16(_) | Storage::F16(_) => {
+                widened_rows(self.w, row0, xs, k, n, chunk)
             }
         }
     }
@@ -282,10 +282,10 @@ fn multiply_rows(wrows: &[f32], xs: &[f32], n: usize, out: &mut [f32]) {
 /// Bytes of dequantized weight rows a task keeps at once: half of a 48 KiB L1 data cache.
 const QUANT_TILE_BYTES: usize = 24 * 1024;
 
-/// Block-quantized weights: dequantizes a few rows at a time into an L1-sized buffer and
-/// multiplies them with every token, so decode reads each quantized byte once and never
-/// writes a large f32 copy of the weights.
-fn quantized_rows(storage: &Storage, row0: usize, xs: &[f32], k: usize, n: usize, out: &mut [f32]) {
+/// Block-quantized or 16-bit weights: widens a few rows at a time into an L1-sized buffer
+/// and multiplies them with every token, so each weight byte is read once and no large f32
+/// copy of the weights is written (16-bit prefill used to widen a task's whole chunk).
+fn widened_rows(storage: &Storage, row0: usize, xs: &[f32], k: usize, n: usize, out: &mut [f32]) {
     let rows = out.len() / n.max(1);
     // Whole groups of four rows, so that `multiply_rows` can use its 4×4 kernel (a tile of
     // 3 rows at k = 2048 ran every row through the 1×4 one: 2.5× slower prefill).
