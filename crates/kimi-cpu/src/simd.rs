@@ -46,7 +46,7 @@ pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
     {
         if has_avx512() && std::is_x86_feature_detected!("avx512bw") {
             // SAFETY: AVX-512F and BW were detected on this CPU just above.
-            return unsafe { avx512::dot_bf16(w, x) };
+            return unsafe { avx512::dot_16bit::<false>(w, x) };
         }
     }
     let widen = |b: &u16| f32::from_bits(u32::from(*b) << 16);
@@ -70,7 +70,7 @@ pub fn dot_f16(w: &[u16], x: &[f32]) -> f32 {
     {
         if has_avx512() && std::is_x86_feature_detected!("avx512bw") {
             // SAFETY: AVX-512F and BW were detected on this CPU just above.
-            return unsafe { avx512::dot_f16(w, x) };
+            return unsafe { avx512::dot_16bit::<true>(w, x) };
         }
     }
     use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
@@ -309,50 +309,30 @@ mod avx512 {
         _mm512_reduce_add_ps(acc)
     }
 
+    /// `Σ w[i]·x[i]` for 16-bit weights: f16 when `F16`, else bf16 (both widen exactly).
+    ///
     /// # Safety
     /// The CPU must support AVX-512F and BW.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub unsafe fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
+    pub unsafe fn dot_16bit<const F16: bool>(w: &[u16], x: &[f32]) -> f32 {
         let n = w.len();
         assert!(
             x.len() >= n,
-            "dot_bf16: activation row shorter than the weights"
+            "dot_16bit: activation row shorter than the weights"
         );
         let mut acc = _mm512_setzero_ps();
         let mut i = 0;
         while i < n {
             let m = tail_mask(n - i);
             // SAFETY: the mask covers only indices below n, inside both slices; masked-off
-            // lanes are not read. bf16 → f32 is a 16-bit left shift (exact).
+            // lanes are not read (and widen to +0.0). bf16 → f32 is a 16-bit left shift.
             unsafe {
                 let h = _mm256_maskz_loadu_epi16(m, w.as_ptr().add(i).cast());
-                let wf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-                let xv = _mm512_maskz_loadu_ps(m, x.as_ptr().add(i));
-                acc = _mm512_fmadd_ps(wf, xv, acc);
-            }
-            i += 16;
-        }
-        _mm512_reduce_add_ps(acc)
-    }
-
-    /// # Safety
-    /// The CPU must support AVX-512F and BW.
-    #[target_feature(enable = "avx512f,avx512bw")]
-    pub unsafe fn dot_f16(w: &[u16], x: &[f32]) -> f32 {
-        let n = w.len();
-        assert!(
-            x.len() >= n,
-            "dot_f16: activation row shorter than the weights"
-        );
-        let mut acc = _mm512_setzero_ps();
-        let mut i = 0;
-        while i < n {
-            let m = tail_mask(n - i);
-            // SAFETY: the mask covers only indices below n, inside both slices; masked-off
-            // lanes are not read (and widen to +0.0). f16 → f32 is exact.
-            unsafe {
-                let h = _mm256_maskz_loadu_epi16(m, w.as_ptr().add(i).cast());
-                let wf = _mm512_cvtph_ps(h);
+                let wf = if F16 {
+                    _mm512_cvtph_ps(h)
+                } else {
+                    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                };
                 let xv = _mm512_maskz_loadu_ps(m, x.as_ptr().add(i));
                 acc = _mm512_fmadd_ps(wf, xv, acc);
             }

@@ -41,6 +41,34 @@ union GemmSmem {
   Epilogue e;
 };
 
+// Which expert and which of its rows tile `t` covers (tiles of BM rows, experts in order);
+// expert -1 past the last tile. Warp 0 scans the per-expert tile counts 32 experts at a time.
+template <int BM>
+__device__ __forceinline__ void find_tile(const uint32_t* offsets, int E, int t, int lane,
+                                          int& expert, int& row0) {
+  int base = 0, found = -1, r0 = 0;
+  for (int e0 = 0; e0 < E && found < 0; e0 += 32) {
+    const int e = e0 + lane;
+    int tiles = 0;
+    if (e < E) tiles = (int)((offsets[e + 1] - offsets[e] + BM - 1) / BM);
+    int incl = tiles;
+    for (int o = 1; o < 32; o <<= 1) {
+      int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    const int excl = base + incl - tiles;
+    const unsigned ball = __ballot_sync(0xffffffffu, tiles > 0 && t >= excl && t < excl + tiles);
+    if (ball) {
+      const int src = __ffs(ball) - 1;
+      found = __shfl_sync(0xffffffffu, e, src);
+      r0 = __shfl_sync(0xffffffffu, (t - excl) * BM, src);
+    }
+    base += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  expert = found;
+  row0 = r0;
+}
+
 extern "C" __global__ void __launch_bounds__(128)
     moe_grouped_mma(const uint64_t* wtab, int glu, int split, const float* in, int top_k,
                     const uint32_t* offsets, const uint32_t* slots, int E, float* out, int N,
@@ -50,34 +78,12 @@ extern "C" __global__ void __launch_bounds__(128)
   __shared__ int tile_expert, tile_row0;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
-  // Which expert and which of its rows this tile covers: warp 0 scans the per-expert tile
-  // counts 32 experts at a time.
   if (warp == 0) {
-    const int t = blockIdx.y;
-    int base = 0;  // tiles of experts before the current group of 32
-    int found = -1, row0 = 0;
-    for (int e0 = 0; e0 < E && found < 0; e0 += 32) {
-      const int e = e0 + lane;
-      int tiles = 0;
-      if (e < E) tiles = (int)((offsets[e + 1] - offsets[e] + GM - 1) / GM);
-      int incl = tiles;
-      for (int o = 1; o < 32; o <<= 1) {
-        int v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-      }
-      const int excl = base + incl - tiles;
-      const bool mine = tiles > 0 && t >= excl && t < excl + tiles;
-      const unsigned ball = __ballot_sync(0xffffffffu, mine);
-      if (ball) {
-        const int src = __ffs(ball) - 1;
-        found = __shfl_sync(0xffffffffu, e, src);
-        row0 = __shfl_sync(0xffffffffu, (t - excl) * GM, src);
-      }
-      base += __shfl_sync(0xffffffffu, incl, 31);
-    }
+    int e, r0;
+    find_tile<GM>(offsets, E, blockIdx.y, lane, e, r0);
     if (lane == 0) {
-      tile_expert = found;
-      tile_row0 = row0;
+      tile_expert = e;
+      tile_row0 = r0;
     }
   }
   __syncthreads();
@@ -249,34 +255,6 @@ __device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Which expert and which of its rows tile `t` covers (tiles of BM rows, experts in order);
-// expert -1 past the last tile. Warp 0 scans the per-expert tile counts 32 experts at a time.
-template <int BM>
-__device__ __forceinline__ void find_tile(const uint32_t* offsets, int E, int t, int lane,
-                                          int& expert, int& row0) {
-  int base = 0, found = -1, r0 = 0;
-  for (int e0 = 0; e0 < E && found < 0; e0 += 32) {
-    const int e = e0 + lane;
-    int tiles = 0;
-    if (e < E) tiles = (int)((offsets[e + 1] - offsets[e] + BM - 1) / BM);
-    int incl = tiles;
-    for (int o = 1; o < 32; o <<= 1) {
-      int v = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += v;
-    }
-    const int excl = base + incl - tiles;
-    const unsigned ball = __ballot_sync(0xffffffffu, tiles > 0 && t >= excl && t < excl + tiles);
-    if (ball) {
-      const int src = __ffs(ball) - 1;
-      found = __shfl_sync(0xffffffffu, e, src);
-      r0 = __shfl_sync(0xffffffffu, (t - excl) * BM, src);
-    }
-    base += __shfl_sync(0xffffffffu, incl, 31);
-  }
-  expert = found;
-  row0 = r0;
 }
 
 template <int BM, bool SPLIT>
