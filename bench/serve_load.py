@@ -34,12 +34,16 @@ def percentiles(xs):
     return {"p50": pick(50), "p90": pick(90), "p99": pick(99), "mean": statistics.fmean(xs)}
 
 
+# Sampling fields of every request (set from the command line in `main`).
+SAMPLING = {"temperature": 0}
+
+
 async def one(client, model, prompt, max_tokens, out):
     """`prompt` is chat text, or a list of token ids for /v1/completions."""
     start = time.perf_counter()
     first = None
     tokens = 0
-    common = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True,
+    common = dict(model=model, max_tokens=max_tokens, stream=True, **SAMPLING,
                   stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     if isinstance(prompt, list):
         stream = await client.completions.create(prompt=prompt, **common)
@@ -88,7 +92,7 @@ async def engine_counters(client):
 
 async def one_raw(http, base_url, model, prompt, max_tokens, out):
     """`one` without the openai package: a pre-built body, SSE parsed by hand."""
-    body = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True,
+    body = dict(model=model, max_tokens=max_tokens, stream=True, **SAMPLING,
                 stream_options={"include_usage": True}, ignore_eos=True)
     if isinstance(prompt, list):
         url, body["prompt"] = base_url + "/completions", prompt
@@ -178,10 +182,16 @@ async def main():
     ap.add_argument("--client", choices=["openai", "raw"], default="openai",
                     help="send with the openai package, or pre-built JSON over httpx (see above)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of every request (0 = greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     a = ap.parse_args()
+    SAMPLING["temperature"] = a.temperature
+    if a.top_p < 1.0:
+        SAMPLING["top_p"] = a.top_p
     client = AsyncOpenAI(base_url=a.base_url, api_key=a.api_key, timeout=600)
     model = a.model or (await client.models.list()).data[0].id
-    report = {"base_url": a.base_url, "model": model, "levels": []}
+    report = {"base_url": a.base_url, "model": model, "sampling": dict(SAMPLING), "levels": []}
     http = None
     if a.client == "raw":
         http = httpx.AsyncClient(timeout=600, headers={"authorization": f"Bearer {a.api_key}"},

@@ -77,6 +77,11 @@ if want serve; then
   PYTHONPATH="$PYLIB/openai-env:$PYTHONPATH" timeout 300 python3 bench/serve_load.py --client raw \
     --base-url http://127.0.0.1:8011/v1 --model kimi-48b-random --concurrency 1 16 16 16 64 64 64 \
     --num-requests 64 --max-tokens 64 --prompt-ids 512 --vocab 163840 --json "$OUT/serve.json" 2>&1 | tail -20 | tee "$OUT/serve.txt"
+  # Sampled requests (temperature and top-p, drawn on the device) against the greedy ones.
+  PYTHONPATH="$PYLIB/openai-env:$PYTHONPATH" timeout 200 python3 bench/serve_load.py --client raw \
+    --base-url http://127.0.0.1:8011/v1 --model kimi-48b-random --concurrency 1 64 64 \
+    --num-requests 64 --max-tokens 64 --prompt-ids 512 --vocab 163840 --temperature 0.8 --top-p 0.95 \
+    --json "$OUT/serve-sampled.json" 2>&1 | tail -8 | tee -a "$OUT/serve.txt"
   PYTHONPATH="$PYLIB/openai-env:$PYTHONPATH" timeout 120 python3 bench/serve_load.py --client openai \
     --base-url http://127.0.0.1:8011/v1 --model kimi-48b-random --concurrency 16 64 \
     --num-requests 64 --max-tokens 64 --prompt-ids 512 --vocab 163840 --json "$OUT/serve-openai.json" 2>&1 | tail -6 | tee -a "$OUT/serve.txt"

@@ -279,6 +279,7 @@ fn decode_batch<B: Backend>(
             tokens: last.clone(),
             segments: (0..batch).map(|s| Segment { start: s, len: 1 }).collect(),
             logits_rows: (0..batch).collect(),
+            sampling: None,
         };
         let mut refs: Vec<&mut SeqCache> = caches.iter_mut().collect();
         let t = Instant::now();

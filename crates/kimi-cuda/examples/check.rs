@@ -16,7 +16,8 @@
 //! 6. With `kda-bench` (only when named): chunked KDA at T=8192 (H=32/64/96, D=128) and the
 //!    KDA decode step per layer (fused and composed, B=1 and 64), synchronised wall time.
 //!
-//! `kda-ops` (only when named) runs just the KDA op cases of 1.
+//! `kda-ops` (only when named) runs just the KDA op cases of 1. `sample-bench` (only when
+//! named) times sampling on the device against the argmax and copying logits to the host.
 //! 7. With `tune` (only when named): decode step times of the 48B-shaped model with CUDA
 //!    graphs, programmatic dependent launch and the GEMV kernel toggled, in one process;
 //!    then the graph check.
@@ -32,7 +33,7 @@
 //! op by op, and requires the logits to be bit-identical.
 //!
 //! Usage: `check [ops] [kda-ops] [fixtures] [big N_TOKENS] [profile] [mla-bench] [kda-bench]
-//! [tune] [gemv-bench] [ncu-step] [moe-bench]`
+//! [tune] [gemv-bench] [ncu-step] [moe-bench] [sample-bench]`
 //! (default: 1-3, 1000 tokens).
 
 use std::collections::HashSet;
@@ -48,7 +49,7 @@ use kimi_cuda::{CudaBackend, GemmPrecision};
 use kimi_model::{Batch, CachePool, CausalLm, ForwardOptions, KimiLinear, RandomWeights, SeqCache};
 use kimi_ops::{
     Backend, HostTensor, KdaMode, KdaStepInputs, KdaStepWeights, MlaDims, MlaMode, MlpWeights,
-    MoeRouting, MoeWeights, PagedSeq, Segment,
+    MoeRouting, MoeWeights, PagedSeq, RowSampling, Segment,
 };
 
 type Res<T> = std::result::Result<T, Box<dyn Error>>;
@@ -76,6 +77,7 @@ fn main() {
         ("moe-bench", false, Box::new(moe_bench)),
         ("ncu-step", false, Box::new(ncu_step)),
         ("kda-bench", false, Box::new(kda_bench)),
+        ("sample-bench", false, Box::new(sample_bench)),
         (
             "kda-ops",
             false,
@@ -214,6 +216,7 @@ fn run_model<B: Backend>(
                 len: chunk.len(),
             }],
             logits_rows: (0..chunk.len()).collect(),
+            sampling: None,
         };
         out.extend(
             m.forward(&batch, &mut pool, &mut [&mut cache], opts)?
@@ -342,6 +345,7 @@ fn forward_last<B: Backend>(
             len: toks.len(),
         }],
         logits_rows: vec![toks.len() - 1],
+        sampling: None,
     };
     Ok(model
         .forward(&batch, pool, &mut [cache], ForwardOptions::default())?
@@ -435,6 +439,7 @@ impl DecodeRun {
             tokens: tokens.to_vec(),
             segments: (0..batch).map(|s| Segment { start: s, len: 1 }).collect(),
             logits_rows: (0..batch).collect(),
+            sampling: None,
         };
         let mut refs: Vec<&mut SeqCache> = self.caches.iter_mut().collect();
         Ok(model
@@ -1106,6 +1111,7 @@ fn profile_batch_decode(
             tokens: next.clone(),
             segments: (0..batch).map(|s| Segment { start: s, len: 1 }).collect(),
             logits_rows: (0..batch).collect(),
+            sampling: None,
         };
         let mut refs: Vec<&mut SeqCache> = caches.iter_mut().collect();
         let logits = model
@@ -1311,6 +1317,49 @@ fn time_calls(
     }
     be.synchronize()?;
     Ok(t0.elapsed().as_secs_f64() / reps as f64)
+}
+
+/// Choosing tokens from 163,840-token logits rows on the device: the argmax, sampling
+/// under each filter, and copying the rows to the host (what host sampling starts with).
+fn sample_bench() -> Res<()> {
+    println!("== sampling on the device (wall time per call, ids back on the host)");
+    let be = CudaBackend::new(0)?;
+    let vocab = 163_840usize;
+    let mut r = op_cases::Rng(5);
+    let rules = |temperature, top_k, top_p, min_p| RowSampling {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        uniform: 0.5,
+        ..RowSampling::greedy()
+    };
+    let sets = [
+        ("temperature 1", rules(1.0, 0, 1.0, 0.0)),
+        ("top-k 50", rules(0.7, 50, 1.0, 0.0)),
+        ("top-p 0.9", rules(1.0, 0, 0.9, 0.0)),
+        (
+            "top-k 50 + top-p 0.9 + min-p 0.05",
+            rules(0.8, 50, 0.9, 0.05),
+        ),
+    ];
+    for rows in [1usize, 64] {
+        let data = r.vec(rows * vocab, 4.0);
+        let x = be.upload_f32(&[rows, vocab], &data)?;
+        let s = time_calls(&be, 2, 20, || be.argmax_rows(&x).map(drop))?;
+        println!("rows {rows:>2}: argmax {:8.1} us", s * 1e6);
+        let s = time_calls(&be, 2, 20, || be.to_f32(&x).map(drop))?;
+        println!("rows {rows:>2}: copy logits to host {:8.1} us", s * 1e6);
+        for (label, set) in &sets {
+            let params = vec![*set; rows];
+            let mut y = be.upload_f32(&[rows, vocab], &data)?;
+            let s = time_calls(&be, 2, 20, || {
+                be.sample_rows(&mut y, &params, &[]).map(drop)
+            })?;
+            println!("rows {rows:>2}: sample, {label:<34} {:8.1} us", s * 1e6);
+        }
+    }
+    Ok(())
 }
 
 /// Chunked KDA at T=8192 (B=1, D=128) and the per-layer decode step (H=32, D=128).

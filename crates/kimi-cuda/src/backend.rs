@@ -11,7 +11,7 @@ use kimi_core::DType;
 use kimi_ops::{
     check_paged, check_segments, Backend, Error, HostTensor, KdaMode, KdaStepInputs,
     KdaStepWeights, MlaDims, MlaMode, MlpWeights, MoeRouting, MoeWeights, PagedSeq, Result,
-    Segment,
+    RowSampling, Segment, TokenPenalty,
 };
 
 use crate::buffer::DevBuf;
@@ -21,6 +21,7 @@ use crate::ops;
 use crate::tensor::{dtype_code, CudaTensor};
 
 mod kda_decode;
+mod sampling;
 
 /// How GEMMs against bf16/f16 weights treat the f32 activations.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -1236,6 +1237,19 @@ impl Backend for CudaBackend {
         // SAFETY: `ids` holds rows * 4 bytes.
         unsafe { self.dev.read(ids.ptr(), bytes, OP)? };
         Ok(out)
+    }
+
+    fn samples_on_device(&self) -> bool {
+        true
+    }
+
+    fn sample_rows(
+        &self,
+        x: &mut CudaTensor,
+        params: &[RowSampling],
+        penalties: &[TokenPenalty],
+    ) -> Result<Vec<u32>> {
+        self.sample_rows_on_device(x, params, penalties)
     }
 
     fn expert_ids(&self, chosen: &CudaTensor) -> Result<Vec<u32>> {

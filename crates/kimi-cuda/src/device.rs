@@ -33,6 +33,7 @@ const BIG_SMEM_KERNELS: &[&str] = &[
     "kda_chunk_prep_128",
     "kda_chunk_state_64",
     "kda_chunk_state_128",
+    "sample_rows",
 ];
 
 /// Every kernel symbol, by module (the `kernels/<module>.cu` file stem).
@@ -58,6 +59,7 @@ const KERNELS: &[(&str, &[&str])] = &[
             "argmax_rows",
         ],
     ),
+    ("sampling", &["apply_penalties", "sample_rows"]),
     (
         "conv",
         &[

@@ -18,12 +18,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kimi_core::TokenId;
-use kimi_model::CausalLm;
+use kimi_model::{CausalLm, RowPicks};
 use kimi_ops::Backend;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::cache_manager::CacheManager;
-use crate::runner::{panic_message, ModelRunner};
+use crate::runner::{panic_message, ModelRunner, Picks};
 use crate::sampling::{Sampled, Sampler, SamplingParams};
 use crate::scheduler::{Chunk, Scheduler, StepPlan};
 use crate::serving::{EngineMetrics, Event, LogitsProcessor, Request, RequestId, ServingConfig};
@@ -235,8 +235,15 @@ impl<B: Backend> EngineLoop<B> {
                 .get(&c.id)
                 .is_some_and(|l| l.processor.is_none() && l.sampler.is_plain_greedy())
         });
+        let picks = if greedy {
+            Picks::Greedy
+        } else {
+            self.device_picks(&plan.chunks)
+                .map_or(Picks::Logits, Picks::Sample)
+        };
+        let returns_ids = !matches!(picks, Picks::Logits);
         let started = Instant::now();
-        let result = self.runner.execute(&plan.chunks, greedy);
+        let result = self.runner.execute(&plan.chunks, picks);
         self.totals.steps_total += 1;
         self.totals.step_tokens_total += plan
             .chunks
@@ -247,8 +254,8 @@ impl<B: Backend> EngineLoop<B> {
         match result {
             Ok(out) => {
                 self.count_experts(&out.expert_counts);
-                if greedy {
-                    self.take_greedy(&plan.chunks, &out.token_ids);
+                if returns_ids {
+                    self.take_chosen(&plan.chunks, &out.token_ids);
                 } else {
                     self.sample_rows(&plan.chunks, out.logits, out.vocab_size);
                 }
@@ -309,8 +316,38 @@ impl<B: Backend> EngineLoop<B> {
         }
     }
 
-    /// Takes the backend's greedy tokens, one per chunk that samples, in chunk order.
-    fn take_greedy(&mut self, chunks: &[Chunk], tokens: &[u32]) {
+    /// The rules for the backend to sample every row of this step where the logits are,
+    /// if it can: no row wants logprobs or has a constraint (those need the logits here).
+    /// Takes one draw from each row's sampler.
+    fn device_picks(&mut self, chunks: &[Chunk]) -> Option<RowPicks> {
+        if !self.runner.samples_on_device() {
+            return None;
+        }
+        let sampling = || chunks.iter().filter(|c| c.samples);
+        let eligible = sampling().all(|c| {
+            self.live
+                .get(&c.id)
+                .is_some_and(|l| l.processor.is_none() && !l.sampler.wants_logprob())
+        });
+        if !eligible {
+            return None;
+        }
+        let mut picks = RowPicks::default();
+        for (row, chunk) in sampling().enumerate() {
+            let live = self.live.get_mut(&chunk.id)?;
+            let seq = self.scheduler.get(chunk.id)?;
+            let (prompt, output) = seq.prompt_and_output();
+            let rules =
+                live.sampler
+                    .device_row(prompt, output, row as u32, &mut picks.penalties)?;
+            picks.rows.push(rules);
+        }
+        Some(picks)
+    }
+
+    /// Takes the backend's tokens (greedy or sampled there), one per chunk that samples,
+    /// in chunk order.
+    fn take_chosen(&mut self, chunks: &[Chunk], tokens: &[u32]) {
         let sampling = chunks.iter().filter(|c| c.samples);
         for (chunk, &token) in sampling.zip(tokens) {
             if let Err(end) = self.sample_one(chunk.id, Pick::Chosen(Sampled::greedy(token))) {

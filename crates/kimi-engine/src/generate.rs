@@ -2,7 +2,7 @@
 
 use std::ops::ControlFlow;
 
-use kimi_model::{Batch, CachePool, CausalLm, ForwardOptions, SeqCache};
+use kimi_model::{Batch, CachePool, CausalLm, ForwardOptions, RowPicks, SeqCache};
 use kimi_ops::{Backend, Segment};
 
 use crate::sampling::{Sampled, Sampler, SamplingParams};
@@ -91,18 +91,62 @@ impl<B: Backend> Engine<B> {
         } else {
             vec![chunk.len() - 1]
         };
-        let batch = Batch {
-            tokens: chunk.to_vec(),
-            segments: vec![Segment {
-                start: 0,
-                len: chunk.len(),
-            }],
-            logits_rows: rows,
-        };
+        let mut batch = one_sequence(chunk, None);
+        batch.logits_rows = rows;
         Ok(self
             .model
             .forward(&batch, pool, &mut [seq], self.options)?
             .logits)
+    }
+
+    /// Runs a prompt chunk whose logits nobody needs (the backend's argmax of its last row
+    /// is the cheapest output to ask for).
+    fn prefill_chunk(
+        &self,
+        chunk: &[u32],
+        pool: &mut CachePool<B>,
+        seq: &mut SeqCache,
+    ) -> Result<()> {
+        let batch = one_sequence(chunk, None);
+        let options = ForwardOptions {
+            greedy_ids: true,
+            ..self.options
+        };
+        self.model.forward(&batch, pool, &mut [seq], options)?;
+        Ok(())
+    }
+
+    /// Runs `chunk` through `seq` and chooses the token after it: on the backend when the
+    /// sampler is plain greedy or the backend samples where the logits are (and no logprobs
+    /// are wanted), else here from the copied logits row.
+    fn next_token(
+        &self,
+        chunk: &[u32],
+        pool: &mut CachePool<B>,
+        seq: &mut SeqCache,
+        sampler: &mut Sampler,
+        prompt: &[u32],
+        output: &[u32],
+    ) -> Result<Sampled> {
+        let mut options = self.options;
+        let mut picks = None;
+        if sampler.is_plain_greedy() {
+            options.greedy_ids = true;
+        } else if self.model.backend().samples_on_device() {
+            let mut penalties = Vec::new();
+            picks = sampler
+                .device_row(prompt, output, 0, &mut penalties)
+                .map(|rules| RowPicks {
+                    rows: vec![rules],
+                    penalties,
+                });
+        }
+        let batch = one_sequence(chunk, picks);
+        let mut out = self.model.forward(&batch, pool, &mut [seq], options)?;
+        Ok(match out.token_ids.first() {
+            Some(&token) => Sampled::greedy(token),
+            None => sampler.sample(&mut out.logits, prompt, output),
+        })
     }
 
     /// Generates from `prompt`, calling `on_token` after each sampled token; the callback
@@ -133,16 +177,18 @@ impl<B: Backend> Engine<B> {
         let max_tokens = prompt.len().saturating_add(params.max_tokens).min(max_len);
         let (mut pool, mut seq) = self.model.single_cache(max_tokens)?;
         let start = std::time::Instant::now();
-        let mut logits = Vec::new();
-        for chunk in prompt.chunks(self.prefill_chunk.max(1)) {
-            logits = self.forward_chunk(chunk, &mut pool, &mut seq, false)?;
+        let chunks: Vec<&[u32]> = prompt.chunks(self.prefill_chunk.max(1)).collect();
+        let (last_chunk, first_chunks) = chunks.split_last().expect("the prompt is not empty");
+        for chunk in first_chunks {
+            self.prefill_chunk(chunk, &mut pool, &mut seq)?;
         }
-        let prefill_secs = start.elapsed().as_secs_f64();
-        let decode_start = std::time::Instant::now();
         let mut tokens: Vec<Sampled> = Vec::new();
         let mut output_ids: Vec<u32> = Vec::new();
+        let mut next =
+            self.next_token(last_chunk, &mut pool, &mut seq, &mut sampler, prompt, &[])?;
+        let prefill_secs = start.elapsed().as_secs_f64();
+        let decode_start = std::time::Instant::now();
         let finish = loop {
-            let next = sampler.sample(&mut logits, prompt, &output_ids);
             let is_stop = params.stop_token_ids.contains(&next.token)
                 || (!params.ignore_eos && eos_ids.contains(&next.token));
             if is_stop {
@@ -157,8 +203,15 @@ impl<B: Backend> Engine<B> {
             if output_ids.len() >= params.max_tokens || prompt.len() + output_ids.len() >= max_len {
                 break FinishReason::Length;
             }
-            let last = output_ids[output_ids.len() - 1];
-            logits = self.forward_chunk(&[last], &mut pool, &mut seq, false)?;
+            let last = [output_ids[output_ids.len() - 1]];
+            next = self.next_token(
+                &last,
+                &mut pool,
+                &mut seq,
+                &mut sampler,
+                prompt,
+                &output_ids,
+            )?;
         };
         Ok(Generation {
             tokens,
@@ -167,5 +220,18 @@ impl<B: Backend> Engine<B> {
             prefill_secs,
             decode_secs: decode_start.elapsed().as_secs_f64(),
         })
+    }
+}
+
+/// A batch of one sequence's `chunk` that wants the logits of its last row.
+fn one_sequence(chunk: &[u32], sampling: Option<RowPicks>) -> Batch {
+    Batch {
+        tokens: chunk.to_vec(),
+        segments: vec![Segment {
+            start: 0,
+            len: chunk.len(),
+        }],
+        logits_rows: vec![chunk.len() - 1],
+        sampling,
     }
 }

@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use kimi_model::{Batch, CachePool, CausalLm, ForwardOptions, ForwardOutput, SeqCache};
+use kimi_model::{Batch, CachePool, CausalLm, ForwardOptions, ForwardOutput, RowPicks, SeqCache};
 use kimi_ops::{Backend, Segment};
 
 use crate::scheduler::Chunk;
@@ -46,6 +46,11 @@ impl<B: Backend> ModelRunner<B> {
         self.seqs.remove(&id);
     }
 
+    /// Whether the backend samples where the logits are ([`Backend::samples_on_device`]).
+    pub(crate) fn samples_on_device(&self) -> bool {
+        self.model.backend().samples_on_device()
+    }
+
     /// Bytes the cache pool occupies.
     pub(crate) fn cache_bytes(&self) -> usize {
         self.pool.size_bytes(self.model.backend())
@@ -56,12 +61,12 @@ impl<B: Backend> ModelRunner<B> {
     /// zeroed by the model). On error (a panic inside the backend included) every chunk's
     /// sequence is forgotten.
     ///
-    /// With `greedy`, the model returns each sampling chunk's greedy token instead of its
-    /// logits row ([`ForwardOptions::greedy_ids`]).
+    /// Unless `picks` is [`Picks::Logits`], the model returns each sampling chunk's token
+    /// instead of its logits row.
     pub(crate) fn execute(
         &mut self,
         chunks: &[Chunk],
-        greedy: bool,
+        picks: Picks,
     ) -> Result<ForwardOutput, String> {
         let mut seqs = Vec::with_capacity(chunks.len());
         for chunk in chunks {
@@ -80,23 +85,27 @@ impl<B: Backend> ModelRunner<B> {
             };
             seqs.push(seq);
         }
-        let batch = batch_of(chunks);
+        let mut batch = batch_of(chunks);
         let (model, pool) = (&self.model, &mut self.pool);
+        let returns_ids = !matches!(picks, Picks::Logits);
         let options = ForwardOptions {
-            greedy_ids: greedy,
+            greedy_ids: matches!(picks, Picks::Greedy),
             ..self.options
         };
+        if let Picks::Sample(rows) = picks {
+            batch.sampling = Some(rows);
+        }
         let result = catch_unwind(AssertUnwindSafe(|| {
             let mut refs: Vec<&mut SeqCache> = seqs.iter_mut().collect();
             model.forward(&batch, pool, &mut refs, options)
         }));
         let num_rows = chunks.iter().filter(|c| c.samples).count();
         match result {
-            Ok(Ok(out)) if greedy && out.token_ids.len() != num_rows => Err(format!(
+            Ok(Ok(out)) if returns_ids && out.token_ids.len() != num_rows => Err(format!(
                 "internal error: the model returned {} tokens for {num_rows} rows",
                 out.token_ids.len()
             )),
-            Ok(Ok(out)) if !greedy && out.logits.len() != num_rows * out.vocab_size => {
+            Ok(Ok(out)) if !returns_ids && out.logits.len() != num_rows * out.vocab_size => {
                 Err(format!(
                     "internal error: the model returned {} logits for {num_rows} rows of {}",
                     out.logits.len(),
@@ -113,6 +122,17 @@ impl<B: Backend> ModelRunner<B> {
             Err(panic) => Err(format!("the model failed: {}", panic_message(&*panic))),
         }
     }
+}
+
+/// How a step's sampling rows get their tokens.
+#[derive(Debug)]
+pub(crate) enum Picks {
+    /// The logits rows come back; the engine samples.
+    Logits,
+    /// The backend takes each row's argmax.
+    Greedy,
+    /// The backend samples each row by these rules.
+    Sample(RowPicks),
 }
 
 /// Flattens the chunks into one batch: segment `i` is chunk `i`.

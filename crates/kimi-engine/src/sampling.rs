@@ -13,8 +13,10 @@
 //! largest finite value, and a row with no finite logit gives token 0 with logprob `-inf`.
 
 use std::cmp::Ordering;
+use std::collections::HashMap;
 
 use kimi_core::TokenId;
+use kimi_ops::{RowSampling, TokenPenalty};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -175,7 +177,8 @@ pub struct Sampled {
 }
 
 impl Sampled {
-    /// A greedy pick reported without logprobs (`logprob` NaN: not computed).
+    /// A pick reported without logprobs (`logprob` NaN: not computed): greedy, or drawn
+    /// on the backend.
     pub fn greedy(token: TokenId) -> Self {
         Sampled {
             token,
@@ -266,6 +269,11 @@ impl Sampler {
         }
     }
 
+    /// Whether the request asked for logprobs (only the host sampler computes them).
+    pub fn wants_logprob(&self) -> bool {
+        self.wants_logprob
+    }
+
     /// Whether this sampler just takes the argmax of the raw logits: greedy, no logprobs
     /// and no penalties. Such rows can be picked on the backend ([`kimi_ops::argmax_row`]
     /// is the same choice as [`Sampler::sample`] makes).
@@ -275,6 +283,57 @@ impl Sampler {
             && self.repetition_penalty == 1.0
             && self.frequency_penalty == 0.0
             && self.presence_penalty == 0.0
+    }
+
+    /// This row's rules for a backend that samples where the logits are
+    /// ([`kimi_ops::Backend::sample_rows`]), with one draw taken from this sampler's RNG, and
+    /// the tokens its penalties touch appended to `penalties` as row `row`. `None` when the
+    /// request wants logprobs, which only the host sampler reports.
+    pub fn device_row(
+        &mut self,
+        prompt: &[TokenId],
+        output: &[TokenId],
+        row: u32,
+        penalties: &mut Vec<TokenPenalty>,
+    ) -> Option<RowSampling> {
+        if self.wants_logprob {
+            return None;
+        }
+        let repetition = self.repetition_penalty != 1.0;
+        let additive = self.frequency_penalty != 0.0 || self.presence_penalty != 0.0;
+        if repetition || additive {
+            // Distinct tokens in first-seen order, with their output counts.
+            let mut counts: HashMap<TokenId, usize> = HashMap::new();
+            let first = penalties.len();
+            let seen = if repetition { prompt } else { &[] };
+            for (&token, in_output) in seen
+                .iter()
+                .map(|t| (t, false))
+                .chain(output.iter().map(|t| (t, true)))
+            {
+                let index = *counts.entry(token).or_insert_with(|| {
+                    penalties.push(TokenPenalty {
+                        row,
+                        token,
+                        count: 0,
+                    });
+                    penalties.len() - 1 - first
+                });
+                if in_output {
+                    penalties[first + index].count += 1;
+                }
+            }
+        }
+        Some(RowSampling {
+            temperature: self.temperature,
+            top_k: u32::try_from(self.top_k).unwrap_or(u32::MAX),
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
+            uniform: self.rng.random::<f32>(),
+        })
     }
 
     /// Chooses the next token.
@@ -719,6 +778,101 @@ mod tests {
 
     fn one(p: &SamplingParams, logits: &[f32]) -> Sampled {
         Sampler::new(p).sample(&mut logits.to_vec(), &[], &[])
+    }
+
+    /// The backend's rule ([`kimi_ops::sample_row`], driven by [`Sampler::device_row`])
+    /// draws from the same distribution as the host sampler: frequencies of `n` seeded host
+    /// draws against `n` evenly spaced uniforms through the device rule.
+    #[test]
+    fn device_rules_draw_from_the_host_distribution() {
+        let mut logits = random_logits(300, 11);
+        for i in (0..300).step_by(37) {
+            logits[i] = 5.5; // ties among the best tokens
+        }
+        let (prompt, output) = ([3u32, 7, 7, 40], [7u32, 9, 9, 9]);
+        let cases = [
+            (1.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0),
+            (0.7, 12, 1.0, 0.0, 1.0, 0.0, 0.0),
+            (1.2, 0, 0.8, 0.0, 1.0, 0.0, 0.0),
+            (1.0, 0, 1.0, 0.1, 1.0, 0.0, 0.0),
+            (0.9, 30, 0.9, 0.05, 1.3, 0.4, 0.2),
+        ];
+        let n = 40_000;
+        for (t, k, top_p, min_p, rep, freq, presence) in cases {
+            let p = SamplingParams {
+                temperature: t,
+                top_k: k,
+                top_p,
+                min_p,
+                repetition_penalty: rep,
+                frequency_penalty: freq,
+                presence_penalty: presence,
+                seed: Some(5),
+                ..SamplingParams::default()
+            };
+            let mut host = Sampler::new(&p);
+            let mut device = Sampler::new(&p);
+            let (mut want, mut got) = (vec![0f64; 300], vec![0f64; 300]);
+            for i in 0..n {
+                let mut row = logits.clone();
+                want[host.sample(&mut row, &prompt, &output).token as usize] += 1.0 / n as f64;
+                let mut penalties = Vec::new();
+                let mut rules = device
+                    .device_row(&prompt, &output, 0, &mut penalties)
+                    .expect("no logprobs asked for");
+                rules.uniform = (i as f32 + 0.5) / n as f32;
+                let mut row = logits.clone();
+                kimi_ops::sampling::apply_penalties(&mut row, &rules, penalties.into_iter());
+                got[kimi_ops::sampling::sample_row(&row, &rules) as usize] += 1.0 / n as f64;
+            }
+            for (id, (w, g)) in want.iter().zip(&got).enumerate() {
+                // Frequencies agree to sampling noise.
+                assert!(
+                    (w - g).abs() < 0.012,
+                    "case t={t} k={k}: token {id}: {w} vs {g}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn device_row_lists_each_penalised_token_once() {
+        let p = SamplingParams {
+            temperature: 1.0,
+            repetition_penalty: 1.2,
+            frequency_penalty: 0.5,
+            ..SamplingParams::default()
+        };
+        let mut pens = vec![TokenPenalty {
+            row: 0,
+            token: 99,
+            count: 0,
+        }];
+        let rules = Sampler::new(&p)
+            .device_row(&[1, 2, 1], &[2, 3, 3], 1, &mut pens)
+            .expect("no logprobs");
+        assert_eq!(rules.repetition_penalty, 1.2);
+        assert!((0.0..1.0).contains(&rules.uniform));
+        let row1: Vec<(u32, u32)> = pens[1..].iter().map(|p| (p.token, p.count)).collect();
+        assert_eq!(row1, [(1, 0), (2, 1), (3, 2)]);
+        assert!(pens[1..].iter().all(|p| p.row == 1));
+        // Without penalties nothing is listed; with logprobs the host must sample.
+        let plain = SamplingParams {
+            temperature: 1.0,
+            ..SamplingParams::default()
+        };
+        let mut none = Vec::new();
+        assert!(Sampler::new(&plain)
+            .device_row(&[1], &[2], 0, &mut none)
+            .is_some());
+        assert!(none.is_empty());
+        let logprobs = SamplingParams {
+            logprobs: Some(2),
+            ..plain
+        };
+        assert!(Sampler::new(&logprobs)
+            .device_row(&[1], &[2], 0, &mut none)
+            .is_none());
     }
 
     #[test]

@@ -125,6 +125,7 @@ fn generate(
                 len: tokens.len(),
             }],
             logits_rows: vec![tokens.len() - 1],
+            sampling: None,
         };
         let out = model.forward(
             &batch,

@@ -1,7 +1,7 @@
 //! What every model's forward pass takes and returns, and the [`CausalLm`] trait that lets
 //! the engine drive any architecture.
 
-use kimi_ops::{Backend, KdaMode, MlaMode, Segment};
+use kimi_ops::{Backend, KdaMode, MlaMode, RowSampling, Segment, TokenPenalty};
 
 use crate::cache::{CachePool, LayerSpec, SeqCache};
 use crate::{ModelError, Result};
@@ -15,6 +15,36 @@ pub struct Batch {
     pub segments: Vec<Segment>,
     /// Rows of `tokens` whose logits are wanted (e.g. each segment's last row).
     pub logits_rows: Vec<usize>,
+    /// When set, the backend picks each logits row's token by these rules
+    /// ([`Backend::sample_rows`]) and [`ForwardOutput::token_ids`] holds them.
+    pub sampling: Option<RowPicks>,
+}
+
+/// How the backend chooses the tokens of a batch's logits rows.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RowPicks {
+    /// One entry per logits row, in order.
+    pub rows: Vec<RowSampling>,
+    /// Tokens the rows' penalties touch (each row lists a token at most once).
+    pub penalties: Vec<TokenPenalty>,
+}
+
+/// The logits rows back on the host, or their tokens where the batch or `opts` ask the
+/// backend to choose them.
+pub(crate) fn pick_tokens<B: Backend>(
+    be: &B,
+    mut logits: B::Tensor,
+    batch: &Batch,
+    opts: ForwardOptions,
+) -> Result<(Vec<f32>, Vec<u32>)> {
+    Ok(if let Some(picks) = &batch.sampling {
+        let ids = be.sample_rows(&mut logits, &picks.rows, &picks.penalties)?;
+        (Vec::new(), ids)
+    } else if opts.greedy_ids {
+        (Vec::new(), be.argmax_rows(&logits)?)
+    } else {
+        (be.to_f32(&logits)?, Vec::new())
+    })
 }
 
 /// Which kernels to use; the defaults pick the fast form for each case. Models without
@@ -34,9 +64,11 @@ pub struct ForwardOptions {
 /// Result of a forward pass.
 #[derive(Clone, Debug)]
 pub struct ForwardOutput {
-    /// `[logits_rows.len(), vocab]`, row-major; empty with [`ForwardOptions::greedy_ids`].
+    /// `[logits_rows.len(), vocab]`, row-major; empty with [`ForwardOptions::greedy_ids`] or
+    /// [`Batch::sampling`].
     pub logits: Vec<f32>,
-    /// With [`ForwardOptions::greedy_ids`], the greedy token of each logits row; else empty.
+    /// With [`Batch::sampling`] or [`ForwardOptions::greedy_ids`], the chosen token of each
+    /// logits row; else empty.
     pub token_ids: Vec<u32>,
     /// Vocabulary size (row width of `logits`).
     pub vocab_size: usize,
@@ -143,6 +175,16 @@ pub(crate) fn check_batch(batch: &Batch, num_caches: usize, vocab_size: usize) -
         return Err(input(
             "batch segments or logits rows fall outside its tokens",
         ));
+    }
+    if let Some(picks) = &batch.sampling {
+        let rows = batch.logits_rows.len();
+        if picks.rows.len() != rows || picks.penalties.iter().any(|p| p.row as usize >= rows) {
+            return Err(input(&format!(
+                "{} sampling rows (penalties up to row {}) for {rows} logits rows",
+                picks.rows.len(),
+                picks.penalties.iter().map(|p| p.row).max().unwrap_or(0)
+            )));
+        }
     }
     if let Some(&bad) = batch.tokens.iter().find(|&&t| t as usize >= vocab_size) {
         return Err(input(&format!(

@@ -14,7 +14,9 @@ use kimi_ops::{Backend, Segment};
 use kimi_weights::Checkpoint;
 
 use crate::cache::{pick_mut, CachePool, LayerPool, LayerSpec, SeqCache};
-use crate::forward::{check_batch, input, Batch, CausalLm, ForwardOptions, ForwardOutput};
+use crate::forward::{
+    check_batch, input, pick_tokens, Batch, CausalLm, ForwardOptions, ForwardOutput,
+};
 use crate::layers::{FfnLayer, KdaLayer, Loader, MlaLayer};
 use crate::source::WeightSource;
 use crate::Result;
@@ -160,11 +162,7 @@ impl<B: Backend> KimiLinear<B> {
         for (seq, seg) in seqs.iter_mut().zip(&batch.segments) {
             seq.num_tokens += seg.len;
         }
-        let (logits, token_ids) = if opts.greedy_ids {
-            (Vec::new(), be.argmax_rows(&logits)?)
-        } else {
-            (be.to_f32(&logits)?, Vec::new())
-        };
+        let (logits, token_ids) = pick_tokens(be, logits, batch, opts)?;
         // The experts are read after the logits: by then the device has finished the pass.
         let num_experts = self.config.moe.as_ref().map_or(0, |m| m.num_experts);
         let expert_counts = chosen_per_layer

@@ -21,7 +21,7 @@ mod summary;
 use std::path::PathBuf;
 
 pub use cache::{CachePool, LayerPool, LayerSpec, SeqCache};
-pub use forward::{Batch, CausalLm, ForwardOptions, ForwardOutput, SINGLE_BLOCK_SIZE};
+pub use forward::{Batch, CausalLm, ForwardOptions, ForwardOutput, RowPicks, SINGLE_BLOCK_SIZE};
 pub use kimi_linear::KimiLinear;
 pub use llama::{Llama, LlamaConfig};
 pub use source::{RandomWeights, WeightSource};

@@ -17,7 +17,9 @@ use kimi_gguf::GgufFile;
 use kimi_ops::{AttentionDims, Backend, MlpWeights, PagedSeq, RopeStyle, Segment};
 
 use crate::cache::{CachePool, LayerPool, LayerSpec, SeqCache};
-use crate::forward::{check_batch, input, Batch, CausalLm, ForwardOptions, ForwardOutput};
+use crate::forward::{
+    check_batch, input, pick_tokens, Batch, CausalLm, ForwardOptions, ForwardOutput,
+};
 use crate::layers::{Loader, Stacked};
 use crate::source::{format_error, WeightSource};
 use crate::Result;
@@ -292,11 +294,7 @@ impl<B: Backend> Llama<B> {
         let last = be.select_rows(&x, &batch.logits_rows)?;
         let normed = be.rms_norm(&last, &self.norm, c.rms_norm_eps)?;
         let logits = be.matmul(&normed, self.lm_head.as_ref().unwrap_or(&self.embed))?;
-        let (logits, token_ids) = if opts.greedy_ids {
-            (Vec::new(), be.argmax_rows(&logits)?)
-        } else {
-            (be.to_f32(&logits)?, Vec::new())
-        };
+        let (logits, token_ids) = pick_tokens(be, logits, batch, opts)?;
         Ok(ForwardOutput {
             logits,
             token_ids,

@@ -85,6 +85,7 @@ fn run(model: &KimiLinear<CpuBackend>, ids: &[u32]) -> (Vec<f32>, Vec<Vec<u32>>)
             len: ids.len(),
         }],
         logits_rows: (0..ids.len()).collect(),
+        sampling: None,
     };
     let out = model
         .forward(

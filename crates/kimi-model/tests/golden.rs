@@ -166,6 +166,7 @@ fn run(model: &KimiLinear<CpuBackend>, ids: &[u32], step: usize, opts: ForwardOp
                 len: chunk.len(),
             }],
             logits_rows: (0..chunk.len()).collect(),
+            sampling: None,
         };
         out.extend(
             model
@@ -261,6 +262,7 @@ fn greedy_continuation_matches_reference() {
                     len: feed.len(),
                 }],
                 logits_rows: vec![feed.len() - 1],
+                sampling: None,
             };
             let logits = f
                 .model

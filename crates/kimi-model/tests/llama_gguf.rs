@@ -51,6 +51,7 @@ fn one_segment(tokens: &[u32]) -> Batch {
             len: tokens.len(),
         }],
         logits_rows: vec![tokens.len() - 1],
+        sampling: None,
     }
 }
 
@@ -273,6 +274,7 @@ fn demo_model_int8_decode_stays_close_to_the_f32_path() {
         tokens: vec![RAW_GOLDEN[0], CHAT_GOLDEN[0]],
         segments: vec![Segment { start: 0, len: 1 }, Segment { start: 1, len: 1 }],
         logits_rows: vec![0, 1],
+        sampling: None,
     };
     let both = fast
         .forward(&batch, &mut pool, &mut [&mut ca, &mut cb], opts)
@@ -521,6 +523,7 @@ fn check_feed_modes_agree(model: &dyn CausalLm<CpuBackend>, a: &[u32], b: &[u32]
             },
         ],
         logits_rows: vec![a.len() - 1, a.len() + b.len() - 1],
+        sampling: None,
     };
     // Both in the pool above, in blocks the first sequence never used (it is finished) and
     // in the blocks it left behind, stale rows included.

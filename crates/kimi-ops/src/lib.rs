@@ -15,6 +15,9 @@
 use kimi_core::config::KdaGate;
 use kimi_core::DType;
 
+pub mod sampling;
+pub use sampling::{RowSampling, TokenPenalty};
+
 /// Errors raised by backends.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -364,6 +367,41 @@ pub trait Backend: Send + Sync {
         let cols = self.shape(x).last().copied().unwrap_or(0);
         let values = self.to_f32(x)?;
         Ok(values.chunks(cols.max(1)).map(argmax_row).collect())
+    }
+    /// Whether [`Backend::sample_rows`] runs where the logits are; if not, the engine's
+    /// host sampler (which also reports logprobs) is the better choice.
+    fn samples_on_device(&self) -> bool {
+        false
+    }
+    /// The token of each row of the f32 logits `x` `[rows, vocab]` chosen by `params[row]`
+    /// after the row's `penalties` ([`sampling::sample_row`]'s rule); `x` is scratch and
+    /// holds the penalised logits afterwards. Default: reads `x` back and samples here.
+    fn sample_rows(
+        &self,
+        x: &mut Self::Tensor,
+        params: &[RowSampling],
+        penalties: &[TokenPenalty],
+    ) -> Result<Vec<u32>> {
+        let cols = self.shape(x).last().copied().unwrap_or(0).max(1);
+        let mut values = self.to_f32(x)?;
+        if values.len() != params.len() * cols {
+            return Err(Error::Shape {
+                op: "sample_rows",
+                detail: format!(
+                    "{} rows of logits for {} rows",
+                    values.len() / cols,
+                    params.len()
+                ),
+            });
+        }
+        let rows = values.chunks_mut(cols).zip(params).enumerate();
+        Ok(rows
+            .map(|(r, (row, p))| {
+                let mine = penalties.iter().filter(|t| t.row as usize == r).copied();
+                sampling::apply_penalties(row, p, mine);
+                sampling::sample_row(row, p)
+            })
+            .collect())
     }
     /// Bytes the tensor occupies on the device.
     fn size_bytes(&self, t: &Self::Tensor) -> usize;

@@ -12,7 +12,7 @@ use kimi_cpu::CpuBackend;
 use kimi_cuda::CudaBackend;
 use kimi_ops::{
     kda_decode_composed, Backend, HostTensor, KdaMode, KdaStepInputs, KdaStepWeights, MlaDims,
-    MlaMode, MlpWeights, MoeRouting, MoeWeights, PagedSeq, Segment,
+    MlaMode, MlpWeights, MoeRouting, MoeWeights, PagedSeq, RowSampling, Segment, TokenPenalty,
 };
 
 pub type Res<T> = std::result::Result<T, Box<dyn Error>>;
@@ -175,6 +175,92 @@ pub fn op_argmax<B: Backend>(b: &B) -> Res<Vec<Vec<f32>>> {
     let big = b.upload_f32(&[3, vocab], &rows)?;
     let ids = |t| -> Res<Vec<f32>> { Ok(b.argmax_rows(t)?.iter().map(|&i| i as f32).collect()) };
     Ok(vec![ids(&small)?, ids(&big)?])
+}
+
+/// Sampling on the backend (`Backend::sample_rows`) against the host rule: a small row with
+/// ties, NaN and ±inf, and random rows of a 163,840-token vocabulary with runs of equal
+/// logits, under temperature, top-k, top-p, min-p, their mix and penalties, each at four
+/// uniform draws; the ids as f32 (exact).
+pub fn op_sample<B: Backend>(b: &B) -> Res<Vec<Vec<f32>>> {
+    let (nan, inf) = (f32::NAN, f32::INFINITY);
+    let small = vec![
+        1.0, 3.0, nan, 3.0, -inf, inf, 0.5, -0.0, 0.0, 2.0, 2.0, -3.0,
+    ];
+    let mut r = Rng(23);
+    let vocab = 163_840;
+    let mut big = r.vec(2 * vocab, 4.0);
+    // Runs of equal logits at the top, so that the cut-offs fall inside ties.
+    for row in big.chunks_mut(vocab) {
+        let top = row.iter().copied().fold(f32::MIN, f32::max);
+        for i in (0..vocab).step_by(997).take(40) {
+            row[i] = top - 1.5;
+        }
+    }
+    let rules = |temperature, top_k, top_p, min_p| RowSampling {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        ..RowSampling::greedy()
+    };
+    let penalised = RowSampling {
+        temperature: 0.9,
+        repetition_penalty: 1.3,
+        frequency_penalty: 0.5,
+        presence_penalty: 0.3,
+        top_k: 20,
+        ..RowSampling::greedy()
+    };
+    let sets = [
+        rules(1.0, 0, 1.0, 0.0),
+        rules(0.7, 50, 1.0, 0.0),
+        rules(1.3, 0, 0.9, 0.0),
+        rules(1.0, 0, 1.0, 0.05),
+        rules(0.8, 40, 0.95, 0.02),
+        rules(1.0, 1, 1.0, 0.0),
+        rules(1.0, 0, 1e-3, 0.0),
+        penalised,
+        RowSampling {
+            temperature: 0.0,
+            ..penalised
+        },
+    ];
+    let draws = [0.03f32, 0.35, 0.65, 0.97];
+    let mut out = Vec::new();
+    for (logits, width) in [(&small, small.len()), (&big, vocab)] {
+        let mut data = Vec::new();
+        let mut params = Vec::new();
+        let mut penalties = Vec::new();
+        for set in &sets {
+            for &uniform in &draws {
+                for row in logits.chunks(width) {
+                    let n = params.len() as u32;
+                    if set.repetition_penalty != 1.0 {
+                        // The row's best tokens and a few others, some seen in the output.
+                        let mut seen = Vec::new();
+                        for (i, &token) in [0u32, 1, 3, 5, 997, 1994, 7, 11].iter().enumerate() {
+                            let token = token % width as u32;
+                            if !seen.contains(&token) {
+                                seen.push(token);
+                                let count = (i % 3) as u32;
+                                penalties.push(TokenPenalty {
+                                    row: n,
+                                    token,
+                                    count,
+                                });
+                            }
+                        }
+                    }
+                    data.extend_from_slice(row);
+                    params.push(RowSampling { uniform, ..*set });
+                }
+            }
+        }
+        let mut x = b.upload_f32(&[params.len(), width], &data)?;
+        let ids = b.sample_rows(&mut x, &params, &penalties)?;
+        out.push(ids.iter().map(|&i| i as f32).collect());
+    }
+    Ok(out)
 }
 
 pub fn op_matmul<B: Backend>(b: &B, n: usize, k: usize, o: usize, dt: DType) -> Res<Vec<Vec<f32>>> {
@@ -751,6 +837,10 @@ pub fn cases() -> Vec<(String, Case)> {
             case!(|b| op_matmul(b, 33, 512, 300, DType::F32)),
         ),
         ("argmax rows (greedy picks)".into(), case!(op_argmax)),
+        (
+            "sample rows (penalties, temperature, top-k/p, min-p)".into(),
+            case!(op_sample),
+        ),
         (
             "matmul bf16 1x2304->1024".into(),
             case!(|b| op_matmul(b, 1, 2304, 1024, DType::BF16)),
