@@ -249,6 +249,12 @@ __device__ void decode_step(const KdaStepArgs& a, const KdaStepSegs& segs) {
   const int H = a.H, W = a.W;
   const int width = H * D;
   const size_t row = (size_t)segs.row[sg];
+  // The state columns first: their 16-64 KiB are the step's longest wait, and nothing
+  // below changes them before `split_step`.
+  float* S = segs.state[sg] + (size_t)h * D * D;
+  float s[L::RPT];
+#pragma unroll
+  for (int m = 0; m < L::RPT; ++m) s[m] = S[(size_t)(rg + L::RG * m) * D + col];
   float xin[2] = {0.0f, 0.0f}, qk[2] = {0.0f, 0.0f};
   if (tid < D) {
     const int ch = h * D + tid;
@@ -279,10 +285,6 @@ __device__ void decode_step(const KdaStepArgs& a, const KdaStepSegs& segs) {
   }
   const float b = sigmoidf_(a.b[row * H + h]);
   __syncthreads();
-  float* S = segs.state[sg] + (size_t)h * D * D;
-  float s[L::RPT];
-#pragma unroll
-  for (int m = 0; m < L::RPT; ++m) s[m] = S[(size_t)(rg + L::RG * m) * D + col];
   const float o = split_step<D>(s, qs, ks, as, vs[c], b, red);
 #pragma unroll
   for (int m = 0; m < L::RPT; ++m) S[(size_t)(rg + L::RG * m) * D + col] = s[m];
