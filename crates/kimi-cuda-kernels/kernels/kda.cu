@@ -346,9 +346,98 @@ __device__ __forceinline__ int seg_of_chunk(const KdaSegs& segs, int gc) {
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
 
+// Column j of T = (I + diag(β)L)^-1 diag(β) by forward substitution: x[r] collects
+// δ_rj − Σ_{c<r} L[r][c] T[c][j] and ends as T[r][j] (0 above the diagonal, β_j on it).
+// M holds L[r][c] at M[c][r] (c < r).
+__device__ __forceinline__ void solve_t(const float* Ms, const float* Bs, int j,
+                                        float (&x)[KDA_C]) {
+  constexpr int C = KDA_C;
+#pragma unroll
+  for (int r = 0; r < C; ++r) x[r] = r == j ? 1.0f : 0.0f;
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const float tc = Bs[c] * x[c];
+    x[c] = tc;
+#pragma unroll
+    for (int r4 = ((c + 1) / 4) * 4; r4 < C; r4 += 4) {
+      const float4 lv = ld4(Ms + c * C + r4);  // L[r][c] for r > c
+      if (r4 + 0 > c) x[r4 + 0] -= lv.x * tc;
+      if (r4 + 1 > c) x[r4 + 1] -= lv.y * tc;
+      if (r4 + 2 > c) x[r4 + 2] -= lv.z * tc;
+      if (r4 + 3 > c) x[r4 + 3] -= lv.w * tc;
+    }
+  }
+}
+
+// ---- Operands of the tensor-core state pass (kda_chunk_mma_*), written by
+// kda_chunk_prep_mma_D. Per (chunk, head), bf16 planes, each value x as hi = bf16(x) and
+// lo = bf16(x − hi) (lo planes written only with `split`), then f32:
+//   KG hi, KG lo, QG hi, QG lo   [C][D]  k̂_r ⊙ e^Γ_r, q̂_r ⊙ e^Γ_r (Γ_r: inclusive cumsum of g)
+//   T hi, T lo                   [C][C]  T[r][c] (lower triangle, β_r on the diagonal)
+//   A hi, A lo                   [C][C]  A[r][c] = q̂_r·(k̂_c ⊙ P(c,r)) for c <= r, else 0
+//   Kd hi, Kd lo                 [C][D]  k̂_r ⊙ e^(Γ_last − Γ_r)
+//   γ                            [D] f32 e^Γ_last
+// Every decay is a running product of e^g (never a quotient), so nothing can overflow.
+// Rows past the segment's end are zero (k̂ = q̂ = 0, β = 0, e^g = 1).
+__host__ __device__ constexpr size_t kda_mma_scratch_bytes(int D) {
+  return (size_t)(6 * KDA_C * D + 4 * KDA_C * KDA_C) * 2 + (size_t)4 * D;
+}
+
+__device__ __forceinline__ void st_hilo(__nv_bfloat16* hi, size_t plane, size_t i, float x,
+                                        bool split) {
+  const __nv_bfloat16 h = __float2bfloat16_rn(x);
+  hi[i] = h;
+  if (split) hi[plane + i] = __float2bfloat16_rn(x - __bfloat162float(h));
+}
+
+// The part of kda_chunk_prep_mma_D after A and L are in Ms (block of 256 threads): threads
+// 0..C-1 solve one column of T each and store it; threads C..C+D-1 take one key channel each
+// for the decayed k/q rows and γ; then all store A.
 template <int D>
+__device__ __forceinline__ void prep_mma_tail(const float* Qs, const float* Ks, const float* As,
+                                              const float* Ms, const float* Bs, float* scratch,
+                                              int slot, bool split) {
+  constexpr int C = KDA_C, NT = 256;
+  constexpr size_t PD = (size_t)C * D, PC = (size_t)C * C;
+  const int tid = threadIdx.x;
+  unsigned char* base = reinterpret_cast<unsigned char*>(scratch) + kda_mma_scratch_bytes(D) * slot;
+  __nv_bfloat16* kg = reinterpret_cast<__nv_bfloat16*>(base);
+  __nv_bfloat16* qg = kg + 2 * PD;
+  __nv_bfloat16* tm = qg + 2 * PD;
+  __nv_bfloat16* am = tm + 2 * PC;
+  __nv_bfloat16* kd = am + 2 * PC;
+  float* gam = reinterpret_cast<float*>(kd + 2 * PD);
+  if (tid < C) {
+    float x[C];
+    solve_t(Ms, Bs, tid, x);
+#pragma unroll
+    for (int r = 0; r < C; ++r) st_hilo(tm, PC, (size_t)r * C + tid, x[r], split);
+  } else if (tid < C + D) {
+    const int i = tid - C;
+    float te = 1.0f;
+#pragma unroll 4
+    for (int r = C - 1; r >= 0; --r) {
+      st_hilo(kd, PD, (size_t)r * D + i, Ks[r * D + i] * te, split);
+      te *= As[r * D + i];
+    }
+    float fs = 1.0f;
+#pragma unroll 4
+    for (int r = 0; r < C; ++r) {
+      fs *= As[r * D + i];
+      st_hilo(kg, PD, (size_t)r * D + i, Ks[r * D + i] * fs, split);
+      st_hilo(qg, PD, (size_t)r * D + i, Qs[r * D + i] * fs, split);
+    }
+    gam[i] = fs;
+  }
+  for (int e = tid; e < C * C; e += NT) {
+    const int r = e / C, c = e % C;
+    st_hilo(am, PC, e, c <= r ? Ms[e] : 0.0f, split);
+  }
+}
+
+template <int D, bool MMA>
 __device__ void chunk_prep(const float* q, const float* k, const float* g, const float* beta,
-                           const KdaSegs& segs, float* scratch, int H) {
+                           const KdaSegs& segs, float* scratch, int H, bool split) {
   constexpr int C = KDA_C, NT = 256, SL = D / 8;  // SL: key channels per lane of a group
   extern __shared__ __align__(16) float sm[];
   float* Qs = sm;            // [C][D] q̂ (normalised, scaled)
@@ -449,26 +538,13 @@ __device__ void chunk_prep(const float* q, const float* k, const float* g, const
     }
   }
   __syncthreads();
+  if constexpr (MMA) {
+    prep_mma_tail<D>(Qs, Ks, As, Ms, Bs, scratch, gc * H + h, split);
+    return;
+  }
   // T, one column per thread: x[r] collects δ_rj − Σ_{c<r} L[r][c] T[c][j]; T[r][j] = β_r x[r].
   float x[C];
-  if (tid < C) {
-    const int j = tid;
-#pragma unroll
-    for (int r = 0; r < C; ++r) x[r] = r == j ? 1.0f : 0.0f;
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const float tc = Bs[c] * x[c];
-      x[c] = tc;
-#pragma unroll
-      for (int r4 = ((c + 1) / 4) * 4; r4 < C; r4 += 4) {
-        const float4 lv = ld4(Ms + c * C + r4);  // L[r][c] for r > c
-        if (r4 + 0 > c) x[r4 + 0] -= lv.x * tc;
-        if (r4 + 1 > c) x[r4 + 1] -= lv.y * tc;
-        if (r4 + 2 > c) x[r4 + 2] -= lv.z * tc;
-        if (r4 + 3 > c) x[r4 + 3] -= lv.w * tc;
-      }
-    }
-  }
+  if (tid < C) solve_t(Ms, Bs, tid, x);
   __syncthreads();
   if (tid < C) {
 #pragma unroll
@@ -636,7 +712,7 @@ __device__ void chunk_state(const float* q, const float* k, const float* v, cons
       const float* q, const float* k, const float* g, const float* beta, const KdaSegs segs,  \
       float* scratch, int H) {                                                                \
     pdl_enter();                                                                              \
-    chunk_prep<D>(q, k, g, beta, segs, scratch, H);                                           \
+    chunk_prep<D, false>(q, k, g, beta, segs, scratch, H, false);                             \
   }                                                                                           \
   extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_state_##D(                  \
       const float* q, const float* k, const float* v, const float* g, const float* beta,      \
@@ -646,3 +722,328 @@ __device__ void chunk_state(const float* q, const float* k, const float* v, cons
   }
 KDA_CHUNK(64)
 KDA_CHUNK(128)
+
+
+// ------------------------------------------------------------------------------------------
+// The chunked form on bf16 tensor cores (mma.sync m16n8k16, f32 accumulators).
+//
+//  kda_chunk_prep_mma_D   as kda_chunk_prep_D (A, L, T in f32), but writes the operands of
+//                         the state pass in bf16 hi/lo planes (kda_mma_scratch_bytes above).
+//  kda_chunk_mma_D_{split,half}
+//                         grid (D / (16·KM_NW), H, segments), block 32·KM_NW: the serial pass.
+//                         Warp w owns 16 value columns j of one state and keeps Sᵀ (16 × D,
+//                         Sᵀ[j][i] = S[i][j]) in f32 mma accumulator fragments for the whole
+//                         segment. With the state as the M side of every product, each
+//                         accumulator fragment is also the A fragment of the next product, so
+//                         the chain never leaves registers and warps never exchange data:
+//     phase 0  Pᵀ = Sᵀ·KGᵀ, Oᵀ = Sᵀ·QGᵀ     (16 × C each, k = D)   Xᵀ = Vᵀ − Pᵀ
+//     phase 1  V'ᵀ = Xᵀ·Tᵀ                   (k = C, lower-triangular tiles only)
+//     phase 2  Oᵀ += V'ᵀ·Aᵀ → out            (causal tiles only)
+//     phase 3  Sᵀ = Sᵀ ⊙ γ + V'ᵀ·Kd          (16 × D, k = C)
+//                         The block shares the chunk's operands in shared memory (padded rows
+//                         for conflict-free ldmatrix), one buffer each: the operand of phase q
+//                         of the next chunk is fetched with cp.async as soon as phase q is done
+//                         (after the barrier in front of phase q+1), so each load has three
+//                         phases to land. Split: every product is hi·hi + lo·hi + hi·lo (three
+//                         MMAs, ~2^-17 relative error per product, as mla_flash_prefill_mma);
+//                         half: hi·hi.
+namespace km {
+constexpr int NW = 4;  // warps per block (16 value columns each)
+constexpr int C = KDA_C;
+template <int D>
+struct Lay {
+  static constexpr int LD = D + 8;        // bf16 per shared row of a C × D operand
+  static constexpr int LC = C + 8;        // of a C × C operand
+  static constexpr int PD = C * LD;       // one shared plane (bf16)
+  static constexpr int PC = C * LC;
+  static constexpr int BV = 16 * NW;      // value columns per block
+  static constexpr int LV = BV + 4;       // f32 per shared row of V (conflict-free reads)
+  static constexpr size_t GD = (size_t)C * D, GC = (size_t)C * C;  // global plane sizes
+};
+}  // namespace km
+
+// Dynamic shared memory of kda_chunk_mma_D_*: KG, QG, T, A, Kd (hi, and lo with split) as
+// bf16, V [C][LV] and γ [D] as f32.
+__host__ __device__ constexpr size_t kda_mma_smem_bytes(int D, bool split) {
+  return (size_t)(split ? 2 : 1) * (3 * km::C * (D + 8) + 2 * km::C * (km::C + 8)) * 2 +
+         (size_t)km::C * (16 * km::NW + 4) * 4 + (size_t)D * 4;
+}
+
+__device__ __forceinline__ void km_cp16(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;  // 0 bytes read: the destination becomes zeros
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n)
+               : "memory");
+}
+__device__ __forceinline__ void km_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void km_wait2() { asm volatile("cp.async.wait_group 2;\n" ::: "memory"); }
+__device__ __forceinline__ void km_ldsm(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void km_ldsm_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+// c += a·b for one m16n8k16 tile (bf16 in, f32 accumulate).
+__device__ __forceinline__ void km_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                       uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// (x, y) -> hi = bf16 pair (x in the low half) and, with SPLIT, lo = bf16 pair of remainders.
+template <bool SPLIT>
+__device__ __forceinline__ void km_split(float x, float y, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  if constexpr (SPLIT) {
+    const float2 hf = __bfloat1622float2(h);
+    const __nv_bfloat162 l = __floats2bfloat162_rn(x - hf.x, y - hf.y);
+    lo = *reinterpret_cast<const uint32_t*>(&l);
+  }
+}
+// The A fragments (hi, lo) of k-step ks from accumulator n-tiles 2ks and 2ks+1.
+template <bool SPLIT>
+__device__ __forceinline__ void km_afrag(const float (&c0)[4], const float (&c1)[4],
+                                         uint32_t (&ah)[4], uint32_t (&al)[4]) {
+  km_split<SPLIT>(c0[0], c0[1], ah[0], al[0]);
+  km_split<SPLIT>(c0[2], c0[3], ah[1], al[1]);
+  km_split<SPLIT>(c1[0], c1[1], ah[2], al[2]);
+  km_split<SPLIT>(c1[2], c1[3], ah[3], al[3]);
+}
+// c0 (n-tile 2np) and c1 (2np+1) += a·b with b from ldmatrix at `addr` (hi) and addr + lo.
+template <bool SPLIT, bool TRANS>
+__device__ __forceinline__ void km_mma2(float (&c0)[4], float (&c1)[4], const uint32_t (&ah)[4],
+                                        const uint32_t (&al)[4], uint32_t addr, uint32_t lo) {
+  uint32_t bh[4];
+  if constexpr (TRANS) km_ldsm_t(bh, addr); else km_ldsm(bh, addr);
+  km_mma(c0, ah, bh[0], bh[1]);
+  km_mma(c1, ah, bh[2], bh[3]);
+  if constexpr (SPLIT) {
+    uint32_t bl[4];
+    if constexpr (TRANS) km_ldsm_t(bl, addr + lo); else km_ldsm(bl, addr + lo);
+    km_mma(c0, al, bh[0], bh[1]);
+    km_mma(c1, al, bh[2], bh[3]);
+    km_mma(c0, ah, bl[0], bl[1]);
+    km_mma(c1, ah, bl[2], bl[3]);
+  }
+}
+
+template <int D, bool SPLIT>
+__device__ void chunk_mma(const float* __restrict__ v, const KdaSegs& segs,
+                          const unsigned char* __restrict__ scratch, float* __restrict__ out,
+                          int H) {
+  using L = km::Lay<D>;
+  constexpr int C = km::C, NT = 32 * km::NW, NP = SPLIT ? 2 : 1;
+  constexpr int NTD = D / 8;  // n-tiles of the state (key channels)
+  extern __shared__ __align__(16) unsigned char smc[];
+  __nv_bfloat16* KGs = reinterpret_cast<__nv_bfloat16*>(smc);  // NP planes [C][LD]
+  __nv_bfloat16* QGs = KGs + NP * L::PD;                       // NP planes [C][LD]
+  __nv_bfloat16* Ts = QGs + NP * L::PD;                        // NP planes [C][LC]
+  __nv_bfloat16* As = Ts + NP * L::PC;                         // NP planes [C][LC]
+  __nv_bfloat16* Kds = As + NP * L::PC;                        // NP planes [C][LD]
+  float* Vs = reinterpret_cast<float*>(Kds + NP * L::PD);      // [C][LV]
+  float* Gs = Vs + C * L::LV;                                  // [D]
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int h = blockIdx.y, sg = blockIdx.z;
+  const int vcol0 = blockIdx.x * L::BV;  // the block's first value column
+  const int jw = 16 * w;                 // the warp's first column within the block
+  const size_t width = (size_t)H * D, hoff = (size_t)h * D;
+  const int start = segs.start[sg], len = segs.len[sg];
+  const int nch = (len + C - 1) / C;
+  float* S = segs.state[sg] + (size_t)h * D * D;
+
+  // Loaders: one 16-byte cp.async per (row, 8 bf16) of each plane.
+  auto chunk_base = [&](int ci) {
+    return scratch + ((size_t)(segs.chunk0[sg] + ci) * H + h) * kda_mma_scratch_bytes(D);
+  };
+  auto load_planes = [&](__nv_bfloat16* dst, const unsigned char* src, int rw, int ld,
+                         size_t gplane) {
+    const int per_row = rw / 8, n = C * per_row;
+#pragma unroll
+    for (int p = 0; p < NP; ++p)
+      for (int e = tid; e < n; e += NT) {
+        const int r = e / per_row, cc = e % per_row;
+        km_cp16(smem_addr(dst + p * C * ld + r * ld + cc * 8),
+                src + (p * gplane + (size_t)r * rw + cc * 8) * 2, true);
+      }
+  };
+  // Group 0: KG, QG and this block's V columns (zero past the segment's end).
+  auto load_g0 = [&](int ci) {
+    if (ci < nch) {
+      const unsigned char* b = chunk_base(ci);
+      load_planes(KGs, b, D, L::LD, L::GD);
+      load_planes(QGs, b + 2 * L::GD * 2, D, L::LD, L::GD);
+      const int row0 = start + ci * C, l = min(C, len - ci * C);
+      for (int e = tid; e < C * L::BV / 4; e += NT) {
+        const int r = e / (L::BV / 4), cc = (e % (L::BV / 4)) * 4;
+        const float* src = v + (size_t)(row0 + min(r, l - 1)) * width + hoff + vcol0 + cc;
+        km_cp16(smem_addr(Vs + r * L::LV + cc), src, r < l);
+      }
+    }
+    km_commit();
+  };
+  auto load_g1 = [&](int ci) {  // T
+    if (ci < nch) load_planes(Ts, chunk_base(ci) + 4 * L::GD * 2, C, L::LC, L::GC);
+    km_commit();
+  };
+  auto load_g2 = [&](int ci) {  // A
+    if (ci < nch) load_planes(As, chunk_base(ci) + (4 * L::GD + 2 * L::GC) * 2, C, L::LC, L::GC);
+    km_commit();
+  };
+  auto load_g3 = [&](int ci) {  // Kd, γ
+    if (ci < nch) {
+      const unsigned char* b = chunk_base(ci) + (4 * L::GD + 4 * L::GC) * 2;
+      load_planes(Kds, b, D, L::LD, L::GD);
+      for (int e = tid; e < D / 4; e += NT)
+        km_cp16(smem_addr(Gs + 4 * e), b + 2 * L::GD * 2 + 16 * e, true);
+    }
+    km_commit();
+  };
+  load_g0(0);
+  load_g1(0);
+  load_g2(0);
+  load_g3(0);
+
+  // ldmatrix lane addresses (bytes). B from [n][k] rows (KG, QG, T, A; k contiguous): lanes
+  // 0-7 rows 0-7 / k 0, 8-15 rows 0-7 / k 8, 16-23 rows 8-15 / k 0, 24-31 rows 8-15 / k 8
+  // -> (b0, b1) of n-tiles 2np and 2np+1. B from [k][n] rows through .trans (Kd): lanes 0-7
+  // k 0-7 / n 0-7, 8-15 k 8-15 / n 0-7, 16-23 k 0-7 / n 8-15, 24-31 k 8-15 / n 8-15.
+  const int l7 = lane & 7, l8 = (lane >> 3) & 1, l16 = lane >> 4;
+  const uint32_t kga = smem_addr(KGs + (l7 + 8 * l16) * L::LD + 8 * l8);
+  const uint32_t qga = smem_addr(QGs + (l7 + 8 * l16) * L::LD + 8 * l8);
+  const uint32_t ta = smem_addr(Ts + (l7 + 8 * l16) * L::LC + 8 * l8);
+  const uint32_t aa = smem_addr(As + (l7 + 8 * l16) * L::LC + 8 * l8);
+  const uint32_t kda = smem_addr(Kds + (l7 + 8 * l8) * L::LD + 8 * l16);
+  constexpr uint32_t lod = L::PD * 2, loc = L::PC * 2;  // hi plane -> lo plane, bytes
+
+  // Sᵀ fragments: st[nt][e] = S[i = 8nt + 2c + (e & 1)][j = jw + g + 8(e >> 1)].
+  const int colg = vcol0 + jw + g;
+  float st[NTD][4];
+#pragma unroll
+  for (int nt = 0; nt < NTD; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      st[nt][e] = S[(size_t)(8 * nt + 2 * c + (e & 1)) * D + colg + 8 * (e >> 1)];
+
+#pragma unroll 1
+  for (int ci = 0; ci < nch; ++ci) {
+    const int row0 = start + ci * C, l = min(C, len - ci * C);
+    // ---- phase 0: Pᵀ = Sᵀ·KGᵀ, Oᵀ = Sᵀ·QGᵀ (n = chunk rows r, k = key channels i).
+    km_wait2();
+    __syncthreads();  // KG, QG, V of chunk ci landed; every warp is done with chunk ci-1
+    if (ci > 0) load_g3(ci);
+    float pk[8][4], o[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pk[nt][e] = o[nt][e] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t ah[4], al[4];
+      km_afrag<SPLIT>(st[2 * ks], st[2 * ks + 1], ah, al);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        const uint32_t off = (np * 16 * L::LD + ks * 16) * 2;
+        km_mma2<SPLIT, false>(pk[2 * np], pk[2 * np + 1], ah, al, kga + off, lod);
+        km_mma2<SPLIT, false>(o[2 * np], o[2 * np + 1], ah, al, qga + off, lod);
+      }
+    }
+    // Xᵀ = Vᵀ − Pᵀ, as A fragments over k = chunk rows.
+    uint32_t xh[4][4], xl[4][4];
+    {
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          pk[nt][e] = Vs[(8 * nt + 2 * c + (e & 1)) * L::LV + jw + g + 8 * (e >> 1)] - pk[nt][e];
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) km_afrag<SPLIT>(pk[2 * ks], pk[2 * ks + 1], xh[ks], xl[ks]);
+    }
+    // ---- phase 1: V'ᵀ = Xᵀ·Tᵀ; tiles with k-step ks > n-pair np are zero.
+    km_wait2();
+    __syncthreads();  // T landed; KG, QG, V are free
+    load_g0(ci + 1);
+    float vn[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) vn[nt][e] = 0.0f;
+#pragma unroll
+    for (int np = 0; np < 4; ++np)
+#pragma unroll
+      for (int ks = 0; ks <= np; ++ks)
+        km_mma2<SPLIT, false>(vn[2 * np], vn[2 * np + 1], xh[ks], xl[ks],
+                              ta + (np * 16 * L::LC + ks * 16) * 2, loc);
+    uint32_t uh[4][4], ul[4][4];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) km_afrag<SPLIT>(vn[2 * ks], vn[2 * ks + 1], uh[ks], ul[ks]);
+    // ---- phase 2: Oᵀ += V'ᵀ·Aᵀ (causal tiles), then the output rows of this chunk.
+    km_wait2();
+    __syncthreads();  // A landed; T is free
+    load_g1(ci + 1);
+#pragma unroll
+    for (int np = 0; np < 4; ++np)
+#pragma unroll
+      for (int ks = 0; ks <= np; ++ks)
+        km_mma2<SPLIT, false>(o[2 * np], o[2 * np + 1], uh[ks], ul[ks],
+                              aa + (np * 16 * L::LC + ks * 16) * 2, loc);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = 8 * nt + 2 * c + (e & 1);
+        if (r < l) out[(size_t)(row0 + r) * width + hoff + colg + 8 * (e >> 1)] = o[nt][e];
+      }
+    // ---- phase 3: Sᵀ = Sᵀ ⊙ γ + V'ᵀ·Kd (n = key channels, k = chunk rows).
+    km_wait2();
+    __syncthreads();  // Kd, γ landed; A is free
+    load_g2(ci + 1);
+#pragma unroll
+    for (int nt = 0; nt < NTD; ++nt) {
+      const float2 gm = *reinterpret_cast<const float2*>(Gs + 8 * nt + 2 * c);
+      st[nt][0] *= gm.x;
+      st[nt][1] *= gm.y;
+      st[nt][2] *= gm.x;
+      st[nt][3] *= gm.y;
+    }
+#pragma unroll
+    for (int np = 0; np < D / 16; ++np)
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+        km_mma2<SPLIT, true>(st[2 * np], st[2 * np + 1], uh[ks], ul[ks],
+                             kda + (ks * 16 * L::LD + np * 16) * 2, lod);
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#pragma unroll
+  for (int nt = 0; nt < NTD; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      S[(size_t)(8 * nt + 2 * c + (e & 1)) * D + colg + 8 * (e >> 1)] = st[nt][e];
+}
+
+#define KDA_CHUNK_MMA(D)                                                                      \
+  extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep_mma_##D(               \
+      const float* q, const float* k, const float* g, const float* beta, const KdaSegs segs,  \
+      float* scratch, int H, int split) {                                                     \
+    pdl_enter();                                                                              \
+    chunk_prep<D, true>(q, k, g, beta, segs, scratch, H, split != 0);                         \
+  }                                                                                           \
+  extern "C" __global__ void __launch_bounds__(32 * km::NW, 1) kda_chunk_mma_##D##_split(    \
+      const float* v, const KdaSegs segs, const unsigned char* scratch, float* out, int H) {  \
+    pdl_enter();                                                                              \
+    chunk_mma<D, true>(v, segs, scratch, out, H);                                             \
+  }                                                                                           \
+  extern "C" __global__ void __launch_bounds__(32 * km::NW, 1) kda_chunk_mma_##D##_half(     \
+      const float* v, const KdaSegs segs, const unsigned char* scratch, float* out, int H) {  \
+    pdl_enter();                                                                              \
+    chunk_mma<D, false>(v, segs, scratch, out, H);                                            \
+  }
+KDA_CHUNK_MMA(64)
+KDA_CHUNK_MMA(128)

@@ -13,7 +13,8 @@
 //!    prefill of 8192 tokens (the f32 and the tensor-core kernel, the op and the attention
 //!    kernel alone, with its error against the f32 kernel), absorbed decode at contexts 1K/32K/128K for 1 and 64
 //!    sequences, with the implied latent-read bandwidth.
-//! 6. With `kda-bench` (only when named): chunked KDA at T=8192 (H=32/64/96, D=128) and the
+//! 6. With `kda-bench` (only when named): chunked KDA at T=8192 (H=32/64/96, D=128; the
+//!    tensor-core kernels with hi + lo and with bf16 operands, and the f32 kernels) and the
 //!    KDA decode step per layer (fused and composed, B=1 and 64), synchronised wall time.
 //!
 //! `kda-ops` (only when named) runs just the KDA op cases of 1. `sample-bench` (only when
@@ -140,7 +141,8 @@ fn check_ops(cases: Vec<(String, op_cases::Case)>) -> Res<()> {
                 let errs: Vec<f64> = got.iter().zip(&want).map(|(g, w)| rel_err(g, w)).collect();
                 let text: Vec<String> = errs.iter().map(|e| format!("{e:.2e}")).collect();
                 // The tolerance of tests/backend_ops.rs.
-                let ok = errs.len() == want.len() && errs.iter().all(|&e| e <= 1e-4);
+                let tol = op_cases::tolerance(name);
+                let ok = errs.len() == want.len() && errs.iter().all(|&e| e <= tol);
                 println!(
                     "{name:<60} rel err {}{}",
                     text.join(" "),
@@ -161,7 +163,7 @@ fn check_ops(cases: Vec<(String, op_cases::Case)>) -> Res<()> {
         Ok(())
     } else {
         Err(format!(
-            "{} op cases over 1e-4 or failing: {failures:?}",
+            "{} op cases over their tolerance or failing: {failures:?}",
             failures.len()
         )
         .into())
@@ -1381,15 +1383,35 @@ fn kda_bench() -> Res<()> {
         let beta = be.upload_f32(&[t, h], &beta)?;
         let mut state = be.zeros(&[h, d, d])?;
         let segs = [Segment { start: 0, len: t }];
-        for (label, mode) in [("chunked", KdaMode::Chunked), ("auto", KdaMode::Auto)] {
+        // The chunked kernels: tensor cores with hi + lo operands (the default), bf16 only,
+        // and the f32 CUDA-core kernels.
+        for (label, variant, prec) in [
+            ("mma", 0, GemmPrecision::Split),
+            ("mma half", 0, GemmPrecision::Half),
+            ("f32", 1, GemmPrecision::Split),
+        ] {
+            be.set_kda_chunk_variant(variant);
+            be.set_gemm_precision(prec);
             let s = time_calls(&be, 2, 10, || {
-                be.kda(&q, &k, &v, &g, &beta, h, &segs, &mut [&mut state], mode)
-                    .map(drop)
+                be.kda(
+                    &q,
+                    &k,
+                    &v,
+                    &g,
+                    &beta,
+                    h,
+                    &segs,
+                    &mut [&mut state],
+                    KdaMode::Chunked,
+                )
+                .map(drop)
             })?;
+            be.set_kda_chunk_variant(0);
+            be.set_gemm_precision(GemmPrecision::Split);
             // Model FLOPs as performance-anchors.md §1.3 (C=16 convention).
             let tflops = (t * h) as f64 * 117_760.0 / s / 1e12;
             println!(
-                "kda {label:<8} T={t} H={h:<3} D={d}: {:8.3} ms  ({tflops:.1} model TFLOP/s)",
+                "kda chunked {label:<8} T={t} H={h:<3} D={d}: {:8.3} ms  ({tflops:.1} model TFLOP/s)",
                 s * 1e3
             );
         }

@@ -152,6 +152,20 @@ impl CudaBackend {
         ops::gemm::set_gemv_variant(v);
     }
 
+    /// Picks the chunked KDA kernels: 0 = automatic (the bf16 tensor-core state pass for head
+    /// sizes 64 and 128, with hi + lo operands under [`GemmPrecision::Split`]), 1 = the f32
+    /// CUDA-core kernels. Process-wide; `KIMI_CUDA_KDA_CHUNK=f32` makes 1 the default. For
+    /// comparison.
+    pub fn set_kda_chunk_variant(&self, v: usize) {
+        ops::kda::set_chunk_variant(v);
+    }
+
+    /// Caps the chunks of one chunked-KDA launch group (0 = by the scratch bound, the
+    /// default), so that tests can cut short segments into several groups.
+    pub fn set_kda_group_chunks(&self, n: usize) {
+        ops::kda::set_group_chunks(n);
+    }
+
     /// Picks the expanded-prefill MLA kernel: 0 = automatic (the bf16 tensor-core kernel
     /// wherever it fits, with hi + lo operands under [`GemmPrecision::Split`]), 1 = the f32
     /// CUDA-core kernel. Process-wide; `KIMI_CUDA_MLA_PREFILL=f32` makes 1 the default. For
@@ -1449,28 +1463,47 @@ impl Backend for CudaBackend {
         if qkvg.iter().any(|p| !p.is_multiple_of(16)) {
             recurrent.append(&mut chunked);
         }
-        for group in chunked.chunks(ops::kda::MAX_SEGS) {
-            let (table, chunks) = ops::kda::SegTable::new(group)?;
-            let scratch = self.empty(
-                &[chunks * num_heads, ops::kda::SCRATCH_PER_CHUNK],
-                DType::F32,
-                OP,
-            )?;
+        let mma = ops::kda::chunk_variant() == 0;
+        let split = self.gemm_precision() == GemmPrecision::Split;
+        let per_chunk = ops::kda::scratch_bytes(d, mma);
+        // Groups of about equal size when the scratch bound cuts the chunks into several.
+        let total: usize = chunked.iter().map(|s| s.1.div_ceil(ops::kda::CHUNK)).sum();
+        let max_chunks = ops::kda::max_group_chunks(num_heads, d, mma);
+        let max_chunks = total.div_ceil(total.div_ceil(max_chunks).max(1)).max(1);
+        for group in ops::kda::launch_groups(&chunked, max_chunks) {
+            let (table, chunks) = ops::kda::SegTable::new(&group)?;
+            let scratch = self.empty(&[chunks * num_heads * per_chunk / 4], DType::F32, OP)?;
             // SAFETY: shapes checked above; the table's segments lie inside the n rows and
-            // their states are distinct `[H, D, D]` f32 tensors; scratch has room for every
-            // (chunk, head); the inputs are 16-byte aligned.
+            // their states are distinct `[H, D, D]` f32 tensors (a segment cut by
+            // `launch_groups` appears once per group, its pieces in order); scratch has room
+            // for every (chunk, head); the inputs are 16-byte aligned.
             unsafe {
-                ops::kda::chunked(
-                    &self.dev,
-                    qkvg,
-                    beta.ptr(),
-                    &table,
-                    chunks,
-                    scratch.ptr(),
-                    out.ptr(),
-                    num_heads,
-                    d,
-                )?
+                if mma {
+                    ops::kda::chunked_mma(
+                        &self.dev,
+                        qkvg,
+                        beta.ptr(),
+                        &table,
+                        chunks,
+                        scratch.ptr(),
+                        out.ptr(),
+                        num_heads,
+                        d,
+                        split,
+                    )?
+                } else {
+                    ops::kda::chunked(
+                        &self.dev,
+                        qkvg,
+                        beta.ptr(),
+                        &table,
+                        chunks,
+                        scratch.ptr(),
+                        out.ptr(),
+                        num_heads,
+                        d,
+                    )?
+                }
             };
         }
         for group in recurrent.chunks(ops::kda::MAX_SEGS) {

@@ -34,6 +34,12 @@ const BIG_SMEM_KERNELS: &[&str] = &[
     "kda_chunk_state_64",
     "kda_chunk_state_128",
     "sample_rows",
+    "kda_chunk_prep_mma_64",
+    "kda_chunk_prep_mma_128",
+    "kda_chunk_mma_64_split",
+    "kda_chunk_mma_64_half",
+    "kda_chunk_mma_128_split",
+    "kda_chunk_mma_128_half",
 ];
 
 /// Every kernel symbol, by module (the `kernels/<module>.cu` file stem).
@@ -93,6 +99,12 @@ const KERNELS: &[(&str, &[&str])] = &[
             "kda_chunk_prep_128",
             "kda_chunk_state_64",
             "kda_chunk_state_128",
+            "kda_chunk_prep_mma_64",
+            "kda_chunk_prep_mma_128",
+            "kda_chunk_mma_64_split",
+            "kda_chunk_mma_64_half",
+            "kda_chunk_mma_128_split",
+            "kda_chunk_mma_128_half",
             "kda_decode_64",
             "kda_decode_128",
         ],

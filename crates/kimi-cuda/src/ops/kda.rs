@@ -1,4 +1,15 @@
 //! Launchers of `kernels/kda.cu`.
+//!
+//! The chunked (WY) form runs as two kernels per launch group: a parallel preparation per
+//! (chunk, head) into a scratch buffer, then the serial pass over each segment's chunks.
+//! Two variants ([`chunk_variant`]): the tensor-core pass (`kda_chunk_prep_mma_D` +
+//! `kda_chunk_mma_D_{split,half}`, the default for D = 64 and 128: bf16 hi + lo operands
+//! under `GemmPrecision::Split`, hi only under `Half`, f32 state) and the f32 CUDA-core pass
+//! (`kda_chunk_prep_D` + `kda_chunk_state_D`, `KIMI_CUDA_KDA_CHUNK=f32`). Long inputs are
+//! cut into launch groups of at most [`max_group_chunks`] chunks so that the scratch stays
+//! under [`SCRATCH_CAP_BYTES`]; a segment cut in two continues from its state in place.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kimi_ops::{Error, Result};
 
@@ -91,6 +102,101 @@ pub(crate) const CHUNK: usize = 64;
 
 /// f32 scratch per (chunk, head) between the two chunked kernels (`KDA_SCRATCH`).
 pub(crate) const SCRATCH_PER_CHUNK: usize = CHUNK * CHUNK + 2 * CHUNK;
+
+/// Bytes of scratch per (chunk, head) of the tensor-core variant (`kda_mma_scratch_bytes`
+/// in `kda.cu`): KG, QG, Kd as `[C][D]` and T, A as `[C][C]` bf16 hi and lo planes, then
+/// e^Γ_last as `[D]` f32. 128.5 KiB at D = 128.
+pub(crate) fn mma_scratch_bytes(d: usize) -> usize {
+    (6 * CHUNK * d + 4 * CHUNK * CHUNK) * 2 + 4 * d
+}
+
+/// Upper bound of one launch group's scratch (bytes); longer inputs take several groups.
+pub(crate) const SCRATCH_CAP_BYTES: usize = 256 << 20;
+
+/// Warps per block of `kda_chunk_mma_D_*` (`km::NW`), 16 state columns each.
+const MMA_WARPS: usize = 4;
+
+/// Which chunked kernels run: 0 = automatic (tensor cores for D = 64, 128), 1 = the f32
+/// kernels. `usize::MAX` = not chosen yet: `KIMI_CUDA_KDA_CHUNK=f32` picks 1 on first use.
+static CHUNK_VARIANT: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// Sets [`CHUNK_VARIANT`] (for comparison and tests).
+pub(crate) fn set_chunk_variant(v: usize) {
+    CHUNK_VARIANT.store(v, Ordering::Relaxed);
+}
+
+/// The chunked-kernel choice (see [`CHUNK_VARIANT`]).
+pub(crate) fn chunk_variant() -> usize {
+    let v = CHUNK_VARIANT.load(Ordering::Relaxed);
+    if v != usize::MAX {
+        return v;
+    }
+    let env = usize::from(std::env::var("KIMI_CUDA_KDA_CHUNK").is_ok_and(|s| s == "f32"));
+    // A concurrent `set_chunk_variant` wins over the environment.
+    match CHUNK_VARIANT.compare_exchange(usize::MAX, env, Ordering::Relaxed, Ordering::Relaxed) {
+        Ok(_) => env,
+        Err(set) => set,
+    }
+}
+
+/// Scratch bytes per (chunk, head) of the chunked variant (`mma` or f32).
+pub(crate) fn scratch_bytes(d: usize, mma: bool) -> usize {
+    if mma {
+        mma_scratch_bytes(d)
+    } else {
+        SCRATCH_PER_CHUNK * 4
+    }
+}
+
+/// A fixed [`max_group_chunks`] for tests (0 = from [`SCRATCH_CAP_BYTES`]).
+static GROUP_CHUNKS: AtomicUsize = AtomicUsize::new(0);
+
+/// Sets [`GROUP_CHUNKS`].
+pub(crate) fn set_group_chunks(n: usize) {
+    GROUP_CHUNKS.store(n, Ordering::Relaxed);
+}
+
+/// Chunks per launch group that keep its scratch under [`SCRATCH_CAP_BYTES`] (at least 1).
+pub(crate) fn max_group_chunks(h: usize, d: usize, mma: bool) -> usize {
+    match GROUP_CHUNKS.load(Ordering::Relaxed) {
+        0 => (SCRATCH_CAP_BYTES / (h * scratch_bytes(d, mma)).max(1)).max(1),
+        n => n,
+    }
+}
+
+/// Launch groups of `(start, len, state)` segments: at most [`MAX_SEGS`] segments and
+/// `max_chunks` chunks each. A segment that does not fit is cut at a chunk boundary and
+/// continues in the next group (groups run in order, and each updates its states in place).
+pub(crate) fn launch_groups(
+    segs: &[(usize, usize, u64)],
+    max_chunks: usize,
+) -> Vec<Vec<(usize, usize, u64)>> {
+    let max_chunks = max_chunks.max(1);
+    let (mut groups, mut cur, mut used) = (vec![], vec![], 0usize);
+    for &(start, len, state) in segs {
+        let (mut s, mut left) = (start, len);
+        while left > 0 {
+            if cur.len() == MAX_SEGS || used == max_chunks {
+                groups.push(std::mem::take(&mut cur));
+                used = 0;
+            }
+            let take = left.min((max_chunks - used) * CHUNK);
+            cur.push((s, take, state));
+            used += take.div_ceil(CHUNK);
+            s += take;
+            left -= take;
+            if left > 0 {
+                // The rest of this segment must run after this piece: a later group.
+                groups.push(std::mem::take(&mut cur));
+                used = 0;
+            }
+        }
+    }
+    if !cur.is_empty() {
+        groups.push(cur);
+    }
+    groups
+}
 
 /// Head sizes with split-V, chunked and fused-decode kernels.
 pub(crate) fn has_split_kernels(d: usize) -> bool {
@@ -236,6 +342,67 @@ pub(crate) unsafe fn chunked(
     Ok(())
 }
 
+/// Dynamic shared memory of `kda_chunk_mma_D_*` (`kda_mma_smem_bytes`): KG, QG, Kd
+/// `[C][D+8]` and T, A `[C][C+8]` bf16 planes (hi, and lo with `split`), V `[C][16 NW + 4]`
+/// and γ `[D]` f32. 138.5 KiB at D = 128 with `split`.
+pub(crate) fn mma_smem(d: usize, split: bool) -> usize {
+    let planes = if split { 2 } else { 1 };
+    planes * (3 * CHUNK * (d + 8) + 2 * CHUNK * (CHUNK + 8)) * 2
+        + CHUNK * (16 * MMA_WARPS + 4) * 4
+        + d * 4
+}
+
+/// The chunked form on tensor cores: `kda_chunk_prep_mma_D` (grid (chunks, H), block 256)
+/// writes the per-chunk operands to `scratch`, then `kda_chunk_mma_D_{split,half}` (grid
+/// (D / 64, H, segments), block 128) runs each segment's chunks in order; every warp keeps
+/// 16 columns of one state in mma accumulators.
+///
+/// # Safety
+/// As [`chunked`], with `scratch` holding `chunks * h * mma_scratch_bytes(d)` bytes.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn chunked_mma(
+    dev: &Device,
+    qkvg: [u64; 4],
+    beta: u64,
+    table: &SegTable,
+    chunks: usize,
+    scratch: u64,
+    out: u64,
+    h: usize,
+    d: usize,
+    split: bool,
+) -> Result<()> {
+    let [q, k, v, g] = qkvg;
+    let hi = h as i32;
+    let (ps, ss) = (prep_smem(d), mma_smem(d, split));
+    if !has_split_kernels(d)
+        || ps.max(ss) > MAX_DYNAMIC_SMEM_BYTES as usize
+        || chunks > u32::MAX as usize
+    {
+        return Err(Error::Unsupported(format!("chunked kda with head_dim {d}")));
+    }
+    let sp = i32::from(split);
+    let mut b = dev.kernel("kda", &format!("kda_chunk_prep_mma_{d}"))?;
+    b.arg(&q).arg(&k).arg(&g).arg(&beta);
+    b.arg(table).arg(&scratch).arg(&hi).arg(&sp);
+    // SAFETY: see the function's contract; one block per (chunk, head) writes that chunk's
+    // scratch slot; the shared memory size matches the kernel's carve-up.
+    unsafe { b.launch(grid((chunks as u32, h as u32, 1), 256, ps as u32)) }.op("kda")?;
+    let name = format!("kda_chunk_mma_{d}_{}", if split { "split" } else { "half" });
+    let mut b = dev.kernel("kda", &name)?;
+    b.arg(&v).arg(table).arg(&scratch).arg(&out).arg(&hi);
+    // SAFETY: as above; each block owns 16 * MMA_WARPS columns of one state.
+    unsafe {
+        b.launch(grid(
+            ((d / (16 * MMA_WARPS)) as u32, h as u32, table.n as u32),
+            (32 * MMA_WARPS) as u32,
+            ss as u32,
+        ))
+    }
+    .op("kda")?;
+    Ok(())
+}
+
 /// `struct KdaStepSegs` of `kda.cu`.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -349,4 +516,29 @@ pub(crate) unsafe fn decode(
     // width (`__cluster_dims__(4, 1, 1)`).
     unsafe { b.launch(grid((4, h as u32, segs.n as u32), 128, 0)) }.op("kda_decode")?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn launch_groups_cut_at_chunk_boundaries() {
+        let segs = [(0usize, 300usize, 1u64), (300, 5, 2), (305, 64, 3)];
+        let groups = launch_groups(&segs, 2);
+        let want: Vec<Vec<(usize, usize, u64)>> = vec![
+            vec![(0, 128, 1)],
+            vec![(128, 128, 1)],
+            vec![(256, 44, 1), (300, 5, 2)],
+            vec![(305, 64, 3)],
+        ];
+        assert_eq!(groups, want);
+        for g in &groups {
+            let chunks: usize = g.iter().map(|s| s.1.div_ceil(CHUNK)).sum();
+            assert!(chunks <= 2);
+        }
+        let many: Vec<_> = (0..70).map(|i| (i, 1, i as u64)).collect();
+        let groups = launch_groups(&many, 1000);
+        assert_eq!(groups.iter().map(Vec::len).collect::<Vec<_>>(), [64, 6]);
+    }
 }

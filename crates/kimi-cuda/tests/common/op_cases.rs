@@ -9,7 +9,7 @@ use half::bf16;
 use kimi_core::config::KdaGate;
 use kimi_core::DType;
 use kimi_cpu::CpuBackend;
-use kimi_cuda::CudaBackend;
+use kimi_cuda::{CudaBackend, GemmPrecision};
 use kimi_ops::{
     kda_decode_composed, Backend, HostTensor, KdaMode, KdaStepInputs, KdaStepWeights, MlaDims,
     MlaMode, MlpWeights, MoeRouting, MoeWeights, PagedSeq, RowSampling, Segment, TokenPenalty,
@@ -69,6 +69,16 @@ pub fn rel_err(got: &[f32], want: &[f32]) -> f64 {
 }
 
 // ---------------------------------------------------------------- op cases
+
+/// Largest relative error a case may show: 1e-4, or 3e-2 for cases named `[half]` (bf16
+/// operands without the lo term, ~3e-3 measured in emulation).
+pub fn tolerance(name: &str) -> f64 {
+    if name.contains("[half]") {
+        3e-2
+    } else {
+        1e-4
+    }
+}
 
 /// One op case: runs on any backend and returns its outputs (as f32 vectors).
 pub type Case = Box<dyn Fn(&dyn Runner) -> Res<Vec<Vec<f32>>>>;
@@ -1172,6 +1182,39 @@ pub fn kda_cases() -> Vec<(String, Case)> {
             format!("kda recurrent split d{d} h4"),
             case!(|b| op_kda_segs(b, 4, d, &rec, KdaGate::Softplus, KdaMode::Recurrent)),
         ));
+    }
+    // The chunked kernels in their other settings (CUDA side; the CPU reference is the same):
+    // bf16 operands only (Half, looser tolerance), the f32 kernels, and launch groups of at
+    // most 2 chunks (segments cut and continued from their state).
+    for d in [64usize, 128] {
+        let lens = vec![200usize, 1, 70, 129];
+        for (label, setting) in [
+            ("[half]", 0usize),
+            ("f32 kernels", 1),
+            ("2-chunk groups", 2),
+        ] {
+            let lens = lens.clone();
+            let c: Case = Box::new(move |r: &dyn Runner| match (r.cpu(), r.cuda()) {
+                (Some(b), _) => op_kda_segs(b, 3, d, &lens, KdaGate::Softplus, KdaMode::Chunked),
+                (_, Some(b)) => {
+                    match setting {
+                        0 => b.set_gemm_precision(GemmPrecision::Half),
+                        1 => b.set_kda_chunk_variant(1),
+                        _ => b.set_kda_group_chunks(2),
+                    }
+                    let out = op_kda_segs(b, 3, d, &lens, KdaGate::Softplus, KdaMode::Chunked);
+                    b.set_gemm_precision(GemmPrecision::Split);
+                    b.set_kda_chunk_variant(0);
+                    b.set_kda_group_chunks(0);
+                    out
+                }
+                _ => unreachable!(),
+            });
+            out.push((
+                format!("kda chunked d{d} {label} T=200 (+1, +70, +129) h3"),
+                c,
+            ));
+        }
     }
     let many: Vec<usize> = (0..70).map(|i| 1 + i % 3).collect();
     let many2 = many.clone();
