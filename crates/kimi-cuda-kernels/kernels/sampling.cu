@@ -48,7 +48,8 @@ extern "C" __global__ void apply_penalties(float* logits, int vocab, const RowSa
 
 namespace sampling {
 
-constexpr int NT = 1024, NW = NT / 32, BINS = 256;
+constexpr int NT = 1024, NW = NT / 32;
+constexpr unsigned BINS = 256;
 typedef unsigned long long u64;
 
 __device__ __forceinline__ float sanitise(float x) {
@@ -128,13 +129,31 @@ __device__ unsigned select_key(Shared& s, const float* x, int vocab, float max, 
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = tid; i < NW * BINS; i += NT) (&s.hist[0][0])[i] = 0;
     __syncthreads();
-    for (int j = tid; j < vocab; j += NT) {
-      const float v = sanitise(x[j]);
-      if (v == -INFINITY) continue;
-      const unsigned k = key_of(v);
-      if ((k & mask) != prefix || (use_floor && k <= floor)) continue;
-      const u64 a = count ? 1ull : fixed(expf((v - max) * inv_t));
-      atomicAdd(&s.hist[w][(k >> shift) & 255u], a);
+    // Lanes with the same bin add once (most logits share the top bytes of their keys, and
+    // one shared-memory atomic per token serialises on those few bins).
+    for (int base = 0; base < vocab; base += NT) {
+      const int j = base + tid;
+      unsigned bin = BINS;  // none
+      u64 a = 0;
+      if (j < vocab) {
+        const float v = sanitise(x[j]);
+        const unsigned k = key_of(v);
+        if (v != -INFINITY && (k & mask) == prefix && !(use_floor && k <= floor)) {
+          bin = (k >> shift) & 255u;
+          a = count ? 1ull : fixed(expf((v - max) * inv_t));
+        }
+      }
+      const unsigned group = __match_any_sync(0xffffffffu, bin);
+      if (bin < BINS) {
+        u64 sum = __popc(group);
+        if (!count) {
+          // Weights are < 2^41: two 20-bit halves, each summed over <= 32 lanes in 32 bits.
+          const unsigned hi = __reduce_add_sync(group, (unsigned)(a >> 20));
+          const unsigned lo = __reduce_add_sync(group, (unsigned)(a & 0xfffffu));
+          sum = ((u64)hi << 20) + lo;
+        }
+        if ((threadIdx.x & 31) == __ffs(group) - 1) atomicAdd(&s.hist[w][bin], sum);
+      }
     }
     __syncthreads();
     if (tid < BINS) {
