@@ -94,17 +94,12 @@ __device__ __forceinline__ void block_sum2(Shared& s, u64& a, u64& b) {
   for (int i = 0; i < NW; ++i) a += s.warp[i][0], b += s.warp[i][1];
 }
 
-// Exclusive prefix over threads (in thread order) of two values; also returns the totals.
-__device__ __forceinline__ void block_scan2(Shared& s, u64& a, u64& b, u64& ta, u64& tb) {
+// Exclusive prefix over warps (in warp order) of two per-warp values (the same in every
+// lane of a warp); also returns the totals.
+__device__ __forceinline__ void warp_prefix2(Shared& s, u64& a, u64& b, u64& ta, u64& tb) {
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  u64 ia = a, ib = b;  // inclusive within the warp
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const u64 ya = __shfl_up_sync(0xffffffffu, ia, o), yb = __shfl_up_sync(0xffffffffu, ib, o);
-    if (lane >= o) ia += ya, ib += yb;
-  }
   __syncthreads();
-  if (lane == 31) s.warp[w][0] = ia, s.warp[w][1] = ib;
+  if (lane == 0) s.warp[w][0] = a, s.warp[w][1] = b;
   __syncthreads();
   u64 pa = 0, pb = 0;
   ta = 0, tb = 0;
@@ -112,8 +107,7 @@ __device__ __forceinline__ void block_scan2(Shared& s, u64& a, u64& b, u64& ta, 
     if (i < w) pa += s.warp[i][0], pb += s.warp[i][1];
     ta += s.warp[i][0], tb += s.warp[i][1];
   }
-  a = pa + ia - a;
-  b = pb + ib - b;
+  a = pa, b = pb;
 }
 
 // The radix selection: the key K with amount(key > K) < target <= amount(key >= K), where
@@ -245,20 +239,20 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(const float* logi
   }
   // The weight of what top-k keeps.
   const float wk = k_on ? expf((value_of(kk) - max) * inv_t) : 0.0f;
-  u64 total = 0;
-  for (int j = tid; j < vocab; j += NT) {
-    const float v = sanitise(x[j]);
-    if (v == -INFINITY) continue;
-    if (!k_on || key_of(v) > kk) total += fixed(expf((v - max) * inv_t));
-  }
-  block_sum2(s, total, zero);
-  if (k_on) total += need_k * fixed(wk);
 
   // Top-p: keep key > kp, and the first need_p tokens of key == kp (within top-k's set).
   const bool p_on = p.top_p < 1.0f;
   unsigned kp = 0;
   u64 need_p = 0;
   if (p_on) {
+    u64 total = 0;
+    for (int j = tid; j < vocab; j += NT) {
+      const float v = sanitise(x[j]);
+      if (v == -INFINITY) continue;
+      if (!k_on || key_of(v) > kk) total += fixed(expf((v - max) * inv_t));
+    }
+    block_sum2(s, total, zero);
+    if (k_on) total += need_k * fixed(wk);
     const u64 target = (u64)((double)total * (double)p.top_p);
     const u64 goal = target > 0 ? target : 1;
     u64 above;
@@ -270,59 +264,74 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(const float* logi
     if (k_on && kp == kk && need_p > need_k) need_p = need_k;
   }
 
-  // Each thread owns a contiguous run of ids, so ranks among equal keys follow id order.
-  const int per = (vocab + NT - 1) / NT, lo = min(vocab, tid * per), hi = min(vocab, lo + per);
+  // Each warp owns a contiguous run of ids and walks it 32 at a time (coalesced), so ranks
+  // among equal keys follow id order: a lane's rank is the count before its warp's run
+  // plus the lanes below it in the ballot.
+  const int per_warp = (((vocab + NW - 1) / NW) + 31) & ~31;
+  const int wlo = min(vocab, w * per_warp), whi = min(vocab, wlo + per_warp);
+  const unsigned below = (1u << lane) - 1u;
   u64 eq_k = 0, eq_p = 0;
-  for (int j = lo; j < hi; ++j) {
+  for (int j = wlo + lane; j < whi; j += 32) {
     const float v = sanitise(x[j]);
-    if (v == -INFINITY) continue;
     const unsigned k = key_of(v);
-    eq_k += k_on && k == kk;
-    eq_p += p_on && k == kp;
+    eq_k += v != -INFINITY && k_on && k == kk;
+    eq_p += v != -INFINITY && p_on && k == kp;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    eq_k += __shfl_xor_sync(0xffffffffu, eq_k, o);
+    eq_p += __shfl_xor_sync(0xffffffffu, eq_p, o);
   }
   u64 tk, tp;
-  block_scan2(s, eq_k, eq_p, tk, tp);
-  // Kept weights of this thread's run, in id order.
-  auto kept = [&](int j, u64& rk, u64& rp, float& wv) {
-    const float v = sanitise(x[j]);
-    if (v == -INFINITY) return false;
+  warp_prefix2(s, eq_k, eq_p, tk, tp);
+  // Whether token j (lane's id in a step) is kept, with its weight; advances the ranks.
+  auto step = [&](int j, u64& rk, u64& rp, float& wv) {
+    const float v = j < whi ? sanitise(x[j]) : -INFINITY;
     const unsigned k = key_of(v);
-    bool keep = true;
-    if (k_on) {
-      if (k == kk) keep = rk++ < need_k;
-      else keep = k > kk;
-    }
-    if (p_on && keep) {
-      if (k == kp) keep = rp++ < need_p;
-      else keep = k > kp;
-    } else if (p_on && k == kp) {
-      ++rp;
-    }
-    wv = expf((v - max) * inv_t);
+    const bool fin = v != -INFINITY, is_k = fin && k_on && k == kk, is_p = fin && p_on && k == kp;
+    const unsigned mk = __ballot_sync(0xffffffffu, is_k), mp = __ballot_sync(0xffffffffu, is_p);
+    const u64 my_k = rk + __popc(mk & below), my_p = rp + __popc(mp & below);
+    rk += __popc(mk);
+    rp += __popc(mp);
+    bool keep = fin;
+    if (k_on) keep = keep && (is_k ? my_k < need_k : k > kk);
+    if (p_on) keep = keep && (is_p ? my_p < need_p : k > kp);
+    wv = keep ? expf((v - max) * inv_t) : 0.0f;
     return keep && wv >= p.min_p;
   };
   u64 mine = 0;
   {
     u64 rk = eq_k, rp = eq_p;
     float wv;
-    for (int j = lo; j < hi; ++j)
-      if (kept(j, rk, rp, wv)) mine += fixed(wv);
+    for (int base = wlo; base < whi; base += 32)
+      if (step(base + lane, rk, rp, wv)) mine += fixed(wv);
   }
-  u64 before = mine, unused = 0, kept_total, t2;
-  block_scan2(s, before, unused, kept_total, t2);
+  u64 warp_mass = mine;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) warp_mass += __shfl_xor_sync(0xffffffffu, warp_mass, o);
+  u64 before = warp_mass, unused = 0, kept_total, t2;
+  warp_prefix2(s, before, unused, kept_total, t2);
   if (tid == 0) s.bcast[2] = best;
   __syncthreads();
   const u64 target = (u64)((double)kept_total * (double)p.uniform);
-  if (target >= before && target < before + mine) {
+  if (target >= before && target < before + warp_mass) {
+    // This warp holds the draw: running inclusive sums, 32 ids at a time.
     u64 rk = eq_k, rp = eq_p, run = before;
     float wv;
-    for (int j = lo; j < hi; ++j) {
-      if (!kept(j, rk, rp, wv)) continue;
-      run += fixed(wv);
-      if (run > target) {
-        s.bcast[2] = (u64)j;
+    for (int base = wlo; base < whi; base += 32) {
+      const bool keep = step(base + lane, rk, rp, wv);
+      u64 inc = keep ? fixed(wv) : 0ull;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const u64 y = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += y;
+      }
+      const unsigned hit = __ballot_sync(0xffffffffu, keep && run + inc > target);
+      if (hit) {
+        if (lane == __ffs(hit) - 1) s.bcast[2] = (u64)(base + lane);
         break;
       }
+      run += __shfl_sync(0xffffffffu, inc, 31);
     }
   }
   __syncthreads();

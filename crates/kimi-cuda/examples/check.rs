@@ -20,8 +20,8 @@
 //! `kda-ops` (only when named) runs just the KDA op cases of 1. `sample-bench` (only when
 //! named) times sampling on the device against the argmax and copying logits to the host.
 //! 7. With `tune` (only when named): decode step times of the 48B-shaped model with CUDA
-//!    graphs, programmatic dependent launch and the GEMV kernel toggled, in one process;
-//!    then the graph check.
+//!    graphs, programmatic dependent launch and the memory pool's release threshold
+//!    toggled, in one process; then the graph check.
 //! 8. With `ncu-step` (only when named): one op-by-op decode step per `NCU_BATCH` inside a
 //!    profiler range, for `ncu --profile-from-start off` (`scripts/cuda/ncu_summary.py`).
 //! 9. With `gemv-bench` (only when named): the small-batch bf16 GEMV kernels at the 48B
@@ -473,12 +473,12 @@ fn tune() -> Res<()> {
     let model = big_model(CudaBackend::new(0)?)?;
     let be = model.backend();
     let (warm, timed) = (3, 12);
-    // (label, CUDA graphs, programmatic dependent launch, GEMV variant)
-    let variants: [(&str, bool, bool, usize); 4] = [
-        ("graphs off, pdl off, old gemv ", false, false, 1),
-        ("graphs on,  pdl off, old gemv ", true, false, 1),
-        ("graphs on,  pdl on,  auto gemv", true, true, 0),
-        ("graphs off, pdl on,  auto gemv", false, true, 0),
+    // (label, CUDA graphs, programmatic dependent launch, GEMV variant, pool keeps memory)
+    let variants: [(&str, bool, bool, usize, bool); 4] = [
+        ("graphs off, pdl on, pool releases", false, true, 0, false),
+        ("graphs off, pdl on, pool keeps   ", false, true, 0, true),
+        ("graphs on,  pdl on, pool keeps   ", true, true, 0, true),
+        ("graphs off, pdl off, pool keeps  ", false, false, 0, true),
     ];
     for batch in [1usize, 8, 64] {
         // One set of sequences for every variant (their contexts grow by a few hundred
@@ -486,10 +486,11 @@ fn tune() -> Res<()> {
         let total = 2 * variants.len() * (warm + timed);
         let mut run = DecodeRun::with_prompt(&model, batch, 1024, total)?;
         for round in 0..2 {
-            for &(label, graphs, pdl, gemv) in &variants {
+            for &(label, graphs, pdl, gemv, keep) in &variants {
                 be.set_cuda_graphs(graphs);
                 be.set_pdl(pdl);
                 be.set_gemv_variant(gemv);
+                be.set_pool_keeps_memory(keep)?;
                 let mut ms = Vec::with_capacity(timed);
                 for i in 0..warm + timed {
                     let t = run.next.clone();

@@ -140,6 +140,12 @@ impl CudaBackend {
         self.dev.set_graphs(on);
     }
 
+    /// Whether freed device memory stays in the allocation pool between passes (on unless
+    /// `KIMI_CUDA_POOL_RELEASE=1`), for comparison.
+    pub fn set_pool_keeps_memory(&self, keep: bool) -> Result<()> {
+        self.dev.set_pool_keeps_memory(keep)
+    }
+
     /// Turns programmatic dependent launch on or off (on unless `KIMI_CUDA_PDL=0`), for
     /// comparison.
     pub fn set_pdl(&self, on: bool) {

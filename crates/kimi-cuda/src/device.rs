@@ -140,6 +140,32 @@ const KERNELS: &[(&str, &[&str])] = &[
     ),
 ];
 
+/// Sets the release threshold of the device's default memory pool, which serves every
+/// stream-ordered allocation (`cuMemAllocAsync`): with `keep`, freed memory stays in the
+/// pool, so the buffers of a decode step are carved out of memory the pool already holds;
+/// without it (the driver's default, threshold 0) the pool returns its free memory to the
+/// driver at every synchronisation (each step's token read-back), and the next step maps it
+/// again.
+fn pool_keeps_memory(ctx: &CudaContext, keep: bool) -> Result<()> {
+    use cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` is a valid out-pointer and the device handle comes from a live context.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
+        .result()
+        .op("memory pool")?;
+    let mut threshold: u64 = if keep { u64::MAX } else { 0 };
+    // SAFETY: the release threshold attribute takes a pointer to a u64 (cuuint64_t).
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+    }
+    .result()
+    .op("memory pool")
+}
+
 /// Bytes of the pass arena (`buffer.rs`) unless `KIMI_CUDA_GRAPH_ARENA_MB` says otherwise:
 /// a 64-sequence decode step of the 48B model peaks near 100 MB.
 const DEFAULT_ARENA_MB: usize = 512;
@@ -211,6 +237,8 @@ impl Device {
         // step op by op was 4-8 % faster than replaying it as a graph on an H200 (`check
         // tune`, device-results/2026-11-30-session5), although the captured graphs do carry
         // programmatic edges. `KIMI_CUDA_GRAPHS=1` turns them on.
+        let keep = std::env::var("KIMI_CUDA_POOL_RELEASE").map_or(true, |v| v != "1");
+        pool_keeps_memory(&ctx, keep)?;
         let graphs_on = std::env::var("KIMI_CUDA_GRAPHS").is_ok_and(|v| v == "1");
         let pdl_on = std::env::var("KIMI_CUDA_PDL").map_or(true, |v| v != "0");
         Ok(Self {
@@ -224,6 +252,13 @@ impl Device {
             graphs: Mutex::new(GraphCache::new()),
             pass_counts: Mutex::new([0; 3]),
         })
+    }
+
+    /// Whether freed stream-ordered memory stays in the device's pool (see
+    /// [`pool_keeps_memory`]).
+    pub(crate) fn set_pool_keeps_memory(&self, keep: bool) -> Result<()> {
+        self.enter("memory pool")?;
+        pool_keeps_memory(&self.ctx, keep)
     }
 
     /// Makes the context current on the calling thread.
