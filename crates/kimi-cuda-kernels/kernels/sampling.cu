@@ -137,6 +137,8 @@ __device__ unsigned select_key(Shared& s, const float* x, int vocab, float max, 
           a = count ? 1ull : fixed(expf((v - max) * inv_t));
         }
       }
+      // After the first pass few tokens match the prefix: most warps skip the match.
+      if (!__any_sync(0xffffffffu, bin < BINS)) continue;
       const unsigned group = __match_any_sync(0xffffffffu, bin);
       if (bin < BINS) {
         u64 sum = __popc(group);
@@ -150,23 +152,29 @@ __device__ unsigned select_key(Shared& s, const float* x, int vocab, float max, 
       }
     }
     __syncthreads();
-    if (tid < BINS) {
+    // The digit: the largest d with above + amount(digit >= d) >= target. Thread t holds
+    // bin d = 255 - t, so an inclusive scan in thread order sums the bins from the top.
+    if (tid < (int)BINS) {
+      const unsigned d = BINS - 1 - tid;
       u64 t = 0;
-      for (int i = 0; i < NW; ++i) t += s.hist[i][tid];
-      if (extra_amount > 0 && (floor_key & mask) == prefix && ((floor_key >> shift) & 255u) == (unsigned)tid)
+      for (int i = 0; i < NW; ++i) t += s.hist[i][d];
+      if (extra_amount > 0 && (floor_key & mask) == prefix && ((floor_key >> shift) & 255u) == d)
         t += extra_amount;
-      s.hist[0][tid] = t;
-    }
-    __syncthreads();
-    if (tid == 0) {
-      u64 acc = above;
-      int d = BINS - 1;
-      for (; d > 0; --d) {
-        if (acc + s.hist[0][d] >= target) break;
-        acc += s.hist[0][d];
+      u64 inc = t;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const u64 y = __shfl_up_sync(0xffffffffu, inc, o);
+        if ((tid & 31) >= o) inc += y;
       }
-      s.bcast[0] = acc;
-      s.bcast[1] = (u64)d;
+      if ((tid & 31) == 31) s.warp[w][0] = inc;
+      asm volatile("bar.sync 1, %0;" ::"r"(BINS));  // the 8 warps holding bins only
+      for (int i = 0; i < w; ++i) inc += s.warp[i][0];
+      const u64 exc = inc - t;
+      // Exactly one bin: the first to reach the target, or bin 0 if none does (rounding).
+      if (above + exc < target && (above + inc >= target || d == 0)) {
+        s.bcast[0] = above + exc;
+        s.bcast[1] = (u64)d;
+      }
     }
     __syncthreads();
     above = s.bcast[0];
