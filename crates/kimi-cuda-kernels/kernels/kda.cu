@@ -393,10 +393,14 @@ __device__ __forceinline__ void st_hilo(__nv_bfloat16* hi, size_t plane, size_t 
 // The part of kda_chunk_prep_mma_D after A and L are in Ms (block of 256 threads): threads
 // 0..C-1 solve one column of T each and store it; threads C..C+D-1 take one key channel each
 // for the decayed k/q rows and γ; then all store A.
-template <int D>
+// BLK (kda_chunk_prep_blk_D): Qs, Ks, As hold q̂ ⊙ fl, k̂ ⊙ fl and k̂ ⊙ bl instead of q̂, k̂,
+// e^g, where fl_r / bl_r are the decay products from the start of r's 16-row block through r
+// / from after r through the block's end, and gt[R] (this thread's channel) the block totals.
+template <int D, bool BLK = false>
 __device__ __forceinline__ void prep_mma_tail(const float* Qs, const float* Ks, const float* As,
                                               const float* Ms, const float* Bs, float* scratch,
-                                              int slot, bool split) {
+                                              int slot, bool split,
+                                              const float (&gt)[KDA_C / 16] = {}) {
   constexpr int C = KDA_C, NT = 256;
   constexpr size_t PD = (size_t)C * D, PC = (size_t)C * C;
   const int tid = threadIdx.x;
@@ -412,7 +416,31 @@ __device__ __forceinline__ void prep_mma_tail(const float* Qs, const float* Ks, 
     solve_t(Ms, Bs, tid, x);
 #pragma unroll
     for (int r = 0; r < C; ++r) st_hilo(tm, PC, (size_t)r * C + tid, x[r], split);
-  } else if (tid < C + D) {
+  } else if (BLK && tid < C + D) {
+    const int i = tid - C;
+    float pre = 1.0f;  // Π of the block totals before block R
+#pragma unroll
+    for (int R = 0; R < C / 16; ++R) {
+#pragma unroll 4
+      for (int m = 0; m < 16; ++m) {
+        const int r = 16 * R + m;
+        st_hilo(kg, PD, (size_t)r * D + i, Ks[r * D + i] * pre, split);
+        st_hilo(qg, PD, (size_t)r * D + i, Qs[r * D + i] * pre, split);
+      }
+      pre *= gt[R];
+    }
+    gam[i] = pre;
+    float post = 1.0f;  // Π of the block totals after block R
+#pragma unroll
+    for (int R = C / 16 - 1; R >= 0; --R) {
+#pragma unroll 4
+      for (int m = 0; m < 16; ++m) {
+        const int r = 16 * R + m;
+        st_hilo(kd, PD, (size_t)r * D + i, As[r * D + i] * post, split);
+      }
+      post *= gt[R];
+    }
+  } else if (!BLK && tid < C + D) {
     const int i = tid - C;
     float te = 1.0f;
 #pragma unroll 4
@@ -1047,3 +1075,198 @@ __device__ void chunk_mma(const float* __restrict__ v, const KdaSegs& segs,
   }
 KDA_CHUNK_MMA(64)
 KDA_CHUNK_MMA(128)
+
+
+// ------------------------------------------------------------------------------------------
+//  kda_chunk_prep_blk_D   as kda_chunk_prep_mma_D (same scratch), with A and L by 16-row
+//  blocks: pairs (r, c) inside one diagonal block by running products as chunk_prep; pairs
+//  across blocks Cb < R factor through the end of block Cb,
+//      P(c, r) = bl_c · Π_{Cb<m<R} gt_m · fl_r     (every factor a product of e^g <= 1),
+//  so A and L there are plain products of 16 × D tiles (f32 FMA; no running product per
+//  pair, ~1/4 of the pair loop left). Shared memory as kda_chunk_prep_D, with gt_1, gt_2
+//  (then β) after M.
+template <int D>
+__device__ void chunk_prep_blk(const float* q, const float* k, const float* g, const float* beta,
+                               const KdaSegs& segs, float* scratch, int H, bool split) {
+  constexpr int C = KDA_C, NT = 256, SL = D / 8, NB = C / 16;
+  static_assert(NB == 4 && 2 * D >= C, "blocked prep layout");
+  extern __shared__ __align__(16) float sm[];
+  float* Qs = sm;            // [C][D] q̂, then q̂ ⊙ fl
+  float* Ks = Qs + C * D;    // [C][D] k̂, then k̂ ⊙ fl
+  float* As = Ks + C * D;    // [C][D] exp(g), then k̂ ⊙ bl
+  float* Ms = As + C * D;    // [C][C]
+  float* Xs = Ms + C * C;    // [2][D] gt_1, gt_2; then [C] β
+  const int gc = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+  const int lane = tid & 31, w = tid >> 5;
+  const int sg = seg_of_chunk(segs, gc);
+  const int ci = gc - segs.chunk0[sg];
+  const int row0 = segs.start[sg] + ci * C;
+  const int l = min(C, segs.len[sg] - ci * C);
+  const size_t width = (size_t)H * D;
+  for (int e = tid; e < C * D / 4; e += NT) {
+    const int r = e / (D / 4), i = (e % (D / 4)) * 4;
+    float4 qv = make_float4(0.f, 0.f, 0.f, 0.f), kv = qv, av = make_float4(1.f, 1.f, 1.f, 1.f);
+    if (r < l) {
+      const size_t off = (size_t)(row0 + r) * width + (size_t)h * D + i;
+      qv = ld4(q + off);
+      kv = ld4(k + off);
+      const float4 gv = ld4(g + off);
+      av = make_float4(expf(gv.x), expf(gv.y), expf(gv.z), expf(gv.w));
+    }
+    st4(Qs + r * D + i, qv);
+    st4(Ks + r * D + i, kv);
+    st4(As + r * D + i, av);
+  }
+  for (int e = tid; e < C * C; e += NT) Ms[e] = 0.0f;
+  const float bt = tid < l ? beta[(size_t)(row0 + tid) * H + h] : 0.0f;  // used by tid < C
+  __syncthreads();
+  const float qscale = 1.0f / sqrtf((float)D);
+  for (int r = w; r < C; r += NT / 32) {
+    float sq = 0.0f, sk = 0.0f;
+#pragma unroll
+    for (int u = 0; u < D / 32; ++u) {
+      const float a = Qs[r * D + lane + 32 * u], b = Ks[r * D + lane + 32 * u];
+      sq += a * a;
+      sk += b * b;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      sq += __shfl_xor_sync(0xffffffffu, sq, o);
+      sk += __shfl_xor_sync(0xffffffffu, sk, o);
+    }
+    const float rq = qscale / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
+#pragma unroll
+    for (int u = 0; u < D / 32; ++u) {
+      Qs[r * D + lane + 32 * u] *= rq;
+      Ks[r * D + lane + 32 * u] *= rk;
+    }
+  }
+  __syncthreads();
+  // Diagonal blocks, as chunk_prep's pair loop with r limited to c's block: lane group
+  // p = tid/8 takes c = p and c = C-1-p; a warp's four c share one block.
+  {
+    const int p = tid >> 3, sl = tid & 7;
+#pragma unroll 1
+    for (int pass = 0; pass < 2; ++pass) {
+      const int c = pass == 0 ? p : C - 1 - p;
+      const int rmin = pass == 0 ? 4 * w : C - 4 - 4 * w;
+      const int rend = min(l, (rmin & ~15) + 16);
+      float run[SL];
+#pragma unroll
+      for (int u = 0; u < D / 32; ++u) {
+        const float4 kv = ld4(Ks + c * D + 32 * u + 4 * sl);
+        run[4 * u] = kv.x, run[4 * u + 1] = kv.y, run[4 * u + 2] = kv.z, run[4 * u + 3] = kv.w;
+      }
+      for (int r = rmin; r < rend; ++r) {
+        const bool later = r > c;
+        float pl = 0.0f, pa = 0.0f;
+#pragma unroll
+        for (int u = 0; u < D / 32; ++u) {
+          const int i = r * D + 32 * u + 4 * sl;
+          const float4 av = ld4(As + i), kv = ld4(Ks + i), qv = ld4(Qs + i);
+          if (later) {
+            run[4 * u] *= av.x, run[4 * u + 1] *= av.y, run[4 * u + 2] *= av.z, run[4 * u + 3] *= av.w;
+          }
+          pl += kv.x * run[4 * u] + kv.y * run[4 * u + 1] + kv.z * run[4 * u + 2] + kv.w * run[4 * u + 3];
+          pa += qv.x * run[4 * u] + qv.y * run[4 * u + 1] + qv.z * run[4 * u + 2] + qv.w * run[4 * u + 3];
+        }
+#pragma unroll
+        for (int o = 4; o > 0; o >>= 1) {
+          pl += __shfl_xor_sync(0xffffffffu, pl, o);
+          pa += __shfl_xor_sync(0xffffffffu, pa, o);
+        }
+        if (sl == 0 && r >= c) {
+          Ms[r * C + c] = pa;
+          if (later) Ms[c * C + r] = pl;
+        }
+      }
+    }
+  }
+  __syncthreads();
+  // Block factors, thread C + i for channel i: Ks ← k̂ ⊙ fl, Qs ← q̂ ⊙ fl, As ← k̂ ⊙ bl.
+  float gt[NB] = {1.0f, 1.0f, 1.0f, 1.0f};
+  if (tid >= C && tid < C + D) {
+    const int i = tid - C;
+#pragma unroll
+    for (int R = 0; R < NB; ++R) {
+      float av[16], kv[16];
+#pragma unroll
+      for (int m = 0; m < 16; ++m) {
+        av[m] = As[(16 * R + m) * D + i];
+        kv[m] = Ks[(16 * R + m) * D + i];
+      }
+      float bl = 1.0f;
+#pragma unroll
+      for (int m = 15; m >= 0; --m) {
+        As[(16 * R + m) * D + i] = kv[m] * bl;
+        bl *= av[m];
+      }
+      float fl = 1.0f;
+#pragma unroll
+      for (int m = 0; m < 16; ++m) {
+        fl *= av[m];
+        Ks[(16 * R + m) * D + i] = kv[m] * fl;
+        Qs[(16 * R + m) * D + i] *= fl;
+      }
+      gt[R] = fl;
+    }
+    Xs[i] = gt[1];
+    Xs[D + i] = gt[2];
+  }
+  __syncthreads();
+  // Blocks (R, Cb), Cb < R, one per warp: A[r][c] = Σ_i Qs[r][i] m_i As[c][i], L likewise
+  // from Ks, with m = Π_{Cb<m<R} gt_m. Lane: rows 16R + 2(lane/4) + {0,1}, columns
+  // 16Cb + 4(lane%4) + {0..3}; the key channels start at 4(lane%8) (conflict-free float4).
+  if (w < 6) {
+    const int R = w < 3 ? w + 1 : (w < 5 ? w - 1 : 3);
+    const int Cb = w < 3 ? w : (w == 4 ? 1 : 0);
+    if (16 * R < l) {
+      const int r0 = 16 * R + 2 * (lane >> 2), c0 = 16 * Cb + 4 * (lane & 3);
+      const int rot = 4 * (lane & 7);
+      float a0[4] = {}, a1[4] = {}, l0[4] = {}, l1[4] = {};
+#pragma unroll 2
+      for (int kk = 0; kk < D; kk += 4) {
+        const int i = (kk + rot) & (D - 1);
+        float4 m4 = make_float4(1.f, 1.f, 1.f, 1.f);
+        if (w == 3 || w == 5) m4 = ld4(Xs + i);
+        if (w >= 4) {
+          const float4 t = ld4(Xs + D + i);
+          m4 = make_float4(m4.x * t.x, m4.y * t.y, m4.z * t.z, m4.w * t.w);
+        }
+        const float4 q0 = ld4(Qs + r0 * D + i), q1 = ld4(Qs + (r0 + 1) * D + i);
+        const float4 k0 = ld4(Ks + r0 * D + i), k1 = ld4(Ks + (r0 + 1) * D + i);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float4 b = ld4(As + (c0 + j) * D + i);
+          b = make_float4(b.x * m4.x, b.y * m4.y, b.z * m4.z, b.w * m4.w);
+          a0[j] += q0.x * b.x + q0.y * b.y + q0.z * b.z + q0.w * b.w;
+          a1[j] += q1.x * b.x + q1.y * b.y + q1.z * b.z + q1.w * b.w;
+          l0[j] += k0.x * b.x + k0.y * b.y + k0.z * b.z + k0.w * b.w;
+          l1[j] += k1.x * b.x + k1.y * b.y + k1.z * b.z + k1.w * b.w;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int c = c0 + j;
+        Ms[r0 * C + c] = a0[j];
+        Ms[(r0 + 1) * C + c] = a1[j];
+        Ms[c * C + r0] = l0[j];
+        Ms[c * C + r0 + 1] = l1[j];
+      }
+    }
+  }
+  __syncthreads();
+  if (tid < C) Xs[tid] = bt;
+  __syncthreads();
+  prep_mma_tail<D, true>(Qs, Ks, As, Ms, Xs, scratch, gc * H + h, split, gt);
+}
+
+#define KDA_CHUNK_PREP_BLK(D)                                                                 \
+  extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep_blk_##D(               \
+      const float* q, const float* k, const float* g, const float* beta, const KdaSegs segs,  \
+      float* scratch, int H, int split) {                                                     \
+    pdl_enter();                                                                              \
+    chunk_prep_blk<D>(q, k, g, beta, segs, scratch, H, split != 0);                           \
+  }
+KDA_CHUNK_PREP_BLK(64)
+KDA_CHUNK_PREP_BLK(128)

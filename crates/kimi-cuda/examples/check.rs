@@ -1386,36 +1386,59 @@ fn kda_bench() -> Res<()> {
         let segs = [Segment { start: 0, len: t }];
         // The chunked kernels: tensor cores with hi + lo operands (the default), bf16 only,
         // and the f32 CUDA-core kernels.
+        // Variant 0 = blocked prep (default), 2 = pair-loop prep; prep / state alone through
+        // the stage hook (bit 0 prep, bit 1 state pass).
         for (label, variant, prec) in [
             ("mma", 0, GemmPrecision::Split),
             ("mma half", 0, GemmPrecision::Half),
+            ("mma oldprep", 2, GemmPrecision::Split),
             ("f32", 1, GemmPrecision::Split),
         ] {
             be.set_kda_chunk_variant(variant);
             be.set_gemm_precision(prec);
-            let s = time_calls(&be, 2, 10, || {
-                be.kda(
-                    &q,
-                    &k,
-                    &v,
-                    &g,
-                    &beta,
-                    h,
-                    &segs,
-                    &mut [&mut state],
-                    KdaMode::Chunked,
-                )
-                .map(drop)
-            })?;
+            let mut times = [0.0f64; 3];
+            for (slot, stages) in [(0usize, 3usize), (1, 1), (2, 2)] {
+                if variant == 1 && stages != 3 {
+                    continue;
+                }
+                be.set_kda_chunk_stages(stages);
+                times[slot] = time_calls(&be, 2, 10, || {
+                    be.kda(
+                        &q,
+                        &k,
+                        &v,
+                        &g,
+                        &beta,
+                        h,
+                        &segs,
+                        &mut [&mut state],
+                        KdaMode::Chunked,
+                    )
+                    .map(drop)
+                })?;
+            }
+            be.set_kda_chunk_stages(3);
             be.set_kda_chunk_variant(0);
             be.set_gemm_precision(GemmPrecision::Split);
+            let s = times[0];
             // Model FLOPs as performance-anchors.md §1.3 (C=16 convention).
             let tflops = (t * h) as f64 * 117_760.0 / s / 1e12;
+            let parts = if variant == 1 {
+                String::new()
+            } else {
+                format!(
+                    "  [prep {:.3} ms, state pass {:.3} ms]",
+                    times[1] * 1e3,
+                    times[2] * 1e3
+                )
+            };
             println!(
-                "kda chunked {label:<8} T={t} H={h:<3} D={d}: {:8.3} ms  ({tflops:.1} model TFLOP/s)",
+                "kda chunked {label:<11} T={t} H={h:<3} D={d}: {:8.3} ms  ({tflops:.1} model TFLOP/s){parts}",
                 s * 1e3
             );
         }
+        // The state is garbage after the stage-only runs; start the recurrence from zeros.
+        state = be.zeros(&[h, d, d])?;
         let s = time_calls(&be, 1, 2, || {
             be.kda(
                 &q,

@@ -159,11 +159,18 @@ impl CudaBackend {
     }
 
     /// Picks the chunked KDA kernels: 0 = automatic (the bf16 tensor-core state pass for head
-    /// sizes 64 and 128, with hi + lo operands under [`GemmPrecision::Split`]), 1 = the f32
-    /// CUDA-core kernels. Process-wide; `KIMI_CUDA_KDA_CHUNK=f32` makes 1 the default. For
-    /// comparison.
+    /// sizes 64 and 128, with hi + lo operands under [`GemmPrecision::Split`], prepared by
+    /// 16-row blocks), 1 = the f32 CUDA-core kernels, 2 = the tensor-core state pass with
+    /// the pair-loop preparation. Process-wide; `KIMI_CUDA_KDA_CHUNK=f32` / `=mma-prep` make
+    /// 1 / 2 the default. For comparison.
     pub fn set_kda_chunk_variant(&self, v: usize) {
         ops::kda::set_chunk_variant(v);
+    }
+
+    /// Timing hook: which kernels of a chunked KDA launch run (bit 0 the preparation, bit 1
+    /// the state pass; 3 = both, the default). With a bit cleared the results are garbage.
+    pub fn set_kda_chunk_stages(&self, mask: usize) {
+        ops::kda::set_stages(mask);
     }
 
     /// Caps the chunks of one chunked-KDA launch group (0 = by the scratch bound, the
@@ -1469,7 +1476,7 @@ impl Backend for CudaBackend {
         if qkvg.iter().any(|p| !p.is_multiple_of(16)) {
             recurrent.append(&mut chunked);
         }
-        let mma = ops::kda::chunk_variant() == 0;
+        let mma = ops::kda::chunk_variant() != 1;
         let split = self.gemm_precision() == GemmPrecision::Split;
         let per_chunk = ops::kda::scratch_bytes(d, mma);
         // Groups of about equal size when the scratch bound cuts the chunks into several.

@@ -40,6 +40,8 @@ const BIG_SMEM_KERNELS: &[&str] = &[
     "kda_chunk_mma_64_half",
     "kda_chunk_mma_128_split",
     "kda_chunk_mma_128_half",
+    "kda_chunk_prep_blk_64",
+    "kda_chunk_prep_blk_128",
 ];
 
 /// Every kernel symbol, by module (the `kernels/<module>.cu` file stem).
@@ -105,6 +107,8 @@ const KERNELS: &[(&str, &[&str])] = &[
             "kda_chunk_mma_64_half",
             "kda_chunk_mma_128_split",
             "kda_chunk_mma_128_half",
+            "kda_chunk_prep_blk_64",
+            "kda_chunk_prep_blk_128",
             "kda_decode_64",
             "kda_decode_128",
         ],

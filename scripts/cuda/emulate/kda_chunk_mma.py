@@ -1,4 +1,4 @@
-"""NumPy emulator of kda_chunk_prep_mma_D + kda_chunk_mma_D_{split,half} (kernels/kda.cu).
+"""NumPy emulator of kda_chunk_prep_{mma,blk}_D + kda_chunk_mma_D_{split,half} (kernels/kda.cu).
 
 Usage: python3 scripts/cuda/emulate/kda_chunk_mma.py [64|128]  (numpy; ~30 s per head size)
 
@@ -60,7 +60,7 @@ def scratch_bytes(D):
     return (6 * C * D + 4 * C * C) * 2 + 4 * D
 
 
-def prep(q, k, g, beta, segs, H, D, split):
+def prep(q, k, g, beta, segs, H, D, split, blk=False):
     chunk0, nchunks = [], 0
     for (s, ln) in segs:
         chunk0.append(nchunks)
@@ -92,6 +92,8 @@ def prep(q, k, g, beta, segs, H, D, split):
                         Am[r, c] = f32(np.dot(Qn[r], run))
                         if r > c:
                             Lm[r, c] = f32(np.dot(Kn[r], run))
+                if blk:
+                    Am, Lm, KG_, QG_, Kd_, fs_ = prep_blk_chunk(Qn, Kn, A_, l, D)
                 # T by forward substitution (solve_t).
                 T = np.zeros((C, C), f32)
                 for j in range(C):
@@ -108,6 +110,8 @@ def prep(q, k, g, beta, segs, H, D, split):
                 for r in range(C):
                     fs = (fs * A_[r]).astype(f32)
                     KG[r] = Kn[r] * fs; QG[r] = Qn[r] * fs
+                if blk:
+                    KG, QG, Kd, fs = KG_, QG_, Kd_, fs_
                 slot = (chunk0[si] + ci) * H + h
                 base = slot * SB
                 bf = scratch[base:base + SB - 4 * D].view(np.uint16)
@@ -121,6 +125,84 @@ def prep(q, k, g, beta, segs, H, D, split):
                     off += 2 * n
                 scratch[base + SB - 4 * D:base + SB].view(np.float32)[:] = fs
     return scratch, chunk0
+
+
+def prep_blk_chunk(Qn, Kn, A_, l, D):
+    """kda_chunk_prep_blk_D after the norms: A, L, KG, QG, Kd, gamma, following the kernel's
+    thread mapping (lane groups of the diagonal pass, warps/lanes of the block products)."""
+    f32 = np.float32
+    Qs, Ks, As = Qn.copy(), Kn.copy(), A_.copy()
+    Ms = np.zeros((C, C), f32)
+    done = np.zeros((C, C), bool)
+    # Diagonal blocks: warp w, lane group p = 4w + j, passes c = p and c = C-1-p.
+    for w in range(8):
+        for pas in range(2):
+            rmin = 4 * w if pas == 0 else C - 4 - 4 * w
+            rend = min(l, (rmin & ~15) + 16)
+            for j in range(4):
+                p = 4 * w + j
+                c = p if pas == 0 else C - 1 - p
+                run = Ks[c].copy()
+                for r in range(rmin, rend):
+                    if r > c:
+                        run = (run * As[r]).astype(f32)
+                    if r >= c:
+                        Ms[r, c] = f32(np.dot(Qs[r], run)); done[r, c] = True
+                        if r > c:
+                            Ms[c, r] = f32(np.dot(Ks[r], run)); done[c, r] = True
+    # Block factors.
+    gt = np.ones((4, D), f32)
+    for R in range(4):
+        av = As[16 * R:16 * R + 16].copy(); kv = Ks[16 * R:16 * R + 16].copy()
+        bl = np.ones(D, f32)
+        for m in range(15, -1, -1):
+            As[16 * R + m] = kv[m] * bl; bl = (bl * av[m]).astype(f32)
+        fl = np.ones(D, f32)
+        for m in range(16):
+            fl = (fl * av[m]).astype(f32)
+            Ks[16 * R + m] = kv[m] * fl; Qs[16 * R + m] = Qs[16 * R + m] * fl
+        gt[R] = fl
+    Xs = np.concatenate([gt[1], gt[2]])
+    for w in range(6):
+        R = w + 1 if w < 3 else (w - 1 if w < 5 else 3)
+        Cb = w if w < 3 else (1 if w == 4 else 0)
+        if 16 * R >= l:
+            for r in range(16 * R, 16 * R + 16):
+                for c in range(16 * Cb, 16 * Cb + 16):
+                    done[r, c] = done[c, r] = True  # stay zero
+            continue
+        m4 = np.ones(D, f32)
+        if w in (3, 5):
+            m4 = Xs[:D].copy()
+        if w >= 4:
+            m4 = (m4 * Xs[D:]).astype(f32)
+        for lane in range(32):
+            r0 = 16 * R + 2 * (lane >> 2); c0 = 16 * Cb + 4 * (lane & 3)
+            for mr in range(2):
+                for jj in range(4):
+                    r, c = r0 + mr, c0 + jj
+                    b = (As[c] * m4).astype(f32)
+                    Ms[r, c] = f32(np.dot(Qs[r], b)); Ms[c, r] = f32(np.dot(Ks[r], b))
+                    assert not done[r, c] and not done[c, r]
+                    done[r, c] = done[c, r] = True
+    for r in range(l, C):  # rows past the end: never written, zero
+        done[r, :r + 1] = True; done[:r, r] = True
+    assert done.all() or np.all(Ms[~done] == 0), "uncovered pairs"
+    Am = np.tril(Ms); Lm = np.tril(Ms.T, -1)
+    KG = np.zeros((C, D), f32); QG = np.zeros((C, D), f32); Kd = np.zeros((C, D), f32)
+    pre = np.ones(D, f32)
+    for R in range(4):
+        for m in range(16):
+            r = 16 * R + m
+            KG[r] = Ks[r] * pre; QG[r] = Qs[r] * pre
+        pre = (pre * gt[R]).astype(f32)
+    post = np.ones(D, f32)
+    for R in range(3, -1, -1):
+        for m in range(16):
+            r = 16 * R + m
+            Kd[r] = As[r] * post
+        post = (post * gt[R]).astype(f32)
+    return Am, Lm, KG, QG, Kd, pre
 
 
 # ---------------------------------------------------------------- warp primitives
@@ -381,14 +463,16 @@ def main():
         segs.append((s0, l_)); s0 += l_
     states = [rng.uniform(-0.3, 0.3, (H, D, D)).astype(np.float32) for _ in lens]
     want_o, want_s = reference(q, k, v, g, beta, segs, states, H, D)
-    for split in (True, False):
-        for eager in (False, True):
-            scratch, chunk0 = prep(q, k, g, beta, segs, H, D, split)
+    runs = [(s_, e_, False) for s_ in (True, False) for e_ in (False, True)]
+    runs += [(True, False, True), (False, False, True)]
+    for split, eager, blk in runs:
+        if True:
+            scratch, chunk0 = prep(q, k, g, beta, segs, H, D, split, blk)
             out = np.zeros((n, W), np.float32)
             st = [s.copy() for s in states]
             chunk_mma(v, segs, chunk0, scratch, out, st, H, D, split, eager)
             es = [rel(a, b) for a, b in zip(st, want_s)]
-            print(f"D={D} {'split' if split else 'half '} {'eager' if eager else 'lazy '} cp.async: "
+            print(f"D={D} {'blk ' if blk else 'mma '}{'split' if split else 'half '} {'eager' if eager else 'lazy '} cp.async: "
                   f"out rel err {rel(out, want_o):.2e}, states " + " ".join(f"{e:.2e}" for e in es),
                   flush=True)
 

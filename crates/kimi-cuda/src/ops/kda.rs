@@ -116,8 +116,10 @@ pub(crate) const SCRATCH_CAP_BYTES: usize = 256 << 20;
 /// Warps per block of `kda_chunk_mma_D_*` (`km::NW`), 16 state columns each.
 const MMA_WARPS: usize = 4;
 
-/// Which chunked kernels run: 0 = automatic (tensor cores for D = 64, 128), 1 = the f32
-/// kernels. `usize::MAX` = not chosen yet: `KIMI_CUDA_KDA_CHUNK=f32` picks 1 on first use.
+/// Which chunked kernels run: 0 = automatic (tensor cores for D = 64, 128, operands from
+/// the blocked `kda_chunk_prep_blk_D`), 1 = the f32 kernels, 2 = tensor cores with operands
+/// from the pair-loop `kda_chunk_prep_mma_D`. `usize::MAX` = not chosen yet:
+/// `KIMI_CUDA_KDA_CHUNK=f32` picks 1 and `=mma-prep` 2 on first use.
 static CHUNK_VARIANT: AtomicUsize = AtomicUsize::new(usize::MAX);
 
 /// Sets [`CHUNK_VARIANT`] (for comparison and tests).
@@ -131,12 +133,29 @@ pub(crate) fn chunk_variant() -> usize {
     if v != usize::MAX {
         return v;
     }
-    let env = usize::from(std::env::var("KIMI_CUDA_KDA_CHUNK").is_ok_and(|s| s == "f32"));
+    let env = match std::env::var("KIMI_CUDA_KDA_CHUNK").as_deref() {
+        Ok("f32") => 1,
+        Ok("mma-prep") => 2,
+        _ => 0,
+    };
     // A concurrent `set_chunk_variant` wins over the environment.
     match CHUNK_VARIANT.compare_exchange(usize::MAX, env, Ordering::Relaxed, Ordering::Relaxed) {
         Ok(_) => env,
         Err(set) => set,
     }
+}
+
+/// Which kernels of a chunked launch run (bit 0: the preparation, bit 1: the state pass);
+/// 3 (both) except for timing one of them alone.
+static STAGES: AtomicUsize = AtomicUsize::new(3);
+
+/// Sets [`STAGES`] (timing hook: with a bit cleared the outputs are garbage).
+pub(crate) fn set_stages(mask: usize) {
+    STAGES.store(mask, Ordering::Relaxed);
+}
+
+fn stage(bit: usize) -> bool {
+    STAGES.load(Ordering::Relaxed) & bit != 0
 }
 
 /// Scratch bytes per (chunk, head) of the chunked variant (`mma` or f32).
@@ -291,6 +310,12 @@ pub(crate) fn prep_smem(d: usize) -> usize {
     (3 * CHUNK * d + CHUNK * CHUNK + 3 * CHUNK) * 4
 }
 
+/// Dynamic shared memory of `kda_chunk_prep_blk_D` (q̂, k̂, exp(g) tiles, M, then two block
+/// decay rows / β): 113 KiB at D = 128, so two blocks fit an SM.
+pub(crate) fn prep_blk_smem(d: usize) -> usize {
+    (3 * CHUNK * d + CHUNK * CHUNK + (2 * d).max(CHUNK)) * 4
+}
+
 /// Dynamic shared memory of `kda_chunk_state_D` (KQ tiles, M, the state columns, X, norms,
 /// β and the chunk decay).
 pub(crate) fn state_smem(d: usize) -> usize {
@@ -321,12 +346,17 @@ pub(crate) unsafe fn chunked(
     if ps.max(ss) > MAX_DYNAMIC_SMEM_BYTES as usize || chunks > u32::MAX as usize {
         return Err(Error::Unsupported(format!("chunked kda with head_dim {d}")));
     }
-    let mut b = dev.kernel("kda", &format!("kda_chunk_prep_{d}"))?;
-    b.arg(&q).arg(&k).arg(&g).arg(&beta);
-    b.arg(table).arg(&scratch).arg(&hi);
-    // SAFETY: see the function's contract; one block per (chunk, head) writes that chunk's
-    // scratch; the shared memory size matches the kernel's carve-up.
-    unsafe { b.launch(grid((chunks as u32, h as u32, 1), 256, ps as u32)) }.op("kda")?;
+    if stage(1) {
+        let mut b = dev.kernel("kda", &format!("kda_chunk_prep_{d}"))?;
+        b.arg(&q).arg(&k).arg(&g).arg(&beta);
+        b.arg(table).arg(&scratch).arg(&hi);
+        // SAFETY: see the function's contract; one block per (chunk, head) writes that
+        // chunk's scratch; the shared memory size matches the kernel's carve-up.
+        unsafe { b.launch(grid((chunks as u32, h as u32, 1), 256, ps as u32)) }.op("kda")?;
+    }
+    if !stage(2) {
+        return Ok(());
+    }
     let mut b = dev.kernel("kda", &format!("kda_chunk_state_{d}"))?;
     b.arg(&q).arg(&k).arg(&v).arg(&g).arg(&beta);
     b.arg(table).arg(&scratch).arg(&out).arg(&hi);
@@ -374,7 +404,7 @@ pub(crate) unsafe fn chunked_mma(
 ) -> Result<()> {
     let [q, k, v, g] = qkvg;
     let hi = h as i32;
-    let (ps, ss) = (prep_smem(d), mma_smem(d, split));
+    let (ps, ss) = (prep_smem(d).max(prep_blk_smem(d)), mma_smem(d, split));
     if !has_split_kernels(d)
         || ps.max(ss) > MAX_DYNAMIC_SMEM_BYTES as usize
         || chunks > u32::MAX as usize
@@ -382,12 +412,23 @@ pub(crate) unsafe fn chunked_mma(
         return Err(Error::Unsupported(format!("chunked kda with head_dim {d}")));
     }
     let sp = i32::from(split);
-    let mut b = dev.kernel("kda", &format!("kda_chunk_prep_mma_{d}"))?;
-    b.arg(&q).arg(&k).arg(&g).arg(&beta);
-    b.arg(table).arg(&scratch).arg(&hi).arg(&sp);
-    // SAFETY: see the function's contract; one block per (chunk, head) writes that chunk's
-    // scratch slot; the shared memory size matches the kernel's carve-up.
-    unsafe { b.launch(grid((chunks as u32, h as u32, 1), 256, ps as u32)) }.op("kda")?;
+    if stage(1) {
+        // The blocked preparation (default) or the pair loop (variant 2); same scratch.
+        let (prep, smem) = if chunk_variant() == 2 {
+            ("mma", ps)
+        } else {
+            ("blk", prep_blk_smem(d))
+        };
+        let mut b = dev.kernel("kda", &format!("kda_chunk_prep_{prep}_{d}"))?;
+        b.arg(&q).arg(&k).arg(&g).arg(&beta);
+        b.arg(table).arg(&scratch).arg(&hi).arg(&sp);
+        // SAFETY: see the function's contract; one block per (chunk, head) writes that
+        // chunk's scratch slot; the shared memory size matches the kernel's carve-up.
+        unsafe { b.launch(grid((chunks as u32, h as u32, 1), 256, smem as u32)) }.op("kda")?;
+    }
+    if !stage(2) {
+        return Ok(());
+    }
     let name = format!("kda_chunk_mma_{d}_{}", if split { "split" } else { "half" });
     let mut b = dev.kernel("kda", &name)?;
     b.arg(&v).arg(table).arg(&scratch).arg(&out).arg(&hi);

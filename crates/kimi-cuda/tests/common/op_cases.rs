@@ -1191,6 +1191,7 @@ pub fn kda_cases() -> Vec<(String, Case)> {
         for (label, setting) in [
             ("[half]", 0usize),
             ("f32 kernels", 1),
+            ("pair-loop prep", 3),
             ("2-chunk groups", 2),
         ] {
             let lens = lens.clone();
@@ -1200,6 +1201,7 @@ pub fn kda_cases() -> Vec<(String, Case)> {
                     match setting {
                         0 => b.set_gemm_precision(GemmPrecision::Half),
                         1 => b.set_kda_chunk_variant(1),
+                        3 => b.set_kda_chunk_variant(2),
                         _ => b.set_kda_group_chunks(2),
                     }
                     let out = op_kda_segs(b, 3, d, &lens, KdaGate::Softplus, KdaMode::Chunked);
