@@ -4,7 +4,8 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use kimi_engine::{EngineHandle, ServingConfig};
-use kimi_ops::Backend;
+use kimi_model::{Batch, CausalLm, ForwardOptions};
+use kimi_ops::{Backend, Segment};
 use kimi_server::ServerConfig;
 
 use crate::args::ServeArgs;
@@ -43,10 +44,14 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
     let specs = loaded.engine.model().cache_specs();
     let per_token: u64 = specs.iter().map(|s| s.values_per_token() as u64).sum();
     let per_slot: u64 = specs.iter().map(|s| s.values_per_slot() as u64).sum();
+    let workspace = match a.num_gpu_blocks_override {
+        Some(_) => None,
+        None => step_workspace(loaded.engine.model(), &a, max_model_len)?,
+    };
     let memory = loaded.engine.model().backend().memory_info();
     let num_blocks = match a.num_gpu_blocks_override {
         Some(n) => n,
-        None => cache_blocks(&a, (per_token, per_slot), max_model_len, memory)?,
+        None => cache_blocks(&a, (per_token, per_slot), max_model_len, memory, workspace)?,
     };
     let pool_bytes = 4
         * (num_blocks as u64 * a.block_size as u64 * per_token + a.max_num_seqs as u64 * per_slot);
@@ -134,18 +139,62 @@ async fn shutdown_signal() {
     eprintln!("shutting down: finishing running requests");
 }
 
+/// The device memory one engine step needs besides weights and caches, measured as vLLM's
+/// profile run does: a pass over `max_num_batched_tokens` prompt tokens of one sequence
+/// with up to `max_num_seqs` logits rows, on a cache of its own that is freed afterwards.
+/// Afterwards the backend returns its unused memory, so that free memory counts weights
+/// only. `None` where the backend does not track its allocations (the CPU).
+fn step_workspace<B: Backend>(
+    model: &dyn CausalLm<B>,
+    a: &ServeArgs,
+    max_model_len: usize,
+) -> anyhow::Result<Option<u64>> {
+    let be = model.backend();
+    if be.memory_info().is_none() {
+        // Host memory: the budget is a fraction of free RAM, no pass needed.
+        return Ok(None);
+    }
+    let n = a.max_num_batched_tokens.min(max_model_len).max(1);
+    let rows = n.min(a.max_num_seqs.max(1));
+    let vocab = model.vocab_size().max(1);
+    let batch = Batch {
+        tokens: (0..n).map(|i| (i % vocab) as u32).collect(),
+        segments: vec![Segment { start: 0, len: n }],
+        logits_rows: (n - rows..n).collect(),
+        sampling: None,
+    };
+    let (mut pool, mut seq) = model.single_cache(n)?;
+    let options = ForwardOptions {
+        greedy_ids: true,
+        ..ForwardOptions::default()
+    };
+    let (out, workspace) =
+        be.measure_workspace(|| model.forward(&batch, &mut pool, &mut [&mut seq], options));
+    out.context("the memory-profiling pass failed")?;
+    drop((pool, seq));
+    be.release_unused_memory()?;
+    if let Some(bytes) = workspace {
+        eprintln!(
+            "a {n}-token step needs {:.2} GiB of workspace (measured)",
+            bytes as f64 / (1u64 << 30) as f64
+        );
+    }
+    Ok(workspace)
+}
+
 /// Cache blocks that fit in the memory budget next to `max_num_seqs` KDA state slots,
 /// capped at what `max_num_seqs` full-length sequences could use; the engine allocates
 /// exactly this pool at start. Both backends keep caches in f32; `per_token`/`per_seq` count
 /// cache values. On a GPU (`device_memory` = free and total bytes after the weights were
 /// loaded) the budget is vLLM's: `--gpu-memory-utilization` of the total, minus what is
-/// already used, minus room for one step's activations; on the CPU it is that fraction of
-/// free RAM.
+/// already used, minus one step's workspace (`workspace` as measured by [`step_workspace`],
+/// else a generous 64 KiB per batched token); on the CPU it is that fraction of free RAM.
 fn cache_blocks(
     a: &ServeArgs,
     (per_token, per_seq): (u64, u64),
     max_model_len: usize,
     device_memory: Option<(u64, u64)>,
+    workspace: Option<u64>,
 ) -> anyhow::Result<usize> {
     let per_seq_blocks = max_model_len.div_ceil(a.block_size);
     let wanted = a.max_num_seqs * per_seq_blocks;
@@ -154,8 +203,7 @@ fn cache_blocks(
     let budget = match device_memory {
         Some((free, total)) => {
             let used = total.saturating_sub(free);
-            // Activations of one step: a generous 64 KiB per batched token.
-            let workspace = a.max_num_batched_tokens as u64 * (64 << 10);
+            let workspace = workspace.unwrap_or(a.max_num_batched_tokens as u64 * (64 << 10));
             ((total as f64 * a.gpu_memory_utilization) as u64)
                 .saturating_sub(used)
                 .saturating_sub(workspace)

@@ -739,6 +739,28 @@ impl Backend for CudaBackend {
         Some((free as u64, total as u64))
     }
 
+    fn measure_workspace<R>(&self, f: impl FnOnce() -> R) -> (R, Option<u64>) {
+        let start = self
+            .dev
+            .synchronize("measure_workspace")
+            .and_then(|()| self.dev.reset_pool_peak())
+            .and_then(|()| self.dev.pool_used());
+        let result = f();
+        let end = self
+            .dev
+            .synchronize("measure_workspace")
+            .and_then(|()| self.dev.pool_used());
+        let extra = match (start, end) {
+            (Ok((in_use, _)), Ok((_, peak))) => Some(peak.saturating_sub(in_use)),
+            _ => None,
+        };
+        (result, extra)
+    }
+
+    fn release_unused_memory(&self) -> Result<()> {
+        self.dev.trim_pool()
+    }
+
     fn measure_read_bandwidth(&self) -> Option<f64> {
         self.copy_bandwidth().ok()
     }

@@ -152,11 +152,7 @@ const KERNELS: &[(&str, &[&str])] = &[
 /// again.
 fn pool_keeps_memory(ctx: &CudaContext, keep: bool) -> Result<()> {
     use cudarc::driver::sys;
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    // SAFETY: `pool` is a valid out-pointer and the device handle comes from a live context.
-    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
-        .result()
-        .op("memory pool")?;
+    let pool = default_pool(ctx)?;
     let mut threshold: u64 = if keep { u64::MAX } else { 0 };
     // SAFETY: the release threshold attribute takes a pointer to a u64 (cuuint64_t).
     unsafe {
@@ -168,6 +164,33 @@ fn pool_keeps_memory(ctx: &CudaContext, keep: bool) -> Result<()> {
     }
     .result()
     .op("memory pool")
+}
+
+/// The device's default memory pool, which serves every stream-ordered allocation.
+fn default_pool(ctx: &CudaContext) -> Result<cudarc::driver::sys::CUmemoryPool> {
+    use cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` is a valid out-pointer and the device handle comes from a live context.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
+        .result()
+        .op("memory pool")?;
+    Ok(pool)
+}
+
+/// A u64 attribute of the default memory pool.
+fn pool_attribute(
+    ctx: &CudaContext,
+    attr: cudarc::driver::sys::CUmemPool_attribute,
+) -> Result<u64> {
+    let pool = default_pool(ctx)?;
+    let mut value: u64 = 0;
+    // SAFETY: the used-memory attributes are u64 (cuuint64_t) values.
+    unsafe {
+        cudarc::driver::sys::cuMemPoolGetAttribute(pool, attr, (&mut value as *mut u64).cast())
+    }
+    .result()
+    .op("memory pool")?;
+    Ok(value)
 }
 
 /// Bytes of the pass arena (`buffer.rs`) unless `KIMI_CUDA_GRAPH_ARENA_MB` says otherwise:
@@ -263,6 +286,44 @@ impl Device {
     pub(crate) fn set_pool_keeps_memory(&self, keep: bool) -> Result<()> {
         self.enter("memory pool")?;
         pool_keeps_memory(&self.ctx, keep)
+    }
+
+    /// Bytes of the default pool in use now and at most since the last
+    /// [`Device::reset_pool_peak`] (weights and caches included: they come from the pool).
+    pub(crate) fn pool_used(&self) -> Result<(u64, u64)> {
+        use cudarc::driver::sys::CUmemPool_attribute as A;
+        self.enter("memory pool")?;
+        Ok((
+            pool_attribute(&self.ctx, A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+            pool_attribute(&self.ctx, A::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+        ))
+    }
+
+    /// Starts a new peak for [`Device::pool_used`].
+    pub(crate) fn reset_pool_peak(&self) -> Result<()> {
+        self.enter("memory pool")?;
+        let pool = default_pool(&self.ctx)?;
+        let mut zero: u64 = 0;
+        // SAFETY: the high-water attribute takes a u64, and 0 is the only value allowed.
+        unsafe {
+            cudarc::driver::sys::cuMemPoolSetAttribute(
+                pool,
+                cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&mut zero as *mut u64).cast(),
+            )
+        }
+        .result()
+        .op("memory pool")
+    }
+
+    /// Hands the pool's unused memory back to the driver (after the queued work is done).
+    pub(crate) fn trim_pool(&self) -> Result<()> {
+        self.synchronize("memory pool")?;
+        let pool = default_pool(&self.ctx)?;
+        // SAFETY: trimming only releases memory no allocation holds.
+        unsafe { cudarc::driver::sys::cuMemPoolTrimTo(pool, 0) }
+            .result()
+            .op("memory pool")
     }
 
     /// Makes the context current on the calling thread.

@@ -410,6 +410,18 @@ pub trait Backend: Send + Sync {
     fn memory_info(&self) -> Option<(u64, u64)> {
         None
     }
+    /// Runs `f` (e.g. one forward pass) and returns, with its result, the most device memory
+    /// it had allocated at once beyond what was in use when it started, where the backend
+    /// tracks its allocations (GPU memory pools); `None` otherwise. Sizes the per-step
+    /// workspace in a memory plan.
+    fn measure_workspace<R>(&self, f: impl FnOnce() -> R) -> (R, Option<u64>) {
+        (f(), None)
+    }
+    /// Returns memory the backend holds for reuse but no tensor uses to the device, so that
+    /// free-memory figures count only live tensors. Default: nothing to return.
+    fn release_unused_memory(&self) -> Result<()> {
+        Ok(())
+    }
     /// Measured bytes per second the device reads from its own memory (the roofline of
     /// bandwidth-bound work), where the backend can measure it; `None` otherwise.
     fn measure_read_bandwidth(&self) -> Option<f64> {
