@@ -4,6 +4,8 @@ use half::{bf16, f16};
 use kimi_core::DType;
 use kimi_ops::{Error, HostTensor, Result};
 
+use crate::qdot::{groups, Kind};
+
 /// Element storage. Activations and states are always f32; weights keep their checkpoint
 /// dtype so that decode reads half the bytes for bf16 checkpoints.
 #[derive(Clone, Debug)]
@@ -21,6 +23,9 @@ pub enum Storage {
         dtype: DType,
         /// The blocks, `dtype.storage_bytes(len)` bytes.
         bytes: Vec<u8>,
+        /// `Some(cols)` where the rows (of `cols` values) are interleaved in groups of 16
+        /// for the VNNI kernels (`crate::qdot::groups`), `None` where they are row-major.
+        grouped: Option<usize>,
     },
 }
 
@@ -90,10 +95,21 @@ impl CpuTensor {
             ),
             DType::BF16 => Storage::Bf16(halves()),
             DType::F16 => Storage::F16(halves()),
-            q if crate::quant::supported(q) => Storage::Quant {
-                dtype: q,
-                bytes: host.bytes.to_vec(),
-            },
+            q if crate::quant::supported(q) => {
+                let rows = n.checked_div(cols).unwrap_or(0);
+                match Kind::of(q).filter(|&kind| groups::wanted(kind, rows)) {
+                    Some(kind) => Storage::Quant {
+                        dtype: q,
+                        bytes: groups::interleave(kind, host.bytes, cols),
+                        grouped: Some(cols),
+                    },
+                    None => Storage::Quant {
+                        dtype: q,
+                        bytes: host.bytes.to_vec(),
+                        grouped: None,
+                    },
+                }
+            }
             other => return Err(Error::Unsupported(format!("dtype {other}"))),
         };
         Ok(Self {
@@ -193,7 +209,19 @@ pub(crate) fn row_to_f32(storage: &Storage, offset: usize, out: &mut [f32]) {
                 .reinterpret_cast::<f16>()
                 .convert_to_f32_slice(out);
         }
-        Storage::Quant { dtype, bytes } => {
+        Storage::Quant {
+            dtype,
+            bytes,
+            grouped: Some(cols),
+        } => match Kind::of(*dtype) {
+            Some(kind) => groups::dequantize(*dtype, kind, bytes, *cols, offset, out),
+            None => debug_assert!(false, "invariant: only kernel kinds are interleaved"),
+        },
+        Storage::Quant {
+            dtype,
+            bytes,
+            grouped: None,
+        } => {
             let (block, block_bytes) = (dtype.block_size(), dtype.block_bytes());
             debug_assert!(offset.is_multiple_of(block) && n.is_multiple_of(block));
             let start = offset / block * block_bytes;

@@ -14,6 +14,7 @@
 //! (aarch64). Integer parts agree bit for bit across variants; only the order of the f32
 //! sums of per-block results differs.
 
+pub(crate) mod groups;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 #[cfg(target_arch = "x86_64")]
@@ -109,6 +110,9 @@ pub(crate) struct Q8Acts {
     pub d: Vec<f32>,
     /// `[n, k / QK]` block sums `d * Σq`.
     pub sum: Vec<f32>,
+    /// `[n, k / QK]` integer block sums `Σq`, for offsets applied before scaling
+    /// (the interleaved kernels of [`groups`]).
+    pub isum: Vec<i32>,
 }
 
 impl Q8Acts {
@@ -124,6 +128,7 @@ impl Q8Acts {
             qs: vec![0; n * k],
             d: vec![0.0; n * nb],
             sum: vec![0.0; n * nb],
+            isum: vec![0; n * nb],
         };
         for (b, (x, q)) in xs
             .chunks_exact(QK)
@@ -147,6 +152,7 @@ impl Q8Acts {
             }
             a.d[b] = d;
             a.sum[b] = d * s as f32;
+            a.isum[b] = s;
         }
         a
     }

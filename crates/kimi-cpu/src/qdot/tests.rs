@@ -117,6 +117,7 @@ fn exact_case(
         qs: (0..n * k).map(|_| rng.random_range(-4i8..=4)).collect(),
         d: (0..n * nb).map(|_| pow2(rng, -3, -2)).collect(),
         sum: vec![0.0; n * nb],
+        isum: vec![0; n * nb],
     };
     for b in 0..n * nb {
         let s: i32 = x.qs[b * QK..(b + 1) * QK]
@@ -124,6 +125,7 @@ fn exact_case(
             .map(|&v| i32::from(v))
             .sum();
         x.sum[b] = x.d[b] * s as f32;
+        x.isum[b] = s;
     }
     (w, x)
 }
@@ -316,4 +318,97 @@ fn quantize_equals_the_plain_form() {
     assert_eq!(a.qs, qs);
     assert_eq!(bits(&a.d), bits(&d));
     assert_eq!(bits(&a.sum), bits(&sum));
+}
+
+const GROUPED: [Kind; 3] = [Kind::Q4_0, Kind::Q4_1, Kind::Q8_0];
+
+#[test]
+fn interleaving_keeps_every_block() {
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    for kind in GROUPED {
+        let (rows, k) = (32, 96);
+        let mut w = vec![0u8; rows * kind.row_bytes(k)];
+        rng.fill(&mut w[..]);
+        let packed = groups::interleave(kind, &w, k);
+        assert_eq!(packed.len(), w.len());
+        let (bb, nb) = (kind.block_bytes(), k / QK);
+        let mut blk = [0u8; 64];
+        for r in 0..rows {
+            for b in 0..nb {
+                groups::block_at(kind, &packed, nb, r, b, &mut blk);
+                assert_eq!(
+                    &blk[..bb],
+                    &w[(r * nb + b) * bb..][..bb],
+                    "{kind:?} row {r} block {b}"
+                );
+            }
+        }
+    }
+}
+
+/// The interleaved kernels on exact values (see [`exact_case`]) equal the row-major scalar
+/// kernel bit for bit, for every token count around the 4-token passes.
+#[test]
+fn interleaved_kernels_equal_scalar_bit_for_bit_on_exact_values() {
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    for kind in GROUPED {
+        for &k in widths(kind) {
+            for (n, rows) in [
+                (1, 16),
+                (1, 48),
+                (2, 32),
+                (3, 16),
+                (4, 16),
+                (5, 32),
+                (9, 16),
+            ] {
+                let (w, x) = exact_case(kind, rows, n, k, &mut rng);
+                let mut want = vec![0f32; rows * n];
+                matmul_rows_with(Isa::Scalar, kind, &w, &x, &mut want);
+                let packed = groups::interleave(kind, &w, k);
+                for isa in Isa::available() {
+                    let mut got = vec![f32::NAN; rows * n];
+                    groups::matmul_groups_with(isa, kind, &packed, &x, &mut got);
+                    let same = got
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{kind:?} {isa:?} k={k} n={n}: {got:?} vs {want:?}");
+                }
+            }
+        }
+    }
+}
+
+/// On general values the interleaved kernels differ from the row-major scalar one only by
+/// the order of f32 additions: 1e-5 of the sum of magnitudes.
+#[test]
+fn interleaved_kernels_match_scalar_on_random_values() {
+    let mut rng = ChaCha8Rng::seed_from_u64(13);
+    for kind in GROUPED {
+        for &k in widths(kind) {
+            for (n, rows) in [(1, 16), (2, 32), (4, 16), (7, 16)] {
+                let (bytes, wd, xs) = random_case(kind, rows, n, k, &mut rng);
+                let x = Q8Acts::quantize(&xs, n, k);
+                let mut want = vec![0f32; rows * n];
+                matmul_rows_with(Isa::Scalar, kind, &bytes, &x, &mut want);
+                let packed = groups::interleave(kind, &bytes, k);
+                for isa in Isa::available() {
+                    let mut got = vec![0f32; rows * n];
+                    groups::matmul_groups_with(isa, kind, &packed, &x, &mut got);
+                    for r in 0..rows {
+                        for t in 0..n {
+                            let magnitude: f32 =
+                                (0..k).map(|i| (wd[r * k + i] * xs[t * k + i]).abs()).sum();
+                            let (a, b) = (got[r * n + t], want[r * n + t]);
+                            assert!(
+                                (a - b).abs() <= 1e-5 * magnitude,
+                                "{kind:?} {isa:?} k={k} n={n}: {a} vs {b}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

@@ -11,6 +11,7 @@
 
 use std::arch::x86_64::*;
 
+use super::groups::{self, GROUP};
 use super::{q4k_scale_min, Kind, Q8Acts, QK};
 
 /// `Σ w[4i..4i+4]·x[4i..4i+4]` per i32 lane, `w` unsigned and at most 128, `x` signed.
@@ -431,6 +432,145 @@ unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
         for j in 0..R {
             for i in 0..N {
                 out[(r0 + j) * x.n + t0 + i] = hsum(acc[j][i]) + off[j][i];
+            }
+        }
+    }
+}
+
+/// Interleaved weights (`super::groups`), every group of 16 rows and every token, up to
+/// four tokens per pass over a group's blocks.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI; sizes as checked by
+/// `groups::matmul_groups_with`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn matmul_groups_vnni(kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
+    let group_bytes = GROUP * kind.row_bytes(x.k);
+    for (g, gw) in w.chunks_exact(group_bytes).enumerate() {
+        let mut t0 = 0;
+        while t0 < x.n {
+            let nt = (x.n - t0).min(4);
+            // SAFETY: group `g` and tokens t0..t0 + nt exist (sizes checked by the
+            // dispatcher); features from the caller.
+            unsafe {
+                match nt {
+                    1 => group::<1>(kind, gw, x, t0, g * GROUP, out),
+                    2 => group::<2>(kind, gw, x, t0, g * GROUP, out),
+                    3 => group::<3>(kind, gw, x, t0, g * GROUP, out),
+                    _ => group::<4>(kind, gw, x, t0, g * GROUP, out),
+                }
+            }
+            t0 += nt;
+        }
+    }
+}
+
+/// Rows `row0..row0 + 16` (the group `gw`) · tokens `t0..t0 + N`.
+///
+/// # Safety
+/// Features from the caller; `gw` holds one whole group of rows of `x.k` values; tokens
+/// `t0..t0 + N` exist in `x`; `out` has `x.n` results per row for rows up to `row0 + 16`.
+#[inline(always)]
+unsafe fn group<const N: usize>(
+    kind: Kind,
+    gw: &[u8],
+    x: &Q8Acts,
+    t0: usize,
+    row0: usize,
+    out: &mut [f32],
+) {
+    let nb = x.blocks();
+    let bb16 = GROUP * kind.block_bytes();
+    let sb = groups::scale_bytes(kind);
+    // SAFETY (every pointer below): block b < nb of the group spans `bb16` bytes inside
+    // `gw`; token t0 + i < x.n has `k` quants and `nb` scales and sums in `x`.
+    unsafe {
+        let qs: [*const u8; N] = std::array::from_fn(|i| x.qs.as_ptr().add((t0 + i) * x.k).cast());
+        let xd: [*const f32; N] = std::array::from_fn(|i| x.d.as_ptr().add((t0 + i) * nb));
+        let xs: [*const f32; N] = std::array::from_fn(|i| x.sum.as_ptr().add((t0 + i) * nb));
+        let xi: [*const i32; N] = std::array::from_fn(|i| x.isum.as_ptr().add((t0 + i) * nb));
+        // Four activation values of token i, block b, from value `v`, in every lane.
+        let word = |i: usize, b: usize, v: usize| {
+            _mm512_set1_epi32(std::ptr::read_unaligned(
+                qs[i].add(b * QK + v).cast::<i32>(),
+            ))
+        };
+        let mut acc = [_mm512_setzero_ps(); N];
+        let m4 = _mm512_set1_epi8(0x0F);
+        match kind {
+            Kind::Q4_0 | Kind::Q4_1 => {
+                let q4_1 = kind == Kind::Q4_1;
+                for b in 0..nb {
+                    let blk = gw.as_ptr().add(b * bb16);
+                    // Low and high nibbles in separate sums: two dependency chains.
+                    let mut lo = [_mm512_setzero_si512(); N];
+                    let mut hi = [_mm512_setzero_si512(); N];
+                    for j in 0..4 {
+                        let v = _mm512_loadu_si512(blk.add(sb + 64 * j).cast());
+                        let l = _mm512_and_si512(v, m4);
+                        let h = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                        for i in 0..N {
+                            lo[i] = _mm512_dpbusd_epi32(lo[i], l, word(i, b, 4 * j));
+                            hi[i] = _mm512_dpbusd_epi32(hi[i], h, word(i, b, 16 + 4 * j));
+                        }
+                    }
+                    let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk.cast()));
+                    let m = if q4_1 {
+                        _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(32).cast()))
+                    } else {
+                        _mm512_setzero_ps()
+                    };
+                    for i in 0..N {
+                        let mut s = _mm512_add_epi32(lo[i], hi[i]);
+                        if !q4_1 {
+                            // Nibbles are stored + 8: Σ (q + 8)·x − 8·Σx, exactly.
+                            s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * *xi[i].add(b)));
+                        }
+                        let scale = _mm512_mul_ps(d, _mm512_set1_ps(*xd[i].add(b)));
+                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[i]);
+                        if q4_1 {
+                            acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(*xs[i].add(b)), acc[i]);
+                        }
+                    }
+                }
+            }
+            Kind::Q8_0 => {
+                for b in 0..nb {
+                    let blk = gw.as_ptr().add(b * bb16);
+                    let mut even = [_mm512_setzero_si512(); N];
+                    let mut odd = [_mm512_setzero_si512(); N];
+                    for j in (0..8).step_by(2) {
+                        let v0 = _mm512_loadu_si512(blk.add(sb + 64 * j).cast());
+                        let v1 = _mm512_loadu_si512(blk.add(sb + 64 * (j + 1)).cast());
+                        for i in 0..N {
+                            even[i] = _mm512_dpbusd_epi32(even[i], v0, word(i, b, 4 * j));
+                            odd[i] = _mm512_dpbusd_epi32(odd[i], v1, word(i, b, 4 * j + 4));
+                        }
+                    }
+                    let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk.cast()));
+                    for i in 0..N {
+                        // Quants are stored + 128: Σ (q + 128)·x − 128·Σx, exactly.
+                        let s = _mm512_sub_epi32(
+                            _mm512_add_epi32(even[i], odd[i]),
+                            _mm512_set1_epi32(128 * *xi[i].add(b)),
+                        );
+                        let scale = _mm512_mul_ps(d, _mm512_set1_ps(*xd[i].add(b)));
+                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[i]);
+                    }
+                }
+            }
+            // `groups::supported` admits no other kind (the dispatcher asserts it).
+            _ => {}
+        }
+        if x.n == 1 {
+            _mm512_storeu_ps(out.as_mut_ptr().add(row0), acc[0]);
+        } else {
+            let mut lanes = [0f32; GROUP];
+            for (i, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(lanes.as_mut_ptr(), *a);
+                for (r, v) in lanes.iter().enumerate() {
+                    out[(row0 + r) * x.n + t0 + i] = *v;
+                }
             }
         }
     }

@@ -1,0 +1,196 @@
+//! Weights interleaved in groups of 16 rows, for the AVX-512 VNNI kernels.
+//!
+//! With row-major blocks a matrix-vector product spends its instructions per weight row:
+//! each 32-value block of each row is expanded, dotted into eight partial lanes, converted
+//! and scaled on its own (about 14 instructions per row and block), and decode on this
+//! machine's cores ran at a sixth of the bandwidth they can read. Here 16 rows share every
+//! instruction: within block `b` of a group, the rows' quants are interleaved by 4-byte
+//! words, so one 512-bit `vpdpbusd` multiplies four values of each of the 16 rows by the
+//! same four activation values (one broadcast), and the 16 rows' scales sit in one vector
+//! (about 2 instructions per row and block). llama.cpp's repacked Q4_0 formats rest on the
+//! same idea.
+//!
+//! Layout: group `g` (rows `16g..16g + 16`) is contiguous, block after block; block `b` of
+//! the group takes `16 · block_bytes` bytes at `(g · nb + b) · 16 · block_bytes`:
+//! - Q8_0: `d[16]:f16 | w[8][16]:[u8; 4]`: word `j` (values `4j..4j + 4`) of row `r` at
+//!   `32 + 64j + 4r`, each byte `q ^ 0x80` (`q + 128` as unsigned: `vpdpbusd` multiplies
+//!   unsigned by signed bytes, and `Σ (q + 128)·x − 128·Σx` is the same integer);
+//! - Q4_0: `d[16]:f16 | w[4][16]:[u8; 4]`: word `j` is bytes `4j..4j + 4` of the row's 16
+//!   nibble bytes (values `4j..4j + 4` low, `16 + 4j..16 + 4j + 4` high);
+//! - Q4_1: `d[16]:f16 | m[16]:f16 | w[4][16]:[u8; 4]`.
+//!
+//! Every value is kept: [`block_at`] rebuilds any ggml block exactly (dequantization and
+//! the scalar reference go through it).
+
+use super::{Isa, Kind, Q8Acts};
+
+/// Rows per interleaved group: one 512-bit vector of i32 or f32 lanes.
+pub(crate) const GROUP: usize = 16;
+
+/// Whether `kind` has an interleaved layout.
+pub(crate) fn supported(kind: Kind) -> bool {
+    matches!(kind, Kind::Q4_0 | Kind::Q4_1 | Kind::Q8_0)
+}
+
+/// Whether weights of `kind` with `rows` rows are stored interleaved on this CPU: where the
+/// VNNI kernels run, the type has a layout and the rows fill whole groups.
+/// `KIMI_CPU_INTERLEAVE=0` keeps every weight row-major (for comparisons).
+pub(crate) fn wanted(kind: Kind, rows: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    let vnni = Isa::best() == Isa::Avx512Vnni;
+    #[cfg(not(target_arch = "x86_64"))]
+    let vnni = false;
+    vnni && supported(kind)
+        && rows.is_multiple_of(GROUP)
+        && std::env::var("KIMI_CPU_INTERLEAVE").map_or(true, |v| v != "0")
+}
+
+/// Bytes of scales before the quant words in a group's block.
+pub(super) fn scale_bytes(kind: Kind) -> usize {
+    if kind == Kind::Q4_1 {
+        4 * GROUP
+    } else {
+        2 * GROUP
+    }
+}
+
+/// Offset of the quants in a ggml block.
+fn quant_offset(kind: Kind) -> usize {
+    if kind == Kind::Q4_1 {
+        4
+    } else {
+        2
+    }
+}
+
+/// What a quant byte becomes when interleaved (an involution: it also undoes itself).
+fn flip(kind: Kind, v: u8) -> u8 {
+    if kind == Kind::Q8_0 {
+        v ^ 0x80
+    } else {
+        v
+    }
+}
+
+/// Row-major ggml blocks of rows of `k` values (a whole number of groups) interleaved.
+pub(crate) fn interleave(kind: Kind, rows_major: &[u8], k: usize) -> Vec<u8> {
+    let bb = kind.block_bytes();
+    let nb = k / kind.block_values();
+    let rows = rows_major.len().checked_div(nb * bb).unwrap_or(0);
+    assert!(
+        supported(kind) && rows.is_multiple_of(GROUP) && rows_major.len() == rows * nb * bb,
+        "interleave: {kind:?}, {} bytes of rows of {k}",
+        rows_major.len()
+    );
+    let (sb, qo) = (scale_bytes(kind), quant_offset(kind));
+    let mut out = vec![0u8; rows_major.len()];
+    for (g, dst_group) in out.chunks_exact_mut(GROUP * nb * bb).enumerate() {
+        for (b, dst) in dst_group.chunks_exact_mut(GROUP * bb).enumerate() {
+            for r in 0..GROUP {
+                let src = &rows_major[((g * GROUP + r) * nb + b) * bb..][..bb];
+                dst[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
+                if kind == Kind::Q4_1 {
+                    dst[32 + 2 * r..32 + 2 * r + 2].copy_from_slice(&src[2..4]);
+                }
+                for (j, word) in src[qo..].chunks_exact(4).enumerate() {
+                    for (i, &v) in word.iter().enumerate() {
+                        dst[sb + 64 * j + 4 * r + i] = flip(kind, v);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The ggml block `b` of row `row` of interleaved weights with `nb` blocks per row, written
+/// to `out[..kind.block_bytes()]`.
+pub(crate) fn block_at(kind: Kind, bytes: &[u8], nb: usize, row: usize, b: usize, out: &mut [u8]) {
+    let bb = kind.block_bytes();
+    let (g, r) = (row / GROUP, row % GROUP);
+    let src = &bytes[(g * nb + b) * GROUP * bb..][..GROUP * bb];
+    let (sb, qo) = (scale_bytes(kind), quant_offset(kind));
+    out[..2].copy_from_slice(&src[2 * r..2 * r + 2]);
+    if kind == Kind::Q4_1 {
+        out[2..4].copy_from_slice(&src[32 + 2 * r..32 + 2 * r + 2]);
+    }
+    for (j, word) in out[qo..bb].chunks_exact_mut(4).enumerate() {
+        for (i, v) in word.iter_mut().enumerate() {
+            *v = flip(kind, src[sb + 64 * j + 4 * r + i]);
+        }
+    }
+}
+
+/// Dequantizes `out.len()` values (whole blocks) of interleaved weights with rows of `k`
+/// values, starting at value `offset`.
+pub(crate) fn dequantize(
+    dtype: kimi_core::DType,
+    kind: Kind,
+    bytes: &[u8],
+    k: usize,
+    offset: usize,
+    out: &mut [f32],
+) {
+    let (bv, nb) = (kind.block_values(), k / kind.block_values());
+    let mut blk = [0u8; 64];
+    for (i, chunk) in out.chunks_exact_mut(bv).enumerate() {
+        let block = offset / bv + i;
+        block_at(kind, bytes, nb, block / nb, block % nb, &mut blk);
+        crate::quant::dequantize(dtype, &blk[..kind.block_bytes()], chunk);
+    }
+}
+
+/// `out[r * x.n + t] = row r · token t` for every row of the interleaved weights `w` (whole
+/// groups of rows of `x.k` values), with the best kernel of this CPU.
+pub(crate) fn matmul_groups(kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
+    matmul_groups_with(Isa::best(), kind, w, x, out)
+}
+
+/// [`matmul_groups`] with a given variant: VNNI where it is given, else the scalar
+/// reference (the other variants have no interleaved kernels).
+pub(crate) fn matmul_groups_with(isa: Isa, kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
+    let group_bytes = GROUP * kind.row_bytes(x.k);
+    let groups = w.len().checked_div(group_bytes).unwrap_or(0);
+    // The kernels rely on these: whole groups, whole blocks, room for every result.
+    assert!(
+        supported(kind)
+            && x.k.is_multiple_of(kind.block_values())
+            && w.len() == groups * group_bytes
+            && out.len() == groups * GROUP * x.n
+            && x.qs.len() == x.n * x.k
+            && x.d.len() == x.n * x.blocks()
+            && x.sum.len() == x.d.len()
+            && x.isum.len() == x.d.len(),
+        "qdot groups: inconsistent sizes"
+    );
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => {
+            assert!(Isa::available().contains(&Isa::Avx512Vnni));
+            // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected (the assert
+            // above); sizes were checked above.
+            unsafe { super::x86::matmul_groups_vnni(kind, w, x, out) }
+        }
+        _ => scalar(kind, w, x, out),
+    }
+}
+
+/// The reference: each group's blocks rebuilt row-major and multiplied by the scalar
+/// row-major kernel.
+fn scalar(kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
+    let (bb, nb) = (
+        kind.block_bytes(),
+        x.blocks() * super::QK / kind.block_values(),
+    );
+    let group_bytes = GROUP * nb * bb;
+    let mut rows = vec![0u8; group_bytes];
+    for (g, group) in w.chunks_exact(group_bytes).enumerate() {
+        for r in 0..GROUP {
+            for b in 0..nb {
+                block_at(kind, group, nb, r, b, &mut rows[(r * nb + b) * bb..][..bb]);
+            }
+        }
+        let dst = &mut out[g * GROUP * x.n..(g + 1) * GROUP * x.n];
+        super::matmul_rows_with(Isa::Scalar, kind, &rows, x, dst);
+    }
+}
