@@ -20,7 +20,7 @@ pub fn short_conv_silu(
     states: &mut [&mut CpuTensor],
 ) -> Result<CpuTensor> {
     let (n, c) = x.rows_cols("short_conv")?;
-    let w = weight.to_f32_vec();
+    let w = weight.f32_values();
     if !w.len().is_multiple_of(c.max(1)) || w.is_empty() {
         return Err(shape_err(
             "short_conv",
@@ -79,8 +79,8 @@ pub fn gate(
     kind: KdaGate,
 ) -> Result<CpuTensor> {
     let (n, width) = f.rows_cols("kda_gate")?;
-    let a = a_log.to_f32_vec();
-    let bias = dt_bias.to_f32_vec();
+    let a = a_log.f32_values();
+    let bias = dt_bias.f32_values();
     if a.len() != num_heads || bias.len() != width || num_heads == 0 || width % num_heads != 0 {
         return Err(shape_err(
             "kda_gate",
@@ -370,7 +370,7 @@ pub fn gated_rms_norm(
     eps: f32,
 ) -> Result<CpuTensor> {
     let (n, width) = o.rows_cols("gated_rms_norm")?;
-    let w = weight.to_f32_vec();
+    let w = weight.f32_values();
     let d = w.len();
     if d == 0 || width % d != 0 || z.rows_cols("gated_rms_norm")? != (n, width) {
         return Err(shape_err(

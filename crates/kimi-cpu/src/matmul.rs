@@ -229,12 +229,13 @@ impl<'a> Product<'a> {
         let rows = chunk.len() / n.max(1);
         if let Some((kind, bytes, xq, grouped)) = self.int8 {
             let rb = kind.row_bytes(k);
-            let w = &bytes[row0 * rb..(row0 + rows) * rb];
             if grouped {
-                // Whole groups: parts and blocks start and end at multiples of 16 rows.
-                qdot::groups::matmul_groups(kind, w, xq, chunk);
+                // Whole groups: parts and blocks start at multiples of 16 rows, and only
+                // the matrix's last group may be partial (padded in storage).
+                let end = (row0 + rows).next_multiple_of(qdot::groups::GROUP);
+                qdot::groups::matmul_groups(kind, &bytes[row0 * rb..end * rb], xq, chunk);
             } else {
-                qdot::matmul_rows(kind, w, xq, chunk);
+                qdot::matmul_rows(kind, &bytes[row0 * rb..(row0 + rows) * rb], xq, chunk);
             }
             return;
         }
@@ -502,8 +503,9 @@ mod tests {
     #[test]
     fn quantized_weights_match_dequantized() {
         use kimi_core::DType;
-        // 37 rows stay row-major; 48 are interleaved where the VNNI kernels run.
-        for o in [37, 48] {
+        // Where the VNNI kernels run, 37 rows are interleaved with a padded last group, 48
+        // in whole groups and 13 not at all.
+        for o in [13, 37, 48] {
             quantized_case(5, 512, o);
         }
         // Rows must be whole blocks, and the byte count must fit.
@@ -547,7 +549,6 @@ mod tests {
                 bytes: &bytes,
             })
             .unwrap();
-            assert_eq!(wt.size_bytes(), bytes.len());
             let kind = crate::qdot::Kind::of(dtype).unwrap();
             let grouped = matches!(
                 wt.storage,
@@ -561,6 +562,8 @@ mod tests {
                 crate::qdot::groups::wanted(kind, o),
                 "{dtype} {o} rows"
             );
+            let padded = crate::qdot::groups::padded_bytes(kind, o, k);
+            assert_eq!(wt.size_bytes(), if grouped { padded } else { bytes.len() });
             assert_eq!(wt.to_f32_vec(), wround);
             let y = matmul(&xt, &wt, QuantMatmul::F32).unwrap().to_f32_vec();
             let want = naive(&x, &wround, n, k, o);
@@ -575,11 +578,11 @@ mod tests {
                 let bound = row.iter().map(|v| v.abs()).sum::<f32>() * 0.33 / 254.0 + 1e-4;
                 assert!((a - b).abs() <= bound, "{dtype} int8: {a} vs {b}");
             }
-            let emb = crate::norm::embedding(&wt, &[3, 0, 36])
+            let emb = crate::norm::embedding(&wt, &[3, 0, o as u32 - 1])
                 .unwrap()
                 .to_f32_vec();
             assert_eq!(&emb[k..2 * k], &wround[..k]);
-            assert_eq!(&emb[2 * k..3 * k], &wround[36 * k..37 * k]);
+            assert_eq!(&emb[2 * k..3 * k], &wround[(o - 1) * k..o * k]);
         }
     }
 }

@@ -47,7 +47,7 @@ pub fn mla(
     }
     check_segments("mla", segments, seqs.len(), n)?;
     let block_size = check_paged("mla", &pool.shape, lw, segments, seqs)?;
-    let kvb = kv_b.to_f32_vec();
+    let kvb = kv_b.f32_values();
     let (qs, ls) = (q.as_f32("mla")?, latent.as_f32("mla")?);
     let pool_rows = pool.as_f32_mut("mla")?;
     for (seg, seq) in segments.iter().zip(seqs) {

@@ -94,7 +94,7 @@ pub fn moe(
     }
     // The router stays in f32: expert choice is sensitive to small changes.
     let logits = matmul(x, &w.router, QuantMatmul::F32)?.to_f32_vec();
-    let bias = w.correction_bias.as_ref().map(|b| b.to_f32_vec());
+    let bias = w.correction_bias.as_ref().map(|b| b.f32_values());
     let xs = x.as_f32("moe")?;
     let routes: Vec<Route> = (0..n)
         .map(|t| {

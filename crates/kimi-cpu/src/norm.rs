@@ -21,7 +21,7 @@ pub fn embedding(table: &CpuTensor, ids: &[u32]) -> Result<CpuTensor> {
 
 pub fn rms_norm(x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
     let (n, d) = x.rows_cols("rms_norm")?;
-    let w = weight.to_f32_vec();
+    let w = weight.f32_values();
     if w.len() != d {
         return Err(shape_err(
             "rms_norm",
@@ -36,7 +36,7 @@ pub fn rms_norm(x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor
     {
         let ms = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
         let r = 1.0 / (ms + eps).sqrt();
-        for ((oi, xi), wi) in o.iter_mut().zip(row).zip(&w) {
+        for ((oi, xi), wi) in o.iter_mut().zip(row).zip(w.iter()) {
             *oi = xi * r * wi;
         }
     }

@@ -168,6 +168,15 @@ impl CpuTensor {
         }
     }
 
+    /// The values as f32, borrowed where they are stored so (weights read on every step,
+    /// such as MLA's `kv_b` or norm weights, are not copied each time), else converted.
+    pub(crate) fn f32_values(&self) -> std::borrow::Cow<'_, [f32]> {
+        match &self.storage {
+            Storage::F32(v) => std::borrow::Cow::Borrowed(v),
+            _ => std::borrow::Cow::Owned(self.to_f32_vec()),
+        }
+    }
+
     /// Bytes of the storage.
     pub fn size_bytes(&self) -> usize {
         match &self.storage {

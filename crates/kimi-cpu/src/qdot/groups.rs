@@ -33,15 +33,16 @@ pub(crate) fn supported(kind: Kind) -> bool {
 }
 
 /// Whether weights of `kind` with `rows` rows are stored interleaved on this CPU: where the
-/// VNNI kernels run, the type has a layout and the rows fill whole groups.
-/// `KIMI_CPU_INTERLEAVE=0` keeps every weight row-major (for comparisons).
+/// VNNI kernels run, the type has a layout and there is at least one whole group (a last
+/// partial group is padded with zero rows). `KIMI_CPU_INTERLEAVE=0` keeps every weight
+/// row-major (for comparisons).
 pub(crate) fn wanted(kind: Kind, rows: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     let vnni = Isa::best() == Isa::Avx512Vnni;
     #[cfg(not(target_arch = "x86_64"))]
     let vnni = false;
     vnni && supported(kind)
-        && rows.is_multiple_of(GROUP)
+        && rows >= GROUP
         && std::env::var("KIMI_CPU_INTERLEAVE").map_or(true, |v| v != "0")
 }
 
@@ -72,22 +73,33 @@ fn flip(kind: Kind, v: u8) -> u8 {
     }
 }
 
-/// Row-major ggml blocks of rows of `k` values (a whole number of groups) interleaved.
+/// Bytes of `rows` interleaved rows of `k` values: whole groups, the last one padded.
+pub(crate) fn padded_bytes(kind: Kind, rows: usize, k: usize) -> usize {
+    rows.div_ceil(GROUP) * GROUP * kind.row_bytes(k)
+}
+
+/// Row-major ggml blocks of rows of `k` values interleaved, the last group padded with
+/// zero blocks (scale 0: their results are 0 and never read).
 pub(crate) fn interleave(kind: Kind, rows_major: &[u8], k: usize) -> Vec<u8> {
     let bb = kind.block_bytes();
     let nb = k / kind.block_values();
     let rows = rows_major.len().checked_div(nb * bb).unwrap_or(0);
     assert!(
-        supported(kind) && rows.is_multiple_of(GROUP) && rows_major.len() == rows * nb * bb,
+        supported(kind) && rows_major.len() == rows * nb * bb,
         "interleave: {kind:?}, {} bytes of rows of {k}",
         rows_major.len()
     );
     let (sb, qo) = (scale_bytes(kind), quant_offset(kind));
-    let mut out = vec![0u8; rows_major.len()];
+    let zero = vec![0u8; bb];
+    let mut out = vec![0u8; padded_bytes(kind, rows, k)];
     for (g, dst_group) in out.chunks_exact_mut(GROUP * nb * bb).enumerate() {
         for (b, dst) in dst_group.chunks_exact_mut(GROUP * bb).enumerate() {
             for r in 0..GROUP {
-                let src = &rows_major[((g * GROUP + r) * nb + b) * bb..][..bb];
+                let row = g * GROUP + r;
+                let src = match row < rows {
+                    true => &rows_major[(row * nb + b) * bb..][..bb],
+                    false => &zero[..],
+                };
                 dst[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
                 if kind == Kind::Q4_1 {
                     dst[32 + 2 * r..32 + 2 * r + 2].copy_from_slice(&src[2..4]);
@@ -140,8 +152,9 @@ pub(crate) fn dequantize(
     }
 }
 
-/// `out[r * x.n + t] = row r · token t` for every row of the interleaved weights `w` (whole
-/// groups of rows of `x.k` values), with the best kernel of this CPU.
+/// `out[r * x.n + t] = row r · token t` for the first `out.len() / x.n` rows of the
+/// interleaved weights `w` (whole groups of rows of `x.k` values, the last one possibly
+/// padded), with the best kernel of this CPU.
 pub(crate) fn matmul_groups(kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
     matmul_groups_with(Isa::best(), kind, w, x, out)
 }
@@ -151,12 +164,15 @@ pub(crate) fn matmul_groups(kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
 pub(crate) fn matmul_groups_with(isa: Isa, kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
     let group_bytes = GROUP * kind.row_bytes(x.k);
     let groups = w.len().checked_div(group_bytes).unwrap_or(0);
-    // The kernels rely on these: whole groups, whole blocks, room for every result.
+    let rows = out.len().checked_div(x.n).unwrap_or(0);
+    // The kernels rely on these: whole groups, whole blocks, a result for every token of
+    // every row, and rows in every group (only the last one may be partial).
     assert!(
         supported(kind)
             && x.k.is_multiple_of(kind.block_values())
             && w.len() == groups * group_bytes
-            && out.len() == groups * GROUP * x.n
+            && out.len() == rows * x.n
+            && rows.div_ceil(GROUP) == groups
             && x.qs.len() == x.n * x.k
             && x.d.len() == x.n * x.blocks()
             && x.sum.len() == x.d.len()
@@ -190,7 +206,9 @@ fn scalar(kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
                 block_at(kind, group, nb, r, b, &mut rows[(r * nb + b) * bb..][..bb]);
             }
         }
-        let dst = &mut out[g * GROUP * x.n..(g + 1) * GROUP * x.n];
-        super::matmul_rows_with(Isa::Scalar, kind, &rows, x, dst);
+        let mut dst = vec![0f32; GROUP * x.n];
+        super::matmul_rows_with(Isa::Scalar, kind, &rows, x, &mut dst);
+        let valid = (out.len() - g * GROUP * x.n).min(GROUP * x.n);
+        out[g * GROUP * x.n..][..valid].copy_from_slice(&dst[..valid]);
     }
 }

@@ -446,18 +446,20 @@ unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn matmul_groups_vnni(kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
     let group_bytes = GROUP * kind.row_bytes(x.k);
+    let rows = out.len() / x.n;
     for (g, gw) in w.chunks_exact(group_bytes).enumerate() {
+        let rows = (g * GROUP..rows.min((g + 1) * GROUP)).len();
         let mut t0 = 0;
         while t0 < x.n {
             let nt = (x.n - t0).min(4);
-            // SAFETY: group `g` and tokens t0..t0 + nt exist (sizes checked by the
-            // dispatcher); features from the caller.
+            // SAFETY: group `g` and tokens t0..t0 + nt exist, and `rows` of the group
+            // have results (sizes checked by the dispatcher); features from the caller.
             unsafe {
                 match nt {
-                    1 => group::<1>(kind, gw, x, t0, g * GROUP, out),
-                    2 => group::<2>(kind, gw, x, t0, g * GROUP, out),
-                    3 => group::<3>(kind, gw, x, t0, g * GROUP, out),
-                    _ => group::<4>(kind, gw, x, t0, g * GROUP, out),
+                    1 => group::<1>(kind, gw, x, t0, (g * GROUP, rows), out),
+                    2 => group::<2>(kind, gw, x, t0, (g * GROUP, rows), out),
+                    3 => group::<3>(kind, gw, x, t0, (g * GROUP, rows), out),
+                    _ => group::<4>(kind, gw, x, t0, (g * GROUP, rows), out),
                 }
             }
             t0 += nt;
@@ -465,18 +467,19 @@ pub(super) unsafe fn matmul_groups_vnni(kind: Kind, w: &[u8], x: &Q8Acts, out: &
     }
 }
 
-/// Rows `row0..row0 + 16` (the group `gw`) · tokens `t0..t0 + N`.
+/// Rows `row0..row0 + rows` (`rows ≤ 16`, the group `gw`) · tokens `t0..t0 + N`.
 ///
 /// # Safety
 /// Features from the caller; `gw` holds one whole group of rows of `x.k` values; tokens
-/// `t0..t0 + N` exist in `x`; `out` has `x.n` results per row for rows up to `row0 + 16`.
+/// `t0..t0 + N` exist in `x`; `out` has `x.n` results per row for rows up to
+/// `row0 + rows`.
 #[inline(always)]
 unsafe fn group<const N: usize>(
     kind: Kind,
     gw: &[u8],
     x: &Q8Acts,
     t0: usize,
-    row0: usize,
+    (row0, rows): (usize, usize),
     out: &mut [f32],
 ) {
     let nb = x.blocks();
@@ -562,13 +565,13 @@ unsafe fn group<const N: usize>(
             // `groups::supported` admits no other kind (the dispatcher asserts it).
             _ => {}
         }
-        if x.n == 1 {
+        if x.n == 1 && rows == GROUP {
             _mm512_storeu_ps(out.as_mut_ptr().add(row0), acc[0]);
         } else {
             let mut lanes = [0f32; GROUP];
             for (i, a) in acc.iter().enumerate() {
                 _mm512_storeu_ps(lanes.as_mut_ptr(), *a);
-                for (r, v) in lanes.iter().enumerate() {
+                for (r, v) in lanes.iter().enumerate().take(rows) {
                     out[(row0 + r) * x.n + t0 + i] = *v;
                 }
             }
