@@ -10,7 +10,7 @@
 //! few at a time into an L1-sized buffer.
 
 use crate::qdot::{self, Kind, Q8Acts};
-use crate::simd::{dot, dot4, dot4x4, dot_bf16, dot_f16};
+use crate::simd::{dot, dot4, dot4x4, dot_rows_16bit};
 use crate::team::Team;
 use crate::tensor::{row_to_f32, shape_err, CpuTensor, Storage};
 use kimi_ops::Result;
@@ -243,14 +243,10 @@ impl<'a> Product<'a> {
             Storage::F32(v) => multiply_rows(&v[row0 * k..(row0 + rows) * k], xs, n, chunk),
             // Decode: widen 16-bit weights in registers; equal to the tile path's rounding.
             Storage::Bf16(v) if n == 1 => {
-                for (r, o) in chunk.iter_mut().enumerate() {
-                    *o = dot_bf16(&v[(row0 + r) * k..(row0 + r + 1) * k], xs);
-                }
+                dot_rows_16bit::<false>(&v[row0 * k..(row0 + rows) * k], k, xs, chunk)
             }
             Storage::F16(v) if n == 1 => {
-                for (r, o) in chunk.iter_mut().enumerate() {
-                    *o = dot_f16(&v[(row0 + r) * k..(row0 + r + 1) * k], xs);
-                }
+                dot_rows_16bit::<true>(&v[row0 * k..(row0 + rows) * k], k, xs, chunk)
             }
             Storage::Quant { .. } | Storage::Bf16(_) | Storage::F16(_) => {
                 widened_rows(self.w, row0, xs, k, n, chunk)
