@@ -232,8 +232,9 @@ impl<'a> Product<'a> {
             if grouped {
                 // Whole groups: parts and blocks start at multiples of 16 rows, and only
                 // the matrix's last group may be partial (padded in storage).
-                let end = (row0 + rows).next_multiple_of(qdot::groups::GROUP);
-                qdot::groups::matmul_groups(kind, &bytes[row0 * rb..end * rb], xq, chunk);
+                let (gb, group) = (qdot::groups::group_bytes(kind, k), qdot::groups::GROUP);
+                let w = &bytes[row0 / group * gb..(row0 + rows).div_ceil(group) * gb];
+                qdot::groups::matmul_groups(kind, w, xq, chunk);
             } else {
                 qdot::matmul_rows(kind, &bytes[row0 * rb..(row0 + rows) * rb], xq, chunk);
             }

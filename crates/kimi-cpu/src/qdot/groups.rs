@@ -18,6 +18,13 @@
 //! - Q4_0: `d[16]:f16 | w[4][16]:[u8; 4]`: word `j` is bytes `4j..4j + 4` of the row's 16
 //!   nibble bytes (values `4j..4j + 4` low, `16 + 4j..16 + 4j + 4` high);
 //! - Q4_1: `d[16]:f16 | m[16]:f16 | w[4][16]:[u8; 4]`.
+//! - Q4_K (256-value super-blocks): `d[16]:f16 | dmin[16]:f16 | sc[8][16]:u8 |
+//!   m[8][16]:u8 | w[4][8][16]:[u8; 4]`: the 6-bit scales and mins unpacked (2,368 bytes
+//!   for 16 rows instead of 2,304), word `w` of nibble-pair `p` holding values `4w..4w + 4`
+//!   of sub-blocks `2p` (low nibbles) and `2p + 1` (high).
+//! - Q6_K: `d[16]:f16 | sc[16][16]:i8 | ql[2][2][8][16]:[u8; 4] | qh[2][8][16]:[u8; 4]`:
+//!   the ggml block's byte runs (`ql[64h + 32m..][..32]`, `qh[32h..][..32]`) cut into
+//!   words, 3,360 bytes as in ggml.
 //!
 //! Every value is kept: [`block_at`] rebuilds any ggml block exactly (dequantization and
 //! the scalar reference go through it).
@@ -29,7 +36,23 @@ pub(crate) const GROUP: usize = 16;
 
 /// Whether `kind` has an interleaved layout.
 pub(crate) fn supported(kind: Kind) -> bool {
-    matches!(kind, Kind::Q4_0 | Kind::Q4_1 | Kind::Q8_0)
+    matches!(
+        kind,
+        Kind::Q4_0 | Kind::Q4_1 | Kind::Q8_0 | Kind::Q4K | Kind::Q6K
+    )
+}
+
+/// Bytes of one block (or super-block) of a whole group of 16 rows.
+pub(crate) fn block_group_bytes(kind: Kind) -> usize {
+    match kind {
+        Kind::Q4K => 64 + 256 + 2048,
+        _ => GROUP * kind.block_bytes(),
+    }
+}
+
+/// Bytes of one group of 16 rows of `k` values.
+pub(crate) fn group_bytes(kind: Kind, k: usize) -> usize {
+    k / kind.block_values() * block_group_bytes(kind)
 }
 
 /// Whether weights of `kind` with `rows` rows are stored interleaved on this CPU: where the
@@ -55,27 +78,9 @@ pub(super) fn scale_bytes(kind: Kind) -> usize {
     }
 }
 
-/// Offset of the quants in a ggml block.
-fn quant_offset(kind: Kind) -> usize {
-    if kind == Kind::Q4_1 {
-        4
-    } else {
-        2
-    }
-}
-
-/// What a quant byte becomes when interleaved (an involution: it also undoes itself).
-fn flip(kind: Kind, v: u8) -> u8 {
-    if kind == Kind::Q8_0 {
-        v ^ 0x80
-    } else {
-        v
-    }
-}
-
 /// Bytes of `rows` interleaved rows of `k` values: whole groups, the last one padded.
 pub(crate) fn padded_bytes(kind: Kind, rows: usize, k: usize) -> usize {
-    rows.div_ceil(GROUP) * GROUP * kind.row_bytes(k)
+    rows.div_ceil(GROUP) * group_bytes(kind, k)
 }
 
 /// Row-major ggml blocks of rows of `k` values interleaved, the last group padded with
@@ -89,24 +94,32 @@ pub(crate) fn interleave(kind: Kind, rows_major: &[u8], k: usize) -> Vec<u8> {
         "interleave: {kind:?}, {} bytes of rows of {k}",
         rows_major.len()
     );
-    let (sb, qo) = (scale_bytes(kind), quant_offset(kind));
     let zero = vec![0u8; bb];
     let mut out = vec![0u8; padded_bytes(kind, rows, k)];
-    for (g, dst_group) in out.chunks_exact_mut(GROUP * nb * bb).enumerate() {
-        for (b, dst) in dst_group.chunks_exact_mut(GROUP * bb).enumerate() {
+    for (g, dst_group) in out.chunks_exact_mut(group_bytes(kind, k)).enumerate() {
+        for (b, dst) in dst_group
+            .chunks_exact_mut(block_group_bytes(kind))
+            .enumerate()
+        {
             for r in 0..GROUP {
                 let row = g * GROUP + r;
                 let src = match row < rows {
                     true => &rows_major[(row * nb + b) * bb..][..bb],
                     false => &zero[..],
                 };
-                dst[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
-                if kind == Kind::Q4_1 {
-                    dst[32 + 2 * r..32 + 2 * r + 2].copy_from_slice(&src[2..4]);
+                for (from, to) in moves(kind, r) {
+                    let v = src[from];
+                    dst[to] = if kind == Kind::Q8_0 && from >= 2 {
+                        v ^ 0x80
+                    } else {
+                        v
+                    };
                 }
-                for (j, word) in src[qo..].chunks_exact(4).enumerate() {
-                    for (i, &v) in word.iter().enumerate() {
-                        dst[sb + 64 * j + 4 * r + i] = flip(kind, v);
+                if kind == Kind::Q4K {
+                    for j in 0..8 {
+                        let (sc, m) = super::q4k_scale_min(j, &src[4..16]);
+                        dst[64 + 16 * j + r] = sc;
+                        dst[192 + 16 * j + r] = m;
                     }
                 }
             }
@@ -118,19 +131,61 @@ pub(crate) fn interleave(kind: Kind, rows_major: &[u8], k: usize) -> Vec<u8> {
 /// The ggml block `b` of row `row` of interleaved weights with `nb` blocks per row, written
 /// to `out[..kind.block_bytes()]`.
 pub(crate) fn block_at(kind: Kind, bytes: &[u8], nb: usize, row: usize, b: usize, out: &mut [u8]) {
-    let bb = kind.block_bytes();
     let (g, r) = (row / GROUP, row % GROUP);
-    let src = &bytes[(g * nb + b) * GROUP * bb..][..GROUP * bb];
-    let (sb, qo) = (scale_bytes(kind), quant_offset(kind));
-    out[..2].copy_from_slice(&src[2 * r..2 * r + 2]);
-    if kind == Kind::Q4_1 {
-        out[2..4].copy_from_slice(&src[32 + 2 * r..32 + 2 * r + 2]);
+    let bgb = block_group_bytes(kind);
+    let src = &bytes[(g * nb + b) * bgb..][..bgb];
+    for (from, to) in moves(kind, r) {
+        let v = src[to];
+        out[from] = if kind == Kind::Q8_0 && from >= 2 {
+            v ^ 0x80
+        } else {
+            v
+        };
     }
-    for (j, word) in out[qo..bb].chunks_exact_mut(4).enumerate() {
-        for (i, v) in word.iter_mut().enumerate() {
-            *v = flip(kind, src[sb + 64 * j + 4 * r + i]);
+    if kind == Kind::Q4K {
+        // The inverse of `q4k_scale_min`: six bits each, the top two of sub-blocks 4..8
+        // in the top bits of bytes 0..8.
+        let (sc, m) = (
+            |j: usize| src[64 + 16 * j + r],
+            |j: usize| src[192 + 16 * j + r],
+        );
+        for j in 0..4 {
+            out[4 + j] = sc(j) | (sc(j + 4) >> 4) << 6;
+            out[8 + j] = m(j) | (m(j + 4) >> 4) << 6;
+            out[12 + j] = (sc(j + 4) & 0xF) | (m(j + 4) & 0xF) << 4;
         }
     }
+}
+
+/// Where each byte of row `r`'s ggml block goes in its group's block: `(from, to)` pairs
+/// (Q8_0's quants also flip their top bit, see the module docs). Q4_K's 12 bytes of packed
+/// scales are the exception: the callers unpack and repack them.
+fn moves(kind: Kind, r: usize) -> impl Iterator<Item = (usize, usize)> {
+    let words = |base_from: usize, base_to: usize, n: usize, stride: usize| {
+        (0..4 * n).map(move |i| (base_from + i, base_to + stride * (i / 4) + 4 * r + i % 4))
+    };
+    let pair = |from: usize, to: usize| (0..2).map(move |i| (from + i, to + 2 * r + i));
+    let v: Vec<(usize, usize)> = match kind {
+        Kind::Q8_0 => pair(0, 0).chain(words(2, 32, 8, 64)).collect(),
+        Kind::Q4_0 => pair(0, 0).chain(words(2, 32, 4, 64)).collect(),
+        Kind::Q4_1 => pair(0, 0)
+            .chain(pair(2, 32))
+            .chain(words(4, 64, 4, 64))
+            .collect(),
+        Kind::Q4K => pair(0, 0)
+            .chain(pair(2, 32))
+            .chain(words(16, 320, 32, 64))
+            .collect(),
+        // ql[128] | qh[64] | scales[16] | d: the runs of ql and qh are cut into words in
+        // their ggml order, so `words` over all 128 + 64 bytes lands each on its plane.
+        Kind::Q6K => (0..2)
+            .map(|i| (208 + i, 2 * r + i))
+            .chain((0..16).map(|s| (192 + s, 32 + 16 * s + r)))
+            .chain(words(0, 288, 48, 64))
+            .collect(),
+        _ => Vec::new(),
+    };
+    v.into_iter()
 }
 
 /// Dequantizes `out.len()` values (whole blocks) of interleaved weights with rows of `k`
@@ -144,7 +199,7 @@ pub(crate) fn dequantize(
     out: &mut [f32],
 ) {
     let (bv, nb) = (kind.block_values(), k / kind.block_values());
-    let mut blk = [0u8; 64];
+    let mut blk = [0u8; 256];
     for (i, chunk) in out.chunks_exact_mut(bv).enumerate() {
         let block = offset / bv + i;
         block_at(kind, bytes, nb, block / nb, block % nb, &mut blk);
@@ -162,7 +217,7 @@ pub(crate) fn matmul_groups(kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
 /// [`matmul_groups`] with a given variant: VNNI where it is given, else the scalar
 /// reference (the other variants have no interleaved kernels).
 pub(crate) fn matmul_groups_with(isa: Isa, kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
-    let group_bytes = GROUP * kind.row_bytes(x.k);
+    let group_bytes = group_bytes(kind, x.k);
     let groups = w.len().checked_div(group_bytes).unwrap_or(0);
     let rows = out.len().checked_div(x.n).unwrap_or(0);
     // The kernels rely on these: whole groups, whole blocks, a result for every token of
@@ -176,7 +231,8 @@ pub(crate) fn matmul_groups_with(isa: Isa, kind: Kind, w: &[u8], x: &Q8Acts, out
             && x.qs.len() == x.n * x.k
             && x.d.len() == x.n * x.blocks()
             && x.sum.len() == x.d.len()
-            && x.isum.len() == x.d.len(),
+            && x.isum.len() == x.d.len()
+            && x.isum16.len() == 2 * x.d.len(),
         "qdot groups: inconsistent sizes"
     );
     match isa {
@@ -194,13 +250,9 @@ pub(crate) fn matmul_groups_with(isa: Isa, kind: Kind, w: &[u8], x: &Q8Acts, out
 /// The reference: each group's blocks rebuilt row-major and multiplied by the scalar
 /// row-major kernel.
 fn scalar(kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
-    let (bb, nb) = (
-        kind.block_bytes(),
-        x.blocks() * super::QK / kind.block_values(),
-    );
-    let group_bytes = GROUP * nb * bb;
-    let mut rows = vec![0u8; group_bytes];
-    for (g, group) in w.chunks_exact(group_bytes).enumerate() {
+    let (bb, nb) = (kind.block_bytes(), x.k / kind.block_values());
+    let mut rows = vec![0u8; GROUP * nb * bb];
+    for (g, group) in w.chunks_exact(group_bytes(kind, x.k)).enumerate() {
         for r in 0..GROUP {
             for b in 0..nb {
                 block_at(kind, group, nb, r, b, &mut rows[(r * nb + b) * bb..][..bb]);

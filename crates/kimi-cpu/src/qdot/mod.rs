@@ -113,6 +113,8 @@ pub(crate) struct Q8Acts {
     /// `[n, k / QK]` integer block sums `Σq`, for offsets applied before scaling
     /// (the interleaved kernels of [`groups`]).
     pub isum: Vec<i32>,
+    /// `[n, k / 16]` integer sums of each half block (Q6_K's 16-value sub-blocks).
+    pub isum16: Vec<i32>,
 }
 
 impl Q8Acts {
@@ -129,6 +131,7 @@ impl Q8Acts {
             d: vec![0.0; n * nb],
             sum: vec![0.0; n * nb],
             isum: vec![0; n * nb],
+            isum16: vec![0; 2 * n * nb],
         };
         for (b, (x, q)) in xs
             .chunks_exact(QK)
@@ -153,6 +156,9 @@ impl Q8Acts {
             a.d[b] = d;
             a.sum[b] = d * s as f32;
             a.isum[b] = s;
+            for (h, half) in q.chunks_exact(QK / 2).enumerate() {
+                a.isum16[2 * b + h] = half.iter().map(|&v| i32::from(v)).sum();
+            }
         }
         a
     }

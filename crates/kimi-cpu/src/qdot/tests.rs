@@ -118,6 +118,7 @@ fn exact_case(
         d: (0..n * nb).map(|_| pow2(rng, -3, -2)).collect(),
         sum: vec![0.0; n * nb],
         isum: vec![0; n * nb],
+        isum16: vec![0; 2 * n * nb],
     };
     for b in 0..n * nb {
         let s: i32 = x.qs[b * QK..(b + 1) * QK]
@@ -126,6 +127,12 @@ fn exact_case(
             .sum();
         x.sum[b] = x.d[b] * s as f32;
         x.isum[b] = s;
+        for h in 0..2 {
+            x.isum16[2 * b + h] = x.qs[b * QK + 16 * h..b * QK + 16 * h + 16]
+                .iter()
+                .map(|&v| i32::from(v))
+                .sum();
+        }
     }
     (w, x)
 }
@@ -320,19 +327,19 @@ fn quantize_equals_the_plain_form() {
     assert_eq!(bits(&a.sum), bits(&sum));
 }
 
-const GROUPED: [Kind; 3] = [Kind::Q4_0, Kind::Q4_1, Kind::Q8_0];
+const GROUPED: [Kind; 5] = [Kind::Q4_0, Kind::Q4_1, Kind::Q8_0, Kind::Q4K, Kind::Q6K];
 
 #[test]
 fn interleaving_keeps_every_block() {
     let mut rng = ChaCha8Rng::seed_from_u64(11);
     for kind in GROUPED {
-        let (rows, k) = (37, 96);
+        let (rows, k) = (37, 512);
         let mut w = vec![0u8; rows * kind.row_bytes(k)];
         rng.fill(&mut w[..]);
         let packed = groups::interleave(kind, &w, k);
-        assert_eq!(packed.len(), 48 * kind.row_bytes(k));
-        let (bb, nb) = (kind.block_bytes(), k / QK);
-        let mut blk = [0u8; 64];
+        assert_eq!(packed.len(), 3 * groups::group_bytes(kind, k));
+        let (bb, nb) = (kind.block_bytes(), k / kind.block_values());
+        let mut blk = [0u8; 256];
         for r in 0..rows {
             for b in 0..nb {
                 groups::block_at(kind, &packed, nb, r, b, &mut blk);

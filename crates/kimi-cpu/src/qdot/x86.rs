@@ -445,7 +445,7 @@ unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
 /// `groups::matmul_groups_with`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn matmul_groups_vnni(kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
-    let group_bytes = GROUP * kind.row_bytes(x.k);
+    let group_bytes = groups::group_bytes(kind, x.k);
     let rows = out.len() / x.n;
     for (g, gw) in w.chunks_exact(group_bytes).enumerate() {
         let rows = (g * GROUP..rows.min((g + 1) * GROUP)).len();
@@ -559,6 +559,105 @@ unsafe fn group<const N: usize>(
                         );
                         let scale = _mm512_mul_ps(d, _mm512_set1_ps(*xd[i].add(b)));
                         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[i]);
+                    }
+                }
+            }
+            Kind::Q4K => {
+                let bgb = groups::block_group_bytes(kind);
+                for sb in 0..nb / 8 {
+                    let blk = gw.as_ptr().add(sb * bgb);
+                    let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk.cast()));
+                    let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(32).cast()));
+                    // Sub-block j's scales and mins, one per row.
+                    let sc = |j: usize| {
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(64 + 16 * j).cast()))
+                    };
+                    let mn = |j: usize| {
+                        let m = _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(192 + 16 * j).cast()));
+                        _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m))
+                    };
+                    for p in 0..4 {
+                        let (b0, b1) = (sb * 8 + 2 * p, sb * 8 + 2 * p + 1);
+                        let mut lo = [_mm512_setzero_si512(); N];
+                        let mut hi = [_mm512_setzero_si512(); N];
+                        for w in 0..8 {
+                            let v = _mm512_loadu_si512(blk.add(320 + 512 * p + 64 * w).cast());
+                            let l = _mm512_and_si512(v, m4);
+                            let h = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                            for i in 0..N {
+                                lo[i] = _mm512_dpbusd_epi32(lo[i], l, word(i, b0, 4 * w));
+                                hi[i] = _mm512_dpbusd_epi32(hi[i], h, word(i, b1, 4 * w));
+                            }
+                        }
+                        let (sc0, sc1, m0, m1) =
+                            (sc(2 * p), sc(2 * p + 1), mn(2 * p), mn(2 * p + 1));
+                        for i in 0..N {
+                            // Σ q·x · scale is exact in i32 (|Σ| ≤ 32·15·127·63 < 2^31).
+                            let s0 = _mm512_cvtepi32_ps(_mm512_mullo_epi32(lo[i], sc0));
+                            let s1 = _mm512_cvtepi32_ps(_mm512_mullo_epi32(hi[i], sc1));
+                            let d0 = _mm512_mul_ps(d, _mm512_set1_ps(*xd[i].add(b0)));
+                            let d1 = _mm512_mul_ps(d, _mm512_set1_ps(*xd[i].add(b1)));
+                            acc[i] = _mm512_fmadd_ps(s0, d0, acc[i]);
+                            acc[i] = _mm512_fmadd_ps(s1, d1, acc[i]);
+                            acc[i] = _mm512_fnmadd_ps(m0, _mm512_set1_ps(*xs[i].add(b0)), acc[i]);
+                            acc[i] = _mm512_fnmadd_ps(m1, _mm512_set1_ps(*xs[i].add(b1)), acc[i]);
+                        }
+                    }
+                }
+            }
+            Kind::Q6K => {
+                let bgb = groups::block_group_bytes(kind);
+                let m3 = _mm512_set1_epi8(0x03);
+                let xi16: [*const i32; N] =
+                    std::array::from_fn(|i| x.isum16.as_ptr().add((t0 + i) * 2 * nb));
+                for sb in 0..nb / 8 {
+                    let blk = gw.as_ptr().add(sb * bgb);
+                    let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk.cast()));
+                    // Word `n` of the ql/qh planes (see `groups`).
+                    let plane = |n: usize| _mm512_loadu_si512(blk.add(288 + 64 * n).cast());
+                    for j in 0..8 {
+                        let (h, kk, b) = (j / 4, j % 4, sb * 8 + j);
+                        let high_shift = _mm_cvtsi32_si128(2 * kk as i32);
+                        // Two sums, one per 16-value sub-block (each has its own scale).
+                        let mut a0 = [_mm512_setzero_si512(); N];
+                        let mut a1 = [_mm512_setzero_si512(); N];
+                        for w in 0..8 {
+                            let ql = plane(16 * h + 8 * (kk % 2) + w);
+                            let nib = if kk < 2 {
+                                _mm512_and_si512(ql, m4)
+                            } else {
+                                _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4)
+                            };
+                            let qh = _mm512_srl_epi16(plane(32 + 8 * h + w), high_shift);
+                            let top = _mm512_slli_epi16(_mm512_and_si512(qh, m3), 4);
+                            let q = _mm512_or_si512(nib, top);
+                            for i in 0..N {
+                                let a = if w < 4 { &mut a0[i] } else { &mut a1[i] };
+                                *a = _mm512_dpbusd_epi32(*a, q, word(i, b, 4 * w));
+                            }
+                        }
+                        let sc = |s: usize| {
+                            _mm512_cvtepi8_epi32(_mm_loadu_si128(blk.add(32 + 16 * s).cast()))
+                        };
+                        let (sc0, sc1) = (sc(2 * j), sc(2 * j + 1));
+                        for i in 0..N {
+                            // (q − 32)·x = q·x − 32·Σx per sub-block, exactly; scaled, the
+                            // block's sum stays in i32 (|Σ| ≤ 2·16·63·127·128 < 2^31).
+                            let s0 = _mm512_sub_epi32(
+                                a0[i],
+                                _mm512_set1_epi32(32 * *xi16[i].add(2 * b)),
+                            );
+                            let s1 = _mm512_sub_epi32(
+                                a1[i],
+                                _mm512_set1_epi32(32 * *xi16[i].add(2 * b + 1)),
+                            );
+                            let t = _mm512_add_epi32(
+                                _mm512_mullo_epi32(s0, sc0),
+                                _mm512_mullo_epi32(s1, sc1),
+                            );
+                            let scale = _mm512_mul_ps(d, _mm512_set1_ps(*xd[i].add(b)));
+                            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, acc[i]);
+                        }
                     }
                 }
             }
