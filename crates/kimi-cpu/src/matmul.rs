@@ -129,6 +129,92 @@ pub(crate) fn swiglu_on(
     token_major(x, out_t, n, o)
 }
 
+/// Output rows per task of [`swiglu_many`] and [`matmul_many`]: whole 16-row groups.
+const MANY_ROWS: usize = 64;
+
+/// `silu(x_i · gate_iᵀ) ⊙ (x_i · up_iᵀ)` for every `(x_i, gate_i, up_i)` (an MoE layer's
+/// experts), all in one section of the team; each result equals [`swiglu`]'s bit for bit.
+pub(crate) fn swiglu_many(
+    items: &[(&CpuTensor, &CpuTensor, &CpuTensor)],
+    mode: QuantMatmul,
+) -> Result<Vec<CpuTensor>> {
+    many(items.iter().map(|&(x, g, u)| (x, g, Some(u))), mode)
+}
+
+/// `x_i · w_iᵀ` for every `(x_i, w_i)`, all in one section of the team; each result
+/// equals [`matmul`]'s bit for bit.
+pub(crate) fn matmul_many(
+    items: &[(&CpuTensor, &CpuTensor)],
+    mode: QuantMatmul,
+) -> Result<Vec<CpuTensor>> {
+    many(items.iter().map(|&(x, w)| (x, w, None)), mode)
+}
+
+/// Independent products (SwiGLU pairs where `up` is given) as one section whose tasks are
+/// blocks of [`MANY_ROWS`] output rows of one product: a decode step's experts are small
+/// matrices, and one section each (two per expert) cost more in hand-overs and uneven
+/// finishes than their rows take to multiply. A row's value depends only on its product,
+/// never on the task or thread that computes it.
+fn many<'a>(
+    items: impl Iterator<Item = (&'a CpuTensor, &'a CpuTensor, Option<&'a CpuTensor>)>,
+    mode: QuantMatmul,
+) -> Result<Vec<CpuTensor>> {
+    let items: Vec<_> = items.collect();
+    let mut shapes = Vec::with_capacity(items.len());
+    let mut q8s = Vec::with_capacity(items.len());
+    for &(x, w, up) in &items {
+        let (n, k, o) = dims("matmul", x, w)?;
+        if let Some(u) = up.filter(|u| u.shape != w.shape) {
+            return Err(shape_err(
+                "mlp",
+                format!("gate {:?} and up {:?} differ", w.shape, u.shape),
+            ));
+        }
+        let ws: Vec<&CpuTensor> = std::iter::once(w).chain(up).collect();
+        q8s.push(int8_acts(x.as_f32("matmul")?, n, k, mode, &ws));
+        shapes.push((n, k, o));
+    }
+    let mut products = Vec::with_capacity(items.len());
+    for ((&(x, w, up), &(n, k, _)), q8) in items.iter().zip(&shapes).zip(&q8s) {
+        let xs = x.as_f32("matmul")?;
+        products.push((
+            Product::new(xs, n, k, w, mode, q8.as_ref()),
+            up.map(|u| Product::new(xs, n, k, u, mode, q8.as_ref())),
+        ));
+    }
+    let mut outs: Vec<Vec<f32>> = shapes.iter().map(|&(n, _, o)| vec![0f32; o * n]).collect();
+    let mut slots = Vec::new();
+    for (i, out) in outs.iter_mut().enumerate() {
+        let n = shapes[i].0.max(1);
+        for (b, chunk) in out.chunks_mut(MANY_ROWS * n).enumerate() {
+            slots.push(std::sync::Mutex::new(Some((i, b * MANY_ROWS, chunk))));
+        }
+    }
+    crate::team().run(slots.len(), &|t| {
+        // Each task takes its own block, once: the lock is never contended.
+        let taken = slots[t]
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some((i, row0, chunk)) = taken {
+            let (gate, up) = &products[i];
+            gate.rows(row0, chunk);
+            if let Some(up) = up {
+                let mut ub = vec![0f32; chunk.len()];
+                up.rows(row0, &mut ub);
+                for (g, u) in chunk.iter_mut().zip(&ub) {
+                    *g = crate::kda::silu(*g) * u;
+                }
+            }
+        }
+    });
+    drop(slots);
+    outs.into_iter()
+        .zip(items.iter().zip(&shapes))
+        .map(|(out_t, (&(x, ..), &(n, _, o)))| token_major(x, out_t, n, o))
+        .collect()
+}
+
 /// `(n, k, o)` of `x [n, k] · w[o, k]ᵀ`, or a shape error.
 fn dims(op: &'static str, x: &CpuTensor, w: &CpuTensor) -> Result<(usize, usize, usize)> {
     let (n, k) = x.rows_cols(op)?;
@@ -489,9 +575,36 @@ mod tests {
                 }
             }
         }
+        // Several products in one section equal each alone, bit for bit.
+        let xs: Vec<CpuTensor> = [1, 3, 9]
+            .iter()
+            .map(|&n| {
+                let x = (0..n * k).map(|i| ((i * 11 % 29) as f32 - 14.0) * 0.02);
+                CpuTensor::f32(&[n, k], x.collect()).unwrap()
+            })
+            .collect();
+        let bits = |t: &CpuTensor| {
+            t.to_f32_vec()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<_>>()
+        };
+        for mode in [QuantMatmul::F32, QuantMatmul::Int8] {
+            let pairs = [(&xs[0], &gq, &uq), (&xs[1], &gf, &uf), (&xs[2], &gq, &uf)];
+            let many = swiglu_many(&pairs, mode).unwrap();
+            for ((x, g, u), got) in pairs.iter().zip(&many) {
+                assert_eq!(bits(got), bits(&swiglu(x, g, u, mode).unwrap()), "{mode:?}");
+            }
+            let singles = [(&xs[2], &gq), (&xs[0], &uf), (&xs[1], &uq)];
+            let many = matmul_many(&singles, mode).unwrap();
+            for ((x, w), got) in singles.iter().zip(&many) {
+                assert_eq!(bits(got), bits(&matmul(x, w, mode).unwrap()), "{mode:?}");
+            }
+        }
         let x = CpuTensor::f32(&[1, k], vec![0.0; k]).unwrap();
         let small = CpuTensor::f32(&[3, k], vec![0.0; 3 * k]).unwrap();
         assert!(swiglu(&x, &gf, &small, QuantMatmul::F32).is_err());
+        assert!(swiglu_many(&[(&x, &gf, &small)], QuantMatmul::F32).is_err());
     }
 
     /// Quantized weights multiply as their dequantized f32 values do (Q4_1 and Q8_0 are

@@ -1,7 +1,7 @@
 //! Mixture of experts: sigmoid router with bias-corrected, group-limited top-k selection,
 //! SwiGLU experts and shared experts (spec §5).
 
-use crate::matmul::{matmul, swiglu, QuantMatmul};
+use crate::matmul::{matmul, matmul_many, swiglu, swiglu_many, QuantMatmul};
 use crate::tensor::{shape_err, CpuTensor};
 use kimi_ops::{MlpWeights, MoeRouting, MoeWeights, Result};
 
@@ -105,7 +105,8 @@ pub fn moe(
             )
         })
         .collect();
-    let mut out = vec![0f32; n * d];
+    // Every used expert (and the shared one) in two sections: gate/up, then down.
+    let mut used = Vec::new();
     for (expert, ew) in w.experts.iter().enumerate() {
         let users: Vec<(usize, f32)> = routes
             .iter()
@@ -124,7 +125,30 @@ pub fn moe(
         for (t, _) in &users {
             rows.extend_from_slice(&xs[t * d..(t + 1) * d]);
         }
-        let y = mlp(&CpuTensor::f32(&[users.len(), d], rows)?, ew, mode)?;
+        let rows = CpuTensor::f32(&[users.len(), d], rows)?;
+        used.push((ew, users, rows));
+    }
+    let mut inputs: Vec<(&CpuTensor, &CpuTensor, &CpuTensor)> = used
+        .iter()
+        .map(|(ew, _, rows)| (rows, &ew.gate, &ew.up))
+        .collect();
+    if let Some(shared) = &w.shared {
+        inputs.push((x, &shared.gate, &shared.up));
+    }
+    let hidden = swiglu_many(&inputs, mode)?;
+    let mut downs: Vec<(&CpuTensor, &CpuTensor)> = used
+        .iter()
+        .zip(&hidden)
+        .map(|((ew, ..), h)| (h, &ew.down))
+        .collect();
+    if let (Some(shared), Some(h)) = (&w.shared, hidden.last()) {
+        downs.push((h, &shared.down));
+    }
+    let ys = matmul_many(&downs, mode)?;
+    let mut out = vec![0f32; n * d];
+    // Combined in the order the experts were multiplied one by one before: routed experts
+    // by id, then the shared one, so the sums round as they did.
+    for ((_, users, _), y) in used.iter().zip(&ys) {
         let ys = y.as_f32("moe")?;
         for (i, (t, wt)) in users.iter().enumerate() {
             for j in 0..d {
@@ -132,8 +156,7 @@ pub fn moe(
             }
         }
     }
-    if let Some(shared) = &w.shared {
-        let y = mlp(x, shared, mode)?;
+    if let (Some(_), Some(y)) = (&w.shared, ys.get(used.len())) {
         for (o, v) in out.iter_mut().zip(y.as_f32("moe")?) {
             *o += v;
         }
