@@ -261,10 +261,17 @@ fn token_major(x: &CpuTensor, out_t: Vec<f32>, n: usize, o: usize) -> Result<Cpu
     let out = if n == 1 {
         out_t
     } else {
+        // In 16 × 16 tiles: a row-by-row transpose wrote every value to a different cache
+        // line (11 % of a 512-token prefill).
+        const TILE: usize = 16;
         let mut out = vec![0f32; n * o];
-        for r in 0..o {
-            for t in 0..n {
-                out[t * o + r] = out_t[r * n + t];
+        for r0 in (0..o).step_by(TILE) {
+            for t0 in (0..n).step_by(TILE) {
+                for t in t0..(t0 + TILE).min(n) {
+                    for r in r0..(r0 + TILE).min(o) {
+                        out[t * o + r] = out_t[r * n + t];
+                    }
+                }
             }
         }
         out
