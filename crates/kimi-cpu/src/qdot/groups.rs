@@ -107,13 +107,10 @@ pub(crate) fn interleave(kind: Kind, rows_major: &[u8], k: usize) -> Vec<u8> {
                     true => &rows_major[(row * nb + b) * bb..][..bb],
                     false => &zero[..],
                 };
-                for (from, to) in moves(kind, r) {
-                    let v = src[from];
-                    dst[to] = if kind == Kind::Q8_0 && from >= 2 {
-                        v ^ 0x80
-                    } else {
-                        v
-                    };
+                for (from, &v) in src.iter().enumerate() {
+                    if let Some(to) = position(kind, r, from) {
+                        dst[to] = if flipped(kind, from) { v ^ 0x80 } else { v };
+                    }
                 }
                 if kind == Kind::Q4K {
                     for j in 0..8 {
@@ -134,13 +131,14 @@ pub(crate) fn block_at(kind: Kind, bytes: &[u8], nb: usize, row: usize, b: usize
     let (g, r) = (row / GROUP, row % GROUP);
     let bgb = block_group_bytes(kind);
     let src = &bytes[(g * nb + b) * bgb..][..bgb];
-    for (from, to) in moves(kind, r) {
-        let v = src[to];
-        out[from] = if kind == Kind::Q8_0 && from >= 2 {
-            v ^ 0x80
-        } else {
-            v
-        };
+    for (from, o) in out[..kind.block_bytes()].iter_mut().enumerate() {
+        if let Some(to) = position(kind, r, from) {
+            *o = if flipped(kind, from) {
+                src[to] ^ 0x80
+            } else {
+                src[to]
+            };
+        }
     }
     if kind == Kind::Q4K {
         // The inverse of `q4k_scale_min`: six bits each, the top two of sub-blocks 4..8
@@ -157,35 +155,28 @@ pub(crate) fn block_at(kind: Kind, bytes: &[u8], nb: usize, row: usize, b: usize
     }
 }
 
-/// Where each byte of row `r`'s ggml block goes in its group's block: `(from, to)` pairs
-/// (Q8_0's quants also flip their top bit, see the module docs). Q4_K's 12 bytes of packed
-/// scales are the exception: the callers unpack and repack them.
-fn moves(kind: Kind, r: usize) -> impl Iterator<Item = (usize, usize)> {
-    let words = |base_from: usize, base_to: usize, n: usize, stride: usize| {
-        (0..4 * n).map(move |i| (base_from + i, base_to + stride * (i / 4) + 4 * r + i % 4))
-    };
-    let pair = |from: usize, to: usize| (0..2).map(move |i| (from + i, to + 2 * r + i));
-    let v: Vec<(usize, usize)> = match kind {
-        Kind::Q8_0 => pair(0, 0).chain(words(2, 32, 8, 64)).collect(),
-        Kind::Q4_0 => pair(0, 0).chain(words(2, 32, 4, 64)).collect(),
-        Kind::Q4_1 => pair(0, 0)
-            .chain(pair(2, 32))
-            .chain(words(4, 64, 4, 64))
-            .collect(),
-        Kind::Q4K => pair(0, 0)
-            .chain(pair(2, 32))
-            .chain(words(16, 320, 32, 64))
-            .collect(),
-        // ql[128] | qh[64] | scales[16] | d: the runs of ql and qh are cut into words in
-        // their ggml order, so `words` over all 128 + 64 bytes lands each on its plane.
-        Kind::Q6K => (0..2)
-            .map(|i| (208 + i, 2 * r + i))
-            .chain((0..16).map(|s| (192 + s, 32 + 16 * s + r)))
-            .chain(words(0, 288, 48, 64))
-            .collect(),
-        _ => Vec::new(),
-    };
-    v.into_iter()
+/// Where byte `from` of row `r`'s ggml block goes in its group's block (Q8_0's quants
+/// also flip their top bit, see the module docs); `None` for Q4_K's 12 bytes of packed
+/// scales, which the callers unpack and repack.
+fn position(kind: Kind, r: usize, from: usize) -> Option<usize> {
+    // Byte `i` of a run cut into 4-byte words, word planes of 16 rows from `base`.
+    let word = |base: usize, i: usize| base + 64 * (i / 4) + 4 * r + i % 4;
+    Some(match (kind, from) {
+        (Kind::Q6K, 0..192) => word(288, from),
+        (Kind::Q6K, 192..208) => 32 + 16 * (from - 192) + r,
+        (Kind::Q6K, _) => 2 * r + from - 208,
+        (_, 0..2) => 2 * r + from,
+        (Kind::Q8_0 | Kind::Q4_0, _) => word(32, from - 2),
+        (Kind::Q4_1 | Kind::Q4K, 2..4) => 32 + 2 * r + from - 2,
+        (Kind::Q4_1, _) => word(64, from - 4),
+        (Kind::Q4K, 4..16) => return None,
+        (_, _) => word(320, from - 16),
+    })
+}
+
+/// Whether byte `from` of a block is stored with its top bit flipped.
+fn flipped(kind: Kind, from: usize) -> bool {
+    kind == Kind::Q8_0 && from >= 2
 }
 
 /// Dequantizes `out.len()` values (whole blocks) of interleaved weights with rows of `k`
