@@ -95,7 +95,9 @@ pub(crate) fn interleave(kind: Kind, rows_major: &[u8], k: usize) -> Vec<u8> {
         rows_major.len()
     );
     let zero = vec![0u8; bb];
-    let mut out = vec![0u8; padded_bytes(kind, rows, k)];
+    let mut out = Vec::with_capacity(padded_bytes(kind, rows, k));
+    crate::tensor::advise_huge_pages(&mut out);
+    out.resize(padded_bytes(kind, rows, k), 0u8);
     for (g, dst_group) in out.chunks_exact_mut(group_bytes(kind, k)).enumerate() {
         for (b, dst) in dst_group
             .chunks_exact_mut(block_group_bytes(kind))
