@@ -21,10 +21,13 @@
 //!     apply) and their routing flips; a random 256-wide model with every expert active
 //!     tests real Q4_K/Q6_K against its f32 weights: weights 3.5e-2, logits 3.2e-1 with a
 //!     gain of 8.7x measured by f16 rounding on the same model (bound 2 x gain x weights).
+//!     The same model on the integer kernels (int8 activations, `QuantMatmul::Int8`): 3.3e-2
+//!     from its own weights in f32, inside the error the weights' rounding causes (bound
+//!     gain x weights). The loading checks run on exact f32 products.
 
 use std::path::{Path, PathBuf};
 
-use kimi_cpu::CpuBackend;
+use kimi_cpu::{CpuBackend, QuantMatmul};
 use kimi_gguf::{GgmlType, GgufFile};
 use kimi_model::gguf_kimi::{plan_export, ExportOptions, ExtraHparams, GgufQuant};
 use kimi_model::{Batch, CausalLm, ForwardOptions, KimiLinear, RandomWeights, WeightSource};
@@ -194,21 +197,20 @@ fn fixtures_through_gguf_match_the_reference() {
         let ckpt = Checkpoint::open(&dir).expect("checkpoint");
         let ids = prompt(&dir);
         let reference = read_npy_f64(&dir.join("logits.npy"));
-        let direct = KimiLinear::load(CpuBackend::new(), &ckpt).expect("safetensors model");
+        let direct = KimiLinear::load(exact_backend(), &ckpt).expect("safetensors model");
         let (direct_logits, direct_experts) = run(&direct, &ids);
         let direct_logits: Vec<f64> = direct_logits.iter().map(|&x| x as f64).collect();
         for quant in quants {
             let path = temp(&format!("{name}-{quant:?}.gguf"));
             let file = convert(&ckpt, ckpt.config(), quant, &path);
-            let model = KimiLinear::load_gguf(CpuBackend::new(), &file)
+            let model = KimiLinear::load_gguf(exact_backend(), &file)
                 .unwrap_or_else(|e| panic!("{name} {quant:?}: {e}"));
             let (got, experts) = run(&model, &ids);
             // The same numbers in f32: isolates loading (layouts, slicing) from rounding.
             let config = kimi_model::gguf_kimi::config_from_gguf(&file).expect("config");
             let gguf = kimi_model::gguf_kimi::KimiGguf::new(&file, &config);
-            let exact =
-                KimiLinear::load_from(CpuBackend::new(), config.clone(), &Dequantized(&gguf))
-                    .expect("dequantized model");
+            let exact = KimiLinear::load_from(exact_backend(), config.clone(), &Dequantized(&gguf))
+                .expect("dequantized model");
             let exact_logits: Vec<f64> = logits(&exact, &ids).iter().map(|&x| x as f64).collect();
             let err = rel_err(&got, &reference);
             let vs_direct = rel_err(&got, &direct_logits);
@@ -293,11 +295,11 @@ fn q4_k_m_on_block_shaped_weights() {
     let f16_model = KimiLinear::load_gguf(CpuBackend::new(), &f16_file).expect("f16 model");
     let gain = rel_err(&logits(&f16_model, &ids), &want) / weights_rel_err(&f16_file, &f32_file);
     assert!(types.contains(&GgmlType::Q4_K) && types.contains(&GgmlType::Q6_K));
-    let model = KimiLinear::load_gguf(CpuBackend::new(), &file).expect("q4_k_m model");
+    let model = KimiLinear::load_gguf(exact_backend(), &file).expect("q4_k_m model");
     let got = logits(&model, &ids);
     let gguf_config = kimi_model::gguf_kimi::config_from_gguf(&file).expect("config");
     let gguf = kimi_model::gguf_kimi::KimiGguf::new(&file, &gguf_config);
-    let exact = KimiLinear::load_from(CpuBackend::new(), gguf_config.clone(), &Dequantized(&gguf))
+    let exact = KimiLinear::load_from(exact_backend(), gguf_config.clone(), &Dequantized(&gguf))
         .expect("dequantized");
     let exact: Vec<f64> = logits(&exact, &ids).iter().map(|&x| x as f64).collect();
     let vs_exact = rel_err(&got, &exact);
@@ -307,6 +309,17 @@ fn q4_k_m_on_block_shaped_weights() {
          (f16 gain {gain:.1}x), vs its own weights {vs_exact:.2e}"
     );
     assert!(vs_exact <= 1e-5, "q4_k_m loading {vs_exact:.3e}");
+    // The integer kernels (activations rounded to int8 per 32 values, as llama.cpp does;
+    // the interleaved VNNI kernels where the CPU has them) stay well inside the error the
+    // weights' own rounding causes.
+    let int8 = KimiLinear::load_gguf(CpuBackend::with_quant_matmul(QuantMatmul::Int8), &file)
+        .expect("q4_k_m model, int8 kernels");
+    let int8_err = rel_err(&logits(&int8, &ids), &exact);
+    eprintln!("  int8 kernels vs its own weights in f32 {int8_err:.2e}");
+    assert!(
+        int8_err <= gain * weight_err,
+        "q4_k_m int8 kernels {int8_err:.3e}"
+    );
     // Linear propagation of the weight error through the measured gain, with 2x margin for
     // the larger perturbation.
     assert!(err <= 2.0 * gain * weight_err, "q4_k_m {err:.3e}");
@@ -378,4 +391,10 @@ fn broken_kimi_ggufs_name_the_tensor_file_and_shapes() {
         "an empty file fails on a named tensor"
     );
     std::fs::remove_file(&path).ok();
+}
+
+/// Products of the dequantized weights in f32: loading checks compare exact numbers (the
+/// default integer kernels round activations, which is checked on its own).
+fn exact_backend() -> CpuBackend {
+    CpuBackend::with_quant_matmul(QuantMatmul::F32)
 }
