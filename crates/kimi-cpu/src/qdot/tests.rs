@@ -137,19 +137,32 @@ fn exact_case(
     (w, x)
 }
 
-#[test]
-fn every_variant_equals_scalar_bit_for_bit_on_exact_values() {
-    let mut rng = ChaCha8Rng::seed_from_u64(2);
-    for kind in KINDS {
+/// A multiplication under test: the row-major kernels or the interleaved ones (which
+/// interleave the row-major weights first).
+type Multiply = fn(Isa, Kind, &[u8], &Q8Acts, &mut [f32]);
+
+fn row_major(isa: Isa, kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
+    matmul_rows_with(isa, kind, w, x, out)
+}
+
+fn interleaved(isa: Isa, kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
+    let packed = groups::interleave(kind, w, x.k);
+    groups::matmul_groups_with(isa, kind, &packed, x, out)
+}
+
+/// Every variant of `multiply` on exact values (see [`exact_case`]) equals the row-major
+/// scalar kernel bit for bit, for `(tokens, rows)` in `cases`.
+fn check_exact(kinds: &[Kind], cases: &[(usize, usize)], seed: u64, multiply: Multiply) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    for &kind in kinds {
         for &k in widths(kind) {
-            // Row counts around the tile heights (1, 2 and 4 rows) and their tails.
-            for (n, rows) in [(1, 3), (1, 9), (2, 6), (3, 3), (4, 5), (5, 4), (9, 7)] {
+            for &(n, rows) in cases {
                 let (w, x) = exact_case(kind, rows, n, k, &mut rng);
                 let mut want = vec![0f32; rows * n];
                 matmul_rows_with(Isa::Scalar, kind, &w, &x, &mut want);
                 for isa in Isa::available() {
                     let mut got = vec![f32::NAN; rows * n];
-                    matmul_rows_with(isa, kind, &w, &x, &mut got);
+                    multiply(isa, kind, &w, &x, &mut got);
                     let same = got
                         .iter()
                         .zip(&want)
@@ -159,6 +172,44 @@ fn every_variant_equals_scalar_bit_for_bit_on_exact_values() {
             }
         }
     }
+}
+
+/// On general values every variant of `multiply` differs from the row-major scalar kernel
+/// only by the order of f32 additions of per-block results: 1e-5 of the sum of magnitudes.
+fn check_random(kinds: &[Kind], cases: &[(usize, usize)], seed: u64, multiply: Multiply) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    for &kind in kinds {
+        for &k in widths(kind) {
+            for &(n, rows) in cases {
+                let (bytes, wd, xs) = random_case(kind, rows, n, k, &mut rng);
+                let x = Q8Acts::quantize(&xs, n, k);
+                let mut want = vec![0f32; rows * n];
+                matmul_rows_with(Isa::Scalar, kind, &bytes, &x, &mut want);
+                for isa in Isa::available() {
+                    let mut got = vec![0f32; rows * n];
+                    multiply(isa, kind, &bytes, &x, &mut got);
+                    for r in 0..rows {
+                        for t in 0..n {
+                            let magnitude: f32 =
+                                (0..k).map(|i| (wd[r * k + i] * xs[t * k + i]).abs()).sum();
+                            let (a, b) = (got[r * n + t], want[r * n + t]);
+                            assert!(
+                                (a - b).abs() <= 1e-5 * magnitude,
+                                "{kind:?} {isa:?} k={k} n={n}: {a} vs {b}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Row counts around the tile heights (1, 2 and 4 rows) and their tails.
+#[test]
+fn every_variant_equals_scalar_bit_for_bit_on_exact_values() {
+    let cases = [(1, 3), (1, 9), (2, 6), (3, 3), (4, 5), (5, 4), (9, 7)];
+    check_exact(&KINDS, &cases, 2, row_major);
 }
 
 /// Random weights quantized by `kimi-gguf` (the reference format) and random activations.
@@ -222,36 +273,10 @@ fn scalar_equals_dequantized_product_within_the_activation_rounding() {
     }
 }
 
-/// On general values the SIMD variants differ from the scalar one only by the order of
-/// f32 additions of per-block results: 1e-5 of the sum of magnitudes.
 #[test]
 fn every_variant_matches_scalar_on_random_values() {
-    let mut rng = ChaCha8Rng::seed_from_u64(4);
-    for kind in KINDS {
-        for &k in widths(kind) {
-            for (n, rows) in [(1, 5), (1, 8), (2, 9), (4, 5), (7, 6)] {
-                let (bytes, wd, xs) = random_case(kind, rows, n, k, &mut rng);
-                let x = Q8Acts::quantize(&xs, n, k);
-                let mut want = vec![0f32; rows * n];
-                matmul_rows_with(Isa::Scalar, kind, &bytes, &x, &mut want);
-                for isa in Isa::available() {
-                    let mut got = vec![0f32; rows * n];
-                    matmul_rows_with(isa, kind, &bytes, &x, &mut got);
-                    for r in 0..rows {
-                        for t in 0..n {
-                            let magnitude: f32 =
-                                (0..k).map(|i| (wd[r * k + i] * xs[t * k + i]).abs()).sum();
-                            let (a, b) = (got[r * n + t], want[r * n + t]);
-                            assert!(
-                                (a - b).abs() <= 1e-5 * magnitude,
-                                "{kind:?} {isa:?} k={k} n={n}: {a} vs {b}"
-                            );
-                        }
-                    }
-                }
-            }
-        }
-    }
+    let cases = [(1, 5), (1, 8), (2, 9), (4, 5), (7, 6)];
+    check_random(&KINDS, &cases, 4, row_major);
 }
 
 #[test]
@@ -353,69 +378,24 @@ fn interleaving_keeps_every_block() {
     }
 }
 
-/// The interleaved kernels on exact values (see [`exact_case`]) equal the row-major scalar
-/// kernel bit for bit, for every token count around the 4-token passes.
+/// The interleaved kernels, for token counts around the 4-token passes and partial last
+/// groups.
 #[test]
 fn interleaved_kernels_equal_scalar_bit_for_bit_on_exact_values() {
-    let mut rng = ChaCha8Rng::seed_from_u64(12);
-    for kind in GROUPED {
-        for &k in widths(kind) {
-            for (n, rows) in [
-                (1, 16),
-                (1, 37),
-                (2, 32),
-                (3, 20),
-                (4, 16),
-                (5, 33),
-                (9, 16),
-            ] {
-                let (w, x) = exact_case(kind, rows, n, k, &mut rng);
-                let mut want = vec![0f32; rows * n];
-                matmul_rows_with(Isa::Scalar, kind, &w, &x, &mut want);
-                let packed = groups::interleave(kind, &w, k);
-                for isa in Isa::available() {
-                    let mut got = vec![f32::NAN; rows * n];
-                    groups::matmul_groups_with(isa, kind, &packed, &x, &mut got);
-                    let same = got
-                        .iter()
-                        .zip(&want)
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(same, "{kind:?} {isa:?} k={k} n={n}: {got:?} vs {want:?}");
-                }
-            }
-        }
-    }
+    let cases = [
+        (1, 16),
+        (1, 37),
+        (2, 32),
+        (3, 20),
+        (4, 16),
+        (5, 33),
+        (9, 16),
+    ];
+    check_exact(&GROUPED, &cases, 12, interleaved);
 }
 
-/// On general values the interleaved kernels differ from the row-major scalar one only by
-/// the order of f32 additions: 1e-5 of the sum of magnitudes.
 #[test]
 fn interleaved_kernels_match_scalar_on_random_values() {
-    let mut rng = ChaCha8Rng::seed_from_u64(13);
-    for kind in GROUPED {
-        for &k in widths(kind) {
-            for (n, rows) in [(1, 16), (1, 21), (2, 32), (4, 16), (7, 40)] {
-                let (bytes, wd, xs) = random_case(kind, rows, n, k, &mut rng);
-                let x = Q8Acts::quantize(&xs, n, k);
-                let mut want = vec![0f32; rows * n];
-                matmul_rows_with(Isa::Scalar, kind, &bytes, &x, &mut want);
-                let packed = groups::interleave(kind, &bytes, k);
-                for isa in Isa::available() {
-                    let mut got = vec![0f32; rows * n];
-                    groups::matmul_groups_with(isa, kind, &packed, &x, &mut got);
-                    for r in 0..rows {
-                        for t in 0..n {
-                            let magnitude: f32 =
-                                (0..k).map(|i| (wd[r * k + i] * xs[t * k + i]).abs()).sum();
-                            let (a, b) = (got[r * n + t], want[r * n + t]);
-                            assert!(
-                                (a - b).abs() <= 1e-5 * magnitude,
-                                "{kind:?} {isa:?} k={k} n={n}: {a} vs {b}"
-                            );
-                        }
-                    }
-                }
-            }
-        }
-    }
+    let cases = [(1, 16), (1, 21), (2, 32), (4, 16), (7, 40)];
+    check_random(&GROUPED, &cases, 13, interleaved);
 }
