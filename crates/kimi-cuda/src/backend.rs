@@ -740,6 +740,8 @@ impl Backend for CudaBackend {
     }
 
     fn measure_workspace<R>(&self, f: impl FnOnce() -> R) -> (R, Option<u64>) {
+        // The graph arena is memory the plan must see as used, not as workspace.
+        self.dev.reserve_graph_arena();
         let start = self
             .dev
             .synchronize("measure_workspace")

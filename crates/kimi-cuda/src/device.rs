@@ -492,6 +492,15 @@ impl Device {
         self.graphs_on.store(on, Ordering::Relaxed);
     }
 
+    /// Makes the pass arena now where CUDA graphs are on, so that a memory plan made from
+    /// free memory afterwards (`serve`'s) counts it; otherwise the first recorded pass
+    /// makes it, after the cache may already have taken that memory.
+    pub(crate) fn reserve_graph_arena(&self) {
+        if self.graphs_on.load(Ordering::Relaxed) {
+            let _ = self.arena();
+        }
+    }
+
     /// The arena, made on first use; `None` if it cannot be.
     fn arena(&self) -> Option<Arc<Arena>> {
         let mut slot = self.arena.lock().ok()?;

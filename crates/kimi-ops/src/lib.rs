@@ -413,7 +413,9 @@ pub trait Backend: Send + Sync {
     /// Runs `f` (e.g. one forward pass) and returns, with its result, the most device memory
     /// it had allocated at once beyond what was in use when it started, where the backend
     /// tracks its allocations (GPU memory pools); `None` otherwise. Sizes the per-step
-    /// workspace in a memory plan.
+    /// workspace in a memory plan. Memory the backend will hold for good once it runs
+    /// (CUDA: the graph arena, where graphs are on) is allocated before measuring, so that
+    /// the free memory read afterwards already excludes it.
     fn measure_workspace<R>(&self, f: impl FnOnce() -> R) -> (R, Option<u64>) {
         (f(), None)
     }
