@@ -118,15 +118,20 @@ pub(crate) fn swiglu_on(
         let mut ubuf = vec![0f32; part.len().min(BLOCK_ROWS * n.max(1))];
         for (b, chunk) in part.chunks_mut(BLOCK_ROWS * n.max(1)).enumerate() {
             let row0 = first + b * BLOCK_ROWS;
-            let ub = &mut ubuf[..chunk.len()];
-            g.rows(row0, chunk);
-            u.rows(row0, ub);
-            for (gi, ui) in chunk.iter_mut().zip(ub.iter()) {
-                *gi = crate::kda::silu(*gi) * ui;
-            }
+            swiglu_rows(&g, &u, row0, chunk, &mut ubuf[..chunk.len()]);
         }
     });
     token_major(x, out_t, n, o)
+}
+
+/// `chunk = silu(gate rows) ⊙ (up rows)` for output rows from `row0`; `ub` (as long as
+/// `chunk`) holds the up product meanwhile.
+fn swiglu_rows(gate: &Product, up: &Product, row0: usize, chunk: &mut [f32], ub: &mut [f32]) {
+    gate.rows(row0, chunk);
+    up.rows(row0, ub);
+    for (g, u) in chunk.iter_mut().zip(ub.iter()) {
+        *g = crate::kda::silu(*g) * u;
+    }
 }
 
 /// Output rows per task of [`swiglu_many`] and [`matmul_many`]: whole 16-row groups.
@@ -197,14 +202,11 @@ fn many<'a>(
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take();
         if let Some((i, row0, chunk)) = taken {
-            let (gate, up) = &products[i];
-            gate.rows(row0, chunk);
-            if let Some(up) = up {
-                let mut ub = vec![0f32; chunk.len()];
-                up.rows(row0, &mut ub);
-                for (g, u) in chunk.iter_mut().zip(&ub) {
-                    *g = crate::kda::silu(*g) * u;
+            match &products[i] {
+                (gate, Some(up)) => {
+                    swiglu_rows(gate, up, row0, chunk, &mut vec![0f32; chunk.len()])
                 }
+                (w, None) => w.rows(row0, chunk),
             }
         }
     });

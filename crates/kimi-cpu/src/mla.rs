@@ -47,7 +47,8 @@ pub fn mla(
     }
     check_segments("mla", segments, seqs.len(), n)?;
     let block_size = check_paged("mla", &pool.shape, lw, segments, seqs)?;
-    let kvb = kv_b.f32_values();
+    // The absorbed form reads kv_b row by row as f32; the expanded one multiplies it as stored.
+    let mut kvb = None;
     let (qs, ls) = (q.as_f32("mla")?, latent.as_f32("mla")?);
     let pool_rows = pool.as_f32_mut("mla")?;
     for (seg, seq) in segments.iter().zip(seqs) {
@@ -65,16 +66,15 @@ pub fn mla(
             MlaMode::Absorbed => true,
             MlaMode::Expanded => false,
         };
-        let attend = if absorbed {
-            |q: &[f32], rows, kvb: &[f32], dims: &MlaDims, past, new| {
-                Ok(absorbed_attention(q, rows, kvb, dims, past, new))
-            }
-        } else {
-            expanded_attention
-        };
         let rows = PagedRows::new(pool_rows, seq, block_size, lw);
         let seg_q = &qs[seg.start * qw..(seg.start + seg.len) * qw];
-        let seg_out = attend(seg_q, rows, &kvb, dims, seq.num_cached, seg.len)?;
+        let (past, new) = (seq.num_cached, seg.len);
+        let seg_out = if absorbed {
+            let kvb = kvb.get_or_insert_with(|| kv_b.f32_values());
+            absorbed_attention(seg_q, rows, kvb, dims, past, new)
+        } else {
+            expanded_attention(seg_q, rows, kv_b, dims, past, new)?
+        };
         out[seg.start * h * dv..(seg.start + seg.len) * h * dv].copy_from_slice(&seg_out);
     }
     CpuTensor::f32(&[n, h * dv], out)
@@ -84,7 +84,7 @@ pub fn mla(
 fn expanded_attention(
     q: &[f32],
     cache: PagedRows<'_>,
-    kvb: &[f32],
+    kv_b: &CpuTensor,
     dims: &MlaDims,
     past: usize,
     new: usize,
@@ -107,7 +107,7 @@ fn expanded_attention(
     }
     let kv = crate::matmul::matmul(
         &CpuTensor::f32(&[total, r], latents)?,
-        &CpuTensor::f32(&[h * per_head, r], kvb.to_vec())?,
+        kv_b,
         crate::matmul::QuantMatmul::F32,
     )?
     .to_f32_vec();
