@@ -1057,3 +1057,42 @@ extern "C" __global__ void mla_paged_gather(const float* pool, const unsigned* t
   float* to = out + (size_t)s * ncols;
   for (int i = threadIdx.x; i < ncols; i += blockDim.x) to[i] = from[i];
 }
+
+// Operands of FlashInfer's Hopper prefill (`flashinfer/mla_prefill.cu`) for one segment,
+// as bf16 with heads of fixed width: qb [len, H, dn+dr] (q as stored), kb [total, H, dn+dr]
+// (k_nope of each head, then the shared k_pe of the latent row), vb [total, H, dv]. Four
+// elements per thread; dn, dr and dv % 4 == 0, 16-byte aligned inputs.
+extern "C" __global__ void mla_pack_bf16(const float* q, const float* cache, const float* kv,
+                                         __nv_bfloat16* qb, __nv_bfloat16* kb,
+                                         __nv_bfloat16* vb, int len, int total, int H, int r,
+                                         int dn, int dr, int dv) {
+  pdl_enter();
+  const int dq = dn + dr, ph = dn + dv, lw = r + dr;
+  const size_t nq = (size_t)len * H * dq / 4, nk = (size_t)total * H * dq / 4,
+               nv = (size_t)total * H * dv / 4;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < nq + nk + nv;
+       i += (size_t)gridDim.x * blockDim.x) {
+    float4 x;
+    __nv_bfloat16* dst;
+    if (i < nq) {
+      x = reinterpret_cast<const float4*>(q)[i];
+      dst = qb + 4 * i;
+    } else if (i < nq + nk) {
+      const size_t j = i - nq, e = 4 * j;
+      const size_t s = e / ((size_t)H * dq);
+      const int h = (int)(e / dq % H), c = (int)(e % dq);
+      x = c < dn ? *reinterpret_cast<const float4*>(kv + (s * H + h) * ph + c)
+                 : *reinterpret_cast<const float4*>(cache + s * lw + r + (c - dn));
+      dst = kb + e;
+    } else {
+      const size_t e = 4 * (i - nq - nk);
+      const size_t s = e / ((size_t)H * dv);
+      const int h = (int)(e / dv % H), c = (int)(e % dv);
+      x = *reinterpret_cast<const float4*>(kv + (s * H + h) * ph + dn + c);
+      dst = vb + e;
+    }
+    __align__(8) __nv_bfloat16 o[4] = {__float2bfloat16(x.x), __float2bfloat16(x.y),
+                                        __float2bfloat16(x.z), __float2bfloat16(x.w)};
+    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(o);
+  }
+}

@@ -352,3 +352,79 @@ extern "C" __global__ void moe_combine(const float* y, const float* weights, flo
     out[idx] = accumulate ? out[idx] + acc : acc;
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Around the CUTLASS grouped GEMM (`cutlass/moe_grouped.cu`), which reads and writes pair
+// rows in sorted order (expert e's pairs at offsets[e] .. offsets[e+1]).
+
+// out[pos] = bf16(x[rows[pos]]) for every sorted pair (and, with `split`, the lo terms
+// x - hi at out[P + pos]); inv[slots[pos]] = pos for `moe_combine_sorted`. One thread per
+// 8 columns; `d` % 8 == 0.
+extern "C" __global__ void moe_gather_bf16(const float* x, const uint32_t* rows,
+                                           const uint32_t* slots, __nv_bfloat16* out,
+                                           uint32_t* inv, int P, int d, int split) {
+  pdl_enter();
+  const int per_row = d >> 3;
+  const size_t total = (size_t)P * per_row;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const size_t pos = i / per_row;
+    const int c = (int)(i % per_row) * 8;
+    if (c == 0) inv[slots[pos]] = (uint32_t)pos;
+    const float4* src = reinterpret_cast<const float4*>(x + (size_t)rows[pos] * d + c);
+    const float4 a = src[0], b = src[1];
+    const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    __align__(16) __nv_bfloat16 hi[8], lo[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      hi[j] = __float2bfloat16(v[j]);
+      lo[j] = __float2bfloat16(v[j] - __bfloat162float(hi[j]));
+    }
+    *reinterpret_cast<uint4*>(out + pos * d + c) = *reinterpret_cast<const uint4*>(hi);
+    if (split)
+      *reinterpret_cast<uint4*>(out + ((size_t)P + pos) * d + c) =
+          *reinterpret_cast<const uint4*>(lo);
+  }
+}
+
+// h[p, j] = silu(gu[p, j]) * gu[p, I + j] as bf16 (hi, and with `split` the lo terms at
+// h[P + p]); gu is f32 (`gu_f32`) or bf16 rows of 2I.
+extern "C" __global__ void moe_silu_mul_bf16(const void* gu, int gu_f32, __nv_bfloat16* h,
+                                             int P, int I, int split) {
+  pdl_enter();
+  const size_t total = (size_t)P * I;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const size_t p = i / I, j = i % I;
+    const size_t g = p * 2 * I + j;
+    float a, b;
+    if (gu_f32) {
+      a = static_cast<const float*>(gu)[g];
+      b = static_cast<const float*>(gu)[g + I];
+    } else {
+      a = __bfloat162float(static_cast<const __nv_bfloat16*>(gu)[g]);
+      b = __bfloat162float(static_cast<const __nv_bfloat16*>(gu)[g + I]);
+    }
+    const float v = (a / (1.0f + expf(-a))) * b;
+    const __nv_bfloat16 hi = __float2bfloat16(v);
+    h[i] = hi;
+    if (split) h[(size_t)P * I + i] = __float2bfloat16(v - __bfloat162float(hi));
+  }
+}
+
+// out[t, i] (+)= sum_k weights[t*K + k] * y[inv[t*K + k], i]: `moe_combine` for rows in
+// sorted pair order.
+extern "C" __global__ void moe_combine_sorted(const float* y, const uint32_t* inv,
+                                              const float* weights, float* out, int n, int d,
+                                              int top_k, int accumulate) {
+  pdl_enter();
+  size_t total = (size_t)n * d;
+  for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < total;
+       idx += (size_t)gridDim.x * blockDim.x) {
+    size_t t = idx / d, i = idx % d;
+    float acc = 0.0f;
+    for (int k = 0; k < top_k; ++k)
+      acc += weights[t * top_k + k] * y[(size_t)inv[t * top_k + k] * d + i];
+    out[idx] = accumulate ? out[idx] + acc : acc;
+  }
+}

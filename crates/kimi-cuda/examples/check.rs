@@ -17,7 +17,7 @@
 //!    tensor-core kernels with hi + lo and with bf16 operands, and the f32 kernels) and the
 //!    KDA decode step per layer (fused and composed, B=1 and 64), synchronised wall time.
 //!
-//! `kda-ops` (only when named) runs just the KDA op cases of 1. `sample-bench` (only when
+//! `kda-ops` and `moe-ops` (only when named) run just the KDA or MoE op cases of 1. `sample-bench` (only when
 //! named) times sampling on the device against the argmax and copying logits to the host.
 //! 7. With `tune` (only when named): decode step times of the 48B-shaped model with CUDA
 //!    graphs, programmatic dependent launch and the memory pool's release threshold
@@ -27,7 +27,7 @@
 //! 9. With `gemv-bench` (only when named): the small-batch bf16 GEMV kernels at the 48B
 //!    model's decode shapes, streaming from HBM, with and without programmatic launch.
 //! 10. With `moe-bench` (only when named): one MoE layer of the 48B model (256 experts,
-//!     top-8, hidden 2304, expert width 1024) at prefill sizes, both grouped expert GEMMs
+//!     top-8, hidden 2304, expert width 1024) at prefill sizes, the three grouped expert GEMMs
 //!     and both precisions, against the single-stage kernel's output.
 //!
 //! Part 3 starts by decoding 40 steps at batch 1, 8 and 64 twice, through CUDA graphs and
@@ -83,6 +83,17 @@ fn main() {
             "kda-ops",
             false,
             Box::new(|| check_ops(op_cases::kda_cases())),
+        ),
+        (
+            "moe-ops",
+            false,
+            Box::new(|| {
+                let moe = op_cases::cases()
+                    .into_iter()
+                    .filter(|(name, _)| name.starts_with("moe"))
+                    .collect();
+                check_ops(moe)
+            }),
         ),
         ("ops", true, Box::new(|| check_ops(op_cases::cases()))),
         ("fixtures", true, Box::new(check_fixtures)),
@@ -526,8 +537,8 @@ fn tune() -> Res<()> {
     check_graphs(&model, &[1, 8, 64])
 }
 
-/// One 48B-shaped MoE layer at prefill sizes: each grouped expert GEMM (the pipelined
-/// `moe_mma_*` and the single-stage `moe_grouped_mma`) in both precisions, synchronised
+/// One 48B-shaped MoE layer at prefill sizes: each grouped expert GEMM (the CUTLASS one, the
+/// pipelined `moe_mma_*` and the single-stage `moe_grouped_mma`) in both precisions, synchronised
 /// wall time of the whole op (routing, shared expert and combine included) and the routed
 /// experts' useful TFLOP/s; outputs compared with the single-stage kernel in Split.
 fn moe_bench() -> Res<()> {
@@ -560,13 +571,17 @@ fn moe_bench() -> Res<()> {
         scaling: 2.5,
         weights_use_bias: false,
     };
-    for n in [1024usize, 8192] {
+    for n in [256usize, 512, 1024, 8192] {
         let x = be.upload_f32(&[n, d], &r.vec(n * d, 1.0))?;
         let flops = (n * top_k * 3 * d * inter * 2) as f64;
         be.set_gemm_precision(GemmPrecision::Split);
         be.set_moe_grouped_variant(1);
         let reference = be.to_f32(&be.moe(&x, &w, &routing)?.0)?;
-        for (label, variant) in [("single-stage", 1usize), ("pipelined   ", 0)] {
+        for (label, variant) in [
+            ("single-stage", 1usize),
+            ("pipelined   ", 2),
+            ("cutlass     ", 3),
+        ] {
             for prec in [GemmPrecision::Split, GemmPrecision::Half] {
                 be.set_moe_grouped_variant(variant);
                 be.set_gemm_precision(prec);
@@ -1219,7 +1234,8 @@ fn mla_bench() -> Res<()> {
     let variants = [
         ("f32 kernel", 1usize, GemmPrecision::Split),
         ("mma Split", 0, GemmPrecision::Split),
-        ("mma Half", 0, GemmPrecision::Half),
+        ("mma Half", 2, GemmPrecision::Half),
+        ("FlashInfer", 0, GemmPrecision::Half),
     ];
     let mut reference: Vec<f32> = vec![];
     for (label, variant, precision) in variants {
@@ -1250,6 +1266,29 @@ fn mla_bench() -> Res<()> {
     b.set_mla_prefill_variant(0);
     b.set_gemm_precision(GemmPrecision::Split);
     drop((qa, kv, reference));
+
+    // Segments that continue cached rows (chunked prefill) and ragged lengths: FlashInfer's
+    // kernel (bf16 operands) against the f32 kernel on the same inputs.
+    for (past, len) in [(1000usize, 512usize), (0, 77), (4096, 1)] {
+        let total = past + len;
+        let q = b.upload_f32(&[len, qw], &rng.vec(len * qw, 4.0))?;
+        let rows = b.upload_f32(&[total, lw], &rng.vec(total * lw, 1.0))?;
+        let kv = b.upload_f32(
+            &[total, h * (dn + dv)],
+            &rng.vec(total * h * (dn + dv), 1.0),
+        )?;
+        b.set_mla_prefill_variant(1);
+        let want = b.to_f32(&b.mla_expanded_attention(&q, &rows, &kv, &dims, past)?)?;
+        b.set_mla_prefill_variant(0);
+        b.set_gemm_precision(GemmPrecision::Half);
+        let got = b.to_f32(&b.mla_expanded_attention(&q, &rows, &kv, &dims, past)?)?;
+        b.set_gemm_precision(GemmPrecision::Split);
+        let finite = got.iter().all(|x| x.is_finite());
+        println!(
+            "attention past={past} len={len}: FlashInfer rel err vs f32 kernel {:.2e} (finite {finite})",
+            rel_err(&got, &want)
+        );
+    }
 
     // Absorbed decode: `batch` sequences at context `ctx`, one new token each per call.
     for &batch in &[1usize, 64] {

@@ -179,9 +179,10 @@ impl CudaBackend {
         ops::kda::set_group_chunks(n);
     }
 
-    /// Picks the expanded-prefill MLA kernel: 0 = automatic (the bf16 tensor-core kernel
+    /// Picks the expanded-prefill MLA kernel: 0 = automatic (under [`GemmPrecision::Half`]
+    /// with heads of 192 / 128, FlashInfer's Hopper kernel; else our bf16 tensor-core kernel
     /// wherever it fits, with hi + lo operands under [`GemmPrecision::Split`]), 1 = the f32
-    /// CUDA-core kernel. Process-wide; `KIMI_CUDA_MLA_PREFILL=f32` makes 1 the default. For
+    /// CUDA-core kernel, 2 = never FlashInfer's. Process-wide; `KIMI_CUDA_MLA_PREFILL=f32` makes 1 the default. For
     /// comparison.
     pub fn set_mla_prefill_variant(&self, v: usize) {
         ops::mla::set_prefill_variant(v);
@@ -581,6 +582,108 @@ impl CudaBackend {
             )?;
         }
         Ok(y)
+    }
+
+    /// Routed experts of many tokens through the CUTLASS grouped GEMM
+    /// (`cutlass/moe_grouped.cu`): the pairs' token rows gathered in sorted order as bf16
+    /// (hi and lo terms when `split`, each term one GEMM, the second accumulating), gate and
+    /// up in one launch into `[p, 2 * inter]` (f32 under `split`, else bf16), SiLU-and-
+    /// multiply to bf16 rows, then down. Returns the f32 expert outputs `[p, d]` in sorted
+    /// pair order and the inverse order (`inv[pair] = sorted position`).
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_moe_cutlass(
+        &self,
+        x: &CudaTensor,
+        table: u64,
+        split: bool,
+        lists: &PairLists,
+        rows: u64,
+        n: usize,
+        d: usize,
+        inter: usize,
+    ) -> Result<(CudaTensor, DevBuf)> {
+        const OP: &str = "moe";
+        let (p, e) = (n * lists.top_k, lists.experts);
+        let terms = if split { 2 } else { 1 };
+        let a = self.empty(&[terms * p, d], DType::BF16, OP)?;
+        let inv = self.raw(p * 4, OP)?;
+        // SAFETY: x holds n rows of d f32 (16-byte aligned, d % 8 == 0: the caller checked);
+        // rows/slots hold p entries from moe_lists; a and inv are sized as the kernel needs.
+        unsafe {
+            ops::moe::gather_bf16(
+                &self.dev,
+                x.ptr(),
+                rows,
+                lists.slots,
+                a.ptr(),
+                Self::slice_ptr(&inv),
+                p,
+                d,
+                split,
+            )?
+        };
+        let (scratch_bytes, ws_bytes) = ops::moe::cutlass_bytes(e);
+        if ws_bytes == 0 {
+            return Err(shape_err(OP, "CUTLASS cannot query the device".into()));
+        }
+        let scratch = self.raw(scratch_bytes, OP)?;
+        let workspace = self.raw(ws_bytes, OP)?;
+        let bufs = ops::moe::CutlassBuffers {
+            scratch: Self::slice_ptr(&scratch),
+            workspace: Self::slice_ptr(&workspace),
+        };
+        // Split: f32 sums of the hi and lo products; Half: bf16 gate/up rows, as bf16
+        // engines write them.
+        let gu_dtype = if split { DType::F32 } else { DType::BF16 };
+        let gu = self.empty(&[p, 2 * inter], gu_dtype, OP)?;
+        let h = self.empty(&[terms * p, inter], DType::BF16, OP)?;
+        let y = self.empty(&[p, d], DType::F32, OP)?;
+        // SAFETY: grouped_moe_shape checked bf16 gate/up [inter, d] and down [d, inter] for
+        // every expert (16-byte aligned: expert_table), d and inter multiples of 64; a holds
+        // terms*p rows of d, gu p rows of 2*inter, h terms*p rows of inter, y p rows of d;
+        // scratch and workspace have the sizes cutlass_bytes gave; the caller checked that
+        // no pass is being recorded, and `moe` entered the device's context.
+        unsafe {
+            for t in 0..terms {
+                let a_t = a.ptr() + (t * p * d * 2) as u64;
+                let beta = t as f32;
+                ops::moe::cutlass_gemm(
+                    &self.dev,
+                    true,
+                    split,
+                    e,
+                    lists.offsets,
+                    table,
+                    a_t,
+                    gu.ptr(),
+                    inter,
+                    d,
+                    beta,
+                    &bufs,
+                )?;
+            }
+            ops::moe::silu_mul_bf16(&self.dev, gu.ptr(), split, h.ptr(), p, inter, split)?;
+            for t in 0..terms {
+                let h_t = h.ptr() + (t * p * inter * 2) as u64;
+                let beta = t as f32;
+                ops::moe::cutlass_gemm(
+                    &self.dev,
+                    false,
+                    true,
+                    e,
+                    lists.offsets,
+                    table,
+                    h_t,
+                    y.ptr(),
+                    d,
+                    inter,
+                    beta,
+                    &bufs,
+                )?;
+            }
+        }
+        drop((scratch, workspace));
+        Ok((y, inv))
     }
 
     /// The device table of every expert's (gate, up, down) addresses, uploaded once per
@@ -1159,13 +1262,45 @@ impl Backend for CudaBackend {
         if let Some(inter) = self.grouped_moe_shape(w, d) {
             let (table, aligned) = self.expert_table(w)?;
             let split = self.gemm_precision() == GemmPrecision::Split;
-            if aligned && ops::moe::pipelined_grouped() {
-                let lists = PairLists {
-                    offsets: offsets_ptr,
-                    slots: slots_ptr,
-                    experts: e,
-                    top_k: k,
+            let lists = PairLists {
+                offsets: offsets_ptr,
+                slots: slots_ptr,
+                experts: e,
+                top_k: k,
+            };
+            let recording = crate::graph::recording(self.dev.stream.cu_stream());
+            if aligned
+                && !recording
+                && ops::moe::pipelined_grouped()
+                && ops::moe::cutlass_grouped(p, split)
+                && x.ptr().is_multiple_of(16)
+                && d.is_multiple_of(8)
+            {
+                let (y, inv) =
+                    self.grouped_moe_cutlass(x, table, split, &lists, rows_ptr, n, d, inter)?;
+                let accumulate = shared_out.is_some();
+                let out = match shared_out {
+                    Some(o) => o,
+                    None => self.empty(&[n, d], DType::F32, OP)?,
                 };
+                // SAFETY: y holds p*d f32 in sorted order, inv and wts p entries, out n*d.
+                unsafe {
+                    ops::moe::combine_sorted(
+                        &self.dev,
+                        y.ptr(),
+                        Self::slice_ptr(&inv),
+                        wts_dev.ptr(),
+                        out.ptr(),
+                        n,
+                        d,
+                        k,
+                        accumulate,
+                    )?
+                };
+                drop((offsets, slots, rows, wsel, inv));
+                return Ok((out, ids_dev));
+            }
+            if aligned && ops::moe::pipelined_grouped() {
                 let y = self.grouped_moe_pipelined(x, table, split, &lists, n, d, inter)?;
                 drop((offsets, slots, rows, wsel));
                 return self.combine_routed(&y, &wts_dev, ids_dev, shared_out, n, d, k);

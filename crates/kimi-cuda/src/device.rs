@@ -126,11 +126,20 @@ const KERNELS: &[(&str, &[&str])] = &[
             "mla_uv_project",
             "mla_paged_write_rows",
             "mla_paged_gather",
+            "mla_pack_bf16",
         ],
     ),
     (
         "moe",
-        &["moe_route", "moe_lists", "moe_expert_gemv", "moe_combine"],
+        &[
+            "moe_route",
+            "moe_lists",
+            "moe_expert_gemv",
+            "moe_combine",
+            "moe_gather_bf16",
+            "moe_silu_mul_bf16",
+            "moe_combine_sorted",
+        ],
     ),
     (
         "moe_gemm",

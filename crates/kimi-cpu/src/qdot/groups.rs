@@ -70,6 +70,7 @@ pub(crate) fn wanted(kind: Kind, rows: usize) -> bool {
 }
 
 /// Bytes of scales before the quant words in a group's block.
+#[cfg(target_arch = "x86_64")]
 pub(super) fn scale_bytes(kind: Kind) -> usize {
     if kind == Kind::Q4_1 {
         4 * GROUP

@@ -49,9 +49,10 @@ fn mma_smem_bytes(dq: usize, dv: usize) -> usize {
     4 * (MMA_BM + MMA_BN) * (dq + 8) + 4 * MMA_BN * (dv + 8)
 }
 
-/// Which kernel expanded prefill uses: 0 = automatic (the tensor-core
-/// `mla_flash_prefill_mma` wherever it fits, else the f32 kernel), 1 = always the f32
-/// `mla_flash_prefill[_vec]`. `usize::MAX` = not chosen yet: `KIMI_CUDA_MLA_PREFILL=f32`
+/// Which kernel expanded prefill uses: 0 = automatic (with bf16 operands and heads of
+/// 192 / 128, FlashInfer's Hopper kernel; else the tensor-core `mla_flash_prefill_mma`
+/// wherever it fits, else the f32 kernel), 1 = always the f32 `mla_flash_prefill[_vec]`,
+/// 2 = never FlashInfer's. `usize::MAX` = not chosen yet: `KIMI_CUDA_MLA_PREFILL=f32`
 /// picks 1 on first use.
 static PREFILL_VARIANT: AtomicUsize = AtomicUsize::new(usize::MAX);
 
@@ -107,7 +108,8 @@ fn to_i32(x: usize, what: &str) -> Result<i32> {
 }
 
 /// Expanded (prefill) attention of one segment: `len` queries over `past + len` keys.
-/// `variant` as [`PREFILL_VARIANT`]: 0 runs the tensor-core kernel where it fits (with
+/// `variant` as [`PREFILL_VARIANT`]: 0 runs FlashInfer's kernel where it fits without
+/// `split`, else the tensor-core kernel where it fits (with
 /// `split`, its operands as bf16 hi + lo pairs, near f32; without, bf16), 1 the f32 kernel.
 ///
 /// # Safety
@@ -132,6 +134,17 @@ pub(crate) unsafe fn expanded(
     }
     let [h, r, dn, dr, dv] = dims_i32(dims)?;
     let dq = dims.qk_nope_head_dim + dims.qk_rope_head_dim;
+    if !split
+        && variant == 0
+        && dq == 192
+        && dims.v_head_dim == 128
+        && dims.qk_nope_head_dim.is_multiple_of(4)
+        && aligned(&[q, cache, kv, out])
+        && !crate::graph::recording(dev.stream.cu_stream())
+    {
+        // SAFETY: the caller's contract; the widths and alignment were checked above.
+        return unsafe { expanded_sm90(dev, q, cache, kv, out, past, len, dims) };
+    }
     let smem = flash_smem_bytes(dq);
     if dims.v_head_dim > 128 || dq > 256 || smem > MAX_DYNAMIC_SMEM_BYTES as usize {
         return Err(Error::Unsupported(format!(
@@ -148,7 +161,7 @@ pub(crate) unsafe fn expanded(
     .all(|d| d.is_multiple_of(4))
         && aligned(&[q, cache, kv, out]);
     let mma_smem = mma_smem_bytes(dq, dims.v_head_dim);
-    let mma = variant == 0
+    let mma = (variant == 0 || variant == 2)
         && vec
         && dq.is_multiple_of(16)
         && dims.v_head_dim.is_multiple_of(16)
@@ -183,6 +196,85 @@ pub(crate) unsafe fn expanded(
     // per the contract above; the vec and mma variants only with widths % 4 == 0 and 16-byte
     // aligned pointers, mma only with dn+dr, dv % 16 == 0 (dn+dr <= 256, dv <= 128 above).
     unsafe { b.launch(cfg) }.op("mla")?;
+    Ok(())
+}
+
+/// [`expanded`] with bf16 operands on FlashInfer's Hopper prefill kernel
+/// (`flashinfer/mla_prefill.cu`): the segment's q, k and v packed as bf16 (`mla_pack_bf16`),
+/// attention into bf16 rows, widened back to f32. Heads of 192 (q·k) and 128 (v) only.
+///
+/// # Safety
+/// As [`expanded`], with dn + dr = 192, dv = 128, dn % 4 == 0, 16-byte aligned pointers, the
+/// device's context current and no pass being recorded (the launch bypasses the recorder).
+#[allow(clippy::too_many_arguments)]
+unsafe fn expanded_sm90(
+    dev: &Device,
+    q: u64,
+    cache: u64,
+    kv: u64,
+    out: u64,
+    past: usize,
+    len: usize,
+    dims: &MlaDims,
+) -> Result<()> {
+    let [h, r, dn, dr, dv] = dims_i32(dims)?;
+    let total = past + len;
+    let (len_i, total_i) = (to_i32(len, "len")?, to_i32(total, "context")?);
+    let heads = dims.num_heads;
+    let (dq, dvu) = (192usize, 128usize);
+    // bf16 buffers; `scratch` counts f32, two bf16 each.
+    let qb = scratch(dev, (len * heads * dq).div_ceil(2))?;
+    let kb = scratch(dev, (total * heads * dq).div_ceil(2))?;
+    let vb = scratch(dev, (total * heads * dvu).div_ceil(2))?;
+    let ob = scratch(dev, (len * heads * dvu).div_ceil(2))?;
+    let mut b = dev.kernel("mla", "mla_pack_bf16")?;
+    b.arg(&q).arg(&cache).arg(&kv);
+    b.arg(&ptr(&qb)).arg(&ptr(&kb)).arg(&ptr(&vb));
+    b.arg(&len_i)
+        .arg(&total_i)
+        .arg(&h)
+        .arg(&r)
+        .arg(&dn)
+        .arg(&dr)
+        .arg(&dv);
+    let elems = (len + 2 * total) * heads * dq;
+    // SAFETY: q holds len rows of H*192 f32, cache and kv total rows (the caller's
+    // contract); qb/kb/vb hold the packed sizes allocated above.
+    unsafe { b.launch(crate::device::flat(elems / 4)) }.op("mla")?;
+    // SAFETY: qb/kb/vb/ob hold [len|total, H, 192|128] bf16 as packed above; the stream is
+    // the device's and nothing is being recorded (the caller's contract).
+    let rc = unsafe {
+        kimi_cuda_kernels::cutlass::kimi_mla_prefill_sm90(
+            ptr(&qb) as *const std::ffi::c_void,
+            ptr(&kb) as *const std::ffi::c_void,
+            ptr(&vb) as *const std::ffi::c_void,
+            ptr(&ob) as *mut std::ffi::c_void,
+            len_i,
+            total_i,
+            h,
+            (heads * dq) as i64,
+            (heads * dq) as i64,
+            (heads * dvu) as i64,
+            (heads * dvu) as i64,
+            dims.scale,
+            dev.stream.cu_stream() as *mut std::ffi::c_void,
+        )
+    };
+    if rc != 0 {
+        return Err(crate::error::Error::Cuda {
+            op: "mla",
+            detail: format!(
+                "FlashInfer prefill ({len} queries over {total} keys, {heads} heads) failed (code {rc})"
+            ),
+        }
+        .into());
+    }
+    let n = len * heads * dvu;
+    let (one, nn) = (1i32, n);
+    let mut c = dev.kernel("mla", "cast_to_f32")?;
+    c.arg(&ptr(&ob)).arg(&one).arg(&out).arg(&nn);
+    // SAFETY: ob holds n bf16 and out n f32 (the caller's contract: len rows of H*dv).
+    unsafe { c.launch(crate::device::flat(n)) }.op("mla")?;
     Ok(())
 }
 

@@ -230,11 +230,14 @@ pub(crate) unsafe fn grouped_mma(
     Ok(())
 }
 
-/// Which grouped expert GEMM prefill uses: 0 = automatic (the pipelined `moe_mma_*`),
-/// 1 = the older single-stage `moe_grouped_mma`. For comparison (`check tune`).
+/// Which grouped expert GEMM prefill uses: 0 = automatic (CUTLASS from
+/// [`CUTLASS_MIN_PAIRS_HALF`] or [`CUTLASS_MIN_PAIRS_SPLIT`] pairs, else the pipelined
+/// `moe_mma_*`), 1 = the older single-stage
+/// `moe_grouped_mma`, 2 = the pipelined kernel, 3 = CUTLASS. For comparison (`check`).
 static GROUPED_VARIANT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
-/// Chooses the grouped expert GEMM (0 = automatic, 1 = `moe_grouped_mma`).
+/// Chooses the grouped expert GEMM (0 = automatic, 1 = `moe_grouped_mma`, 2 = `moe_mma_*`,
+/// 3 = CUTLASS).
 pub(crate) fn set_grouped_variant(v: usize) {
     GROUPED_VARIANT.store(v, std::sync::atomic::Ordering::Relaxed);
 }
@@ -316,5 +319,193 @@ pub(crate) unsafe fn grouped_mma_pipelined(
     let smem = mma_smem_bytes(bm) as u32;
     // SAFETY: see the function's contract; the kernel opts in to `smem` bytes at load.
     unsafe { b.launch(grid((cols as u32, tiles as u32, 1), 256, smem)) }.op("moe")?;
+    Ok(())
+}
+
+/// Whether `p` routed pairs take the CUTLASS grouped GEMM (`KIMI_CUDA_MOE_GEMM` = `cutlass`
+/// or `mma` overrides the automatic choice; [`set_grouped_variant`] overrides both).
+pub(crate) fn cutlass_grouped(p: usize, split: bool) -> bool {
+    match GROUPED_VARIANT.load(std::sync::atomic::Ordering::Relaxed) {
+        2 => return false,
+        3 => return true,
+        _ => {}
+    }
+    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let forced = FORCED.get_or_init(|| match std::env::var("KIMI_CUDA_MOE_GEMM").as_deref() {
+        Ok("cutlass") => Some(true),
+        Ok("mma") => Some(false),
+        _ => None,
+    });
+    let min = if split {
+        CUTLASS_MIN_PAIRS_SPLIT
+    } else {
+        CUTLASS_MIN_PAIRS_HALF
+    };
+    forced.unwrap_or(p >= min)
+}
+
+/// Routed pairs from which the CUTLASS grouped GEMM is the default. `check moe-bench` on an
+/// H200 (48B layer, top-8): with bf16 operands it wins from 256 tokens (0.81 vs 1.10 ms);
+/// under the split it runs two GEMMs per projection and f32 gate/up rows, and wins only past
+/// ~1.7K tokens (1K: 2.14 vs 1.88 ms; 8K: 6.37 vs 8.65 ms).
+const CUTLASS_MIN_PAIRS_HALF: usize = 2048;
+const CUTLASS_MIN_PAIRS_SPLIT: usize = 16384;
+
+/// Gathers the token rows of every sorted pair as bf16 (hi, then lo terms `p` rows further
+/// when `split`) into `out`, and writes `inv[slots[pos]] = pos`.
+///
+/// # Safety
+/// `x` holds 16-byte aligned f32 rows of width `d` (`d % 8 == 0`) for every token `rows`
+/// names; `rows`/`slots` hold `p` entries from [`lists`]; `out` holds `p * d` bf16 (twice
+/// when `split`), `inv` `p` u32.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gather_bf16(
+    dev: &Device,
+    x: u64,
+    rows: u64,
+    slots: u64,
+    out: u64,
+    inv: u64,
+    p: usize,
+    d: usize,
+    split: bool,
+) -> Result<()> {
+    let (pi, di, s) = (p as i32, d as i32, split as i32);
+    let mut b = dev.kernel("moe", "moe_gather_bf16")?;
+    b.arg(&x).arg(&rows).arg(&slots).arg(&out).arg(&inv);
+    b.arg(&pi).arg(&di).arg(&s);
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(flat(p * d / 8)) }.op("moe")?;
+    Ok(())
+}
+
+/// `h = silu(gate) * up` as bf16 rows (hi, then lo terms `p` rows further when `split`)
+/// from the grouped GEMM's `[p, 2 * inter]` output `gu` (f32 when `gu_f32`, else bf16).
+///
+/// # Safety
+/// `gu` holds `p * 2 * inter` elements, `h` `p * inter` bf16 (twice when `split`).
+pub(crate) unsafe fn silu_mul_bf16(
+    dev: &Device,
+    gu: u64,
+    gu_f32: bool,
+    h: u64,
+    p: usize,
+    inter: usize,
+    split: bool,
+) -> Result<()> {
+    let (f, pi, ii, s) = (gu_f32 as i32, p as i32, inter as i32, split as i32);
+    let mut b = dev.kernel("moe", "moe_silu_mul_bf16")?;
+    b.arg(&gu).arg(&f).arg(&h).arg(&pi).arg(&ii).arg(&s);
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(flat(p * inter)) }.op("moe")?;
+    Ok(())
+}
+
+/// [`combine`] for expert outputs `y` in sorted pair order (`inv` from [`gather_bf16`]).
+///
+/// # Safety
+/// `y` holds `n * top_k * d` f32, `inv` and `weights` `n * top_k` entries, `out` `n * d`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn combine_sorted(
+    dev: &Device,
+    y: u64,
+    inv: u64,
+    weights: u64,
+    out: u64,
+    n: usize,
+    d: usize,
+    top_k: usize,
+    accumulate: bool,
+) -> Result<()> {
+    let (ni, di, ki, acc) = (n as i32, d as i32, top_k as i32, accumulate as i32);
+    let mut b = dev.kernel("moe", "moe_combine_sorted")?;
+    b.arg(&y).arg(&inv).arg(&weights).arg(&out);
+    b.arg(&ni).arg(&di).arg(&ki).arg(&acc);
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(flat(n * d)) }.op("moe")?;
+    Ok(())
+}
+
+/// Device buffers of one [`cutlass_gemm`] call.
+pub(crate) struct CutlassBuffers {
+    /// The per-group argument arrays (`kimi_moe_grouped_scratch_bytes` bytes).
+    pub(crate) scratch: u64,
+    /// CUTLASS's workspace (`kimi_moe_grouped_workspace_bytes` bytes).
+    pub(crate) workspace: u64,
+}
+
+/// Bytes of (scratch, workspace) for a [`cutlass_gemm`] over `experts` experts.
+pub(crate) fn cutlass_bytes(experts: usize) -> (usize, usize) {
+    let groups = (2 * experts) as i32;
+    // SAFETY: plain size queries (the workspace one reads the device's SM count).
+    unsafe {
+        let scratch = kimi_cuda_kernels::cutlass::kimi_moe_grouped_scratch_bytes(groups);
+        let ws = kimi_cuda_kernels::cutlass::kimi_moe_grouped_workspace_bytes(groups, 1)
+            .max(kimi_cuda_kernels::cutlass::kimi_moe_grouped_workspace_bytes(groups, 0));
+        (scratch, ws)
+    }
+}
+
+/// One projection of every sorted pair through the CUTLASS grouped GEMM
+/// (`cutlass/moe_grouped.cu`): `glu` = gate and up into `d [p, 2n]` (`n` = intermediate),
+/// else down into `d [p, n]`; `a` holds bf16 pair rows of width `k`; `beta` = 1 adds to `d`.
+///
+/// # Safety
+/// `wtab` holds `3 * experts` addresses of 16-byte aligned bf16 weights (gate and up
+/// `[n, k]`, down `[n, k]`); `offsets` comes from [`lists`]; `a` holds `p * k` bf16 and `d`
+/// `p * ldd` elements (f32 when `d_f32`), both 16-byte aligned; `k % 8 == 0`, `n % 8 == 0`;
+/// the buffers hold [`cutlass_bytes`]. The device's context is current on this thread and
+/// no pass is being recorded (the launch bypasses the recorder).
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn cutlass_gemm(
+    dev: &Device,
+    glu: bool,
+    d_f32: bool,
+    experts: usize,
+    offsets: u64,
+    wtab: u64,
+    a: u64,
+    d: u64,
+    n: usize,
+    k: usize,
+    beta: f32,
+    bufs: &CutlassBuffers,
+) -> Result<()> {
+    let ldd = if glu { 2 * n } else { n };
+    // SAFETY: see the function's contract; the stream is the device's.
+    let rc = unsafe {
+        kimi_cuda_kernels::cutlass::kimi_moe_grouped_gemm(
+            glu as i32,
+            d_f32 as i32,
+            experts as i32,
+            offsets as *const u32,
+            wtab as *const u64,
+            a as *const std::ffi::c_void,
+            d as *mut std::ffi::c_void,
+            n as i32,
+            k as i32,
+            ldd as i32,
+            beta,
+            bufs.scratch as *mut std::ffi::c_void,
+            bufs.workspace as *mut std::ffi::c_void,
+            dev.stream.cu_stream() as *mut std::ffi::c_void,
+        )
+    };
+    if rc != 0 {
+        let step = match rc {
+            1 => "unsupported sizes",
+            2 => "group argument kernel launch",
+            3 => "can_implement",
+            4 => "initialize",
+            _ => "kernel launch",
+        };
+        return Err(crate::error::Error::Cuda {
+            op: "moe",
+            detail: format!(
+                "CUTLASS grouped GEMM ({experts} experts, n {n}, k {k}): {step} failed (code {rc})"
+            ),
+        }
+        .into());
+    }
     Ok(())
 }
