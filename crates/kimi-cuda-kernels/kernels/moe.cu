@@ -337,18 +337,22 @@ extern "C" __global__ void __launch_bounds__(256, 2)
   }
 }
 
-// out[t, i] (+)= sum_k weights[t*K + k] * y[(t*K + k), i]: each output element owned by one
-// thread, no atomics. `accumulate` = 0 overwrites `out`.
-extern "C" __global__ void moe_combine(const float* y, const float* weights, float* out, int n,
-                                       int d, int top_k, int accumulate) {
+// out[t, i] (+)= sum_k weights[t*K + k] * y[row(t*K + k), i], row(p) = p (pair order) or,
+// with `inv`, inv[p] (rows in sorted pair order, `moe_gather_bf16`): each output element
+// owned by one thread, no atomics. `accumulate` = 0 overwrites `out`.
+extern "C" __global__ void moe_combine(const float* y, const uint32_t* inv, const float* weights,
+                                       float* out, int n, int d, int top_k, int accumulate) {
   pdl_enter();
   size_t total = (size_t)n * d;
   for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < total;
        idx += (size_t)gridDim.x * blockDim.x) {
     size_t t = idx / d, i = idx % d;
     float acc = 0.0f;
-    for (int k = 0; k < top_k; ++k)
-      acc += weights[t * top_k + k] * y[(t * top_k + k) * (size_t)d + i];
+    for (int k = 0; k < top_k; ++k) {
+      const size_t pair = t * top_k + k;
+      const size_t row = inv ? inv[pair] : pair;
+      acc += weights[pair] * y[row * d + i];
+    }
     out[idx] = accumulate ? out[idx] + acc : acc;
   }
 }
@@ -409,22 +413,5 @@ extern "C" __global__ void moe_silu_mul_bf16(const void* gu, int gu_f32, __nv_bf
     const __nv_bfloat16 hi = __float2bfloat16(v);
     h[i] = hi;
     if (split) h[(size_t)P * I + i] = __float2bfloat16(v - __bfloat162float(hi));
-  }
-}
-
-// out[t, i] (+)= sum_k weights[t*K + k] * y[inv[t*K + k], i]: `moe_combine` for rows in
-// sorted pair order.
-extern "C" __global__ void moe_combine_sorted(const float* y, const uint32_t* inv,
-                                              const float* weights, float* out, int n, int d,
-                                              int top_k, int accumulate) {
-  pdl_enter();
-  size_t total = (size_t)n * d;
-  for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < total;
-       idx += (size_t)gridDim.x * blockDim.x) {
-    size_t t = idx / d, i = idx % d;
-    float acc = 0.0f;
-    for (int k = 0; k < top_k; ++k)
-      acc += weights[t * top_k + k] * y[(size_t)inv[t * top_k + k] * d + i];
-    out[idx] = accumulate ? out[idx] + acc : acc;
   }
 }

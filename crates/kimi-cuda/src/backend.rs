@@ -456,13 +456,15 @@ impl CudaBackend {
         (ok && inter > 0).then_some((inter, dt))
     }
 
-    /// The last step of both device MoE paths: adds the routing-weighted pair rows `y [p, d]`
+    /// The last step of the device MoE paths: adds the routing-weighted pair rows `y [p, d]`
+    /// (in pair order, or in sorted order when `inv` is non-zero, see `ops::moe::combine`)
     /// to the shared expert's output (or to zero). The chosen experts stay on the device
     /// (`ids`), for `expert_ids` to read once the pass is queued: no host wait per layer.
     #[allow(clippy::too_many_arguments)]
     fn combine_routed(
         &self,
         y: &CudaTensor,
+        inv: u64,
         wts: &CudaTensor,
         ids: CudaTensor,
         shared_out: Option<CudaTensor>,
@@ -476,11 +478,12 @@ impl CudaBackend {
             Some(o) => o,
             None => self.empty(&[n, d], DType::F32, OP)?,
         };
-        // SAFETY: y holds n*k*d f32, wts n*k, out n*d.
+        // SAFETY: y holds n*k*d f32, wts (and inv unless 0) n*k entries, out n*d.
         unsafe {
             ops::moe::combine(
                 &self.dev,
                 y.ptr(),
+                inv,
                 wts.ptr(),
                 out.ptr(),
                 n,
@@ -1257,7 +1260,7 @@ impl Backend for CudaBackend {
                     aligned,
                 )?
             };
-            return self.combine_routed(&y, &wts_dev, ids_dev, shared_out, n, d, k);
+            return self.combine_routed(&y, 0, &wts_dev, ids_dev, shared_out, n, d, k);
         }
         if let Some(inter) = self.grouped_moe_shape(w, d) {
             let (table, aligned) = self.expert_table(w)?;
@@ -1278,32 +1281,15 @@ impl Backend for CudaBackend {
             {
                 let (y, inv) =
                     self.grouped_moe_cutlass(x, table, split, &lists, rows_ptr, n, d, inter)?;
-                let accumulate = shared_out.is_some();
-                let out = match shared_out {
-                    Some(o) => o,
-                    None => self.empty(&[n, d], DType::F32, OP)?,
-                };
-                // SAFETY: y holds p*d f32 in sorted order, inv and wts p entries, out n*d.
-                unsafe {
-                    ops::moe::combine_sorted(
-                        &self.dev,
-                        y.ptr(),
-                        Self::slice_ptr(&inv),
-                        wts_dev.ptr(),
-                        out.ptr(),
-                        n,
-                        d,
-                        k,
-                        accumulate,
-                    )?
-                };
+                let inv_ptr = Self::slice_ptr(&inv);
+                let done = self.combine_routed(&y, inv_ptr, &wts_dev, ids_dev, shared_out, n, d, k);
                 drop((offsets, slots, rows, wsel, inv));
-                return Ok((out, ids_dev));
+                return done;
             }
             if aligned && ops::moe::pipelined_grouped() {
                 let y = self.grouped_moe_pipelined(x, table, split, &lists, n, d, inter)?;
                 drop((offsets, slots, rows, wsel));
-                return self.combine_routed(&y, &wts_dev, ids_dev, shared_out, n, d, k);
+                return self.combine_routed(&y, 0, &wts_dev, ids_dev, shared_out, n, d, k);
             }
             if aligned && x.ptr().is_multiple_of(16) {
                 let h = self.empty(&[p, inter], DType::F32, OP)?;
@@ -1345,7 +1331,7 @@ impl Backend for CudaBackend {
                     )?;
                 }
                 drop((offsets, slots, rows, wsel));
-                return self.combine_routed(&y, &wts_dev, ids_dev, shared_out, n, d, k);
+                return self.combine_routed(&y, 0, &wts_dev, ids_dev, shared_out, n, d, k);
             }
         }
         // Other shapes or dtypes: cuBLAS per expert, with one host read of [ids | counts].

@@ -158,14 +158,18 @@ pub(crate) fn set_row_blocks(n: usize) {
 /// Tokens per pass over a weight row in `moe_expert_gemv` (`TG` in `kernels/moe.cu`).
 const EXPERT_GEMV_GROUP: usize = 4;
 
-/// `out[t] (+)= Σ_k weights[t, k] · y[t * top_k + k]` over `n` tokens of width `d`.
+/// `out[t] (+)= Σ_k weights[t, k] · y[row]` over `n` tokens of width `d`, where `row` is
+/// the pair `t * top_k + k` itself, or `inv[pair]` when `inv` is non-zero (outputs in
+/// sorted pair order, [`gather_bf16`]).
 ///
 /// # Safety
-/// `y` holds `n * top_k * d` f32, `weights` `n * top_k`, `out` `n * d`.
+/// `y` holds `n * top_k * d` f32, `weights` (and `inv` unless 0) `n * top_k` entries, `out`
+/// `n * d`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn combine(
     dev: &Device,
     y: u64,
+    inv: u64,
     weights: u64,
     out: u64,
     n: usize,
@@ -175,13 +179,8 @@ pub(crate) unsafe fn combine(
 ) -> Result<()> {
     let (ni, di, ki, acc) = (n as i32, d as i32, top_k as i32, accumulate as i32);
     let mut b = dev.kernel("moe", "moe_combine")?;
-    b.arg(&y)
-        .arg(&weights)
-        .arg(&out)
-        .arg(&ni)
-        .arg(&di)
-        .arg(&ki)
-        .arg(&acc);
+    b.arg(&y).arg(&inv).arg(&weights).arg(&out);
+    b.arg(&ni).arg(&di).arg(&ki).arg(&acc);
     // SAFETY: see the function's contract.
     unsafe { b.launch(flat(n * d)) }.op("moe")?;
     Ok(())
@@ -352,7 +351,7 @@ const CUTLASS_MIN_PAIRS_HALF: usize = 2048;
 const CUTLASS_MIN_PAIRS_SPLIT: usize = 16384;
 
 /// Gathers the token rows of every sorted pair as bf16 (hi, then lo terms `p` rows further
-/// when `split`) into `out`, and writes `inv[slots[pos]] = pos`.
+/// when `split`) into `out`, and writes `inv[slots[pos]] = pos` (for [`combine`]).
 ///
 /// # Safety
 /// `x` holds 16-byte aligned f32 rows of width `d` (`d % 8 == 0`) for every token `rows`
@@ -398,31 +397,6 @@ pub(crate) unsafe fn silu_mul_bf16(
     b.arg(&gu).arg(&f).arg(&h).arg(&pi).arg(&ii).arg(&s);
     // SAFETY: see the function's contract.
     unsafe { b.launch(flat(p * inter)) }.op("moe")?;
-    Ok(())
-}
-
-/// [`combine`] for expert outputs `y` in sorted pair order (`inv` from [`gather_bf16`]).
-///
-/// # Safety
-/// `y` holds `n * top_k * d` f32, `inv` and `weights` `n * top_k` entries, `out` `n * d`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn combine_sorted(
-    dev: &Device,
-    y: u64,
-    inv: u64,
-    weights: u64,
-    out: u64,
-    n: usize,
-    d: usize,
-    top_k: usize,
-    accumulate: bool,
-) -> Result<()> {
-    let (ni, di, ki, acc) = (n as i32, d as i32, top_k as i32, accumulate as i32);
-    let mut b = dev.kernel("moe", "moe_combine_sorted")?;
-    b.arg(&y).arg(&inv).arg(&weights).arg(&out);
-    b.arg(&ni).arg(&di).arg(&ki).arg(&acc);
-    // SAFETY: see the function's contract.
-    unsafe { b.launch(flat(n * d)) }.op("moe")?;
     Ok(())
 }
 
