@@ -641,50 +641,41 @@ impl CudaBackend {
         let gu = self.empty(&[p, 2 * inter], gu_dtype, OP)?;
         let h = self.empty(&[terms * p, inter], DType::BF16, OP)?;
         let y = self.empty(&[p, d], DType::F32, OP)?;
-        // SAFETY: grouped_moe_shape checked bf16 gate/up [inter, d] and down [d, inter] for
-        // every expert (16-byte aligned: expert_table), d and inter multiples of 64; a holds
-        // terms*p rows of d, gu p rows of 2*inter, h terms*p rows of inter, y p rows of d;
-        // scratch and workspace have the sizes cutlass_bytes gave; the caller checked that
-        // no pass is being recorded, and `moe` entered the device's context.
-        unsafe {
-            for t in 0..terms {
-                let a_t = a.ptr() + (t * p * d * 2) as u64;
-                let beta = t as f32;
-                ops::moe::cutlass_gemm(
-                    &self.dev,
-                    true,
-                    split,
-                    e,
-                    lists.offsets,
-                    table,
-                    a_t,
-                    gu.ptr(),
-                    inter,
-                    d,
-                    beta,
-                    &bufs,
-                )?;
-            }
-            ops::moe::silu_mul_bf16(&self.dev, gu.ptr(), split, h.ptr(), p, inter, split)?;
-            for t in 0..terms {
-                let h_t = h.ptr() + (t * p * inter * 2) as u64;
-                let beta = t as f32;
-                ops::moe::cutlass_gemm(
-                    &self.dev,
-                    false,
-                    true,
-                    e,
-                    lists.offsets,
-                    table,
-                    h_t,
-                    y.ptr(),
-                    d,
-                    inter,
-                    beta,
-                    &bufs,
-                )?;
-            }
-        }
+        // What the launches below rely on: grouped_moe_shape checked bf16 gate/up [inter, d]
+        // and down [d, inter] for every expert (16-byte aligned: expert_table), d and inter
+        // multiples of 64; a holds terms*p rows of d, gu p rows of 2*inter, h terms*p rows
+        // of inter, y p rows of d; scratch and workspace have the sizes cutlass_bytes gave;
+        // the caller checked that no pass is being recorded, and `moe` entered the device's
+        // context.
+        //
+        // One projection per term of the bf16 input rows `[terms * p, k]`, the lo term
+        // accumulating onto the hi term's output (beta = 1).
+        let project = |glu: bool, d_f32: bool, input: u64, out: u64, n_out: usize, k: usize| {
+            (0..terms).try_for_each(|t| {
+                let input_t = input + (t * p * k * 2) as u64;
+                // SAFETY: see above; input_t is term t's p rows of k bf16.
+                unsafe {
+                    ops::moe::cutlass_gemm(
+                        &self.dev,
+                        glu,
+                        d_f32,
+                        e,
+                        lists.offsets,
+                        table,
+                        input_t,
+                        out,
+                        n_out,
+                        k,
+                        t as f32,
+                        &bufs,
+                    )
+                }
+            })
+        };
+        project(true, split, a.ptr(), gu.ptr(), inter, d)?;
+        // SAFETY: gu holds p rows of 2*inter (f32 when split), h terms*p rows of inter bf16.
+        unsafe { ops::moe::silu_mul_bf16(&self.dev, gu.ptr(), split, h.ptr(), p, inter, split)? };
+        project(false, true, h.ptr(), y.ptr(), d, inter)?;
         drop((scratch, workspace));
         Ok((y, inv))
     }

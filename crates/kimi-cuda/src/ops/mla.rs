@@ -269,12 +269,10 @@ unsafe fn expanded_sm90(
         }
         .into());
     }
-    let n = len * heads * dvu;
-    let (one, nn) = (1i32, n);
-    let mut c = dev.kernel("mla", "cast_to_f32")?;
-    c.arg(&ptr(&ob)).arg(&one).arg(&out).arg(&nn);
-    // SAFETY: ob holds n bf16 and out n f32 (the caller's contract: len rows of H*dv).
-    unsafe { c.launch(crate::device::flat(n)) }.op("mla")?;
+    // SAFETY: ob holds len*H*dv bf16 and out as many f32 (the caller's contract).
+    unsafe {
+        crate::ops::elementwise::cast_to_f32(dev, ptr(&ob), 1, out, len * heads * dvu)?;
+    }
     Ok(())
 }
 
