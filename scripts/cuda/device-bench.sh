@@ -3,7 +3,7 @@
 # side by side on the same GPU. Build here first: scripts/cuda/build-check.sh; fetch the
 # Python wheels (fla-core, flash-linear-attention, einops, openai) into .whl/ with
 # scripts/cuda/fetch-wheels.sh. Then on the device, from the repository root:
-#   scripts/cuda/device-bench.sh OUT_DIR [check] [kernels] [profile] [peers] [bench] [hf] [serve] [serve-cpu]
+#   scripts/cuda/device-bench.sh OUT_DIR [check] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu]
 # (no stage names = all). Each stage writes OUT_DIR/<stage>.txt (+ JSON where it has one).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -49,6 +49,18 @@ if want kernels; then
 fi
 if want profile; then
   timeout 300 .device-bin/check profile 2>&1 | tee "$OUT/profile.txt"
+fi
+# Per-kernel device time of one decode step at B=1 and of one 8K prefill with bf16
+# activations, op by op under Nsight Compute (scripts/cuda/ncu_summary.py sums it by kernel).
+if want ncu; then
+  NCU="ncu --profile-from-start off --clock-control none --csv --page raw --print-units base --metrics gpu__time_duration.sum,dram__bytes_read.sum"
+  NCU_BATCH=1 timeout 300 $NCU .device-bin/check ncu-step > "$OUT/ncu-b1.csv" 2> "$OUT/ncu-b1.err"
+  python3 scripts/cuda/ncu_summary.py "$OUT/ncu-b1.csv" 40 | tee "$OUT/ncu-b1.txt"
+  NCU_BATCH=1 NCU_HALF=1 timeout 300 $NCU .device-bin/check ncu-step > "$OUT/ncu-b1-half.csv" 2> "$OUT/ncu-b1-half.err"
+  python3 scripts/cuda/ncu_summary.py "$OUT/ncu-b1-half.csv" 40 | tee "$OUT/ncu-b1-half.txt"
+  NCU_BATCH=none NCU_PREFILL=8192 NCU_HALF=1 timeout 400 $NCU .device-bin/check ncu-step > "$OUT/ncu-p8k.csv" 2> "$OUT/ncu-p8k.err"
+  python3 scripts/cuda/ncu_summary.py "$OUT/ncu-p8k.csv" 40 | tee "$OUT/ncu-p8k.txt"
+  gzip -f "$OUT/ncu-b1.csv"; rm -f "$OUT/ncu-p8k.csv" "$OUT/ncu-b1-half.csv"
 fi
 if want peers; then
   timeout 400 python3 bench/fla_kda.py --out "$OUT/fla_kda.json" 2>&1 | grep -v "^[ {}\[\]\"]" | tee "$OUT/peers.txt"

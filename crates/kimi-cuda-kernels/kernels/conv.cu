@@ -28,9 +28,9 @@ extern "C" __global__ void short_conv_silu(const float* x, const void* w, int wd
 // (ceil(C / blockDim.x), ceil(len / CONV_RUN)); sums in the order of short_conv_silu.
 #define CONV_RUN 16
 template <int W>
-__device__ __forceinline__ void conv_runs(const float* x, const void* w, int wdt,
-                                          const float* state, float* out, int start, int len,
-                                          int C) {
+__device__ __forceinline__ void conv_runs(const float* __restrict__ x, const void* w, int wdt,
+                                          const float* state, float* __restrict__ out,
+                                          int start, int len, int C) {
   const int ch = blockIdx.x * blockDim.x + threadIdx.x;
   const int t0 = blockIdx.y * CONV_RUN;
   if (ch >= C || t0 >= len) return;
@@ -40,6 +40,9 @@ __device__ __forceinline__ void conv_runs(const float* x, const void* w, int wdt
 #pragma unroll
   for (int j = 0; j < W - 1; ++j) hist[j] = conv_input(x, state, start, t0 - (W - 1) + j, ch, C, W);
   const int t1 = min(len, t0 + CONV_RUN);
+  // Unrolled so that the loads of several tokens are in flight at once (`out` does not
+  // alias `x`).
+#pragma unroll 4
   for (int t = t0; t < t1; ++t) {
     const float xin = x[(size_t)(start + t) * C + ch];
     float acc = 0.0f;

@@ -3,17 +3,20 @@
 #include "common.cuh"
 
 // kind 0: g = -exp(a_log[h]) * softplus(f + dt_bias); kind 1: g = lb * sigmoid(exp(a_log[h]) * (f + dt_bias)).
+// Grid (column blocks, row blocks): 32-bit column arithmetic, no 64-bit division per element.
 extern "C" __global__ void kda_gate(const float* f, const void* a_log, int adt, const void* dt_bias,
-                                    int bdt, float* g, size_t n, int width, int d, int kind,
+                                    int bdt, float* g, int rows, int width, int d, int kind,
                                     float lb) {
   pdl_enter();
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-       i += (size_t)gridDim.x * blockDim.x) {
-    int c = (int)(i % width);
-    float x = f[i] + ld(dt_bias, c, bdt);
-    float scale = expf(ld(a_log, c / d, adt));
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= width) return;
+  const float bias = ld(dt_bias, c, bdt);
+  const float scale = expf(ld(a_log, c / d, adt));
+  for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+    const size_t i = (size_t)r * width + c;
+    const float x = f[i] + bias;
     if (kind == 0) {
-      float sp = x > 20.0f ? x : log1pf(expf(x));
+      const float sp = x > 20.0f ? x : log1pf(expf(x));
       g[i] = -scale * sp;
     } else {
       g[i] = lb * sigmoidf_(scale * x);

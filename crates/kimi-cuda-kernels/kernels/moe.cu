@@ -98,6 +98,70 @@ extern "C" __global__ void moe_route(const float* logits, const void* bias, int 
   }
 }
 
+// moe_route for ungrouped routing (num_groups <= 1) over at most 32 * ROUTE_MAXJ experts: one
+// warp per token, 8 tokens per 256-thread block, expert e = lane + 32 j held in registers
+// (no shared memory, no block barriers). Same picks, ties and arithmetic order as moe_route.
+#define ROUTE_MAXJ 16
+extern "C" __global__ void moe_route_warp(const float* logits, const void* bias, int bdt,
+                                          int has_bias, uint32_t* ids, float* weights, int n,
+                                          int E, int top_k, int renormalize, float scaling,
+                                          int weights_use_bias) {
+  pdl_enter();
+  const int lane = threadIdx.x & 31;
+  const int t = blockIdx.x * 8 + (threadIdx.x >> 5);
+  if (t >= n) return;
+  const float taken = -3.0e38f;
+  float score[ROUTE_MAXJ], choice[ROUTE_MAXJ], masked[ROUTE_MAXJ];
+#pragma unroll
+  for (int j = 0; j < ROUTE_MAXJ; ++j) {
+    const int e = lane + 32 * j;
+    score[j] = 0.0f;
+    choice[j] = 0.0f;
+    masked[j] = taken;  // experts past E are never picked
+    if (e < E) {
+      const float s = sigmoidf_(logits[(size_t)t * E + e]);
+      score[j] = s;
+      choice[j] = has_bias ? s + ld(bias, e, bdt) : s;
+      masked[j] = choice[j];
+    }
+  }
+  float wsum = 0.0f;  // meaningful in lane 0
+  for (int k = 0; k < top_k; ++k) {
+    float bv = 0.0f;
+    int bi = -1;
+#pragma unroll
+    for (int j = 0; j < ROUTE_MAXJ; ++j) {
+      const float m = masked[j];
+      if (m != taken && (bi < 0 || m > bv)) { bv = m; bi = lane + 32 * j; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+    }
+    const int best = bi < 0 ? 0 : bi;
+    float w = 0.0f;
+#pragma unroll
+    for (int j = 0; j < ROUTE_MAXJ; ++j)
+      if (lane + 32 * j == best) {
+        w = weights_use_bias ? choice[j] : score[j];
+        masked[j] = taken;
+      }
+    w = __shfl_sync(0xffffffffu, w, best & 31);
+    if (lane == 0) {
+      ids[(size_t)t * top_k + k] = (uint32_t)best;
+      weights[(size_t)t * top_k + k] = w;
+      wsum += w;
+    }
+  }
+  if (lane != 0) return;
+  for (int k = 0; k < top_k; ++k) {
+    float w = weights[(size_t)t * top_k + k];
+    if (renormalize && top_k > 1) w /= (wsum + 1e-20f);
+    weights[(size_t)t * top_k + k] = w * scaling;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Device-side expert dispatch (no host round trip).
 //
@@ -108,6 +172,59 @@ extern "C" __global__ void moe_route(const float* logits, const void* bias, int 
 // expert; order inside one expert is arbitrary and does not change any result). It also
 // writes, per slot, the token row (`rows`) and routing weight (`wsel`) for the cuBLAS path,
 // and `meta = [ids (P) | counts (E)]` so the host can read both back in one copy.
+// Exclusive prefix sum over the block (blockDim.x a multiple of 32, at most 1024); `total`
+// gets the block's sum. `red` holds 32 u32.
+__device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* red,
+                                                         uint32_t& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  uint32_t x = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  __syncthreads();
+  if (lane == 31) red[warp] = x;
+  __syncthreads();
+  uint32_t before = 0;
+  total = 0;
+  for (int w = 0; w < nw; ++w) {
+    if (w < warp) before += red[w];
+    total += red[w];
+  }
+  return before + x - v;
+}
+
+// From the per-expert counts `cnt[E]` (shared memory): `offsets[0..E]` (exclusive prefix
+// sum, then the total), `cur[e] = offsets[e]`, and after `offsets[E]` the active-expert list
+// (`offsets[E+1]` = how many experts received pairs, then those experts in increasing
+// order); with `offsets` null, only `cur`. A block-wide scan in chunks of blockDim.x experts.
+__device__ void expert_offsets(const uint32_t* cnt, uint32_t* cur, uint32_t* offsets, int E) {
+  __shared__ uint32_t red[32];
+  uint32_t* active = offsets ? offsets + E + 1 : nullptr;
+  uint32_t carry = 0, carry_active = 0;
+  for (int base = 0; base < E; base += blockDim.x) {
+    const int e = base + threadIdx.x;
+    const uint32_t c = e < E ? cnt[e] : 0u;
+    uint32_t sum, nact;
+    const uint32_t off = block_exclusive_scan(c, red, sum);
+    const uint32_t a = block_exclusive_scan(c > 0 ? 1u : 0u, red, nact);
+    if (e < E) {
+      cur[e] = carry + off;
+      if (offsets) {
+        offsets[e] = carry + off;
+        if (c > 0) active[1 + carry_active + a] = (uint32_t)e;
+      }
+    }
+    carry += sum;
+    carry_active += nact;
+  }
+  if (offsets && threadIdx.x == 0) {
+    offsets[E] = carry;
+    active[0] = carry_active;
+  }
+  __syncthreads();
+}
+
 extern "C" __global__ void moe_lists(const uint32_t* ids, const float* weights, int P, int E,
                                      int top_k, uint32_t* offsets, uint32_t* slots,
                                      uint32_t* rows, float* wsel, uint32_t* meta) {
@@ -122,25 +239,74 @@ extern "C" __global__ void moe_lists(const uint32_t* ids, const float* weights, 
     if (e < (uint32_t)E) atomicAdd(&cnt[e], 1u);
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    uint32_t o = 0, na = 0;
-    uint32_t* active = offsets + E + 1;
-    for (int e = 0; e < E; ++e) {
-      cur[e] = o;
-      offsets[e] = o;
-      o += cnt[e];
-      if (cnt[e] > 0) active[1 + na++] = (uint32_t)e;
-    }
-    offsets[E] = o;
-    active[0] = na;
-  }
-  __syncthreads();
+  expert_offsets(cnt, cur, offsets, E);
   for (int e = threadIdx.x; e < E; e += blockDim.x) meta[P + e] = cnt[e];
   for (int p = threadIdx.x; p < P; p += blockDim.x) {
     uint32_t e = ids[p];
     meta[p] = e;
     if (e >= (uint32_t)E) continue;
     uint32_t pos = atomicAdd(&cur[e], 1u);
+    slots[pos] = (uint32_t)p;
+    rows[pos] = (uint32_t)(p / top_k);
+    wsel[pos] = weights[p];
+  }
+}
+
+// moe_lists for many pairs, over several blocks: `moe_lists_count` adds each block's
+// per-expert counts into `cnt[E]` (zeroed before), then every `moe_lists_place` block scans
+// `cnt` itself (block 0 also writes `offsets`, the active list and meta's counts), reserves
+// a range per expert for its own pairs with one global atomic per expert (`cursor[E]`,
+// zeroed before) and places them. Pairs of one expert land in an arbitrary order, as in
+// moe_lists. LISTS_CHUNK pairs per block; dynamic shared memory 2E u32.
+#define LISTS_CHUNK 4096
+extern "C" __global__ void moe_lists_count(const uint32_t* ids, int P, int E, uint32_t* cnt) {
+  pdl_enter();
+  extern __shared__ uint32_t lc_sm[];
+  for (int e = threadIdx.x; e < E; e += blockDim.x) lc_sm[e] = 0;
+  __syncthreads();
+  const int p0 = blockIdx.x * LISTS_CHUNK, p1 = min(P, p0 + LISTS_CHUNK);
+  for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
+    const uint32_t e = ids[p];
+    if (e < (uint32_t)E) atomicAdd(&lc_sm[e], 1u);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x)
+    if (lc_sm[e]) atomicAdd(cnt + e, lc_sm[e]);
+}
+
+extern "C" __global__ void moe_lists_place(const uint32_t* ids, const float* weights, int P,
+                                           int E, int top_k, const uint32_t* cnt,
+                                           uint32_t* cursor, uint32_t* offsets,
+                                           uint32_t* slots, uint32_t* rows, float* wsel,
+                                           uint32_t* meta) {
+  pdl_enter();
+  extern __shared__ uint32_t lp_sm[];
+  uint32_t* start = lp_sm;      // [E] this expert's first slot for this block's pairs
+  uint32_t* local = lp_sm + E;  // [E] this block's pairs per expert, then a cursor
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    start[e] = cnt[e];
+    local[e] = 0;
+  }
+  __syncthreads();
+  // Offsets into `start`, in place (each thread reads its count before writing its
+  // offset); block 0 also writes them out.
+  expert_offsets(start, start, blockIdx.x == 0 ? offsets : nullptr, E);
+  if (blockIdx.x == 0)
+    for (int e = threadIdx.x; e < E; e += blockDim.x) meta[P + e] = cnt[e];
+  const int p0 = blockIdx.x * LISTS_CHUNK, p1 = min(P, p0 + LISTS_CHUNK);
+  for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
+    const uint32_t e = ids[p];
+    if (e < (uint32_t)E) atomicAdd(&local[e], 1u);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x)
+    if (local[e]) start[e] += atomicAdd(cursor + e, local[e]);
+  __syncthreads();
+  for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
+    const uint32_t e = ids[p];
+    meta[p] = e;
+    if (e >= (uint32_t)E) continue;
+    const uint32_t pos = atomicAdd(&start[e], 1u);
     slots[pos] = (uint32_t)p;
     rows[pos] = (uint32_t)(p / top_k);
     wsel[pos] = weights[p];
@@ -392,26 +558,72 @@ extern "C" __global__ void moe_gather_bf16(const float* x, const uint32_t* rows,
 }
 
 // h[p, j] = silu(gu[p, j]) * gu[p, I + j] as bf16 (hi, and with `split` the lo terms at
-// h[P + p]); gu is f32 (`gu_f32`) or bf16 rows of 2I.
+// h[P + p]); gu is f32 (`gu_f32`) or bf16 rows of 2I. Grid (ceil(I / (8 * 256)), pair
+// blocks): each thread takes 8 columns of a row, 16-byte accesses where I % 8 == 0.
+__device__ __forceinline__ float silu_times(float a, float b) { return (a / (1.0f + expf(-a))) * b; }
 extern "C" __global__ void moe_silu_mul_bf16(const void* gu, int gu_f32, __nv_bfloat16* h,
                                              int P, int I, int split) {
   pdl_enter();
-  const size_t total = (size_t)P * I;
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
-       i += (size_t)gridDim.x * blockDim.x) {
-    const size_t p = i / I, j = i % I;
-    const size_t g = p * 2 * I + j;
-    float a, b;
-    if (gu_f32) {
-      a = static_cast<const float*>(gu)[g];
-      b = static_cast<const float*>(gu)[g + I];
+  const int c = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+  if (c >= I) return;
+  const bool vec = (I & 7) == 0;
+  for (int p = blockIdx.y; p < P; p += gridDim.y) {
+    const size_t g = (size_t)p * 2 * I + c;
+    float a[8], b[8];
+    if (vec && gu_f32) {
+      const float4* ga = reinterpret_cast<const float4*>(static_cast<const float*>(gu) + g);
+      const float4* gb = reinterpret_cast<const float4*>(static_cast<const float*>(gu) + g + I);
+      const float4 a0 = ga[0], a1 = ga[1], b0 = gb[0], b1 = gb[1];
+      const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+      const float bv[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) { a[j] = av[j]; b[j] = bv[j]; }
+    } else if (vec) {
+      const __nv_bfloat16* gh = static_cast<const __nv_bfloat16*>(gu);
+      const uint4 ua = *reinterpret_cast<const uint4*>(gh + g);
+      const uint4 ub = *reinterpret_cast<const uint4*>(gh + g + I);
+      bf16x8(ua, a);
+      bf16x8(ub, b);
     } else {
-      a = __bfloat162float(static_cast<const __nv_bfloat16*>(gu)[g]);
-      b = __bfloat162float(static_cast<const __nv_bfloat16*>(gu)[g + I]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const bool in = c + j < I;
+        if (gu_f32) {
+          a[j] = in ? static_cast<const float*>(gu)[g + j] : 0.0f;
+          b[j] = in ? static_cast<const float*>(gu)[g + I + j] : 0.0f;
+        } else {
+          a[j] = in ? __bfloat162float(static_cast<const __nv_bfloat16*>(gu)[g + j]) : 0.0f;
+          b[j] = in ? __bfloat162float(static_cast<const __nv_bfloat16*>(gu)[g + I + j]) : 0.0f;
+        }
+      }
     }
-    const float v = (a / (1.0f + expf(-a))) * b;
-    const __nv_bfloat16 hi = __float2bfloat16(v);
-    h[i] = hi;
-    if (split) h[(size_t)P * I + i] = __float2bfloat16(v - __bfloat162float(hi));
+    __align__(16) __nv_bfloat16 hi[8], lo[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float v = silu_times(a[j], b[j]);
+      hi[j] = __float2bfloat16(v);
+      lo[j] = __float2bfloat16(v - __bfloat162float(hi[j]));
+    }
+    const size_t o = (size_t)p * I + c;
+    if (vec) {
+      *reinterpret_cast<uint4*>(h + o) = *reinterpret_cast<const uint4*>(hi);
+      if (split) *reinterpret_cast<uint4*>(h + (size_t)P * I + o) = *reinterpret_cast<const uint4*>(lo);
+    } else {
+      for (int j = 0; j < 8 && c + j < I; ++j) {
+        h[o + j] = hi[j];
+        if (split) h[(size_t)P * I + o + j] = lo[j];
+      }
+    }
+  }
+}
+
+// counts[e] += how many of the n ids are e (ids as u32 bits; ids >= E are ignored). The
+// per-layer expert loads of one pass, gathered on the device so that one read brings back
+// every layer's counts.
+extern "C" __global__ void moe_count(const uint32_t* ids, int n, uint32_t* counts, int E) {
+  pdl_enter();
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const uint32_t e = ids[i];
+    if (e < (uint32_t)E) atomicAdd(counts + e, 1u);
   }
 }

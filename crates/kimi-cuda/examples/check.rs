@@ -77,6 +77,7 @@ fn main() {
         ("gemv-bench", false, Box::new(gemv_bench)),
         ("moe-bench", false, Box::new(moe_bench)),
         ("ncu-step", false, Box::new(ncu_step)),
+        ("decode-modes", false, Box::new(decode_modes)),
         ("kda-bench", false, Box::new(kda_bench)),
         ("sample-bench", false, Box::new(sample_bench)),
         (
@@ -683,13 +684,107 @@ fn gemv_bench() -> Res<()> {
     Ok(())
 }
 
-/// One decode step of the 48B-shaped model at each `NCU_BATCH` (default 1) after 16-token
-/// prompts, op by op, inside a profiler range: run under `ncu --profile-from-start off` to
-/// time every kernel of exactly one step.
+/// Decode at B=1 of the 48B-shaped model in both precisions, after short and 1K prompts,
+/// and with the bf16 prefill kernels (CUTLASS experts, FlashInfer MLA) turned off one at a
+/// time: which setting makes a step slower, in one process.
+fn decode_modes() -> Res<()> {
+    let model = big_model(CudaBackend::new(0)?)?;
+    let be = model.backend();
+    // (label, precision, prompt, MoE grouped variant, MLA prefill variant)
+    let modes: [(&str, GemmPrecision, usize, usize, usize); 7] = [
+        (
+            "split, 16-token prompt       ",
+            GemmPrecision::Split,
+            16,
+            0,
+            0,
+        ),
+        (
+            "half,  16-token prompt       ",
+            GemmPrecision::Half,
+            16,
+            0,
+            0,
+        ),
+        (
+            "split, 1K prompt             ",
+            GemmPrecision::Split,
+            1024,
+            0,
+            0,
+        ),
+        (
+            "half,  1K prompt             ",
+            GemmPrecision::Half,
+            1024,
+            0,
+            0,
+        ),
+        (
+            "half,  1K prompt, no CUTLASS ",
+            GemmPrecision::Half,
+            1024,
+            2,
+            0,
+        ),
+        (
+            "half,  1K prompt, no FlashInf",
+            GemmPrecision::Half,
+            1024,
+            0,
+            2,
+        ),
+        (
+            "split, 16-token prompt again ",
+            GemmPrecision::Split,
+            16,
+            0,
+            0,
+        ),
+    ];
+    for (label, prec, prompt, moe, mla) in modes {
+        be.set_gemm_precision(prec);
+        be.set_moe_grouped_variant(moe);
+        be.set_mla_prefill_variant(mla);
+        let (warm, timed) = (4, 16);
+        let mut run = DecodeRun::with_prompt(&model, 1, prompt, warm + timed)?;
+        let mut ms = Vec::with_capacity(timed);
+        for i in 0..warm + timed {
+            let t = run.next.clone();
+            be.synchronize()?;
+            let t0 = Instant::now();
+            run.step(&model, &t)?;
+            if i >= warm {
+                ms.push(t0.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        ms.sort_by(|a, b| a.total_cmp(b));
+        println!(
+            "decode-modes {label}: B=1 step median {:.3} ms (min {:.3}, max {:.3})",
+            ms[ms.len() / 2],
+            ms[0],
+            ms[ms.len() - 1]
+        );
+        let _ = std::io::stdout().flush();
+    }
+    be.set_gemm_precision(GemmPrecision::Split);
+    be.set_moe_grouped_variant(0);
+    be.set_mla_prefill_variant(0);
+    Ok(())
+}
+
+/// One decode step of the 48B-shaped model at each `NCU_BATCH` (default 1; `none` for no
+/// decode step: ncu drops empty variables) after 16-token prompts, op by op, inside a
+/// profiler range: run under `ncu --profile-from-start off` to time every kernel of exactly
+/// one step.
 fn ncu_step() -> Res<()> {
     let model = big_model(CudaBackend::new(0)?)?;
     let be = model.backend();
     be.set_cuda_graphs(false);
+    // NCU_HALF=1: bf16 activations (`--bf16-activations`).
+    if std::env::var_os("NCU_HALF").is_some() {
+        be.set_gemm_precision(GemmPrecision::Half);
+    }
     let batches: Vec<usize> = std::env::var("NCU_BATCH")
         .unwrap_or_else(|_| "1".into())
         .split(',')
@@ -710,6 +805,25 @@ fn ncu_step() -> Res<()> {
         // SAFETY: as above.
         unsafe { cudarc::driver::sys::cuProfilerStop() };
         println!("ncu-step: profiled one decode step at batch {batch}");
+    }
+    // NCU_PREFILL=T: one T-token prompt, after a warm-up prompt, in the range too.
+    if let Some(t) = std::env::var("NCU_PREFILL")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        let vocab = model.config().vocab_size;
+        let toks: Vec<u32> = (0..t).map(|i| (i * 7919 % vocab) as u32).collect();
+        let mut warm = model.single_cache(t)?;
+        forward_last(&model, &mut warm.0, &mut warm.1, &toks)?;
+        let mut c = model.single_cache(t)?;
+        be.synchronize()?;
+        // SAFETY: as above.
+        unsafe { cudarc::driver::sys::cuProfilerStart() };
+        forward_last(&model, &mut c.0, &mut c.1, &toks)?;
+        be.synchronize()?;
+        // SAFETY: as above.
+        unsafe { cudarc::driver::sys::cuProfilerStop() };
+        println!("ncu-step: profiled one prefill of {t} tokens");
     }
     if std::env::var_os("NCU_GRAPHS").is_some() {
         check_graphs(&model, &[64])?;
@@ -923,6 +1037,30 @@ impl Backend for Profiled {
     }
     fn matmul(&self, x: &Self::Tensor, w: &Self::Tensor) -> kimi_ops::Result<Self::Tensor> {
         self.timed("matmul", |b| b.matmul(x, w))
+    }
+    fn matmul_split(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        rows: &[usize],
+    ) -> kimi_ops::Result<Vec<Self::Tensor>> {
+        self.timed("matmul", |b| b.matmul_split(x, w, rows))
+    }
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        y: &Self::Tensor,
+        w: &Self::Tensor,
+        eps: f32,
+    ) -> kimi_ops::Result<Self::Tensor> {
+        self.timed("add_rms_norm", |b| b.add_rms_norm(x, y, w, eps))
+    }
+    fn expert_counts(
+        &self,
+        chosen: &[&Self::Tensor],
+        num_experts: usize,
+    ) -> kimi_ops::Result<Vec<Vec<u32>>> {
+        self.timed("expert_counts", |b| b.expert_counts(chosen, num_experts))
     }
     fn rms_norm(
         &self,

@@ -324,6 +324,24 @@ impl CudaBackend {
     }
 
     fn matmul_op(&self, x: &CudaTensor, w: &CudaTensor, op: &'static str) -> Result<CudaTensor> {
+        let o = w.shape.first().copied().unwrap_or(0);
+        let mut parts = self.matmul_blocks(x, w, &[o], op)?;
+        parts
+            .pop()
+            .ok_or_else(|| shape_err(op, "no product".into()))
+    }
+
+    /// `x · wᵀ` per block of `rows[i]` rows of `w`, each product written to its own tensor.
+    /// Many rows (prefill): `x` is rounded to the weight's dtype once and every block is its
+    /// own GEMM on a row offset of `w`, so no `[n, Σ rows]` product is split by copies. A
+    /// few rows: one GEMV, then [`Backend::split_cols`] (views for one row).
+    fn matmul_blocks(
+        &self,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        rows: &[usize],
+        op: &'static str,
+    ) -> Result<Vec<CudaTensor>> {
         let (n, k) = f32_rows(x, op)?;
         let (o, wk) = match w.shape.as_slice() {
             [o, wk] => (*o, *wk),
@@ -340,9 +358,23 @@ impl CudaBackend {
                 format!("activation {:?} does not fit weight {:?}", x.shape, w.shape),
             ));
         }
-        let y = self.empty(&[n, o], DType::F32, op)?;
+        if rows.iter().sum::<usize>() != o {
+            return Err(shape_err(
+                op,
+                format!("blocks {rows:?} do not add up to the weight's {o} rows"),
+            ));
+        }
+        // The whole product, split afterwards where there is more than one block.
+        let whole = |y: CudaTensor| -> Result<Vec<CudaTensor>> {
+            if rows.len() == 1 {
+                Ok(vec![y])
+            } else {
+                self.split_cols(&y, rows)
+            }
+        };
         let (cast, split, ab) = match w.dtype {
             DType::F32 => {
+                let y = self.empty(&[n, o], DType::F32, op)?;
                 // SAFETY: x [n,k], w [o,k] f32 and y [n,o] f32 were checked/allocated above.
                 unsafe {
                     ops::gemm::gemm(
@@ -356,54 +388,71 @@ impl CudaBackend {
                         o,
                     )?
                 };
-                return Ok(y);
+                return whole(y);
             }
             DType::BF16 => ("cast_f32_bf16", "split_f32_bf16", cudaDataType::CUDA_R_16BF),
             DType::F16 => ("cast_f32_f16", "split_f32_f16", cudaDataType::CUDA_R_16F),
             other => return Err(Error::Unsupported(format!("{op} with {other} weights"))),
         };
         if n * k == 0 {
-            return Ok(y);
+            return whole(self.zeroed(&[n, o], op)?);
         }
         let aligned = (x.ptr() | w.ptr()).is_multiple_of(16) && k.is_multiple_of(8);
         // A few rows (decode): the f32-product GEMV in either precision; it streams the
         // weight faster than cuBLAS and rounding the activations would gain nothing.
         if w.dtype == DType::BF16 && n <= GEMV_MAX_ROWS && aligned {
+            let y = self.empty(&[n, o], DType::F32, op)?;
             // SAFETY: x [n,k] f32 and w [o,k] bf16, 16-byte aligned, k % 8 == 0; y [n,o].
             unsafe { ops::gemm::gemv_bf16(&self.dev, x.ptr(), w.ptr(), y.ptr(), n, k, o)? };
-            return Ok(y);
+            return whole(y);
         }
-        if self.gemm_precision() == GemmPrecision::Half {
-            let xh = self.empty(&[n, k], w.dtype, op)?;
-            // SAFETY: x holds n*k f32 and xh n*k halves.
-            unsafe { ops::elementwise::binary(&self.dev, op, cast, x.ptr(), xh.ptr(), n * k)? };
-            // SAFETY: xh [n,k] and w [o,k] share dtype `ab`; y [n,o] f32.
-            unsafe { ops::gemm::gemm(&self.dev, xh.ptr(), w.ptr(), ab, y.ptr(), n, k, o)? };
-            return Ok(y);
-        }
-        // Rows [0,n) = hi, [n,2n) = lo.
-        let xs = self.empty(&[2 * n, k], w.dtype, op)?;
-        // SAFETY: x holds n*k f32 and xs 2*n*k halves.
-        unsafe { ops::elementwise::binary(&self.dev, op, split, x.ptr(), xs.ptr(), n * k)? };
-        if n >= SPLIT_ACCUMULATE_MIN_ROWS {
-            // Many rows (prefill): y = hi·wᵀ, then y += lo·wᵀ (cuBLAS's beta = 1), no
-            // [2n, o] intermediate and no summing pass.
-            let lo = xs.ptr() + (n * k * 2) as u64;
-            // SAFETY: both halves of xs are [n,k] of dtype `ab` like w [o,k]; y [n,o] f32
-            // holds the first product before the second adds to it.
-            unsafe {
-                ops::gemm::gemm_into(&self.dev, xs.ptr(), w.ptr(), ab, y.ptr(), n, k, o, false)?;
-                ops::gemm::gemm_into(&self.dev, lo, w.ptr(), ab, y.ptr(), n, k, o, true)?;
+        let half = self.gemm_precision() == GemmPrecision::Half;
+        // Half: x rounded once. Split: rows [0,n) = hi, [n,2n) = lo.
+        let xs = self.empty(&[if half { n } else { 2 * n }, k], w.dtype, op)?;
+        let kernel = if half { cast } else { split };
+        // SAFETY: x holds n*k f32 and xs n*k (Half) or 2*n*k (Split) halves.
+        unsafe { ops::elementwise::binary(&self.dev, op, kernel, x.ptr(), xs.ptr(), n * k)? };
+        let row_bytes = (k * w.dtype.size_bytes()) as u64;
+        let mut first = 0usize;
+        let mut out = Vec::with_capacity(rows.len());
+        for &ob in rows {
+            let wb = w.ptr() + first as u64 * row_bytes;
+            first += ob;
+            let y = self.empty(&[n, ob], DType::F32, op)?;
+            if half {
+                // SAFETY: xs [n,k] and the block's rows of w [ob,k] share dtype `ab`;
+                // y [n,ob] f32.
+                unsafe { ops::gemm::gemm(&self.dev, xs.ptr(), wb, ab, y.ptr(), n, k, ob)? };
+            } else if n >= SPLIT_ACCUMULATE_MIN_ROWS {
+                // Many rows (prefill): y = hi·wᵀ, then y += lo·wᵀ (cuBLAS's beta = 1), no
+                // [2n, ob] intermediate and no summing pass.
+                let lo = xs.ptr() + (n * k * 2) as u64;
+                // SAFETY: both halves of xs are [n,k] of dtype `ab` like the block
+                // [ob,k]; y [n,ob] f32 holds the first product before the second adds to it.
+                unsafe {
+                    ops::gemm::gemm_into(&self.dev, xs.ptr(), wb, ab, y.ptr(), n, k, ob, false)?;
+                    ops::gemm::gemm_into(&self.dev, lo, wb, ab, y.ptr(), n, k, ob, true)?;
+                }
+            } else {
+                // Few rows (decode batches): one GEMM of 2n rows reads the weight once.
+                let y2 = self.empty(&[2 * n, ob], DType::F32, op)?;
+                // SAFETY: xs [2n,k] and the block [ob,k] share dtype `ab`; y2 [2n,ob] f32.
+                unsafe { ops::gemm::gemm(&self.dev, xs.ptr(), wb, ab, y2.ptr(), 2 * n, k, ob)? };
+                // SAFETY: y2 holds 2*n*ob f32 and y n*ob.
+                unsafe {
+                    ops::elementwise::binary(
+                        &self.dev,
+                        op,
+                        "sum_halves",
+                        y2.ptr(),
+                        y.ptr(),
+                        n * ob,
+                    )?
+                };
             }
-            return Ok(y);
+            out.push(y);
         }
-        // Few rows (decode batches): one GEMM of 2n rows reads the weight once.
-        let y2 = self.empty(&[2 * n, o], DType::F32, op)?;
-        // SAFETY: xs [2n,k] and w [o,k] share dtype `ab`; y2 [2n,o] f32.
-        unsafe { ops::gemm::gemm(&self.dev, xs.ptr(), w.ptr(), ab, y2.ptr(), 2 * n, k, o)? };
-        // SAFETY: y2 holds 2*n*o f32 and y n*o.
-        unsafe { ops::elementwise::binary(&self.dev, op, "sum_halves", y2.ptr(), y.ptr(), n * o)? };
-        Ok(y)
+        Ok(out)
     }
 
     fn gather(
@@ -908,6 +957,16 @@ impl Backend for CudaBackend {
         self.matmul_op(x, w, "matmul")
     }
 
+    fn matmul_split(
+        &self,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        rows: &[usize],
+    ) -> Result<Vec<CudaTensor>> {
+        self.dev.enter("matmul")?;
+        self.matmul_blocks(x, w, rows, "matmul")
+    }
+
     fn rms_norm(&self, x: &CudaTensor, weight: &CudaTensor, eps: f32) -> Result<CudaTensor> {
         const OP: &str = "rms_norm";
         self.dev.enter(OP)?;
@@ -1181,6 +1240,11 @@ impl Backend for CudaBackend {
         let meta = self.empty(&[p + e], DType::F32, OP)?;
         let (offsets_ptr, slots_ptr) = (Self::slice_ptr(&offsets), Self::slice_ptr(&slots));
         let (rows_ptr, wsel_ptr) = (Self::slice_ptr(&rows), Self::slice_ptr(&wsel));
+        let counters = if p >= ops::moe::LISTS_MULTI_BLOCK_PAIRS {
+            Some(self.zeroed(&[2 * e], OP)?)
+        } else {
+            None
+        };
         // SAFETY: ids < e (route picks among e experts); buffer sizes as allocated above.
         unsafe {
             ops::moe::lists(
@@ -1195,6 +1259,7 @@ impl Backend for CudaBackend {
                 rows_ptr,
                 wsel_ptr,
                 meta.ptr(),
+                counters.as_ref().map(|c| c.ptr()),
             )?
         };
         // The shared expert first: the routed experts add into its output.
@@ -1418,6 +1483,32 @@ impl Backend for CudaBackend {
     fn expert_ids(&self, chosen: &CudaTensor) -> Result<Vec<u32>> {
         // `moe_route` writes u32 ids into the f32-typed buffer: read the bits back.
         Ok(self.to_f32(chosen)?.into_iter().map(f32::to_bits).collect())
+    }
+
+    fn expert_counts(&self, chosen: &[&CudaTensor], num_experts: usize) -> Result<Vec<Vec<u32>>> {
+        const OP: &str = "expert_counts";
+        self.dev.enter(OP)?;
+        let e = num_experts;
+        if chosen.is_empty() || e == 0 {
+            return Ok(vec![Vec::new(); chosen.len()]);
+        }
+        // u32 counts in an f32-typed buffer (zero bits = 0), read back as bits.
+        let counts = self.zeroed(&[chosen.len(), e], OP)?;
+        for (l, c) in chosen.iter().enumerate() {
+            let n = c.len();
+            if c.dtype != DType::F32 || n == 0 {
+                continue;
+            }
+            // SAFETY: `c` holds n u32 ids (as f32 bits); counts holds chosen.len() * e u32.
+            unsafe {
+                ops::moe::count(&self.dev, c.ptr(), n, counts.ptr() + (l * e * 4) as u64, e)?
+            };
+        }
+        let bits = self.to_f32(&counts)?;
+        Ok(bits
+            .chunks(e)
+            .map(|row| row.iter().map(|v| v.to_bits()).collect())
+            .collect())
     }
 
     fn short_conv_silu(

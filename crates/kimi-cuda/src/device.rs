@@ -51,7 +51,10 @@ const KERNELS: &[(&str, &[&str])] = &[
         &[
             "embedding",
             "rms_norm",
+            "rms_norm_warp",
+            "rms_norm_vec",
             "add_rms_norm",
+            "add_rms_norm_vec",
             "add_assign",
             "sigmoid",
             "silu_mul",
@@ -133,11 +136,15 @@ const KERNELS: &[(&str, &[&str])] = &[
         "moe",
         &[
             "moe_route",
+            "moe_route_warp",
             "moe_lists",
+            "moe_lists_count",
+            "moe_lists_place",
             "moe_expert_gemv",
             "moe_combine",
             "moe_gather_bf16",
             "moe_silu_mul_bf16",
+            "moe_count",
         ],
     ),
     (
@@ -633,5 +640,53 @@ pub(crate) fn grid(grid_dim: (u32, u32, u32), threads: u32, smem: u32) -> Launch
         grid_dim,
         block_dim: (threads, 1, 1),
         shared_mem_bytes: smem,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every plainly named kernel in `kernels/*.cu` is in [`super::KERNELS`] under its file's
+    /// module: a kernel missing there fails at its first launch, on the GPU machine.
+    #[test]
+    fn kernel_list_names_every_kernel() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../kimi-cuda-kernels/kernels");
+        let mut missing = Vec::new();
+        for entry in std::fs::read_dir(&dir).expect("kernels dir") {
+            let path = entry.expect("entry").path();
+            if path.extension().and_then(|e| e.to_str()) != Some("cu") {
+                continue;
+            }
+            let module = path
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .unwrap_or_default()
+                .to_string();
+            let text = std::fs::read_to_string(&path).expect("read .cu");
+            let listed: &[&str] = super::KERNELS
+                .iter()
+                .find(|(m, _)| *m == module)
+                .map(|(_, names)| *names)
+                .unwrap_or(&[]);
+            for chunk in text.split("__global__ void").skip(1) {
+                // Skip `__launch_bounds__(..)` and similar attributes before the name.
+                let mut rest = chunk.trim_start();
+                while rest.starts_with("__") {
+                    let close = rest.find(')').map_or(rest.len(), |i| i + 1);
+                    rest = rest[close..].trim_start();
+                }
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == '#')
+                    .collect();
+                if name.is_empty() || name.contains('#') {
+                    continue; // macro-made names
+                }
+                if !listed.contains(&name.as_str()) {
+                    missing.push(format!("{module}: {name}"));
+                }
+            }
+        }
+        assert!(missing.is_empty(), "kernels not in KERNELS: {missing:?}");
     }
 }

@@ -165,13 +165,16 @@ impl<B: Backend> KimiLinear<B> {
         let (logits, token_ids) = pick_tokens(be, logits, batch, opts)?;
         // The experts are read after the logits: by then the device has finished the pass.
         let num_experts = self.config.moe.as_ref().map_or(0, |m| m.num_experts);
+        let moe_layers: Vec<&B::Tensor> = chosen_per_layer.iter().flatten().collect();
+        let mut counts = be.expert_counts(&moe_layers, num_experts)?.into_iter();
+        // Dense layers report no counts.
         let expert_counts = chosen_per_layer
             .iter()
             .map(|c| match c {
-                Some(c) => Ok(count_experts(&be.expert_ids(c)?, num_experts)),
-                None => Ok(Vec::new()),
+                Some(_) => counts.next().unwrap_or_default(),
+                None => Vec::new(),
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect();
         Ok(ForwardOutput {
             logits,
             token_ids,
@@ -262,19 +265,6 @@ impl<B: Backend> KimiLinear<B> {
             _ => Err(mismatch()),
         }
     }
-}
-
-fn count_experts(chosen: &[u32], num_experts: usize) -> Vec<u32> {
-    if chosen.is_empty() {
-        return Vec::new();
-    }
-    let mut counts = vec![0u32; num_experts];
-    for &e in chosen {
-        if let Some(c) = counts.get_mut(e as usize) {
-            *c += 1;
-        }
-    }
-    counts
 }
 
 impl<B: Backend> CausalLm<B> for KimiLinear<B> {

@@ -126,7 +126,7 @@ impl<T> Stacked<T> {
     /// `x · wᵢᵀ` for every part, in order.
     pub fn matmul<B: Backend<Tensor = T>>(&self, be: &B, x: &T) -> Result<Vec<T>> {
         match self {
-            Stacked::One(w, rows) => Ok(be.split_cols(&be.matmul(x, w)?, rows)?),
+            Stacked::One(w, rows) => Ok(be.matmul_split(x, w, rows)?),
             Stacked::Each(ws) => ws.iter().map(|w| Ok(be.matmul(x, w)?)).collect(),
         }
     }
@@ -335,8 +335,7 @@ impl<T> MlaLayer<T> {
                 be.matmul(&low, b)?
             }
         };
-        let kv = be.matmul(x, &self.kv_a)?;
-        let parts = be.split_cols(&kv, &[c.kv_lora_rank, c.qk_rope_head_dim])?;
+        let parts = be.matmul_split(x, &self.kv_a, &[c.kv_lora_rank, c.qk_rope_head_dim])?;
         let latent_c = be.rms_norm(&parts[0], &self.kv_a_norm, c.latent_norm_eps)?;
         let latent = be.concat_cols(&[&latent_c, &parts[1]])?;
         let dims = MlaDims {

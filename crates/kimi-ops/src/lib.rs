@@ -454,6 +454,18 @@ pub trait Backend: Send + Sync {
     fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
     /// `x [n, in] · wᵀ` with `w [out, in]` → `[n, out]`.
     fn matmul(&self, x: &Self::Tensor, w: &Self::Tensor) -> Result<Self::Tensor>;
+    /// `x · wᵀ` for a `w` stacked by rows from blocks of `rows[i]` rows (fused projections),
+    /// one `[n, rows[i]]` product per block: what [`Backend::split_cols`] of
+    /// [`Backend::matmul`] gives, to f32 rounding. The CUDA backend writes each block's
+    /// product in place for prefill, which spares the split's copies. Default: exactly that.
+    fn matmul_split(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        rows: &[usize],
+    ) -> Result<Vec<Self::Tensor>> {
+        self.split_cols(&self.matmul(x, w)?, rows)
+    }
     /// Per-row RMSNorm of `x [n, d]` times `weight [d]`.
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
     /// The residual step between two sublayers: `x += y`, then the RMSNorm of the new `x`
@@ -496,6 +508,24 @@ pub trait Backend: Send + Sync {
     ) -> Result<(Self::Tensor, Self::Tensor)>;
     /// The expert ids held by the second tensor [`Backend::moe`] returns.
     fn expert_ids(&self, chosen: &Self::Tensor) -> Result<Vec<u32>>;
+    /// For each tensor [`Backend::moe`] returned (one per MoE layer of a pass), how many
+    /// times each of `num_experts` experts was chosen. The CUDA backend counts on the device
+    /// and reads every layer's counts back at once (one wait per pass instead of one per
+    /// layer). Default: [`Backend::expert_ids`] per layer, counted on the host.
+    fn expert_counts(&self, chosen: &[&Self::Tensor], num_experts: usize) -> Result<Vec<Vec<u32>>> {
+        chosen
+            .iter()
+            .map(|c| {
+                let mut counts = vec![0u32; num_experts];
+                for e in self.expert_ids(c)? {
+                    if let Some(n) = counts.get_mut(e as usize) {
+                        *n += 1;
+                    }
+                }
+                Ok(counts)
+            })
+            .collect()
+    }
 
     /// Causal depthwise convolution followed by SiLU, per segment.
     ///

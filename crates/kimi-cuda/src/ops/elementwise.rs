@@ -43,6 +43,32 @@ pub(crate) unsafe fn rms_norm(
     d: usize,
     eps: f32,
 ) -> Result<()> {
+    if z == 0 {
+        if let Some(threads) = vec_norm_threads(d, &[x, out]) {
+            let di = d as i32;
+            let mut b = dev.kernel("rms_norm", "rms_norm_vec")?;
+            b.arg(&x).arg(&w).arg(&wdt).arg(&out).arg(&di).arg(&eps);
+            // SAFETY: see the function's contract; one block per row, d % 4 == 0, aligned.
+            unsafe { b.launch(grid((rows as u32, 1, 1), threads, 0)) }.op("rms_norm")?;
+            return Ok(());
+        }
+    }
+    // Short rows (the per-head gated norm): a warp per row.
+    if d <= 1024 && rows <= i32::MAX as usize {
+        let (ri, di) = (rows as i32, d as i32);
+        let mut b = dev.kernel("rms_norm", "rms_norm_warp")?;
+        b.arg(&x)
+            .arg(&w)
+            .arg(&wdt)
+            .arg(&z)
+            .arg(&out)
+            .arg(&ri)
+            .arg(&di)
+            .arg(&eps);
+        // SAFETY: see the function's contract; 8 rows per block.
+        unsafe { b.launch(grid((rows.div_ceil(8) as u32, 1, 1), 256, 0)) }.op("rms_norm")?;
+        return Ok(());
+    }
     let d = d as i32;
     let mut b = dev.kernel("rms_norm", "rms_norm")?;
     b.arg(&x)
@@ -55,6 +81,17 @@ pub(crate) unsafe fn rms_norm(
     // SAFETY: see the function's contract; one block per row.
     unsafe { b.launch(grid((rows as u32, 1, 1), 256, 0)) }.op("rms_norm")?;
     Ok(())
+}
+
+/// Floats per thread of `rms_norm_vec` / `add_rms_norm_vec` (`NORM_V` float4s).
+const NORM_VEC_FLOATS: usize = 8;
+
+/// Threads per row for the register-resident norm kernels when rows of `d` fit them
+/// (`d % 4 == 0`, at most 1024 threads) and every row pointer is 16-byte aligned.
+fn vec_norm_threads(d: usize, ptrs: &[u64]) -> Option<u32> {
+    let threads = d.div_ceil(NORM_VEC_FLOATS).next_multiple_of(32);
+    (d > 0 && d.is_multiple_of(4) && threads <= 1024 && ptrs.iter().all(|p| p.is_multiple_of(16)))
+        .then_some(threads as u32)
 }
 
 /// `x += y`, then `out` = row RMSNorm of `x` times `w [d]` (dtype `wdt`).
@@ -73,6 +110,20 @@ pub(crate) unsafe fn add_rms_norm(
     d: usize,
     eps: f32,
 ) -> Result<()> {
+    if let Some(threads) = vec_norm_threads(d, &[x, y, out]) {
+        let di = d as i32;
+        let mut b = dev.kernel("rms_norm", "add_rms_norm_vec")?;
+        b.arg(&x)
+            .arg(&y)
+            .arg(&w)
+            .arg(&wdt)
+            .arg(&out)
+            .arg(&di)
+            .arg(&eps);
+        // SAFETY: see the function's contract; one block per row, d % 4 == 0, aligned.
+        unsafe { b.launch(grid((rows as u32, 1, 1), threads, 0)) }.op("rms_norm")?;
+        return Ok(());
+    }
     let d = d as i32;
     let mut b = dev.kernel("rms_norm", "add_rms_norm")?;
     b.arg(&x)

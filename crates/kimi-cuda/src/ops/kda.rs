@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kimi_ops::{Error, Result};
 
-use crate::device::{flat, grid, Device, MAX_DYNAMIC_SMEM_BYTES};
+use crate::device::{grid, Device, MAX_DYNAMIC_SMEM_BYTES};
 use crate::error::OpContext;
 
 /// The forget gate over `f [n, width]` (`kind` 0 = softplus, 1 = lower bound `lb`).
@@ -36,7 +36,11 @@ pub(crate) unsafe fn gate(
     kind: i32,
     lb: f32,
 ) -> Result<()> {
-    let (wi, di) = (width as i32, d as i32);
+    if width == 0 || n == 0 {
+        return Ok(());
+    }
+    let rows = n / width;
+    let (ri, wi, di) = (rows as i32, width as i32, d as i32);
     let mut b = dev.kernel("kda_gate", "kda_gate")?;
     b.arg(&f)
         .arg(&a_log)
@@ -44,9 +48,15 @@ pub(crate) unsafe fn gate(
         .arg(&dt_bias)
         .arg(&bdt)
         .arg(&g);
-    b.arg(&n).arg(&wi).arg(&di).arg(&kind).arg(&lb);
+    b.arg(&ri).arg(&wi).arg(&di).arg(&kind).arg(&lb);
+    // Each thread owns a column and walks rows with a stride of up to 1024 row blocks.
+    let cfg = grid(
+        (width.div_ceil(256) as u32, rows.min(1024) as u32, 1),
+        256,
+        0,
+    );
     // SAFETY: see the function's contract.
-    unsafe { b.launch(flat(n)) }.op("kda_gate")?;
+    unsafe { b.launch(cfg) }.op("kda_gate")?;
     Ok(())
 }
 

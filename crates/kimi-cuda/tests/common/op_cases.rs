@@ -280,6 +280,23 @@ pub fn op_matmul<B: Backend>(b: &B, n: usize, k: usize, o: usize, dt: DType) -> 
     Ok(vec![t(b, &b.matmul(&x, &w)?)?])
 }
 
+/// `matmul_split` of a weight stacked from `rows` blocks: every block's product.
+pub fn op_matmul_split<B: Backend>(
+    b: &B,
+    n: usize,
+    k: usize,
+    rows: &[usize],
+) -> Res<Vec<Vec<f32>>> {
+    let mut r = Rng(12);
+    let o: usize = rows.iter().sum();
+    let x = b.upload_f32(&[n, k], &r.vec(n * k, 1.0))?;
+    let w = weight(b, &[o, k], &r.vec(o * k, 0.1), DType::BF16)?;
+    b.matmul_split(&x, &w, rows)?
+        .iter()
+        .map(|p| t(b, p))
+        .collect()
+}
+
 pub fn op_rows<B: Backend>(b: &B, n: usize, d: usize) -> Res<Vec<Vec<f32>>> {
     let mut r = Rng(3);
     let xv = r.vec(n * d, 2.0);
@@ -396,7 +413,18 @@ pub fn op_moe_sized<B: Backend>(
     };
     let (y, chosen) = b.moe(&x, &w, &routing)?;
     let ids = b.expert_ids(&chosen)?;
-    Ok(vec![t(b, &y)?, ids.iter().map(|&i| i as f32).collect()])
+    // Per-layer counts as a pass reads them (two layers here), counted on the device by CUDA.
+    let counts: Vec<f32> = b
+        .expert_counts(&[&chosen, &chosen], e)?
+        .concat()
+        .iter()
+        .map(|&c| c as f32)
+        .collect();
+    Ok(vec![
+        t(b, &y)?,
+        ids.iter().map(|&i| i as f32).collect(),
+        counts,
+    ])
 }
 
 pub fn op_conv<B: Backend>(b: &B, c: usize, width: usize) -> Res<Vec<Vec<f32>>> {
@@ -872,6 +900,18 @@ pub fn cases() -> Vec<(String, Case)> {
             case!(|b| op_matmul(b, 5, 260, 70, DType::BF16)),
         ),
         (
+            "matmul_split bf16 600x512->[200,136,64] (per-block GEMMs)".into(),
+            case!(|b| op_matmul_split(b, 600, 512, &[200, 136, 64])),
+        ),
+        (
+            "matmul_split bf16 40x256->[96,32] (2n-row GEMMs)".into(),
+            case!(|b| op_matmul_split(b, 40, 256, &[96, 32])),
+        ),
+        (
+            "matmul_split bf16 1x2304->[128,64,32] (GEMV, views)".into(),
+            case!(|b| op_matmul_split(b, 1, 2304, &[128, 64, 32])),
+        ),
+        (
             "rows(norm,sig,add,sel,split,cat,gated,add+norm) 5x64".into(),
             case!(|b| op_rows(b, 5, 64)),
         ),
@@ -907,6 +947,14 @@ pub fn cases() -> Vec<(String, Case)> {
         (
             "moe 520 tok, 32e top8, d 2304 inter 1024 (48B widths, grouped)".into(),
             case!(|b| op_moe_sized(b, 520, 2304, 32, 1, 1024, 8)),
+        ),
+        (
+            "moe 1100 tok, 64e top8 (multi-block routing lists)".into(),
+            case!(|b| op_moe_sized(b, 1100, 256, 64, 1, 192, 8)),
+        ),
+        (
+            "moe 2100 tok, 600e top8 (block router, multi-block lists)".into(),
+            case!(|b| op_moe_sized(b, 2100, 128, 600, 1, 64, 8)),
         ),
         (
             "moe 90 tok, 16e, d 96 (cuBLAS per-expert path)".into(),
