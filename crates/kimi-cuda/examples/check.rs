@@ -503,17 +503,7 @@ fn tune() -> Res<()> {
                 be.set_pdl(pdl);
                 be.set_gemv_variant(gemv);
                 be.set_pool_keeps_memory(keep)?;
-                let mut ms = Vec::with_capacity(timed);
-                for i in 0..warm + timed {
-                    let t = run.next.clone();
-                    be.synchronize()?;
-                    let t0 = Instant::now();
-                    run.step(&model, &t)?;
-                    if i >= warm {
-                        ms.push(t0.elapsed().as_secs_f64() * 1e3);
-                    }
-                }
-                ms.sort_by(|a, b| a.total_cmp(b));
+                let ms = step_times(&model, &mut run, warm, timed)?;
                 let med = ms[ms.len() / 2];
                 println!(
                     "tune round {round} B={batch:<3} {label}: step median {med:.3} ms = {:.1} tok/s (min {:.3}, max {:.3})",
@@ -684,6 +674,29 @@ fn gemv_bench() -> Res<()> {
     Ok(())
 }
 
+/// Wall times (ms, sorted) of `timed` decode steps of `run` after `warm` untimed ones, each
+/// step from a synchronised device.
+fn step_times(
+    model: &KimiLinear<CudaBackend>,
+    run: &mut DecodeRun,
+    warm: usize,
+    timed: usize,
+) -> Res<Vec<f64>> {
+    let be = model.backend();
+    let mut ms = Vec::with_capacity(timed);
+    for i in 0..warm + timed {
+        let t = run.next.clone();
+        be.synchronize()?;
+        let t0 = Instant::now();
+        run.step(model, &t)?;
+        if i >= warm {
+            ms.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    ms.sort_by(|a, b| a.total_cmp(b));
+    Ok(ms)
+}
+
 /// Decode at B=1 of the 48B-shaped model in both precisions, after short and 1K prompts,
 /// and with the bf16 prefill kernels (CUTLASS experts, FlashInfer MLA) turned off one at a
 /// time: which setting makes a step slower, in one process.
@@ -748,17 +761,7 @@ fn decode_modes() -> Res<()> {
         be.set_mla_prefill_variant(mla);
         let (warm, timed) = (4, 16);
         let mut run = DecodeRun::with_prompt(&model, 1, prompt, warm + timed)?;
-        let mut ms = Vec::with_capacity(timed);
-        for i in 0..warm + timed {
-            let t = run.next.clone();
-            be.synchronize()?;
-            let t0 = Instant::now();
-            run.step(&model, &t)?;
-            if i >= warm {
-                ms.push(t0.elapsed().as_secs_f64() * 1e3);
-            }
-        }
-        ms.sort_by(|a, b| a.total_cmp(b));
+        let ms = step_times(&model, &mut run, warm, timed)?;
         println!(
             "decode-modes {label}: B=1 step median {:.3} ms (min {:.3}, max {:.3})",
             ms[ms.len() / 2],

@@ -35,41 +35,29 @@ pub(crate) unsafe fn route(
     // (`moe_route_warp`; 8K tokens: 56 us against the block kernel's 170 us on an H200). A
     // few tokens keep a block each, whose 256 threads finish one token sooner (9 against
     // 13.5 us at one token).
-    if r.num_groups <= 1 && e <= 512 && n >= ROUTE_WARP_MIN_TOKENS {
-        let ni = n as i32;
-        let mut b = dev.kernel("moe", "moe_route_warp")?;
-        b.arg(&logits)
-            .arg(&bias)
-            .arg(&bdt)
-            .arg(&has_bias)
-            .arg(&ids)
-            .arg(&weights);
-        b.arg(&ni)
-            .arg(&ei)
-            .arg(&k)
-            .arg(&renorm)
-            .arg(&r.scaling)
-            .arg(&use_bias);
-        // SAFETY: see the function's contract; 8 tokens per block.
-        unsafe { b.launch(grid((n.div_ceil(8) as u32, 1, 1), 256, 0)) }.op("moe")?;
-        return Ok(());
-    }
-    let mut b = dev.kernel("moe", "moe_route")?;
+    let warp = r.num_groups <= 1 && e <= 512 && n >= ROUTE_WARP_MIN_TOKENS;
+    let ni = n as i32;
+    let mut b = dev.kernel("moe", if warp { "moe_route_warp" } else { "moe_route" })?;
     b.arg(&logits)
         .arg(&bias)
         .arg(&bdt)
         .arg(&has_bias)
         .arg(&ids)
         .arg(&weights);
-    b.arg(&ei)
-        .arg(&k)
-        .arg(&g)
-        .arg(&kg)
-        .arg(&renorm)
-        .arg(&r.scaling)
-        .arg(&use_bias);
-    // SAFETY: see the function's contract; shared memory holds 3 * e floats.
-    unsafe { b.launch(grid((n as u32, 1, 1), 256, (3 * e * 4) as u32)) }.op("moe")?;
+    if warp {
+        b.arg(&ni).arg(&ei).arg(&k);
+    } else {
+        b.arg(&ei).arg(&k).arg(&g).arg(&kg);
+    }
+    b.arg(&renorm).arg(&r.scaling).arg(&use_bias);
+    // 8 tokens per warp-kernel block; the block kernel's shared memory holds 3 * e floats.
+    let cfg = if warp {
+        grid((n.div_ceil(8) as u32, 1, 1), 256, 0)
+    } else {
+        grid((n as u32, 1, 1), 256, (3 * e * 4) as u32)
+    };
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(cfg) }.op("moe")?;
     Ok(())
 }
 
