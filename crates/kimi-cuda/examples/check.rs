@@ -697,68 +697,33 @@ fn step_times(
     Ok(ms)
 }
 
-/// Decode at B=1 of the 48B-shaped model in both precisions, after short and 1K prompts,
-/// and with the bf16 prefill kernels (CUTLASS experts, FlashInfer MLA) turned off one at a
-/// time: which setting makes a step slower, in one process.
+/// Decode at B=1 of the 48B-shaped model in both precisions, after short, 1K and 8K
+/// prompts, with the bf16 prefill kernels (CUTLASS experts, FlashInfer MLA) turned off one
+/// at a time and with two MLA decode chunk sizes: which setting makes a step slower, in one
+/// process.
 fn decode_modes() -> Res<()> {
     let model = big_model(CudaBackend::new(0)?)?;
     let be = model.backend();
-    // (label, precision, prompt, MoE grouped variant, MLA prefill variant)
-    let modes: [(&str, GemmPrecision, usize, usize, usize); 7] = [
-        (
-            "split, 16-token prompt       ",
-            GemmPrecision::Split,
-            16,
-            0,
-            0,
-        ),
-        (
-            "half,  16-token prompt       ",
-            GemmPrecision::Half,
-            16,
-            0,
-            0,
-        ),
-        (
-            "split, 1K prompt             ",
-            GemmPrecision::Split,
-            1024,
-            0,
-            0,
-        ),
-        (
-            "half,  1K prompt             ",
-            GemmPrecision::Half,
-            1024,
-            0,
-            0,
-        ),
-        (
-            "half,  1K prompt, no CUTLASS ",
-            GemmPrecision::Half,
-            1024,
-            2,
-            0,
-        ),
-        (
-            "half,  1K prompt, no FlashInf",
-            GemmPrecision::Half,
-            1024,
-            0,
-            2,
-        ),
-        (
-            "split, 16-token prompt again ",
-            GemmPrecision::Split,
-            16,
-            0,
-            0,
-        ),
+    // (label, precision, prompt, MoE grouped variant, MLA prefill variant, MLA decode chunk)
+    type Mode = (&'static str, GemmPrecision, usize, usize, usize, usize);
+    use GemmPrecision::{Half, Split};
+    let modes: [Mode; 10] = [
+        ("split, 16-token prompt       ", Split, 16, 0, 0, 64),
+        ("half,  16-token prompt       ", Half, 16, 0, 0, 64),
+        ("split, 1K prompt             ", Split, 1024, 0, 0, 64),
+        ("split, 1K, MLA chunks of 256 ", Split, 1024, 0, 0, 256),
+        ("split, 8K, MLA chunks of 64  ", Split, 8192, 0, 0, 64),
+        ("split, 8K, MLA chunks of 256 ", Split, 8192, 0, 0, 256),
+        ("half,  1K prompt             ", Half, 1024, 0, 0, 64),
+        ("half,  1K prompt, no CUTLASS ", Half, 1024, 2, 0, 64),
+        ("half,  1K prompt, no FlashInf", Half, 1024, 0, 2, 64),
+        ("split, 16-token prompt again ", Split, 16, 0, 0, 64),
     ];
-    for (label, prec, prompt, moe, mla) in modes {
+    for (label, prec, prompt, moe, mla, chunk) in modes {
         be.set_gemm_precision(prec);
         be.set_moe_grouped_variant(moe);
         be.set_mla_prefill_variant(mla);
+        be.set_mla_decode_min_chunk(chunk);
         let (warm, timed) = (4, 16);
         let mut run = DecodeRun::with_prompt(&model, 1, prompt, warm + timed)?;
         let ms = step_times(&model, &mut run, warm, timed)?;
@@ -770,9 +735,10 @@ fn decode_modes() -> Res<()> {
         );
         let _ = std::io::stdout().flush();
     }
-    be.set_gemm_precision(GemmPrecision::Split);
+    be.set_gemm_precision(Split);
     be.set_moe_grouped_variant(0);
     be.set_mla_prefill_variant(0);
+    be.set_mla_decode_min_chunk(64);
     Ok(())
 }
 

@@ -188,6 +188,12 @@ impl CudaBackend {
         ops::mla::set_prefill_variant(v);
     }
 
+    /// The fewest latent rows per CTA of the absorbed (decode) MLA kernel (default 64; for
+    /// comparison).
+    pub fn set_mla_decode_min_chunk(&self, rows: usize) {
+        ops::mla::set_decode_min_chunk(rows);
+    }
+
     /// The expanded-prefill attention alone, for timing: `q [len, H*(dn+dr)]` attends over
     /// `past + len` keys whose k_pe are columns `r..` of `rows [past+len, r+dr]` and whose
     /// k_nope ‖ v per head are `kv [past+len, H*(dn+dv)]` (all f32), with the kernel chosen

@@ -20,8 +20,14 @@ const DECODE_ROWS: usize = 32;
 /// Latent rows per decode tile; chunk lengths are multiples of it.
 const DECODE_TILE: usize = 16;
 /// A decode chunk covers at least this many latent rows (fewer only for short contexts),
-/// so the per-CTA query load and the merge stay small next to the rows read.
-const MIN_CHUNK: usize = 256;
+/// so the per-CTA query load and the merge stay small next to the rows read. At one token
+/// and 1K of context 256 left 5 CTAs working; 64 gives 17 (see [`set_decode_min_chunk`]).
+static MIN_CHUNK: AtomicUsize = AtomicUsize::new(64);
+
+/// Sets [`MIN_CHUNK`] (a multiple of 16, for comparison).
+pub(crate) fn set_decode_min_chunk(rows: usize) {
+    MIN_CHUNK.store(round_up(rows.max(1), DECODE_TILE), Ordering::Relaxed);
+}
 /// Decode CTAs to aim for: four per SM of an H200 (132 SMs; one resident CTA per SM).
 const TARGET_CTAS: usize = 4 * 132;
 /// CTAs per (head, token group) of `mla_uv_project`, each taking a share of the dv output
@@ -347,7 +353,7 @@ fn max_chunks(group: &[Piece], h: usize) -> usize {
 fn split_plan(group: &[Piece], h: usize) -> (usize, Vec<usize>) {
     let max_total = group.iter().map(|p| p.past + p.len).max().unwrap_or(1);
     let nchunks = max_chunks(group, h)
-        .min(max_total.div_ceil(MIN_CHUNK))
+        .min(max_total.div_ceil(MIN_CHUNK.load(Ordering::Relaxed)))
         .max(1);
     let lens = group
         .iter()
