@@ -164,14 +164,7 @@ extern "C" __global__ void moe_route_warp(const float* logits, const void* bias,
 
 // ---------------------------------------------------------------------------------------------
 // Device-side expert dispatch (no host round trip).
-//
-// `moe_lists` (one block) sorts the P = n*top_k (token, k) pairs by expert: `offsets[E+1]`
-// (exclusive prefix sum of the per-expert counts), followed in the same buffer by the
-// experts that received pairs (`offsets[E+1]` = their number, then the experts in increasing
-// order; 2E+2 entries in all), and `slots[P]` (pair numbers, grouped by
-// expert; order inside one expert is arbitrary and does not change any result). It also
-// writes, per slot, the token row (`rows`) and routing weight (`wsel`) for the cuBLAS path,
-// and `meta = [ids (P) | counts (E)]` so the host can read both back in one copy.
+
 // Exclusive prefix sum over the block (blockDim.x a multiple of 32, at most 1024); `total`
 // gets the block's sum. `red` holds 32 u32.
 __device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* red,
@@ -225,6 +218,40 @@ __device__ void expert_offsets(const uint32_t* cnt, uint32_t* cur, uint32_t* off
   __syncthreads();
 }
 
+// counts[e] += how many of the pairs p0..p1 chose expert e (ids >= E are ignored); `counts`
+// in shared memory.
+__device__ __forceinline__ void count_pairs(const uint32_t* ids, int p0, int p1, int E,
+                                            uint32_t* counts) {
+  for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
+    const uint32_t e = ids[p];
+    if (e < (uint32_t)E) atomicAdd(&counts[e], 1u);
+  }
+}
+
+// Writes pairs p0..p1 to their slots: pair p of expert e takes slot cur[e]++ (`cur` in shared
+// memory), with its token row and routing weight; meta[p] = its expert.
+__device__ __forceinline__ void place_pairs(const uint32_t* ids, const float* weights, int p0,
+                                            int p1, int E, int top_k, uint32_t* cur,
+                                            uint32_t* slots, uint32_t* rows, float* wsel,
+                                            uint32_t* meta) {
+  for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
+    const uint32_t e = ids[p];
+    meta[p] = e;
+    if (e >= (uint32_t)E) continue;
+    const uint32_t pos = atomicAdd(&cur[e], 1u);
+    slots[pos] = (uint32_t)p;
+    rows[pos] = (uint32_t)(p / top_k);
+    wsel[pos] = weights[p];
+  }
+}
+
+// `moe_lists` (one block) sorts the P = n*top_k (token, k) pairs by expert: `offsets[E+1]`
+// (exclusive prefix sum of the per-expert counts), followed in the same buffer by the
+// experts that received pairs (`offsets[E+1]` = their number, then the experts in increasing
+// order; 2E+2 entries in all), and `slots[P]` (pair numbers, grouped by
+// expert; order inside one expert is arbitrary and does not change any result). It also
+// writes, per slot, the token row (`rows`) and routing weight (`wsel`) for the cuBLAS path,
+// and `meta = [ids (P) | counts (E)]` so the host can read both back in one copy.
 extern "C" __global__ void moe_lists(const uint32_t* ids, const float* weights, int P, int E,
                                      int top_k, uint32_t* offsets, uint32_t* slots,
                                      uint32_t* rows, float* wsel, uint32_t* meta) {
@@ -234,22 +261,11 @@ extern "C" __global__ void moe_lists(const uint32_t* ids, const float* weights, 
   uint32_t* cur = cnt_sm + E;
   for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
   __syncthreads();
-  for (int p = threadIdx.x; p < P; p += blockDim.x) {
-    uint32_t e = ids[p];
-    if (e < (uint32_t)E) atomicAdd(&cnt[e], 1u);
-  }
+  count_pairs(ids, 0, P, E, cnt);
   __syncthreads();
   expert_offsets(cnt, cur, offsets, E);
   for (int e = threadIdx.x; e < E; e += blockDim.x) meta[P + e] = cnt[e];
-  for (int p = threadIdx.x; p < P; p += blockDim.x) {
-    uint32_t e = ids[p];
-    meta[p] = e;
-    if (e >= (uint32_t)E) continue;
-    uint32_t pos = atomicAdd(&cur[e], 1u);
-    slots[pos] = (uint32_t)p;
-    rows[pos] = (uint32_t)(p / top_k);
-    wsel[pos] = weights[p];
-  }
+  place_pairs(ids, weights, 0, P, E, top_k, cur, slots, rows, wsel, meta);
 }
 
 // moe_lists for many pairs, over several blocks: `moe_lists_count` adds each block's
@@ -257,7 +273,8 @@ extern "C" __global__ void moe_lists(const uint32_t* ids, const float* weights, 
 // `cnt` itself (block 0 also writes `offsets`, the active list and meta's counts), reserves
 // a range per expert for its own pairs with one global atomic per expert (`cursor[E]`,
 // zeroed before) and places them. Pairs of one expert land in an arbitrary order, as in
-// moe_lists. LISTS_CHUNK pairs per block; dynamic shared memory 2E u32.
+// moe_lists. LISTS_CHUNK pairs per block; dynamic shared memory 2E u32. `moe_lists_count`
+// alone also counts each MoE layer's chosen experts for the metrics (`expert_counts`).
 #define LISTS_CHUNK 4096
 extern "C" __global__ void moe_lists_count(const uint32_t* ids, int P, int E, uint32_t* cnt) {
   pdl_enter();
@@ -265,10 +282,7 @@ extern "C" __global__ void moe_lists_count(const uint32_t* ids, int P, int E, ui
   for (int e = threadIdx.x; e < E; e += blockDim.x) lc_sm[e] = 0;
   __syncthreads();
   const int p0 = blockIdx.x * LISTS_CHUNK, p1 = min(P, p0 + LISTS_CHUNK);
-  for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
-    const uint32_t e = ids[p];
-    if (e < (uint32_t)E) atomicAdd(&lc_sm[e], 1u);
-  }
+  count_pairs(ids, p0, p1, E, lc_sm);
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x)
     if (lc_sm[e]) atomicAdd(cnt + e, lc_sm[e]);
@@ -294,23 +308,12 @@ extern "C" __global__ void moe_lists_place(const uint32_t* ids, const float* wei
   if (blockIdx.x == 0)
     for (int e = threadIdx.x; e < E; e += blockDim.x) meta[P + e] = cnt[e];
   const int p0 = blockIdx.x * LISTS_CHUNK, p1 = min(P, p0 + LISTS_CHUNK);
-  for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
-    const uint32_t e = ids[p];
-    if (e < (uint32_t)E) atomicAdd(&local[e], 1u);
-  }
+  count_pairs(ids, p0, p1, E, local);
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x)
     if (local[e]) start[e] += atomicAdd(cursor + e, local[e]);
   __syncthreads();
-  for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
-    const uint32_t e = ids[p];
-    meta[p] = e;
-    if (e >= (uint32_t)E) continue;
-    const uint32_t pos = atomicAdd(&start[e], 1u);
-    slots[pos] = (uint32_t)p;
-    rows[pos] = (uint32_t)(p / top_k);
-    wsel[pos] = weights[p];
-  }
+  place_pairs(ids, weights, p0, p1, E, top_k, start, slots, rows, wsel, meta);
 }
 
 __device__ __forceinline__ void bf16x8(const uint4& v, float* f) {
@@ -614,16 +617,5 @@ extern "C" __global__ void moe_silu_mul_bf16(const void* gu, int gu_f32, __nv_bf
         if (split) h[(size_t)P * I + o + j] = lo[j];
       }
     }
-  }
-}
-
-// counts[e] += how many of the n ids are e (ids as u32 bits; ids >= E are ignored). The
-// per-layer expert loads of one pass, gathered on the device so that one read brings back
-// every layer's counts.
-extern "C" __global__ void moe_count(const uint32_t* ids, int n, uint32_t* counts, int E) {
-  pdl_enter();
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-    const uint32_t e = ids[i];
-    if (e < (uint32_t)E) atomicAdd(counts + e, 1u);
   }
 }

@@ -144,7 +144,6 @@ const KERNELS: &[(&str, &[&str])] = &[
             "moe_combine",
             "moe_gather_bf16",
             "moe_silu_mul_bf16",
-            "moe_count",
         ],
     ),
     (

@@ -31,11 +31,11 @@ pub(crate) unsafe fn route(
         r.topk_group as i32,
     );
     let (renorm, use_bias) = (r.renormalize as i32, r.weights_use_bias as i32);
-    // Ungrouped routing of many tokens over at most 512 experts: a warp per token
+    // Ungrouped routing of many tokens over at most ROUTE_WARP_MAX_EXPERTS: a warp per token
     // (`moe_route_warp`; 8K tokens: 56 us against the block kernel's 170 us on an H200). A
     // few tokens keep a block each, whose 256 threads finish one token sooner (9 against
     // 13.5 us at one token).
-    let warp = r.num_groups <= 1 && e <= 512 && n >= ROUTE_WARP_MIN_TOKENS;
+    let warp = r.num_groups <= 1 && e <= ROUTE_WARP_MAX_EXPERTS && n >= ROUTE_WARP_MIN_TOKENS;
     let ni = n as i32;
     let mut b = dev.kernel("moe", if warp { "moe_route_warp" } else { "moe_route" })?;
     b.arg(&logits)
@@ -63,6 +63,9 @@ pub(crate) unsafe fn route(
 
 /// From this many tokens, ungrouped routing runs a warp per token (see [`route`]).
 const ROUTE_WARP_MIN_TOKENS: usize = 32;
+
+/// The most experts `moe_route_warp` holds in its lanes' registers (32 × `ROUTE_MAXJ`).
+const ROUTE_WARP_MAX_EXPERTS: usize = 512;
 
 /// Pairs per `moe_lists_place` block (`LISTS_CHUNK` in `kernels/moe.cu`).
 const LISTS_CHUNK: usize = 4096;
@@ -99,10 +102,8 @@ pub(crate) unsafe fn lists(
         // `moe_lists_place`); `counters` holds 2 * e zeroed u32 (totals, then cursors).
         let blocks = p.div_ceil(LISTS_CHUNK) as u32;
         let cursor = counters + (e * 4) as u64;
-        let mut b = dev.kernel("moe", "moe_lists_count")?;
-        b.arg(&ids).arg(&pi).arg(&ei).arg(&counters);
-        // SAFETY: see the function's contract; shared memory holds e u32.
-        unsafe { b.launch(grid((blocks, 1, 1), 1024, (e * 4) as u32)) }.op("moe")?;
+        // SAFETY: ids holds p u32, counters at least e.
+        unsafe { count(dev, ids, p, counters, e)? };
         let mut b = dev.kernel("moe", "moe_lists_place")?;
         b.arg(&ids).arg(&weights).arg(&pi).arg(&ei).arg(&ki);
         b.arg(&counters).arg(&cursor).arg(&offsets);
@@ -535,7 +536,8 @@ pub(crate) unsafe fn cutlass_gemm(
     Ok(())
 }
 
-/// `counts[e] +=` the number of the `n` ids (u32) equal to `e`, for `e < experts`.
+/// `counts[e] +=` the number of the `n` ids (u32) equal to `e`, for `e < experts`: the
+/// first kernel of the multi-block [`lists`], and the per-layer expert counts of a pass.
 ///
 /// # Safety
 /// `ids` holds `n` u32 and `counts` `experts` u32.
@@ -547,10 +549,10 @@ pub(crate) unsafe fn count(
     experts: usize,
 ) -> Result<()> {
     let (ni, ei) = (n as i32, experts as i32);
-    let mut b = dev.kernel("expert_counts", "moe_count")?;
-    b.arg(&ids).arg(&ni).arg(&counts).arg(&ei);
-    let blocks = n.div_ceil(256).clamp(1, 1024) as u32;
-    // SAFETY: see the function's contract.
-    unsafe { b.launch(grid((blocks, 1, 1), 256, 0)) }.op("expert_counts")?;
+    let mut b = dev.kernel("moe", "moe_lists_count")?;
+    b.arg(&ids).arg(&ni).arg(&ei).arg(&counts);
+    let blocks = n.div_ceil(LISTS_CHUNK).max(1) as u32;
+    // SAFETY: see the function's contract; shared memory holds `experts` u32.
+    unsafe { b.launch(grid((blocks, 1, 1), 1024, (experts * 4) as u32)) }.op("moe")?;
     Ok(())
 }
