@@ -206,3 +206,63 @@ extern "C" __global__ void __launch_bounds__(256)
     gemv_bulk_8(const __nv_bfloat16* w, const float* x, float* y, int n, int o, int k, int rows) {
   gemv_bulk<8>(w, x, y, n, o, k, rows);
 }
+
+// ---------------------------------------------------------------------------------------
+// The same product for one token with persistent CTAs streaming tiles of `rows` weight rows
+// through `stages` shared-memory stages (see stream.cuh). The producer queues the first
+// `stages` tiles before `pdl_wait`: weights never depend on the previous kernel.
+//
+// grid <= ceil(o / rows) (one CTA per SM), block STREAM_THREADS, dynamic smem
+// stages * rows * k * 2 + k * 4 bytes; rows <= STREAM_MAX_ROWS, stages <=
+// STREAM_MAX_STAGES. Needs k % (256 * slices) == 0 (stream_cover), 16-byte aligned w, x.
+#include "stream.cuh"
+
+extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
+    gemv_stream_1(const __nv_bfloat16* w, const float* x, float* y, int o, int k, int rows,
+                  int stages) {
+  extern __shared__ __align__(128) uint8_t stream_buf[];
+  __shared__ StreamSmem s;
+  const uint32_t row_bytes = (uint32_t)k * 2u, tile_bytes = row_bytes * (uint32_t)rows;
+  const int tiles = (o + rows - 1) / rows;
+  const int nv = k >> 3;
+  float* xs = reinterpret_cast<float*>(stream_buf + (size_t)stages * tile_bytes);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool producer = warp == STREAM_CONSUMERS;
+  stream_init(s, stages);
+  auto fetch = [&](int t, int stage) {
+    stream_fetch(s, stream_buf + (size_t)stage * tile_bytes, stage, w + (size_t)t * rows * k,
+                 row_bytes * min(rows, o - t * rows), nullptr, 0);
+  };
+  if (producer && lane == 0)
+    for (int i = 0; i < stages && blockIdx.x + i * gridDim.x < tiles; ++i)
+      fetch(blockIdx.x + i * gridDim.x, i);
+  pdl_enter();
+  stream_stage_x(xs, x, k);
+  if (producer) {
+    for (int i = 0;; ++i) {
+      const int t = blockIdx.x + i * gridDim.x;
+      if (t >= tiles) break;
+      const int stage = i % stages;
+      bar_wait(smem_addr(&s.empty[stage]), (i / stages) & 1);
+      const int nr = min(rows, o - t * rows);
+      const int slices = stream_cover(rows, 0).slices;
+      if (lane < nr) y[(size_t)t * rows + lane] = stream_row_sum(s, stage, lane, slices);
+      __syncwarp();
+      if (lane == 0 && t + stages * (int)gridDim.x < tiles) fetch(t + stages * gridDim.x, stage);
+    }
+    return;
+  }
+  const StreamCover cov = stream_cover(rows, warp);
+  for (int i = 0;; ++i) {
+    const int t = blockIdx.x + i * gridDim.x;
+    if (t >= tiles) break;
+    const int stage = i % stages;
+    const int nr = min(rows, o - t * rows);
+    bar_wait(smem_addr(&s.full[stage]), (i / stages) & 1);
+    const uint8_t* tile = stream_buf + (size_t)stage * tile_bytes;
+    for (int r = cov.first; r < nr; r += cov.step)
+      stream_row_dot(s, stage, tile, r, nv, cov.slice, cov.slices, xs);
+    __syncwarp();
+    if (lane == 0) stream_bar_arrive(smem_addr(&s.empty[stage]));
+  }
+}

@@ -101,15 +101,18 @@ extern "C" __global__ void moe_route(const float* logits, const void* bias, int 
 // moe_route for ungrouped routing (num_groups <= 1) over at most 32 * ROUTE_MAXJ experts: one
 // warp per token, 8 tokens per 256-thread block, expert e = lane + 32 j held in registers
 // (no shared memory, no block barriers). Same picks, ties and arithmetic order as moe_route.
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 #define ROUTE_MAXJ 16
-extern "C" __global__ void moe_route_warp(const float* logits, const void* bias, int bdt,
-                                          int has_bias, uint32_t* ids, float* weights, int n,
-                                          int E, int top_k, int renormalize, float scaling,
-                                          int weights_use_bias) {
-  pdl_enter();
+// One warp routes one token: `logits` its E router logits, `ids`/`weights` its top_k picks.
+__device__ __forceinline__ void route_token_warp(const float* logits, const void* bias, int bdt,
+                                                 int has_bias, uint32_t* ids, float* weights,
+                                                 int E, int top_k, int renormalize,
+                                                 float scaling, int weights_use_bias) {
   const int lane = threadIdx.x & 31;
-  const int t = blockIdx.x * 8 + (threadIdx.x >> 5);
-  if (t >= n) return;
   const float taken = -3.0e38f;
   float score[ROUTE_MAXJ], choice[ROUTE_MAXJ], masked[ROUTE_MAXJ];
 #pragma unroll
@@ -119,7 +122,8 @@ extern "C" __global__ void moe_route_warp(const float* logits, const void* bias,
     choice[j] = 0.0f;
     masked[j] = taken;  // experts past E are never picked
     if (e < E) {
-      const float s = sigmoidf_(logits[(size_t)t * E + e]);
+      // L2 loads: in moe_route_one other blocks wrote these logits during this launch.
+      const float s = sigmoidf_(__ldcg(logits + e));
       score[j] = s;
       choice[j] = has_bias ? s + ld(bias, e, bdt) : s;
       masked[j] = choice[j];
@@ -149,17 +153,29 @@ extern "C" __global__ void moe_route_warp(const float* logits, const void* bias,
       }
     w = __shfl_sync(0xffffffffu, w, best & 31);
     if (lane == 0) {
-      ids[(size_t)t * top_k + k] = (uint32_t)best;
-      weights[(size_t)t * top_k + k] = w;
+      ids[k] = (uint32_t)best;
+      weights[k] = w;
       wsum += w;
     }
   }
   if (lane != 0) return;
   for (int k = 0; k < top_k; ++k) {
-    float w = weights[(size_t)t * top_k + k];
+    float w = weights[k];
     if (renormalize && top_k > 1) w /= (wsum + 1e-20f);
-    weights[(size_t)t * top_k + k] = w * scaling;
+    weights[k] = w * scaling;
   }
+}
+
+extern "C" __global__ void moe_route_warp(const float* logits, const void* bias, int bdt,
+                                          int has_bias, uint32_t* ids, float* weights, int n,
+                                          int E, int top_k, int renormalize, float scaling,
+                                          int weights_use_bias) {
+  pdl_enter();
+  const int t = blockIdx.x * 8 + (threadIdx.x >> 5);
+  if (t >= n) return;
+  route_token_warp(logits + (size_t)t * E, bias, bdt, has_bias, ids + (size_t)t * top_k,
+                   weights + (size_t)t * top_k, E, top_k, renormalize, scaling,
+                   weights_use_bias);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -252,11 +268,10 @@ __device__ __forceinline__ void place_pairs(const uint32_t* ids, const float* we
 // expert; order inside one expert is arbitrary and does not change any result). It also
 // writes, per slot, the token row (`rows`) and routing weight (`wsel`) for the cuBLAS path,
 // and `meta = [ids (P) | counts (E)]` so the host can read both back in one copy.
-extern "C" __global__ void moe_lists(const uint32_t* ids, const float* weights, int P, int E,
-                                     int top_k, uint32_t* offsets, uint32_t* slots,
-                                     uint32_t* rows, float* wsel, uint32_t* meta) {
-  pdl_enter();
-  extern __shared__ uint32_t cnt_sm[];
+__device__ __forceinline__ void lists_block(const uint32_t* ids, const float* weights, int P,
+                                            int E, int top_k, uint32_t* offsets,
+                                            uint32_t* slots, uint32_t* rows, float* wsel,
+                                            uint32_t* meta, uint32_t* cnt_sm) {
   uint32_t* cnt = cnt_sm;
   uint32_t* cur = cnt_sm + E;
   for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
@@ -266,6 +281,90 @@ extern "C" __global__ void moe_lists(const uint32_t* ids, const float* weights, 
   expert_offsets(cnt, cur, offsets, E);
   for (int e = threadIdx.x; e < E; e += blockDim.x) meta[P + e] = cnt[e];
   place_pairs(ids, weights, 0, P, E, top_k, cur, slots, rows, wsel, meta);
+}
+
+extern "C" __global__ void moe_lists(const uint32_t* ids, const float* weights, int P, int E,
+                                     int top_k, uint32_t* offsets, uint32_t* slots,
+                                     uint32_t* rows, float* wsel, uint32_t* meta) {
+  pdl_enter();
+  extern __shared__ uint32_t cnt_sm[];
+  lists_block(ids, weights, P, E, top_k, offsets, slots, rows, wsel, meta, cnt_sm);
+}
+
+// One token's routing in one launch, for ungrouped routing over at most 32 * ROUTE_MAXJ
+// experts: the router logits (f32 weights `router [E, d]` times the hidden row `x [d]`, two
+// experts per block, E / 2 blocks), then the last block to finish makes
+// moe_route_warp's picks and moe_lists' lists for the token's top_k pairs. Before, these
+// were three launches (cuBLAS, moe_route_warp, moe_lists) of a few microseconds' work
+// each. `ticket` counts finished blocks; the last block resets it to zero for the next
+// launch (launches on the stream never overlap it: each waits for its predecessor).
+// Block 256, dynamic shared memory 2E u32; `logits` holds E f32 of scratch. d % 4 == 0,
+// 16-byte aligned router and x.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_route_one(const float* router, const float* x, int d, const void* bias, int bdt,
+                  int has_bias, int E, int top_k, int renormalize, float scaling,
+                  int weights_use_bias, float* logits, uint32_t* ids, float* weights,
+                  uint32_t* offsets, uint32_t* slots, uint32_t* rows, float* wsel,
+                  uint32_t* meta, uint32_t* ticket) {
+  extern __shared__ uint32_t ro_sm[];
+  __shared__ int last;
+  __shared__ float part[8];
+  // Two experts per block, four warps each over a quarter of the row: one DRAM round trip
+  // per lane (a warp per whole row took three, 18 us per launch under ncu). The first
+  // ROUTE_PRE float4 of each lane's weights load before `pdl_wait` (weights never depend on
+  // the previous kernel), overlapping its tail.
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int e = blockIdx.x * 2 + (warp >> 2), quarter = warp & 3;
+  const int q = d / 4, per = (q + 3) / 4;
+  const int lo = quarter * per, hi = e < E ? min(q, lo + per) : lo;
+  const float4* w4 = reinterpret_cast<const float4*>(router + (size_t)min(e, E - 1) * d);
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  constexpr int ROUTE_PRE = 8;
+  float4 pre[ROUTE_PRE];
+#pragma unroll
+  for (int j = 0; j < ROUTE_PRE; ++j) {
+    const int c = lo + lane + 32 * j;
+    if (c < hi) pre[j] = __ldg(w4 + c);
+  }
+  pdl_enter();
+  float acc = 0.0f;
+#pragma unroll
+  for (int j = 0; j < ROUTE_PRE; ++j) {
+    const int c = lo + lane + 32 * j;
+    if (c < hi) {
+      const float4 a = pre[j], b = x4[c];
+      acc = fmaf(a.x, b.x, acc);
+      acc = fmaf(a.y, b.y, acc);
+      acc = fmaf(a.z, b.z, acc);
+      acc = fmaf(a.w, b.w, acc);
+    }
+  }
+  for (int c = lo + lane + 32 * ROUTE_PRE; c < hi; c += 32) {
+    const float4 a = __ldg(w4 + c), b = x4[c];
+    acc = fmaf(a.x, b.x, acc);
+    acc = fmaf(a.y, b.y, acc);
+    acc = fmaf(a.z, b.z, acc);
+    acc = fmaf(a.w, b.w, acc);
+  }
+  acc = warp_sum(acc);
+  if (lane == 0) part[warp] = acc;
+  __syncthreads();
+  if (threadIdx.x < 2 && blockIdx.x * 2 + threadIdx.x < E) {
+    const float* pq = part + 4 * threadIdx.x;
+    logits[blockIdx.x * 2 + threadIdx.x] = (pq[0] + pq[1]) + (pq[2] + pq[3]);
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if (warp == 0)
+    route_token_warp(logits, bias, bdt, has_bias, ids, weights, E, top_k, renormalize, scaling,
+                     weights_use_bias);
+  __syncthreads();
+  lists_block(ids, weights, top_k, E, top_k, offsets, slots, rows, wsel, meta, ro_sm);
+  if (threadIdx.x == 0) *ticket = 0;
 }
 
 // moe_lists for many pairs, over several blocks: `moe_lists_count` adds each block's
@@ -326,10 +425,6 @@ __device__ __forceinline__ void bf16x8(const uint4& v, float* f) {
   }
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 // Expert GEMV over the pairs routed to one expert. Grid (ceil(rows_out/(16*rb)), min(P, E));
 // block 256 = 8 warps, two output rows per warp, `rb` times over (more rows per CTA when
@@ -617,5 +712,130 @@ extern "C" __global__ void moe_silu_mul_bf16(const void* gu, int gu_f32, __nv_bf
         if (split) h[(size_t)P * I + o + j] = lo[j];
       }
     }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Expert GEMVs of one token, streamed (see stream.cuh): persistent CTAs walk the tiles of
+// every expert the token chose, and of the shared expert, in one launch.
+//
+// Slots: with `shared` = 1, slot 0 is the shared expert (table entry E: gate, up, down);
+// then the active experts (the list after `offsets`, from `moe_lists`). A slot has
+// ceil(rows_out / rows) tiles; a tile holds `rows` rows of the expert's weight (glu: its
+// `rows` gate rows, then the same up rows, 2 * rows weight rows in all).
+// glu = 1: out[q, j] = silu(gate_e[j]·x) * (up_e[j]·x) with x = in[0], the token; glu = 0:
+// out[q, j] = down_e[j]·in[q], q the expert's pair. The shared expert's row is q = p (after
+// the p = top_k pair rows). The input rows (1 for glu, p + shared for down) are staged in
+// shared memory when `stage_in`, else read from global memory.
+// The shared expert's tiles come first, so the producer may queue them before `pdl_wait`:
+// its weights, unlike the routed experts' choice, do not depend on the previous kernel.
+//
+// grid = one CTA per SM, block STREAM_THREADS, dynamic smem stages * tile bytes (+ the
+// staged rows). bf16 weights, cols % (256 * slices) == 0, 16-byte aligned weights and `in`.
+#include "stream.cuh"
+
+// Slot j's expert (table index) and its first pair's place in `slots`.
+__device__ __forceinline__ int moe_stream_expert(const uint32_t* offsets, int E, int shared,
+                                                 int j, uint32_t& pair) {
+  if (j < shared) {
+    pair = 0xffffffffu;
+    return E;
+  }
+  const int e = (int)offsets[E + 2 + (j - shared)];
+  pair = offsets[e];
+  return e;
+}
+
+extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
+    moe_stream_1(const uint64_t* wtab, int glu, const float* in, int top_k,
+                 const uint32_t* offsets, int E, const uint32_t* slots, float* out,
+                 int rows_out, int cols, int rows, int stages, int shared, int stage_in) {
+  extern __shared__ __align__(128) uint8_t stream_buf[];
+  __shared__ StreamSmem s;
+  const int p = top_k;
+  const uint32_t row_bytes = (uint32_t)cols * 2u;
+  const int wrows = glu ? 2 * rows : rows;
+  const uint32_t tile_bytes = row_bytes * (uint32_t)wrows;
+  const int tps = (rows_out + rows - 1) / rows;
+  const int nv = cols >> 3;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool producer = warp == STREAM_CONSUMERS;
+  float* xs = reinterpret_cast<float*>(stream_buf + (size_t)stages * tile_bytes);
+  // Producer lane 0: queue tile t (slot t / tps) into `stage`.
+  auto fetch = [&](int t, int stage) {
+    uint32_t pair;
+    const int ex = moe_stream_expert(offsets, E, shared, t / tps, pair);
+    const int r0 = (t % tps) * rows, nr = min(rows, rows_out - r0);
+    const size_t off = (size_t)r0 * cols;
+    uint8_t* dst = stream_buf + (size_t)stage * tile_bytes;
+    const __nv_bfloat16* a = reinterpret_cast<const __nv_bfloat16*>(wtab[3 * ex + (glu ? 0 : 2)]);
+    const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(wtab[3 * ex + 1]);
+    stream_fetch(s, dst, stage, a + off, row_bytes * nr, glu ? b + off : nullptr,
+                 glu ? row_bytes * nr : 0);
+  };
+  stream_init(s, stages);
+  int queued = 0;
+  if (producer && lane == 0)
+    for (; queued < stages; ++queued) {
+      const int t = blockIdx.x + queued * gridDim.x;
+      if (t >= shared * tps) break;
+      fetch(t, queued);
+    }
+  pdl_enter();
+  const int tiles = (shared + (int)offsets[E + 1]) * tps;
+  const float* src = in;
+  if (stage_in) {
+    stream_stage_x(xs, in, (glu ? 1 : p + shared) * cols);
+    src = xs;
+  }
+  if (producer) {
+    if (lane == 0)
+      for (; queued < stages; ++queued) {
+        const int t = blockIdx.x + queued * gridDim.x;
+        if (t >= tiles) break;
+        fetch(t, queued);
+      }
+    const int slices = stream_cover(wrows, 0).slices;
+    for (int i = 0;; ++i) {
+      const int t = blockIdx.x + i * gridDim.x;
+      if (t >= tiles) break;
+      const int stage = i % stages;
+      uint32_t pair;
+      moe_stream_expert(offsets, E, shared, t / tps, pair);
+      const uint32_t q = pair == 0xffffffffu ? (uint32_t)p : slots[pair];
+      const int r0 = (t % tps) * rows, nr = min(rows, rows_out - r0);
+      bar_wait(smem_addr(&s.empty[stage]), (i / stages) & 1);
+      if (lane < nr) {
+        float v = stream_row_sum(s, stage, lane, slices);
+        if (glu) {
+          const float u = stream_row_sum(s, stage, nr + lane, slices);
+          v = (v / (1.0f + expf(-v))) * u;
+        }
+        out[(size_t)q * rows_out + r0 + lane] = v;
+      }
+      __syncwarp();
+      if (lane == 0 && t + stages * (int)gridDim.x < tiles) fetch(t + stages * gridDim.x, stage);
+    }
+    return;
+  }
+  const StreamCover cov = stream_cover(wrows, warp);
+  for (int i = 0;; ++i) {
+    const int t = blockIdx.x + i * gridDim.x;
+    if (t >= tiles) break;
+    const int stage = i % stages;
+    const int r0 = (t % tps) * rows, nr = min(rows, rows_out - r0);
+    const float* x = src;
+    if (!glu) {
+      uint32_t pair;
+      moe_stream_expert(offsets, E, shared, t / tps, pair);
+      const uint32_t q = pair == 0xffffffffu ? (uint32_t)p : slots[pair];
+      x = src + (size_t)q * cols;
+    }
+    bar_wait(smem_addr(&s.full[stage]), (i / stages) & 1);
+    const uint8_t* tile = stream_buf + (size_t)stage * tile_bytes;
+    for (int r = cov.first; r < (glu ? 2 * nr : nr); r += cov.step)
+      stream_row_dot(s, stage, tile, r, nv, cov.slice, cov.slices, x);
+    __syncwarp();
+    if (lane == 0) stream_bar_arrive(smem_addr(&s.empty[stage]));
   }
 }

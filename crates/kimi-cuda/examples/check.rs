@@ -76,6 +76,7 @@ fn main() {
         ("tune", false, Box::new(tune)),
         ("gemv-bench", false, Box::new(gemv_bench)),
         ("moe-bench", false, Box::new(moe_bench)),
+        ("moe-decode", false, Box::new(moe_decode_bench)),
         ("ncu-step", false, Box::new(ncu_step)),
         ("decode-modes", false, Box::new(decode_modes)),
         ("kda-bench", false, Box::new(kda_bench)),
@@ -528,26 +529,26 @@ fn tune() -> Res<()> {
     check_graphs(&model, &[1, 8, 64])
 }
 
-/// One 48B-shaped MoE layer at prefill sizes: each grouped expert GEMM (the CUTLASS one, the
-/// pipelined `moe_mma_*` and the single-stage `moe_grouped_mma`) in both precisions, synchronised
-/// wall time of the whole op (routing, shared expert and combine included) and the routed
-/// experts' useful TFLOP/s; outputs compared with the single-stage kernel in Split.
-fn moe_bench() -> Res<()> {
-    println!("== MoE layer: 256 experts top-8 (groups 1), hidden 2304, width 1024, bf16 weights");
-    let be = CudaBackend::new(0)?;
-    println!("device: {}", be.name());
-    let (d, inter, e, top_k) = (2304usize, 1024usize, 256usize, 8usize);
-    let mut r = op_cases::Rng(11);
+/// The 48B model's MoE shapes: hidden, expert width, experts, top-k.
+const MOE_48B: (usize, usize, usize, usize) = (2304, 1024, 256, 8);
+
+/// One MoE layer of the 48B shapes with random bf16 weights (a shared expert of the routed
+/// width, a correction bias) and its ungrouped routing.
+fn moe_48b_layer(
+    be: &CudaBackend,
+    r: &mut op_cases::Rng,
+) -> Res<(MoeWeights<kimi_cuda::CudaTensor>, MoeRouting)> {
+    let (d, inter, e, top_k) = MOE_48B;
     let router = op_cases::weight(
-        &be,
+        be,
         &[e, d],
         &r.vec(e * d, (d as f32).powf(-0.5)),
         DType::BF16,
     )?;
     let experts = (0..e)
-        .map(|_| op_cases::mlp_weights(&be, &mut r, d, inter))
+        .map(|_| op_cases::mlp_weights(be, r, d, inter))
         .collect::<Res<Vec<_>>>()?;
-    let shared = Some(op_cases::mlp_weights(&be, &mut r, d, inter)?);
+    let shared = Some(op_cases::mlp_weights(be, r, d, inter)?);
     let w = MoeWeights {
         router,
         correction_bias: Some(be.upload_f32(&[e], &r.vec(e, 0.1))?),
@@ -562,6 +563,20 @@ fn moe_bench() -> Res<()> {
         scaling: 2.5,
         weights_use_bias: false,
     };
+    Ok((w, routing))
+}
+
+/// One 48B-shaped MoE layer at prefill sizes: each grouped expert GEMM (the CUTLASS one, the
+/// pipelined `moe_mma_*` and the single-stage `moe_grouped_mma`) in both precisions, synchronised
+/// wall time of the whole op (routing, shared expert and combine included) and the routed
+/// experts' useful TFLOP/s; outputs compared with the single-stage kernel in Split.
+fn moe_bench() -> Res<()> {
+    println!("== MoE layer: 256 experts top-8 (groups 1), hidden 2304, width 1024, bf16 weights");
+    let be = CudaBackend::new(0)?;
+    println!("device: {}", be.name());
+    let (d, inter, _, top_k) = MOE_48B;
+    let mut r = op_cases::Rng(11);
+    let (w, routing) = moe_48b_layer(&be, &mut r)?;
     for n in [256usize, 512, 1024, 8192] {
         let x = be.upload_f32(&[n, d], &r.vec(n * d, 1.0))?;
         let flops = (n * top_k * 3 * d * inter * 2) as f64;
@@ -599,6 +614,76 @@ fn moe_bench() -> Res<()> {
     Ok(())
 }
 
+/// One decode-sized MoE layer of the 48B shapes (256 experts top-8, hidden 2304, width
+/// 1024, a shared expert of the same width), routing included, at 1 and 8 tokens: the
+/// streamed experts (`moe_stream_1`) against the shared MLP + `moe_expert_gemv`, 32 calls
+/// inside a replayed pass, as in a decode step. Each call has fresh activations, so its 8
+/// of 256 experts (127 MB with the shared one) are mostly cold in the 50 MB L2.
+fn moe_decode_bench() -> Res<()> {
+    println!("== MoE decode layer: 256 experts top-8 + shared, hidden 2304, width 1024, bf16");
+    let be = CudaBackend::new(0)?;
+    println!("device: {}", be.name());
+    let (d, inter, e, _) = MOE_48B;
+    let mut r = op_cases::Rng(13);
+    let (w, routing) = moe_48b_layer(&be, &mut r)?;
+    let calls = 32usize;
+    let mut key = 1u64 << 41;
+    for n in [1usize, 8] {
+        // (8 tokens: routing and experts are one-token kernels; all rows take the others.)
+        let xs = (0..calls)
+            .map(|_| be.upload_f32(&[n, d], &r.vec(n * d, 1.0)))
+            .collect::<kimi_ops::Result<Vec<_>>>()?;
+        be.set_moe_stream(false);
+        be.set_moe_route_one(false);
+        let reference = be.to_f32(&be.moe(&xs[0], &w, &routing)?.0)?;
+        // Weights read per call: the distinct experts of the first call, plus the shared
+        // expert and the router.
+        let ids = be.expert_ids(&be.moe(&xs[0], &w, &routing)?.1)?;
+        let mut distinct = ids.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let bytes = ((distinct.len() + 1) * 3 * d * inter * 2 + e * d * 4) as f64;
+        let mut line = format!("moe decode n={n} ({} experts):", distinct.len());
+        // (label, one-launch routing, streamed experts)
+        for (label, route_one, stream) in [
+            ("3-launch routing + expert_gemv", false, false),
+            ("route_one + expert_gemv", true, false),
+            ("route_one + stream", true, true),
+        ] {
+            be.set_moe_route_one(route_one);
+            be.set_moe_stream(stream);
+            let err = rel_err(&be.to_f32(&be.moe(&xs[0], &w, &routing)?.0)?, &reference);
+            if err > 1e-5 {
+                return Err(format!("moe decode n={n} {label}: rel err {err:.2e}").into());
+            }
+            key += 1;
+            let pass = || -> kimi_ops::Result<()> {
+                be.replayable(Some(key), || -> kimi_ops::Result<()> {
+                    for x in &xs {
+                        drop(be.moe(x, &w, &routing)?);
+                    }
+                    Ok(())
+                })?
+            };
+            let secs = time_calls(&be, 2, 10, pass)? / calls as f64;
+            line += &format!(
+                "  {label} {:6.2} us ({:4.2} TB/s, rel err {err:.1e})",
+                secs * 1e6,
+                bytes / secs / 1e12
+            );
+        }
+        println!("{line}");
+        let _ = std::io::stdout().flush();
+    }
+    be.set_moe_stream(true);
+    be.set_moe_route_one(true);
+    Ok(())
+}
+
+/// The streamed kernels' default shape (`ops::gemm` in kimi-cuda): tile KiB, shared memory
+/// KiB per CTA.
+const STREAM_DEFAULT_SHAPE: (usize, usize) = (40, 200);
+
 /// The small-batch bf16 GEMV at the 48B model's decode shapes, inside a replayed pass (as in
 /// a decode step): each shape rotates over enough copies of its matrix (>= 320 MB) that
 /// every call streams from HBM, not L2. Both kernels, with and without programmatic
@@ -621,11 +706,15 @@ fn gemv_bench() -> Res<()> {
         ("dense down", 2304, 9216),
         ("lm_head", 163840, 2304),
     ];
-    let variants: [(&str, usize, bool); 4] = [
-        ("old", 1, false),
-        ("old+pdl", 1, true),
-        ("bulk+pdl", 2, true),
-        ("auto+pdl", 0, true),
+    // (label, GEMV variant, PDL, streamed kernel's (tile KiB, shared memory KiB per CTA)).
+    type Variant = (&'static str, usize, bool, (usize, usize));
+    let variants: [Variant; 6] = [
+        ("regs", 1, true, (0, 0)),
+        ("bulk", 2, true, (0, 0)),
+        ("s40/200", 3, true, (40, 200)),
+        ("s20/200", 3, true, (20, 200)),
+        ("s32/128", 3, true, (32, 128)),
+        ("auto", 0, true, STREAM_DEFAULT_SHAPE),
     ];
     let mut key = 1u64 << 40;
     for (name, o, k) in shapes {
@@ -642,9 +731,10 @@ fn gemv_bench() -> Res<()> {
             let mut line = format!("gemv {name:<22} o={o:<6} k={k:<5} n={n}:");
             be.set_gemv_variant(1);
             let reference = be.to_f32(&be.matmul(&x, &ws[0])?)?;
-            for &(label, variant, pdl) in &variants {
+            for &(label, variant, pdl, (tile, cta)) in &variants {
                 be.set_gemv_variant(variant);
                 be.set_pdl(pdl);
+                be.set_stream_shape(tile << 10, cta << 10);
                 let err = rel_err(&be.to_f32(&be.matmul(&x, &ws[0])?)?, &reference);
                 if err > 1e-5 {
                     return Err(format!("gemv {name} n={n} {label}: rel err {err:.2e}").into());
@@ -671,6 +761,8 @@ fn gemv_bench() -> Res<()> {
     }
     be.set_gemv_variant(0);
     be.set_pdl(true);
+    let (tile, cta) = STREAM_DEFAULT_SHAPE;
+    be.set_stream_shape(tile << 10, cta << 10);
     Ok(())
 }
 

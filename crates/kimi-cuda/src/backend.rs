@@ -54,6 +54,8 @@ pub struct CudaBackend {
     device_name: String,
     /// Expert address tables of the fused MoE path, by their contents.
     moe_tables: Mutex<HashMap<Vec<u64>, DevBuf>>,
+    /// One u32, zero between launches: `moe_route_one`'s count of finished blocks.
+    route_ticket: DevBuf,
 }
 
 /// Up to this many tokens, routed experts run as fused GEMV kernels over all (token, expert)
@@ -103,12 +105,14 @@ impl CudaBackend {
     pub fn new(ordinal: usize) -> Result<Self> {
         let dev = Device::new(ordinal)?;
         let device_name = dev.ctx.name().op("init")?;
+        let route_ticket = dev.upload_kept(&[0u8; 4], "init")?;
         Ok(Self {
             dev,
             gemm_precision: AtomicU8::new(0),
             ordinal,
             device_name,
             moe_tables: Mutex::new(HashMap::new()),
+            route_ticket,
         })
     }
 
@@ -248,6 +252,25 @@ impl CudaBackend {
             )?
         };
         Ok(out)
+    }
+
+    /// Whether one-token MoE layers route in one launch (`moe_route_one`, the default) or
+    /// through cuBLAS, `moe_route*` and `moe_lists`. For comparison.
+    pub fn set_moe_route_one(&self, on: bool) {
+        ops::moe::set_route_one(on);
+    }
+
+    /// Whether one-token MoE layers stream their routed and shared experts in two
+    /// persistent launches (`moe_stream_1`, the default) or run the shared expert as an MLP
+    /// and the routed ones through `moe_expert_gemv`. For comparison.
+    pub fn set_moe_stream(&self, on: bool) {
+        ops::moe::set_stream(on);
+    }
+
+    /// Sets the streamed one-token kernels' (`gemv_stream_1`, `moe_stream_1`) tile bytes
+    /// and shared memory per CTA; 0 keeps a value. For tuning.
+    pub fn set_stream_shape(&self, tile_bytes: usize, cta_bytes: usize) {
+        ops::gemm::set_stream_shape(tile_bytes, cta_bytes);
     }
 
     /// Forces the routed-expert GEMV's 16-row blocks per CTA (0 = automatic), for tuning.
@@ -527,13 +550,32 @@ impl CudaBackend {
         d: usize,
         k: usize,
     ) -> Result<(CudaTensor, CudaTensor)> {
+        Ok((
+            self.weighted_combine(y, inv, wts, shared_out, n, d, k)?,
+            ids,
+        ))
+    }
+
+    /// The routing-weighted pair rows `y` (see [`Self::combine_routed`]) added to
+    /// `shared_out` in place, or written to a new `[n, d]`.
+    #[allow(clippy::too_many_arguments)]
+    fn weighted_combine(
+        &self,
+        y: &CudaTensor,
+        inv: u64,
+        wts: &CudaTensor,
+        shared_out: Option<CudaTensor>,
+        n: usize,
+        d: usize,
+        k: usize,
+    ) -> Result<CudaTensor> {
         const OP: &str = "moe";
         let accumulate = shared_out.is_some();
         let out = match shared_out {
             Some(o) => o,
             None => self.empty(&[n, d], DType::F32, OP)?,
         };
-        // SAFETY: y holds n*k*d f32, wts (and inv unless 0) n*k entries, out n*d.
+        // SAFETY: y holds n*k*d f32 (at least), wts (and inv unless 0) n*k entries, out n*d.
         unsafe {
             ops::moe::combine(
                 &self.dev,
@@ -547,7 +589,113 @@ impl CudaBackend {
                 accumulate,
             )?
         };
-        Ok((out, ids))
+        Ok(out)
+    }
+
+    /// A one-token MoE layer's experts as two `moe_stream_1` passes (gate/up, then down),
+    /// the shared expert folded in as one more slot when its shapes match the routed ones',
+    /// then the weighted combine. `None` where the stream does not apply (more tokens,
+    /// other dtypes or shapes, unaligned weights): the caller takes another path.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_streamed(
+        &self,
+        x: &CudaTensor,
+        w: &MoeWeights<CudaTensor>,
+        wts: &CudaTensor,
+        k: usize,
+        offsets: u64,
+        slots: u64,
+        n: usize,
+        d: usize,
+    ) -> Result<Option<CudaTensor>> {
+        const OP: &str = "moe";
+        if n != 1 || !ops::moe::stream_on() {
+            return Ok(None);
+        }
+        let Some(inter) = self.grouped_moe_shape(w, d) else {
+            return Ok(None);
+        };
+        let e = w.experts.len();
+        let fold_shared = w.shared.as_ref().is_some_and(|m| {
+            m.gate.shape == [inter, d]
+                && m.up.shape == [inter, d]
+                && m.down.shape == [d, inter]
+                && [&m.gate, &m.up, &m.down]
+                    .iter()
+                    .all(|t| t.dtype == DType::BF16)
+        });
+        let slots_max = k.min(e) + fold_shared as usize;
+        let staged = |glu, cols| ops::moe::stream_staged_bytes(glu, k, fold_shared, cols);
+        let (Some(plan_gu), Some(plan_down)) = (
+            ops::gemm::stream_plan(&self.dev, d, inter * slots_max, 2, staged(true, d)),
+            ops::gemm::stream_plan(&self.dev, inter, d * slots_max, 1, staged(false, inter)),
+        ) else {
+            return Ok(None);
+        };
+        let (table, aligned) = self.expert_table(w)?;
+        if !aligned || !x.ptr().is_multiple_of(16) {
+            return Ok(None);
+        }
+        // A shared expert of other shapes runs as an MLP; the routed experts add into it.
+        let shared_mlp = match (&w.shared, fold_shared) {
+            (Some(shared), false) => Some(self.mlp(x, shared)?),
+            _ => None,
+        };
+        let p = n * k;
+        let rows = p + if fold_shared { n } else { 0 };
+        let h = self.empty(&[rows, inter], DType::F32, OP)?;
+        let y = self.empty(&[rows, d], DType::F32, OP)?;
+        // SAFETY: grouped_moe_shape checked bf16 gate/up [inter, d] and down [d, inter] for
+        // every expert (fold_shared: the shared one too, at table entry e); the table and x
+        // are 16-byte aligned (fresh allocations such as h are); offsets/slots come from
+        // lists for p pairs; h and y hold `rows` rows; the plans are stream_plan's.
+        unsafe {
+            ops::moe::expert_stream(
+                &self.dev,
+                table,
+                true,
+                x.ptr(),
+                k,
+                offsets,
+                e,
+                slots,
+                h.ptr(),
+                fold_shared,
+                inter,
+                d,
+                plan_gu,
+            )?;
+            ops::moe::expert_stream(
+                &self.dev,
+                table,
+                false,
+                h.ptr(),
+                k,
+                offsets,
+                e,
+                slots,
+                y.ptr(),
+                fold_shared,
+                d,
+                inter,
+                plan_down,
+            )?;
+        }
+        // The shared rows (after the p pair rows) take the routed sum in place.
+        let shared_out = if fold_shared {
+            Some(CudaTensor {
+                shape: vec![n, d],
+                dtype: DType::F32,
+                buf: y.buf.clone(),
+                offset: y.offset + p * d * 4,
+            })
+        } else {
+            shared_mlp
+        };
+        // y's first p rows are the pair rows.
+        Ok(Some(
+            self.weighted_combine(&y, 0, wts, shared_out, n, d, k)?,
+        ))
     }
 
     /// The intermediate size when the routed experts fit the grouped tensor-core kernel:
@@ -735,12 +883,15 @@ impl CudaBackend {
         Ok((y, inv))
     }
 
-    /// The device table of every expert's (gate, up, down) addresses, uploaded once per
-    /// distinct set of weights and kept (its contents are its key, so it cannot go stale).
+    /// The device table of every expert's (gate, up, down) addresses, then the shared
+    /// expert's when there is one (entry `experts.len()`, read by `moe_stream`), uploaded
+    /// once per distinct set of weights and kept (its contents are its key, so it cannot go
+    /// stale).
     fn expert_table(&self, w: &MoeWeights<CudaTensor>) -> Result<(u64, bool)> {
         let key: Vec<u64> = w
             .experts
             .iter()
+            .chain(w.shared.as_ref())
             .flat_map(|x| [x.gate.ptr(), x.up.ptr(), x.down.ptr()])
             .collect();
         let mut tables = self
@@ -1211,7 +1362,7 @@ impl Backend for CudaBackend {
         }
         // The router runs in f32, as on the CPU, so that near-ties pick the same experts.
         let router32 = self.as_f32_copy(&w.router, OP)?;
-        let logits = self.matmul_op(x, router32.as_ref().unwrap_or(&w.router), OP)?;
+        let router = router32.as_ref().unwrap_or(&w.router);
         let (bias, bdt) = match &w.correction_bias {
             Some(b) if b.len() == e => (b.ptr(), code(b, OP)?),
             Some(b) => return Err(shape_err(OP, format!("correction bias {:?}", b.shape))),
@@ -1222,20 +1373,6 @@ impl Backend for CudaBackend {
         if n == 0 {
             return Ok((self.zeroed(&[n, d], OP)?, ids_dev));
         }
-        // SAFETY: logits [n,e] f32; ids/weights hold n*top_k 4-byte entries.
-        unsafe {
-            ops::moe::route(
-                &self.dev,
-                logits.ptr(),
-                bias,
-                bdt,
-                ids_dev.ptr(),
-                wts_dev.ptr(),
-                n,
-                e,
-                r,
-            )?
-        };
         // Pairs grouped by expert, on the device.
         let (k, p) = (r.top_k, n * r.top_k);
         // Offsets, then the active-expert list (see `moe_lists`).
@@ -1246,28 +1383,82 @@ impl Backend for CudaBackend {
         let meta = self.empty(&[p + e], DType::F32, OP)?;
         let (offsets_ptr, slots_ptr) = (Self::slice_ptr(&offsets), Self::slice_ptr(&slots));
         let (rows_ptr, wsel_ptr) = (Self::slice_ptr(&rows), Self::slice_ptr(&wsel));
-        let counters = if p >= ops::moe::LISTS_MULTI_BLOCK_PAIRS {
-            Some(self.zeroed(&[2 * e], OP)?)
+        let lists = ops::moe::ListBufs {
+            ids: ids_dev.ptr(),
+            weights: wts_dev.ptr(),
+            offsets: offsets_ptr,
+            slots: slots_ptr,
+            rows: rows_ptr,
+            wsel: wsel_ptr,
+            meta: meta.ptr(),
+        };
+        let one_launch = n == 1
+            && ops::moe::route_one_on()
+            && r.num_groups <= 1
+            && e <= ops::moe::ROUTE_WARP_MAX_EXPERTS
+            && router.dtype == DType::F32
+            && d.is_multiple_of(4)
+            && router.ptr().is_multiple_of(16)
+            && x.ptr().is_multiple_of(16);
+        if one_launch {
+            let logits = self.empty(&[e], DType::F32, OP)?;
+            // SAFETY: router [e, d] f32 and x [1, d] 16-byte aligned with d % 4 == 0; the
+            // ticket is this backend's (zero between launches); buffers as allocated above.
+            unsafe {
+                ops::moe::route_one(
+                    &self.dev,
+                    router.ptr(),
+                    x.ptr(),
+                    d,
+                    bias,
+                    bdt,
+                    e,
+                    r,
+                    logits.ptr(),
+                    &lists,
+                    Self::slice_ptr(&self.route_ticket),
+                )?
+            };
         } else {
-            None
-        };
-        // SAFETY: ids < e (route picks among e experts); buffer sizes as allocated above.
-        unsafe {
-            ops::moe::lists(
-                &self.dev,
-                ids_dev.ptr(),
-                wts_dev.ptr(),
-                p,
-                e,
-                k,
-                offsets_ptr,
-                slots_ptr,
-                rows_ptr,
-                wsel_ptr,
-                meta.ptr(),
-                counters.as_ref().map(|c| c.ptr()),
-            )?
-        };
+            let logits = self.matmul_op(x, router, OP)?;
+            let counters = if p >= ops::moe::LISTS_MULTI_BLOCK_PAIRS {
+                Some(self.zeroed(&[2 * e], OP)?)
+            } else {
+                None
+            };
+            // SAFETY: logits [n,e] f32; ids/weights hold n*top_k 4-byte entries; ids < e
+            // (route picks among e experts); buffer sizes as allocated above.
+            unsafe {
+                ops::moe::route(
+                    &self.dev,
+                    logits.ptr(),
+                    bias,
+                    bdt,
+                    ids_dev.ptr(),
+                    wts_dev.ptr(),
+                    n,
+                    e,
+                    r,
+                )?;
+                ops::moe::lists(
+                    &self.dev,
+                    ids_dev.ptr(),
+                    wts_dev.ptr(),
+                    p,
+                    e,
+                    k,
+                    offsets_ptr,
+                    slots_ptr,
+                    rows_ptr,
+                    wsel_ptr,
+                    meta.ptr(),
+                    counters.as_ref().map(|c| c.ptr()),
+                )?
+            };
+        }
+        if let Some(done) = self.moe_streamed(x, w, &wts_dev, k, offsets_ptr, slots_ptr, n, d)? {
+            return Ok((done, ids_dev));
+        }
         // The shared expert first: the routed experts add into its output.
         let shared_out = match &w.shared {
             Some(shared) => {

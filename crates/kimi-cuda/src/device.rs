@@ -42,6 +42,8 @@ const BIG_SMEM_KERNELS: &[&str] = &[
     "kda_chunk_mma_128_half",
     "kda_chunk_prep_blk_64",
     "kda_chunk_prep_blk_128",
+    "gemv_stream_1",
+    "moe_stream_1",
 ];
 
 /// Every kernel symbol, by module (the `kernels/<module>.cu` file stem).
@@ -89,6 +91,7 @@ const KERNELS: &[(&str, &[&str])] = &[
             "gemv_bulk_1",
             "gemv_bulk_4",
             "gemv_bulk_8",
+            "gemv_stream_1",
         ],
     ),
     (
@@ -141,6 +144,8 @@ const KERNELS: &[(&str, &[&str])] = &[
             "moe_lists_count",
             "moe_lists_place",
             "moe_expert_gemv",
+            "moe_stream_1",
+            "moe_route_one",
             "moe_combine",
             "moe_gather_bf16",
             "moe_silu_mul_bf16",
@@ -229,6 +234,8 @@ pub(crate) struct Device {
     graphs: Mutex<GraphCache>,
     /// Counts of how recorded passes reached the GPU: eager, captured, replayed.
     pub(crate) pass_counts: Mutex<[u64; 3]>,
+    /// Streaming multiprocessors: persistent kernels size their grids by it.
+    pub(crate) sm_count: usize,
 }
 
 impl Device {
@@ -282,6 +289,12 @@ impl Device {
         pool_keeps_memory(&ctx, keep)?;
         let graphs_on = std::env::var("KIMI_CUDA_GRAPHS").is_ok_and(|v| v == "1");
         let pdl_on = std::env::var("KIMI_CUDA_PDL").map_or(true, |v| v != "0");
+        let sm_count = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .op("init")?
+            .max(1) as usize;
         Ok(Self {
             ctx,
             stream,
@@ -292,6 +305,7 @@ impl Device {
             arena: Mutex::new(None),
             graphs: Mutex::new(GraphCache::new()),
             pass_counts: Mutex::new([0; 3]),
+            sm_count,
         })
     }
 

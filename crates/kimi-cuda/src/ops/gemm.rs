@@ -89,7 +89,31 @@ pub(crate) unsafe fn gemv_bf16(
             "gemv_bf16: {n} rows, at most 8"
         )));
     }
-    let bulk = match GEMV_VARIANT.load(Ordering::Relaxed) {
+    let variant = GEMV_VARIANT.load(Ordering::Relaxed);
+    // One token, on request: the persistent streamed kernel, with the activation row staged.
+    // It matched `gemv_bulk` at the model's shapes but not bettered it (o_proj was slower;
+    // device-results/2026-12-01-session11), so the automatic choice stays with the latter.
+    let stream = match variant {
+        3 if n == 1 => stream_plan(dev, k, o, 1, k * 4),
+        _ => None,
+    };
+    if let Some(plan) = stream {
+        let mut b = dev.kernel("matmul", "gemv_stream_1")?;
+        let (rows, stages) = (plan.rows as i32, plan.stages as i32);
+        b.arg(&w)
+            .arg(&x)
+            .arg(&y)
+            .arg(&oi)
+            .arg(&ki)
+            .arg(&rows)
+            .arg(&stages);
+        // SAFETY: see the function's contract; `stream_plan` checked k against the tile's
+        // column slices and sized the stages within the kernel's opted-in shared memory.
+        unsafe { b.launch(grid((plan.grid as u32, 1, 1), STREAM_THREADS, plan.smem)) }
+            .op("matmul")?;
+        return Ok(());
+    }
+    let bulk = match variant {
         1 => None,
         2 => bulk_rows(k),
         _ => bulk_rows(k).filter(|_| prefers_bulk(n, k, o)),
@@ -144,9 +168,88 @@ fn prefers_bulk(n: usize, k: usize, o: usize) -> bool {
     k >= 256 && (n == 1 || o <= 1024 || k >= 8192)
 }
 
-/// Which GEMV kernel small-batch bf16 matmuls use: 0 = automatic ([`prefers_bulk`]),
-/// 1 = always the register-streaming `gemv_bf16`, 2 = `gemv_bulk` wherever its tile fits.
-/// For tuning and comparison.
+/// How a streamed one-token product (`gemv_stream_1`, `moe_stream_1`) is cut: output rows
+/// per tile, shared-memory stages, CTAs and dynamic shared memory per CTA (stages, then the
+/// staged activations).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct StreamPlan {
+    pub(crate) rows: usize,
+    pub(crate) stages: usize,
+    pub(crate) grid: usize,
+    pub(crate) smem: u32,
+}
+
+/// Bytes of one streamed tile at most, and of a CTA's stages and staged activations (one
+/// CTA per SM). Tunable ([`set_stream_shape`]) for comparison.
+static STREAM_TILE_BYTES: AtomicUsize = AtomicUsize::new(40 * 1024);
+static STREAM_CTA_BYTES: AtomicUsize = AtomicUsize::new(200 * 1024);
+/// `STREAM_MAX_ROWS`, `STREAM_CONSUMERS`, `STREAM_MAX_STAGES` and `STREAM_THREADS` in
+/// `kernels/stream.cuh`.
+const STREAM_MAX_ROWS: usize = 16;
+const STREAM_CONSUMERS: usize = 8;
+const STREAM_MAX_STAGES: usize = 8;
+pub(crate) const STREAM_THREADS: u32 = 32 * (STREAM_CONSUMERS as u32 + 1);
+
+/// Sets the streamed kernels' tile bytes and shared memory per CTA (0 keeps a value).
+pub(crate) fn set_stream_shape(tile_bytes: usize, cta_bytes: usize) {
+    for (v, a) in [
+        (tile_bytes, &STREAM_TILE_BYTES),
+        (cta_bytes, &STREAM_CTA_BYTES),
+    ] {
+        if v > 0 {
+            a.store(v, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The cut of a streamed product over `o` output rows of `k` bf16 (`per_row` weight rows
+/// per output row: 2 for gate + up), with `staged` bytes of activations in shared memory;
+/// `None` where it does not apply. A tile takes the most rows that fit the tile bytes, up
+/// to 8 weight rows per consumer warp... while still leaving every CTA two tiles; tiles of
+/// fewer than 8 weight rows split rows into column slices, which must divide k into
+/// 256-column multiples.
+pub(crate) fn stream_plan(
+    dev: &Device,
+    k: usize,
+    o: usize,
+    per_row: usize,
+    staged: usize,
+) -> Option<StreamPlan> {
+    if k == 0 || o == 0 || !k.is_multiple_of(256) {
+        return None;
+    }
+    let tile_cap = STREAM_TILE_BYTES.load(Ordering::Relaxed);
+    let row_bytes = k * 2 * per_row;
+    let ctas = dev.sm_count;
+    let fits = |r: usize| {
+        let wrows = r * per_row;
+        let slices = (STREAM_CONSUMERS / wrows).max(1);
+        wrows <= STREAM_MAX_ROWS && r * row_bytes <= tile_cap && k.is_multiple_of(256 * slices)
+    };
+    let rows = [16usize, 8, 4, 2, 1]
+        .into_iter()
+        .filter(|&r| fits(r))
+        .find(|&r| o.div_ceil(r) >= 2 * ctas)
+        .or_else(|| [1usize, 2, 4, 8, 16].into_iter().find(|&r| fits(r)))?;
+    let tile = rows * row_bytes;
+    let budget = STREAM_CTA_BYTES
+        .load(Ordering::Relaxed)
+        .min(crate::device::MAX_DYNAMIC_SMEM_BYTES as usize);
+    let stages = (budget.checked_sub(staged)? / tile).min(STREAM_MAX_STAGES);
+    if stages < 2 {
+        return None;
+    }
+    Some(StreamPlan {
+        rows,
+        stages,
+        grid: o.div_ceil(rows).min(ctas),
+        smem: (stages * tile + staged) as u32,
+    })
+}
+
+/// Which GEMV kernel small-batch bf16 matmuls use: 0 = automatic ([`prefers_bulk`]), 1 =
+/// always the register-streaming `gemv_bf16`, 2 = `gemv_bulk` wherever its tile fits, 3 =
+/// the persistent `gemv_stream_1` for one token (else as 0). For tuning and comparison.
 static GEMV_VARIANT: AtomicUsize = AtomicUsize::new(0);
 
 /// Sets [`GEMV_VARIANT`].

@@ -61,11 +61,71 @@ pub(crate) unsafe fn route(
     Ok(())
 }
 
+/// Where [`route_one`] writes a token's picks and lists (as [`route`] and [`lists`] do).
+pub(crate) struct ListBufs {
+    pub(crate) ids: u64,
+    pub(crate) weights: u64,
+    pub(crate) offsets: u64,
+    pub(crate) slots: u64,
+    pub(crate) rows: u64,
+    pub(crate) wsel: u64,
+    pub(crate) meta: u64,
+}
+
+/// One token's router logits, picks and pair lists in one launch (`moe_route_one` in
+/// `kernels/moe.cu`): ungrouped routing over at most [`ROUTE_WARP_MAX_EXPERTS`] experts.
+///
+/// # Safety
+/// `router` holds `[e, d]` and `x` `d` f32, both 16-byte aligned, `d % 4 == 0`; `logits`
+/// holds `e` f32; `out` as for [`route`] and [`lists`] with one token; `ticket` is one u32
+/// that is zero and no other launch uses while this one runs.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn route_one(
+    dev: &Device,
+    router: u64,
+    x: u64,
+    d: usize,
+    bias: u64,
+    bdt: i32,
+    e: usize,
+    r: &MoeRouting,
+    logits: u64,
+    out: &ListBufs,
+    ticket: u64,
+) -> Result<()> {
+    let has_bias = (bias != 0) as i32;
+    let (di, ei, k) = (d as i32, e as i32, r.top_k as i32);
+    let (renorm, use_bias) = (r.renormalize as i32, r.weights_use_bias as i32);
+    let mut b = dev.kernel("moe", "moe_route_one")?;
+    b.arg(&router)
+        .arg(&x)
+        .arg(&di)
+        .arg(&bias)
+        .arg(&bdt)
+        .arg(&has_bias);
+    b.arg(&ei)
+        .arg(&k)
+        .arg(&renorm)
+        .arg(&r.scaling)
+        .arg(&use_bias);
+    b.arg(&logits).arg(&out.ids).arg(&out.weights);
+    b.arg(&out.offsets)
+        .arg(&out.slots)
+        .arg(&out.rows)
+        .arg(&out.wsel);
+    b.arg(&out.meta).arg(&ticket);
+    // Two experts' logits per block; the last block's lists keep 2e u32 in shared memory.
+    let cfg = grid((e.div_ceil(2) as u32, 1, 1), 256, (2 * e * 4) as u32);
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(cfg) }.op("moe")?;
+    Ok(())
+}
+
 /// From this many tokens, ungrouped routing runs a warp per token (see [`route`]).
 const ROUTE_WARP_MIN_TOKENS: usize = 32;
 
 /// The most experts `moe_route_warp` holds in its lanes' registers (32 × `ROUTE_MAXJ`).
-const ROUTE_WARP_MAX_EXPERTS: usize = 512;
+pub(crate) const ROUTE_WARP_MAX_EXPERTS: usize = 512;
 
 /// Pairs per `moe_lists_place` block (`LISTS_CHUNK` in `kernels/moe.cu`).
 const LISTS_CHUNK: usize = 4096;
@@ -171,6 +231,103 @@ pub(crate) unsafe fn expert_gemv(
     // SAFETY: see the function's contract.
     unsafe { b.launch(grid((gx, gy, 1), 256, smem)) }.op("moe")?;
     Ok(())
+}
+
+/// One of a token's two expert GEMV passes, streamed, the shared expert included (see
+/// `moe_stream_1` in `kernels/moe.cu`): `glu` = true reads the hidden row `input [1, cols]`
+/// and writes the SwiGLU rows `out [top_k + shared, rows_out]`; false reads those rows and
+/// writes `out [top_k + shared, rows_out]`. Row `top_k` belongs to the shared expert (table
+/// entry `e`) when `shared`.
+///
+/// # Safety
+/// `wtab` holds `3 * (e + shared)` addresses of bf16 weights (gate, up `[rows_out, cols]`
+/// when `glu`; down `[rows_out, cols]` otherwise), 16-byte aligned; `input` is 16-byte
+/// aligned and holds the rows named above; `offsets` (with its active list) and `slots` come
+/// from [`lists`] for `top_k` pairs; `plan` is [`crate::ops::gemm::stream_plan`] of `cols`,
+/// `rows_out`, 2 (glu) or 1, and `staged` = [`stream_staged_bytes`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn expert_stream(
+    dev: &Device,
+    wtab: u64,
+    glu: bool,
+    input: u64,
+    top_k: usize,
+    offsets: u64,
+    e: usize,
+    slots: u64,
+    out: u64,
+    shared: bool,
+    rows_out: usize,
+    cols: usize,
+    plan: crate::ops::gemm::StreamPlan,
+) -> Result<()> {
+    let staged = stream_staged_bytes(glu, top_k, shared, cols) > 0;
+    let ints = [
+        glu as i32,
+        top_k as i32,
+        e as i32,
+        rows_out as i32,
+        cols as i32,
+        plan.rows as i32,
+        plan.stages as i32,
+        shared as i32,
+        staged as i32,
+    ];
+    let [g, ki, ei, ro, co, rows, stages, sh, st] = ints;
+    let mut b = dev.kernel("moe", "moe_stream_1")?;
+    b.arg(&wtab).arg(&g).arg(&input).arg(&ki);
+    b.arg(&offsets).arg(&ei).arg(&slots).arg(&out);
+    b.arg(&ro).arg(&co).arg(&rows).arg(&stages);
+    b.arg(&sh).arg(&st);
+    // The tile count is known on the device only (it depends on the routing): every
+    // persistent CTA is launched.
+    let ctas = plan.grid as u32;
+    // SAFETY: see the function's contract.
+    unsafe {
+        b.launch(grid(
+            (ctas, 1, 1),
+            crate::ops::gemm::STREAM_THREADS,
+            plan.smem,
+        ))
+    }
+    .op("moe")?;
+    Ok(())
+}
+
+/// Bytes of input rows `moe_stream_1` stages in shared memory (the token's hidden row for
+/// `glu`, every pair's SwiGLU row otherwise), or 0 when they are read from global memory.
+pub(crate) fn stream_staged_bytes(glu: bool, top_k: usize, shared: bool, cols: usize) -> usize {
+    let rows = if glu { 1 } else { top_k + shared as usize };
+    let bytes = rows * cols * 4;
+    if bytes <= 48 * 1024 {
+        bytes
+    } else {
+        0
+    }
+}
+
+static STREAM_ON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+static ROUTE_ONE_ON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether one-token routing takes [`route_one`] (else cuBLAS, [`route`], [`lists`]).
+pub(crate) fn route_one_on() -> bool {
+    ROUTE_ONE_ON.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Sets [`route_one_on`] (for comparison).
+pub(crate) fn set_route_one(on: bool) {
+    ROUTE_ONE_ON.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether one-token MoE layers take [`expert_stream`].
+pub(crate) fn stream_on() -> bool {
+    STREAM_ON.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Sets [`stream_on`] (for comparison).
+pub(crate) fn set_stream(on: bool) {
+    STREAM_ON.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Row blocks of 16 per CTA of `moe_expert_gemv` for `p` (token, expert) pairs: one while

@@ -384,6 +384,22 @@ pub fn op_moe_sized<B: Backend>(
     inter: usize,
     top_k: usize,
 ) -> Res<Vec<Vec<f32>>> {
+    op_moe_shared(b, n, d, e, groups, inter, top_k, 128)
+}
+
+/// `op_moe_sized` with the shared expert's width chosen: equal to `inter`, the CUDA
+/// decode path streams it with the routed experts (`moe_stream`).
+#[allow(clippy::too_many_arguments)]
+pub fn op_moe_shared<B: Backend>(
+    b: &B,
+    n: usize,
+    d: usize,
+    e: usize,
+    groups: usize,
+    inter: usize,
+    top_k: usize,
+    shared_inter: usize,
+) -> Res<Vec<Vec<f32>>> {
     let mut r = Rng(5);
     let x = b.upload_f32(&[n, d], &r.vec(n * d, 1.0))?;
     let router = weight(
@@ -396,7 +412,7 @@ pub fn op_moe_sized<B: Backend>(
     let experts = (0..e)
         .map(|_| mlp_weights(b, &mut r, d, inter))
         .collect::<Res<Vec<_>>>()?;
-    let shared = Some(mlp_weights(b, &mut r, d, 128)?);
+    let shared = Some(mlp_weights(b, &mut r, d, shared_inter)?);
     let w = MoeWeights {
         router,
         correction_bias: Some(bias),
@@ -884,6 +900,14 @@ pub fn cases() -> Vec<(String, Case)> {
             case!(|b| op_matmul(b, 1, 2304, 1024, DType::BF16)),
         ),
         (
+            "matmul bf16 1x2304->4101 (GEMV, partial last tile)".into(),
+            case!(|b| op_matmul(b, 1, 2304, 4101, DType::BF16)),
+        ),
+        (
+            "matmul bf16 1x1024->300 (GEMV)".into(),
+            case!(|b| op_matmul(b, 1, 1024, 300, DType::BF16)),
+        ),
+        (
             "matmul bf16 77x2304->512".into(),
             case!(|b| op_matmul(b, 77, 2304, 512, DType::BF16)),
         ),
@@ -959,6 +983,18 @@ pub fn cases() -> Vec<(String, Case)> {
         (
             "moe 90 tok, 16e, d 96 (cuBLAS per-expert path)".into(),
             case!(|b| op_moe_sized(b, 90, 96, 16, 1, 64, 4)),
+        ),
+        (
+            "moe 1 tok, 32e top8, d 2304 inter 1024, shared streamed (moe_stream_1)".into(),
+            case!(|b| op_moe_shared(b, 1, 2304, 32, 1, 1024, 8, 1024)),
+        ),
+        (
+            "moe 1 tok, 16e top4, d 512 inter 256, shared an MLP (streamed, sliced rows)".into(),
+            case!(|b| op_moe_shared(b, 1, 512, 16, 1, 256, 4, 128)),
+        ),
+        (
+            "moe 5 tok, 16e top4, d 512 inter 256 (pairs share experts)".into(),
+            case!(|b| op_moe_shared(b, 5, 512, 16, 1, 256, 4, 256)),
         ),
         (
             "moe 8 tok, 16e, d 100 (unaligned)".into(),
