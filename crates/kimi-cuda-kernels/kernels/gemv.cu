@@ -16,9 +16,9 @@
 
 template <int NT>
 __device__ __forceinline__ void gemv_rows(const __nv_bfloat16* w, const float* x, float* y,
-                                          int n, int o, int k, int t0) {
+                                          int n, int o, int k, int t0, int blk) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row0 = (blockIdx.x * 8 + warp) * GEMV_RW;
+  const int row0 = (blk * 8 + warp) * GEMV_RW;
   if (row0 >= o) return;
   const int ng = min(NT, n - t0);
   const int nv = k >> 3;
@@ -84,16 +84,29 @@ extern "C" __global__ void __launch_bounds__(256, 4)
     gemv_bf16(const __nv_bfloat16* w, const float* x, float* y, int n, int o, int k) {
   pdl_enter();
   if (n == 1)
-    gemv_rows<1>(w, x, y, n, o, k, 0);
+    gemv_rows<1>(w, x, y, n, o, k, 0, blockIdx.x);
   else
-    gemv_rows<4>(w, x, y, n, o, k, 0);
+    gemv_rows<4>(w, x, y, n, o, k, 0, blockIdx.x);
+}
+
+// Two independent one-token products in one launch (KDA's f_b and g_b, 128 columns each):
+// blocks below ceil(o0 / 16) take y0 = x0 · w0ᵀ, the rest y1 = x1 · w1ᵀ.
+extern "C" __global__ void __launch_bounds__(256, 4)
+    gemv_bf16_pair(const __nv_bfloat16* w0, const float* x0, float* y0, int o0,
+                   const __nv_bfloat16* w1, const float* x1, float* y1, int o1, int k) {
+  pdl_enter();
+  const int nb0 = (o0 + 15) / 16;
+  if ((int)blockIdx.x < nb0)
+    gemv_rows<1>(w0, x0, y0, 1, o0, k, 0, blockIdx.x);
+  else
+    gemv_rows<1>(w1, x1, y1, 1, o1, k, 0, blockIdx.x - nb0);
 }
 
 // Five to eight tokens in one pass over the weights, at half the occupancy.
 extern "C" __global__ void __launch_bounds__(256, 2)
     gemv_bf16_8(const __nv_bfloat16* w, const float* x, float* y, int n, int o, int k) {
   pdl_enter();
-  gemv_rows<8>(w, x, y, n, o, k, 0);
+  gemv_rows<8>(w, x, y, n, o, k, 0, blockIdx.x);
 }
 
 // ---------------------------------------------------------------------------------------

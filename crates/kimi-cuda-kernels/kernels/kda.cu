@@ -373,8 +373,9 @@ __device__ __forceinline__ void solve_t(const float* Ms, const float* Bs, int j,
 }
 
 // ---- Operands of the tensor-core state pass (kda_chunk_mma_*), written by
-// kda_chunk_prep_mma_D. Per (chunk, head), bf16 planes, each value x as hi = bf16(x) and
-// lo = bf16(x − hi) (lo planes written only with `split`), then f32:
+// kda_chunk_prep_mma_D. Per (chunk, head), bf16 planes, each value x as hi = bf16(x) and,
+// with `split` only, lo = bf16(x − hi) (without it the lo planes are left out of the
+// layout, so a launch group of bf16-only operands holds twice the chunks), then f32:
 //   KG hi, KG lo, QG hi, QG lo   [C][D]  k̂_r ⊙ e^Γ_r, q̂_r ⊙ e^Γ_r (Γ_r: inclusive cumsum of g)
 //   T hi, T lo                   [C][C]  T[r][c] (lower triangle, β_r on the diagonal)
 //   A hi, A lo                   [C][C]  A[r][c] = q̂_r·(k̂_c ⊙ P(c,r)) for c <= r, else 0
@@ -382,8 +383,8 @@ __device__ __forceinline__ void solve_t(const float* Ms, const float* Bs, int j,
 //   γ                            [D] f32 e^Γ_last
 // Every decay is a running product of e^g (never a quotient), so nothing can overflow.
 // Rows past the segment's end are zero (k̂ = q̂ = 0, β = 0, e^g = 1).
-__host__ __device__ constexpr size_t kda_mma_scratch_bytes(int D) {
-  return (size_t)(6 * KDA_C * D + 4 * KDA_C * KDA_C) * 2 + (size_t)4 * D;
+__host__ __device__ constexpr size_t kda_mma_scratch_bytes(int D, bool split) {
+  return (size_t)(split ? 2 : 1) * (3 * KDA_C * D + 2 * KDA_C * KDA_C) * 2 + (size_t)4 * D;
 }
 
 __device__ __forceinline__ void st_hilo(__nv_bfloat16* hi, size_t plane, size_t i, float x,
@@ -407,13 +408,15 @@ __device__ __forceinline__ void prep_mma_tail(const float* Qs, const float* Ks, 
   constexpr int C = KDA_C, NT = 256;
   constexpr size_t PD = (size_t)C * D, PC = (size_t)C * C;
   const int tid = threadIdx.x;
-  unsigned char* base = reinterpret_cast<unsigned char*>(scratch) + kda_mma_scratch_bytes(D) * slot;
+  const size_t np = split ? 2 : 1;  // planes per operand
+  unsigned char* base =
+      reinterpret_cast<unsigned char*>(scratch) + kda_mma_scratch_bytes(D, split) * slot;
   __nv_bfloat16* kg = reinterpret_cast<__nv_bfloat16*>(base);
-  __nv_bfloat16* qg = kg + 2 * PD;
-  __nv_bfloat16* tm = qg + 2 * PD;
-  __nv_bfloat16* am = tm + 2 * PC;
-  __nv_bfloat16* kd = am + 2 * PC;
-  float* gam = reinterpret_cast<float*>(kd + 2 * PD);
+  __nv_bfloat16* qg = kg + np * PD;
+  __nv_bfloat16* tm = qg + np * PD;
+  __nv_bfloat16* am = tm + np * PC;
+  __nv_bfloat16* kd = am + np * PC;
+  float* gam = reinterpret_cast<float*>(kd + np * PD);
   if (tid < C) {
     float x[C];
     solve_t(Ms, Bs, tid, x);
@@ -892,7 +895,7 @@ __device__ void chunk_mma(const float* __restrict__ v, const KdaSegs& segs,
 
   // Loaders: one 16-byte cp.async per (row, 8 bf16) of each plane.
   auto chunk_base = [&](int ci) {
-    return scratch + ((size_t)(segs.chunk0[sg] + ci) * H + h) * kda_mma_scratch_bytes(D);
+    return scratch + ((size_t)(segs.chunk0[sg] + ci) * H + h) * kda_mma_scratch_bytes(D, SPLIT);
   };
   auto load_planes = [&](__nv_bfloat16* dst, const unsigned char* src, int rw, int ld,
                          size_t gplane) {
@@ -910,7 +913,7 @@ __device__ void chunk_mma(const float* __restrict__ v, const KdaSegs& segs,
     if (ci < nch) {
       const unsigned char* b = chunk_base(ci);
       load_planes(KGs, b, D, L::LD, L::GD);
-      load_planes(QGs, b + 2 * L::GD * 2, D, L::LD, L::GD);
+      load_planes(QGs, b + NP * L::GD * 2, D, L::LD, L::GD);
       const int row0 = start + ci * C, l = min(C, len - ci * C);
       for (int e = tid; e < C * L::BV / 4; e += NT) {
         const int r = e / (L::BV / 4), cc = (e % (L::BV / 4)) * 4;
@@ -921,19 +924,20 @@ __device__ void chunk_mma(const float* __restrict__ v, const KdaSegs& segs,
     km_commit();
   };
   auto load_g1 = [&](int ci) {  // T
-    if (ci < nch) load_planes(Ts, chunk_base(ci) + 4 * L::GD * 2, C, L::LC, L::GC);
+    if (ci < nch) load_planes(Ts, chunk_base(ci) + 2 * NP * L::GD * 2, C, L::LC, L::GC);
     km_commit();
   };
   auto load_g2 = [&](int ci) {  // A
-    if (ci < nch) load_planes(As, chunk_base(ci) + (4 * L::GD + 2 * L::GC) * 2, C, L::LC, L::GC);
+    if (ci < nch)
+      load_planes(As, chunk_base(ci) + NP * (2 * L::GD + L::GC) * 2, C, L::LC, L::GC);
     km_commit();
   };
   auto load_g3 = [&](int ci) {  // Kd, γ
     if (ci < nch) {
-      const unsigned char* b = chunk_base(ci) + (4 * L::GD + 4 * L::GC) * 2;
+      const unsigned char* b = chunk_base(ci) + 2 * NP * (L::GD + L::GC) * 2;
       load_planes(Kds, b, D, L::LD, L::GD);
       for (int e = tid; e < D / 4; e += NT)
-        km_cp16(smem_addr(Gs + 4 * e), b + 2 * L::GD * 2 + 16 * e, true);
+        km_cp16(smem_addr(Gs + 4 * e), b + NP * L::GD * 2 + 16 * e, true);
     }
     km_commit();
   };
@@ -1085,8 +1089,8 @@ KDA_CHUNK_MMA(128)
 //  blocks: pairs (r, c) inside one diagonal block by running products as chunk_prep; pairs
 //  across blocks Cb < R factor through the end of block Cb,
 //      P(c, r) = bl_c · Π_{Cb<m<R} gt_m · fl_r     (every factor a product of e^g <= 1),
-//  so A and L there are plain products of 16 × D tiles (f32 FMA; no running product per
-//  pair, ~1/4 of the pair loop left). Shared memory as kda_chunk_prep_D, with gt_1, gt_2
+//  so A and L there are plain products of 16 × D tiles (split bf16 MMAs; no running product
+//  per pair, ~1/4 of the pair loop left). Shared memory as kda_chunk_prep_D, with gt_1, gt_2
 //  (then β) after M.
 template <int D>
 __device__ void chunk_prep_blk(const float* q, const float* k, const float* g, const float* beta,
@@ -1106,21 +1110,23 @@ __device__ void chunk_prep_blk(const float* q, const float* k, const float* g, c
   const int row0 = segs.start[sg] + ci * C;
   const int l = min(C, segs.len[sg] - ci * C);
   const size_t width = (size_t)H * D;
+  // q, k and g straight into shared memory, every copy of the block in flight at once
+  // (rows past the chunk's end read as zeros: g = 0 makes e^g = 1); each thread then turns
+  // its own g values into e^g (its copies are visible to it after the wait).
   for (int e = tid; e < C * D / 4; e += NT) {
     const int r = e / (D / 4), i = (e % (D / 4)) * 4;
-    float4 qv = make_float4(0.f, 0.f, 0.f, 0.f), kv = qv, av = make_float4(1.f, 1.f, 1.f, 1.f);
-    if (r < l) {
-      const size_t off = (size_t)(row0 + r) * width + (size_t)h * D + i;
-      qv = ld4(q + off);
-      kv = ld4(k + off);
-      const float4 gv = ld4(g + off);
-      av = make_float4(expf(gv.x), expf(gv.y), expf(gv.z), expf(gv.w));
-    }
-    st4(Qs + r * D + i, qv);
-    st4(Ks + r * D + i, kv);
-    st4(As + r * D + i, av);
+    const size_t off = (size_t)(row0 + min(r, l - 1)) * width + (size_t)h * D + i;
+    km_cp16(smem_addr(Qs + r * D + i), q + off, r < l);
+    km_cp16(smem_addr(Ks + r * D + i), k + off, r < l);
+    km_cp16(smem_addr(As + r * D + i), g + off, r < l);
   }
+  km_commit();
   for (int e = tid; e < C * C; e += NT) Ms[e] = 0.0f;
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  for (int e = tid; e < C * D / 4; e += NT) {
+    const float4 gv = ld4(As + 4 * e);
+    st4(As + 4 * e, make_float4(expf(gv.x), expf(gv.y), expf(gv.z), expf(gv.w)));
+  }
   const float bt = tid < l ? beta[(size_t)(row0 + tid) * H + h] : 0.0f;  // used by tid < C
   __syncthreads();
   const float qscale = 1.0f / sqrtf((float)D);
@@ -1217,45 +1223,68 @@ __device__ void chunk_prep_blk(const float* q, const float* k, const float* g, c
     Xs[D + i] = gt[2];
   }
   __syncthreads();
-  // Blocks (R, Cb), Cb < R, one per warp: A[r][c] = Σ_i Qs[r][i] m_i As[c][i], L likewise
-  // from Ks, with m = Π_{Cb<m<R} gt_m. Lane: rows 16R + 2(lane/4) + {0,1}, columns
-  // 16Cb + 4(lane%4) + {0..3}; the key channels start at 4(lane%8) (conflict-free float4).
+  // Blocks (R, Cb), Cb < R, one per warp, on the tensor cores: A[r][c] = Σ_i Qs[r][i] m_i
+  // As[c][i] and L likewise from Ks, with m = Π_{Cb<m<R} gt_m. Rows r of block R are the
+  // M side, columns c of block Cb the N side (two n-tiles), key channels the k side. The
+  // order of the k slots is free as long as both operands agree: lane (g, q) of k-step ks
+  // reads channels 16ks + 4q .. +3 as one float4 and puts them in k slots (2q, 2q+1) and
+  // (2q+8, 2q+9). Each product is hi·hi + lo·hi + hi·lo (~2^-17 relative, as the state
+  // pass's split), so the solve for T sees near-f32 L in either precision.
   if (w < 6) {
     const int R = w < 3 ? w + 1 : (w < 5 ? w - 1 : 3);
     const int Cb = w < 3 ? w : (w == 4 ? 1 : 0);
     if (16 * R < l) {
-      const int r0 = 16 * R + 2 * (lane >> 2), c0 = 16 * Cb + 4 * (lane & 3);
-      const int rot = 4 * (lane & 7);
-      float a0[4] = {}, a1[4] = {}, l0[4] = {}, l1[4] = {};
-#pragma unroll 2
-      for (int kk = 0; kk < D; kk += 4) {
-        const int i = (kk + rot) & (D - 1);
+      const int g8 = lane >> 2, q4 = lane & 3;
+      const float* qr = Qs + (16 * R + g8) * D + 4 * q4;
+      const float* kr = Ks + (16 * R + g8) * D + 4 * q4;
+      const float* br = As + (16 * Cb + g8) * D + 4 * q4;
+      float ca[2][4] = {}, cl[2][4] = {};
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        const int i = 16 * ks;
         float4 m4 = make_float4(1.f, 1.f, 1.f, 1.f);
-        if (w == 3 || w == 5) m4 = ld4(Xs + i);
+        if (w == 3 || w == 5) m4 = ld4(Xs + i + 4 * q4);
         if (w >= 4) {
-          const float4 t = ld4(Xs + D + i);
+          const float4 t = ld4(Xs + D + i + 4 * q4);
           m4 = make_float4(m4.x * t.x, m4.y * t.y, m4.z * t.z, m4.w * t.w);
         }
-        const float4 q0 = ld4(Qs + r0 * D + i), q1 = ld4(Qs + (r0 + 1) * D + i);
-        const float4 k0 = ld4(Ks + r0 * D + i), k1 = ld4(Ks + (r0 + 1) * D + i);
+        uint32_t qh[4], ql[4], kh[4], kl[4];
+        {
+          const float4 a = ld4(qr + i), b = ld4(qr + 8 * D + i);
+          km_split<true>(a.x, a.y, qh[0], ql[0]);
+          km_split<true>(b.x, b.y, qh[1], ql[1]);
+          km_split<true>(a.z, a.w, qh[2], ql[2]);
+          km_split<true>(b.z, b.w, qh[3], ql[3]);
+          const float4 c = ld4(kr + i), d = ld4(kr + 8 * D + i);
+          km_split<true>(c.x, c.y, kh[0], kl[0]);
+          km_split<true>(d.x, d.y, kh[1], kl[1]);
+          km_split<true>(c.z, c.w, kh[2], kl[2]);
+          km_split<true>(d.z, d.w, kh[3], kl[3]);
+        }
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          float4 b = ld4(As + (c0 + j) * D + i);
+        for (int t = 0; t < 2; ++t) {
+          float4 b = ld4(br + 8 * t * D + i);
           b = make_float4(b.x * m4.x, b.y * m4.y, b.z * m4.z, b.w * m4.w);
-          a0[j] += q0.x * b.x + q0.y * b.y + q0.z * b.z + q0.w * b.w;
-          a1[j] += q1.x * b.x + q1.y * b.y + q1.z * b.z + q1.w * b.w;
-          l0[j] += k0.x * b.x + k0.y * b.y + k0.z * b.z + k0.w * b.w;
-          l1[j] += k1.x * b.x + k1.y * b.y + k1.z * b.z + k1.w * b.w;
+          uint32_t bh0, bl0, bh1, bl1;
+          km_split<true>(b.x, b.y, bh0, bl0);
+          km_split<true>(b.z, b.w, bh1, bl1);
+          km_mma(ca[t], qh, bh0, bh1);
+          km_mma(ca[t], ql, bh0, bh1);
+          km_mma(ca[t], qh, bl0, bl1);
+          km_mma(cl[t], kh, bh0, bh1);
+          km_mma(cl[t], kl, bh0, bh1);
+          km_mma(cl[t], kh, bl0, bl1);
         }
       }
+      // Accumulator e of n-tile t: row 16R + g8 + 8(e >> 1), column 16Cb + 8t + 2q4 + (e & 1).
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int c = c0 + j;
-        Ms[r0 * C + c] = a0[j];
-        Ms[(r0 + 1) * C + c] = a1[j];
-        Ms[c * C + r0] = l0[j];
-        Ms[c * C + r0 + 1] = l1[j];
-      }
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = 16 * R + g8 + 8 * (e >> 1), c = 16 * Cb + 8 * t + 2 * q4 + (e & 1);
+          Ms[r * C + c] = ca[t][e];
+          Ms[c * C + r] = cl[t][e];
+        }
     }
   }
   __syncthreads();

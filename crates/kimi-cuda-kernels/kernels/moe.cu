@@ -372,8 +372,7 @@ extern "C" __global__ void __launch_bounds__(256)
 // `cnt` itself (block 0 also writes `offsets`, the active list and meta's counts), reserves
 // a range per expert for its own pairs with one global atomic per expert (`cursor[E]`,
 // zeroed before) and places them. Pairs of one expert land in an arbitrary order, as in
-// moe_lists. LISTS_CHUNK pairs per block; dynamic shared memory 2E u32. `moe_lists_count`
-// alone also counts each MoE layer's chosen experts for the metrics (`expert_counts`).
+// moe_lists. LISTS_CHUNK pairs per block; dynamic shared memory 2E u32.
 #define LISTS_CHUNK 4096
 extern "C" __global__ void moe_lists_count(const uint32_t* ids, int P, int E, uint32_t* cnt) {
   pdl_enter();
@@ -385,6 +384,30 @@ extern "C" __global__ void moe_lists_count(const uint32_t* ids, int P, int E, ui
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x)
     if (lc_sm[e]) atomicAdd(cnt + e, lc_sm[e]);
+}
+
+// Every MoE layer's chosen experts counted in one launch (the metrics' `expert_counts`,
+// read after each pass): grid (ceil(most pairs / LISTS_CHUNK), layers), block 1024, dynamic
+// shared memory E u32; `cnt [layers][E]` zeroed before. A layer with fewer pairs leaves its
+// surplus blocks idle.
+#define COUNT_LAYERS 64
+struct MoeCountLayers {
+  const uint32_t* ids[COUNT_LAYERS];
+  int n[COUNT_LAYERS];
+};
+extern "C" __global__ void moe_count_layers(const MoeCountLayers t, int E, uint32_t* cnt) {
+  pdl_enter();
+  extern __shared__ uint32_t cl_sm[];
+  const int layer = blockIdx.y, P = t.n[layer];
+  const int p0 = blockIdx.x * LISTS_CHUNK, p1 = min(P, p0 + LISTS_CHUNK);
+  if (p0 >= P) return;  // the whole block: no barrier is skipped by part of it
+  for (int e = threadIdx.x; e < E; e += blockDim.x) cl_sm[e] = 0;
+  __syncthreads();
+  count_pairs(t.ids[layer], p0, p1, E, cl_sm);
+  __syncthreads();
+  uint32_t* out = cnt + (size_t)layer * E;
+  for (int e = threadIdx.x; e < E; e += blockDim.x)
+    if (cl_sm[e]) atomicAdd(out + e, cl_sm[e]);
 }
 
 extern "C" __global__ void moe_lists_place(const uint32_t* ids, const float* weights, int P,

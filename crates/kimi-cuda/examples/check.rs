@@ -1107,6 +1107,13 @@ impl Backend for Profiled {
     ) -> kimi_ops::Result<Vec<Self::Tensor>> {
         self.timed("matmul", |b| b.matmul_split(x, w, rows))
     }
+    fn matmul_pair(
+        &self,
+        a: (&Self::Tensor, &Self::Tensor),
+        b: (&Self::Tensor, &Self::Tensor),
+    ) -> kimi_ops::Result<(Self::Tensor, Self::Tensor)> {
+        self.timed("matmul", |be| be.matmul_pair(a, b))
+    }
     fn add_rms_norm(
         &self,
         x: &mut Self::Tensor,

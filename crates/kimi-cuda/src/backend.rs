@@ -1124,6 +1124,50 @@ impl Backend for CudaBackend {
         self.matmul_blocks(x, w, rows, "matmul")
     }
 
+    fn matmul_pair(
+        &self,
+        a: (&CudaTensor, &CudaTensor),
+        b: (&CudaTensor, &CudaTensor),
+    ) -> Result<(CudaTensor, CudaTensor)> {
+        const OP: &str = "matmul";
+        self.dev.enter(OP)?;
+        // One token through two bf16 matrices of one row length: one launch.
+        let one_token = |(x, w): (&CudaTensor, &CudaTensor)| -> Option<(usize, usize)> {
+            let (n, k) = f32_rows(x, OP).ok()?;
+            match w.shape.as_slice() {
+                [o, wk] if n == 1 && *wk == k && w.dtype == DType::BF16 => Some((k, *o)),
+                _ => None,
+            }
+        };
+        if let (Some((ka, oa)), Some((kb, ob))) = (one_token(a), one_token(b)) {
+            let aligned = [a.0, a.1, b.0, b.1]
+                .iter()
+                .all(|t| t.ptr().is_multiple_of(16));
+            if ka == kb && ka.is_multiple_of(8) && aligned {
+                let (ya, yb) = (
+                    self.empty(&[1, oa], DType::F32, OP)?,
+                    self.empty(&[1, ob], DType::F32, OP)?,
+                );
+                // SAFETY: each x holds k f32 and each w [o, k] bf16, 16-byte aligned with
+                // k % 8 == 0 (checked above); each y holds its o f32.
+                let done = unsafe {
+                    ops::gemm::gemv_bf16_pair(
+                        &self.dev,
+                        [a.0.ptr(), a.1.ptr(), ya.ptr()],
+                        oa,
+                        [b.0.ptr(), b.1.ptr(), yb.ptr()],
+                        ob,
+                        ka,
+                    )?
+                };
+                if done {
+                    return Ok((ya, yb));
+                }
+            }
+        }
+        Ok((self.matmul_op(a.0, a.1, OP)?, self.matmul_op(b.0, b.1, OP)?))
+    }
+
     fn rms_norm(&self, x: &CudaTensor, weight: &CudaTensor, eps: f32) -> Result<CudaTensor> {
         const OP: &str = "rms_norm";
         self.dev.enter(OP)?;
@@ -1691,16 +1735,16 @@ impl Backend for CudaBackend {
         }
         // u32 counts in an f32-typed buffer (zero bits = 0), read back as bits.
         let counts = self.zeroed(&[chosen.len(), e], OP)?;
-        for (l, c) in chosen.iter().enumerate() {
-            let n = c.len();
-            if c.dtype != DType::F32 || n == 0 {
-                continue;
-            }
-            // SAFETY: `c` holds n u32 ids (as f32 bits); counts holds chosen.len() * e u32.
-            unsafe {
-                ops::moe::count(&self.dev, c.ptr(), n, counts.ptr() + (l * e * 4) as u64, e)?
-            };
-        }
+        // Ids are u32 bits in f32-typed tensors; anything else counts nothing.
+        let layers: Vec<(u64, usize)> = chosen
+            .iter()
+            .map(|c| match c.dtype {
+                DType::F32 => (c.ptr(), c.len()),
+                _ => (0, 0),
+            })
+            .collect();
+        // SAFETY: each layer's address holds its n u32 ids; counts holds chosen.len() * e u32.
+        unsafe { ops::moe::count_layers(&self.dev, &layers, counts.ptr(), e)? };
         let bits = self.to_f32(&counts)?;
         Ok(bits
             .chunks(e)
@@ -1902,10 +1946,10 @@ impl Backend for CudaBackend {
         }
         let mma = ops::kda::chunk_variant() != 1;
         let split = self.gemm_precision() == GemmPrecision::Split;
-        let per_chunk = ops::kda::scratch_bytes(d, mma);
+        let per_chunk = ops::kda::scratch_bytes(d, mma, split);
         // Groups of about equal size when the scratch bound cuts the chunks into several.
         let total: usize = chunked.iter().map(|s| s.1.div_ceil(ops::kda::CHUNK)).sum();
-        let max_chunks = ops::kda::max_group_chunks(num_heads, d, mma);
+        let max_chunks = ops::kda::max_group_chunks(num_heads, d, mma, split);
         let max_chunks = total.div_ceil(total.div_ceil(max_chunks).max(1)).max(1);
         for group in ops::kda::launch_groups(&chunked, max_chunks) {
             let (table, chunks) = ops::kda::SegTable::new(&group)?;

@@ -88,6 +88,7 @@ const KERNELS: &[(&str, &[&str])] = &[
         &[
             "gemv_bf16",
             "gemv_bf16_8",
+            "gemv_bf16_pair",
             "gemv_bulk_1",
             "gemv_bulk_4",
             "gemv_bulk_8",
@@ -142,6 +143,7 @@ const KERNELS: &[(&str, &[&str])] = &[
             "moe_route_warp",
             "moe_lists",
             "moe_lists_count",
+            "moe_count_layers",
             "moe_lists_place",
             "moe_expert_gemv",
             "moe_stream_1",

@@ -199,11 +199,12 @@ impl<T> KdaLayer<T> {
                 .ok_or_else(|| crate::forward::input("KDA projections"))
         };
         let (q, k, v, f_a, g_a, b) = (next()?, next()?, next()?, next()?, next()?, next()?);
+        let (f, z) = be.matmul_pair((&f_a, &self.f_b), (&g_a, &self.g_b))?;
         Ok(KdaProjections {
             qkv: [q, k, v],
-            f: be.matmul(&f_a, &self.f_b)?,
+            f,
             beta_logits: b,
-            z: be.matmul(&g_a, &self.g_b)?,
+            z,
         })
     }
 

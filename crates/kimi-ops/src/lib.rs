@@ -466,6 +466,16 @@ pub trait Backend: Send + Sync {
     ) -> Result<Vec<Self::Tensor>> {
         self.split_cols(&self.matmul(x, w)?, rows)
     }
+    /// Two independent products `(xa · waᵀ, xb · wbᵀ)` (KDA's forget and output gates, both
+    /// from low-rank halves of one projection). The CUDA backend runs a one-token pair as one
+    /// launch. Default: two [`Backend::matmul`]s.
+    fn matmul_pair(
+        &self,
+        a: (&Self::Tensor, &Self::Tensor),
+        b: (&Self::Tensor, &Self::Tensor),
+    ) -> Result<(Self::Tensor, Self::Tensor)> {
+        Ok((self.matmul(a.0, a.1)?, self.matmul(b.0, b.1)?))
+    }
     /// Per-row RMSNorm of `x [n, d]` times `weight [d]`.
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
     /// The residual step between two sublayers: `x += y`, then the RMSNorm of the new `x`

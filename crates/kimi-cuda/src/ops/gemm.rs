@@ -147,6 +147,36 @@ pub(crate) unsafe fn gemv_bf16(
     Ok(())
 }
 
+/// `ya = xa·waᵀ` and `yb = xb·wbᵀ` for one token each, in one launch of `gemv_bf16_pair`,
+/// where the automatic choice for each alone is the register-streaming `gemv_bf16` (rows
+/// of `k` < 256 bf16). Returns false, launching nothing, where it is not: the caller then
+/// runs two products.
+///
+/// # Safety
+/// For each of `a` and `b` = `[x, w, y]`: `x` holds `k` f32, `w` `o * k` bf16 (`oa`, `ob`),
+/// both 16-byte aligned, `k % 8 == 0`; `y` holds `o` f32.
+pub(crate) unsafe fn gemv_bf16_pair(
+    dev: &Device,
+    a: [u64; 3],
+    oa: usize,
+    b: [u64; 3],
+    ob: usize,
+    k: usize,
+) -> Result<bool> {
+    if GEMV_VARIANT.load(Ordering::Relaxed) != 0 || prefers_bulk(1, k, oa.max(ob)) || oa * ob == 0 {
+        return Ok(false);
+    }
+    let (oai, obi, ki) = (oa as i32, ob as i32, k as i32);
+    let mut l = dev.kernel("matmul", "gemv_bf16_pair")?;
+    l.arg(&a[1]).arg(&a[0]).arg(&a[2]).arg(&oai);
+    l.arg(&b[1]).arg(&b[0]).arg(&b[2]).arg(&obi).arg(&ki);
+    // Sixteen rows per block (`GEMV_RW` x 8 warps), `a`'s blocks first.
+    let blocks = oa.div_ceil(16) + ob.div_ceil(16);
+    // SAFETY: see the function's contract.
+    unsafe { l.launch(grid((blocks as u32, 1, 1), 256, 0)) }.op("matmul")?;
+    Ok(true)
+}
+
 /// Shared memory a `gemv_bulk` CTA may use for its weight tile (the default limit, so the
 /// kernel needs no opt-in).
 const BULK_TILE_BYTES: usize = 48 * 1024;

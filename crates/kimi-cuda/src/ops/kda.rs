@@ -114,10 +114,12 @@ pub(crate) const CHUNK: usize = 64;
 pub(crate) const SCRATCH_PER_CHUNK: usize = CHUNK * CHUNK + 2 * CHUNK;
 
 /// Bytes of scratch per (chunk, head) of the tensor-core variant (`kda_mma_scratch_bytes`
-/// in `kda.cu`): KG, QG, Kd as `[C][D]` and T, A as `[C][C]` bf16 hi and lo planes, then
-/// e^Γ_last as `[D]` f32. 128.5 KiB at D = 128.
-pub(crate) fn mma_scratch_bytes(d: usize) -> usize {
-    (6 * CHUNK * d + 4 * CHUNK * CHUNK) * 2 + 4 * d
+/// in `kda.cu`): KG, QG, Kd as `[C][D]` and T, A as `[C][C]` bf16 hi planes (and lo planes
+/// with `split`), then e^Γ_last as `[D]` f32. 128.5 KiB at D = 128 with `split`, 64.5 KiB
+/// without.
+pub(crate) fn mma_scratch_bytes(d: usize, split: bool) -> usize {
+    let planes = if split { 2 } else { 1 };
+    planes * (3 * CHUNK * d + 2 * CHUNK * CHUNK) * 2 + 4 * d
 }
 
 /// Upper bound of one launch group's scratch (bytes); longer inputs take several groups.
@@ -168,10 +170,11 @@ fn stage(bit: usize) -> bool {
     STAGES.load(Ordering::Relaxed) & bit != 0
 }
 
-/// Scratch bytes per (chunk, head) of the chunked variant (`mma` or f32).
-pub(crate) fn scratch_bytes(d: usize, mma: bool) -> usize {
+/// Scratch bytes per (chunk, head) of the chunked variant (`mma`, with or without the
+/// `split`'s lo planes, or f32).
+pub(crate) fn scratch_bytes(d: usize, mma: bool, split: bool) -> usize {
     if mma {
-        mma_scratch_bytes(d)
+        mma_scratch_bytes(d, split)
     } else {
         SCRATCH_PER_CHUNK * 4
     }
@@ -186,9 +189,9 @@ pub(crate) fn set_group_chunks(n: usize) {
 }
 
 /// Chunks per launch group that keep its scratch under [`SCRATCH_CAP_BYTES`] (at least 1).
-pub(crate) fn max_group_chunks(h: usize, d: usize, mma: bool) -> usize {
+pub(crate) fn max_group_chunks(h: usize, d: usize, mma: bool, split: bool) -> usize {
     match GROUP_CHUNKS.load(Ordering::Relaxed) {
-        0 => (SCRATCH_CAP_BYTES / (h * scratch_bytes(d, mma)).max(1)).max(1),
+        0 => (SCRATCH_CAP_BYTES / (h * scratch_bytes(d, mma, split)).max(1)).max(1),
         n => n,
     }
 }
@@ -398,7 +401,7 @@ pub(crate) fn mma_smem(d: usize, split: bool) -> usize {
 /// 16 columns of one state in mma accumulators.
 ///
 /// # Safety
-/// As [`chunked`], with `scratch` holding `chunks * h * mma_scratch_bytes(d)` bytes.
+/// As [`chunked`], with `scratch` holding `chunks * h * mma_scratch_bytes(d, split)` bytes.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn chunked_mma(
     dev: &Device,

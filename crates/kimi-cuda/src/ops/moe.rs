@@ -1,6 +1,6 @@
 //! Launchers of `kernels/moe.cu`.
 
-use kimi_ops::{MoeRouting, Result};
+use kimi_ops::{Error, MoeRouting, Result};
 
 use crate::device::{flat, grid, Device};
 use crate::error::OpContext;
@@ -694,7 +694,7 @@ pub(crate) unsafe fn cutlass_gemm(
 }
 
 /// `counts[e] +=` the number of the `n` ids (u32) equal to `e`, for `e < experts`: the
-/// first kernel of the multi-block [`lists`], and the per-layer expert counts of a pass.
+/// first kernel of the multi-block [`lists`].
 ///
 /// # Safety
 /// `ids` holds `n` u32 and `counts` `experts` u32.
@@ -711,5 +711,63 @@ pub(crate) unsafe fn count(
     let blocks = n.div_ceil(LISTS_CHUNK).max(1) as u32;
     // SAFETY: see the function's contract; shared memory holds `experts` u32.
     unsafe { b.launch(grid((blocks, 1, 1), 1024, (experts * 4) as u32)) }.op("moe")?;
+    Ok(())
+}
+
+/// Layers per `moe_count_layers` launch (`COUNT_LAYERS` in `kernels/moe.cu`).
+pub(crate) const COUNT_LAYERS: usize = 64;
+
+/// `struct MoeCountLayers` of `moe.cu`, passed by value as a kernel parameter.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CountTable {
+    ids: [u64; COUNT_LAYERS],
+    n: [i32; COUNT_LAYERS],
+}
+
+const _: () = assert!(std::mem::size_of::<CountTable>() == 12 * COUNT_LAYERS);
+
+// SAFETY: plain-old-data with the C layout of `struct MoeCountLayers` (no padding).
+unsafe impl cudarc::driver::DeviceRepr for CountTable {}
+
+/// `counts[l][e] +=` how many of layer `l`'s ids equal `e`, for every `(ids, n)` of
+/// `layers` (an address of `n` u32 ids; `n` = 0 leaves its row alone): one launch per
+/// [`COUNT_LAYERS`] layers instead of one per layer.
+///
+/// # Safety
+/// Each `ids` holds its `n` u32 and `counts` holds `layers.len() * experts` u32.
+pub(crate) unsafe fn count_layers(
+    dev: &Device,
+    layers: &[(u64, usize)],
+    counts: u64,
+    experts: usize,
+) -> Result<()> {
+    let ei = experts as i32;
+    for (g, group) in layers.chunks(COUNT_LAYERS).enumerate() {
+        let mut table = CountTable {
+            ids: [0; COUNT_LAYERS],
+            n: [0; COUNT_LAYERS],
+        };
+        for (i, &(ids, n)) in group.iter().enumerate() {
+            table.ids[i] = ids;
+            table.n[i] = i32::try_from(n)
+                .map_err(|_| Error::Unsupported("expert counts over 2^31 pairs".into()))?;
+        }
+        let most = group.iter().map(|l| l.1).max().unwrap_or(0);
+        let out = counts + (g * COUNT_LAYERS * experts * 4) as u64;
+        let mut b = dev.kernel("moe", "moe_count_layers")?;
+        b.arg(&table).arg(&ei).arg(&out);
+        let blocks = most.div_ceil(LISTS_CHUNK).max(1) as u32;
+        // SAFETY: see the function's contract; grid y = the group's layers, shared memory
+        // holds `experts` u32.
+        unsafe {
+            b.launch(grid(
+                (blocks, group.len() as u32, 1),
+                1024,
+                (experts * 4) as u32,
+            ))
+        }
+        .op("moe")?;
+    }
     Ok(())
 }

@@ -297,6 +297,24 @@ pub fn op_matmul_split<B: Backend>(
         .collect()
 }
 
+/// `matmul_pair` of `n` rows with inputs sliced from one projection, as KDA's gates take
+/// them: `x [n, 2k]` split into halves (views at one row), times `wa [oa, k]`, `wb [ob, k]`.
+pub fn op_matmul_pair<B: Backend>(
+    b: &B,
+    n: usize,
+    k: usize,
+    oa: usize,
+    ob: usize,
+) -> Res<Vec<Vec<f32>>> {
+    let mut r = Rng(21);
+    let x = b.upload_f32(&[n, 2 * k], &r.vec(n * 2 * k, 1.0))?;
+    let halves = b.split_cols(&x, &[k, k])?;
+    let wa = weight(b, &[oa, k], &r.vec(oa * k, 0.1), DType::BF16)?;
+    let wb = weight(b, &[ob, k], &r.vec(ob * k, 0.1), DType::BF16)?;
+    let (ya, yb) = b.matmul_pair((&halves[0], &wa), (&halves[1], &wb))?;
+    Ok(vec![t(b, &ya)?, t(b, &yb)?])
+}
+
 pub fn op_rows<B: Backend>(b: &B, n: usize, d: usize) -> Res<Vec<Vec<f32>>> {
     let mut r = Rng(3);
     let xv = r.vec(n * d, 2.0);
@@ -934,6 +952,14 @@ pub fn cases() -> Vec<(String, Case)> {
         (
             "matmul_split bf16 1x2304->[128,64,32] (GEMV, views)".into(),
             case!(|b| op_matmul_split(b, 1, 2304, &[128, 64, 32])),
+        ),
+        (
+            "matmul_pair bf16 1x128->(4096, 4101) (one launch)".into(),
+            case!(|b| op_matmul_pair(b, 1, 128, 4096, 4101)),
+        ),
+        (
+            "matmul_pair bf16 3x128->(200, 72) (two products)".into(),
+            case!(|b| op_matmul_pair(b, 3, 128, 200, 72)),
         ),
         (
             "rows(norm,sig,add,sel,split,cat,gated,add+norm) 5x64".into(),
