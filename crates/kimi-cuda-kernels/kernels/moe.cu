@@ -374,16 +374,23 @@ extern "C" __global__ void __launch_bounds__(256)
 // zeroed before) and places them. Pairs of one expert land in an arbitrary order, as in
 // moe_lists. LISTS_CHUNK pairs per block; dynamic shared memory 2E u32.
 #define LISTS_CHUNK 4096
+// `cnt[e] +=` how many of this block's LISTS_CHUNK pairs (of P) chose e, counted in shared
+// memory `sm` (E u32) first: one global atomic per expert and block.
+__device__ __forceinline__ void count_chunk(const uint32_t* ids, int P, int E, uint32_t* sm,
+                                            uint32_t* cnt) {
+  for (int e = threadIdx.x; e < E; e += blockDim.x) sm[e] = 0;
+  __syncthreads();
+  const int p0 = blockIdx.x * LISTS_CHUNK, p1 = min(P, p0 + LISTS_CHUNK);
+  count_pairs(ids, p0, p1, E, sm);
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x)
+    if (sm[e]) atomicAdd(cnt + e, sm[e]);
+}
+
 extern "C" __global__ void moe_lists_count(const uint32_t* ids, int P, int E, uint32_t* cnt) {
   pdl_enter();
   extern __shared__ uint32_t lc_sm[];
-  for (int e = threadIdx.x; e < E; e += blockDim.x) lc_sm[e] = 0;
-  __syncthreads();
-  const int p0 = blockIdx.x * LISTS_CHUNK, p1 = min(P, p0 + LISTS_CHUNK);
-  count_pairs(ids, p0, p1, E, lc_sm);
-  __syncthreads();
-  for (int e = threadIdx.x; e < E; e += blockDim.x)
-    if (lc_sm[e]) atomicAdd(cnt + e, lc_sm[e]);
+  count_chunk(ids, P, E, lc_sm, cnt);
 }
 
 // Every MoE layer's chosen experts counted in one launch (the metrics' `expert_counts`,
@@ -399,15 +406,8 @@ extern "C" __global__ void moe_count_layers(const MoeCountLayers t, int E, uint3
   pdl_enter();
   extern __shared__ uint32_t cl_sm[];
   const int layer = blockIdx.y, P = t.n[layer];
-  const int p0 = blockIdx.x * LISTS_CHUNK, p1 = min(P, p0 + LISTS_CHUNK);
-  if (p0 >= P) return;  // the whole block: no barrier is skipped by part of it
-  for (int e = threadIdx.x; e < E; e += blockDim.x) cl_sm[e] = 0;
-  __syncthreads();
-  count_pairs(t.ids[layer], p0, p1, E, cl_sm);
-  __syncthreads();
-  uint32_t* out = cnt + (size_t)layer * E;
-  for (int e = threadIdx.x; e < E; e += blockDim.x)
-    if (cl_sm[e]) atomicAdd(out + e, cl_sm[e]);
+  if ((int)blockIdx.x * LISTS_CHUNK >= P) return;  // the whole block: no barrier is skipped
+  count_chunk(t.ids[layer], P, E, cl_sm, cnt + (size_t)layer * E);
 }
 
 extern "C" __global__ void moe_lists_place(const uint32_t* ids, const float* weights, int P,
