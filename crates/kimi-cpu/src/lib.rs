@@ -72,7 +72,7 @@ impl Backend for CpuBackend {
         format!("cpu ({} threads)", num_threads())
     }
     fn upload(&self, host: HostTensor<'_>) -> Result<CpuTensor> {
-        CpuTensor::from_host(host)
+        CpuTensor::from_host_with(host, self.quant_matmul == QuantMatmul::Int8)
     }
     fn run_pass<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         flushing(f)

@@ -25,7 +25,7 @@ pub enum QuantMatmul {
     /// which can flip a greedy choice between near-tied tokens. Within that path a token's
     /// result does not depend on the other tokens of its batch. Larger batches (prefill)
     /// take the f32 path, which measured faster there, except on weights interleaved for
-    /// the VNNI kernels (`crate::qdot::groups`): those take the integer path at any batch
+    /// the interleaved kernels (`crate::qdot::groups`): those take the integer path at any batch
     /// size (SmolLM2 Q4_1 prefill of 128 tokens 1.7× faster than the f32 path).
     #[default]
     Int8,
@@ -622,7 +622,7 @@ mod tests {
     #[test]
     fn quantized_weights_match_dequantized() {
         use kimi_core::DType;
-        // Where the VNNI kernels run, 37 rows are interleaved with a padded last group, 48
+        // Where the interleaved kernels run, 37 rows are interleaved with a padded last group, 48
         // in whole groups and 13 not at all.
         for o in [13, 37, 48] {
             quantized_case(5, 512, o);

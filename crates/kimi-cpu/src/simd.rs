@@ -9,13 +9,18 @@
 
 /// `out[r][t] = w[r] · x[t]` for four weight rows and four token rows at once: on AVX-512
 /// sixteen accumulators, so each loaded vector feeds four FMAs (prefill is bound by the
-/// FMA rate, not by loads). Every row must be at least `w[0].len()` long.
+/// FMA rate, not by loads); on AVX2 two rows by four tokens per pass. Every row must be at
+/// least `w[0].len()` long.
 pub fn dot4x4(w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
     #[cfg(target_arch = "x86_64")]
     {
         if has_avx512() {
             // SAFETY: AVX-512F was detected on this CPU just above.
             return unsafe { avx512::dot4x4(w, x) };
+        }
+        if has_avx2_fma() {
+            // SAFETY: the AVX2 and FMA features were detected on this CPU just above.
+            return unsafe { avx2::dot4x4(w, x) };
         }
     }
     w.map(|row| dot4(row, x))
@@ -38,7 +43,7 @@ pub fn dot4(w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
     dot4_scalar(w, x)
 }
 
-/// `Σ w[i]·x[i]` for a row of bf16 weights, widened in registers on AVX-512 (decode reads
+/// `Σ w[i]·x[i]` for a row of bf16 weights, widened in registers on AVX-512 and AVX2 (decode reads
 /// the bf16 bytes once and writes no f32 copy). Equals `dot` of the widened row bit for bit
 /// on every variant. `x` must be at least `w.len()` long.
 pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
@@ -47,6 +52,10 @@ pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
         if has_avx512() && has_avx512_bw_vl() {
             // SAFETY: AVX-512F and BW were detected on this CPU just above.
             return unsafe { avx512::dot_16bit::<false>(w, x) };
+        }
+        if has_avx2_fma_f16c() {
+            // SAFETY: AVX2, FMA and F16C were detected on this CPU just above.
+            return unsafe { avx2::dot_16bit::<false>(w, x) };
         }
     }
     let widen = |b: &u16| f32::from_bits(u32::from(*b) << 16);
@@ -62,7 +71,7 @@ pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
     }
 }
 
-/// `Σ w[i]·x[i]` for a row of f16 weights, widened in registers on AVX-512 (`vcvtph2ps`,
+/// `Σ w[i]·x[i]` for a row of f16 weights, widened in registers on AVX-512 and AVX2 (`vcvtph2ps`,
 /// exact), so decode reads the f16 bytes once. Equals `dot` of the widened row bit for bit
 /// on every variant. `x` must be at least `w.len()` long.
 pub fn dot_f16(w: &[u16], x: &[f32]) -> f32 {
@@ -71,6 +80,10 @@ pub fn dot_f16(w: &[u16], x: &[f32]) -> f32 {
         if has_avx512() && has_avx512_bw_vl() {
             // SAFETY: AVX-512F and BW were detected on this CPU just above.
             return unsafe { avx512::dot_16bit::<true>(w, x) };
+        }
+        if has_avx2_fma_f16c() {
+            // SAFETY: AVX2, FMA and F16C were detected on this CPU just above.
+            return unsafe { avx2::dot_16bit::<true>(w, x) };
         }
     }
     use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
@@ -86,7 +99,7 @@ pub fn dot_f16(w: &[u16], x: &[f32]) -> f32 {
 }
 
 /// `out[r] = w[r] · x` for every row of `k` 16-bit weights in `w` (f16 when `F16`, else
-/// bf16), equal bit for bit to [`dot_f16`] / [`dot_bf16`] per row. On AVX-512 four rows go
+/// bf16), equal bit for bit to [`dot_f16`] / [`dot_bf16`] per row. On AVX-512 and AVX2 four rows go
 /// together, each with its own accumulator in the same order, so that four weight streams
 /// are in flight (one row at a time left decode of an F16 model short of the memory
 /// bandwidth).
@@ -96,6 +109,10 @@ pub fn dot_rows_16bit<const F16: bool>(w: &[u16], k: usize, x: &[f32], out: &mut
         if has_avx512() && has_avx512_bw_vl() {
             // SAFETY: AVX-512F, BW and VL were detected on this CPU just above.
             return unsafe { avx512::rows_16bit::<F16>(w, k, x, out) };
+        }
+        if has_avx2_fma_f16c() {
+            // SAFETY: AVX2, FMA and F16C were detected on this CPU just above.
+            return unsafe { avx2::rows_16bit::<F16>(w, k, x, out) };
         }
     }
     for (r, o) in out.iter_mut().enumerate() {
@@ -293,6 +310,11 @@ mod fp_mode {
 #[cfg(target_arch = "x86_64")]
 fn has_avx2_fma() -> bool {
     std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2_fma_f16c() -> bool {
+    has_avx2_fma() && std::is_x86_feature_detected!("f16c")
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -505,6 +527,59 @@ mod avx2 {
         out
     }
 
+    /// `dot4` of four rows, bit for bit: each `dot4` accumulator (the 8 lanes of every
+    /// 16-value step's first half, then of its second half) is its own pass over two rows
+    /// by four tokens, eight accumulators beside two weight vectors (the four `dot4` calls
+    /// this replaces loaded every token vector once per row).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; every `x[t]` and `w[r]` must be at least
+    /// `w[0].len()` long.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot4x4(w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
+        let n = w[0].len();
+        assert!(
+            w.iter().chain(&x).all(|r| r.len() >= n),
+            "dot4x4: a row shorter than the first weight row"
+        );
+        let full = n / 16 * 16;
+        let xp = x.map(|r| r.as_ptr());
+        let mut out = [[0f32; 4]; 4];
+        for pair in 0..2 {
+            let (w0, w1) = (w[2 * pair].as_ptr(), w[2 * pair + 1].as_ptr());
+            // [half of the 16-value step][row of the pair][token]
+            let mut sums = [[[_mm256_setzero_ps(); 4]; 2]; 2];
+            for (half, sum) in sums.iter_mut().enumerate() {
+                let mut acc = [[_mm256_setzero_ps(); 4]; 2];
+                let mut i = 8 * half;
+                while i < full {
+                    // SAFETY: i + 8 <= full <= n, inside every row (asserted).
+                    unsafe {
+                        let (a, b) = (_mm256_loadu_ps(w0.add(i)), _mm256_loadu_ps(w1.add(i)));
+                        for t in 0..4 {
+                            let xv = _mm256_loadu_ps(xp[t].add(i));
+                            acc[0][t] = _mm256_fmadd_ps(a, xv, acc[0][t]);
+                            acc[1][t] = _mm256_fmadd_ps(b, xv, acc[1][t]);
+                        }
+                    }
+                    i += 16;
+                }
+                *sum = acc;
+            }
+            for r in 0..2 {
+                let row = w[2 * pair + r];
+                for t in 0..4 {
+                    let mut o = hsum(_mm256_add_ps(sums[0][r][t], sums[1][r][t]));
+                    for j in full..n {
+                        o += row[j] * x[t][j];
+                    }
+                    out[2 * pair + r][t] = o;
+                }
+            }
+        }
+        out
+    }
+
     /// # Safety
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
@@ -562,6 +637,117 @@ mod avx2 {
                     }
                 }
             }
+        }
+    }
+
+    /// Eight 16-bit weights from `p` widened to f32 (f16 when `F16`, else bf16: both exact).
+    ///
+    /// # Safety
+    /// AVX2 and F16C from the caller; `p` has 8 readable values.
+    #[inline(always)]
+    unsafe fn widen8<const F16: bool>(p: *const u16) -> __m256 {
+        // SAFETY: as the caller guarantees.
+        unsafe {
+            let h = _mm_loadu_si128(p.cast());
+            if F16 {
+                _mm256_cvtph_ps(h)
+            } else {
+                _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+            }
+        }
+    }
+
+    /// One 16-bit value widened (the tail).
+    fn widen1<const F16: bool>(v: u16) -> f32 {
+        if F16 {
+            half::f16::from_bits(v).to_f32()
+        } else {
+            f32::from_bits(u32::from(v) << 16)
+        }
+    }
+
+    /// `Σ w[i]·x[i]` for 16-bit weights widened in registers, in [`dot`]'s order (two
+    /// accumulators over 16-value steps, then the tail term by term): bit for bit `dot` of
+    /// the widened row.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_16bit<const F16: bool>(w: &[u16], x: &[f32]) -> f32 {
+        let n = w.len();
+        assert!(
+            x.len() >= n,
+            "dot_16bit: activation row shorter than the weights"
+        );
+        let full = n / 16 * 16;
+        let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let (pw, px) = (w.as_ptr(), x.as_ptr());
+        let mut i = 0;
+        while i < full {
+            // SAFETY: i + 16 <= n, within both slices (asserted).
+            unsafe {
+                s0 = _mm256_fmadd_ps(widen8::<F16>(pw.add(i)), _mm256_loadu_ps(px.add(i)), s0);
+                s1 = _mm256_fmadd_ps(
+                    widen8::<F16>(pw.add(i + 8)),
+                    _mm256_loadu_ps(px.add(i + 8)),
+                    s1,
+                );
+            }
+            i += 16;
+        }
+        let mut out = hsum(_mm256_add_ps(s0, s1));
+        for j in full..n {
+            out += widen1::<F16>(w[j]) * x[j];
+        }
+        out
+    }
+
+    /// `out[r] = dot_16bit(w[r], x)` for the `out.len()` rows of `k` values in `w`, four
+    /// rows per pass with their own accumulator pairs (four weight streams in flight).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn rows_16bit<const F16: bool>(w: &[u16], k: usize, x: &[f32], out: &mut [f32]) {
+        let rows = out.len();
+        assert!(
+            w.len() >= rows * k && x.len() >= k,
+            "rows_16bit: {} weights for {rows} rows of {k}, {} activations",
+            w.len(),
+            x.len()
+        );
+        let full_k = k / 16 * 16;
+        let full = rows / 4 * 4;
+        for r0 in (0..full).step_by(4) {
+            let mut s0 = [_mm256_setzero_ps(); 4];
+            let mut s1 = [_mm256_setzero_ps(); 4];
+            let mut i = 0;
+            while i < full_k {
+                // SAFETY: i + 16 <= k, inside row r0 + j < rows of `w` and inside `x`
+                // (asserted).
+                unsafe {
+                    let x0 = _mm256_loadu_ps(x.as_ptr().add(i));
+                    let x1 = _mm256_loadu_ps(x.as_ptr().add(i + 8));
+                    for j in 0..4 {
+                        let p = w.as_ptr().add((r0 + j) * k + i);
+                        s0[j] = _mm256_fmadd_ps(widen8::<F16>(p), x0, s0[j]);
+                        s1[j] = _mm256_fmadd_ps(widen8::<F16>(p.add(8)), x1, s1[j]);
+                    }
+                }
+                i += 16;
+            }
+            for j in 0..4 {
+                let row = &w[(r0 + j) * k..(r0 + j + 1) * k];
+                let mut o = hsum(_mm256_add_ps(s0[j], s1[j]));
+                for c in full_k..k {
+                    o += widen1::<F16>(row[c]) * x[c];
+                }
+                out[r0 + j] = o;
+            }
+        }
+        for r in full..rows {
+            // SAFETY: features as this function's; row r lies inside `w` (asserted).
+            out[r] = unsafe { dot_16bit::<F16>(&w[r * k..(r + 1) * k], x) };
         }
     }
 

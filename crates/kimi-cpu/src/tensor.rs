@@ -24,7 +24,7 @@ pub enum Storage {
         /// The blocks, `dtype.storage_bytes(len)` bytes.
         bytes: Vec<u8>,
         /// `Some(cols)` where the rows (of `cols` values) are interleaved in groups of 16
-        /// for the VNNI kernels (`crate::qdot::groups`), `None` where they are row-major.
+        /// for the x86 kernels (`crate::qdot::groups`), `None` where they are row-major.
         grouped: Option<usize>,
     },
 }
@@ -55,6 +55,13 @@ impl CpuTensor {
     /// Copies a checkpoint tensor, keeping its dtype. A block-quantized tensor's last
     /// dimension must be a whole number of blocks.
     pub fn from_host(host: HostTensor<'_>) -> Result<Self> {
+        Self::from_host_with(host, true)
+    }
+
+    /// [`Self::from_host`], interleaving block-quantized rows for the integer kernels only
+    /// where `interleave` says (a backend that multiplies dequantized f32 weights keeps
+    /// them row-major: it would only widen them back).
+    pub fn from_host_with(host: HostTensor<'_>, interleave: bool) -> Result<Self> {
         let n: usize = host.shape.iter().product();
         let cols = host.shape.last().copied().unwrap_or(1);
         if !cols.is_multiple_of(host.dtype.block_size()) {
@@ -98,7 +105,7 @@ impl CpuTensor {
             DType::F16 => Storage::F16(halves()),
             q if crate::quant::supported(q) => {
                 let rows = n.checked_div(cols).unwrap_or(0);
-                match Kind::of(q).filter(|&kind| groups::wanted(kind, rows)) {
+                match Kind::of(q).filter(|&kind| interleave && groups::wanted(kind, rows)) {
                     Some(kind) => Storage::Quant {
                         dtype: q,
                         bytes: groups::interleave(kind, host.bytes, cols),

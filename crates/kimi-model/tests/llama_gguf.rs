@@ -192,27 +192,33 @@ fn decode_logits(model: &Llama<CpuBackend>, prompt: &[u32], continuation: &[u32]
 /// 32-value block's largest value) in all 211 matmuls of a decode step moved these logits
 /// by at most 1.13 while the prompt still ran in f32 (0.26–1.13 per position, on logits of
 /// magnitude ~20). Since the prompt runs on the integer kernels too where the weights are
-/// interleaved (AVX-512 VNNI), its keys and values carry the same rounding: at most 1.52
+/// interleaved (AVX2 or AVX-512 VNNI), its keys and values carry the same rounding: at most 1.52
 /// measured; the bound leaves 1.3× that. Greedy ids are held to a sharper check below.
 const INT8_LOGIT_TOLERANCE: f32 = 2.0;
 
-/// The f32 margin (best minus second-best logit) below which the int8 path may pick the
-/// other token. Only the chat prompt's first answer token (margin 0.082) is that close; the
-/// next closest agreeing margin is 0.16 (llama.cpp flips at both, `BENCHMARKS.md`).
-const NEAR_TIE: f32 = 0.1;
+/// Greedy ids the int8 path may pick differently from the f32 one over the 31 teacher-forced
+/// positions of both prompts. Only positions whose f32 margin (best minus second-best
+/// logit) is within twice that position's largest logit difference can flip at all (checked
+/// below); two such flip, both also flipped by llama.cpp's int8 products (`BENCHMARKS.md`):
+/// the chat prompt's first answer token (margin 0.082, logits moved by up to 1.0) and the
+/// raw prompt's fifth token (margin 0.16, moved by up to 0.9; it flips with the AVX2
+/// kernels' order of float additions and not with the AVX-512 VNNI kernels'). A kernel
+/// change that flips more needs a look.
+const MAX_GREEDY_FLIPS: usize = 2;
 
 /// The default (int8-activation) decode path against the f32 one, teacher-forced on the
-/// golden continuations: every logit within [`INT8_LOGIT_TOLERANCE`], and the same greedy
-/// id wherever the f32 margin between the two best tokens exceeds [`NEAR_TIE`]. The chat
-/// prompt's first answer token (f32 margin 0.082) flips, as llama.cpp's does, which is why
-/// the golden-id test runs the f32 path. Batching two decode steps gives exactly the
-/// logits of each step alone.
+/// golden continuations: every logit within [`INT8_LOGIT_TOLERANCE`], the same greedy id
+/// wherever the logit differences cannot reorder the two best tokens, and at most
+/// [`MAX_GREEDY_FLIPS`] other ids. The chat prompt's first answer token flips, as llama.cpp's
+/// does, which is why the golden-id test runs the f32 path. Batching two decode steps gives
+/// exactly the logits of each step alone.
 #[test]
 fn demo_model_int8_decode_stays_close_to_the_f32_path() {
     let Some(file) = demo_model() else { return };
     let exact = Llama::load(CpuBackend::with_quant_matmul(QuantMatmul::F32), &file).unwrap();
     let fast = Llama::load(CpuBackend::new(), &file).unwrap();
     let mut worst = 0f32;
+    let mut flips = Vec::new();
     for (prompt, golden) in [
         (&RAW_PROMPT_IDS[..], &RAW_GOLDEN[..]),
         (&CHAT_PROMPT_IDS[..], &CHAT_GOLDEN[..]),
@@ -233,13 +239,20 @@ fn demo_model_int8_decode_stays_close_to_the_f32_path() {
                 .filter(|(i, _)| *i != best as usize)
                 .fold(f32::MIN, |m, (_, v)| m.max(*v));
             let margin = w[best as usize] - runner_up;
-            // Guaranteed by the tolerance above a margin of twice it; observed above
-            // NEAR_TIE (a regression check: kernel changes that move it need a look).
-            if margin > (2.0 * INT8_LOGIT_TOLERANCE).min(NEAR_TIE) {
-                assert_eq!(argmax(g), best, "position {pos}: margin {margin}");
+            if argmax(g) != best {
+                // No logit moved by more than `diff`: a wider margin cannot flip.
+                assert!(
+                    margin <= 2.0 * diff,
+                    "position {pos}: flipped at margin {margin}, logits moved by {diff}"
+                );
+                flips.push((pos, margin));
             }
         }
     }
+    assert!(
+        flips.len() <= MAX_GREEDY_FLIPS,
+        "greedy ids flipped at (position, f32 margin) {flips:?}"
+    );
     eprintln!("largest int8 - f32 logit difference: {worst}");
 
     // Two sequences decoding in one batch: each row equals its step alone, bit for bit.

@@ -399,3 +399,59 @@ fn interleaved_kernels_match_scalar_on_random_values() {
     let cases = [(1, 16), (1, 21), (2, 32), (4, 16), (7, 40)];
     check_random(&GROUPED, &cases, 13, interleaved);
 }
+
+/// Extreme levels: every quant byte 0x00, 0x7F, 0x80 or 0xFF (nibbles 0 or 15, Q8_0's −128
+/// and 127, Q6_K's 0 and 63), the largest scales of both signs, and activations of ±127
+/// in long runs. A 16-bit pair sum that saturated (as `vpmaddubsw` does above 2^15) would
+/// be off by thousands of steps, far beyond the summation-order tolerance.
+#[test]
+fn kernels_do_not_saturate_on_extreme_values() {
+    let mut rng = ChaCha8Rng::seed_from_u64(14);
+    let kinds = [Kind::Q4_0, Kind::Q4_1, Kind::Q8_0, Kind::Q4K, Kind::Q6K];
+    let (rows, n, k) = (32, 3, 512);
+    for kind in kinds {
+        let mut w = vec![0u8; rows * kind.row_bytes(k)];
+        for blk in w.chunks_exact_mut(kind.block_bytes()) {
+            blk.fill([0x00, 0x7F, 0x80, 0xFF][rng.random_range(0..4)]);
+            let one = f16_bits(1.0);
+            match kind {
+                Kind::Q6K => {
+                    for sc in &mut blk[192..208] {
+                        *sc = [0x7F, 0x80, 0x01][rng.random_range(0..3)];
+                    }
+                    blk[208..].copy_from_slice(&one);
+                }
+                Kind::Q4_1 | Kind::Q4K => {
+                    blk[..2].copy_from_slice(&one);
+                    blk[2..4].copy_from_slice(&one);
+                }
+                _ => blk[..2].copy_from_slice(&one),
+            }
+        }
+        let wd = kimi_gguf::dequantize(ggml(kind), &w, rows * k).expect("dequantizes");
+        // Runs of +1 and −1 (quantized to ±127), changing sign every 64 values per token.
+        let xs: Vec<f32> = (0..n * k)
+            .map(|i| if (i / 64 + i / k) % 2 == 0 { 1.0 } else { -1.0 })
+            .collect();
+        let x = Q8Acts::quantize(&xs, n, k);
+        let mut want = vec![0f32; rows * n];
+        matmul_rows_with(Isa::Scalar, kind, &w, &x, &mut want);
+        for multiply in [row_major as Multiply, interleaved] {
+            for isa in Isa::available() {
+                let mut got = vec![0f32; rows * n];
+                multiply(isa, kind, &w, &x, &mut got);
+                for r in 0..rows {
+                    for t in 0..n {
+                        let magnitude: f32 =
+                            (0..k).map(|i| (wd[r * k + i] * xs[t * k + i]).abs()).sum();
+                        let (a, b) = (got[r * n + t], want[r * n + t]);
+                        assert!(
+                            (a - b).abs() <= 1e-5 * magnitude,
+                            "{kind:?} {isa:?} row {r} token {t}: {a} vs {b}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -445,24 +445,106 @@ unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
 /// `groups::matmul_groups_with`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn matmul_groups_vnni(kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
+    // SAFETY: features and sizes as this function requires.
+    unsafe { each_group::<Vnni>(kind, w, x, out) }
+}
+
+/// [`matmul_groups_vnni`] on AVX2 (`vpmaddubsw` + `vpmaddwd`), a group's two 8-row halves
+/// one after the other: a half's accumulators fit the 16 ymm registers, and the second
+/// half finds the group's bytes in L1 or L2.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; sizes as checked by
+/// `groups::matmul_groups_with`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn matmul_groups_avx2(kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
+    // SAFETY: features and sizes as this function requires.
+    unsafe { each_group::<Maddubs>(kind, w, x, out) }
+}
+
+/// One pass of an interleaved kernel: `PARTS` parts of `16 / PARTS` rows per group, each
+/// over up to four tokens.
+trait GroupPass {
+    const PARTS: usize;
+
+    /// Part `part` of the group `gw` (rows `row0..row0 + rows`) · tokens `t0..t0 + N`.
+    ///
+    /// # Safety
+    /// As [`group`].
+    unsafe fn pass<const N: usize>(
+        kind: Kind,
+        gw: &[u8],
+        x: &Q8Acts,
+        t0: usize,
+        rows: (usize, usize),
+        part: usize,
+        out: &mut [f32],
+    );
+}
+
+impl GroupPass for Vnni {
+    const PARTS: usize = 1;
+
+    #[inline(always)]
+    unsafe fn pass<const N: usize>(
+        kind: Kind,
+        gw: &[u8],
+        x: &Q8Acts,
+        t0: usize,
+        rows: (usize, usize),
+        _part: usize,
+        out: &mut [f32],
+    ) {
+        // SAFETY: as the caller guarantees.
+        unsafe { group::<N>(kind, gw, x, t0, rows, out) }
+    }
+}
+
+impl GroupPass for Maddubs {
+    const PARTS: usize = 2;
+
+    #[inline(always)]
+    unsafe fn pass<const N: usize>(
+        kind: Kind,
+        gw: &[u8],
+        x: &Q8Acts,
+        t0: usize,
+        rows: (usize, usize),
+        part: usize,
+        out: &mut [f32],
+    ) {
+        // SAFETY: as the caller guarantees.
+        unsafe { half_group::<N>(kind, gw, x, t0, rows, part, out) }
+    }
+}
+
+/// Every group, part and token of interleaved weights.
+///
+/// # Safety
+/// Features of `G`'s unit from the caller; sizes as checked by `groups::matmul_groups_with`.
+#[inline(always)]
+unsafe fn each_group<G: GroupPass>(kind: Kind, w: &[u8], x: &Q8Acts, out: &mut [f32]) {
     let group_bytes = groups::group_bytes(kind, x.k);
     let rows = out.len() / x.n;
     for (g, gw) in w.chunks_exact(group_bytes).enumerate() {
         let rows = (g * GROUP..rows.min((g + 1) * GROUP)).len();
-        let mut t0 = 0;
-        while t0 < x.n {
-            let nt = (x.n - t0).min(4);
-            // SAFETY: group `g` and tokens t0..t0 + nt exist, and `rows` of the group
-            // have results (sizes checked by the dispatcher); features from the caller.
-            unsafe {
-                match nt {
-                    1 => group::<1>(kind, gw, x, t0, (g * GROUP, rows), out),
-                    2 => group::<2>(kind, gw, x, t0, (g * GROUP, rows), out),
-                    3 => group::<3>(kind, gw, x, t0, (g * GROUP, rows), out),
-                    _ => group::<4>(kind, gw, x, t0, (g * GROUP, rows), out),
+        for part in 0..rows.div_ceil(GROUP / G::PARTS) {
+            let mut t0 = 0;
+            while t0 < x.n {
+                let nt = (x.n - t0).min(4);
+                let at = (g * GROUP, rows);
+                // SAFETY: group `g` and tokens t0..t0 + nt exist, and `rows` of the group
+                // have results (sizes checked by the dispatcher); features from the caller.
+                unsafe {
+                    match nt {
+                        1 => G::pass::<1>(kind, gw, x, t0, at, part, out),
+                        2 => G::pass::<2>(kind, gw, x, t0, at, part, out),
+                        3 => G::pass::<3>(kind, gw, x, t0, at, part, out),
+                        _ => G::pass::<4>(kind, gw, x, t0, at, part, out),
+                    }
                 }
+                t0 += nt;
             }
-            t0 += nt;
         }
     }
 }
@@ -672,6 +754,275 @@ unsafe fn group<const N: usize>(
                 _mm512_storeu_ps(lanes.as_mut_ptr(), *a);
                 for (r, v) in lanes.iter().enumerate().take(rows) {
                     out[(row0 + r) * x.n + t0 + i] = *v;
+                }
+            }
+        }
+    }
+}
+
+/// Rows `8·half..8·half + 8` of the group `gw` (rows `row0..row0 + rows`) · tokens
+/// `t0..t0 + N`, on AVX2: [`group`]'s arithmetic on the half's 32 bytes of each 64-byte
+/// word plane. `vpmaddubsw` pair sums are 16-bit, so nibble products add up in 16 bits
+/// (at most eight sums of `2·15·127`) before one `vpmaddwd` widens them, by ones or by the
+/// block's integer scales; Q8_0 quants (stored `q + 128`) are flipped back and multiplied
+/// by sign (`|q| · x·sign(q)`), which no pair sum can saturate.
+///
+/// # Safety
+/// AVX2, FMA and F16C from the caller; otherwise as [`group`], and `8·half < rows`.
+#[inline(always)]
+unsafe fn half_group<const N: usize>(
+    kind: Kind,
+    gw: &[u8],
+    x: &Q8Acts,
+    t0: usize,
+    (row0, rows): (usize, usize),
+    half: usize,
+    out: &mut [f32],
+) {
+    const HALF: usize = GROUP / 2;
+    let nb = x.blocks();
+    let bb16 = GROUP * kind.block_bytes();
+    let sb = groups::scale_bytes(kind);
+    // SAFETY (every pointer below): as in `group`; a half's bytes lie inside its block.
+    unsafe {
+        let qs: [*const u8; N] = std::array::from_fn(|i| x.qs.as_ptr().add((t0 + i) * x.k).cast());
+        let xd: [*const f32; N] = std::array::from_fn(|i| x.d.as_ptr().add((t0 + i) * nb));
+        let xs: [*const f32; N] = std::array::from_fn(|i| x.sum.as_ptr().add((t0 + i) * nb));
+        let xi: [*const i32; N] = std::array::from_fn(|i| x.isum.as_ptr().add((t0 + i) * nb));
+        let word = |i: usize, b: usize, v: usize| {
+            _mm256_set1_epi32(std::ptr::read_unaligned(
+                qs[i].add(b * QK + v).cast::<i32>(),
+            ))
+        };
+        // The half's 8 rows of a 64-byte word plane, of 16 f16 values, of 16 bytes.
+        let plane = |p: *const u8| _mm256_loadu_si256(p.add(32 * half).cast());
+        let f16s = |p: *const u8| _mm256_cvtph_ps(_mm_loadu_si128(p.add(16 * half).cast()));
+        let u8s = |p: *const u8| _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(8 * half).cast()));
+        let i8s = |p: *const u8| _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(8 * half).cast()));
+        // An i32 lane's value (within i16) in both of its i16 halves, for `vpmaddwd`.
+        let both16 = |v: __m256i| {
+            _mm256_or_si256(
+                _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)),
+                _mm256_slli_epi32(v, 16),
+            )
+        };
+        let ones = _mm256_set1_epi16(1);
+        let m4 = _mm256_set1_epi8(0x0F);
+        // Two sums per token (joined at the end): one FMA chain per token made the latency
+        // of its FMAs (two to four per block) the bound of a one-token pass.
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut acc2 = [_mm256_setzero_ps(); N];
+        match kind {
+            Kind::Q4_0 | Kind::Q4_1 => {
+                let q4_1 = kind == Kind::Q4_1;
+                for b in 0..nb {
+                    let blk = gw.as_ptr().add(b * bb16);
+                    let mut s16 = [_mm256_setzero_si256(); N];
+                    for j in 0..4 {
+                        let v = plane(blk.add(sb + 64 * j));
+                        let l = _mm256_and_si256(v, m4);
+                        let h = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                        for (i, s) in s16.iter_mut().enumerate() {
+                            let pl = _mm256_maddubs_epi16(l, word(i, b, 4 * j));
+                            let ph = _mm256_maddubs_epi16(h, word(i, b, 16 + 4 * j));
+                            *s = _mm256_add_epi16(*s, _mm256_add_epi16(pl, ph));
+                        }
+                    }
+                    let d = f16s(blk);
+                    let m = if q4_1 {
+                        f16s(blk.add(32))
+                    } else {
+                        _mm256_setzero_ps()
+                    };
+                    for i in 0..N {
+                        let mut s = _mm256_madd_epi16(s16[i], ones);
+                        if !q4_1 {
+                            // Nibbles are stored + 8: Σ (q + 8)·x − 8·Σx, exactly.
+                            s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * *xi[i].add(b)));
+                        }
+                        let scale = _mm256_mul_ps(d, _mm256_set1_ps(*xd[i].add(b)));
+                        let (a, a2) = if b % 2 == 0 || q4_1 {
+                            (&mut acc[i], &mut acc2[i])
+                        } else {
+                            (&mut acc2[i], &mut acc[i])
+                        };
+                        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, *a);
+                        if q4_1 {
+                            *a2 = _mm256_fmadd_ps(m, _mm256_set1_ps(*xs[i].add(b)), *a2);
+                        }
+                    }
+                }
+            }
+            Kind::Q8_0 => {
+                let flip = _mm256_set1_epi8(-128);
+                for b in 0..nb {
+                    let blk = gw.as_ptr().add(b * bb16);
+                    let mut s = [_mm256_setzero_si256(); N];
+                    for j in 0..8 {
+                        let q = _mm256_xor_si256(plane(blk.add(sb + 64 * j)), flip);
+                        let magnitude = _mm256_sign_epi8(q, q);
+                        for (i, si) in s.iter_mut().enumerate() {
+                            let signed = _mm256_sign_epi8(word(i, b, 4 * j), q);
+                            let p = _mm256_maddubs_epi16(magnitude, signed);
+                            *si = _mm256_add_epi32(*si, _mm256_madd_epi16(p, ones));
+                        }
+                    }
+                    let d = f16s(blk);
+                    for i in 0..N {
+                        let scale = _mm256_mul_ps(d, _mm256_set1_ps(*xd[i].add(b)));
+                        let a = if b % 2 == 0 {
+                            &mut acc[i]
+                        } else {
+                            &mut acc2[i]
+                        };
+                        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), scale, *a);
+                    }
+                }
+            }
+            Kind::Q4K => {
+                let bgb = groups::block_group_bytes(kind);
+                for sb in 0..nb / 8 {
+                    let blk = gw.as_ptr().add(sb * bgb);
+                    let d = f16s(blk);
+                    let dmin = f16s(blk.add(32));
+                    for p in 0..4 {
+                        let (b0, b1) = (sb * 8 + 2 * p, sb * 8 + 2 * p + 1);
+                        let mut lo = [_mm256_setzero_si256(); N];
+                        let mut hi = [_mm256_setzero_si256(); N];
+                        for w in 0..8 {
+                            let v = plane(blk.add(320 + 512 * p + 64 * w));
+                            let l = _mm256_and_si256(v, m4);
+                            let h = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                            for i in 0..N {
+                                let pl = _mm256_maddubs_epi16(l, word(i, b0, 4 * w));
+                                let ph = _mm256_maddubs_epi16(h, word(i, b1, 4 * w));
+                                lo[i] = _mm256_add_epi16(lo[i], pl);
+                                hi[i] = _mm256_add_epi16(hi[i], ph);
+                            }
+                        }
+                        let sc0 = both16(u8s(blk.add(64 + 32 * p)));
+                        let sc1 = both16(u8s(blk.add(64 + 32 * p + 16)));
+                        let m0 =
+                            _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(u8s(blk.add(192 + 32 * p))));
+                        let m1 = _mm256_mul_ps(
+                            dmin,
+                            _mm256_cvtepi32_ps(u8s(blk.add(192 + 32 * p + 16))),
+                        );
+                        for i in 0..N {
+                            // The 16-bit sums times the 6-bit scales, added in i32: exact.
+                            let s0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(lo[i], sc0));
+                            let s1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(hi[i], sc1));
+                            let d0 = _mm256_mul_ps(d, _mm256_set1_ps(*xd[i].add(b0)));
+                            let d1 = _mm256_mul_ps(d, _mm256_set1_ps(*xd[i].add(b1)));
+                            acc[i] = _mm256_fmadd_ps(s0, d0, acc[i]);
+                            acc2[i] = _mm256_fmadd_ps(s1, d1, acc2[i]);
+                            acc[i] = _mm256_fnmadd_ps(m0, _mm256_set1_ps(*xs[i].add(b0)), acc[i]);
+                            acc2[i] = _mm256_fnmadd_ps(m1, _mm256_set1_ps(*xs[i].add(b1)), acc2[i]);
+                        }
+                    }
+                }
+            }
+            Kind::Q6K => {
+                let bgb = groups::block_group_bytes(kind);
+                let xi16: [*const i32; N] =
+                    std::array::from_fn(|i| x.isum16.as_ptr().add((t0 + i) * 2 * nb));
+                let m30 = _mm256_set1_epi8(0x30);
+                for sb in 0..nb / 8 {
+                    let blk = gw.as_ptr().add(sb * bgb);
+                    let d = f16s(blk);
+                    let plane_n = |n: usize| plane(blk.add(288 + 64 * n));
+                    // Each 128-value half `h` of the super-block is chunks j = 4h + kk,
+                    // kk = 0..4, whose word w shares two ql planes and one qh plane: the
+                    // four chunks' levels come from three loads and constant shifts.
+                    for h in 0..2 {
+                        // Chunk kk's sub-block scales (16-value sub-blocks 2j and 2j + 1),
+                        // as i32 lanes and in both i16 halves for `vpmaddwd`.
+                        // (Plain loops: through `array::from_fn` or `map` the intrinsics
+                        // would compile without this function's features.)
+                        let mut sc = [[_mm256_setzero_si256(); 2]; 4];
+                        let mut sc16 = sc;
+                        for kk in 0..4 {
+                            for sub in 0..2 {
+                                sc[kk][sub] = i8s(blk.add(32 + 32 * (4 * h + kk) + 16 * sub));
+                                sc16[kk][sub] = both16(sc[kk][sub]);
+                            }
+                        }
+                        let mut s = [[_mm256_setzero_si256(); 4]; N];
+                        for w in 0..8 {
+                            let (ql_a, ql_b) = (plane_n(16 * h + w), plane_n(16 * h + 8 + w));
+                            let qh = plane_n(32 + 8 * h + w);
+                            let levels = [
+                                _mm256_or_si256(
+                                    _mm256_and_si256(ql_a, m4),
+                                    _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
+                                ),
+                                _mm256_or_si256(
+                                    _mm256_and_si256(ql_b, m4),
+                                    _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
+                                ),
+                                _mm256_or_si256(
+                                    _mm256_and_si256(_mm256_srli_epi16(ql_a, 4), m4),
+                                    _mm256_and_si256(qh, m30),
+                                ),
+                                _mm256_or_si256(
+                                    _mm256_and_si256(_mm256_srli_epi16(ql_b, 4), m4),
+                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
+                                ),
+                            ];
+                            for (kk, q) in levels.iter().enumerate() {
+                                let b = sb * 8 + 4 * h + kk;
+                                for (i, si) in s.iter_mut().enumerate() {
+                                    // Pair sums of at most 2·63·127, times the sub-block's
+                                    // scale, in i32.
+                                    let p = _mm256_maddubs_epi16(*q, word(i, b, 4 * w));
+                                    let t = _mm256_madd_epi16(p, sc16[kk][w / 4]);
+                                    si[kk] = _mm256_add_epi32(si[kk], t);
+                                }
+                            }
+                        }
+                        for kk in 0..4 {
+                            let b = sb * 8 + 4 * h + kk;
+                            for i in 0..N {
+                                // (q − 32)·x·scale = q·x·scale − 32·Σx·scale per sub-block.
+                                let offset = _mm256_add_epi32(
+                                    _mm256_mullo_epi32(
+                                        sc[kk][0],
+                                        _mm256_set1_epi32(32 * *xi16[i].add(2 * b)),
+                                    ),
+                                    _mm256_mullo_epi32(
+                                        sc[kk][1],
+                                        _mm256_set1_epi32(32 * *xi16[i].add(2 * b + 1)),
+                                    ),
+                                );
+                                let t = _mm256_sub_epi32(s[i][kk], offset);
+                                let scale = _mm256_mul_ps(d, _mm256_set1_ps(*xd[i].add(b)));
+                                let a = if kk % 2 == 0 {
+                                    &mut acc[i]
+                                } else {
+                                    &mut acc2[i]
+                                };
+                                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, *a);
+                            }
+                        }
+                    }
+                }
+            }
+            // `groups::supported` admits no other kind (the dispatcher asserts it).
+            _ => {}
+        }
+        for i in 0..N {
+            acc[i] = _mm256_add_ps(acc[i], acc2[i]);
+        }
+        let first = row0 + HALF * half;
+        let valid = (rows - HALF * half).min(HALF);
+        if x.n == 1 && valid == HALF {
+            _mm256_storeu_ps(out.as_mut_ptr().add(first), acc[0]);
+        } else {
+            let mut lanes = [0f32; HALF];
+            for (i, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(lanes.as_mut_ptr(), *a);
+                for (r, v) in lanes.iter().enumerate().take(valid) {
+                    out[(first + r) * x.n + t0 + i] = *v;
                 }
             }
         }
