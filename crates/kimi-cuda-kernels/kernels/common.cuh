@@ -11,6 +11,19 @@ __device__ __forceinline__ float ld(const void* p, size_t i, int dt) {
   return reinterpret_cast<const float*>(p)[i];
 }
 
+// A weight's raw bits by the read-only path (f32: 32 bits; bf16, f16: 16) and their value:
+// `ld` split in two, so that weights can be loaded before `pdl_wait` and converted after it
+// without holding up the loads.
+__device__ __forceinline__ uint32_t ld_raw(const void* p, size_t i, int dt) {
+  if (dt == 0) return __ldg(reinterpret_cast<const uint32_t*>(p) + i);
+  return (uint32_t)__ldg(reinterpret_cast<const unsigned short*>(p) + i);
+}
+__device__ __forceinline__ float raw_val(uint32_t v, int dt) {
+  if (dt == 1) return __uint_as_float(v << 16);
+  if (dt == 2) return __half2float(__ushort_as_half((unsigned short)v));
+  return __uint_as_float(v);
+}
+
 // Programmatic dependent launch (sm_90): kernels are launched so that the next kernel's
 // blocks may start while this one still runs. Every kernel therefore waits for its
 // predecessor to finish (and its writes to be visible) before it touches activations

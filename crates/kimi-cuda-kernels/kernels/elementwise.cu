@@ -33,10 +33,22 @@ extern "C" __global__ void rms_norm(const float* x, const void* w, int wdt, cons
 // d = 4 * blockDim.x * NORM_V floats at most, d % 4 == 0, 16-byte aligned rows: every thread
 // loads its float4s of the row at once and keeps them in registers, so a row costs one
 // memory round trip instead of one per loop step (a one-row decode norm of 2304 took
-// ~10 us as a strided loop). One block per row; the two ops share the summation order, so
+// ~10 us as a strided loop). The weights' raw bits load before `pdl_wait` (`norm_w_load`),
+// not after the row's sum. One block per row; the two ops share the summation order, so
 // add_rms_norm matches add_assign + rms_norm bit for bit.
 #define NORM_V 2
-__device__ __forceinline__ void norm_row_vec(float* x, const float* y, const void* w, int wdt,
+__device__ __forceinline__ void norm_w_load(const void* w, int wdt, int d,
+                                            uint32_t (&wr)[NORM_V][4]) {
+  const int n4 = d >> 2;
+#pragma unroll
+  for (int i = 0; i < NORM_V; ++i) {
+    const int c = threadIdx.x + i * blockDim.x;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) wr[i][u] = c < n4 ? ld_raw(w, 4 * c + u, wdt) : 0u;
+  }
+}
+__device__ __forceinline__ void norm_row_vec(float* x, const float* y,
+                                             const uint32_t (&wr)[NORM_V][4], int wdt,
                                              float* out, int d, float eps, bool add) {
   __shared__ float red[32];
   const size_t r = blockIdx.x;
@@ -44,15 +56,23 @@ __device__ __forceinline__ void norm_row_vec(float* x, const float* y, const voi
   const float4* y4 = add ? reinterpret_cast<const float4*>(y + r * d) : nullptr;
   float4* o4 = reinterpret_cast<float4*>(out + r * d);
   const int n4 = d >> 2;
-  float4 v[NORM_V];
-  float ss = 0.0f;
+  float4 v[NORM_V], yv[NORM_V];
+  // Every load before the first store (x and y may alias as far as the compiler knows).
 #pragma unroll
   for (int i = 0; i < NORM_V; ++i) {
     const int c = threadIdx.x + i * blockDim.x;
     if (c < n4) {
       v[i] = x4[c];
+      if (add) yv[i] = y4[c];
+    }
+  }
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < NORM_V; ++i) {
+    const int c = threadIdx.x + i * blockDim.x;
+    if (c < n4) {
       if (add) {
-        const float4 b = y4[c];
+        const float4 b = yv[i];
         v[i].x += b.x;
         v[i].y += b.y;
         v[i].z += b.z;
@@ -68,21 +88,25 @@ __device__ __forceinline__ void norm_row_vec(float* x, const float* y, const voi
   for (int i = 0; i < NORM_V; ++i) {
     const int c = threadIdx.x + i * blockDim.x;
     if (c < n4) {
-      const int j = 4 * c;
-      o4[c] = make_float4(v[i].x * inv * ld(w, j, wdt), v[i].y * inv * ld(w, j + 1, wdt),
-                          v[i].z * inv * ld(w, j + 2, wdt), v[i].w * inv * ld(w, j + 3, wdt));
+      o4[c] = make_float4(
+          v[i].x * inv * raw_val(wr[i][0], wdt), v[i].y * inv * raw_val(wr[i][1], wdt),
+          v[i].z * inv * raw_val(wr[i][2], wdt), v[i].w * inv * raw_val(wr[i][3], wdt));
     }
   }
 }
 extern "C" __global__ void rms_norm_vec(const float* x, const void* w, int wdt, float* out, int d,
                                         float eps) {
+  uint32_t wr[NORM_V][4];
+  norm_w_load(w, wdt, d, wr);
   pdl_enter();
-  norm_row_vec(const_cast<float*>(x), nullptr, w, wdt, out, d, eps, false);
+  norm_row_vec(const_cast<float*>(x), nullptr, wr, wdt, out, d, eps, false);
 }
 extern "C" __global__ void add_rms_norm_vec(float* x, const float* y, const void* w, int wdt,
                                             float* out, int d, float eps) {
+  uint32_t wr[NORM_V][4];
+  norm_w_load(w, wdt, d, wr);
   pdl_enter();
-  norm_row_vec(x, y, w, wdt, out, d, eps, true);
+  norm_row_vec(x, y, wr, wdt, out, d, eps, true);
 }
 
 // rms_norm for short rows (d <= 1024, the gated per-head norm of KDA at d = 128): one warp

@@ -241,6 +241,12 @@ __device__ __forceinline__ void conv_shift_1(float* cache, float x, int ch, int 
 // state update and the gated RMSNorm. A cluster of NV blocks shares one (segment, head):
 // block x owns state columns x*BV..; the norm's sum of squares is exchanged through
 // distributed shared memory. grid (NV, H, segs.n), block 128, cluster (NV, 1, 1).
+//
+// Loads: with windows of at most KDA_MAXW taps, the weights (conv taps, dt_bias, A_log,
+// o_norm) load before `pdl_wait`, and after it every activation, window row and state value
+// is requested before any is used. Loaded where they were used, a tap at a time behind a
+// dtype branch, they made a chain of ~30 dependent round trips (13.1 us per launch, ncu).
+#define KDA_MAXW 4
 template <int D>
 __device__ void decode_step(const KdaStepArgs& a, const KdaStepSegs& segs) {
   using L = Split<D>;
@@ -251,6 +257,23 @@ __device__ void decode_step(const KdaStepArgs& a, const KdaStepSegs& segs) {
   const int c = tid % L::BV, rg = tid / L::BV, col = vb * L::BV + c;
   const int H = a.H, W = a.W;
   const int width = H * D;
+  const bool fast = W >= 1 && W <= KDA_MAXW;
+  const int chq = h * D + tid;              // q/k channel (tid < D)
+  const int chv = h * D + vb * L::BV + tid;  // value channel (tid < BV)
+  // Weights (immutable): before waiting for the previous kernel.
+  uint32_t rw[3][KDA_MAXW];
+#pragma unroll
+  for (int st = 0; st < 3; ++st) {
+    const int ch = st < 2 ? chq : chv;
+    const bool mine = st < 2 ? tid < D : tid < L::BV;
+#pragma unroll
+    for (int j = 0; j < KDA_MAXW; ++j)
+      rw[st][j] = fast && mine && j < W ? ld_raw(a.w[st], (size_t)ch * W + j, a.wdt[st]) : 0u;
+  }
+  const uint32_t rdtb = tid < D ? ld_raw(a.dt_bias, chq, a.bdt) : 0u;
+  const uint32_t rlog = tid < D ? ld_raw(a.a_log, h, a.adt) : 0u;
+  const uint32_t rnorm = rg == 0 ? ld_raw(a.o_norm, col, a.odt) : 0u;
+  pdl_enter();
   const size_t row = (size_t)segs.row[sg];
   // The state columns first: their 16-64 KiB are the step's longest wait, and nothing
   // below changes them before `split_step`.
@@ -258,27 +281,62 @@ __device__ void decode_step(const KdaStepArgs& a, const KdaStepSegs& segs) {
   float s[L::RPT];
 #pragma unroll
   for (int m = 0; m < L::RPT; ++m) s[m] = S[(size_t)(rg + L::RG * m) * D + col];
-  float xin[2] = {0.0f, 0.0f}, qk[2] = {0.0f, 0.0f};
-  if (tid < D) {
-    const int ch = h * D + tid;
+  // Every activation and window value this thread needs, all requested at once.
+  float xin[3] = {0.0f, 0.0f, 0.0f}, win[3][KDA_MAXW - 1];
 #pragma unroll
-    for (int st = 0; st < 2; ++st) {
-      xin[st] = a.x[st][row * width + ch];
-      qk[st] = conv_silu_1(segs.conv[st][sg], xin[st], a.w[st], a.wdt[st], ch, width, W);
+  for (int st = 0; st < 3; ++st) {
+    const int ch = st < 2 ? chq : chv;
+    const bool mine = st < 2 ? tid < D : tid < L::BV;
+    if (mine) xin[st] = a.x[st][row * width + ch];
+#pragma unroll
+    for (int j = 0; j < KDA_MAXW - 1; ++j)
+      win[st][j] = fast && mine && j < W - 1 ? segs.conv[st][sg][(size_t)j * width + ch] : 0.0f;
+  }
+  const float fin = tid < D ? a.f[row * width + chq] : 0.0f;
+  const float blog = a.b[row * H + h];
+  const size_t yidx = row * width + (size_t)h * D + col;
+  const float zin = rg == 0 ? a.z[yidx] : 0.0f;
+  // conv_silu_1's sums in its order: taps 0..W-2 on the window, tap W-1 on the new input.
+  auto conv = [&](int st) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < KDA_MAXW; ++j) {
+      const float w = raw_val(rw[st][j], a.wdt[st]);
+      if (j < W - 1) acc += w * win[st][j];
+      else if (j == W - 1) acc += w * xin[st];
     }
-    const float x = a.f[row * width + ch] + ld(a.dt_bias, ch, a.bdt);
-    const float scale = expf(ld(a.a_log, h, a.adt));
+    return acc * sigmoidf_(acc);
+  };
+  // conv_shift_1 from the values read above.
+  auto shift = [&](int st, int ch) {
+    float* cache = segs.conv[st][sg];
+#pragma unroll
+    for (int j = 0; j + 1 < KDA_MAXW - 1; ++j)
+      if (j + 1 < W - 1) cache[(size_t)j * width + ch] = win[st][j + 1];
+    if (W > 1) cache[(size_t)(W - 2) * width + ch] = xin[st];
+  };
+  float qk[2] = {0.0f, 0.0f};
+  if (tid < D) {
+#pragma unroll
+    for (int st = 0; st < 2; ++st)
+      qk[st] = fast ? conv(st)
+                    : conv_silu_1(segs.conv[st][sg], xin[st], a.w[st], a.wdt[st], chq, width, W);
+    const float x = fin + raw_val(rdtb, a.bdt);
+    const float scale = expf(raw_val(rlog, a.adt));
     const float gi = a.kind == 0 ? -scale * (x > 20.0f ? x : log1pf(expf(x)))
                                  : a.lb * sigmoidf_(scale * x);
     as[tid] = expf(gi);
   }
   if (tid < L::BV) {
     // This block's value channels: nobody else reads their window, so shift it now.
-    const int ch = h * D + vb * L::BV + tid;
-    float* cache = segs.conv[2][sg];
-    const float x = a.x[2][row * width + ch];
-    vs[tid] = conv_silu_1(cache, x, a.w[2], a.wdt[2], ch, width, W);
-    conv_shift_1(cache, x, ch, width, W);
+    if (fast) {
+      vs[tid] = conv(2);
+      shift(2, chv);
+    } else {
+      float* cache = segs.conv[2][sg];
+      vs[tid] = conv_silu_1(cache, xin[2], a.w[2], a.wdt[2], chv, width, W);
+      conv_shift_1(cache, xin[2], chv, width, W);
+    }
   }
   const float ssq = block_sum(qk[0] * qk[0], red2);
   const float ssk = block_sum(qk[1] * qk[1], red2);
@@ -286,7 +344,7 @@ __device__ void decode_step(const KdaStepArgs& a, const KdaStepSegs& segs) {
     qs[tid] = qk[0] * ((1.0f / sqrtf((float)D)) / sqrtf(ssq + 1e-6f));
     ks[tid] = qk[1] * (1.0f / sqrtf(ssk + 1e-6f));
   }
-  const float b = sigmoidf_(a.b[row * H + h]);
+  const float b = sigmoidf_(blog);
   __syncthreads();
   const float o = split_step<D>(s, qs, ks, as, vs[c], b, red);
 #pragma unroll
@@ -298,14 +356,15 @@ __device__ void decode_step(const KdaStepArgs& a, const KdaStepSegs& segs) {
 #pragma unroll
   for (int r = 0; r < L::NV; ++r) ss += *cluster.map_shared_rank(&partial, r);
   if (vb == 0 && tid < D) {
-    const int ch = h * D + tid;
-    conv_shift_1(segs.conv[0][sg], xin[0], ch, width, W);
-    conv_shift_1(segs.conv[1][sg], xin[1], ch, width, W);
+#pragma unroll
+    for (int st = 0; st < 2; ++st) {
+      if (fast) shift(st, chq);
+      else conv_shift_1(segs.conv[st][sg], xin[st], chq, width, W);
+    }
   }
   if (rg == 0) {
     const float inv = 1.0f / sqrtf(ss / (float)D + a.eps);
-    const size_t idx = row * width + (size_t)h * D + col;
-    a.y[idx] = o * inv * ld(a.o_norm, col, a.odt) * sigmoidf_(a.z[idx]);
+    a.y[yidx] = o * inv * raw_val(rnorm, a.odt) * sigmoidf_(zin);
   }
   cluster.sync();  // keep `partial` alive until every block of the cluster has read it
 }
@@ -313,8 +372,7 @@ __device__ void decode_step(const KdaStepArgs& a, const KdaStepSegs& segs) {
 #define KDA_DECODE(D)                                                                         \
   extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(128)                \
       kda_decode_##D(const KdaStepArgs a, const KdaStepSegs segs) {                           \
-    pdl_enter();                                                                              \
-    decode_step<D>(a, segs);                                                                  \
+    decode_step<D>(a, segs); /* pdl_enter() inside, after the weights' loads */               \
   }
 KDA_DECODE(64)
 KDA_DECODE(128)

@@ -107,29 +107,97 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 #define ROUTE_MAXJ 16
-// One warp routes one token: `logits` its E router logits, `ids`/`weights` its top_k picks.
-__device__ __forceinline__ void route_token_warp(const float* logits, const void* bias, int bdt,
-                                                 int has_bias, uint32_t* ids, float* weights,
-                                                 int E, int top_k, int renormalize,
-                                                 float scaling, int weights_use_bias) {
+#define ROUTE_MAX_EXPERTS (32 * ROUTE_MAXJ)
+// One thread's share of the correction bias `bias [E]` (dtype `bdt`), for staging it in
+// shared memory: the raw bits of experts `threadIdx.x + i * nthreads` (i < 2), loaded before
+// `pdl_wait` (the bias never depends on the previous kernel) and converted only when stored,
+// so that the loads stay in flight. E <= 2 * nthreads.
+struct BiasStage {
+  uint32_t raw[2];
+};
+__device__ __forceinline__ BiasStage bias_stage_load(const void* bias, int bdt, int has_bias,
+                                                     int E, int nthreads) {
+  BiasStage b;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int e = threadIdx.x + i * nthreads;
+    b.raw[i] = 0;
+    if (has_bias && e < E)
+      b.raw[i] = bdt == 0 ? __ldg(reinterpret_cast<const uint32_t*>(bias) + e)
+                          : (uint32_t)__ldg(reinterpret_cast<const unsigned short*>(bias) + e);
+  }
+  return b;
+}
+// Stores the staged bias as f32 (as `ld` converts it) into `sm [E]`.
+__device__ __forceinline__ void bias_stage_store(const BiasStage& b, int bdt, int E,
+                                                 int nthreads, float* sm) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int e = threadIdx.x + i * nthreads;
+    if (e < E)
+      sm[e] = bdt == 1   ? __uint_as_float(b.raw[i] << 16)
+              : bdt == 2 ? __half2float(__ushort_as_half((unsigned short)b.raw[i]))
+                         : __uint_as_float(b.raw[i]);
+  }
+}
+
+// The correction bias's raw bytes (E entries of dtype `bdt`, 4-byte aligned, E even unless
+// f32) copied into `raw` (shared memory, E u32) by cp.async, which keeps no register busy
+// while the copies are in flight; `cp.async.wait_all`, a barrier, then `bias_convert`.
+__device__ __forceinline__ void bias_copy_async(const void* bias, int bdt, int E,
+                                                uint32_t* raw) {
+  const int words = bdt == 0 ? E : E / 2;
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(bias);
+  for (int i = threadIdx.x; i < words; i += blockDim.x)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(raw + i)),
+                 "l"(src + i)
+                 : "memory");
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void bias_convert(const uint32_t* raw, int bdt, int E, float* out) {
+  const unsigned short* raw16 = reinterpret_cast<const unsigned short*>(raw);
+  for (int e = threadIdx.x; e < E; e += blockDim.x)
+    out[e] = bdt == 1   ? __uint_as_float((uint32_t)raw16[e] << 16)
+             : bdt == 2 ? __half2float(__ushort_as_half(raw16[e]))
+                        : __uint_as_float(raw[e]);
+}
+
+// One warp routes one token: `logits` its E router logits, `bias_sm` the correction bias as
+// f32 in shared memory (null without one), `ids`/`weights` its top_k picks (global or shared
+// memory). The E logits load at once (one L2 round trip; one per expert chunk, each followed
+// by its bias load, cost moe_route_one ~12 us when they ran in series), and with
+// top_k <= 32 lane k keeps pick k in registers until the weights are final.
+__device__ __forceinline__ void route_token_warp(const float* logits, const float* bias_sm,
+                                                 uint32_t* ids, float* weights, int E,
+                                                 int top_k, int renormalize, float scaling,
+                                                 int weights_use_bias) {
   const int lane = threadIdx.x & 31;
   const float taken = -3.0e38f;
   float score[ROUTE_MAXJ], choice[ROUTE_MAXJ], masked[ROUTE_MAXJ];
 #pragma unroll
   for (int j = 0; j < ROUTE_MAXJ; ++j) {
     const int e = lane + 32 * j;
-    score[j] = 0.0f;
+    // L2 loads: in moe_route_one other blocks wrote these logits during this launch.
+    score[j] = e < E ? __ldcg(logits + e) : 0.0f;
+  }
+#pragma unroll
+  for (int j = 0; j < ROUTE_MAXJ; ++j) {
+    const int e = lane + 32 * j;
     choice[j] = 0.0f;
     masked[j] = taken;  // experts past E are never picked
     if (e < E) {
-      // L2 loads: in moe_route_one other blocks wrote these logits during this launch.
-      const float s = sigmoidf_(__ldcg(logits + e));
+      const float s = sigmoidf_(score[j]);
       score[j] = s;
-      choice[j] = has_bias ? s + ld(bias, e, bdt) : s;
+      choice[j] = bias_sm ? s + bias_sm[e] : s;
       masked[j] = choice[j];
+    } else {
+      score[j] = 0.0f;
     }
   }
-  float wsum = 0.0f;  // meaningful in lane 0
+  const bool own = top_k <= 32;  // lane k keeps pick k
+  uint32_t my_id = 0;
+  float my_w = 0.0f;
+  float wsum = 0.0f;  // the same in every lane
   for (int k = 0; k < top_k; ++k) {
     float bv = 0.0f;
     int bi = -1;
@@ -152,11 +220,21 @@ __device__ __forceinline__ void route_token_warp(const float* logits, const void
         masked[j] = taken;
       }
     w = __shfl_sync(0xffffffffu, w, best & 31);
-    if (lane == 0) {
+    wsum += w;
+    if (own) {
+      if (lane == k) { my_id = (uint32_t)best; my_w = w; }
+    } else if (lane == 0) {
       ids[k] = (uint32_t)best;
       weights[k] = w;
-      wsum += w;
     }
+  }
+  if (own) {
+    if (lane < top_k) {
+      if (renormalize && top_k > 1) my_w /= (wsum + 1e-20f);
+      ids[lane] = my_id;
+      weights[lane] = my_w * scaling;
+    }
+    return;
   }
   if (lane != 0) return;
   for (int k = 0; k < top_k; ++k) {
@@ -166,14 +244,21 @@ __device__ __forceinline__ void route_token_warp(const float* logits, const void
   }
 }
 
-extern "C" __global__ void moe_route_warp(const float* logits, const void* bias, int bdt,
-                                          int has_bias, uint32_t* ids, float* weights, int n,
-                                          int E, int top_k, int renormalize, float scaling,
-                                          int weights_use_bias) {
+// Block 256 (8 tokens, a warp each); the bias is staged in shared memory first.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_route_warp(const float* logits, const void* bias, int bdt, int has_bias, uint32_t* ids,
+                   float* weights, int n, int E, int top_k, int renormalize, float scaling,
+                   int weights_use_bias) {
+  __shared__ float bias_sm[ROUTE_MAX_EXPERTS];
+  const BiasStage bs = bias_stage_load(bias, bdt, has_bias, E, 256);
   pdl_enter();
+  if (has_bias) {
+    bias_stage_store(bs, bdt, E, 256, bias_sm);
+    __syncthreads();
+  }
   const int t = blockIdx.x * 8 + (threadIdx.x >> 5);
   if (t >= n) return;
-  route_token_warp(logits + (size_t)t * E, bias, bdt, has_bias, ids + (size_t)t * top_k,
+  route_token_warp(logits + (size_t)t * E, has_bias ? bias_sm : nullptr, ids + (size_t)t * top_k,
                    weights + (size_t)t * top_k, E, top_k, renormalize, scaling,
                    weights_use_bias);
 }
@@ -291,28 +376,89 @@ extern "C" __global__ void moe_lists(const uint32_t* ids, const float* weights, 
   lists_block(ids, weights, P, E, top_k, offsets, slots, rows, wsel, meta, cnt_sm);
 }
 
-// One token's routing in one launch, for ungrouped routing over at most 32 * ROUTE_MAXJ
-// experts: the router logits (f32 weights `router [E, d]` times the hidden row `x [d]`, two
-// experts per block, E / 2 blocks), then the last block to finish makes
+// moe_lists' outputs for one token's top_k <= 32 pairs, whose picks `pk_id`/`pk_w` (shared
+// memory) are final: the same offsets, active list, counts and slots (pairs of one expert in
+// pair order), without moe_lists' global reads, atomics and scans. Every thread of the block
+// takes part; the picks must be visible to all of it (a barrier before).
+__device__ __forceinline__ void lists_one_token(const uint32_t* pk_id, const float* pk_w,
+                                                int top_k, int E, uint32_t* ids,
+                                                float* weights, uint32_t* offsets,
+                                                uint32_t* slots, uint32_t* rows, float* wsel,
+                                                uint32_t* meta) {
+  // offsets[e] = pairs with an expert below e; meta's counts.
+  for (int e = threadIdx.x; e <= E; e += blockDim.x) {
+    uint32_t below = 0, same = 0;
+#pragma unroll 8
+    for (int k = 0; k < top_k; ++k) {
+      const uint32_t id = pk_id[k];
+      below += id < (uint32_t)e;
+      same += id == (uint32_t)e;
+    }
+    offsets[e] = below;
+    if (e < E) meta[top_k + e] = same;
+  }
+  const int k = threadIdx.x;
+  if (k >= 32) return;
+  // Warp 0: lane j holds pick j; each lane learns whether its pick is its expert's first.
+  const int lane = k;
+  const uint32_t mine = lane < top_k ? pk_id[lane] : 0xffffffffu;
+  uint32_t dup_before = 0;  // a lower lane holds the same expert
+  for (int j = 0; j < top_k; ++j) {
+    const uint32_t o = __shfl_sync(0xffffffffu, mine, j);
+    dup_before |= (j < lane) & (o == mine);
+  }
+  const uint32_t firsts = __ballot_sync(0xffffffffu, lane < top_k && !dup_before);
+  if (k >= top_k) return;
+  const uint32_t id = mine;
+  const float w = pk_w[k];
+  uint32_t below = 0, before = 0, distinct_below = 0;
+  const uint32_t first = !dup_before, distinct = __popc(firsts);
+#pragma unroll 8
+  for (int j = 0; j < top_k; ++j) {
+    const uint32_t o = pk_id[j];
+    below += o < id;
+    before += j < k && o == id;
+    distinct_below += ((firsts >> j) & 1u) && o < id;
+  }
+  const uint32_t pos = below + before;
+  slots[pos] = (uint32_t)k;
+  rows[pos] = 0;
+  wsel[pos] = w;
+  meta[k] = id;
+  ids[k] = id;
+  weights[k] = w;
+  uint32_t* active = offsets + E + 1;
+  if (first) active[1 + distinct_below] = id;
+  if (k == 0) active[0] = distinct;
+}
+
+// One token's routing in one launch, for ungrouped routing over at most ROUTE_MAX_EXPERTS
+// experts and top_k <= min(32, E): the router logits (f32 weights `router [E, d]` times the
+// hidden row `x [d]`, two experts per block, E / 2 blocks), then the last block to finish makes
 // moe_route_warp's picks and moe_lists' lists for the token's top_k pairs. Before, these
 // were three launches (cuBLAS, moe_route_warp, moe_lists) of a few microseconds' work
 // each. `ticket` counts finished blocks; the last block resets it to zero for the next
 // launch (launches on the stream never overlap it: each waits for its predecessor).
-// Block 256, dynamic shared memory 2E u32; `logits` holds E f32 of scratch. d % 4 == 0,
-// 16-byte aligned router and x.
+// Block 256. `logits` holds E f32 of scratch. d % 4 == 0, 16-byte aligned router and x; the
+// bias (if any) 4-byte aligned, E even unless it is f32.
 extern "C" __global__ void __launch_bounds__(256)
     moe_route_one(const float* router, const float* x, int d, const void* bias, int bdt,
                   int has_bias, int E, int top_k, int renormalize, float scaling,
                   int weights_use_bias, float* logits, uint32_t* ids, float* weights,
                   uint32_t* offsets, uint32_t* slots, uint32_t* rows, float* wsel,
                   uint32_t* meta, uint32_t* ticket) {
-  extern __shared__ uint32_t ro_sm[];
   __shared__ int last;
   __shared__ float part[8];
+  __shared__ float bias_sm[ROUTE_MAX_EXPERTS];
+  __shared__ __align__(16) uint32_t bias_raw[ROUTE_MAX_EXPERTS];
+  __shared__ uint32_t pk_id[32];
+  __shared__ float pk_w[32];
   // Two experts per block, four warps each over a quarter of the row: one DRAM round trip
   // per lane (a warp per whole row took three, 18 us per launch under ncu). The first
   // ROUTE_PRE float4 of each lane's weights load before `pdl_wait` (weights never depend on
-  // the previous kernel), overlapping its tail.
+  // the previous kernel), overlapping its tail, and so does the correction bias, which
+  // every block copies into shared memory (only the last block reads it, but which block
+  // that is is known only at the end).
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int e = blockIdx.x * 2 + (warp >> 2), quarter = warp & 3;
   const int q = d / 4, per = (q + 3) / 4;
@@ -326,6 +472,7 @@ extern "C" __global__ void __launch_bounds__(256)
     const int c = lo + lane + 32 * j;
     if (c < hi) pre[j] = __ldg(w4 + c);
   }
+  if (has_bias) bias_copy_async(bias, bdt, E, bias_raw);
   pdl_enter();
   float acc = 0.0f;
 #pragma unroll
@@ -348,6 +495,7 @@ extern "C" __global__ void __launch_bounds__(256)
   }
   acc = warp_sum(acc);
   if (lane == 0) part[warp] = acc;
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
   __syncthreads();
   if (threadIdx.x < 2 && blockIdx.x * 2 + threadIdx.x < E) {
     const float* pq = part + 4 * threadIdx.x;
@@ -359,11 +507,68 @@ extern "C" __global__ void __launch_bounds__(256)
   __syncthreads();
   if (!last) return;
   __threadfence();
-  if (warp == 0)
-    route_token_warp(logits, bias, bdt, has_bias, ids, weights, E, top_k, renormalize, scaling,
-                     weights_use_bias);
+  if (has_bias) bias_convert(bias_raw, bdt, E, bias_sm);
   __syncthreads();
-  lists_block(ids, weights, top_k, E, top_k, offsets, slots, rows, wsel, meta, ro_sm);
+  // The picks by rank, every expert at once: expert e is pick k when k experts come before
+  // it in (biased score descending, index ascending) order, which is the order of
+  // route_token_warp's rounds of argmax (ties to the lower index). One warp's rounds were a
+  // serial chain of ~3,500 instructions. `msk` reuses the raw bias words.
+  float* msk = reinterpret_cast<float*>(bias_raw);
+  float sc[2] = {0.0f, 0.0f}, chs[2] = {0.0f, 0.0f};
+  const int E4 = (E + 3) & ~3;  // msk padded to float4s with -inf (never before a pick)
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int ex = threadIdx.x + i * 256;
+    if (ex < E) {
+      const float sg = sigmoidf_(__ldcg(logits + ex));
+      sc[i] = sg;
+      chs[i] = has_bias ? sg + bias_sm[ex] : sg;
+      msk[ex] = chs[i];
+    } else if (ex < E4) {
+      msk[ex] = -INFINITY;
+    }
+  }
+  if (threadIdx.x < 32) {  // every slot is written even if ranks collide (NaN scores)
+    pk_id[threadIdx.x] = 0;
+    pk_w[threadIdx.x] = 0.0f;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int ex = threadIdx.x + i * 256;
+    if (ex < E) {
+      // Experts before ex: v > ch, or v == ch at a lower index. float4 reads, 16 values per
+      // step, so the shared loads overlap (a scalar loop waited for each).
+      const float ch = chs[i];
+      const float4* m4 = reinterpret_cast<const float4*>(msk);
+      int rank = 0;
+#pragma unroll 4
+      for (int j4 = 0; j4 < E4 / 4; ++j4) {
+        const float4 v = m4[j4];
+        const int j = 4 * j4;
+        rank += (v.x > ch) | ((v.x == ch) & (j < ex));
+        rank += (v.y > ch) | ((v.y == ch) & (j + 1 < ex));
+        rank += (v.z > ch) | ((v.z == ch) & (j + 2 < ex));
+        rank += (v.w > ch) | ((v.w == ch) & (j + 3 < ex));
+      }
+      if (rank < top_k) {
+        pk_id[rank] = (uint32_t)ex;
+        pk_w[rank] = weights_use_bias ? ch : sc[i];
+      }
+    }
+  }
+  __syncthreads();
+  if (warp == 0) {
+    // route_token_warp's weights: the sum in pick order, then renormalised and scaled.
+    float wsum = 0.0f;
+    for (int k = 0; k < top_k; ++k) wsum += pk_w[k];
+    float w = lane < top_k ? pk_w[lane] : 0.0f;
+    if (renormalize && top_k > 1) w /= (wsum + 1e-20f);
+    __syncwarp();
+    if (lane < top_k) pk_w[lane] = w * scaling;
+  }
+  __syncthreads();
+  lists_one_token(pk_id, pk_w, top_k, E, ids, weights, offsets, slots, rows, wsel, meta);
   if (threadIdx.x == 0) *ticket = 0;
 }
 

@@ -1440,6 +1440,8 @@ impl Backend for CudaBackend {
             && ops::moe::route_one_on()
             && r.num_groups <= 1
             && e <= ops::moe::ROUTE_WARP_MAX_EXPERTS
+            && r.top_k <= ops::moe::ROUTE_ONE_MAX_TOP_K.min(e)
+            && (bias == 0 || (bias.is_multiple_of(4) && (bdt == 0 || e.is_multiple_of(2))))
             && router.dtype == DType::F32
             && d.is_multiple_of(4)
             && router.ptr().is_multiple_of(16)

@@ -182,24 +182,30 @@ fn check_random(kinds: &[Kind], cases: &[(usize, usize)], seed: u64, multiply: M
         for &k in widths(kind) {
             for &(n, rows) in cases {
                 let (bytes, wd, xs) = random_case(kind, rows, n, k, &mut rng);
-                let x = Q8Acts::quantize(&xs, n, k);
-                let mut want = vec![0f32; rows * n];
-                matmul_rows_with(Isa::Scalar, kind, &bytes, &x, &mut want);
-                for isa in Isa::available() {
-                    let mut got = vec![0f32; rows * n];
-                    multiply(isa, kind, &bytes, &x, &mut got);
-                    for r in 0..rows {
-                        for t in 0..n {
-                            let magnitude: f32 =
-                                (0..k).map(|i| (wd[r * k + i] * xs[t * k + i]).abs()).sum();
-                            let (a, b) = (got[r * n + t], want[r * n + t]);
-                            assert!(
-                                (a - b).abs() <= 1e-5 * magnitude,
-                                "{kind:?} {isa:?} k={k} n={n}: {a} vs {b}"
-                            );
-                        }
-                    }
-                }
+                check_near_scalar(kind, multiply, &bytes, &wd, &xs, k);
+            }
+        }
+    }
+}
+
+/// Every variant of `multiply` on weights `w` (dequantized: `wd`, rows of `k`) and tokens
+/// `xs` within 1e-5 of each product's sum of magnitudes of the row-major scalar kernel.
+fn check_near_scalar(kind: Kind, multiply: Multiply, w: &[u8], wd: &[f32], xs: &[f32], k: usize) {
+    let (rows, n) = (wd.len() / k, xs.len() / k);
+    let x = Q8Acts::quantize(xs, n, k);
+    let mut want = vec![0f32; rows * n];
+    matmul_rows_with(Isa::Scalar, kind, w, &x, &mut want);
+    for isa in Isa::available() {
+        let mut got = vec![0f32; rows * n];
+        multiply(isa, kind, w, &x, &mut got);
+        for r in 0..rows {
+            for t in 0..n {
+                let magnitude: f32 = (0..k).map(|i| (wd[r * k + i] * xs[t * k + i]).abs()).sum();
+                let (a, b) = (got[r * n + t], want[r * n + t]);
+                assert!(
+                    (a - b).abs() <= 1e-5 * magnitude,
+                    "{kind:?} {isa:?} k={k} n={n} row {r} token {t}: {a} vs {b}"
+                );
             }
         }
     }
@@ -433,25 +439,8 @@ fn kernels_do_not_saturate_on_extreme_values() {
         let xs: Vec<f32> = (0..n * k)
             .map(|i| if (i / 64 + i / k) % 2 == 0 { 1.0 } else { -1.0 })
             .collect();
-        let x = Q8Acts::quantize(&xs, n, k);
-        let mut want = vec![0f32; rows * n];
-        matmul_rows_with(Isa::Scalar, kind, &w, &x, &mut want);
         for multiply in [row_major as Multiply, interleaved] {
-            for isa in Isa::available() {
-                let mut got = vec![0f32; rows * n];
-                multiply(isa, kind, &w, &x, &mut got);
-                for r in 0..rows {
-                    for t in 0..n {
-                        let magnitude: f32 =
-                            (0..k).map(|i| (wd[r * k + i] * xs[t * k + i]).abs()).sum();
-                        let (a, b) = (got[r * n + t], want[r * n + t]);
-                        assert!(
-                            (a - b).abs() <= 1e-5 * magnitude,
-                            "{kind:?} {isa:?} row {r} token {t}: {a} vs {b}"
-                        );
-                    }
-                }
-            }
+            check_near_scalar(kind, multiply, &w, &wd, &xs, k);
         }
     }
 }

@@ -31,8 +31,10 @@ pub(crate) fn set_decode_min_chunk(rows: usize) {
 /// Decode CTAs to aim for: four per SM of an H200 (132 SMs; one resident CTA per SM).
 const TARGET_CTAS: usize = 4 * 132;
 /// CTAs per (head, token group) of `mla_uv_project`, each taking a share of the dv output
-/// rows: with one token, H CTAs alone read W_uv far below the memory's bandwidth.
-const UV_SPLITS: usize = 4;
+/// rows: with one token, H CTAs alone read W_uv far below the memory's bandwidth. Eight
+/// leave each warp two rows at dv = 128, which the kernel loads whole before waiting for
+/// its predecessor (`UV_PRE_J` rows of up to 512 weights).
+const UV_SPLITS: usize = 8;
 /// Absorbed queries (tokens) per launch group: bounds the q_cat, partial and o_lat buffers
 /// (≤ ~55 MB on the real model) whatever the segment lengths.
 const GROUP_TOKENS: usize = 128;

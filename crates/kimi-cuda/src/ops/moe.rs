@@ -76,9 +76,11 @@ pub(crate) struct ListBufs {
 /// `kernels/moe.cu`): ungrouped routing over at most [`ROUTE_WARP_MAX_EXPERTS`] experts.
 ///
 /// # Safety
-/// `router` holds `[e, d]` and `x` `d` f32, both 16-byte aligned, `d % 4 == 0`; `logits`
-/// holds `e` f32; `out` as for [`route`] and [`lists`] with one token; `ticket` is one u32
-/// that is zero and no other launch uses while this one runs.
+/// `router` holds `[e, d]` and `x` `d` f32, both 16-byte aligned, `d % 4 == 0`; `bias`
+/// (unless 0) 4-byte aligned, with `e` even unless `bdt` is f32 (the kernel copies it as
+/// 4-byte words); `r.top_k <= min(ROUTE_ONE_MAX_TOP_K, e)`; `logits` holds `e` f32; `out` as for
+/// [`route`] and [`lists`] with one token; `ticket` is one u32 that is zero and no other
+/// launch uses while this one runs.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn route_one(
     dev: &Device,
@@ -114,8 +116,8 @@ pub(crate) unsafe fn route_one(
         .arg(&out.rows)
         .arg(&out.wsel);
     b.arg(&out.meta).arg(&ticket);
-    // Two experts' logits per block; the last block's lists keep 2e u32 in shared memory.
-    let cfg = grid((e.div_ceil(2) as u32, 1, 1), 256, (2 * e * 4) as u32);
+    // Two experts' logits per block (static shared memory only).
+    let cfg = grid((e.div_ceil(2) as u32, 1, 1), 256, 0);
     // SAFETY: see the function's contract.
     unsafe { b.launch(cfg) }.op("moe")?;
     Ok(())
@@ -126,6 +128,9 @@ const ROUTE_WARP_MIN_TOKENS: usize = 32;
 
 /// The most experts `moe_route_warp` holds in its lanes' registers (32 × `ROUTE_MAXJ`).
 pub(crate) const ROUTE_WARP_MAX_EXPERTS: usize = 512;
+
+/// The most picks per token [`route_one`] takes (one per lane of the routing warp).
+pub(crate) const ROUTE_ONE_MAX_TOP_K: usize = 32;
 
 /// Pairs per `moe_lists_place` block (`LISTS_CHUNK` in `kernels/moe.cu`).
 const LISTS_CHUNK: usize = 4096;
