@@ -146,21 +146,29 @@ __device__ __forceinline__ void gemv_bulk(const __nv_bfloat16* w, const float* x
   for (int r = 0; r < 8; ++r)
 #pragma unroll
     for (int g = 0; g < NT; ++g) acc[r][g] = 0.0f;
-  bar_wait(bar_a, 0);
   // Warp w takes every 8th 16-byte column group of all the tile's rows, so each activation
-  // value is read once per CTA (not once per row).
+  // value is read once per CTA (not once per row). The first group's activations are loaded
+  // while the tile is in flight, and (one token) the next group's before the current one's
+  // products, so no L2 round trip waits behind the tile.
   const int nv = k >> 3;
-  for (int c = warp * 32 + lane; c < nv; c += 256) {
-    float xv[NT][8];
+  auto load_x = [&](float (&xv)[NT][8], int c) {
 #pragma unroll
     for (int g = 0; g < NT; ++g) {
-      if (g < ng) {
+      if (g < ng && c < nv) {
         const float4* x4 = reinterpret_cast<const float4*>(x + (size_t)g * k + 8 * c);
         const float4 a = x4[0], b = x4[1];
         xv[g][0] = a.x, xv[g][1] = a.y, xv[g][2] = a.z, xv[g][3] = a.w;
         xv[g][4] = b.x, xv[g][5] = b.y, xv[g][6] = b.z, xv[g][7] = b.w;
       }
     }
+  };
+  float xv[NT][8];
+  int c = warp * 32 + lane;
+  load_x(xv, c);
+  bar_wait(bar_a, 0);
+  for (; c < nv; c += 256) {
+    float xn[NT][8];
+    if (NT == 1) load_x(xn, c + 256);
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
       if (r < nrows) {
@@ -182,6 +190,12 @@ __device__ __forceinline__ void gemv_bulk(const __nv_bfloat16* w, const float* x
           }
         }
       }
+    }
+    if (NT == 1) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) xv[0][i] = xn[0][i];
+    } else {
+      load_x(xv, c + 256);
     }
   }
   // Warp sums, then the 8 warps' partials through shared memory.

@@ -974,12 +974,31 @@ __device__ __forceinline__ int moe_stream_expert(const uint32_t* offsets, int E,
   return e;
 }
 
+// Slots a launch handles at most (top_k + shared; the launcher checks).
+#define MOE_STREAM_MAX_SLOTS 64
+
+// Per slot, looked up once per CTA (by the producer warp's lanes) instead of per tile: the
+// weight rows the tiles come from (gate or down, and up) and the output / input row q.
+struct MoeStreamSlots {
+  const uint8_t* a[MOE_STREAM_MAX_SLOTS];
+  const uint8_t* b[MOE_STREAM_MAX_SLOTS];
+  int q[MOE_STREAM_MAX_SLOTS];
+};
+
+// `route_ready` = 1 says the routing (`offsets`, `slots`) is final before `pdl_wait`: true
+// for the down pass, launched right after the gate/up pass on the same stream. Every CTA of
+// that pass executes `pdl_wait` (its predecessor, the routing, has completed and its writes
+// are visible) before `pdl_launch`, and this launch starts only once all of them have; so
+// the routing may be read, and every routed tile queued, while the gate/up pass drains.
+// Its output (`in` here) is still read after `pdl_wait` only.
 extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
     moe_stream_1(const uint64_t* wtab, int glu, const float* in, int top_k,
                  const uint32_t* offsets, int E, const uint32_t* slots, float* out,
-                 int rows_out, int cols, int rows, int stages, int shared, int stage_in) {
+                 int rows_out, int cols, int rows, int stages, int shared, int stage_in,
+                 int route_ready) {
   extern __shared__ __align__(128) uint8_t stream_buf[];
   __shared__ StreamSmem s;
+  __shared__ MoeStreamSlots sl;
   const int p = top_k;
   const uint32_t row_bytes = (uint32_t)cols * 2u;
   const int wrows = glu ? 2 * rows : rows;
@@ -989,48 +1008,78 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const bool producer = warp == STREAM_CONSUMERS;
   float* xs = reinterpret_cast<float*>(stream_buf + (size_t)stages * tile_bytes);
+  // Producer lanes: fill slots [j0, j1) of the table, then sync the warp.
+  auto fill = [&](int j0, int j1) {
+    for (int j = j0 + lane; j < j1; j += 32) {
+      uint32_t pair;
+      const int ex = moe_stream_expert(offsets, E, shared, j, pair);
+      sl.a[j] = reinterpret_cast<const uint8_t*>(wtab[3 * ex + (glu ? 0 : 2)]);
+      sl.b[j] = glu ? reinterpret_cast<const uint8_t*>(wtab[3 * ex + 1]) : nullptr;
+      sl.q[j] = pair == 0xffffffffu ? p : (int)slots[pair];
+    }
+    __syncwarp();
+  };
   // Producer lane 0: queue tile t (slot t / tps) into `stage`.
   auto fetch = [&](int t, int stage) {
-    uint32_t pair;
-    const int ex = moe_stream_expert(offsets, E, shared, t / tps, pair);
+    const int j = t / tps;
     const int r0 = (t % tps) * rows, nr = min(rows, rows_out - r0);
-    const size_t off = (size_t)r0 * cols;
+    const size_t off = (size_t)r0 * row_bytes;
     uint8_t* dst = stream_buf + (size_t)stage * tile_bytes;
-    const __nv_bfloat16* a = reinterpret_cast<const __nv_bfloat16*>(wtab[3 * ex + (glu ? 0 : 2)]);
-    const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(wtab[3 * ex + 1]);
-    stream_fetch(s, dst, stage, a + off, row_bytes * nr, glu ? b + off : nullptr,
+    stream_fetch(s, dst, stage, sl.a[j] + off, row_bytes * nr, glu ? sl.b[j] + off : nullptr,
                  glu ? row_bytes * nr : 0);
   };
+  // The staged input rows arrive by one bulk copy, completing on `xbar`.
+  __shared__ __align__(8) uint64_t xbar;
+  const uint32_t x_bytes = (uint32_t)((glu ? 1 : p + shared) * cols * 4);
+  if (threadIdx.x == 0) stream_bar_init(smem_addr(&xbar), 1);
   stream_init(s, stages);
-  int queued = 0;
-  if (producer && lane == 0)
-    for (; queued < stages; ++queued) {
-      const int t = blockIdx.x + queued * gridDim.x;
-      if (t >= shared * tps) break;
-      fetch(t, queued);
-    }
-  pdl_enter();
-  const int tiles = (shared + (int)offsets[E + 1]) * tps;
-  const float* src = in;
-  if (stage_in) {
-    stream_stage_x(xs, in, (glu ? 1 : p + shared) * cols);
-    src = xs;
-  }
-  if (producer) {
+  int queued = 0, filled = 0;
+  // The shared expert's tiles (and, when the routing is ready, every tile) before the wait.
+  int tiles = shared * tps;
+  auto queue = [&]() {
     if (lane == 0)
       for (; queued < stages; ++queued) {
         const int t = blockIdx.x + queued * gridDim.x;
         if (t >= tiles) break;
         fetch(t, queued);
       }
+  };
+  if (producer) {
+    filled = shared;
+    fill(0, filled);
+    queue();
+    if (route_ready) {
+      filled = shared + (int)offsets[E + 1];
+      tiles = filled * tps;
+      fill(shared, filled);
+      queue();
+    }
+  }
+  // The consumers read the table for the down pass's input rows (glu: never).
+  if (!glu && route_ready) __syncthreads();
+  pdl_enter();
+  tiles = (shared + (int)offsets[E + 1]) * tps;
+  if (producer) {
+    if (lane == 0 && stage_in) {
+      bar_expect(smem_addr(&xbar), x_bytes);
+      bulk_copy(smem_addr(xs), in, x_bytes, smem_addr(&xbar));
+    }
+    fill(filled, tiles / tps);
+    queue();
+  }
+  if (!glu && !route_ready) __syncthreads();
+  const float* src = in;
+  if (stage_in) {
+    if (!producer) bar_wait(smem_addr(&xbar), 0);
+    src = xs;
+  }
+  if (producer) {
     const int slices = stream_cover(wrows, 0).slices;
     for (int i = 0;; ++i) {
       const int t = blockIdx.x + i * gridDim.x;
       if (t >= tiles) break;
       const int stage = i % stages;
-      uint32_t pair;
-      moe_stream_expert(offsets, E, shared, t / tps, pair);
-      const uint32_t q = pair == 0xffffffffu ? (uint32_t)p : slots[pair];
+      const int q = sl.q[t / tps];
       const int r0 = (t % tps) * rows, nr = min(rows, rows_out - r0);
       bar_wait(smem_addr(&s.empty[stage]), (i / stages) & 1);
       if (lane < nr) {
@@ -1052,13 +1101,7 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
     if (t >= tiles) break;
     const int stage = i % stages;
     const int r0 = (t % tps) * rows, nr = min(rows, rows_out - r0);
-    const float* x = src;
-    if (!glu) {
-      uint32_t pair;
-      moe_stream_expert(offsets, E, shared, t / tps, pair);
-      const uint32_t q = pair == 0xffffffffu ? (uint32_t)p : slots[pair];
-      x = src + (size_t)q * cols;
-    }
+    const float* x = glu ? src : src + (size_t)sl.q[t / tps] * cols;
     bar_wait(smem_addr(&s.full[stage]), (i / stages) & 1);
     const uint8_t* tile = stream_buf + (size_t)stage * tile_bytes;
     for (int r = cov.first; r < (glu ? 2 * nr : nr); r += cov.step)

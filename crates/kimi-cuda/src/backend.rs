@@ -625,6 +625,9 @@ impl CudaBackend {
                     .all(|t| t.dtype == DType::BF16)
         });
         let slots_max = k.min(e) + fold_shared as usize;
+        if slots_max > ops::moe::STREAM_MAX_SLOTS {
+            return Ok(None);
+        }
         let staged = |glu, cols| ops::moe::stream_staged_bytes(glu, k, fold_shared, cols);
         let (Some(plan_gu), Some(plan_down)) = (
             ops::gemm::stream_plan(&self.dev, d, inter * slots_max, 2, staged(true, d)),

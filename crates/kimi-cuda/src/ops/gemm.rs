@@ -220,8 +220,27 @@ const STREAM_CONSUMERS: usize = 8;
 const STREAM_MAX_STAGES: usize = 8;
 pub(crate) const STREAM_THREADS: u32 = 32 * (STREAM_CONSUMERS as u32 + 1);
 
+/// Once per process: `KIMI_CUDA_STREAM_SHAPE` = "TILE_KIB,CTA_KIB" sets the streamed
+/// kernels' shape (as [`set_stream_shape`], which still overrides it), for measurements.
+fn stream_shape_from_env() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if let Ok(v) = std::env::var("KIMI_CUDA_STREAM_SHAPE") {
+            let kib: Vec<usize> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+            if let [tile, cta] = kib[..] {
+                store_stream_shape(tile << 10, cta << 10);
+            }
+        }
+    });
+}
+
 /// Sets the streamed kernels' tile bytes and shared memory per CTA (0 keeps a value).
 pub(crate) fn set_stream_shape(tile_bytes: usize, cta_bytes: usize) {
+    stream_shape_from_env();
+    store_stream_shape(tile_bytes, cta_bytes);
+}
+
+fn store_stream_shape(tile_bytes: usize, cta_bytes: usize) {
     for (v, a) in [
         (tile_bytes, &STREAM_TILE_BYTES),
         (cta_bytes, &STREAM_CTA_BYTES),
@@ -248,6 +267,7 @@ pub(crate) fn stream_plan(
     if k == 0 || o == 0 || !k.is_multiple_of(256) {
         return None;
     }
+    stream_shape_from_env();
     let tile_cap = STREAM_TILE_BYTES.load(Ordering::Relaxed);
     let row_bytes = k * 2 * per_row;
     let ctas = dev.sm_count;

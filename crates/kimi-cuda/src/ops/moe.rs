@@ -249,7 +249,9 @@ pub(crate) unsafe fn expert_gemv(
 /// when `glu`; down `[rows_out, cols]` otherwise), 16-byte aligned; `input` is 16-byte
 /// aligned and holds the rows named above; `offsets` (with its active list) and `slots` come
 /// from [`lists`] for `top_k` pairs; `plan` is [`crate::ops::gemm::stream_plan`] of `cols`,
-/// `rows_out`, 2 (glu) or 1, and `staged` = [`stream_staged_bytes`].
+/// `rows_out`, 2 (glu) or 1, and `staged` = [`stream_staged_bytes`]. A down pass (`glu` =
+/// false) is issued right after the gate/up pass of the same routing, on the same stream (it
+/// reads the routing before its `pdl_wait`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn expert_stream(
     dev: &Device,
@@ -266,7 +268,15 @@ pub(crate) unsafe fn expert_stream(
     cols: usize,
     plan: crate::ops::gemm::StreamPlan,
 ) -> Result<()> {
+    if top_k.min(e) + shared as usize > STREAM_MAX_SLOTS {
+        return Err(kimi_ops::Error::Device(format!(
+            "moe_stream_1: {top_k} pairs, at most {STREAM_MAX_SLOTS} slots"
+        )));
+    }
     let staged = stream_staged_bytes(glu, top_k, shared, cols) > 0;
+    // The down pass follows the gate/up pass on the same stream: its routing is final before
+    // its `pdl_wait` (see `moe_stream_1`), so it queues the routed tiles early.
+    let route_ready = !glu;
     let ints = [
         glu as i32,
         top_k as i32,
@@ -277,13 +287,14 @@ pub(crate) unsafe fn expert_stream(
         plan.stages as i32,
         shared as i32,
         staged as i32,
+        route_ready as i32,
     ];
-    let [g, ki, ei, ro, co, rows, stages, sh, st] = ints;
+    let [g, ki, ei, ro, co, rows, stages, sh, st, rr] = ints;
     let mut b = dev.kernel("moe", "moe_stream_1")?;
     b.arg(&wtab).arg(&g).arg(&input).arg(&ki);
     b.arg(&offsets).arg(&ei).arg(&slots).arg(&out);
     b.arg(&ro).arg(&co).arg(&rows).arg(&stages);
-    b.arg(&sh).arg(&st);
+    b.arg(&sh).arg(&st).arg(&rr);
     // The tile count is known on the device only (it depends on the routing): every
     // persistent CTA is launched.
     let ctas = plan.grid as u32;
@@ -298,6 +309,10 @@ pub(crate) unsafe fn expert_stream(
     .op("moe")?;
     Ok(())
 }
+
+/// Slots (routed experts of one token, plus the shared one) a `moe_stream_1` launch handles
+/// at most (`MOE_STREAM_MAX_SLOTS` in `kernels/moe.cu`).
+pub(crate) const STREAM_MAX_SLOTS: usize = 64;
 
 /// Bytes of input rows `moe_stream_1` stages in shared memory (the token's hidden row for
 /// `glu`, every pair's SwiGLU row otherwise), or 0 when they are read from global memory.
