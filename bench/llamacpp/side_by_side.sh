@@ -7,7 +7,8 @@
 # Writes bench/llamacpp/side-by-side-<date>.json (every sample of both tools, load averages)
 # and prints a table of medians and best rounds with their ratios.
 #
-# Env: LLAMACPP_DIR (default target/llamacpp), THREADS (default 2), ROUNDS (default 5),
+# Env: LLAMACPP_DIR (default target/llamacpp), KIMI (default target/release/kimi-infer),
+#      THREADS (default 2), ROUNDS (default 5),
 #      KIMI_FLAGS (default --int8-matmul: int8 activations, as llama.cpp's quantized products),
 #      FILES (default: the demo Q4_1 file and its Q8_0 requantization made by run.sh),
 #      DATE (default today, UTC), OUT (default bench/llamacpp/side-by-side-<date>.json).
@@ -22,7 +23,7 @@ KIMI_FLAGS=${KIMI_FLAGS:---int8-matmul}
 DATE=${DATE:-$(date -u +%Y-%m-%d)}
 OUT=${OUT:-bench/llamacpp/side-by-side-$DATE.json}
 FILES=${FILES:-models/SmolLM2-135M-Instruct.Q4_1.gguf $ROOT/models/SmolLM2-135M-Instruct.Q8_0-requant-from-Q4_1.gguf}
-KIMI=target/release/kimi-infer
+KIMI=${KIMI:-target/release/kimi-infer}
 LLAMA=$ROOT/build/bin/llama-bench
 for b in "$KIMI" "$LLAMA"; do
   [ -x "$b" ] || { echo "missing $b (see this script's header)" >&2; exit 1; }

@@ -275,7 +275,8 @@ fn report_gguf(path: &std::path::Path, json: bool, out: &mut impl Write) -> anyh
         let kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim;
         writeln!(
             out,
-            "cache        K+V {kv} values/token = {} (f32) per token",
+            "cache        K+V {kv} values/token = {} (f16, --int8-matmul) / {} (f32) per token",
+            bytes(kv as u64 * 2),
             bytes(kv as u64 * 4)
         )?;
     }

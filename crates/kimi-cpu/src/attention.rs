@@ -1,8 +1,10 @@
 //! Rotary position embedding and causal grouped-query attention over paged key/value
 //! caches (the attention of Llama-architecture models).
 //!
-//! A layer's cache is two f32 pools `[num_blocks, block_size, Hkv*D]`, keys (already
-//! rotated) and values; a sequence's rows are found through its block table
+//! A layer's cache is two pools `[num_blocks, block_size, Hkv*D]`, keys (already rotated)
+//! and values, both f32 or both f16 (the backend's int8 mode, as llama.cpp's default cache
+//! type: decode reads every cached row once per step, and f16 halves that read; products
+//! run on the widened values); a sequence's rows are found through its block table
 //! (`kimi_ops::PagedSeq`). New rows are written at the sequence's next positions, then every
 //! new token attends to the positions up to itself:
 //!
@@ -12,9 +14,9 @@
 //! ```
 
 use crate::mla::softmax;
-use crate::paged::{write_rows, PagedRows};
-use crate::simd::dot;
-use crate::tensor::{shape_err, CpuTensor};
+use crate::paged::{write_rows, write_rows_f16, PagedRows};
+use crate::simd::{add_scaled_strided, add_scaled_strided_f16, dot_strided, dot_strided_f16};
+use crate::tensor::{shape_err, CpuTensor, Storage};
 use kimi_ops::{check_paged, check_segments};
 use kimi_ops::{AttentionDims, PagedSeq, Result, RopeStyle, Segment};
 
@@ -121,48 +123,145 @@ pub fn attention(
     check_segments("attention", segments, seqs.len(), n)?;
     let block_size = check_paged("attention", &k_pool.shape, kvw, segments, seqs)?;
     let (ks, vs) = (k.as_f32("attention")?, v.as_f32("attention")?);
-    let (k_rows, v_rows) = (
-        k_pool.as_f32_mut("attention")?,
-        v_pool.as_f32_mut("attention")?,
-    );
-    for (seg, seq) in segments.iter().zip(seqs) {
-        let new = seg.start * kvw..(seg.start + seg.len) * kvw;
-        write_rows(k_rows, seq, block_size, kvw, &ks[new.clone()]);
-        write_rows(v_rows, seq, block_size, kvw, &vs[new]);
-    }
-    let (k_rows, v_rows): (&[f32], &[f32]) = (k_rows, v_rows);
     let qs = q.as_f32("attention")?;
+    let layout = Layout {
+        hq,
+        group: hq / hkv,
+        d,
+        qw,
+        kvw,
+        block_size,
+        scale: dims.scale,
+    };
+    let write = |pool: &mut Storage, rows: &[f32]| -> Result<()> {
+        for (seg, seq) in segments.iter().zip(seqs) {
+            let new = &rows[seg.start * kvw..(seg.start + seg.len) * kvw];
+            match pool {
+                Storage::F32(p) => write_rows(p, seq, block_size, kvw, new),
+                Storage::F16(p) => write_rows_f16(p, seq, block_size, kvw, new),
+                _ => return Err(pool_err()),
+            }
+        }
+        Ok(())
+    };
+    let same = matches!(
+        (&k_pool.storage, &v_pool.storage),
+        (Storage::F32(_), Storage::F32(_)) | (Storage::F16(_), Storage::F16(_))
+    );
+    if !same {
+        return Err(pool_err());
+    }
+    write(&mut k_pool.storage, ks)?;
+    write(&mut v_pool.storage, vs)?;
+    let out = match (&k_pool.storage, &v_pool.storage) {
+        (Storage::F32(kp), Storage::F32(vp)) => attend_all(qs, kp, vp, segments, seqs, &layout),
+        (Storage::F16(kp), Storage::F16(vp)) => attend_all(qs, kp, vp, segments, seqs, &layout),
+        _ => return Err(pool_err()),
+    };
+    CpuTensor::f32(&[n, qw], out)
+}
+
+fn pool_err() -> kimi_ops::Error {
+    shape_err(
+        "attention",
+        "key/value pools must both be f32 or both f16".into(),
+    )
+}
+
+/// Sizes shared by every head's task.
+struct Layout {
+    hq: usize,
+    group: usize,
+    d: usize,
+    qw: usize,
+    kvw: usize,
+    block_size: usize,
+    scale: f32,
+}
+
+/// Every segment's new tokens attend over their caches (the pools written already):
+/// `[n, hq·d]`.
+fn attend_all<T: CacheValue>(
+    qs: &[f32],
+    k_rows: &[T],
+    v_rows: &[T],
+    segments: &[Segment],
+    seqs: &[PagedSeq<'_>],
+    l: &Layout,
+) -> Vec<f32> {
     let tasks: Vec<(usize, usize)> = (0..segments.len())
         .filter(|&s| segments[s].len > 0)
-        .flat_map(|s| (0..hq).map(move |head| (s, head)))
+        .flat_map(|s| (0..l.hq).map(move |head| (s, head)))
         .collect();
-    let group = hq / hkv;
-    let results: Vec<Vec<f32>> = crate::team().map(tasks.len(), |task| {
+    let team = crate::team();
+    // Decode: each thread takes a run of consecutive heads, so the query heads that share
+    // a key/value head mostly run on one core and read its cached rows from L2 (as tasks
+    // claimed one by one, both cores fetched every key/value head). Prefill keeps one
+    // task per head, which balances uneven segments.
+    let runs = if segments.iter().all(|seg| seg.len <= 1) {
+        crate::team::parts(tasks.len(), 1, team.threads())
+    } else {
+        (0..tasks.len()).map(|t| t..t + 1).collect()
+    };
+    let attend = |task: usize| {
         let (s, head) = tasks[task];
         let (seg, seq) = (segments[s], &seqs[s]);
         attend_head(
-            &qs[seg.start * qw..(seg.start + seg.len) * qw],
-            PagedRows::new(k_rows, seq, block_size, kvw),
-            PagedRows::new(v_rows, seq, block_size, kvw),
+            &qs[seg.start * l.qw..(seg.start + seg.len) * l.qw],
+            PagedRows::new(k_rows, seq, l.block_size, l.kvw),
+            PagedRows::new(v_rows, seq, l.block_size, l.kvw),
             seq.num_cached,
             Head {
-                q_offset: head * d,
-                kv_offset: head / group * d,
-                q_width: qw,
-                dim: d,
-                scale: dims.scale,
+                q_offset: head * l.d,
+                kv_offset: head / l.group * l.d,
+                q_width: l.qw,
+                dim: l.d,
+                scale: l.scale,
             },
         )
-    });
-    let mut out = vec![0f32; n * qw];
+    };
+    let results: Vec<Vec<f32>> = team
+        .map(runs.len(), |r| {
+            runs[r].clone().map(attend).collect::<Vec<_>>()
+        })
+        .into_iter()
+        .flatten()
+        .collect();
+    let mut out = vec![0f32; qs.len()];
     for (&(s, head), o) in tasks.iter().zip(&results) {
         let seg = segments[s];
-        for (t, ot) in o.chunks_exact(d).enumerate() {
-            let row = (seg.start + t) * qw + head * d;
-            out[row..row + d].copy_from_slice(ot);
+        for (t, ot) in o.chunks_exact(l.d).enumerate() {
+            let row = (seg.start + t) * l.qw + head * l.d;
+            out[row..row + l.d].copy_from_slice(ot);
         }
     }
-    CpuTensor::f32(&[n, qw], out)
+    out
+}
+
+/// An element type of key/value pools: f32, or f16 bit patterns (`u16`).
+trait CacheValue: Copy + Sync {
+    /// `scores[s] = q · row s` (see [`crate::simd::dot_strided`]).
+    fn dot_strided(q: &[f32], rows: &[Self], stride: usize, scores: &mut [f32]);
+    /// `out += Σ p[s] · row s` (see [`crate::simd::add_scaled_strided`]).
+    fn add_scaled_strided(out: &mut [f32], p: &[f32], rows: &[Self], stride: usize);
+}
+
+impl CacheValue for f32 {
+    fn dot_strided(q: &[f32], rows: &[f32], stride: usize, scores: &mut [f32]) {
+        dot_strided(q, rows, stride, scores);
+    }
+    fn add_scaled_strided(out: &mut [f32], p: &[f32], rows: &[f32], stride: usize) {
+        add_scaled_strided(out, p, rows, stride);
+    }
+}
+
+impl CacheValue for u16 {
+    fn dot_strided(q: &[f32], rows: &[u16], stride: usize, scores: &mut [f32]) {
+        dot_strided_f16(q, rows, stride, scores);
+    }
+    fn add_scaled_strided(out: &mut [f32], p: &[f32], rows: &[u16], stride: usize) {
+        add_scaled_strided_f16(out, p, rows, stride);
+    }
 }
 
 /// Where one query head and its key/value head sit in their rows.
@@ -176,10 +275,10 @@ struct Head {
 
 /// One head's causal attention for a segment's new tokens `q [len, q_width]` over the
 /// sequence's cached positions `0 .. past + len`. Returns `[len, dim]`.
-fn attend_head(
+fn attend_head<T: CacheValue>(
     q: &[f32],
-    k_cache: PagedRows<'_>,
-    v_cache: PagedRows<'_>,
+    k_cache: PagedRows<'_, T>,
+    v_cache: PagedRows<'_, T>,
     past: usize,
     h: Head,
 ) -> Vec<f32> {
@@ -190,15 +289,21 @@ fn attend_head(
     for (t, ot) in out.chunks_exact_mut(d).enumerate() {
         let qt = &q[t * h.q_width + h.q_offset..][..d];
         let visible = past + t + 1;
-        for (s, score) in scores[..visible].iter_mut().enumerate() {
-            *score = dot(qt, &k_cache.row(s)[h.kv_offset..][..d]) * h.scale;
+        // Scores and values a cache block at a time (runs of rows `stride` apart).
+        let stride = k_cache.width();
+        let mut first = 0;
+        for (run, rows) in k_cache.runs(visible) {
+            let out = &mut scores[first..first + rows];
+            T::dot_strided(qt, &run[h.kv_offset..], stride, out);
+            out.iter_mut().for_each(|s| *s *= h.scale);
+            first += rows;
         }
         softmax(&mut scores[..visible]);
-        for (s, &p) in scores[..visible].iter().enumerate() {
-            let vrow = &v_cache.row(s)[h.kv_offset..][..d];
-            for (o, &vj) in ot.iter_mut().zip(vrow) {
-                *o += p * vj;
-            }
+        let mut first = 0;
+        for (run, rows) in v_cache.runs(visible) {
+            let p = &scores[first..first + rows];
+            T::add_scaled_strided(ot, p, &run[h.kv_offset..], stride);
+            first += rows;
         }
     }
     out
@@ -346,6 +451,86 @@ mod tests {
             }
         }
         out
+    }
+
+    /// f16 pools (the int8 mode's) give, bit for bit, what f32 pools give when fed the keys
+    /// and values rounded to f16: prompt and single-token steps, head widths with and
+    /// without 32- and 8-value tails. Mixed pools are refused.
+    #[test]
+    fn f16_pools_equal_f32_pools_of_rounded_values() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let round = |t: &CpuTensor| {
+            let v = t.to_f32_vec();
+            let r = v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect();
+            CpuTensor::f32(&t.shape, r).unwrap()
+        };
+        for d in [8usize, 40, 64] {
+            let dims = AttentionDims {
+                num_heads: 6,
+                num_kv_heads: 2,
+                head_dim: d,
+                scale: (d as f32).powf(-0.5),
+            };
+            let (n, kvw) = (7, 2 * d);
+            let q = random(&mut rng, &[n, 6 * d]);
+            let k = random(&mut rng, &[n, kvw]);
+            let v = random(&mut rng, &[n, kvw]);
+            let (kr, vr) = (round(&k), round(&v));
+            let half_pools = || {
+                let z = || CpuTensor::f16_zeros(&[16, 3, kvw]);
+                (z(), z())
+            };
+            let mut outs = Vec::new();
+            for f16 in [false, true] {
+                let mut pool = if f16 { half_pools() } else { pools(kvw) };
+                let (k, v) = if f16 { (&k, &v) } else { (&kr, &vr) };
+                let mut seq = Seq(vec![9, 2, 14], 0);
+                // A 4-token prompt, then three single-token steps.
+                let mut out = Vec::new();
+                for range in [0..4, 4..5, 5..6, 6..7] {
+                    let seg = [Segment {
+                        start: 0,
+                        len: range.len(),
+                    }];
+                    let part = run(
+                        &rows(&q, range.clone()),
+                        &rows(k, range.clone()),
+                        &rows(v, range),
+                        &dims,
+                        &seg,
+                        &mut pool,
+                        &mut [&mut seq],
+                    )
+                    .unwrap();
+                    out.extend(part.to_f32_vec());
+                }
+                outs.push(out);
+            }
+            assert_eq!(outs[0], outs[1], "head_dim {d}");
+            let want = naive(
+                &q.to_f32_vec(),
+                &kr.to_f32_vec(),
+                &vr.to_f32_vec(),
+                n,
+                &dims,
+            );
+            assert_close(&outs[1], &want, 1e-5);
+        }
+        let dims = AttentionDims {
+            num_heads: 2,
+            num_kv_heads: 1,
+            head_dim: 8,
+            scale: 0.3,
+        };
+        let (q, k, v) = (
+            random(&mut rng, &[1, 16]),
+            random(&mut rng, &[1, 8]),
+            random(&mut rng, &[1, 8]),
+        );
+        let mut mixed = (CpuTensor::f16_zeros(&[16, 3, 8]), pools(8).1);
+        let seg = [Segment { start: 0, len: 1 }];
+        let mut seq = Seq(vec![0], 0);
+        assert!(run(&q, &k, &v, &dims, &seg, &mut mixed, &mut [&mut seq]).is_err());
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! nothing is rotated.
 
 use crate::paged::{write_rows, PagedRows};
-use crate::simd::dot;
+use crate::simd::{add_scaled, dot};
 use crate::tensor::{shape_err, CpuTensor};
 use kimi_ops::{check_paged, check_segments};
 use kimi_ops::{MlaDims, MlaMode, PagedSeq, Result, Segment};
@@ -124,11 +124,9 @@ fn expanded_attention(
             }
             softmax(&mut scores[..visible]);
             let ot = &mut o[t * dv..(t + 1) * dv];
-            for (s, p) in scores.iter().enumerate().take(visible) {
+            for (s, &p) in scores.iter().enumerate().take(visible) {
                 let v = &kv[(s * h + head) * per_head + dn..(s * h + head + 1) * per_head];
-                for (oj, vj) in ot.iter_mut().zip(v) {
-                    *oj += p * vj;
-                }
+                add_scaled(ot, p, v);
             }
         }
         o
@@ -171,16 +169,13 @@ fn absorbed_attention(
                 }
             }
             let visible = past + t + 1;
-            for (s, score) in scores.iter_mut().enumerate().take(visible) {
-                let row = cache.row(s);
+            for (score, row) in scores[..visible].iter_mut().zip(cache.first(visible)) {
                 *score = (dot(&q_lat, &row[..r]) + dot(&qt[dn..], &row[r..])) * scale;
             }
             softmax(&mut scores[..visible]);
             o_lat.iter_mut().for_each(|x| *x = 0.0);
-            for (s, p) in scores.iter().enumerate().take(visible) {
-                for (ol, c) in o_lat.iter_mut().zip(&cache.row(s)[..r]) {
-                    *ol += p * c;
-                }
+            for (&p, row) in scores[..visible].iter().zip(cache.first(visible)) {
+                add_scaled(&mut o_lat, p, &row[..r]);
             }
             for j in 0..dv {
                 o[t * dv + j] = dot(&w_uv[j * r..(j + 1) * r], &o_lat);

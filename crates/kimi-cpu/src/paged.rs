@@ -2,24 +2,20 @@
 
 use kimi_ops::PagedSeq;
 
-/// One sequence's rows of a pool, read through its block table.
+/// One sequence's rows of a pool (of f32, or of f16 bit patterns), read through its block
+/// table.
 #[derive(Clone, Copy)]
-pub(crate) struct PagedRows<'a> {
-    pool: &'a [f32],
+pub(crate) struct PagedRows<'a, T = f32> {
+    pool: &'a [T],
     table: &'a [u32],
     block_size: usize,
     width: usize,
 }
 
-impl<'a> PagedRows<'a> {
+impl<'a, T> PagedRows<'a, T> {
     /// `pool` is the whole `[num_blocks, block_size, width]` pool; the table was checked by
     /// `kimi_ops::check_paged`.
-    pub(crate) fn new(
-        pool: &'a [f32],
-        seq: &PagedSeq<'a>,
-        block_size: usize,
-        width: usize,
-    ) -> Self {
+    pub(crate) fn new(pool: &'a [T], seq: &PagedSeq<'a>, block_size: usize, width: usize) -> Self {
         Self {
             pool,
             table: seq.block_table,
@@ -28,9 +24,44 @@ impl<'a> PagedRows<'a> {
         }
     }
 
+    /// The rows of the sequence's tokens `0..count` in order, block by block (no division
+    /// per row: attention reads every cached row once per head and step).
+    pub(crate) fn first(&self, count: usize) -> impl Iterator<Item = &'a [T]> + use<'a, T> {
+        let (pool, width, table) = (self.pool, self.width, self.table);
+        let block_rows = self.block_size * width;
+        table
+            .iter()
+            .flat_map(move |&b| {
+                let start = b as usize * block_rows;
+                pool[start..start + block_rows].chunks_exact(width)
+            })
+            .take(count)
+    }
+
+    /// The rows of the tokens `0..count` as runs of consecutive rows, one per cache block:
+    /// `(the pool from the run's first row on, rows in the run)`, rows `width` apart.
+    pub(crate) fn runs(&self, count: usize) -> impl Iterator<Item = (&'a [T], usize)> + use<'a, T> {
+        let (pool, width, block_size) = (self.pool, self.width, self.block_size);
+        self.table
+            .iter()
+            .zip((0..count).step_by(block_size.max(1)))
+            .map(move |(&b, first)| {
+                let start = b as usize * block_size * width;
+                (
+                    &pool[start..start + block_size * width],
+                    block_size.min(count - first),
+                )
+            })
+    }
+
+    /// Values per row.
+    pub(crate) fn width(&self) -> usize {
+        self.width
+    }
+
     /// The row of the sequence's token `i`.
     #[inline]
-    pub(crate) fn row(&self, i: usize) -> &'a [f32] {
+    pub(crate) fn row(&self, i: usize) -> &'a [T] {
         let start = row_offset(self.table, self.block_size, self.width, i);
         &self.pool[start..start + self.width]
     }
@@ -44,9 +75,35 @@ pub(crate) fn write_rows(
     width: usize,
     rows: &[f32],
 ) {
+    write_rows_as(pool, seq, block_size, width, rows, |v| v);
+}
+
+/// [`write_rows`] into a pool of f16 bit patterns, each value rounded to nearest.
+pub(crate) fn write_rows_f16(
+    pool: &mut [u16],
+    seq: &PagedSeq<'_>,
+    block_size: usize,
+    width: usize,
+    rows: &[f32],
+) {
+    write_rows_as(pool, seq, block_size, width, rows, |v| {
+        half::f16::from_f32(v).to_bits()
+    });
+}
+
+fn write_rows_as<T>(
+    pool: &mut [T],
+    seq: &PagedSeq<'_>,
+    block_size: usize,
+    width: usize,
+    rows: &[f32],
+    convert: impl Fn(f32) -> T,
+) {
     for (j, src) in rows.chunks_exact(width.max(1)).enumerate() {
         let start = row_offset(seq.block_table, block_size, width, seq.num_cached + j);
-        pool[start..start + width].copy_from_slice(src);
+        for (d, &v) in pool[start..start + width].iter_mut().zip(src) {
+            *d = convert(v);
+        }
     }
 }
 

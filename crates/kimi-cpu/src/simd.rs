@@ -143,6 +143,129 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     dot_scalar(a, b)
 }
 
+/// `out[i] += p · v[i]` over the shorter of the two slices, rounded as the scalar loop
+/// rounds it (a product, then a sum: no fused multiply-add), eight lanes at a time where
+/// the CPU has AVX2.
+pub fn add_scaled(out: &mut [f32], p: f32, v: &[f32]) {
+    let n = out.len().min(v.len());
+    let (out, v) = (&mut out[..n], &v[..n]);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx2_fma() {
+            // SAFETY: the AVX2 and FMA features were detected on this CPU just above.
+            return unsafe { avx2::add_scaled(out, p, v) };
+        }
+    }
+    for (o, &x) in out.iter_mut().zip(v) {
+        *o += p * x;
+    }
+}
+
+/// `scores[s] = q · row s` for the rows of a strided run, row `s` at
+/// `rows[s * stride..][..q.len()]`: each score is [`dot`]'s, bit for bit, with one dispatch
+/// per run instead of one per row (attention's scores over a cache block).
+pub fn dot_strided(q: &[f32], rows: &[f32], stride: usize, scores: &mut [f32]) {
+    let d = q.len();
+    if let Some(last) = scores.len().checked_sub(1) {
+        assert!(
+            rows.len() >= last * stride + d,
+            "dot_strided: rows too short"
+        );
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !has_avx512() && has_avx2_fma() {
+            // SAFETY: AVX2 and FMA were detected just above; every row is in `rows`
+            // (asserted).
+            return unsafe { avx2::dot_strided(q, rows, stride, scores) };
+        }
+    }
+    for (s, score) in scores.iter_mut().enumerate() {
+        *score = dot(q, &rows[s * stride..][..d]);
+    }
+}
+
+/// `out += Σ_s p[s] · row s` over a strided run (rows as in [`dot_strided`]), the rows
+/// added in order and each term rounded as [`add_scaled`] rounds it: the result of calling
+/// `add_scaled` row by row, with `out` held in registers across the rows.
+pub fn add_scaled_strided(out: &mut [f32], p: &[f32], rows: &[f32], stride: usize) {
+    let d = out.len();
+    if let Some(last) = p.len().checked_sub(1) {
+        assert!(
+            rows.len() >= last * stride + d,
+            "add_scaled_strided: rows too short"
+        );
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx2_fma() {
+            // SAFETY: AVX2 and FMA were detected just above; every row is in `rows`
+            // (asserted).
+            return unsafe { avx2::add_scaled_strided(out, p, rows, stride) };
+        }
+    }
+    for (s, &ps) in p.iter().enumerate() {
+        add_scaled(out, ps, &rows[s * stride..][..d]);
+    }
+}
+
+/// [`dot_strided`] over rows of f16 bit patterns: each score is `dot_strided`'s on the
+/// rows widened to f32, bit for bit (attention over an f16 key cache).
+pub fn dot_strided_f16(q: &[f32], rows: &[u16], stride: usize, scores: &mut [f32]) {
+    let d = q.len();
+    if let Some(last) = scores.len().checked_sub(1) {
+        assert!(
+            rows.len() >= last * stride + d,
+            "dot_strided_f16: rows too short"
+        );
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !has_avx512() && has_avx2_fma_f16c() {
+            // SAFETY: AVX2, FMA and F16C were detected just above; every row is in `rows`
+            // (asserted).
+            return unsafe { avx2::dot_strided_f16(q, rows, stride, scores) };
+        }
+    }
+    let mut row = vec![0f32; d];
+    for (s, score) in scores.iter_mut().enumerate() {
+        widen_f16(&rows[s * stride..][..d], &mut row);
+        *score = dot(q, &row);
+    }
+}
+
+/// [`add_scaled_strided`] over rows of f16 bit patterns, widened to f32: bit for bit
+/// `add_scaled_strided` on the widened rows.
+pub fn add_scaled_strided_f16(out: &mut [f32], p: &[f32], rows: &[u16], stride: usize) {
+    let d = out.len();
+    if let Some(last) = p.len().checked_sub(1) {
+        assert!(
+            rows.len() >= last * stride + d,
+            "add_scaled_strided_f16: rows too short"
+        );
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx2_fma_f16c() {
+            // SAFETY: AVX2, FMA and F16C were detected just above; every row is in `rows`
+            // (asserted).
+            return unsafe { avx2::add_scaled_strided_f16(out, p, rows, stride) };
+        }
+    }
+    let mut row = vec![0f32; d];
+    for (s, &ps) in p.iter().enumerate() {
+        widen_f16(&rows[s * stride..][..d], &mut row);
+        add_scaled(out, ps, &row);
+    }
+}
+
+/// f16 bit patterns to f32, exactly.
+fn widen_f16(src: &[u16], out: &mut [f32]) {
+    for (o, &h) in out.iter_mut().zip(src) {
+        *o = crate::quant::f16_to_f32(h);
+    }
+}
+
 /// The portable `dot`: eight lanes, then the tail.
 pub fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
@@ -779,6 +902,158 @@ mod avx2 {
         out
     }
 
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; `out` and `v` must have the same length.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn add_scaled(out: &mut [f32], p: f32, v: &[f32]) {
+        let n = out.len().min(v.len());
+        let full = n / 8 * 8;
+        let (po, pv, pp) = (out.as_mut_ptr(), v.as_ptr(), _mm256_set1_ps(p));
+        let mut i = 0;
+        while i < full {
+            // SAFETY: i + 8 <= n, within both slices.
+            unsafe {
+                let prod = _mm256_mul_ps(pp, _mm256_loadu_ps(pv.add(i)));
+                _mm256_storeu_ps(po.add(i), _mm256_add_ps(_mm256_loadu_ps(po.add(i)), prod));
+            }
+            i += 8;
+        }
+        for j in full..n {
+            out[j] += p * v[j];
+        }
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; `rows` holds `scores.len()` rows of `q.len()`
+    /// values, `stride` apart.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_strided(q: &[f32], rows: &[f32], stride: usize, scores: &mut [f32]) {
+        for (s, score) in scores.iter_mut().enumerate() {
+            // SAFETY: features from the caller.
+            *score = unsafe { dot(q, &rows[s * stride..][..q.len()]) };
+        }
+    }
+
+    /// `dot(q, row)` on the row widened from f16, in `dot`'s order.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `row` has `q.len()` values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_f16_row(q: &[f32], row: &[u16]) -> f32 {
+        let n = q.len();
+        let full = n / 16 * 16;
+        let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let (pa, pb) = (q.as_ptr(), row.as_ptr());
+        let mut i = 0;
+        while i < full {
+            // SAFETY: i + 16 <= n, within both slices.
+            unsafe {
+                let b0 = _mm256_cvtph_ps(_mm_loadu_si128(pb.add(i).cast()));
+                let b1 = _mm256_cvtph_ps(_mm_loadu_si128(pb.add(i + 8).cast()));
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), b0, s0);
+                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), b1, s1);
+            }
+            i += 16;
+        }
+        let mut out = hsum(_mm256_add_ps(s0, s1));
+        for j in full..n {
+            out += q[j] * crate::quant::f16_to_f32(row[j]);
+        }
+        out
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `rows` holds `scores.len()` rows of
+    /// `q.len()` values, `stride` apart.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_strided_f16(q: &[f32], rows: &[u16], stride: usize, scores: &mut [f32]) {
+        for (s, score) in scores.iter_mut().enumerate() {
+            // SAFETY: features from the caller.
+            *score = unsafe { dot_f16_row(q, &rows[s * stride..][..q.len()]) };
+        }
+    }
+
+    /// [`add_scaled_strided`] on rows widened from f16, in the same order.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `rows` holds `p.len()` rows of
+    /// `out.len()` values, `stride` apart.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn add_scaled_strided_f16(out: &mut [f32], p: &[f32], rows: &[u16], stride: usize) {
+        // SAFETY (each load): `at` points at 8 values of a row inside `rows`.
+        let load = |at: *const u16| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(at.cast())) };
+        // SAFETY: as this function requires.
+        unsafe { add_scaled_rows(out, p, rows, stride, load, crate::quant::f16_to_f32) }
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; `rows` holds `p.len()` rows of `out.len()`
+    /// values, `stride` apart.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn add_scaled_strided(out: &mut [f32], p: &[f32], rows: &[f32], stride: usize) {
+        // SAFETY (each load): `at` points at 8 values of a row inside `rows`.
+        let load = |at: *const f32| unsafe { _mm256_loadu_ps(at) };
+        // SAFETY: as this function requires.
+        unsafe { add_scaled_rows(out, p, rows, stride, load, |v| v) }
+    }
+
+    /// `out += Σ_s p[s] · row s`, a product then a sum per term, rows in order: 32 values
+    /// (four chains) per pass over the rows, then 8, then one at a time. `load` widens 8
+    /// values of a row, `widen` one.
+    ///
+    /// # Safety
+    /// AVX2 from the caller; `rows` holds `p.len()` rows of `out.len()` values, `stride`
+    /// apart.
+    #[inline(always)]
+    unsafe fn add_scaled_rows<T: Copy>(
+        out: &mut [f32],
+        p: &[f32],
+        rows: &[T],
+        stride: usize,
+        load: impl Fn(*const T) -> __m256,
+        widen: impl Fn(T) -> f32,
+    ) {
+        let d = out.len();
+        let (po, pr) = (out.as_mut_ptr(), rows.as_ptr());
+        let mut c = 0;
+        while c + 32 <= d {
+            // SAFETY: c + 32 <= d; row s spans s·stride..s·stride + d inside `rows`.
+            unsafe {
+                let mut acc = [_mm256_setzero_ps(); 4];
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_loadu_ps(po.add(c + 8 * j));
+                }
+                for (s, &ps) in p.iter().enumerate() {
+                    let (pv, row) = (_mm256_set1_ps(ps), pr.add(s * stride + c));
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        *a = _mm256_add_ps(*a, _mm256_mul_ps(pv, load(row.add(8 * j))));
+                    }
+                }
+                for (j, a) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(po.add(c + 8 * j), *a);
+                }
+            }
+            c += 32;
+        }
+        while c + 8 <= d {
+            // SAFETY: as above, for 8 values.
+            unsafe {
+                let mut acc = _mm256_loadu_ps(po.add(c));
+                for (s, &ps) in p.iter().enumerate() {
+                    let prod = _mm256_mul_ps(_mm256_set1_ps(ps), load(pr.add(s * stride + c)));
+                    acc = _mm256_add_ps(acc, prod);
+                }
+                _mm256_storeu_ps(po.add(c), acc);
+            }
+            c += 8;
+        }
+        for j in c..d {
+            for (s, &ps) in p.iter().enumerate() {
+                out[j] += ps * widen(rows[s * stride + j]);
+            }
+        }
+    }
+
     #[target_feature(enable = "avx2,fma")]
     fn hsum(v: __m256) -> f32 {
         let hi = _mm256_extractf128_ps(v, 1);
@@ -817,6 +1092,71 @@ mod tests {
                     four[t].to_bits(),
                     "n={n} t={t}"
                 );
+            }
+        }
+    }
+
+    /// The strided runs attention uses give what a row-by-row `dot` and `add_scaled` give,
+    /// bit for bit, for widths with and without 32- and 8-value tails.
+    #[test]
+    fn strided_runs_equal_row_by_row() {
+        let f = |i: usize| ((i * 37 % 23) as f32 - 11.0) * 0.037;
+        for d in [1usize, 5, 8, 13, 32, 40, 64, 71, 128] {
+            for rows in [0usize, 1, 3, 16] {
+                let stride = d + 7;
+                let pool: Vec<f32> = (0..rows * stride + d).map(f).collect();
+                let q: Vec<f32> = (0..d).map(|i| f(i + 5)).collect();
+                let mut got = vec![0f32; rows];
+                dot_strided(&q, &pool, stride, &mut got);
+                let want: Vec<f32> = (0..rows)
+                    .map(|s| dot(&q, &pool[s * stride..][..d]))
+                    .collect();
+                assert_eq!(got, want, "dot_strided d={d} rows={rows}");
+
+                let p: Vec<f32> = (0..rows).map(|i| f(3 * i + 1)).collect();
+                let mut got: Vec<f32> = (0..d).map(|i| f(i + 9)).collect();
+                let mut want = got.clone();
+                add_scaled_strided(&mut got, &p, &pool, stride);
+                for (s, &ps) in p.iter().enumerate() {
+                    add_scaled(&mut want, ps, &pool[s * stride..][..d]);
+                }
+                assert_eq!(got, want, "add_scaled_strided d={d} rows={rows}");
+                let mut scalar: Vec<f32> = (0..d).map(|i| f(i + 9)).collect();
+                for (s, &ps) in p.iter().enumerate() {
+                    for (o, &v) in scalar.iter_mut().zip(&pool[s * stride..][..d]) {
+                        *o += ps * v;
+                    }
+                }
+                assert_eq!(got, scalar, "add_scaled_strided vs the scalar loop d={d}");
+            }
+        }
+    }
+
+    /// The f16 strided runs equal the f32 ones on the widened rows, bit for bit.
+    #[test]
+    fn f16_strided_runs_equal_f32_runs_on_widened_rows() {
+        let f = |i: usize| ((i * 41 % 29) as f32 - 14.0) * 0.041;
+        for d in [1usize, 8, 13, 40, 64, 71, 128] {
+            for rows in [0usize, 1, 5] {
+                let stride = d + 3;
+                let bits: Vec<u16> = (0..rows * stride + d)
+                    .map(|i| half::f16::from_f32(f(i)).to_bits())
+                    .collect();
+                let wide: Vec<f32> = bits
+                    .iter()
+                    .map(|&b| half::f16::from_bits(b).to_f32())
+                    .collect();
+                let q: Vec<f32> = (0..d).map(|i| f(i + 2)).collect();
+                let (mut got, mut want) = (vec![0f32; rows], vec![0f32; rows]);
+                dot_strided_f16(&q, &bits, stride, &mut got);
+                dot_strided(&q, &wide, stride, &mut want);
+                assert_eq!(got, want, "dot d={d} rows={rows}");
+                let p: Vec<f32> = (0..rows).map(|i| f(5 * i + 1)).collect();
+                let mut got: Vec<f32> = (0..d).map(|i| f(i + 7)).collect();
+                let mut want = got.clone();
+                add_scaled_strided_f16(&mut got, &p, &bits, stride);
+                add_scaled_strided(&mut want, &p, &wide, stride);
+                assert_eq!(got, want, "add d={d} rows={rows}");
             }
         }
     }

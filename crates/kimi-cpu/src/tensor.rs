@@ -52,6 +52,14 @@ impl CpuTensor {
         })
     }
 
+    /// An f16 tensor of zeros.
+    pub fn f16_zeros(shape: &[usize]) -> Self {
+        Self {
+            shape: shape.to_vec(),
+            storage: Storage::F16(vec![0; shape.iter().product()]),
+        }
+    }
+
     /// Copies a checkpoint tensor, keeping its dtype. A block-quantized tensor's last
     /// dimension must be a whole number of blocks.
     pub fn from_host(host: HostTensor<'_>) -> Result<Self> {

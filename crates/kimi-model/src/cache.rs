@@ -177,8 +177,8 @@ impl<B: Backend> CachePool<B> {
                         latent: backend.zeros(&[num_blocks, block_size, width])?,
                     },
                     LayerSpec::Kv { width } => LayerPool::Kv {
-                        k: backend.zeros(&[num_blocks, block_size, width])?,
-                        v: backend.zeros(&[num_blocks, block_size, width])?,
+                        k: backend.kv_zeros(&[num_blocks, block_size, width])?,
+                        v: backend.kv_zeros(&[num_blocks, block_size, width])?,
                     },
                 })
             })

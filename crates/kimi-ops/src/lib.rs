@@ -356,6 +356,12 @@ pub trait Backend: Send + Sync {
     fn upload_f32(&self, shape: &[usize], data: &[f32]) -> Result<Self::Tensor>;
     /// Creates an f32 tensor of zeros.
     fn zeros(&self, shape: &[usize]) -> Result<Self::Tensor>;
+    /// Creates a zeroed key/value cache pool `[num_blocks, block_size, width]` for
+    /// [`Backend::attention`]; the backend picks its element type (by default f32, as
+    /// [`Backend::zeros`]).
+    fn kv_zeros(&self, shape: &[usize]) -> Result<Self::Tensor> {
+        self.zeros(shape)
+    }
     /// Copies a tensor back to the host as f32.
     fn to_f32(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
     /// Dimensions of a tensor, outermost first.
