@@ -14,7 +14,7 @@
 //! ```
 
 use crate::mla::softmax;
-use crate::paged::{write_rows, write_rows_f16, PagedRows};
+use crate::paged::{write_rows, PagedRows};
 use crate::simd::{add_scaled_strided, add_scaled_strided_f16, dot_strided, dot_strided_f16};
 use crate::tensor::{shape_err, CpuTensor, Storage};
 use kimi_ops::{check_paged, check_segments};
@@ -133,39 +133,21 @@ pub fn attention(
         block_size,
         scale: dims.scale,
     };
-    let write = |pool: &mut Storage, rows: &[f32]| -> Result<()> {
-        for (seg, seq) in segments.iter().zip(seqs) {
-            let new = &rows[seg.start * kvw..(seg.start + seg.len) * kvw];
-            match pool {
-                Storage::F32(p) => write_rows(p, seq, block_size, kvw, new),
-                Storage::F16(p) => write_rows_f16(p, seq, block_size, kvw, new),
-                _ => return Err(pool_err()),
-            }
+    let out = match (&mut k_pool.storage, &mut v_pool.storage) {
+        (Storage::F32(kp), Storage::F32(vp)) => {
+            write_and_attend(qs, (ks, vs), (kp, vp), segments, seqs, &layout)
         }
-        Ok(())
-    };
-    let same = matches!(
-        (&k_pool.storage, &v_pool.storage),
-        (Storage::F32(_), Storage::F32(_)) | (Storage::F16(_), Storage::F16(_))
-    );
-    if !same {
-        return Err(pool_err());
-    }
-    write(&mut k_pool.storage, ks)?;
-    write(&mut v_pool.storage, vs)?;
-    let out = match (&k_pool.storage, &v_pool.storage) {
-        (Storage::F32(kp), Storage::F32(vp)) => attend_all(qs, kp, vp, segments, seqs, &layout),
-        (Storage::F16(kp), Storage::F16(vp)) => attend_all(qs, kp, vp, segments, seqs, &layout),
-        _ => return Err(pool_err()),
+        (Storage::F16(kp), Storage::F16(vp)) => {
+            write_and_attend(qs, (ks, vs), (kp, vp), segments, seqs, &layout)
+        }
+        _ => {
+            return Err(shape_err(
+                "attention",
+                "key/value pools must both be f32 or both f16".into(),
+            ))
+        }
     };
     CpuTensor::f32(&[n, qw], out)
-}
-
-fn pool_err() -> kimi_ops::Error {
-    shape_err(
-        "attention",
-        "key/value pools must both be f32 or both f16".into(),
-    )
 }
 
 /// Sizes shared by every head's task.
@@ -179,16 +161,29 @@ struct Layout {
     scale: f32,
 }
 
-/// Every segment's new tokens attend over their caches (the pools written already):
-/// `[n, hq·d]`.
-fn attend_all<T: CacheValue>(
+/// Writes every segment's new keys and values `(ks, vs)` into the pools, then its new
+/// tokens attend over their caches: `[n, hq·d]`.
+fn write_and_attend<T: CacheValue>(
     qs: &[f32],
-    k_rows: &[T],
-    v_rows: &[T],
+    (ks, vs): (&[f32], &[f32]),
+    (k_rows, v_rows): (&mut [T], &mut [T]),
     segments: &[Segment],
     seqs: &[PagedSeq<'_>],
     l: &Layout,
 ) -> Vec<f32> {
+    for (seg, seq) in segments.iter().zip(seqs) {
+        let new = seg.start * l.kvw..(seg.start + seg.len) * l.kvw;
+        write_rows(
+            k_rows,
+            seq,
+            l.block_size,
+            l.kvw,
+            &ks[new.clone()],
+            T::from_f32,
+        );
+        write_rows(v_rows, seq, l.block_size, l.kvw, &vs[new], T::from_f32);
+    }
+    let (k_rows, v_rows): (&[T], &[T]) = (k_rows, v_rows);
     let tasks: Vec<(usize, usize)> = (0..segments.len())
         .filter(|&s| segments[s].len > 0)
         .flat_map(|s| (0..l.hq).map(move |head| (s, head)))
@@ -240,6 +235,8 @@ fn attend_all<T: CacheValue>(
 
 /// An element type of key/value pools: f32, or f16 bit patterns (`u16`).
 trait CacheValue: Copy + Sync {
+    /// A value as stored (f16: rounded to nearest).
+    fn from_f32(v: f32) -> Self;
     /// `scores[s] = q · row s` (see [`crate::simd::dot_strided`]).
     fn dot_strided(q: &[f32], rows: &[Self], stride: usize, scores: &mut [f32]);
     /// `out += Σ p[s] · row s` (see [`crate::simd::add_scaled_strided`]).
@@ -247,6 +244,9 @@ trait CacheValue: Copy + Sync {
 }
 
 impl CacheValue for f32 {
+    fn from_f32(v: f32) -> f32 {
+        v
+    }
     fn dot_strided(q: &[f32], rows: &[f32], stride: usize, scores: &mut [f32]) {
         dot_strided(q, rows, stride, scores);
     }
@@ -256,6 +256,9 @@ impl CacheValue for f32 {
 }
 
 impl CacheValue for u16 {
+    fn from_f32(v: f32) -> u16 {
+        half::f16::from_f32(v).to_bits()
+    }
     fn dot_strided(q: &[f32], rows: &[u16], stride: usize, scores: &mut [f32]) {
         dot_strided_f16(q, rows, stride, scores);
     }

@@ -53,7 +53,7 @@ pub fn mla(
     let pool_rows = pool.as_f32_mut("mla")?;
     for (seg, seq) in segments.iter().zip(seqs) {
         let new_rows = &ls[seg.start * lw..(seg.start + seg.len) * lw];
-        write_rows(pool_rows, seq, block_size, lw, new_rows);
+        write_rows(pool_rows, seq, block_size, lw, new_rows, |v| v);
     }
     let pool_rows: &[f32] = pool_rows;
     let mut out = vec![0f32; n * h * dv];

@@ -27,15 +27,9 @@ impl<'a, T> PagedRows<'a, T> {
     /// The rows of the sequence's tokens `0..count` in order, block by block (no division
     /// per row: attention reads every cached row once per head and step).
     pub(crate) fn first(&self, count: usize) -> impl Iterator<Item = &'a [T]> + use<'a, T> {
-        let (pool, width, table) = (self.pool, self.width, self.table);
-        let block_rows = self.block_size * width;
-        table
-            .iter()
-            .flat_map(move |&b| {
-                let start = b as usize * block_rows;
-                pool[start..start + block_rows].chunks_exact(width)
-            })
-            .take(count)
+        let width = self.width;
+        self.runs(count)
+            .flat_map(move |(run, rows)| run.chunks_exact(width).take(rows))
     }
 
     /// The rows of the tokens `0..count` as runs of consecutive rows, one per cache block:
@@ -67,31 +61,9 @@ impl<'a, T> PagedRows<'a, T> {
     }
 }
 
-/// Writes `rows` (whole rows of `width`) at the sequence's positions `first ..`.
-pub(crate) fn write_rows(
-    pool: &mut [f32],
-    seq: &PagedSeq<'_>,
-    block_size: usize,
-    width: usize,
-    rows: &[f32],
-) {
-    write_rows_as(pool, seq, block_size, width, rows, |v| v);
-}
-
-/// [`write_rows`] into a pool of f16 bit patterns, each value rounded to nearest.
-pub(crate) fn write_rows_f16(
-    pool: &mut [u16],
-    seq: &PagedSeq<'_>,
-    block_size: usize,
-    width: usize,
-    rows: &[f32],
-) {
-    write_rows_as(pool, seq, block_size, width, rows, |v| {
-        half::f16::from_f32(v).to_bits()
-    });
-}
-
-fn write_rows_as<T>(
+/// Writes `rows` (whole rows of `width`) at the sequence's positions `first ..`, each
+/// value as `convert` stores it.
+pub(crate) fn write_rows<T>(
     pool: &mut [T],
     seq: &PagedSeq<'_>,
     block_size: usize,
