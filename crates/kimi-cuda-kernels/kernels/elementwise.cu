@@ -186,6 +186,21 @@ extern "C" __global__ void copy_cols(const float* src, int src_ld, int src_off, 
   }
 }
 
+// out[r, :] = [a[r, :wa] | b[r, :wb]] (f32): concat_cols of two parts in one launch (the
+// MLA latent row, [normed latent | rope key], took two copy_cols launches per layer).
+extern "C" __global__ void concat_cols2(const float* a, int wa, const float* b, int wb,
+                                        float* out, int rows) {
+  pdl_enter();
+  const int w = wa + wb;
+  const size_t n = (size_t)rows * w;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const size_t r = i / w;
+    const int j = (int)(i - r * w);
+    out[i] = j < wa ? a[r * wa + j] : b[r * wb + (j - wa)];
+  }
+}
+
 // out[i, :] = x[rows[i], :]. grid (num_rows), block 256.
 extern "C" __global__ void gather_rows(const float* x, const uint32_t* rows, float* out, int d) {
   pdl_enter();

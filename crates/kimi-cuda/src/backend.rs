@@ -96,6 +96,27 @@ fn f32_rows(t: &CudaTensor, op: &'static str) -> Result<(usize, usize)> {
         .ok_or_else(|| shape_err(op, "scalar given where a matrix is needed".into()))
 }
 
+/// Whether the non-empty `segments` cover rows `0..n` exactly, each row once: then an op
+/// whose kernels write every row of their segments leaves no row of its output unwritten,
+/// and the output needs no zeroing (a memset node in a decode graph, which also ends the
+/// programmatic overlap of the kernels around it).
+fn rows_tiled(segments: &[Segment], n: usize) -> bool {
+    let mut spans: Vec<(usize, usize)> = segments
+        .iter()
+        .filter(|s| s.len > 0)
+        .map(|s| (s.start, s.len))
+        .collect();
+    spans.sort_unstable();
+    let mut next = 0;
+    for (start, len) in spans {
+        if start != next {
+            return false;
+        }
+        next = start + len;
+    }
+    next == n
+}
+
 fn code(t: &CudaTensor, op: &'static str) -> Result<i32> {
     dtype_code(t.dtype).ok_or_else(|| Error::Unsupported(format!("{op} on dtype {}", t.dtype)))
 }
@@ -1329,6 +1350,13 @@ impl Backend for CudaBackend {
         }
         let total: usize = dims.iter().sum();
         let out = self.empty(&[n, total], DType::F32, OP)?;
+        if let ([a, b], [wa, wb]) = (parts, dims.as_slice()) {
+            // SAFETY: a holds n rows of wa, b n rows of wb, out n rows of wa + wb.
+            unsafe {
+                ops::elementwise::concat_cols2(&self.dev, a.ptr(), *wa, b.ptr(), *wb, out.ptr(), n)?
+            };
+            return Ok(out);
+        }
         let mut off = 0;
         for (p, w) in parts.iter().zip(dims) {
             // SAFETY: p holds n rows of w, out n rows of total, off + w <= total.
@@ -2108,8 +2136,24 @@ impl Backend for CudaBackend {
             return Err(shape_err(OP, "the latent pool is not f32".into()));
         }
         let kdt = code(kv_b, OP)?;
-        let out = self.zeroed(&[n, h * dv], OP)?;
-        // Every segment's block table in one small upload; segment i's starts at offsets[i].
+        // Absorbed segments' rows are all written (mla_uv_project covers every head and
+        // column of each); zeroed only where rows could be left over.
+        let all_absorbed = segments.iter().all(|s| {
+            s.len == 0
+                || match mode {
+                    MlaMode::Auto => s.len == 1,
+                    MlaMode::Absorbed => true,
+                    MlaMode::Expanded => false,
+                }
+        });
+        let out = if all_absorbed && rows_tiled(segments, n) {
+            self.empty(&[n, h * dv], DType::F32, OP)?
+        } else {
+            self.zeroed(&[n, h * dv], OP)?
+        };
+        // Every segment's block table, then the new rows' places (`where_`), in one small
+        // upload (one copy node per layer in a decode graph); segment i's table starts at
+        // offsets[i].
         let mut flat = Vec::new();
         let mut offsets = Vec::with_capacity(seqs.len());
         for (seg, seq) in segments.iter().zip(seqs) {
@@ -2120,14 +2164,6 @@ impl Backend for CudaBackend {
             // (and a replayed graph's copy stays valid) until the context doubles.
             flat.resize(flat.len() + used.next_power_of_two() - used, 0);
         }
-        let tables = self.upload_u32(&flat, OP)?;
-        let tables_ptr = Self::slice_ptr(&tables);
-        let paged = |i: usize| ops::mla::Paged {
-            pool: pool.ptr(),
-            table: tables_ptr + (offsets[i] * 4) as u64,
-            block_size,
-            width: lw,
-        };
         // Every new latent row to its sequence's position, in one launch.
         let mut where_ = vec![u32::MAX; 2 * n];
         for (i, (seg, seq)) in segments.iter().zip(seqs).enumerate() {
@@ -2138,7 +2174,17 @@ impl Backend for CudaBackend {
                     .map_err(|_| shape_err(OP, "position beyond 2^32".into()))?;
             }
         }
-        let where_dev = self.upload_u32(&where_, OP)?;
+        let where_at = flat.len();
+        flat.extend_from_slice(&where_);
+        let tables = self.upload_u32(&flat, OP)?;
+        let tables_ptr = Self::slice_ptr(&tables);
+        let where_ptr = tables_ptr + (where_at * 4) as u64;
+        let paged = |i: usize| ops::mla::Paged {
+            pool: pool.ptr(),
+            table: tables_ptr + (offsets[i] * 4) as u64,
+            block_size,
+            width: lw,
+        };
         // SAFETY: latent holds n rows of width lw; each named table covers its rows' new
         // positions with blocks inside the pool (check_paged); where_ holds 2n u32.
         unsafe {
@@ -2147,7 +2193,7 @@ impl Backend for CudaBackend {
                 latent.ptr(),
                 pool.ptr(),
                 tables_ptr,
-                where_dev.ptr(),
+                where_ptr,
                 n,
                 block_size,
                 lw,

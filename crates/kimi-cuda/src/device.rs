@@ -61,6 +61,7 @@ const KERNELS: &[(&str, &[&str])] = &[
             "sigmoid",
             "silu_mul",
             "copy_cols",
+            "concat_cols2",
             "gather_rows",
             "scatter_add_rows",
             "cast_f32_bf16",

@@ -5,7 +5,7 @@ use kimi_core::config::KdaGate;
 use kimi_core::DType;
 use kimi_ops::{KdaStepInputs, KdaStepWeights, Result, Segment};
 
-use super::{code, f32_rows, CudaBackend};
+use super::{code, f32_rows, rows_tiled, CudaBackend};
 use crate::ops;
 use crate::tensor::CudaTensor;
 
@@ -73,7 +73,12 @@ impl CudaBackend {
         caches: &mut [(&mut [CudaTensor; 3], &mut CudaTensor)],
     ) -> Result<CudaTensor> {
         let (n, width) = f32_rows(x.qkv[0], OP)?;
-        let y = self.zeroed(&[n, width], OP)?;
+        // kda_decode writes every column of each segment's row.
+        let y = if rows_tiled(segments, n) {
+            self.empty(&[n, width], DType::F32, OP)?
+        } else {
+            self.zeroed(&[n, width], OP)?
+        };
         let (kind, lb) = match w.gate {
             KdaGate::Softplus => (0, 0.0),
             KdaGate::LowerBound(lb) => (1, lb),

@@ -157,6 +157,31 @@ pub(crate) unsafe fn binary(
     Ok(())
 }
 
+/// `out[r] = [a[r] (wa f32) | b[r] (wb f32)]` for `rows` rows, in one launch.
+///
+/// # Safety
+/// `a` holds `rows * wa`, `b` `rows * wb` and `out` `rows * (wa + wb)` f32.
+pub(crate) unsafe fn concat_cols2(
+    dev: &Device,
+    a: u64,
+    wa: usize,
+    b_: u64,
+    wb: usize,
+    out: u64,
+    rows: usize,
+) -> Result<()> {
+    let n = rows * (wa + wb);
+    if n == 0 {
+        return Ok(());
+    }
+    let (wai, wbi, ri) = (wa as i32, wb as i32, rows as i32);
+    let mut b = dev.kernel("concat_cols", "concat_cols2")?;
+    b.arg(&a).arg(&wai).arg(&b_).arg(&wbi).arg(&out).arg(&ri);
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(flat(n)) }.op("concat_cols")?;
+    Ok(())
+}
+
 /// `dst[r, dst_off..dst_off+w] = src[r, src_off..src_off+w]` for `rows` rows (f32).
 ///
 /// # Safety

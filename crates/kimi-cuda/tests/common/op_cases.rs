@@ -337,7 +337,9 @@ pub fn op_rows<B: Backend>(b: &B, n: usize, d: usize) -> Res<Vec<Vec<f32>>> {
         .map(|p| t(b, p))
         .collect::<Res<Vec<_>>>()?
         .concat();
-    let cat = t(b, &b.concat_cols(&[&parts[2], &parts[0], &parts[1]])?)?;
+    let mut cat = t(b, &b.concat_cols(&[&parts[2], &parts[0], &parts[1]])?)?;
+    // Two parts (one launch on CUDA, as for the MLA latent row).
+    cat.extend(t(b, &b.concat_cols(&[&parts[1], &parts[0]])?)?);
     let z = b.upload_f32(&[n, d], &r.vec(n * d, 2.0))?;
     let gw = weight(b, &[d / 4], &r.vec(d / 4, 1.0), DType::F32)?;
     let gated = t(b, &b.gated_rms_norm(&y, &z, &gw, 1e-5)?)?;
