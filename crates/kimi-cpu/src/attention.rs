@@ -234,7 +234,7 @@ fn write_and_attend<T: CacheValue>(
 }
 
 /// An element type of key/value pools: f32, or f16 bit patterns (`u16`).
-trait CacheValue: Copy + Sync {
+pub(crate) trait CacheValue: Copy + Sync {
     /// A value as stored (f16: rounded to nearest).
     fn from_f32(v: f32) -> Self;
     /// `scores[s] = q · row s` (see [`crate::simd::dot_strided`]).

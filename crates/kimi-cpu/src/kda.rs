@@ -95,15 +95,21 @@ pub fn gate(
     let mut g = vec![0f32; n * width];
     for t in 0..n {
         for i in 0..width {
-            let x = fs[t * width + i] + bias[i];
-            let scale = a[i / d].exp();
-            g[t * width + i] = match kind {
-                KdaGate::Softplus => -scale * softplus(x),
-                KdaGate::LowerBound(lb) => lb * sigmoid(scale * x),
-            };
+            g[t * width + i] = gate_value(fs[t * width + i], bias[i], a[i / d], kind);
         }
     }
     CpuTensor::f32(&f.shape, g)
+}
+
+/// One forget-gate value (log space) of pre-activation `f`, its `dt_bias` and its head's
+/// `A_log`.
+pub(crate) fn gate_value(f: f32, bias: f32, a_log: f32, kind: KdaGate) -> f32 {
+    let x = f + bias;
+    let scale = a_log.exp();
+    match kind {
+        KdaGate::Softplus => -scale * softplus(x),
+        KdaGate::LowerBound(lb) => lb * sigmoid(scale * x),
+    }
 }
 
 /// Inputs of one head of one segment, as contiguous `[len, D]` copies.
@@ -207,12 +213,16 @@ pub fn kda(
 fn normalize_qk(inp: &mut HeadInputs, d: usize) {
     let scale = (d as f32).powf(-0.5);
     for (rows, extra) in [(&mut inp.q, scale), (&mut inp.k, 1.0)] {
-        for row in rows.chunks_exact_mut(d) {
-            let ss: f32 = row.iter().map(|x| x * x).sum();
-            let r = extra / (ss + 1e-6).sqrt();
-            row.iter_mut().for_each(|x| *x *= r);
-        }
+        rows.chunks_exact_mut(d)
+            .for_each(|row| l2_normalize(row, extra));
     }
+}
+
+/// `row · extra / sqrt(Σ row² + 1e-6)`, in place.
+pub(crate) fn l2_normalize(row: &mut [f32], extra: f32) {
+    let ss: f32 = row.iter().map(|x| x * x).sum();
+    let r = extra / (ss + 1e-6).sqrt();
+    row.iter_mut().for_each(|x| *x *= r);
 }
 
 /// Token-by-token recurrence (§3.6): decay, delta with the decayed state, rank-1 write,
@@ -222,34 +232,52 @@ fn recurrent_head(inp: &HeadInputs, s: &mut [f32], d: usize) -> Vec<f32> {
     let mut out = vec![0f32; len * d];
     let mut u = vec![0f32; d];
     for t in 0..len {
+        let at = t * d..(t + 1) * d;
         let (q, k, v, g) = (
-            &inp.q[t * d..(t + 1) * d],
-            &inp.k[t * d..(t + 1) * d],
-            &inp.v[t * d..(t + 1) * d],
-            &inp.g[t * d..(t + 1) * d],
+            &inp.q[at.clone()],
+            &inp.k[at.clone()],
+            &inp.v[at.clone()],
+            &inp.g[at],
         );
-        for i in 0..d {
-            let a = g[i].exp();
-            s[i * d..(i + 1) * d].iter_mut().for_each(|x| *x *= a);
-        }
-        u.copy_from_slice(v);
-        for i in 0..d {
-            let ki = k[i];
-            for (uj, sij) in u.iter_mut().zip(&s[i * d..(i + 1) * d]) {
-                *uj -= sij * ki;
-            }
-        }
-        u.iter_mut().for_each(|x| *x *= inp.beta[t]);
-        let o = &mut out[t * d..(t + 1) * d];
-        for i in 0..d {
-            let (ki, qi) = (k[i], q[i]);
-            for ((sij, uj), oj) in s[i * d..(i + 1) * d].iter_mut().zip(&u).zip(o.iter_mut()) {
-                *sij += ki * uj;
-                *oj += *sij * qi;
-            }
-        }
+        recurrent_step(
+            [q, k, v, g],
+            inp.beta[t],
+            s,
+            &mut u,
+            &mut out[t * d..(t + 1) * d],
+        );
     }
     out
+}
+
+/// One token of the recurrence on a head's state `s [D, D]`: `o += ` the read-out (`o`
+/// starts at zero), `u` is scratch of `D`. Two passes over the state: each row is decayed
+/// and then used for the delta in the same pass (the same operations, per value, as a
+/// separate decay pass).
+pub(crate) fn recurrent_step(
+    [q, k, v, g]: [&[f32]; 4],
+    beta: f32,
+    s: &mut [f32],
+    u: &mut [f32],
+    o: &mut [f32],
+) {
+    let d = q.len();
+    u.copy_from_slice(v);
+    for (i, row) in s.chunks_exact_mut(d).enumerate() {
+        let (a, ki) = (g[i].exp(), k[i]);
+        for (uj, sij) in u.iter_mut().zip(row.iter_mut()) {
+            *sij *= a;
+            *uj -= *sij * ki;
+        }
+    }
+    u.iter_mut().for_each(|x| *x *= beta);
+    for (i, row) in s.chunks_exact_mut(d).enumerate() {
+        let (ki, qi) = (k[i], q[i]);
+        for ((sij, uj), oj) in row.iter_mut().zip(u.iter()).zip(o.iter_mut()) {
+            *sij += ki * uj;
+            *oj += *sij * qi;
+        }
+    }
 }
 
 /// Chunked WY form (§3.8).
@@ -383,14 +411,23 @@ pub fn gated_rms_norm(
     }
     let (os, zs) = (o.as_f32("gated_rms_norm")?, z.as_f32("gated_rms_norm")?);
     let mut out = vec![0f32; n * width];
-    for (idx, (orow, zrow)) in os.chunks_exact(d).zip(zs.chunks_exact(d)).enumerate() {
-        let ms = orow.iter().map(|x| x * x).sum::<f32>() / d as f32;
-        let r = 1.0 / (ms + eps).sqrt();
-        for j in 0..d {
-            out[idx * d + j] = orow[j] * r * w[j] * sigmoid(zrow[j]);
-        }
+    for ((orow, zrow), dst) in os
+        .chunks_exact(d)
+        .zip(zs.chunks_exact(d))
+        .zip(out.chunks_exact_mut(d))
+    {
+        gated_norm_row(orow, zrow, &w, eps, dst);
     }
     CpuTensor::f32(&o.shape, out)
+}
+
+/// `dst = o · rsqrt(mean(o²) + eps) · w · sigmoid(z)` for one head's row.
+pub(crate) fn gated_norm_row(o: &[f32], z: &[f32], w: &[f32], eps: f32, dst: &mut [f32]) {
+    let ms = o.iter().map(|x| x * x).sum::<f32>() / o.len() as f32;
+    let r = 1.0 / (ms + eps).sqrt();
+    for j in 0..o.len() {
+        dst[j] = o[j] * r * w[j] * sigmoid(z[j]);
+    }
 }
 
 pub(crate) fn sigmoid(x: f32) -> f32 {

@@ -17,6 +17,7 @@
 
 mod attention;
 mod kda;
+mod kda_step;
 mod matmul;
 mod mla;
 mod moe;
@@ -36,8 +37,8 @@ use std::sync::OnceLock;
 
 use kimi_core::config::KdaGate;
 use kimi_ops::{
-    AttentionDims, Backend, HostTensor, KdaMode, MlaDims, MlaMode, MlpWeights, MoeRouting,
-    MoeWeights, PagedSeq, Result, RopeStyle, Segment,
+    AttentionDims, Backend, HostTensor, KdaMode, KdaStepInputs, KdaStepWeights, MlaDims, MlaMode,
+    MlpWeights, MoeRouting, MoeWeights, PagedSeq, Result, RopeStyle, Segment,
 };
 
 /// The CPU backend. Cheap to construct; holds no state besides how it multiplies
@@ -108,6 +109,22 @@ impl Backend for CpuBackend {
     }
     fn matmul(&self, x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
         flushing(|| matmul::matmul(x, w, self.quant_matmul))
+    }
+    // One section for both products (KDA's two small gate projections per layer and
+    // token); each result equals `matmul`'s bit for bit.
+    fn matmul_pair(
+        &self,
+        a: (&CpuTensor, &CpuTensor),
+        b: (&CpuTensor, &CpuTensor),
+    ) -> Result<(CpuTensor, CpuTensor)> {
+        let ys = flushing(|| matmul::matmul_many(&[a, b], self.quant_matmul))?;
+        match <[CpuTensor; 2]>::try_from(ys) {
+            Ok([ya, yb]) => Ok((ya, yb)),
+            Err(_) => Err(kimi_ops::Error::Shape {
+                op: "matmul_pair",
+                detail: "two products gave another number of results".into(),
+            }),
+        }
     }
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
         norm::rms_norm(x, weight, eps)
@@ -185,6 +202,22 @@ impl Backend for CpuBackend {
         mode: KdaMode,
     ) -> Result<CpuTensor> {
         flushing(|| kda::kda(q, k, v, g, beta, num_heads, segments, states, mode))
+    }
+    // One section per layer and token instead of seven ops (`kda_step`); prefill and
+    // mixed batches keep the separate ops.
+    fn kda_decode(
+        &self,
+        x: &KdaStepInputs<'_, CpuTensor>,
+        w: &KdaStepWeights<'_, CpuTensor>,
+        num_heads: usize,
+        segments: &[Segment],
+        caches: &mut [(&mut [CpuTensor; 3], &mut CpuTensor)],
+    ) -> Result<CpuTensor> {
+        if segments.iter().all(|s| s.len == 1) {
+            flushing(|| kda_step::decode(x, w, num_heads, segments, caches))
+        } else {
+            kimi_ops::kda_decode_composed(self, x, w, num_heads, segments, caches)
+        }
     }
     fn gated_rms_norm(
         &self,

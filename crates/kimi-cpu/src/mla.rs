@@ -5,9 +5,10 @@
 //! its rows through its block table (`kimi_ops::PagedSeq`). Kimi Linear's MLA is NoPE, so
 //! nothing is rotated.
 
+use crate::attention::CacheValue;
 use crate::paged::{write_rows, PagedRows};
 use crate::simd::{add_scaled, dot};
-use crate::tensor::{shape_err, CpuTensor};
+use crate::tensor::{shape_err, CpuTensor, Storage};
 use kimi_ops::{check_paged, check_segments};
 use kimi_ops::{MlaDims, MlaMode, PagedSeq, Result, Segment};
 
@@ -70,8 +71,13 @@ pub fn mla(
         let seg_q = &qs[seg.start * qw..(seg.start + seg.len) * qw];
         let (past, new) = (seq.num_cached, seg.len);
         let seg_out = if absorbed {
-            let kvb = kvb.get_or_insert_with(|| kv_b.f32_values());
-            absorbed_attention(seg_q, rows, kvb, dims, past, new)
+            // An f16 kv_b (GGUF files) is read as stored: half the bytes of f32.
+            if let Storage::F16(half) = &kv_b.storage {
+                absorbed_attention(seg_q, rows, &half[..], dims, past, new)
+            } else {
+                let kvb = kvb.get_or_insert_with(|| kv_b.f32_values());
+                absorbed_attention(seg_q, rows, &kvb[..], dims, past, new)
+            }
         } else {
             expanded_attention(seg_q, rows, kv_b, dims, past, new)?
         };
@@ -135,10 +141,10 @@ fn expanded_attention(
 }
 
 /// Absorbed form: queries move into the latent space, attention runs over the raw cache.
-fn absorbed_attention(
+fn absorbed_attention<V: CacheValue>(
     q: &[f32],
     cache: PagedRows<'_>,
-    kvb: &[f32],
+    kvb: &[V],
     dims: &MlaDims,
     past: usize,
     new: usize,
@@ -163,11 +169,7 @@ fn absorbed_attention(
         for t in 0..new {
             let qt = &q[(t * h + head) * (dn + dr)..(t * h + head + 1) * (dn + dr)];
             q_lat.iter_mut().for_each(|x| *x = 0.0);
-            for (i, qi) in qt[..dn].iter().enumerate() {
-                for (ql, w) in q_lat.iter_mut().zip(&w_uk[i * r..(i + 1) * r]) {
-                    *ql += qi * w;
-                }
-            }
+            V::add_scaled_strided(&mut q_lat, &qt[..dn], w_uk, r);
             let visible = past + t + 1;
             for (score, row) in scores[..visible].iter_mut().zip(cache.first(visible)) {
                 *score = (dot(&q_lat, &row[..r]) + dot(&qt[dn..], &row[r..])) * scale;
@@ -177,9 +179,7 @@ fn absorbed_attention(
             for (&p, row) in scores[..visible].iter().zip(cache.first(visible)) {
                 add_scaled(&mut o_lat, p, &row[..r]);
             }
-            for j in 0..dv {
-                o[t * dv + j] = dot(&w_uv[j * r..(j + 1) * r], &o_lat);
-            }
+            V::dot_strided(&o_lat, w_uv, r, &mut o[t * dv..(t + 1) * dv]);
         }
         o
     });
@@ -357,6 +357,33 @@ mod tests {
         let mut fresh = nan_pool(1, 3);
         let want = stream(3, 9, &mut fresh, &[0], &[2, 1], MlaMode::Auto);
         assert_eq!(got, want);
+    }
+
+    /// An f16 kv_b is read as stored: the absorbed form gives the results of the same
+    /// values widened to f32, bit for bit.
+    #[test]
+    fn f16_kv_b_equals_its_widened_values() {
+        let (q, lat, kvb) = inputs(5, 4);
+        let halves: Vec<u16> = kvb
+            .to_f32_vec()
+            .iter()
+            .map(|&v| half::f16::from_f32(v).to_bits())
+            .collect();
+        let widened = halves.iter().map(|&h| half::f16::from_bits(h).to_f32());
+        let widened = CpuTensor::f32(&kvb.shape, widened.collect()).unwrap();
+        let half = CpuTensor::new(kvb.shape.clone(), Storage::F16(halves));
+        let seg = [Segment { start: 0, len: 5 }];
+        let seq = [PagedSeq {
+            block_table: &[0],
+            num_cached: 0,
+        }];
+        let run = |w: &CpuTensor| {
+            let mut pool = nan_pool(1, 5);
+            let mode = MlaMode::Absorbed;
+            let o = mla(&q, &lat, w, &DIMS, &seg, &mut pool, &seq, mode).unwrap();
+            o.to_f32_vec()
+        };
+        assert_eq!(run(&half), run(&widened));
     }
 
     #[test]

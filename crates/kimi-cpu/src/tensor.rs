@@ -37,6 +37,11 @@ pub struct CpuTensor {
 }
 
 impl CpuTensor {
+    /// A tensor of `storage` shaped `shape` (sizes checked by the caller).
+    pub(crate) fn new(shape: Vec<usize>, storage: Storage) -> Self {
+        Self { shape, storage }
+    }
+
     /// An f32 tensor; `data.len()` must equal the shape's product.
     pub fn f32(shape: &[usize], data: Vec<f32>) -> Result<Self> {
         let n: usize = shape.iter().product();
@@ -46,18 +51,15 @@ impl CpuTensor {
                 detail: format!("shape {shape:?} needs {n} values, got {}", data.len()),
             });
         }
-        Ok(Self {
-            shape: shape.to_vec(),
-            storage: Storage::F32(data),
-        })
+        Ok(Self::new(shape.to_vec(), Storage::F32(data)))
     }
 
     /// An f16 tensor of zeros.
     pub fn f16_zeros(shape: &[usize]) -> Self {
-        Self {
-            shape: shape.to_vec(),
-            storage: Storage::F16(vec![0; shape.iter().product()]),
-        }
+        Self::new(
+            shape.to_vec(),
+            Storage::F16(vec![0; shape.iter().product()]),
+        )
     }
 
     /// Copies a checkpoint tensor, keeping its dtype. A block-quantized tensor's last
@@ -128,10 +130,7 @@ impl CpuTensor {
             }
             other => return Err(Error::Unsupported(format!("dtype {other}"))),
         };
-        Ok(Self {
-            shape: host.shape.to_vec(),
-            storage,
-        })
+        Ok(Self::new(host.shape.to_vec(), storage))
     }
 
     /// Dimensions, outermost first.

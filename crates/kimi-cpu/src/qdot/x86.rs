@@ -781,7 +781,10 @@ unsafe fn group<const N: usize>(
 const PREFETCH_AHEAD: usize = 4096;
 
 /// Asks for the cache lines [`PREFETCH_AHEAD`] bytes past the `bytes` bytes at `p`, so
-/// that each block brings in as many bytes as it consumes.
+/// that each block brings in as many bytes as it consumes. The AVX2 Q4_K and Q6_K loops ask
+/// a few lines at a time as they consume them: one burst per 2.3–3.4 KiB super-block
+/// group (37–53 lines, more than a Zen 3 core keeps in flight) streamed cold weights
+/// 10–25 % slower (`examples/cold_bench.rs`).
 #[inline(always)]
 unsafe fn prefetch_ahead(p: *const u8, bytes: usize) {
     for off in (0..bytes).step_by(64) {
@@ -922,11 +925,14 @@ unsafe fn half_group<const N: usize>(
                 for sb in 0..nb / 8 {
                     let blk = gw.as_ptr().add(sb * bgb);
                     if lead {
-                        prefetch_ahead(blk, bgb);
+                        prefetch_ahead(blk, 320);
                     }
                     let d = f16s(blk);
                     let dmin = f16s(blk.add(32));
                     for p in 0..4 {
+                        if lead {
+                            prefetch_ahead(blk.add(320 + 512 * p), 512);
+                        }
                         let (b0, b1) = (sb * 8 + 2 * p, sb * 8 + 2 * p + 1);
                         let mut lo = [_mm256_setzero_si256(); N];
                         let mut hi = [_mm256_setzero_si256(); N];
@@ -971,7 +977,7 @@ unsafe fn half_group<const N: usize>(
                 for sb in 0..nb / 8 {
                     let blk = gw.as_ptr().add(sb * bgb);
                     if lead {
-                        prefetch_ahead(blk, bgb);
+                        prefetch_ahead(blk, 288);
                     }
                     let d = f16s(blk);
                     let plane_n = |n: usize| plane(blk.add(288 + 64 * n));
@@ -993,6 +999,11 @@ unsafe fn half_group<const N: usize>(
                         }
                         let mut s = [[_mm256_setzero_si256(); 4]; N];
                         for w in 0..8 {
+                            if lead {
+                                for n in [16 * h + w, 16 * h + 8 + w, 32 + 8 * h + w] {
+                                    prefetch_ahead(blk.add(288 + 64 * n), 64);
+                                }
+                            }
                             let (ql_a, ql_b) = (plane_n(16 * h + w), plane_n(16 * h + 8 + w));
                             let qh = plane_n(32 + 8 * h + w);
                             let levels = [

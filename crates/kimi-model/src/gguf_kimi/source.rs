@@ -191,7 +191,20 @@ impl WeightSource for KimiGguf<'_> {
                     &self.values(keys)?,
                     &self.values(values)?,
                 );
-                Ok((DType::F32, Cow::Owned(f32_bytes(&kv_b))))
+                // f16 holds f16 and bf16 sources' values exactly and quantized ones to
+                // within 2^-11 of their (far coarser) steps, at half the bytes MLA decode
+                // reads per step; f32 sources stay f32.
+                let (_, kd) = self.tensor(keys)?;
+                let (_, vd) = self.tensor(values)?;
+                if kd == DType::F32 || vd == DType::F32 {
+                    Ok((DType::F32, Cow::Owned(f32_bytes(&kv_b))))
+                } else {
+                    let bytes = kv_b
+                        .iter()
+                        .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+                        .collect();
+                    Ok((DType::F16, Cow::Owned(bytes)))
+                }
             }
         }
     }
