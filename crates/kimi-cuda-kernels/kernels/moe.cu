@@ -1110,3 +1110,189 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
     if (lane == 0) stream_bar_arrive(smem_addr(&s.empty[stage]));
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// A one-token MoE layer's experts in one persistent launch: the gate/up tiles of every slot
+// (as `moe_stream_1` with glu = 1, writing the SwiGLU rows `h`), then the down tiles (glu = 0,
+// reading `h`, writing `y`), walked as one tile sequence. Two launches left each CTA's
+// pipeline to ramp up and drain twice, and the down pass's ~10 tiles per CTA never reached
+// full speed; here a CTA's producer queues down tiles into the stages its last gate/up tiles
+// free, so the weight stream runs on across the handoff.
+//
+// The handoff is grid-wide: a down row needs its pair's whole SwiGLU row, written by every
+// CTA. Each producer, once it has written its last gate/up outputs, fences and counts itself
+// in `sync[0]`; the consumers, before their first down tile, wait for all `gridDim.x`
+// arrivals and stage every `h` row in shared memory (where the token's row was). The weight
+// stages keep filling while they wait. This needs every CTA resident at once: one CTA per SM,
+// grid <= SMs (the launcher's plan), and no CTA waits on one that has not been scheduled (the
+// successor launches only after all of ours ran `pdl_launch`). `sync[1]` counts the CTAs past
+// the wait; the last one zeroes both, so they are zero between launches.
+//
+// Tiles: slot j's gate/up tile holds `rows_gu` gate rows then the same up rows, its down tile
+// `rows_dn` down rows; every stage is `stage_bytes` (the larger tile). Dynamic smem: stages *
+// stage_bytes, then max(d, (top_k + shared) * inter) f32.
+struct MoeLayerSlots {
+  const uint8_t* gate[MOE_STREAM_MAX_SLOTS];
+  const uint8_t* up[MOE_STREAM_MAX_SLOTS];
+  const uint8_t* down[MOE_STREAM_MAX_SLOTS];
+  int q[MOE_STREAM_MAX_SLOTS];
+};
+
+__device__ __forceinline__ uint32_t ld_acquire_u32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// A barrier of the consumer warps only (the producer runs on).
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(32 * STREAM_CONSUMERS) : "memory");
+}
+
+extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
+    moe_stream_layer(const uint64_t* wtab, const float* x, int top_k, const uint32_t* offsets,
+                     int E, const uint32_t* slots, float* h, float* y, int d, int inter,
+                     int rows_gu, int rows_dn, int stages, int stage_bytes, int shared,
+                     uint32_t* sync) {
+  extern __shared__ __align__(128) uint8_t stream_buf[];
+  __shared__ StreamSmem s;
+  __shared__ MoeLayerSlots sl;
+  __shared__ __align__(8) uint64_t xbar;
+  const int p = top_k;
+  const uint32_t gu_row = (uint32_t)d * 2u, dn_row = (uint32_t)inter * 2u;
+  const int tps0 = (inter + rows_gu - 1) / rows_gu, tps1 = (d + rows_dn - 1) / rows_dn;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool producer = warp == STREAM_CONSUMERS;
+  float* xs = reinterpret_cast<float*>(stream_buf + (size_t)stages * stage_bytes);
+  auto fill = [&](int j0, int j1) {
+    for (int j = j0 + lane; j < j1; j += 32) {
+      uint32_t pair;
+      const int ex = moe_stream_expert(offsets, E, shared, j, pair);
+      sl.gate[j] = reinterpret_cast<const uint8_t*>(wtab[3 * ex]);
+      sl.up[j] = reinterpret_cast<const uint8_t*>(wtab[3 * ex + 1]);
+      sl.down[j] = reinterpret_cast<const uint8_t*>(wtab[3 * ex + 2]);
+      sl.q[j] = pair == 0xffffffffu ? p : (int)slots[pair];
+    }
+    __syncwarp();
+  };
+  // Gate/up tiles [0, t0), down tiles [t0, total); before the wait only the shared expert's
+  // gate/up tiles are known (t0 = INT_MAX keeps every tile below `limit` a gate/up tile).
+  int t0 = 0x7fffffff, total = 0, limit = shared * tps0;
+  auto fetch = [&](int u, int stage) {
+    uint8_t* dst = stream_buf + (size_t)stage * stage_bytes;
+    if (u < t0) {
+      const int j = u / tps0, r0 = (u % tps0) * rows_gu, nr = min(rows_gu, inter - r0);
+      const size_t off = (size_t)r0 * gu_row;
+      stream_fetch(s, dst, stage, sl.gate[j] + off, gu_row * nr, sl.up[j] + off, gu_row * nr);
+    } else {
+      const int v = u - t0, j = v / tps1, r0 = (v % tps1) * rows_dn;
+      const int nr = min(rows_dn, d - r0);
+      stream_fetch(s, dst, stage, sl.down[j] + (size_t)r0 * dn_row, dn_row * nr, nullptr, 0);
+    }
+  };
+  int queued = 0;
+  auto queue = [&]() {
+    if (lane == 0)
+      for (; queued < stages; ++queued) {
+        const int u = blockIdx.x + queued * gridDim.x;
+        if (u >= limit) break;
+        fetch(u, queued);
+      }
+  };
+  if (threadIdx.x == 0) stream_bar_init(smem_addr(&xbar), 1);
+  stream_init(s, stages);
+  if (producer) {
+    fill(0, shared);
+    queue();
+  }
+  pdl_enter();
+  const int nsl = shared + (int)offsets[E + 1];
+  t0 = nsl * tps0;
+  total = t0 + nsl * tps1;
+  if (producer) {
+    if (lane == 0) {
+      bar_expect(smem_addr(&xbar), (uint32_t)d * 4u);
+      bulk_copy(smem_addr(xs), x, (uint32_t)d * 4u, smem_addr(&xbar));
+    }
+    fill(shared, nsl);
+    limit = total;
+    queue();
+  }
+  __syncthreads();  // the slot table, for the consumers' down tiles
+  if (producer) {
+    const int sl0 = stream_cover(2 * rows_gu, 0).slices, sl1 = stream_cover(rows_dn, 0).slices;
+    bool counted = false;
+    auto count_in = [&]() {  // this CTA's gate/up outputs are all written
+      __syncwarp();
+      if (lane == 0) {
+        __threadfence();
+        atomicAdd(&sync[0], 1u);
+      }
+      counted = true;
+    };
+    for (int i = 0;; ++i) {
+      const int u = blockIdx.x + i * gridDim.x;
+      if (u >= total) break;
+      if (u >= t0 && !counted) count_in();
+      const int stage = i % stages;
+      bar_wait(smem_addr(&s.empty[stage]), (i / stages) & 1);
+      if (u < t0) {
+        const int j = u / tps0, r0 = (u % tps0) * rows_gu, nr = min(rows_gu, inter - r0);
+        if (lane < nr) {
+          const float g = stream_row_sum(s, stage, lane, sl0);
+          const float up = stream_row_sum(s, stage, nr + lane, sl0);
+          h[(size_t)sl.q[j] * inter + r0 + lane] = (g / (1.0f + expf(-g))) * up;
+        }
+      } else {
+        const int v = u - t0, j = v / tps1, r0 = (v % tps1) * rows_dn;
+        const int nr = min(rows_dn, d - r0);
+        if (lane < nr) y[(size_t)sl.q[j] * d + r0 + lane] = stream_row_sum(s, stage, lane, sl1);
+      }
+      __syncwarp();
+      if (lane == 0 && u + stages * (int)gridDim.x < total) fetch(u + stages * gridDim.x, stage);
+    }
+    if (!counted) count_in();
+    return;
+  }
+  bar_wait(smem_addr(&xbar), 0);
+  const StreamCover c0 = stream_cover(2 * rows_gu, warp), c1 = stream_cover(rows_dn, warp);
+  int i = 0;
+  for (;; ++i) {
+    const int u = blockIdx.x + i * gridDim.x;
+    if (u >= t0) break;
+    const int stage = i % stages;
+    const int r0 = (u % tps0) * rows_gu, nr = min(rows_gu, inter - r0);
+    bar_wait(smem_addr(&s.full[stage]), (i / stages) & 1);
+    const uint8_t* tile = stream_buf + (size_t)stage * stage_bytes;
+    for (int r = c0.first; r < 2 * nr; r += c0.step)
+      stream_row_dot(s, stage, tile, r, d >> 3, c0.slice, c0.slices, xs);
+    __syncwarp();
+    if (lane == 0) stream_bar_arrive(smem_addr(&s.empty[stage]));
+  }
+  // The handoff: every CTA's SwiGLU rows are written; stage them where x was.
+  if (threadIdx.x == 0)
+    while (ld_acquire_u32(&sync[0]) < gridDim.x) __nanosleep(64);
+  consumers_sync();
+  if (threadIdx.x == 0 && atomicAdd(&sync[1], 1u) == gridDim.x - 1) {
+    sync[0] = 0;
+    sync[1] = 0;
+  }
+  const int h4 = (p + shared) * inter / 4;
+  for (int k = threadIdx.x; k < h4; k += 32 * STREAM_CONSUMERS)
+    reinterpret_cast<float4*>(xs)[k] = __ldcg(reinterpret_cast<const float4*>(h) + k);
+  consumers_sync();
+  for (;; ++i) {
+    const int u = blockIdx.x + i * gridDim.x;
+    if (u >= total) break;
+    const int stage = i % stages;
+    const int v = u - t0, j = v / tps1, r0 = (v % tps1) * rows_dn;
+    const int nr = min(rows_dn, d - r0);
+    bar_wait(smem_addr(&s.full[stage]), (i / stages) & 1);
+    const uint8_t* tile = stream_buf + (size_t)stage * stage_bytes;
+    const float* xr = xs + (size_t)sl.q[j] * inter;
+    for (int r = c1.first; r < nr; r += c1.step)
+      stream_row_dot(s, stage, tile, r, inter >> 3, c1.slice, c1.slices, xr);
+    __syncwarp();
+    if (lane == 0) stream_bar_arrive(smem_addr(&s.empty[stage]));
+  }
+}

@@ -644,14 +644,16 @@ fn moe_decode_bench() -> Res<()> {
         distinct.dedup();
         let bytes = ((distinct.len() + 1) * 3 * d * inter * 2 + e * d * 4) as f64;
         let mut line = format!("moe decode n={n} ({} experts):", distinct.len());
-        // (label, one-launch routing, streamed experts)
-        for (label, route_one, stream) in [
-            ("3-launch routing + expert_gemv", false, false),
-            ("route_one + expert_gemv", true, false),
-            ("route_one + stream", true, true),
+        // (label, one-launch routing, streamed experts, gate/up and down in one launch)
+        for (label, route_one, stream, layer) in [
+            ("3-launch routing + expert_gemv", false, false, false),
+            ("route_one + expert_gemv", true, false, false),
+            ("route_one + stream", true, true, false),
+            ("route_one + layer", true, true, true),
         ] {
             be.set_moe_route_one(route_one);
             be.set_moe_stream(stream);
+            be.set_moe_layer(layer);
             let err = rel_err(&be.to_f32(&be.moe(&xs[0], &w, &routing)?.0)?, &reference);
             if err > 1e-5 {
                 return Err(format!("moe decode n={n} {label}: rel err {err:.2e}").into());
@@ -677,6 +679,7 @@ fn moe_decode_bench() -> Res<()> {
     }
     be.set_moe_stream(true);
     be.set_moe_route_one(true);
+    be.set_moe_layer(true);
     Ok(())
 }
 

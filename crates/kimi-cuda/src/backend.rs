@@ -56,6 +56,8 @@ pub struct CudaBackend {
     moe_tables: Mutex<HashMap<Vec<u64>, DevBuf>>,
     /// One u32, zero between launches: `moe_route_one`'s count of finished blocks.
     route_ticket: DevBuf,
+    /// Two u32, zero between launches: `moe_stream_layer`'s grid-wide handoff counters.
+    layer_sync: DevBuf,
 }
 
 /// Up to this many tokens, routed experts run as fused GEMV kernels over all (token, expert)
@@ -127,6 +129,7 @@ impl CudaBackend {
         let dev = Device::new(ordinal)?;
         let device_name = dev.ctx.name().op("init")?;
         let route_ticket = dev.upload_kept(&[0u8; 4], "init")?;
+        let layer_sync = dev.upload_kept(&[0u8; 8], "init")?;
         Ok(Self {
             dev,
             gemm_precision: AtomicU8::new(0),
@@ -134,6 +137,7 @@ impl CudaBackend {
             device_name,
             moe_tables: Mutex::new(HashMap::new()),
             route_ticket,
+            layer_sync,
         })
     }
 
@@ -286,6 +290,12 @@ impl CudaBackend {
     /// and the routed ones through `moe_expert_gemv`. For comparison.
     pub fn set_moe_stream(&self, on: bool) {
         ops::moe::set_stream(on);
+    }
+
+    /// Whether streamed one-token MoE layers run gate/up and down in one launch
+    /// (`moe_stream_layer`, the default) or as two `moe_stream_1` passes. For comparison.
+    pub fn set_moe_layer(&self, on: bool) {
+        ops::moe::set_layer(on);
     }
 
     /// Sets the streamed one-token kernels' (`gemv_stream_1`, `moe_stream_1`) tile bytes
@@ -669,41 +679,67 @@ impl CudaBackend {
         let rows = p + if fold_shared { n } else { 0 };
         let h = self.empty(&[rows, inter], DType::F32, OP)?;
         let y = self.empty(&[rows, d], DType::F32, OP)?;
-        // SAFETY: grouped_moe_shape checked bf16 gate/up [inter, d] and down [d, inter] for
-        // every expert (fold_shared: the shared one too, at table entry e); the table and x
-        // are 16-byte aligned (fresh allocations such as h are); offsets/slots come from
-        // lists for p pairs; h and y hold `rows` rows; the plans are stream_plan's.
-        unsafe {
-            ops::moe::expert_stream(
-                &self.dev,
-                table,
-                true,
-                x.ptr(),
-                k,
-                offsets,
-                e,
-                slots,
-                h.ptr(),
-                fold_shared,
-                inter,
-                d,
-                plan_gu,
-            )?;
-            ops::moe::expert_stream(
-                &self.dev,
-                table,
-                false,
-                h.ptr(),
-                k,
-                offsets,
-                e,
-                slots,
-                y.ptr(),
-                fold_shared,
-                d,
-                inter,
-                plan_down,
-            )?;
+        let layer = ops::moe::layer_on()
+            .then(|| ops::moe::layer_plan(&self.dev, d, inter, rows))
+            .flatten();
+        if let Some(plan) = layer {
+            // SAFETY: as for the two passes below; the plan is layer_plan's for `rows` slots
+            // and layer_sync is this backend's (zero between launches).
+            unsafe {
+                ops::moe::layer_stream(
+                    &self.dev,
+                    table,
+                    x.ptr(),
+                    k,
+                    offsets,
+                    e,
+                    slots,
+                    h.ptr(),
+                    y.ptr(),
+                    fold_shared,
+                    d,
+                    inter,
+                    plan,
+                    Self::slice_ptr(&self.layer_sync),
+                )?
+            };
+        } else {
+            // SAFETY: grouped_moe_shape checked bf16 gate/up [inter, d] and down [d, inter] for
+            // every expert (fold_shared: the shared one too, at table entry e); the table and x
+            // are 16-byte aligned (fresh allocations such as h are); offsets/slots come from
+            // lists for p pairs; h and y hold `rows` rows; the plans are stream_plan's.
+            unsafe {
+                ops::moe::expert_stream(
+                    &self.dev,
+                    table,
+                    true,
+                    x.ptr(),
+                    k,
+                    offsets,
+                    e,
+                    slots,
+                    h.ptr(),
+                    fold_shared,
+                    inter,
+                    d,
+                    plan_gu,
+                )?;
+                ops::moe::expert_stream(
+                    &self.dev,
+                    table,
+                    false,
+                    h.ptr(),
+                    k,
+                    offsets,
+                    e,
+                    slots,
+                    y.ptr(),
+                    fold_shared,
+                    d,
+                    inter,
+                    plan_down,
+                )?;
+            }
         }
         // The shared rows (after the p pair rows) take the routed sum in place.
         let shared_out = if fold_shared {

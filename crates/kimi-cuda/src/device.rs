@@ -148,6 +148,7 @@ const KERNELS: &[(&str, &[&str])] = &[
             "moe_lists_place",
             "moe_expert_gemv",
             "moe_stream_1",
+            "moe_stream_layer",
             "moe_route_one",
             "moe_combine",
             "moe_gather_bf16",
@@ -274,10 +275,17 @@ impl Device {
                 .op("load kernels")?;
             for name in *names {
                 let f = m.load_function(name).op("load kernel")?;
-                if BIG_SMEM_KERNELS.contains(name) {
+                let smem_limit = if *name == "moe_stream_layer" {
+                    Some(crate::ops::moe::LAYER_SMEM_BYTES)
+                } else {
+                    BIG_SMEM_KERNELS
+                        .contains(name)
+                        .then_some(MAX_DYNAMIC_SMEM_BYTES)
+                };
+                if let Some(limit) = smem_limit {
                     f.set_attribute(
                         CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        MAX_DYNAMIC_SMEM_BYTES as i32,
+                        limit as i32,
                     )
                     .op("set kernel attribute")?;
                 }

@@ -310,6 +310,119 @@ pub(crate) unsafe fn expert_stream(
     Ok(())
 }
 
+/// The cut of a one-token MoE layer in one launch (`moe_stream_layer` in `kernels/moe.cu`):
+/// each projection's tile rows as [`crate::ops::gemm::stream_plan`] picks them, every stage
+/// the larger tile, and the shared memory left after the staged rows filled with stages.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LayerPlan {
+    rows_gu: usize,
+    rows_dn: usize,
+    stages: usize,
+    stage_bytes: usize,
+    grid: usize,
+    smem: u32,
+}
+
+/// Dynamic shared memory of `moe_stream_layer` (above the 200 KiB of the other kernels: with
+/// its ~6 KiB of static tables it stays under the 227 KiB a CTA may have).
+pub(crate) const LAYER_SMEM_BYTES: u32 = 216 * 1024;
+
+/// [`LayerPlan`] for `slots` experts of `[inter, d]` gate/up and `[d, inter]` down, or `None`
+/// where it does not apply (then the two `moe_stream_1` passes run).
+pub(crate) fn layer_plan(dev: &Device, d: usize, inter: usize, slots: usize) -> Option<LayerPlan> {
+    let staged = d.max(slots * inter) * 4;
+    let gu = crate::ops::gemm::stream_plan(dev, d, inter * slots, 2, d * 4)?;
+    let dn = crate::ops::gemm::stream_plan(dev, inter, d * slots, 1, slots * inter * 4)?;
+    let stage_bytes = (gu.rows * d * 4).max(dn.rows * inter * 2);
+    let stages = ((LAYER_SMEM_BYTES as usize).checked_sub(staged)? / stage_bytes).min(8);
+    (stages >= 2).then_some(LayerPlan {
+        rows_gu: gu.rows,
+        rows_dn: dn.rows,
+        stages,
+        stage_bytes,
+        // The grid-wide handoff needs every CTA resident: one per SM.
+        grid: dev.sm_count,
+        smem: (stages * stage_bytes + staged) as u32,
+    })
+}
+
+/// A token's whole expert layer, streamed in one launch (`moe_stream_layer`): the SwiGLU rows
+/// `h [top_k + shared, inter]` of the hidden row `input [1, d]`, then `out [top_k + shared, d]`
+/// from them, as [`expert_stream`]'s two passes compute them (bit for bit).
+///
+/// # Safety
+/// As [`expert_stream`] for both passes; `plan` is [`layer_plan`] of `d`, `inter` and
+/// `top_k + shared`; `sync` is two u32, zero between launches, used by no other kernel.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn layer_stream(
+    dev: &Device,
+    wtab: u64,
+    input: u64,
+    top_k: usize,
+    offsets: u64,
+    e: usize,
+    slots: u64,
+    h: u64,
+    out: u64,
+    shared: bool,
+    d: usize,
+    inter: usize,
+    plan: LayerPlan,
+    sync: u64,
+) -> Result<()> {
+    if top_k.min(e) + shared as usize > STREAM_MAX_SLOTS {
+        return Err(kimi_ops::Error::Device(format!(
+            "moe_stream_layer: {top_k} pairs, at most {STREAM_MAX_SLOTS} slots"
+        )));
+    }
+    let ints = [
+        top_k as i32,
+        e as i32,
+        d as i32,
+        inter as i32,
+        plan.rows_gu as i32,
+        plan.rows_dn as i32,
+        plan.stages as i32,
+        plan.stage_bytes as i32,
+        shared as i32,
+    ];
+    let [ki, ei, di, ii, rg, rd, st, sb, sh] = ints;
+    let mut b = dev.kernel("moe", "moe_stream_layer")?;
+    b.arg(&wtab).arg(&input).arg(&ki).arg(&offsets);
+    b.arg(&ei).arg(&slots).arg(&h).arg(&out);
+    b.arg(&di).arg(&ii).arg(&rg).arg(&rd);
+    b.arg(&st).arg(&sb).arg(&sh).arg(&sync);
+    // SAFETY: see the function's contract.
+    unsafe {
+        b.launch(grid(
+            (plan.grid as u32, 1, 1),
+            crate::ops::gemm::STREAM_THREADS,
+            plan.smem,
+        ))
+    }
+    .op("moe")?;
+    Ok(())
+}
+
+static LAYER_ON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether streamed one-token MoE layers take [`layer_stream`] (else two [`expert_stream`]
+/// passes). `KIMI_CUDA_MOE_LAYER=0` turns it off at start (for comparisons).
+pub(crate) fn layer_on() -> bool {
+    static ENV: std::sync::Once = std::sync::Once::new();
+    ENV.call_once(|| {
+        if std::env::var("KIMI_CUDA_MOE_LAYER").is_ok_and(|v| v == "0") {
+            set_layer(false);
+        }
+    });
+    LAYER_ON.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Sets [`layer_on`].
+pub(crate) fn set_layer(on: bool) {
+    LAYER_ON.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Slots (routed experts of one token, plus the shared one) a `moe_stream_1` launch handles
 /// at most (`MOE_STREAM_MAX_SLOTS` in `kernels/moe.cu`).
 pub(crate) const STREAM_MAX_SLOTS: usize = 64;

@@ -1013,8 +1013,12 @@ pub fn cases() -> Vec<(String, Case)> {
             case!(|b| op_moe_sized(b, 90, 96, 16, 1, 64, 4)),
         ),
         (
-            "moe 1 tok, 32e top8, d 2304 inter 1024, shared streamed (moe_stream_1)".into(),
+            "moe 1 tok, 32e top8, d 2304 inter 1024, shared streamed (moe_stream_layer)".into(),
             case!(|b| op_moe_shared(b, 1, 2304, 32, 1, 1024, 8, 1024)),
+        ),
+        (
+            "moe 1 tok, 32e top6, d 1280 inter 768, shared streamed (one-launch layer)".into(),
+            case!(|b| op_moe_shared(b, 1, 1280, 32, 1, 768, 6, 768)),
         ),
         (
             "moe 1 tok, 16e top4, d 512 inter 256, shared an MLP (streamed, sliced rows)".into(),
