@@ -24,6 +24,8 @@ fn main() {
         (DType::Q6_K, GgmlType::Q6_K, 1, 512, 1024),
         (DType::Q6_K, GgmlType::Q6_K, 1, 1024, 32768),
         (DType::Q8_0, GgmlType::Q8_0, 1, 1024, 1024),
+        (DType::F16, GgmlType::F16, 1, 1024, 1024),
+        (DType::F16, GgmlType::F16, 1, 1024, 3336),
     ] {
         let w: Vec<f32> = (0..o * k)
             .map(|i| ((i as u32).wrapping_mul(2654435761) % 1000) as f32 / 1000.0 - 0.5)
