@@ -1003,6 +1003,10 @@ impl Backend for CudaBackend {
         format!("cuda:{} ({})", self.ordinal, self.device_name)
     }
 
+    fn stores(&self, dtype: DType) -> bool {
+        dtype_code(dtype).is_some()
+    }
+
     fn upload(&self, host: HostTensor<'_>) -> Result<CudaTensor> {
         let n: usize = host.shape.iter().product();
         if dtype_code(host.dtype).is_none() {

@@ -11,8 +11,13 @@ use kimi_ops::{
     MoeRouting, MoeWeights, PagedSeq, Segment,
 };
 
-use crate::source::WeightSource;
+use crate::source::{quantized_to_bf16, WeightSource};
 use crate::Result;
+
+/// `KIMI_WIDEN_QUANT=1`: see [`Loader::upload`].
+fn widen_everywhere() -> bool {
+    std::env::var("KIMI_WIDEN_QUANT").is_ok_and(|v| v == "1")
+}
 
 /// Loads tensors by name with shape checks, remembering which names were used.
 pub(crate) struct Loader<'a, B: Backend> {
@@ -25,10 +30,27 @@ impl<B: Backend> Loader<'_, B> {
     pub fn get(&mut self, name: &str, shape: &[usize]) -> Result<B::Tensor> {
         let (dtype, bytes) = self.source.load(name, shape)?;
         self.used.insert(name.to_string());
+        self.upload(name, shape, dtype, &bytes)
+    }
+
+    /// Uploads a weight as stored, or widened to bf16 where the backend has no kernels for
+    /// its block-quantized type ([`Backend::stores`]): a GGUF file on CUDA. `KIMI_WIDEN_QUANT=1`
+    /// widens on every backend, so that a CPU run sees the weights a CUDA run does.
+    fn upload(&self, name: &str, shape: &[usize], dtype: DType, bytes: &[u8]) -> Result<B::Tensor> {
+        if (self.backend.stores(dtype) && !widen_everywhere()) || !dtype.is_quantized() {
+            return Ok(self.backend.upload(HostTensor {
+                shape,
+                dtype,
+                bytes,
+            })?);
+        }
+        let widened = quantized_to_bf16(dtype, bytes, shape.iter().product()).map_err(|e| {
+            crate::ModelError::Input(format!("cannot widen {name} to bf16 for this backend: {e}"))
+        })?;
         Ok(self.backend.upload(HostTensor {
             shape,
-            dtype,
-            bytes: &bytes,
+            dtype: DType::BF16,
+            bytes: &widened,
         })?)
     }
 
@@ -52,13 +74,7 @@ impl<B: Backend> Loader<'_, B> {
                 .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
                 .collect(),
             // Block-quantized routers stay as stored; the backend converts per call.
-            _ => {
-                return Ok(self.backend.upload(HostTensor {
-                    shape,
-                    dtype,
-                    bytes: &bytes,
-                })?)
-            }
+            _ => return self.upload(name, shape, dtype, &bytes),
         };
         Ok(self.backend.upload_f32(shape, &values)?)
     }
@@ -81,20 +97,12 @@ impl<B: Backend> Loader<'_, B> {
         if parts.iter().all(|(d, _)| *d == dtype) {
             let bytes: Vec<u8> = parts.iter().flat_map(|(_, b)| b.iter().copied()).collect();
             let shape = [rows.iter().sum(), cols];
-            let w = self.backend.upload(HostTensor {
-                shape: &shape,
-                dtype,
-                bytes: &bytes,
-            })?;
+            let w = self.upload(&names[0].0, &shape, dtype, &bytes)?;
             return Ok(Stacked::One(w, rows));
         }
         let mut each = Vec::with_capacity(parts.len());
-        for ((dtype, bytes), rows) in parts.iter().zip(&rows) {
-            each.push(self.backend.upload(HostTensor {
-                shape: &[*rows, cols],
-                dtype: *dtype,
-                bytes,
-            })?);
+        for (((dtype, bytes), rows), (name, _)) in parts.iter().zip(&rows).zip(names) {
+            each.push(self.upload(name, &[*rows, cols], *dtype, bytes)?);
         }
         Ok(Stacked::Each(each))
     }

@@ -78,6 +78,36 @@ impl WeightSource for GgufFile {
     }
 }
 
+/// `n` block-quantized values of `dtype` as bf16 bytes, widened a chunk of whole blocks at a
+/// time (no f32 copy of the whole tensor): GGUF weights for a backend without kernels for
+/// their type. The f32 values are exact; bf16 rounds them to nearest even.
+pub(crate) fn quantized_to_bf16(dtype: DType, bytes: &[u8], n: usize) -> Result<Vec<u8>> {
+    const CHUNK_BLOCKS: usize = 4096;
+    let unsupported = || kimi_ops::Error::Unsupported(format!("widening {dtype} to bf16"));
+    let ty = GgmlType::all()
+        .find(|t| gguf_dtype(*t) == Some(dtype) && t.is_quantized())
+        .ok_or_else(unsupported)?;
+    let (values, block_bytes) = (ty.block_size(), ty.type_size());
+    if !n.is_multiple_of(values) || bytes.len() != n / values * block_bytes {
+        return Err(kimi_ops::Error::Unsupported(format!(
+            "{n} values of {dtype} in {} bytes",
+            bytes.len()
+        ))
+        .into());
+    }
+    let mut out = Vec::with_capacity(2 * n);
+    let mut chunk = vec![0f32; CHUNK_BLOCKS * values];
+    for blocks in bytes.chunks(CHUNK_BLOCKS * block_bytes) {
+        let part = &mut chunk[..blocks.len() / block_bytes * values];
+        kimi_gguf::dequantize_row(ty, blocks, part)?;
+        out.extend(
+            part.iter()
+                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()),
+        );
+    }
+    Ok(out)
+}
+
 /// The dtype of a GGUF tensor type, if kimi-infer has one for it.
 pub(crate) fn gguf_dtype(ty: GgmlType) -> Option<DType> {
     Some(match ty {
@@ -177,4 +207,39 @@ fn fnv(s: &str) -> u64 {
     s.bytes().fold(0xcbf29ce484222325, |h, b| {
         (h ^ b as u64).wrapping_mul(0x100000001b3)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Widening to bf16 gives the bf16 rounding of every dequantized value, across chunk
+    /// boundaries, and refuses bytes that do not hold `n` values.
+    #[test]
+    fn quantized_weights_widen_to_the_bf16_of_their_values() {
+        for (dtype, ty, n) in [
+            (DType::Q8_0, GgmlType::Q8_0, 32 * 4096 * 2 + 32 * 5),
+            (DType::Q4_K, GgmlType::Q4_K, 256 * 4096 + 256 * 3),
+            (DType::Q6_K, GgmlType::Q6_K, 256 * 7),
+        ] {
+            let values: Vec<f32> = (0..n)
+                .map(|i| ((i as u32).wrapping_mul(2654435761) % 2001) as f32 / 1000.0 - 1.0)
+                .collect();
+            let bytes = kimi_gguf::quantize(ty, &values).unwrap();
+            let want: Vec<u8> = kimi_gguf::dequantize(ty, &bytes, n)
+                .unwrap()
+                .iter()
+                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                .collect();
+            assert_eq!(
+                quantized_to_bf16(dtype, &bytes, n).unwrap(),
+                want,
+                "{dtype}"
+            );
+            let short = &bytes[..bytes.len() - 1];
+            let err = quantized_to_bf16(dtype, short, n).unwrap_err().to_string();
+            assert!(err.contains(&format!("{n} values of {dtype}")), "{err}");
+        }
+        assert!(quantized_to_bf16(DType::BF16, &[0, 0], 1).is_err());
+    }
 }

@@ -352,6 +352,13 @@ pub trait Backend: Send + Sync {
 
     /// Copies a checkpoint tensor to the device. Matrices may keep their stored dtype.
     fn upload(&self, host: HostTensor<'_>) -> Result<Self::Tensor>;
+    /// Whether [`Backend::upload`] takes weights of `dtype` as stored. Where it does not
+    /// (block-quantized GGUF weights on a backend without kernels for them), model loaders
+    /// widen them to bf16 on the host first.
+    fn stores(&self, dtype: DType) -> bool {
+        let _ = dtype;
+        true
+    }
     /// Creates an f32 tensor from host data.
     fn upload_f32(&self, shape: &[usize], data: &[f32]) -> Result<Self::Tensor>;
     /// Creates an f32 tensor of zeros.
