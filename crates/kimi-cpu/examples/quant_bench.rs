@@ -1,6 +1,7 @@
 //! Times quantized matmuls at the demo model's shapes on both paths (int8 activations and
 //! f32): `cargo run --release -p kimi-cpu --example quant_bench [reps] [threads]`. Best of
-//! `reps`. On a shared machine, `perf stat -e cycles:u` over one thread counts work without
+//! `reps`. `QB_16BIT=1` times f16/bf16 weights at Kimi Linear 0.5B's prefill shapes,
+//! `QB_TILE=1` the f32 tile kernel alone. On a shared machine, `perf stat -e cycles:u` over one thread counts work without
 //! the noise of other processes.
 
 use std::time::Instant;
@@ -20,6 +21,12 @@ fn main() {
     }
     let fast = CpuBackend::new();
     let exact = CpuBackend::with_quant_matmul(QuantMatmul::F32);
+    if std::env::var("QB_TILE").is_ok() {
+        return tile_kernel(reps);
+    }
+    if std::env::var("QB_16BIT").is_ok() {
+        return sixteen_bit(&fast, reps);
+    }
     for (dtype, ty) in [
         (DType::Q4_1, GgmlType::Q4_1),
         (DType::Q8_0, GgmlType::Q8_0),
@@ -80,5 +87,81 @@ fn main() {
             }
             println!("{line}");
         }
+    }
+}
+
+/// `QB_16BIT=1`: f16 and bf16 weights at Kimi Linear 0.5B's prefill shapes (128 tokens: the
+/// projections, an expert's share of tokens, the output head) and at one token.
+fn sixteen_bit(be: &CpuBackend, reps: usize) {
+    for dtype in [DType::F16, DType::BF16] {
+        for (n, k, o) in [
+            (128usize, 1024usize, 4096usize),
+            (128, 4096, 1024),
+            (128, 1024, 1024),
+            (32, 1024, 512),
+            (32, 512, 1024),
+            (128, 1024, 32768),
+            (1, 1024, 4096),
+        ] {
+            let bits: Vec<u16> = (0..o * k)
+                .map(|i| {
+                    let v = ((i as u32).wrapping_mul(2654435761) % 1000) as f32 / 1000.0 - 0.5;
+                    match dtype {
+                        DType::F16 => half::f16::from_f32(v).to_bits(),
+                        _ => half::bf16::from_f32(v).to_bits(),
+                    }
+                })
+                .collect();
+            let bytes: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+            let x: Vec<f32> = (0..n * k).map(|i| (i % 37) as f32 * 0.01 - 0.18).collect();
+            let wt = be
+                .upload(HostTensor {
+                    shape: &[o, k],
+                    dtype,
+                    bytes: &bytes,
+                })
+                .unwrap();
+            let xt = be.upload_f32(&[n, k], &x).unwrap();
+            be.matmul(&xt, &wt).unwrap();
+            let mut best = f64::MAX;
+            for _ in 0..reps {
+                let t = Instant::now();
+                be.matmul(&xt, &wt).unwrap();
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            println!(
+                "{dtype:<5} n={n:<4} k={k:<5} o={o:<6} {:>9.1} us {:>6.1} GFLOP/s",
+                best * 1e6,
+                2.0 * (n * k * o) as f64 / best / 1e9
+            );
+        }
+    }
+}
+
+/// `QB_TILE=1`: the f32 tile kernel alone on cache-resident rows (four tokens, one thread):
+/// its share of the FMA peak, apart from memory.
+fn tile_kernel(reps: usize) {
+    for (rows, k) in [(2usize, 512usize), (32, 512), (32, 1024), (32, 4096)] {
+        let w: Vec<f32> = (0..rows * k).map(|i| (i % 29) as f32 * 0.01).collect();
+        let xs: Vec<f32> = (0..4 * k).map(|i| (i % 31) as f32 * 0.01).collect();
+        let x: [&[f32]; 4] = std::array::from_fn(|t| &xs[t * k..(t + 1) * k]);
+        let mut acc = vec![[0f32; 8]; rows * 8];
+        let mut out = vec![[0f32; 4]; rows];
+        let inner = 200;
+        let mut best = f64::MAX;
+        for _ in 0..reps {
+            let t = Instant::now();
+            for _ in 0..inner {
+                let rows_f32 = kimi_cpu::simd::TileRows::F32(&w);
+                kimi_cpu::simd::tile_products(rows_f32, rows, k, x, &mut acc, &mut out);
+            }
+            best = best.min(t.elapsed().as_secs_f64() / inner as f64);
+        }
+        println!(
+            "tile rows={rows:<3} k={k:<5} {:>8.2} us {:>6.1} GFLOP/s ({})",
+            best * 1e6,
+            2.0 * (rows * 4 * k) as f64 / best / 1e9,
+            out[0][0]
+        );
     }
 }

@@ -10,7 +10,7 @@
 //! few at a time into an L1-sized buffer.
 
 use crate::qdot::{self, Kind, Q8Acts};
-use crate::simd::{dot, dot4, dot4x4, dot_rows_16bit};
+use crate::simd::{dot, dot4, dot4x4, dot_rows_16bit, tile_products, TileRows};
 use crate::team::Team;
 use crate::tensor::{row_to_f32, shape_err, CpuTensor, Storage};
 use kimi_ops::Result;
@@ -338,6 +338,9 @@ impl<'a> Product<'a> {
             }
             return;
         }
+        if n >= WIDE_MIN_TOKENS && crate::simd::wide_tiles() {
+            return multiply_wide(self.w, row0, xs, k, n, chunk);
+        }
         match self.w {
             Storage::F32(v) => multiply_rows(&v[row0 * k..(row0 + rows) * k], xs, n, chunk),
             // Decode: widen 16-bit weights in registers; equal to the tile path's rounding.
@@ -392,6 +395,83 @@ fn multiply_rows(wrows: &[f32], xs: &[f32], n: usize, out: &mut [f32]) {
         }
     }
 }
+
+/// Output rows `row0..` of `storage` by [`tile_products`], four tokens at a time (two or
+/// one for the last, repeating the last of three): f32 and 16-bit rows as stored,
+/// block-quantized ones dequantized a tile at a time. The AVX2 path for
+/// [`WIDE_MIN_TOKENS`] or more tokens.
+fn multiply_wide(storage: &Storage, row0: usize, xs: &[f32], k: usize, n: usize, out: &mut [f32]) {
+    let rows = out.len() / n;
+    let (at, end) = (row0 * k, (row0 + rows) * k);
+    match storage {
+        Storage::F32(v) => wide_tiles(TileRows::F32(&v[at..end]), rows, k, xs, n, out),
+        Storage::F16(v) => wide_tiles(TileRows::F16(&v[at..end]), rows, k, xs, n, out),
+        Storage::Bf16(v) => wide_tiles(TileRows::Bf16(&v[at..end]), rows, k, xs, n, out),
+        Storage::Quant { .. } => {
+            let tile = (WIDE_QUANT_TILE_BYTES / (4 * k.max(1))).clamp(2, rows.max(2));
+            let mut buf = vec![0f32; tile * k];
+            for r0 in (0..rows).step_by(tile) {
+                let num = tile.min(rows - r0);
+                for r in 0..num {
+                    row_to_f32(storage, (row0 + r0 + r) * k, &mut buf[r * k..(r + 1) * k]);
+                }
+                let out = &mut out[r0 * n..(r0 + num) * n];
+                wide_tiles(TileRows::F32(&buf[..num * k]), num, k, xs, n, out);
+            }
+        }
+    }
+}
+
+/// Every token of `xs` against the `rows` rows of `w`, into `out[r * n + t]`.
+fn wide_tiles(w: TileRows<'_>, rows: usize, k: usize, xs: &[f32], n: usize, out: &mut [f32]) {
+    let mut acc = vec![[0f32; 8]; rows * 2 * 4];
+    let mut res = vec![0f32; rows * 4];
+    let mut t0 = 0;
+    while t0 < n {
+        let (acc, res) = (&mut acc[..], &mut res[..]);
+        t0 += match n - t0 {
+            1 => tokens_tile::<1>(w, rows, k, xs, n, t0, acc, res, out),
+            2 => tokens_tile::<2>(w, rows, k, xs, n, t0, acc, res, out),
+            _ => tokens_tile::<4>(w, rows, k, xs, n, t0, acc, res, out),
+        };
+    }
+}
+
+/// Tokens `t0..t0 + T` (those below `n`) against the `rows` rows of `w`, into
+/// `out[r * n + t]`; returns how many tokens it wrote.
+#[allow(clippy::too_many_arguments)]
+fn tokens_tile<const T: usize>(
+    w: TileRows<'_>,
+    rows: usize,
+    k: usize,
+    xs: &[f32],
+    n: usize,
+    t0: usize,
+    acc: &mut [[f32; 8]],
+    res: &mut [f32],
+    out: &mut [f32],
+) -> usize {
+    let x: [&[f32]; T] = std::array::from_fn(|i| {
+        let t = (t0 + i).min(n - 1);
+        &xs[t * k..(t + 1) * k]
+    });
+    let real = (n - t0).min(T);
+    let res = &mut res.as_chunks_mut::<T>().0[..rows];
+    tile_products(w, rows, k, x, acc, res);
+    for (r, d) in res.iter().enumerate().take(rows) {
+        out[r * n + t0..r * n + t0 + real].copy_from_slice(&d[..real]);
+    }
+    real
+}
+
+/// Batches from this size take [`multiply_wide`] where [`crate::simd::wide_tiles`] holds
+/// (measured at 32 and 128 tokens; smaller batches keep the paths they had).
+const WIDE_MIN_TOKENS: usize = 4;
+
+/// Bytes of dequantized rows [`multiply_wide`] keeps at once: a share of L2 (512 KiB on
+/// Zen 3), since each four tokens pass over all of them (an L1-sized tile of four rows
+/// re-read every token from L3 for each four rows).
+const WIDE_QUANT_TILE_BYTES: usize = 128 * 1024;
 
 /// Bytes of dequantized weight rows a task keeps at once: half of a 48 KiB L1 data cache.
 const QUANT_TILE_BYTES: usize = 24 * 1024;
@@ -528,6 +608,70 @@ mod tests {
                         let want = run(&teams[0]);
                         for team in &teams[1..] {
                             assert_eq!(run(team), want, "o={o} n={n} {mode:?}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A token's products do not depend on the batch around it: every batch size (tiles of
+    /// four, two and one tokens and of one to three rows on AVX2, of four elsewhere) gives
+    /// each token the bits of its own one-token product, for f32, bf16, f16 and dequantized weights and for widths
+    /// across several packed k-blocks with and without a tail.
+    #[test]
+    fn batched_products_equal_single_token_products() {
+        use kimi_core::DType;
+        use kimi_gguf::GgmlType;
+        for k in [5usize, 16, 37, 288, 600] {
+            for o in [1usize, 2, 3, 4, 17] {
+                let w: Vec<f32> = (0..o * k)
+                    .map(|i| ((i * 5 % 19) as f32 - 9.0) * 0.02)
+                    .collect();
+                let mut weights = vec![
+                    CpuTensor::f32(&[o, k], w.clone()).unwrap(),
+                    CpuTensor::new(
+                        vec![o, k],
+                        Storage::Bf16(w.iter().map(|v| bf16::from_f32(*v).to_bits()).collect()),
+                    ),
+                    CpuTensor::new(
+                        vec![o, k],
+                        Storage::F16(
+                            w.iter()
+                                .map(|v| half::f16::from_f32(*v).to_bits())
+                                .collect(),
+                        ),
+                    ),
+                ];
+                if k.is_multiple_of(32) {
+                    let q8 = kimi_gguf::quantize(GgmlType::Q8_0, &w).unwrap();
+                    weights.push(
+                        CpuTensor::from_host(kimi_ops::HostTensor {
+                            shape: &[o, k],
+                            dtype: DType::Q8_0,
+                            bytes: &q8,
+                        })
+                        .unwrap(),
+                    );
+                }
+                for n in [2usize, 3, 4, 5, 6, 7, 13, 20] {
+                    let x: Vec<f32> = (0..n * k)
+                        .map(|i| ((i * 7 % 23) as f32 - 11.0) * 0.03)
+                        .collect();
+                    let xt = CpuTensor::f32(&[n, k], x.clone()).unwrap();
+                    for wt in &weights {
+                        let got = matmul(&xt, wt, QuantMatmul::F32).unwrap().to_f32_vec();
+                        for t in 0..n {
+                            let one = CpuTensor::f32(&[1, k], x[t * k..(t + 1) * k].to_vec());
+                            let want = matmul(&one.unwrap(), wt, QuantMatmul::F32)
+                                .unwrap()
+                                .to_f32_vec();
+                            let got: Vec<u32> = got[t * o..(t + 1) * o]
+                                .iter()
+                                .map(|v| v.to_bits())
+                                .collect();
+                            let want: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
+                            assert_eq!(got, want, "k={k} o={o} n={n} t={t} {}", wt.size_bytes());
                         }
                     }
                 }

@@ -26,6 +26,121 @@ pub fn dot4x4(w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
     w.map(|row| dot4(row, x))
 }
 
+/// Values of a row per block of [`tile_products`]: the four tokens' block (4 KiB) stays in
+/// L1 while every row's block passes it.
+pub const TILE_BLOCK: usize = 256;
+
+/// Weight rows for [`tile_products`], row-major `[rows, k]` as stored: 16-bit rows are
+/// widened in registers (a widening pass over an f16 model's weights, and a copy into a
+/// blocked layout, took a quarter of its prefill).
+#[derive(Clone, Copy, Debug)]
+pub enum TileRows<'a> {
+    /// f32 values.
+    F32(&'a [f32]),
+    /// IEEE half-precision bits.
+    F16(&'a [u16]),
+    /// bfloat16 bits.
+    Bf16(&'a [u16]),
+}
+
+impl TileRows<'_> {
+    fn len(&self) -> usize {
+        match self {
+            TileRows::F32(v) => v.len(),
+            TileRows::F16(v) | TileRows::Bf16(v) => v.len(),
+        }
+    }
+
+    /// Row `r` (of length `k`) widened to f32.
+    fn row(&self, r: usize, k: usize) -> Vec<f32> {
+        match self {
+            TileRows::F32(v) => v[r * k..(r + 1) * k].to_vec(),
+            TileRows::F16(v) => v[r * k..(r + 1) * k]
+                .iter()
+                .map(|&b| widen_16bit::<true>(b))
+                .collect(),
+            TileRows::Bf16(v) => v[r * k..(r + 1) * k]
+                .iter()
+                .map(|&b| widen_16bit::<false>(b))
+                .collect(),
+        }
+    }
+}
+
+/// Whether [`tile_products`] is this CPU's fastest product of several rows by several
+/// tokens: AVX2 (with F16C) without AVX-512. AVX-512 keeps [`dot4x4`], whose sixteen
+/// accumulators already fill its FMA pipes.
+pub fn wide_tiles() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        !has_avx512() && has_avx2_fma_f16c()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `out[r][t] = w[r] · x[t]` for the `rows` rows of `w` and `T` token rows, each equal to
+/// [`dot`] of the (widened) row bit for bit. On AVX2 (see [`wide_tiles`]) three rows by
+/// four tokens hold twelve accumulators per pass (`dot4x4`'s two rows by four left the FMA
+/// pipes waiting on their latency), kept in `acc` between blocks of [`TILE_BLOCK`] values
+/// so that the tokens' block stays in L1. `acc` needs `rows * 2 * T` vectors of eight
+/// values.
+pub fn tile_products<const T: usize>(
+    w: TileRows<'_>,
+    rows: usize,
+    k: usize,
+    x: [&[f32]; T],
+    acc: &mut [[f32; 8]],
+    out: &mut [[f32; T]],
+) {
+    assert!(
+        w.len() >= rows * k
+            && x.iter().all(|r| r.len() >= k)
+            && acc.len() >= rows * 2 * T
+            && out.len() >= rows,
+        "tile_products: {rows} rows of {k} in {} values, {} accumulators, {} outputs",
+        w.len(),
+        acc.len(),
+        out.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    {
+        if wide_tiles() {
+            // SAFETY: AVX2, FMA and F16C were detected on this CPU just above; the lengths
+            // were asserted.
+            unsafe {
+                match w {
+                    TileRows::F32(v) => {
+                        avx2::tile_products::<avx2::AsF32, T>(v, rows, k, x, acc, out)
+                    }
+                    TileRows::F16(v) => {
+                        avx2::tile_products::<avx2::AsF16, T>(v, rows, k, x, acc, out)
+                    }
+                    TileRows::Bf16(v) => {
+                        avx2::tile_products::<avx2::AsBf16, T>(v, rows, k, x, acc, out)
+                    }
+                }
+            }
+            return;
+        }
+    }
+    for (r, o) in out.iter_mut().enumerate().take(rows) {
+        let row = w.row(r, k);
+        *o = x.map(|xt| dot(&row, xt));
+    }
+}
+
+/// One 16-bit value widened to f32 (exact for both formats).
+fn widen_16bit<const F16: bool>(v: u16) -> f32 {
+    if F16 {
+        half::f16::from_bits(v).to_f32()
+    } else {
+        f32::from_bits(u32::from(v) << 16)
+    }
+}
+
 /// `Σ w[i]·x_t[i]` for four token rows `x_t` at once, so each weight element is loaded once
 /// per four tokens. Rows shorter than four tokens pass the same slice several times.
 pub fn dot4(w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
@@ -710,6 +825,180 @@ mod avx2 {
         out
     }
 
+    /// How [`tile_products`] reads a weight row's values.
+    pub trait RowFormat {
+        type Elem: Copy;
+        /// Eight values from `p` as f32.
+        ///
+        /// # Safety
+        /// AVX2 and F16C from the caller; `p` has eight readable values.
+        unsafe fn load8(p: *const Self::Elem) -> __m256;
+        /// One value as f32 (the tail).
+        fn one(v: Self::Elem) -> f32;
+    }
+
+    pub struct AsF32;
+    pub struct AsF16;
+    pub struct AsBf16;
+
+    impl RowFormat for AsF32 {
+        type Elem = f32;
+        #[inline(always)]
+        unsafe fn load8(p: *const f32) -> __m256 {
+            // SAFETY: as the caller guarantees.
+            unsafe { _mm256_loadu_ps(p) }
+        }
+        fn one(v: f32) -> f32 {
+            v
+        }
+    }
+
+    impl RowFormat for AsF16 {
+        type Elem = u16;
+        #[inline(always)]
+        unsafe fn load8(p: *const u16) -> __m256 {
+            // SAFETY: as the caller guarantees.
+            unsafe { widen8::<true>(p) }
+        }
+        fn one(v: u16) -> f32 {
+            super::widen_16bit::<true>(v)
+        }
+    }
+
+    impl RowFormat for AsBf16 {
+        type Elem = u16;
+        #[inline(always)]
+        unsafe fn load8(p: *const u16) -> __m256 {
+            // SAFETY: as the caller guarantees.
+            unsafe { widen8::<false>(p) }
+        }
+        fn one(v: u16) -> f32 {
+            super::widen_16bit::<false>(v)
+        }
+    }
+
+    /// [`super::tile_products`]: per block of values, per three rows, per half of the
+    /// 16-value step, `R × T` accumulators loaded, run over the block and stored; then
+    /// `dot`'s sum of the two halves, reduction and tail.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; lengths as `super::tile_products` asserts.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn tile_products<F: RowFormat, const T: usize>(
+        w: &[F::Elem],
+        rows: usize,
+        k: usize,
+        x: [&[f32]; T],
+        acc: &mut [[f32; 8]],
+        out: &mut [[f32; T]],
+    ) {
+        let full = k / 16 * 16;
+        acc[..rows * 2 * T].fill([0.0; 8]);
+        // The tokens' block side by side, from a 64-byte boundary: rows of the activations
+        // lie a power of two apart, so four of them at one offset share an L1 set, and a
+        // 32-byte load across two lines costs two.
+        #[repr(align(64))]
+        struct Block<const T: usize>([[f32; super::TILE_BLOCK]; T]);
+        let mut xbuf = Block([[0f32; super::TILE_BLOCK]; T]);
+        for b0 in (0..full).step_by(super::TILE_BLOCK) {
+            let len = super::TILE_BLOCK.min(full - b0);
+            for (dst, src) in xbuf.0.iter_mut().zip(&x) {
+                dst[..len].copy_from_slice(&src[b0..b0 + len]);
+            }
+            let xb: [&[f32]; T] = std::array::from_fn(|t| &xbuf.0[t][..len]);
+            let mut r = 0;
+            while r < rows {
+                let left = rows - r;
+                // SAFETY: the features as this function requires; the rows hold the
+                // block (w holds rows * k values, asserted by the caller).
+                unsafe {
+                    if left >= 3 {
+                        block_pass::<F, 3, T>(&w[r * k + b0..], k, xb, &mut acc[r * 2 * T..]);
+                        r += 3;
+                    } else if left == 2 {
+                        block_pass::<F, 2, T>(&w[r * k + b0..], k, xb, &mut acc[r * 2 * T..]);
+                        r += 2;
+                    } else {
+                        block_pass::<F, 1, T>(&w[r * k + b0..], k, xb, &mut acc[r * 2 * T..]);
+                        r += 1;
+                    }
+                }
+            }
+        }
+        for r in 0..rows {
+            for t in 0..T {
+                let ld = |h: usize| {
+                    // SAFETY: the vector is eight values of `acc`.
+                    unsafe { _mm256_loadu_ps(acc[(r * 2 + h) * T + t].as_ptr()) }
+                };
+                let mut o = hsum(_mm256_add_ps(ld(0), ld(1)));
+                for j in full..k {
+                    o += F::one(w[r * k + j]) * x[t][j];
+                }
+                out[r][t] = o;
+            }
+        }
+    }
+
+    /// One block of `R` rows `stride` apart (from `w[0]`, each `x[t].len()` values, a
+    /// multiple of 16) into their accumulators (`acc[(r * 2 + half) * T + t]`), one half
+    /// of the steps at a time.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn block_pass<F: RowFormat, const R: usize, const T: usize>(
+        w: &[F::Elem],
+        stride: usize,
+        x: [&[f32]; T],
+        acc: &mut [[f32; 8]],
+    ) {
+        let len = x[0].len();
+        assert!(w.len() >= (R - 1) * stride + len && acc.len() >= R * 2 * T);
+        let (wp, xp) = (w.as_ptr(), x.map(|r| r.as_ptr()));
+        let line = 64 / std::mem::size_of::<F::Elem>();
+        for half in 0..2 {
+            let mut a = [[_mm256_setzero_ps(); T]; R];
+            for r in 0..R {
+                for t in 0..T {
+                    // SAFETY: the index is below R * 2 * T (asserted).
+                    a[r][t] = unsafe { _mm256_loadu_ps(acc[(r * 2 + half) * T + t].as_ptr()) };
+                }
+            }
+            let mut i = 8 * half;
+            while i < len {
+                if half == 0 && i % line == 0 {
+                    // The next rows' block, a line per row as this pass reaches each new
+                    // line of its own (the first half's pass is the first to touch them):
+                    // the next rows lie k values on, a stream of their own.
+                    for r in 0..R {
+                        let p = wp.wrapping_add((R + r) * stride + i);
+                        _mm_prefetch::<_MM_HINT_T0>(p.cast());
+                    }
+                }
+                // SAFETY: i + 8 <= len, inside every token row and every weight row
+                // (asserted).
+                unsafe {
+                    let mut wv = [_mm256_setzero_ps(); R];
+                    for (r, v) in wv.iter_mut().enumerate() {
+                        *v = F::load8(wp.add(r * stride + i));
+                    }
+                    for t in 0..T {
+                        let xv = _mm256_loadu_ps(xp[t].add(i));
+                        for r in 0..R {
+                            a[r][t] = _mm256_fmadd_ps(wv[r], xv, a[r][t]);
+                        }
+                    }
+                }
+                i += 16;
+            }
+            for r in 0..R {
+                for t in 0..T {
+                    // SAFETY: as for the loads.
+                    unsafe { _mm256_storeu_ps(acc[(r * 2 + half) * T + t].as_mut_ptr(), a[r][t]) };
+                }
+            }
+        }
+    }
+
     /// # Safety
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
@@ -787,15 +1076,6 @@ mod avx2 {
         }
     }
 
-    /// One 16-bit value widened (the tail).
-    fn widen1<const F16: bool>(v: u16) -> f32 {
-        if F16 {
-            half::f16::from_bits(v).to_f32()
-        } else {
-            f32::from_bits(u32::from(v) << 16)
-        }
-    }
-
     /// `Σ w[i]·x[i]` for 16-bit weights widened in registers, in [`dot`]'s order (two
     /// accumulators over 16-value steps, then the tail term by term): bit for bit `dot` of
     /// the widened row.
@@ -827,7 +1107,7 @@ mod avx2 {
         }
         let mut out = hsum(_mm256_add_ps(s0, s1));
         for j in full..n {
-            out += widen1::<F16>(w[j]) * x[j];
+            out += super::widen_16bit::<F16>(w[j]) * x[j];
         }
         out
     }
@@ -879,7 +1159,7 @@ mod avx2 {
                 let row = &w[(r0 + j) * k..(r0 + j + 1) * k];
                 let mut o = hsum(_mm256_add_ps(s0[j], s1[j]));
                 for c in full_k..k {
-                    o += widen1::<F16>(row[c]) * x[c];
+                    o += super::widen_16bit::<F16>(row[c]) * x[c];
                 }
                 out[r0 + j] = o;
             }
@@ -1108,6 +1388,38 @@ mod tests {
                     four[t].to_bits(),
                     "n={n} t={t}"
                 );
+            }
+        }
+    }
+
+    /// Every tile shape gives each row and token `dot` of the widened row, bit for bit, on
+    /// this CPU's path (AVX2's or the portable one), across blocks and tails.
+    #[test]
+    fn tile_products_equal_dot_bit_for_bit() {
+        let f = |i: usize| ((i * 37 % 23) as f32 - 11.0) * 0.037;
+        for k in [1usize, 16, 37, 256, 300, 600] {
+            for rows in [1usize, 2, 3, 4, 5, 7] {
+                let w: Vec<f32> = (0..rows * k).map(|i| f(i + 3)).collect();
+                let xs: Vec<f32> = (0..4 * k).map(|i| f(2 * i + 1)).collect();
+                let x: [&[f32]; 4] = std::array::from_fn(|t| &xs[t * k..(t + 1) * k]);
+                let h16: Vec<u16> = w
+                    .iter()
+                    .map(|&v| half::f16::from_f32(v).to_bits())
+                    .collect();
+                let b16: Vec<u16> = w
+                    .iter()
+                    .map(|&v| half::bf16::from_f32(v).to_bits())
+                    .collect();
+                for rows_of in [TileRows::F32(&w), TileRows::F16(&h16), TileRows::Bf16(&b16)] {
+                    let mut acc = vec![[0f32; 8]; rows * 8];
+                    let mut out = vec![[0f32; 4]; rows];
+                    tile_products(rows_of, rows, k, x, &mut acc, &mut out);
+                    for (r, got) in out.iter().enumerate() {
+                        let row = rows_of.row(r, k);
+                        let want = x.map(|xt| dot(&row, xt).to_bits());
+                        assert_eq!(got.map(f32::to_bits), want, "k={k} rows={rows} {rows_of:?}");
+                    }
+                }
             }
         }
     }
