@@ -63,21 +63,7 @@ fn main() {
                 if only.as_ref().is_some_and(|o| *o != name) {
                     continue;
                 }
-                let wt = be
-                    .upload(HostTensor {
-                        shape: &[o, k],
-                        dtype,
-                        bytes: &bytes,
-                    })
-                    .unwrap();
-                let xt = be.upload_f32(&[n, k], &x).unwrap();
-                be.matmul(&xt, &wt).unwrap();
-                let mut best = f64::MAX;
-                for _ in 0..reps {
-                    let t = Instant::now();
-                    be.matmul(&xt, &wt).unwrap();
-                    best = best.min(t.elapsed().as_secs_f64());
-                }
+                let best = best_matmul(be, dtype, &bytes, &x, [n, k, o], reps);
                 let gmacs = (n * k * o) as f64 / best / 1e9;
                 let gbs = bytes.len() as f64 / best / 1e9;
                 line += &format!(
@@ -88,6 +74,34 @@ fn main() {
             println!("{line}");
         }
     }
+}
+
+/// The best of `reps` timed matmuls of `x [n, k]` by weights `[o, k]` of `dtype` (one
+/// untimed call first), in seconds.
+fn best_matmul(
+    be: &CpuBackend,
+    dtype: DType,
+    bytes: &[u8],
+    x: &[f32],
+    [n, k, o]: [usize; 3],
+    reps: usize,
+) -> f64 {
+    let wt = be
+        .upload(HostTensor {
+            shape: &[o, k],
+            dtype,
+            bytes,
+        })
+        .unwrap();
+    let xt = be.upload_f32(&[n, k], x).unwrap();
+    be.matmul(&xt, &wt).unwrap();
+    let mut best = f64::MAX;
+    for _ in 0..reps {
+        let t = Instant::now();
+        be.matmul(&xt, &wt).unwrap();
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    best
 }
 
 /// `QB_16BIT=1`: f16 and bf16 weights at Kimi Linear 0.5B's prefill shapes (128 tokens: the
@@ -114,21 +128,7 @@ fn sixteen_bit(be: &CpuBackend, reps: usize) {
                 .collect();
             let bytes: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
             let x: Vec<f32> = (0..n * k).map(|i| (i % 37) as f32 * 0.01 - 0.18).collect();
-            let wt = be
-                .upload(HostTensor {
-                    shape: &[o, k],
-                    dtype,
-                    bytes: &bytes,
-                })
-                .unwrap();
-            let xt = be.upload_f32(&[n, k], &x).unwrap();
-            be.matmul(&xt, &wt).unwrap();
-            let mut best = f64::MAX;
-            for _ in 0..reps {
-                let t = Instant::now();
-                be.matmul(&xt, &wt).unwrap();
-                best = best.min(t.elapsed().as_secs_f64());
-            }
+            let best = best_matmul(be, dtype, &bytes, &x, [n, k, o], reps);
             println!(
                 "{dtype:<5} n={n:<4} k={k:<5} o={o:<6} {:>9.1} us {:>6.1} GFLOP/s",
                 best * 1e6,
