@@ -351,7 +351,13 @@ impl<'a> Product<'a> {
                 dot_rows_16bit::<true>(&v[row0 * k..(row0 + rows) * k], k, xs, chunk)
             }
             Storage::Quant { .. } | Storage::Bf16(_) | Storage::F16(_) => {
-                widened_rows(self.w, row0, xs, k, n, chunk)
+                // Whole groups of four rows, so that `multiply_rows` can use its 4×4 kernel
+                // (a tile of 3 rows at k = 2048 ran every row through the 1×4 one: 2.5×
+                // slower prefill).
+                let tile = ((QUANT_TILE_BYTES / (4 * k.max(1))) / 4 * 4).max(4);
+                widened_rows(self.w, row0, k, n, tile, chunk, |w, _, out| {
+                    multiply_rows(w, xs, n, out)
+                })
             }
         }
     }
@@ -404,26 +410,27 @@ fn multiply_wide(storage: &Storage, row0: usize, xs: &[f32], k: usize, n: usize,
     let rows = out.len() / n;
     let (at, end) = (row0 * k, (row0 + rows) * k);
     match storage {
-        Storage::F32(v) => wide_tiles(TileRows::F32(&v[at..end]), rows, k, xs, n, out),
-        Storage::F16(v) => wide_tiles(TileRows::F16(&v[at..end]), rows, k, xs, n, out),
-        Storage::Bf16(v) => wide_tiles(TileRows::Bf16(&v[at..end]), rows, k, xs, n, out),
+        Storage::F32(v) => tiles_over_tokens(TileRows::F32(&v[at..end]), rows, k, xs, n, out),
+        Storage::F16(v) => tiles_over_tokens(TileRows::F16(&v[at..end]), rows, k, xs, n, out),
+        Storage::Bf16(v) => tiles_over_tokens(TileRows::Bf16(&v[at..end]), rows, k, xs, n, out),
         Storage::Quant { .. } => {
-            let tile = (WIDE_QUANT_TILE_BYTES / (4 * k.max(1))).clamp(2, rows.max(2));
-            let mut buf = vec![0f32; tile * k];
-            for r0 in (0..rows).step_by(tile) {
-                let num = tile.min(rows - r0);
-                for r in 0..num {
-                    row_to_f32(storage, (row0 + r0 + r) * k, &mut buf[r * k..(r + 1) * k]);
-                }
-                let out = &mut out[r0 * n..(r0 + num) * n];
-                wide_tiles(TileRows::F32(&buf[..num * k]), num, k, xs, n, out);
-            }
+            let tile = (WIDE_QUANT_TILE_BYTES / (4 * k.max(1))).max(2);
+            widened_rows(storage, row0, k, n, tile, out, |w, num, out| {
+                tiles_over_tokens(TileRows::F32(w), num, k, xs, n, out)
+            })
         }
     }
 }
 
 /// Every token of `xs` against the `rows` rows of `w`, into `out[r * n + t]`.
-fn wide_tiles(w: TileRows<'_>, rows: usize, k: usize, xs: &[f32], n: usize, out: &mut [f32]) {
+fn tiles_over_tokens(
+    w: TileRows<'_>,
+    rows: usize,
+    k: usize,
+    xs: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
     let mut acc = vec![[0f32; 8]; rows * 2 * 4];
     let mut res = vec![0f32; rows * 4];
     let mut t0 = 0;
@@ -458,7 +465,7 @@ fn tokens_tile<const T: usize>(
     let real = (n - t0).min(T);
     let res = &mut res.as_chunks_mut::<T>().0[..rows];
     tile_products(w, rows, k, x, acc, res);
-    for (r, d) in res.iter().enumerate().take(rows) {
+    for (r, d) in res.iter().enumerate() {
         out[r * n + t0..r * n + t0 + real].copy_from_slice(&d[..real]);
     }
     real
@@ -476,23 +483,27 @@ const WIDE_QUANT_TILE_BYTES: usize = 128 * 1024;
 /// Bytes of dequantized weight rows a task keeps at once: half of a 48 KiB L1 data cache.
 const QUANT_TILE_BYTES: usize = 24 * 1024;
 
-/// Block-quantized or 16-bit weights: widens a few rows at a time into an L1-sized buffer
-/// and multiplies them with every token, so each weight byte is read once and no large f32
-/// copy of the weights is written (16-bit prefill used to widen a task's whole chunk).
-fn widened_rows(storage: &Storage, row0: usize, xs: &[f32], k: usize, n: usize, out: &mut [f32]) {
+/// Block-quantized or 16-bit weights: widens `tile` rows at a time into a buffer and hands
+/// each tile to `multiply(rows, count, out)`, so each weight byte is read once and no large
+/// f32 copy of the weights is written (16-bit prefill used to widen a task's whole chunk).
+fn widened_rows(
+    storage: &Storage,
+    row0: usize,
+    k: usize,
+    n: usize,
+    tile: usize,
+    out: &mut [f32],
+    multiply: impl Fn(&[f32], usize, &mut [f32]),
+) {
     let rows = out.len() / n.max(1);
-    // Whole groups of four rows, so that `multiply_rows` can use its 4×4 kernel (a tile of
-    // 3 rows at k = 2048 ran every row through the 1×4 one: 2.5× slower prefill).
-    let tile = ((QUANT_TILE_BYTES / (4 * k.max(1))) / 4 * 4)
-        .max(4)
-        .min(rows.max(1));
+    let tile = tile.min(rows.max(1));
     let mut buf = vec![0f32; tile * k];
     for r0 in (0..rows).step_by(tile) {
         let num = tile.min(rows - r0);
         for r in 0..num {
             row_to_f32(storage, (row0 + r0 + r) * k, &mut buf[r * k..(r + 1) * k]);
         }
-        multiply_rows(&buf[..num * k], xs, n, &mut out[r0 * n..(r0 + num) * n]);
+        multiply(&buf[..num * k], num, &mut out[r0 * n..(r0 + num) * n]);
     }
 }
 
@@ -617,8 +628,8 @@ mod tests {
 
     /// A token's products do not depend on the batch around it: every batch size (tiles of
     /// four, two and one tokens and of one to three rows on AVX2, of four elsewhere) gives
-    /// each token the bits of its own one-token product, for f32, bf16, f16 and dequantized weights and for widths
-    /// across several packed k-blocks with and without a tail.
+    /// each token the bits of its own one-token product, for f32, bf16, f16 and dequantized
+    /// weights and for widths across several 256-value blocks with and without a tail.
     #[test]
     fn batched_products_equal_single_token_products() {
         use kimi_core::DType;
