@@ -8,8 +8,8 @@
 #
 # Builds only llama-bench, llama-completion (the non-interactive successor of the old
 # llama-cli; in this llama.cpp version llama-cli is chat-only and needs the server build) and
-# llama-quantize, Release, GGML_NATIVE=ON (tuned for this CPU), CPU backend only, static,
-# no curl/OpenSSL, no server/tests/examples. Idempotent: does nothing if the binaries exist
+# llama-quantize, Release, tuned for this CPU (GGML_NATIVE=ON; see ISA below for AMX CPUs),
+# CPU backend only, static, no curl/OpenSSL, no server/tests/examples. Idempotent: does nothing if the binaries exist
 # and were built with the same configuration.
 #
 # Env: LLAMACPP_DIR (default target/llamacpp), JOBS (default 2), NICE (default 19).
@@ -66,10 +66,20 @@ if [ -z "$CMAKE" ]; then
   CMAKE=$ROOT/venv/bin/cmake
 fi
 
+# -march=native, except on CPUs with AMX: there ggml's AMX path (chosen by -march=native)
+# crashed llama-bench (segfault in ggml_backend_amx_mul_mat, 2026-12-02, Xeon VM with
+# amx_tile), so the ISA extensions are named one by one, AMX left out.
+ISA=(-DGGML_NATIVE=ON)
+if grep -qw amx_tile /proc/cpuinfo; then
+  ISA=(-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_F16C=ON
+    -DGGML_FMA=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON
+    -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
+    -DGGML_AMX_BF16=OFF)
+fi
 CONF=(
   -DCMAKE_BUILD_TYPE=Release
   -DBUILD_SHARED_LIBS=OFF
-  -DGGML_NATIVE=ON
+  "${ISA[@]}"
   -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
   -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF

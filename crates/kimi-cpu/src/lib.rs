@@ -11,10 +11,12 @@
 //! about 20x slower, and values that small do not change any result at f32 precision.
 //!
 //! `unsafe` appears only for SIMD intrinsics selected at run time ([`simd`] and the
-//! quantized kernels) and in `team`, which hands a borrowed closure to its workers.
+//! quantized kernels), in `team`, which hands a borrowed closure to its workers, and in
+//! `arena`, which maps the huge pages that weights live in.
 #![deny(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod arena;
 mod attention;
 mod kda;
 mod kda_step;
@@ -29,6 +31,7 @@ pub mod simd;
 mod team;
 mod tensor;
 
+pub use arena::WeightBuf;
 pub use matmul::{QuantMatmul, INT8_MAX_TOKENS};
 pub use tensor::{CpuTensor, Storage};
 

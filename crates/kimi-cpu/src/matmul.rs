@@ -553,7 +553,7 @@ mod tests {
             }
             let wb: Vec<u16> = w.iter().map(|v| bf16::from_f32(*v).to_bits()).collect();
             let wround: Vec<f32> = wb.iter().map(|b| bf16::from_bits(*b).to_f32()).collect();
-            let wt = CpuTensor::new(vec![o, k], Storage::Bf16(wb));
+            let wt = CpuTensor::new(vec![o, k], Storage::Bf16(wb.into()));
             let y = matmul(&xt, &wt, QuantMatmul::F32).unwrap().to_f32_vec();
             let want = naive(&x, &wround, n, k, o);
             for (a, b) in y.iter().zip(&want) {
@@ -567,7 +567,7 @@ mod tests {
                 .iter()
                 .map(|b| half::f16::from_bits(*b).to_f32())
                 .collect();
-            let wt = CpuTensor::new(vec![o, k], Storage::F16(wh));
+            let wt = CpuTensor::new(vec![o, k], Storage::F16(wh.into()));
             let y = matmul(&xt, &wt, QuantMatmul::F32).unwrap().to_f32_vec();
             let want = naive(&x, &wround, n, k, o);
             for (a, b) in y.iter().zip(&want) {
@@ -597,7 +597,7 @@ mod tests {
             };
             let weights = [
                 CpuTensor::f32(&[o, k], w.clone()).unwrap(),
-                CpuTensor::new(vec![o, k], Storage::Bf16(to_bits(&w))),
+                CpuTensor::new(vec![o, k], Storage::Bf16(to_bits(&w).into())),
                 CpuTensor::from_host(kimi_ops::HostTensor {
                     shape: &[o, k],
                     dtype: DType::Q4_1,

@@ -371,7 +371,7 @@ mod tests {
             .collect();
         let widened = halves.iter().map(|&h| half::f16::from_bits(h).to_f32());
         let widened = CpuTensor::f32(&kvb.shape, widened.collect()).unwrap();
-        let half = CpuTensor::new(kvb.shape.clone(), Storage::F16(halves));
+        let half = CpuTensor::new(kvb.shape.clone(), Storage::F16(halves.into()));
         let seg = [Segment { start: 0, len: 5 }];
         let seq = [PagedSeq {
             block_table: &[0],

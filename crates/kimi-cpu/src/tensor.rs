@@ -4,6 +4,7 @@ use half::{bf16, f16};
 use kimi_core::DType;
 use kimi_ops::{Error, HostTensor, Result};
 
+use crate::arena::WeightBuf;
 use crate::qdot::{groups, Kind};
 
 /// Element storage. Activations and states are always f32; weights keep their checkpoint
@@ -13,16 +14,16 @@ pub enum Storage {
     /// Single precision.
     F32(Vec<f32>),
     /// bfloat16 bit patterns.
-    Bf16(Vec<u16>),
+    Bf16(WeightBuf<u16>),
     /// IEEE half bit patterns.
-    F16(Vec<u16>),
+    F16(WeightBuf<u16>),
     /// ggml blocks of a quantized type (`dtype.is_quantized()`), row-major; every row is a
     /// whole number of blocks.
     Quant {
         /// The block type.
         dtype: DType,
         /// The blocks, `dtype.storage_bytes(len)` bytes.
-        bytes: Vec<u8>,
+        bytes: WeightBuf<u8>,
         /// `Some(cols)` where the rows (of `cols` values) are interleaved in groups of 16
         /// for the x86 kernels (`crate::qdot::groups`), `None` where they are row-major.
         grouped: Option<usize>,
@@ -58,7 +59,7 @@ impl CpuTensor {
     pub fn f16_zeros(shape: &[usize]) -> Self {
         Self::new(
             shape.to_vec(),
-            Storage::F16(vec![0; shape.iter().product()]),
+            Storage::F16(vec![0; shape.iter().product()].into()),
         )
     }
 
@@ -97,12 +98,12 @@ impl CpuTensor {
                 ),
             });
         }
-        let halves = || -> Vec<u16> {
+        let halves = || -> WeightBuf<u16> {
             let values = host
                 .bytes
                 .chunks_exact(2)
                 .map(|b| u16::from_le_bytes([b[0], b[1]]));
-            weight_buffer(host.bytes.len() / 2, values)
+            WeightBuf::from_values(host.bytes.len() / 2, values)
         };
         let storage = match host.dtype {
             DType::F32 => Storage::F32(
@@ -123,7 +124,7 @@ impl CpuTensor {
                     },
                     None => Storage::Quant {
                         dtype: q,
-                        bytes: weight_buffer(host.bytes.len(), host.bytes.iter().copied()),
+                        bytes: WeightBuf::from_values(host.bytes.len(), host.bytes.iter().copied()),
                         grouped: None,
                     },
                 }
@@ -252,41 +253,6 @@ pub(crate) fn row_to_f32(storage: &Storage, offset: usize, out: &mut [f32]) {
             crate::quant::dequantize(*dtype, &bytes[start..start + n / block * block_bytes], out);
         }
     }
-}
-
-/// A weight buffer of `len` values copied from `values`, in transparent huge pages where
-/// the kernel offers them on request (`madvise` mode, as on this project's machines):
-/// decode streams every weight once per token, and with 4 KiB pages the hardware
-/// prefetchers stop at every page boundary and the TLB misses on every page.
-pub(crate) fn weight_buffer<T: Copy>(len: usize, values: impl Iterator<Item = T>) -> Vec<T> {
-    let mut v = Vec::with_capacity(len);
-    advise_huge_pages(&mut v);
-    v.extend(values.take(len));
-    v
-}
-
-/// Asks for huge pages over the (not yet touched) spare capacity of `v`: whole 2 MiB pages
-/// inside it, for buffers of at least 4 MiB. Only a hint; nothing changes where it fails.
-pub(crate) fn advise_huge_pages<T>(v: &mut Vec<T>) {
-    #[cfg(target_os = "linux")]
-    {
-        const HUGE: usize = 2 << 20;
-        let bytes = v.capacity() * std::mem::size_of::<T>();
-        if bytes < 2 * HUGE {
-            return;
-        }
-        let start = (v.as_mut_ptr() as usize).next_multiple_of(HUGE);
-        let end = (v.as_mut_ptr() as usize + bytes) / HUGE * HUGE;
-        if end > start {
-            // SAFETY: [start, end) lies inside `v`'s allocation; MADV_HUGEPAGE changes no
-            // contents or mappings, only how later faults are served.
-            unsafe {
-                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
-            }
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = v;
 }
 
 pub(crate) fn shape_err(op: &'static str, detail: String) -> Error {

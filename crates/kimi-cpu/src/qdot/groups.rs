@@ -31,6 +31,7 @@
 //! the scalar reference go through it).
 
 use super::{Isa, Kind, Q8Acts};
+use crate::arena::WeightBuf;
 
 /// Rows per interleaved group: one 512-bit vector of i32 or f32 lanes.
 pub(crate) const GROUP: usize = 16;
@@ -88,7 +89,7 @@ pub(crate) fn padded_bytes(kind: Kind, rows: usize, k: usize) -> usize {
 
 /// Row-major ggml blocks of rows of `k` values interleaved, the last group padded with
 /// zero blocks (scale 0: their results are 0 and never read).
-pub(crate) fn interleave(kind: Kind, rows_major: &[u8], k: usize) -> Vec<u8> {
+pub(crate) fn interleave(kind: Kind, rows_major: &[u8], k: usize) -> WeightBuf<u8> {
     let bb = kind.block_bytes();
     let nb = k / kind.block_values();
     let rows = rows_major.len().checked_div(nb * bb).unwrap_or(0);
@@ -98,9 +99,7 @@ pub(crate) fn interleave(kind: Kind, rows_major: &[u8], k: usize) -> Vec<u8> {
         rows_major.len()
     );
     let zero = vec![0u8; bb];
-    let mut out = Vec::with_capacity(padded_bytes(kind, rows, k));
-    crate::tensor::advise_huge_pages(&mut out);
-    out.resize(padded_bytes(kind, rows, k), 0u8);
+    let mut out = WeightBuf::zeroed(padded_bytes(kind, rows, k));
     for (g, dst_group) in out.chunks_exact_mut(group_bytes(kind, k)).enumerate() {
         for (b, dst) in dst_group
             .chunks_exact_mut(block_group_bytes(kind))
