@@ -9,8 +9,8 @@
 # Builds only llama-bench, llama-completion (the non-interactive successor of the old
 # llama-cli; in this llama.cpp version llama-cli is chat-only and needs the server build) and
 # llama-quantize, Release, tuned for this CPU (GGML_NATIVE=ON; see ISA below for AMX CPUs),
-# CPU backend only, static, no curl/OpenSSL, no server/tests/examples. Idempotent: does nothing if the binaries exist
-# and were built with the same configuration.
+# CPU backend only, static, no curl/OpenSSL, no server/tests/examples. Idempotent: does
+# nothing if the binaries exist and were built with the same configuration.
 #
 # Env: LLAMACPP_DIR (default target/llamacpp), JOBS (default 2), NICE (default 19).
 set -euo pipefail

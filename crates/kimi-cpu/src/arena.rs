@@ -67,9 +67,10 @@ impl<T: Plain> WeightBuf<T> {
         }
         buf
     }
+}
 
-    /// True where the values lie in a huge-page mapping (for tests).
-    #[cfg(test)]
+impl<T> WeightBuf<T> {
+    /// True where the values lie in a huge-page mapping.
     pub(crate) fn is_mapped(&self) -> bool {
         !matches!(self.0, Repr::Heap(_))
     }
@@ -123,10 +124,9 @@ impl<T: Plain> Clone for WeightBuf<T> {
 
 impl<T> fmt::Debug for WeightBuf<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mapped = !matches!(self.0, Repr::Heap(_));
         f.debug_struct("WeightBuf")
             .field("len", &self.len())
-            .field("mapped", &mapped)
+            .field("mapped", &self.is_mapped())
             .finish()
     }
 }
