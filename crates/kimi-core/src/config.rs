@@ -42,6 +42,60 @@ pub struct LayerSpec {
     pub ffn: Ffn,
 }
 
+/// The gated linear unit of every feed-forward block: `act(gate) ⊙ up`, computed in f32.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Activation {
+    /// SwiGLU: `silu(gate) · up` (Kimi Linear).
+    Silu,
+    /// SiTU-GLU (Kimi K3): `β₁·tanh(gate/β₁)·sigmoid(gate) · β₂·tanh(up/β₂)`; without a
+    /// `linear_beta` the up half passes unchanged.
+    Situ {
+        /// β₁, the gate half's soft cap (`activation_situ_beta`).
+        beta: f32,
+        /// β₂, the up half's soft cap (`activation_situ_linear_beta`).
+        linear_beta: Option<f32>,
+    },
+}
+
+/// The output gate of a KDA layer (`sigmoid(z)` on the normalised heads).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KdaOutputGate {
+    /// `z = g_b(g_a(x))`, a rank-`head_dim` pair (Kimi Linear).
+    LowRank,
+    /// `z = g_proj(x)`, one full-rank matrix (Kimi K3, `use_full_rank_gate`).
+    FullRank,
+}
+
+/// The model family a config describes: which tensor names and wrapper the checkpoint has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// `kimi_linear` (`KimiLinearForCausalLM`): tensors under `model.`, head `lm_head`.
+    KimiLinear,
+    /// `kimi_k3` (`KimiK3ForConditionalGeneration`): a multimodal wrapper whose text model is
+    /// a Kimi Linear variant, its tensors under `language_model.`.
+    KimiK3,
+}
+
+/// How the routed experts' weights are stored in the checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertFormat {
+    /// As the other matrices (`w1/w2/w3.weight`, bf16 or f32).
+    Dense,
+    /// MXFP4 (`compressed-tensors`, `mxfp4-pack-quantized`): `weight_packed` U8 codes (two
+    /// E2M1 values per byte, the even column in the low nibble) and `weight_scale` U8 E8M0
+    /// scales, one per 32 inputs (Kimi K3).
+    Mxfp4,
+}
+
+/// LatentMoE (Kimi K3): the routed experts run in a narrower latent space.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LatentMoe {
+    /// Width of the latent (`routed_expert_hidden_size`).
+    pub width: usize,
+    /// RMSNorm on the weighted expert sum before the up-projection (`latent_moe_use_norm`).
+    pub norm: bool,
+}
+
 /// The KDA forget gate.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum KdaGate {
@@ -62,6 +116,8 @@ pub struct KdaConfig {
     pub conv_kernel: usize,
     /// Forget-gate form.
     pub gate: KdaGate,
+    /// Output-gate form.
+    pub output_gate: KdaOutputGate,
 }
 
 /// Multi-head latent attention dimensions.
@@ -81,6 +137,9 @@ pub struct MlaConfig {
     pub v_head_dim: usize,
     /// Epsilon of `kv_a_layernorm` (and `q_a_layernorm`): 1e-6 in the reference.
     pub latent_norm_eps: f32,
+    /// `o ⊙ sigmoid(g_proj(x))` before `o_proj`, the gate computed from the layer's
+    /// normalised input (Kimi K3, `mla_use_output_gate`).
+    pub output_gate: bool,
 }
 
 /// Mixture-of-experts routing and sizes.
@@ -105,13 +164,20 @@ pub struct MoeConfig {
     /// Weight chosen experts by the bias-corrected scores, as the checkpoint's remote code does.
     /// Off by default: the reference (transformers native) uses the unbiased sigmoid scores.
     pub weights_use_correction_bias: bool,
+    /// Routed experts in a latent space (Kimi K3), if any.
+    pub latent: Option<LatentMoe>,
+    /// How the routed experts are stored.
+    pub expert_format: ExpertFormat,
 }
 
-/// A validated Kimi Linear configuration.
+/// A validated configuration of a Kimi Linear-style text model (Kimi Linear itself, or the
+/// text model of Kimi K3, whose extensions are variants of the same layer stack).
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
-    /// `model_type` as written in the file (`kimi_linear`).
+    /// `model_type` as written in the file (`kimi_linear`, or `kimi_k3` for the wrapper).
     pub model_type: String,
+    /// Which family, and so which tensor names, the checkpoint has.
+    pub family: Family,
     /// Vocabulary rows of the embedding and the head.
     pub vocab_size: usize,
     /// Residual stream width.
@@ -120,6 +186,11 @@ pub struct ModelConfig {
     pub layers: Vec<LayerSpec>,
     /// Epsilon of every RMSNorm except the MLA latent norm.
     pub rms_norm_eps: f32,
+    /// The gated unit of every feed-forward block (dense, shared and routed experts).
+    pub activation: Activation,
+    /// Block Attention Residuals (Kimi K3): layers per stored block, if the residual stream
+    /// is replaced by per-token softmax mixes over block sums.
+    pub attn_res_block_size: Option<usize>,
     /// Width of the dense MLP.
     pub intermediate_size: usize,
     /// KDA dimensions, present when any layer uses KDA.
@@ -173,8 +244,9 @@ impl ModelConfig {
     /// Parses and validates an already-decoded `config.json`.
     ///
     /// Accepts the hub schema and the transformers-5 native schema (and both at once, when they
-    /// agree). Kimi K3 configs (`text_config`, `KimiK3ForConditionalGeneration`) and other model
-    /// types are recognised and rejected with [`ConfigError::Unsupported`]. Never panics.
+    /// agree), and Kimi K3's multimodal wrapper (`KimiK3ForConditionalGeneration`, the text
+    /// model's config nested in `text_config`). Other model types, and features kimi-infer
+    /// does not run, are rejected with [`ConfigError::Unsupported`]. Never panics.
     pub fn from_json(value: &Value) -> Result<Self, ConfigError> {
         parse::model_config(value)
     }
@@ -182,5 +254,14 @@ impl ModelConfig {
     /// Number of decoder layers.
     pub fn num_layers(&self) -> usize {
         self.layers.len()
+    }
+
+    /// The prefix of the text model's tensor names: `""` for Kimi Linear, `"language_model."`
+    /// for Kimi K3 (its `model.*` and `lm_head.weight` sit under the wrapper's field).
+    pub fn tensor_prefix(&self) -> &'static str {
+        match self.family {
+            Family::KimiLinear => "",
+            Family::KimiK3 => "language_model.",
+        }
     }
 }

@@ -32,6 +32,16 @@ pub enum DType {
     Q5_K,
     /// ggml Q6_K: 256-value super-block of sixteen 16-value sub-blocks with 8-bit scales.
     Q6_K,
+    /// ggml MXFP4 (OCP microscaling FP4): 32 values as one E8M0 scale byte `e` and 16 bytes
+    /// of E2M1 codes, byte `j` holding value `j` (low nibble) and `j + 16` (high nibble);
+    /// `x = e2m1(code) · 2^(e − 127)`. Kimi K3's checkpoints store the same values as two
+    /// planes (codes with the even column in the low nibble, then scales); the loader
+    /// repacks them into these blocks.
+    MXFP4,
+    /// Raw bytes (`U8` in safetensors): the planes of packed weights before repacking.
+    U8,
+    /// E8M0 scale bytes (`F8_E8M0` in safetensors, as some quantizers write MXFP4 scales).
+    E8M0,
 }
 
 impl DType {
@@ -48,6 +58,8 @@ impl DType {
             DType::Q4_K => (256, 4 + 12 + 128),
             DType::Q5_K => (256, 4 + 12 + 32 + 128),
             DType::Q6_K => (256, 128 + 64 + 16 + 2),
+            DType::MXFP4 => (32, 1 + 16),
+            DType::U8 | DType::E8M0 => (1, 1),
         }
     }
 
@@ -99,6 +111,9 @@ impl fmt::Display for DType {
             DType::Q4_K => "q4_k",
             DType::Q5_K => "q5_k",
             DType::Q6_K => "q6_k",
+            DType::MXFP4 => "mxfp4",
+            DType::U8 => "u8",
+            DType::E8M0 => "e8m0",
         })
     }
 }
@@ -120,5 +135,11 @@ mod tests {
         assert_eq!(DType::Q4_K.storage_bytes(100), None);
         assert_eq!(DType::F32.storage_bytes(usize::MAX), None);
         assert!(DType::Q4_0.is_quantized() && !DType::BF16.is_quantized());
+        // A K3 expert's gate matrix: 3072 rows of 3584 values at 4.25 bits.
+        assert_eq!(
+            DType::MXFP4.storage_bytes(3072 * 3584),
+            Some(3072 * 3584 / 32 * 17)
+        );
+        assert!(DType::MXFP4.is_quantized() && !DType::U8.is_quantized());
     }
 }

@@ -18,6 +18,7 @@
 
 mod arena;
 mod attention;
+mod attn_res;
 mod kda;
 mod kda_step;
 mod matmul;
@@ -40,8 +41,9 @@ use std::sync::OnceLock;
 
 use kimi_core::config::KdaGate;
 use kimi_ops::{
-    AttentionDims, Backend, HostTensor, KdaMode, KdaStepInputs, KdaStepWeights, MlaDims, MlaMode,
-    MlpWeights, MoeRouting, MoeWeights, PagedSeq, Result, RopeStyle, Segment,
+    Activation, AttentionDims, Backend, ExpertBank, HostTensor, KdaMode, KdaStepInputs,
+    KdaStepWeights, MlaDims, MlaMode, MlpWeights, MoeRoutes, MoeRouting, MoeWeights, PagedSeq,
+    Result, RopeStyle, Segment,
 };
 
 /// The CPU backend. Cheap to construct; holds no state besides how it multiplies
@@ -152,8 +154,66 @@ impl Backend for CpuBackend {
             .collect();
         CpuTensor::f32(x.shape(), v)
     }
+    fn sigmoid_gate(&self, x: &CpuTensor, gate: &CpuTensor) -> Result<CpuTensor> {
+        attn_res::sigmoid_gate(x, gate)
+    }
+    fn attn_res_mix(
+        &self,
+        blocks: &[&CpuTensor],
+        partial: &CpuTensor,
+        w_eff: &CpuTensor,
+        eps: f32,
+    ) -> Result<CpuTensor> {
+        attn_res::mix(blocks, partial, w_eff, eps)
+    }
     fn mlp(&self, x: &CpuTensor, w: &MlpWeights<CpuTensor>) -> Result<CpuTensor> {
-        flushing(|| moe::mlp(x, w, self.quant_matmul))
+        flushing(|| moe::mlp(x, w, Activation::Silu, self.quant_matmul))
+    }
+    fn ffn(&self, x: &CpuTensor, w: &MlpWeights<CpuTensor>, act: Activation) -> Result<CpuTensor> {
+        flushing(|| moe::mlp(x, w, act, self.quant_matmul))
+    }
+    fn moe_route(
+        &self,
+        x: &CpuTensor,
+        router: &CpuTensor,
+        correction_bias: Option<&CpuTensor>,
+        routing: &MoeRouting,
+    ) -> Result<MoeRoutes<CpuTensor>> {
+        let routes = flushing(|| moe::route_tokens(x, router, correction_bias, routing))?;
+        let k = routing.top_k;
+        let shape = [routes.len(), k];
+        // Ids as f32 values: exact below 2^24 experts.
+        let ids = routes
+            .iter()
+            .flat_map(|r| r.experts.iter().map(|&e| e as f32));
+        let weights = routes.iter().flat_map(|r| r.weights.iter().copied());
+        Ok(MoeRoutes {
+            experts: CpuTensor::f32(&shape, ids.collect())?,
+            weights: CpuTensor::f32(&shape, weights.collect())?,
+            top_k: k,
+        })
+    }
+    fn moe_experts(
+        &self,
+        x: &CpuTensor,
+        routes: &MoeRoutes<CpuTensor>,
+        bank: &ExpertBank<CpuTensor>,
+        act: Activation,
+    ) -> Result<CpuTensor> {
+        let (ids, weights) = (
+            routes.experts.as_f32("moe_experts")?,
+            routes.weights.as_f32("moe_experts")?,
+        );
+        let k = routes.top_k.max(1);
+        let routes: Vec<moe::Route> = ids
+            .chunks(k)
+            .zip(weights.chunks(k))
+            .map(|(e, w)| moe::Route {
+                experts: e.iter().map(|&e| e as usize).collect(),
+                weights: w.to_vec(),
+            })
+            .collect();
+        flushing(|| moe::run_experts(x, &routes, bank.experts(), None, act, self.quant_matmul))
     }
     fn moe(
         &self,

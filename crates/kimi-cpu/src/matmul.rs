@@ -13,7 +13,7 @@ use crate::qdot::{self, Kind, Q8Acts};
 use crate::simd::{dot, dot4, dot4x4, dot_rows_16bit, tile_products, TileRows};
 use crate::team::Team;
 use crate::tensor::{row_to_f32, shape_err, CpuTensor, Storage};
-use kimi_ops::Result;
+use kimi_ops::{Activation, Result};
 
 /// How block-quantized weights multiply f32 activations.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -83,21 +83,23 @@ pub(crate) fn matmul_on(
 /// the CPU backend's team: each thread multiplies the same rows of both weights and
 /// combines them, and the activations are quantized once for both. The values are those
 /// of the two matmuls followed by the element-wise product.
-pub fn swiglu(
+pub fn glu(
     x: &CpuTensor,
     gate: &CpuTensor,
     up: &CpuTensor,
+    act: Activation,
     mode: QuantMatmul,
 ) -> Result<CpuTensor> {
-    swiglu_on(crate::team(), x, gate, up, mode)
+    glu_on(crate::team(), x, gate, up, act, mode)
 }
 
-/// [`swiglu`] on the given team.
-pub(crate) fn swiglu_on(
+/// [`glu`] on the given team.
+pub(crate) fn glu_on(
     team: &Team,
     x: &CpuTensor,
     gate: &CpuTensor,
     up: &CpuTensor,
+    act: Activation,
     mode: QuantMatmul,
 ) -> Result<CpuTensor> {
     let (n, k, o) = dims("mlp", x, gate)?;
@@ -118,35 +120,62 @@ pub(crate) fn swiglu_on(
         let mut ubuf = vec![0f32; part.len().min(BLOCK_ROWS * n.max(1))];
         for (b, chunk) in part.chunks_mut(BLOCK_ROWS * n.max(1)).enumerate() {
             let row0 = first + b * BLOCK_ROWS;
-            swiglu_rows(&g, &u, row0, chunk, &mut ubuf[..chunk.len()]);
+            glu_rows(&g, &u, act, row0, chunk, &mut ubuf[..chunk.len()]);
         }
     });
     token_major(x, out_t, n, o)
 }
 
-/// `chunk = silu(gate rows) ⊙ (up rows)` for output rows from `row0`; `ub` (as long as
+/// `chunk = act(gate rows, up rows)` for output rows from `row0`; `ub` (as long as
 /// `chunk`) holds the up product meanwhile.
-fn swiglu_rows(gate: &Product, up: &Product, row0: usize, chunk: &mut [f32], ub: &mut [f32]) {
+fn glu_rows(
+    gate: &Product,
+    up: &Product,
+    act: Activation,
+    row0: usize,
+    chunk: &mut [f32],
+    ub: &mut [f32],
+) {
     gate.rows(row0, chunk);
     up.rows(row0, ub);
-    for (g, u) in chunk.iter_mut().zip(ub.iter()) {
-        *g = crate::kda::silu(*g) * u;
+    match act {
+        Activation::Silu => {
+            for (g, u) in chunk.iter_mut().zip(ub.iter()) {
+                *g = crate::kda::silu(*g) * u;
+            }
+        }
+        Activation::Situ { beta, linear_beta } => {
+            for (g, u) in chunk.iter_mut().zip(ub.iter()) {
+                *g = situ(*g, *u, beta, linear_beta);
+            }
+        }
     }
 }
 
-/// Output rows per task of [`swiglu_many`] and [`matmul_many`]: whole 16-row groups.
+/// SiTU-GLU of one gate/up pair (Kimi K3): `β₁·tanh(g/β₁)·sigmoid(g) · β₂·tanh(u/β₂)`.
+pub(crate) fn situ(g: f32, u: f32, beta: f32, linear_beta: Option<f32>) -> f32 {
+    let a = beta * (g / beta).tanh() * crate::kda::sigmoid(g);
+    let u = match linear_beta {
+        Some(b) => b * (u / b).tanh(),
+        None => u,
+    };
+    a * u
+}
+
+/// Output rows per task of [`glu_many`] and [`matmul_many`]: whole 16-row groups.
 /// Tasks of 64 rows measured ~15 % slower on the experts of a 0.5B Kimi Linear
 /// (`[512, 1024]` gate/up, `[1024, 512]` down, Q4_K): each task starts its weight stream
 /// cold.
 const MANY_ROWS: usize = 256;
 
-/// `silu(x_i · gate_iᵀ) ⊙ (x_i · up_iᵀ)` for every `(x_i, gate_i, up_i)` (an MoE layer's
-/// experts), all in one section of the team; each result equals [`swiglu`]'s bit for bit.
-pub(crate) fn swiglu_many(
+/// `act(x_i · gate_iᵀ, x_i · up_iᵀ)` for every `(x_i, gate_i, up_i)` (an MoE layer's
+/// experts), all in one section of the team; each result equals [`glu`]'s bit for bit.
+pub(crate) fn glu_many(
     items: &[(&CpuTensor, &CpuTensor, &CpuTensor)],
+    act: Activation,
     mode: QuantMatmul,
 ) -> Result<Vec<CpuTensor>> {
-    many(items.iter().map(|&(x, g, u)| (x, g, Some(u))), mode)
+    many(items.iter().map(|&(x, g, u)| (x, g, Some(u))), act, mode)
 }
 
 /// `x_i · w_iᵀ` for every `(x_i, w_i)`, all in one section of the team; each result
@@ -155,16 +184,21 @@ pub(crate) fn matmul_many(
     items: &[(&CpuTensor, &CpuTensor)],
     mode: QuantMatmul,
 ) -> Result<Vec<CpuTensor>> {
-    many(items.iter().map(|&(x, w)| (x, w, None)), mode)
+    many(
+        items.iter().map(|&(x, w)| (x, w, None)),
+        Activation::Silu,
+        mode,
+    )
 }
 
-/// Independent products (SwiGLU pairs where `up` is given) as one section whose tasks are
+/// Independent products (gated pairs with `act` where `up` is given) as one section whose tasks are
 /// blocks of [`MANY_ROWS`] output rows of one product: a decode step's experts are small
 /// matrices, and one section each (two per expert) cost more in hand-overs and uneven
 /// finishes than their rows take to multiply. A row's value depends only on its product,
 /// never on the task or thread that computes it.
 fn many<'a>(
     items: impl Iterator<Item = (&'a CpuTensor, &'a CpuTensor, Option<&'a CpuTensor>)>,
+    act: Activation,
     mode: QuantMatmul,
 ) -> Result<Vec<CpuTensor>> {
     let items: Vec<_> = items.collect();
@@ -207,7 +241,7 @@ fn many<'a>(
         if let Some((i, row0, chunk)) = taken {
             match &products[i] {
                 (gate, Some(up)) => {
-                    swiglu_rows(gate, up, row0, chunk, &mut vec![0f32; chunk.len()])
+                    glu_rows(gate, up, act, row0, chunk, &mut vec![0f32; chunk.len()])
                 }
                 (w, None) => w.rows(row0, chunk),
             }
@@ -692,7 +726,7 @@ mod tests {
 
     /// The fused SwiGLU equals its two matmuls and the element-wise product, bit for bit.
     #[test]
-    fn swiglu_matches_two_matmuls() {
+    fn glu_matches_two_matmuls() {
         use kimi_core::DType;
         use kimi_gguf::GgmlType;
         let (k, o) = (256, 300);
@@ -725,7 +759,7 @@ mod tests {
                             .zip(&uy)
                             .map(|(g, u)| (crate::kda::silu(*g) * u).to_bits())
                             .collect();
-                        let got = swiglu_on(&team, &xt, g, u, mode).unwrap();
+                        let got = glu_on(&team, &xt, g, u, Activation::Silu, mode).unwrap();
                         assert_eq!(got.shape, vec![n, o]);
                         let got: Vec<u32> = got.to_f32_vec().iter().map(|v| v.to_bits()).collect();
                         assert_eq!(got, want, "n={n} {mode:?}");
@@ -749,9 +783,13 @@ mod tests {
         };
         for mode in [QuantMatmul::F32, QuantMatmul::Int8] {
             let pairs = [(&xs[0], &gq, &uq), (&xs[1], &gf, &uf), (&xs[2], &gq, &uf)];
-            let many = swiglu_many(&pairs, mode).unwrap();
+            let many = glu_many(&pairs, Activation::Silu, mode).unwrap();
             for ((x, g, u), got) in pairs.iter().zip(&many) {
-                assert_eq!(bits(got), bits(&swiglu(x, g, u, mode).unwrap()), "{mode:?}");
+                assert_eq!(
+                    bits(got),
+                    bits(&glu(x, g, u, Activation::Silu, mode).unwrap()),
+                    "{mode:?}"
+                );
             }
             let singles = [(&xs[2], &gq), (&xs[0], &uf), (&xs[1], &uq)];
             let many = matmul_many(&singles, mode).unwrap();
@@ -766,8 +804,8 @@ mod tests {
         }
         let x = CpuTensor::f32(&[1, k], vec![0.0; k]).unwrap();
         let small = CpuTensor::f32(&[3, k], vec![0.0; 3 * k]).unwrap();
-        assert!(swiglu(&x, &gf, &small, QuantMatmul::F32).is_err());
-        assert!(swiglu_many(&[(&x, &gf, &small)], QuantMatmul::F32).is_err());
+        assert!(glu(&x, &gf, &small, Activation::Silu, QuantMatmul::F32).is_err());
+        assert!(glu_many(&[(&x, &gf, &small)], Activation::Silu, QuantMatmul::F32).is_err());
     }
 
     /// Quantized weights multiply as their dequantized f32 values do (Q4_1 and Q8_0 are

@@ -1,13 +1,18 @@
 //! Mixture of experts: sigmoid router with bias-corrected, group-limited top-k selection,
-//! SwiGLU experts and shared experts (spec §5).
+//! gated experts and shared experts (Kimi Linear spec §5, Kimi K3 spec §3.4–§3.5).
 
-use crate::matmul::{matmul, matmul_many, swiglu, swiglu_many, QuantMatmul};
+use crate::matmul::{glu, glu_many, matmul, matmul_many, QuantMatmul};
 use crate::tensor::{shape_err, CpuTensor};
-use kimi_ops::{MlpWeights, MoeRouting, MoeWeights, Result};
+use kimi_ops::{Activation, MlpWeights, MoeRouting, MoeWeights, Result};
 
-/// See `Backend::mlp`. Gate and up run in one parallel section (see [`swiglu`]).
-pub fn mlp(x: &CpuTensor, w: &MlpWeights<CpuTensor>, mode: QuantMatmul) -> Result<CpuTensor> {
-    let hidden = swiglu(x, &w.gate, &w.up, mode)?;
+/// See `Backend::ffn`. Gate and up run in one parallel section (see [`glu`]).
+pub fn mlp(
+    x: &CpuTensor,
+    w: &MlpWeights<CpuTensor>,
+    act: Activation,
+    mode: QuantMatmul,
+) -> Result<CpuTensor> {
+    let hidden = glu(x, &w.gate, &w.up, act, mode)?;
     matmul(&hidden, &w.down, mode)
 }
 
@@ -66,21 +71,14 @@ fn top_indices(v: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
-/// See `Backend::moe`. Tokens are grouped by expert so each expert runs one matmul.
-pub fn moe(
-    x: &CpuTensor,
-    w: &MoeWeights<CpuTensor>,
-    r: &MoeRouting,
-    mode: QuantMatmul,
-) -> Result<(CpuTensor, Vec<u32>)> {
-    let (n, d) = x.rows_cols("moe")?;
-    let num_experts = w.experts.len();
-    if w.router.shape() != [num_experts, d] || r.top_k == 0 || r.top_k > num_experts {
+/// Checks a router against the routing parameters.
+fn check_router(d: usize, router: &CpuTensor, num_experts: usize, r: &MoeRouting) -> Result<()> {
+    if router.shape() != [num_experts, d] || r.top_k == 0 || r.top_k > num_experts {
         return Err(shape_err(
             "moe",
             format!(
                 "router {:?}, {num_experts} experts, top_k {}, hidden {d}",
-                w.router.shape(),
+                router.shape(),
                 r.top_k
             ),
         ));
@@ -92,11 +90,29 @@ pub fn moe(
             format!("{num_experts} experts in {} groups", r.num_groups),
         ));
     }
+    Ok(())
+}
+
+/// Routes every token of `x [n, d]`; see `Backend::moe_route`.
+pub fn route_tokens(
+    x: &CpuTensor,
+    router: &CpuTensor,
+    bias: Option<&CpuTensor>,
+    r: &MoeRouting,
+) -> Result<Vec<Route>> {
+    let (n, d) = x.rows_cols("moe")?;
+    let num_experts = router.shape().first().copied().unwrap_or(0);
+    check_router(d, router, num_experts, r)?;
+    if let Some(b) = bias.filter(|b| b.shape() != [num_experts]) {
+        return Err(shape_err(
+            "moe",
+            format!("correction bias {:?} for {num_experts} experts", b.shape()),
+        ));
+    }
     // The router stays in f32: expert choice is sensitive to small changes.
-    let logits = matmul(x, &w.router, QuantMatmul::F32)?.to_f32_vec();
-    let bias = w.correction_bias.as_ref().map(|b| b.f32_values());
-    let xs = x.as_f32("moe")?;
-    let routes: Vec<Route> = (0..n)
+    let logits = matmul(x, router, QuantMatmul::F32)?.to_f32_vec();
+    let bias = bias.map(|b| b.f32_values());
+    Ok((0..n)
         .map(|t| {
             route(
                 &logits[t * num_experts..(t + 1) * num_experts],
@@ -104,10 +120,44 @@ pub fn moe(
                 r,
             )
         })
-        .collect();
-    // Every used expert (and the shared one) in two sections: gate/up, then down.
+        .collect())
+}
+
+/// `Σ_k weight_k · expert_k(x)` per token over `routes`, plus `shared(x)` unweighted when
+/// given: `[n, d_out]` values. Tokens are grouped by expert so each expert runs one product,
+/// every used expert (and the shared one) in two sections: gate/up, then down.
+pub fn run_experts(
+    x: &CpuTensor,
+    routes: &[Route],
+    experts: &[MlpWeights<CpuTensor>],
+    shared: Option<&MlpWeights<CpuTensor>>,
+    act: Activation,
+    mode: QuantMatmul,
+) -> Result<CpuTensor> {
+    let (n, d) = x.rows_cols("moe")?;
+    if routes.len() != n {
+        return Err(shape_err(
+            "moe_experts",
+            format!("{} routes for {n} tokens", routes.len()),
+        ));
+    }
+    if let Some(bad) = routes
+        .iter()
+        .flat_map(|r| &r.experts)
+        .find(|&&e| e >= experts.len())
+    {
+        return Err(shape_err(
+            "moe_experts",
+            format!("route to expert {bad} of {}", experts.len()),
+        ));
+    }
+    let out_dim = match experts.first().or(shared) {
+        Some(w) => w.down.shape().first().copied().unwrap_or(0),
+        None => d,
+    };
+    let xs = x.as_f32("moe")?;
     let mut used = Vec::new();
-    for (expert, ew) in w.experts.iter().enumerate() {
+    for (expert, ew) in experts.iter().enumerate() {
         let users: Vec<(usize, f32)> = routes
             .iter()
             .enumerate()
@@ -132,40 +182,76 @@ pub fn moe(
         .iter()
         .map(|(ew, _, rows)| (rows, &ew.gate, &ew.up))
         .collect();
-    if let Some(shared) = &w.shared {
+    if let Some(shared) = shared {
         inputs.push((x, &shared.gate, &shared.up));
     }
-    let hidden = swiglu_many(&inputs, mode)?;
+    let hidden = glu_many(&inputs, act, mode)?;
     let mut downs: Vec<(&CpuTensor, &CpuTensor)> = used
         .iter()
         .zip(&hidden)
         .map(|((ew, ..), h)| (h, &ew.down))
         .collect();
-    if let (Some(shared), Some(h)) = (&w.shared, hidden.last()) {
+    if let (Some(shared), Some(h)) = (shared, hidden.last()) {
         downs.push((h, &shared.down));
     }
     let ys = matmul_many(&downs, mode)?;
-    let mut out = vec![0f32; n * d];
+    let mut shape = x.shape().to_vec();
+    if let Some(last) = shape.last_mut() {
+        *last = out_dim;
+    }
+    let mut out = vec![0f32; n * out_dim];
     // Combined in the order the experts were multiplied one by one before: routed experts
     // by id, then the shared one, so the sums round as they did.
     for ((_, users, _), y) in used.iter().zip(&ys) {
         let ys = y.as_f32("moe")?;
+        if ys.len() != users.len() * out_dim {
+            return Err(shape_err(
+                "moe_experts",
+                "experts of different output widths".into(),
+            ));
+        }
         for (i, (t, wt)) in users.iter().enumerate() {
-            for j in 0..d {
-                out[t * d + j] += wt * ys[i * d + j];
+            for j in 0..out_dim {
+                out[t * out_dim + j] += wt * ys[i * out_dim + j];
             }
         }
     }
-    if let (Some(_), Some(y)) = (&w.shared, ys.get(used.len())) {
-        for (o, v) in out.iter_mut().zip(y.as_f32("moe")?) {
+    if let (Some(_), Some(y)) = (shared, ys.get(used.len())) {
+        let y = y.as_f32("moe")?;
+        if y.len() != out.len() {
+            return Err(shape_err(
+                "moe",
+                "shared experts of another output width".into(),
+            ));
+        }
+        for (o, v) in out.iter_mut().zip(y) {
             *o += v;
         }
     }
+    CpuTensor::f32(&shape, out)
+}
+
+/// See `Backend::moe`: routing, SwiGLU experts and the shared experts in one step.
+pub fn moe(
+    x: &CpuTensor,
+    w: &MoeWeights<CpuTensor>,
+    r: &MoeRouting,
+    mode: QuantMatmul,
+) -> Result<(CpuTensor, Vec<u32>)> {
+    let routes = route_tokens(x, &w.router, w.correction_bias.as_ref(), r)?;
+    let y = run_experts(
+        x,
+        &routes,
+        &w.experts,
+        w.shared.as_ref(),
+        Activation::Silu,
+        mode,
+    )?;
     let chosen = routes
         .iter()
         .flat_map(|rt| rt.experts.iter().map(|&e| e as u32))
         .collect();
-    Ok((CpuTensor::f32(&x.shape, out)?, chosen))
+    Ok((y, chosen))
 }
 
 #[cfg(test)]

@@ -43,6 +43,7 @@ mod writer;
 pub use error::{GgufError, Result};
 pub use file::{GgufFile, TensorData, TensorInfo};
 pub use header::DEFAULT_ALIGNMENT;
+pub use quant::mxfp4;
 pub use quant::{dequantize, dequantize_row, quantize, quantize_into};
 pub use types::{GgmlType, QK_K};
 pub use value::{Array, Value, ValueType};

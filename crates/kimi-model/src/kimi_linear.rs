@@ -1,9 +1,21 @@
-//! Kimi Linear: a hybrid decoder of KDA and MLA layers with dense and MoE feed-forwards.
+//! Kimi Linear: a hybrid decoder of KDA and MLA layers with dense and MoE feed-forwards,
+//! and Kimi K3's text model as variants of it (`shared/docs/kimi-k3-spec.md` §3).
 //!
 //! ```text
 //! ids → embed → [ layer 0 … layer L-1 ] → norm → lm_head → logits
 //! layer i:  h = x + Mixer_i(RMSNorm_in(x))        Mixer = KDA | MLA
-//!           x = h + FFN_i(RMSNorm_post(h))        FFN   = dense SwiGLU | MoE
+//!           x = h + FFN_i(RMSNorm_post(h))        FFN   = dense | MoE (SwiGLU or SiTU)
+//! ```
+//!
+//! With Block Attention Residuals (K3) the residual stream is replaced by stored block sums
+//! and a partial sum `p`; every sublayer's input is a per-token softmax mix of them:
+//!
+//! ```text
+//! blocks = [], p = embed
+//! layer i:  h = mix_attn(blocks, p);  if i % block_size == 0 { blocks.push(p); p = 0 }
+//!           p += Mixer_i(RMSNorm_in(h))
+//!           p += FFN_i(RMSNorm_post(mix_mlp(blocks, p)))
+//! → norm(mix_out(blocks, p)) → lm_head
 //! ```
 
 use std::collections::HashSet;
@@ -31,7 +43,23 @@ struct DecoderLayer<T> {
     post_norm: T,
     mixer: MixerLayer<T>,
     ffn: FfnLayer<T>,
+    /// Block AttnRes mixes before the mixer and before the FFN, if the model has them.
+    res: Option<[T; 2]>,
 }
+
+/// The model's Block AttnRes settings: layers per block and the mix before the final norm.
+struct AttnRes<T> {
+    block_size: usize,
+    output: T,
+}
+
+/// Tensors of the vision encoder that a text model skips (K3's multimodal checkpoint).
+const VISION_PREFIXES: [&str; 4] = [
+    "vision_tower.",
+    "mm_projector.",
+    "vision_model.",
+    "multi_modal_projector.",
+];
 
 /// A loaded Kimi Linear model on backend `B`.
 pub struct KimiLinear<B: Backend> {
@@ -41,7 +69,9 @@ pub struct KimiLinear<B: Backend> {
     layers: Vec<DecoderLayer<B::Tensor>>,
     norm: B::Tensor,
     lm_head: Option<B::Tensor>,
+    attn_res: Option<AttnRes<B::Tensor>>,
     cache_specs: Vec<LayerSpec>,
+    ignored_vision_tensors: usize,
 }
 
 impl<B: Backend> KimiLinear<B> {
@@ -62,10 +92,12 @@ impl<B: Backend> KimiLinear<B> {
     /// Builds the model of `config` from any weight source (e.g. [`crate::RandomWeights`]).
     pub fn load_from(backend: B, config: ModelConfig, source: &dyn WeightSource) -> Result<Self> {
         let hidden = config.hidden_size;
+        let (act, eps) = (config.activation, config.rms_norm_eps);
         let mut ld = Loader {
             backend: &backend,
             source,
             used: HashSet::new(),
+            prefix: config.tensor_prefix(),
         };
         let embed = ld.get("model.embed_tokens.weight", &[config.vocab_size, hidden])?;
         let mut layers = Vec::with_capacity(config.layers.len());
@@ -98,28 +130,54 @@ impl<B: Backend> KimiLinear<B> {
                 }
             };
             let ffn = match spec.ffn {
-                Ffn::Dense => FfnLayer::load_dense(&mut ld, &p, hidden, config.intermediate_size)?,
+                Ffn::Dense => {
+                    FfnLayer::load_dense(&mut ld, &p, hidden, config.intermediate_size, act)?
+                }
                 Ffn::Moe => {
                     let c = config
                         .moe
                         .as_ref()
                         .ok_or_else(|| input("MoE layer without MoE configuration"))?;
-                    FfnLayer::load_moe(&mut ld, &p, hidden, c)?
+                    FfnLayer::load_moe(&mut ld, &p, hidden, c, act, eps)?
                 }
+            };
+            let res = match config.attn_res_block_size {
+                Some(_) => Some([
+                    mix_weight(&mut ld, &format!("{p}.self_attention_res"), hidden)?,
+                    mix_weight(&mut ld, &format!("{p}.mlp_res"), hidden)?,
+                ]),
+                None => None,
             };
             layers.push(DecoderLayer {
                 input_norm: ld.get(&format!("{p}.input_layernorm.weight"), &[hidden])?,
                 post_norm: ld.get(&format!("{p}.post_attention_layernorm.weight"), &[hidden])?,
                 mixer,
                 ffn,
+                res,
             });
         }
         let norm = ld.get("model.norm.weight", &[hidden])?;
+        let attn_res = match config.attn_res_block_size {
+            Some(block_size) => Some(AttnRes {
+                block_size,
+                output: mix_weight(&mut ld, "model.output_attn_res", hidden)?,
+            }),
+            None => None,
+        };
         let lm_head = if config.tie_word_embeddings {
             None
         } else {
             Some(ld.get("lm_head.weight", &[config.vocab_size, hidden])?)
         };
+        // A multimodal checkpoint's vision encoder: skipped, and counted so that the
+        // front end can say once that images are not supported.
+        let mut ignored_vision_tensors = 0;
+        for name in source.names() {
+            if VISION_PREFIXES.iter().any(|v| name.starts_with(v)) {
+                ld.used.insert(name);
+                ignored_vision_tensors += 1;
+            }
+        }
         source.check_all_used(&ld.used)?;
         Ok(Self {
             cache_specs: LayerSpec::of_config(&config)?,
@@ -129,12 +187,21 @@ impl<B: Backend> KimiLinear<B> {
             layers,
             norm,
             lm_head,
+            attn_res,
+            ignored_vision_tensors,
         })
     }
 
     /// The model's configuration.
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// How many tensors of a vision encoder the checkpoint held and the text model skipped
+    /// (Kimi K3's `vision_tower.*` / `mm_projector.*`): non-zero means images exist in the
+    /// checkpoint but kimi-infer runs text only.
+    pub fn ignored_vision_tensors(&self) -> usize {
+        self.ignored_vision_tensors
     }
 
     /// The backend the weights live on.
@@ -193,6 +260,9 @@ impl<B: Backend> KimiLinear<B> {
         seqs: &[&mut SeqCache],
         opts: ForwardOptions,
     ) -> Result<(B::Tensor, Vec<Option<B::Tensor>>)> {
+        if let Some(res) = &self.attn_res {
+            return self.queue_pass_attn_res(res, batch, pool, seqs, opts);
+        }
         let be = &self.backend;
         let segs = &batch.segments;
         let eps = self.config.rms_norm_eps;
@@ -216,6 +286,54 @@ impl<B: Backend> KimiLinear<B> {
         }
         let last = be.select_rows(&x, &batch.logits_rows)?;
         let normed = be.rms_norm(&last, &self.norm, eps)?;
+        let logits = be.matmul(&normed, self.lm_head.as_ref().unwrap_or(&self.embed))?;
+        Ok((logits, chosen_per_layer))
+    }
+
+    /// [`Self::queue_pass`] with Block Attention Residuals (see the module docs).
+    #[allow(clippy::type_complexity)]
+    fn queue_pass_attn_res(
+        &self,
+        res: &AttnRes<B::Tensor>,
+        batch: &Batch,
+        pool: &mut CachePool<B>,
+        seqs: &[&mut SeqCache],
+        opts: ForwardOptions,
+    ) -> Result<(B::Tensor, Vec<Option<B::Tensor>>)> {
+        let be = &self.backend;
+        let segs = &batch.segments;
+        let eps = self.config.rms_norm_eps;
+        let no_mix = || input("AttnRes layer without its mix weights");
+        let mut blocks: Vec<B::Tensor> = Vec::new();
+        let mut partial = be.embedding(&self.embed, &batch.tokens)?;
+        let mut chosen_per_layer = Vec::with_capacity(self.layers.len());
+        for (i, layer) in self.layers.iter().enumerate() {
+            let [attn_mix, mlp_mix] = layer.res.as_ref().ok_or_else(no_mix)?;
+            let h = be.attn_res_mix(&blocks.iter().collect::<Vec<_>>(), &partial, attn_mix, eps)?;
+            let normed = be.rms_norm(&h, &layer.input_norm, eps)?;
+            let mixed = self.run_mixer(layer, &normed, segs, &mut pool.layers[i], seqs, opts)?;
+            // A block starts here: the sum so far is stored and the new partial sum begins
+            // with this mixer's output (layer 0 stores the embedding as block 0).
+            if i % res.block_size == 0 {
+                blocks.push(std::mem::replace(&mut partial, mixed));
+            } else {
+                be.add_assign(&mut partial, &mixed)?;
+            }
+            let h = be.attn_res_mix(&blocks.iter().collect::<Vec<_>>(), &partial, mlp_mix, eps)?;
+            let normed = be.rms_norm(&h, &layer.post_norm, eps)?;
+            let (ffn_out, chosen) = layer.ffn.forward(be, &normed)?;
+            be.add_assign(&mut partial, &ffn_out)?;
+            chosen_per_layer.push(chosen);
+        }
+        // Only the rows whose logits are asked for go through the last mix.
+        let rows = &batch.logits_rows;
+        let picked = blocks
+            .iter()
+            .map(|b| be.select_rows(b, rows))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let last = be.select_rows(&partial, rows)?;
+        let mixed = be.attn_res_mix(&picked.iter().collect::<Vec<_>>(), &last, &res.output, eps)?;
+        let normed = be.rms_norm(&mixed, &self.norm, eps)?;
         let logits = be.matmul(&normed, self.lm_head.as_ref().unwrap_or(&self.embed))?;
         Ok((logits, chosen_per_layer))
     }
@@ -265,6 +383,16 @@ impl<B: Backend> KimiLinear<B> {
             _ => Err(mismatch()),
         }
     }
+}
+
+/// One AttnRes mix's `w_eff = norm ⊙ proj` in f32 (spec §3.6): the RMS-normalisation's
+/// weight folds into the scoring vector. Reads `{p}_norm.weight [d]` and `{p}_proj.weight
+/// [1, d]`.
+fn mix_weight<B: Backend>(ld: &mut Loader<'_, B>, p: &str, d: usize) -> Result<B::Tensor> {
+    let norm = ld.values(&format!("{p}_norm.weight"), &[d])?;
+    let proj = ld.values(&format!("{p}_proj.weight"), &[1, d])?;
+    let w: Vec<f32> = norm.iter().zip(&proj).map(|(n, p)| n * p).collect();
+    Ok(ld.backend.upload_f32(&[d], &w)?)
 }
 
 impl<B: Backend> CausalLm<B> for KimiLinear<B> {

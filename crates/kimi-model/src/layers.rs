@@ -1,14 +1,17 @@
 //! The building blocks of a Kimi Linear decoder layer: weights, loading and forward.
 //!
-//! Tensor names are the hub checkpoint names of `shared/docs/kimi-linear-spec.md` §2.
+//! Tensor names are the hub checkpoint names of `shared/docs/kimi-linear-spec.md` §2; Kimi
+//! K3's variants (`shared/docs/kimi-k3-spec.md` §2–§3: the full-rank KDA output gate and
+//! padded `A_log`, the MLA output gate, SiTU, LatentMoE and MXFP4 experts) are options of
+//! the same blocks, chosen by the config.
 
 use std::collections::HashSet;
 
-use kimi_core::config::{KdaConfig, MlaConfig, MoeConfig};
+use kimi_core::config::{ExpertFormat, KdaConfig, KdaOutputGate, MlaConfig, MoeConfig};
 use kimi_core::DType;
 use kimi_ops::{
-    Backend, HostTensor, KdaMode, KdaStepInputs, KdaStepWeights, MlaDims, MlaMode, MlpWeights,
-    MoeRouting, MoeWeights, PagedSeq, Segment,
+    Activation, Backend, ExpertBank, HostTensor, KdaMode, KdaStepInputs, KdaStepWeights, MlaDims,
+    MlaMode, MlpWeights, MoeRouting, MoeWeights, PagedSeq, Segment,
 };
 
 use crate::source::{quantized_to_bf16, WeightSource};
@@ -24,13 +27,35 @@ pub(crate) struct Loader<'a, B: Backend> {
     pub backend: &'a B,
     pub source: &'a dyn WeightSource,
     pub used: HashSet<String>,
+    /// Put before every name asked for (`language_model.` for Kimi K3's wrapper).
+    pub prefix: &'static str,
 }
 
 impl<B: Backend> Loader<'_, B> {
+    /// The stored name of `name`.
+    pub fn full(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+
+    /// Whether an optional tensor is present.
+    pub fn contains(&self, name: &str) -> bool {
+        self.source.contains(&self.full(name))
+    }
+
+    /// Loads `name` as stored, recording it as used.
+    fn load(&mut self, name: &str, shape: &[usize]) -> Result<(String, DType, Vec<u8>)> {
+        let full = self.full(name);
+        let (dtype, bytes) = self.source.load(&full, shape)?;
+        let bytes = bytes.into_owned();
+        self.used.insert(full.clone());
+        Ok((full, dtype, bytes))
+    }
+
     pub fn get(&mut self, name: &str, shape: &[usize]) -> Result<B::Tensor> {
-        let (dtype, bytes) = self.source.load(name, shape)?;
-        self.used.insert(name.to_string());
-        self.upload(name, shape, dtype, &bytes)
+        let full = self.full(name);
+        let (dtype, bytes) = self.source.load(&full, shape)?;
+        self.used.insert(full.clone());
+        self.upload(&full, shape, dtype, &bytes)
     }
 
     /// Uploads a weight as stored, or widened to bf16 where the backend has no kernels for
@@ -58,25 +83,100 @@ impl<B: Backend> Loader<'_, B> {
     /// router: its logits decide which experts run, so it runs in f32 as the reference does,
     /// and converting once here spares every forward pass a conversion).
     pub fn get_f32(&mut self, name: &str, shape: &[usize]) -> Result<B::Tensor> {
-        let (dtype, bytes) = self.source.load(name, shape)?;
-        self.used.insert(name.to_string());
-        let values: Vec<f32> = match dtype {
-            DType::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            DType::BF16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            DType::F16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
+        let full = self.full(name);
+        let (dtype, bytes) = self.source.load(&full, shape)?;
+        self.used.insert(full.clone());
+        match float_values(dtype, &bytes) {
+            Some(values) => Ok(self.backend.upload_f32(shape, &values)?),
             // Block-quantized routers stay as stored; the backend converts per call.
-            _ => return self.upload(name, shape, dtype, &bytes),
+            None => self.upload(&full, shape, dtype, &bytes),
+        }
+    }
+
+    /// The f32 values of a float tensor of `shape`, as stored, or an error naming it.
+    pub fn values(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let (full, dtype, bytes) = self.load(name, shape)?;
+        float_values(dtype, &bytes).ok_or_else(|| {
+            crate::ModelError::Input(format!(
+                "tensor {full} is {dtype}; a float type (f32, f16, bf16) is needed"
+            ))
+        })
+    }
+
+    /// A KDA layer's `A_log` as the `[1, 1, H, 1]` f32 tensor the gate reads. Kimi Linear
+    /// stores it so; Kimi K3 stores a `[N]` vector with N ≥ H whose first H entries are the
+    /// per-head values and the rest zero padding (spec §2.2, §7 item 3).
+    pub fn a_log(&mut self, name: &str, heads: usize) -> Result<B::Tensor> {
+        let shape = self.source.shape(&self.full(name));
+        let values = match shape.as_deref() {
+            Some([n]) if *n >= heads => {
+                let n = *n;
+                let v = self.values(name, &[n])?;
+                if let Some(i) = (heads..n).find(|&i| v[i] != 0.0) {
+                    return Err(crate::ModelError::Input(format!(
+                        "tensor {}: entry {i} is {} but entries {heads}.. of a padded A_log \
+                         must be zero ({heads} heads)",
+                        self.full(name),
+                        v[i]
+                    )));
+                }
+                v[..heads].to_vec()
+            }
+            Some([1, 1, h, 1]) if *h == heads => self.values(name, &[1, 1, heads, 1])?,
+            Some(other) => {
+                return Err(crate::ModelError::Input(format!(
+                    "tensor {} has shape {other:?}; expected [1, 1, {heads}, 1] or [N] with \
+                     N >= {heads} (per-head values, zero padding)",
+                    self.full(name)
+                )))
+            }
+            None => self.values(name, &[1, 1, heads, 1])?,
         };
-        Ok(self.backend.upload_f32(shape, &values)?)
+        Ok(self.backend.upload_f32(&[1, 1, heads, 1], &values)?)
+    }
+
+    /// An MXFP4 matrix `[rows, cols]` from its two planes `{name}.weight_packed` (U8
+    /// `[rows, cols/2]`) and `{name}.weight_scale` (U8 or F8_E8M0 `[rows, cols/32]`),
+    /// repacked into ggml MXFP4 blocks (4.25 bits per weight, values unchanged).
+    pub fn mxfp4(&mut self, name: &str, rows: usize, cols: usize) -> Result<B::Tensor> {
+        let bad = |what: String| crate::ModelError::Input(what);
+        if !cols.is_multiple_of(32) {
+            return Err(bad(format!(
+                "{}: MXFP4 rows of {cols} values are not whole 32-value blocks",
+                self.full(name)
+            )));
+        }
+        let (codes_name, codes_type, codes) =
+            self.load(&format!("{name}.weight_packed"), &[rows, cols / 2])?;
+        let (scales_name, scales_type, scales) =
+            self.load(&format!("{name}.weight_scale"), &[rows, cols / 32])?;
+        if codes_type != DType::U8 {
+            return Err(bad(format!(
+                "tensor {codes_name} is {codes_type}; MXFP4 codes are U8"
+            )));
+        }
+        if !matches!(scales_type, DType::U8 | DType::E8M0) {
+            return Err(bad(format!(
+                "tensor {scales_name} is {scales_type}; MXFP4 scales are U8 or F8_E8M0"
+            )));
+        }
+        // 255 is NaN in E8M0: refuse it here rather than run a layer into NaNs.
+        if let Some(i) = scales.iter().position(|&e| e == 255) {
+            return Err(bad(format!(
+                "tensor {scales_name}: row {}, block {} holds the E8M0 NaN scale 255",
+                i / (cols / 32),
+                i % (cols / 32)
+            )));
+        }
+        let mut blocks = vec![0u8; rows * cols / 32 * 17];
+        for ((out, c), s) in blocks
+            .chunks_exact_mut(cols / 32 * 17)
+            .zip(codes.chunks_exact(cols / 2))
+            .zip(scales.chunks_exact(cols / 32))
+        {
+            kimi_gguf::mxfp4::from_planes(c, s, out);
+        }
+        self.upload(&codes_name, &[rows, cols], DType::MXFP4, &blocks)
     }
 
     /// The matrices `names` (each `[rows_i, cols]`) stacked by rows into one
@@ -87,8 +187,9 @@ impl<B: Backend> Loader<'_, B> {
         names: &[(String, usize)],
         cols: usize,
     ) -> Result<Stacked<B::Tensor>> {
+        let names: Vec<(String, usize)> = names.iter().map(|(n, r)| (self.full(n), *r)).collect();
         let mut parts = Vec::with_capacity(names.len());
-        for (name, rows) in names {
+        for (name, rows) in &names {
             parts.push(self.source.load(name, &[*rows, cols])?);
             self.used.insert(name.clone());
         }
@@ -101,7 +202,7 @@ impl<B: Backend> Loader<'_, B> {
             return Ok(Stacked::One(w, rows));
         }
         let mut each = Vec::with_capacity(parts.len());
-        for (((dtype, bytes), rows), (name, _)) in parts.iter().zip(&rows).zip(names) {
+        for (((dtype, bytes), rows), (name, _)) in parts.iter().zip(&rows).zip(&names) {
             each.push(self.upload(name, &[*rows, cols], *dtype, bytes)?);
         }
         Ok(Stacked::Each(each))
@@ -120,6 +221,25 @@ impl<B: Backend> Loader<'_, B> {
             down: self.get(&format!("{prefix}.{}.weight", names[2]), &[hidden, width])?,
         })
     }
+}
+
+/// The f32 values of a float tensor's bytes; `None` for other dtypes.
+fn float_values(dtype: DType, bytes: &[u8]) -> Option<Vec<f32>> {
+    Some(match dtype {
+        DType::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        DType::BF16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        DType::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        _ => return None,
+    })
 }
 
 /// Matrices that multiply the same input: stacked by rows into one (one read of the input,
@@ -148,7 +268,9 @@ pub(crate) struct KdaLayer<T> {
     f_b: T,
     a_log: T,
     dt_bias: T,
-    g_b: T,
+    /// The low-rank output gate's up-projection; `None` where the input projection holds a
+    /// full-rank `g_proj` (Kimi K3) whose product is the gate itself.
+    g_b: Option<T>,
     o_norm: T,
     o: T,
 }
@@ -171,17 +293,25 @@ impl<T> KdaLayer<T> {
     ) -> Result<Self> {
         let (h, d, w) = (c.num_heads, c.head_dim, c.conv_kernel);
         let width = h * d;
+        let gate = match c.output_gate {
+            KdaOutputGate::LowRank => (format!("{p}.g_a_proj.weight"), d),
+            KdaOutputGate::FullRank => (format!("{p}.g_proj.weight"), width),
+        };
         let input_proj = ld.stacked(
             &[
                 (format!("{p}.q_proj.weight"), width),
                 (format!("{p}.k_proj.weight"), width),
                 (format!("{p}.v_proj.weight"), width),
                 (format!("{p}.f_a_proj.weight"), d),
-                (format!("{p}.g_a_proj.weight"), d),
+                gate,
                 (format!("{p}.b_proj.weight"), h),
             ],
             hidden,
         )?;
+        let g_b = match c.output_gate {
+            KdaOutputGate::LowRank => Some(ld.get(&format!("{p}.g_b_proj.weight"), &[width, d])?),
+            KdaOutputGate::FullRank => None,
+        };
         Ok(Self {
             input_proj,
             conv: [
@@ -190,9 +320,9 @@ impl<T> KdaLayer<T> {
                 ld.get(&format!("{p}.v_conv1d.weight"), &[width, 1, w])?,
             ],
             f_b: ld.get(&format!("{p}.f_b_proj.weight"), &[width, d])?,
-            a_log: ld.get(&format!("{p}.A_log"), &[1, 1, h, 1])?,
+            a_log: ld.a_log(&format!("{p}.A_log"), h)?,
             dt_bias: ld.get(&format!("{p}.dt_bias"), &[width])?,
-            g_b: ld.get(&format!("{p}.g_b_proj.weight"), &[width, d])?,
+            g_b,
             o_norm: ld.get(&format!("{p}.o_norm.weight"), &[d])?,
             o: ld.get(&format!("{p}.o_proj.weight"), &[hidden, width])?,
         })
@@ -206,8 +336,11 @@ impl<T> KdaLayer<T> {
                 .next()
                 .ok_or_else(|| crate::forward::input("KDA projections"))
         };
-        let (q, k, v, f_a, g_a, b) = (next()?, next()?, next()?, next()?, next()?, next()?);
-        let (f, z) = be.matmul_pair((&f_a, &self.f_b), (&g_a, &self.g_b))?;
+        let (q, k, v, f_a, g, b) = (next()?, next()?, next()?, next()?, next()?, next()?);
+        let (f, z) = match &self.g_b {
+            Some(g_b) => be.matmul_pair((&f_a, &self.f_b), (&g, g_b))?,
+            None => (be.matmul(&f_a, &self.f_b)?, g),
+        };
         Ok(KdaProjections {
             qkv: [q, k, v],
             f,
@@ -291,6 +424,8 @@ pub(crate) struct MlaLayer<T> {
     kv_a: T,
     kv_a_norm: T,
     kv_b: T,
+    /// Output gate `g_proj [H*v, hidden]` (Kimi K3), applied as `o ⊙ sigmoid(g_proj(x))`.
+    gate: Option<T>,
     o: T,
 }
 
@@ -322,6 +457,10 @@ impl<T> MlaLayer<T> {
                 &format!("{p}.kv_b_proj.weight"),
                 &[h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank],
             )?,
+            gate: match c.output_gate {
+                true => Some(ld.get(&format!("{p}.g_proj.weight"), &[h * c.v_head_dim, hidden])?),
+                false => None,
+            },
             o: ld.get(&format!("{p}.o_proj.weight"), &[hidden, h * c.v_head_dim])?,
         })
     }
@@ -355,15 +494,52 @@ impl<T> MlaLayer<T> {
             v_head_dim: c.v_head_dim,
             scale: ((c.qk_nope_head_dim + c.qk_rope_head_dim) as f32).powf(-0.5),
         };
-        let o = be.mla(&q, &latent, &self.kv_b, &dims, segments, pool, seqs, mode)?;
+        let mut o = be.mla(&q, &latent, &self.kv_b, &dims, segments, pool, seqs, mode)?;
+        if let Some(g) = &self.gate {
+            // The gate reads the layer's normalised input, not the attention output.
+            o = be.sigmoid_gate(&o, &be.matmul(x, g)?)?;
+        }
         Ok(be.matmul(&o, &self.o)?)
     }
 }
 
 /// The feed-forward block of a layer.
 pub(crate) enum FfnLayer<T> {
-    Dense(MlpWeights<T>),
+    Dense(MlpWeights<T>, Activation),
+    /// A plain SwiGLU MoE layer (Kimi Linear): the backend's fused step.
     Moe(MoeWeights<T>, MoeRouting),
+    /// Routing, routed experts and shared experts as separate ops, for SiTU and LatentMoE
+    /// (Kimi K3).
+    Composed(Box<ComposedMoe<T>>),
+}
+
+/// LatentMoE's projections around the routed experts.
+pub(crate) struct LatentProj<T> {
+    /// `routed_expert_down_proj [latent, hidden]`.
+    down: T,
+    /// `routed_expert_norm [latent]`, on the weighted expert sum.
+    norm: Option<T>,
+    /// `routed_expert_up_proj [hidden, latent]`.
+    up: T,
+}
+
+/// A MoE layer whose steps the model composes itself (Kimi K3 spec §3.4–§3.5):
+///
+/// ```text
+/// routes = route(x)                          router on the full-width x
+/// z      = latent.down(x)                    (x itself without a latent)
+/// u      = Σ_k w_k · expert_k(z)             SiTU-GLU experts, MXFP4 or dense
+/// y      = latent.up(RMSNorm(u)) + shared(x) shared experts on the unprojected x
+/// ```
+pub(crate) struct ComposedMoe<T> {
+    router: T,
+    correction_bias: Option<T>,
+    routing: MoeRouting,
+    bank: ExpertBank<T>,
+    latent: Option<LatentProj<T>>,
+    shared: Option<MlpWeights<T>>,
+    act: Activation,
+    eps: f32,
 }
 
 impl<T> FfnLayer<T> {
@@ -372,13 +548,17 @@ impl<T> FfnLayer<T> {
         p: &str,
         hidden: usize,
         width: usize,
+        act: Activation,
     ) -> Result<Self> {
-        Ok(Self::Dense(ld.mlp(
-            &format!("{p}.mlp"),
-            ["gate_proj", "up_proj", "down_proj"],
-            hidden,
-            width,
-        )?))
+        Ok(Self::Dense(
+            ld.mlp(
+                &format!("{p}.mlp"),
+                ["gate_proj", "up_proj", "down_proj"],
+                hidden,
+                width,
+            )?,
+            act,
+        ))
     }
 
     pub fn load_moe<B: Backend<Tensor = T>>(
@@ -386,25 +566,21 @@ impl<T> FfnLayer<T> {
         p: &str,
         hidden: usize,
         c: &MoeConfig,
+        act: Activation,
+        eps: f32,
     ) -> Result<Self> {
         let p = format!("{p}.block_sparse_moe");
         let e = c.num_experts;
         let router = ld.get_f32(&format!("{p}.gate.weight"), &[e, hidden])?;
         let bias_name = format!("{p}.gate.e_score_correction_bias");
-        let correction_bias = if ld.source.contains(&bias_name) {
+        let correction_bias = if ld.contains(&bias_name) {
             Some(ld.get(&bias_name, &[e])?)
         } else {
             None
         };
+        let expert_in = c.latent.map_or(hidden, |l| l.width);
         let experts = (0..e)
-            .map(|i| {
-                ld.mlp(
-                    &format!("{p}.experts.{i}"),
-                    ["w1", "w3", "w2"],
-                    hidden,
-                    c.expert_intermediate_size,
-                )
-            })
+            .map(|i| load_expert(ld, &format!("{p}.experts.{i}"), expert_in, c))
             .collect::<Result<Vec<_>>>()?;
         let shared = match c.num_shared_experts {
             0 => None,
@@ -423,26 +599,104 @@ impl<T> FfnLayer<T> {
             scaling: c.routed_scaling_factor,
             weights_use_bias: c.weights_use_correction_bias,
         };
-        Ok(Self::Moe(
-            MoeWeights {
-                router,
-                correction_bias,
-                experts,
-                shared,
-            },
+        if act == Activation::Silu && c.latent.is_none() {
+            return Ok(Self::Moe(
+                MoeWeights {
+                    router,
+                    correction_bias,
+                    experts,
+                    shared,
+                },
+                routing,
+            ));
+        }
+        let latent = match c.latent {
+            None => None,
+            Some(l) => Some(LatentProj {
+                down: ld.get(
+                    &format!("{p}.routed_expert_down_proj.weight"),
+                    &[l.width, hidden],
+                )?,
+                norm: match l.norm {
+                    true => Some(ld.get(&format!("{p}.routed_expert_norm.weight"), &[l.width])?),
+                    false => None,
+                },
+                up: ld.get(
+                    &format!("{p}.routed_expert_up_proj.weight"),
+                    &[hidden, l.width],
+                )?,
+            }),
+        };
+        Ok(Self::Composed(Box::new(ComposedMoe {
+            router,
+            correction_bias,
             routing,
-        ))
+            bank: ExpertBank::resident(experts),
+            latent,
+            shared,
+            act,
+            eps,
+        })))
     }
 
     /// Returns the output and, for MoE, the chosen experts (read with
     /// [`Backend::expert_ids`]).
     pub fn forward<B: Backend<Tensor = T>>(&self, be: &B, x: &T) -> Result<(T, Option<T>)> {
         match self {
-            Self::Dense(w) => Ok((be.mlp(x, w)?, None)),
+            Self::Dense(w, act) => Ok((be.ffn(x, w, *act)?, None)),
             Self::Moe(w, r) => {
                 let (y, chosen) = be.moe(x, w, r)?;
                 Ok((y, Some(chosen)))
             }
+            Self::Composed(m) => {
+                let routes = be.moe_route(x, &m.router, m.correction_bias.as_ref(), &m.routing)?;
+                let mut y = match &m.latent {
+                    None => be.moe_experts(x, &routes, &m.bank, m.act)?,
+                    Some(l) => {
+                        let z = be.matmul(x, &l.down)?;
+                        let mut u = be.moe_experts(&z, &routes, &m.bank, m.act)?;
+                        if let Some(norm) = &l.norm {
+                            u = be.rms_norm(&u, norm, m.eps)?;
+                        }
+                        be.matmul(&u, &l.up)?
+                    }
+                };
+                if let Some(shared) = &m.shared {
+                    be.add_assign(&mut y, &be.ffn(x, shared, m.act)?)?;
+                }
+                Ok((y, Some(routes.experts)))
+            }
         }
     }
+}
+
+/// One routed expert: `w1` (gate), `w3` (up), `w2` (down), each MXFP4 planes
+/// (`weight_packed` + `weight_scale`) or a plain `weight`, as the checkpoint stores it.
+fn load_expert<B: Backend>(
+    ld: &mut Loader<'_, B>,
+    p: &str,
+    expert_in: usize,
+    c: &MoeConfig,
+) -> Result<MlpWeights<B::Tensor>> {
+    let width = c.expert_intermediate_size;
+    let mut matrix = |name: &str, rows: usize, cols: usize| -> Result<B::Tensor> {
+        let base = format!("{p}.{name}");
+        if ld.contains(&format!("{base}.weight_packed")) {
+            ld.mxfp4(&base, rows, cols)
+        } else if c.expert_format == ExpertFormat::Mxfp4 && !ld.contains(&format!("{base}.weight"))
+        {
+            Err(crate::ModelError::Input(format!(
+                "the checkpoint has neither {0}.weight_packed (MXFP4, as its \
+                 quantization_config says) nor {0}.weight",
+                ld.full(&base)
+            )))
+        } else {
+            ld.get(&format!("{base}.weight"), &[rows, cols])
+        }
+    };
+    Ok(MlpWeights {
+        gate: matrix("w1", width, expert_in)?,
+        up: matrix("w3", width, expert_in)?,
+        down: matrix("w2", expert_in, width)?,
+    })
 }

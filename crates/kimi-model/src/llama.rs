@@ -207,6 +207,7 @@ impl<B: Backend> Llama<B> {
             backend: &backend,
             source,
             used: HashSet::new(),
+            prefix: "",
         };
         let embed = ld.get("token_embd.weight", &[c.vocab_size, hidden])?;
         let mut layers = Vec::with_capacity(c.num_layers);

@@ -21,6 +21,16 @@ pub trait WeightSource {
     fn load(&self, name: &str, shape: &[usize]) -> Result<(DType, Cow<'_, [u8]>)>;
     /// Fails if the source holds tensors outside `used`.
     fn check_all_used(&self, used: &HashSet<String>) -> Result<()>;
+    /// The stored shape of `name`, where the source knows it before a load (a tensor whose
+    /// layout varies between checkpoints, such as K3's padded `A_log`). Default: unknown.
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        let _ = name;
+        None
+    }
+    /// Every tensor name the source holds, where it can list them. Default: none.
+    fn names(&self) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 impl WeightSource for Checkpoint {
@@ -33,6 +43,12 @@ impl WeightSource for Checkpoint {
     }
     fn check_all_used(&self, used: &HashSet<String>) -> Result<()> {
         Ok(Checkpoint::check_all_used(self, used)?)
+    }
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.get(name).ok().map(|v| v.shape.to_vec())
+    }
+    fn names(&self) -> Vec<String> {
+        self.tensor_names().into_iter().map(String::from).collect()
     }
 }
 
@@ -122,6 +138,7 @@ pub(crate) fn gguf_dtype(ty: GgmlType) -> Option<DType> {
         GgmlType::Q4_K => DType::Q4_K,
         GgmlType::Q5_K => DType::Q5_K,
         GgmlType::Q6_K => DType::Q6_K,
+        GgmlType::MXFP4 => DType::MXFP4,
         _ => return None,
     })
 }
@@ -150,6 +167,12 @@ impl WeightSource for RandomWeights {
 
     fn load(&self, name: &str, shape: &[usize]) -> Result<(DType, Cow<'_, [u8]>)> {
         let n: usize = shape.iter().product();
+        if name.ends_with(".weight_packed") || name.ends_with(".weight_scale") {
+            return Ok((
+                DType::U8,
+                Cow::Owned(random_mxfp4_plane(name, n, self.seed)),
+            ));
+        }
         let fan_in = *shape.last().unwrap_or(&1) as f32;
         let a = fan_in.max(1.0).powf(-0.5);
         let value: fn(f32, f32) -> f32 = if name.ends_with("A_log") {
@@ -192,6 +215,30 @@ impl WeightSource for RandomWeights {
     fn check_all_used(&self, _used: &HashSet<String>) -> Result<()> {
         Ok(())
     }
+}
+
+/// One plane of a random MXFP4 matrix: uniform codes, or E8M0 scales of 2^-8 .. 2^-5 so that
+/// the values (up to ±6 · scale) keep activations finite through any depth.
+fn random_mxfp4_plane(name: &str, n: usize, seed: u64) -> Vec<u8> {
+    let scales = name.ends_with(".weight_scale");
+    let mut bytes = vec![0u8; n];
+    const CHUNK: usize = 1 << 16;
+    let seed = seed ^ fnv(name);
+    bytes
+        .par_chunks_mut(CHUNK)
+        .enumerate()
+        .for_each(|(ci, chunk)| {
+            let mut state = seed ^ (ci as u64).wrapping_mul(0xd1b54a32d192ed03);
+            for b in chunk.iter_mut() {
+                let u = splitmix_unit(&mut state);
+                *b = if scales {
+                    119 + (u * 4.0) as u8
+                } else {
+                    (u * 256.0) as u8
+                };
+            }
+        });
+    bytes
 }
 
 /// splitmix64 step mapped to [0, 1).

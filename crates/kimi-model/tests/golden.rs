@@ -1,7 +1,12 @@
-//! The model against Hugging Face transformers' float64 reference logits.
+//! The model against float64 reference logits.
 //!
-//! Fixtures come from `scripts/make_fixtures.py` (tiny random checkpoints in the hub layout,
-//! made with `KimiLinearForCausalLM` of transformers 5.17); see `fixtures/kimi-linear/README.md`.
+//! Kimi Linear fixtures come from `scripts/make_fixtures.py` (tiny random checkpoints in the
+//! hub layout, made with `KimiLinearForCausalLM` of transformers 5.17); see
+//! `fixtures/kimi-linear/README.md`. Kimi K3 fixtures come from `scripts/make_k3_fixtures.py`
+//! (tiny random checkpoints in the released K3 layout: the `language_model.` wrapper, shards,
+//! MXFP4 experts), their logits from our float64 reference of the spec
+//! (`scripts/k3_reference.py`), checked against mlx-lm's K3 model; see
+//! `fixtures/kimi-k3/README.md`.
 //! Every fixture is checked in three feed modes — whole-prompt prefill, 16-token chunks
 //! through the caches and token-by-token decode — and by a greedy continuation. The feed
 //! modes run through a paged cache whose block table is scattered and out of order, whose
@@ -19,23 +24,28 @@ use serde_json::Value;
 /// f32 CPU arithmetic against a float64 reference.
 const TOLERANCE: f64 = 1e-4;
 
-fn fixtures_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/kimi-linear")
+fn fixtures_root(family: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../fixtures/{family}"))
 }
 
+/// Every committed fixture: Kimi Linear's and Kimi K3's.
 fn fixture_dirs() -> Vec<PathBuf> {
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(fixtures_root())
-        .expect("fixtures/kimi-linear exists")
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("reference.json").exists())
-        .collect();
-    dirs.sort();
-    assert!(
-        dirs.len() >= 6,
-        "expected the committed fixtures, found {}",
-        dirs.len()
-    );
-    dirs
+    let mut all = Vec::new();
+    for (family, at_least) in [("kimi-linear", 6), ("kimi-k3", 2)] {
+        let mut dirs: Vec<PathBuf> = std::fs::read_dir(fixtures_root(family))
+            .unwrap_or_else(|e| panic!("fixtures/{family}: {e}"))
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.join("reference.json").exists())
+            .collect();
+        dirs.sort();
+        assert!(
+            dirs.len() >= at_least,
+            "expected the committed {family} fixtures, found {}",
+            dirs.len()
+        );
+        all.extend(dirs);
+    }
+    all
 }
 
 /// Reads a little-endian float64 `.npy` matrix.
@@ -178,6 +188,24 @@ fn run(model: &KimiLinear<CpuBackend>, ids: &[u32], step: usize, opts: ForwardOp
     out
 }
 
+/// Rows whose greedy choice differs from the reference's, among rows where the reference's
+/// best two logits are clearly apart (more than 1e-4 of the row's largest magnitude).
+fn argmax_mismatches(got: &[f32], want: &[f64], vocab: usize) -> Vec<usize> {
+    let mut bad = Vec::new();
+    for (r, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+        let mut order: Vec<usize> = (0..vocab).collect();
+        order.sort_by(|&a, &b| w[b].total_cmp(&w[a]));
+        let scale = w.iter().fold(0f64, |m, v| m.max(v.abs()));
+        if w[order[0]] - w[order[1]] <= 1e-4 * scale {
+            continue;
+        }
+        if kimi_ops::argmax_row(g) as usize != order[0] {
+            bad.push(r);
+        }
+    }
+    bad
+}
+
 fn rel_err(got: &[f32], want: &[f64]) -> f64 {
     assert_eq!(got.len(), want.len());
     let num: f64 = got
@@ -200,6 +228,12 @@ fn check_modes(modes: &[(&str, usize, ForwardOptions)]) {
             assert!(
                 err <= TOLERANCE,
                 "{}: {label}: relative error {err:.3e} > {TOLERANCE:e}",
+                f.name
+            );
+            let bad = argmax_mismatches(&got, &f.logits, f.vocab);
+            assert!(
+                bad.is_empty(),
+                "{}: {label}: greedy choice differs at rows {bad:?}",
                 f.name
             );
         }

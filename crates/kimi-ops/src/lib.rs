@@ -12,6 +12,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+pub use kimi_core::config::Activation;
 use kimi_core::config::KdaGate;
 use kimi_core::DType;
 
@@ -299,7 +300,7 @@ pub struct AttentionDims {
     pub scale: f32,
 }
 
-/// Weights of one SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
+/// Weights of one gated MLP: `down(act(gate(x), up(x)))` ([`Activation`]).
 pub struct MlpWeights<T> {
     /// `[intermediate, hidden]`.
     pub gate: T,
@@ -319,6 +320,54 @@ pub struct MoeWeights<T> {
     pub experts: Vec<MlpWeights<T>>,
     /// Shared experts, applied to every token unweighted.
     pub shared: Option<MlpWeights<T>>,
+}
+
+/// The routes of a batch's tokens through one MoE layer, as [`Backend::moe_route`] chose
+/// them: `top_k` experts per token, best first, and their combine weights (renormalised and
+/// scaled), both `[n, top_k]` tensors of the backend. [`Backend::expert_ids`] reads
+/// `experts`.
+pub struct MoeRoutes<T> {
+    /// Expert ids `[n, top_k]`.
+    pub experts: T,
+    /// Combine weights `[n, top_k]`, f32.
+    pub weights: T,
+    /// Experts per token.
+    pub top_k: usize,
+}
+
+/// One layer's routed experts, the input of [`Backend::moe_experts`]. The bank owns its
+/// experts' weights: each matrix keeps its stored format (bf16, ggml blocks, MXFP4) in the
+/// backend's memory. Experts that live elsewhere (host memory or disk behind a GPU, other
+/// ranks) are future variants of this type, so that the layer code does not change.
+pub struct ExpertBank<T> {
+    experts: Vec<MlpWeights<T>>,
+}
+
+impl<T> ExpertBank<T> {
+    /// A bank whose experts all live in the backend's memory, expert `e` at index `e`.
+    pub fn resident(experts: Vec<MlpWeights<T>>) -> Self {
+        Self { experts }
+    }
+
+    /// Number of experts.
+    pub fn len(&self) -> usize {
+        self.experts.len()
+    }
+
+    /// Whether the bank has no experts.
+    pub fn is_empty(&self) -> bool {
+        self.experts.is_empty()
+    }
+
+    /// Expert `e`'s weights, where they are resident.
+    pub fn expert(&self, e: usize) -> Option<&MlpWeights<T>> {
+        self.experts.get(e)
+    }
+
+    /// Every expert, in id order.
+    pub fn experts(&self) -> &[MlpWeights<T>] {
+        &self.experts
+    }
 }
 
 /// Routing hyper-parameters of a MoE block.
@@ -516,10 +565,74 @@ pub trait Backend: Send + Sync {
     fn concat_cols(&self, parts: &[&Self::Tensor]) -> Result<Self::Tensor>;
     /// Elementwise logistic sigmoid.
     fn sigmoid(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
+    /// `x ⊙ sigmoid(gate)`, both `[n, d]` (Kimi K3's MLA output gate). Default: unsupported.
+    fn sigmoid_gate(&self, x: &Self::Tensor, gate: &Self::Tensor) -> Result<Self::Tensor> {
+        let _ = (x, gate);
+        Err(Error::Unsupported("sigmoid_gate".into()))
+    }
+    /// Block Attention Residuals' mix (Kimi K3 spec §3.6), per token: over the sources
+    /// `V = [blocks.., partial]` (each `[n, d]`), logits `(V_k · w_eff) / sqrt(mean(V_k²) +
+    /// eps)`, a softmax over the sources, and `Σ_k π_k V_k` (f32 throughout). `w_eff [d]` is
+    /// the mix's norm weight times its projection. With no blocks it returns `partial`.
+    /// Default: unsupported.
+    fn attn_res_mix(
+        &self,
+        blocks: &[&Self::Tensor],
+        partial: &Self::Tensor,
+        w_eff: &Self::Tensor,
+        eps: f32,
+    ) -> Result<Self::Tensor> {
+        let _ = (blocks, partial, w_eff, eps);
+        Err(Error::Unsupported("attn_res_mix".into()))
+    }
 
     /// SwiGLU MLP `down(silu(x·gateᵀ) ⊙ x·upᵀ)` on `x [n, hidden]`.
     fn mlp(&self, x: &Self::Tensor, w: &MlpWeights<Self::Tensor>) -> Result<Self::Tensor>;
-    /// Routed experts plus shared experts on `x [n, hidden]` → `[n, hidden]`.
+    /// Gated MLP `down(act(x·gateᵀ, x·upᵀ))` on `x [n, hidden]`, the activation in f32.
+    /// Default: [`Backend::mlp`] for SwiGLU; a backend runs other activations itself.
+    fn ffn(
+        &self,
+        x: &Self::Tensor,
+        w: &MlpWeights<Self::Tensor>,
+        act: Activation,
+    ) -> Result<Self::Tensor> {
+        match act {
+            Activation::Silu => self.mlp(x, w),
+            other => Err(Error::Unsupported(format!("ffn with {other:?}"))),
+        }
+    }
+    /// Routes `x [n, hidden]` through a MoE layer's router (`router [E, hidden]`, logits in
+    /// f32): sigmoid scores, `correction_bias` added for the selection only, group-limited
+    /// top-k, weights from the unbiased scores (unless `routing.weights_use_bias`),
+    /// renormalised and scaled. Default: unsupported (backends with only the fused
+    /// [`Backend::moe`] cannot split the step).
+    fn moe_route(
+        &self,
+        x: &Self::Tensor,
+        router: &Self::Tensor,
+        correction_bias: Option<&Self::Tensor>,
+        routing: &MoeRouting,
+    ) -> Result<MoeRoutes<Self::Tensor>> {
+        let _ = (x, router, correction_bias, routing);
+        Err(Error::Unsupported("moe_route".into()))
+    }
+    /// The routed experts of a layer on `x [n, d]` (the hidden state, or the LatentMoE
+    /// latent): for each token `Σ_k weight_k · expert_k(x)` over its `routes`, each expert
+    /// a gated MLP with `act`. Returns `[n, d]`. Default: unsupported.
+    fn moe_experts(
+        &self,
+        x: &Self::Tensor,
+        routes: &MoeRoutes<Self::Tensor>,
+        bank: &ExpertBank<Self::Tensor>,
+        act: Activation,
+    ) -> Result<Self::Tensor> {
+        let _ = (x, routes, bank, act);
+        Err(Error::Unsupported("moe_experts".into()))
+    }
+    /// Routed experts plus shared experts on `x [n, hidden]` → `[n, hidden]`, SwiGLU
+    /// throughout: the fused form of [`Backend::moe_route`], [`Backend::moe_experts`] and
+    /// [`Backend::ffn`] for a plain MoE layer (Kimi Linear), where backends have their
+    /// fastest paths.
     /// Returns the output and the chosen experts, `top_k` per token, in a tensor only
     /// [`Backend::expert_ids`] reads: a GPU backend can then read every layer's choices
     /// after the whole pass is queued, with one wait, instead of waiting once per layer.
@@ -529,7 +642,8 @@ pub trait Backend: Send + Sync {
         w: &MoeWeights<Self::Tensor>,
         routing: &MoeRouting,
     ) -> Result<(Self::Tensor, Self::Tensor)>;
-    /// The expert ids held by the second tensor [`Backend::moe`] returns.
+    /// The expert ids held by the second tensor [`Backend::moe`] returns (or by
+    /// [`MoeRoutes::experts`]).
     fn expert_ids(&self, chosen: &Self::Tensor) -> Result<Vec<u32>>;
     /// For each tensor [`Backend::moe`] returned (one per MoE layer of a pass), how many
     /// times each of `num_experts` experts was chosen. The CUDA backend counts on the device

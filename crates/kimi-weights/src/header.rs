@@ -230,6 +230,9 @@ fn kimi_dtype(name: &str) -> Option<DType> {
         "F32" => Some(DType::F32),
         "F16" => Some(DType::F16),
         "BF16" => Some(DType::BF16),
+        // Packed planes (MXFP4 codes and E8M0 scales); only the expert loader asks for them.
+        "U8" => Some(DType::U8),
+        "F8_E8M0" => Some(DType::E8M0),
         _ => None,
     }
 }

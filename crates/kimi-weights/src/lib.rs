@@ -149,7 +149,7 @@ impl Checkpoint {
     }
 
     /// The tensor called `name`. Fails with [`WeightsError::Missing`] (naming the tensor and the
-    /// files searched) or [`WeightsError::UnsupportedDType`] for dtypes other than F32/F16/BF16.
+    /// files searched) or [`WeightsError::UnsupportedDType`] for dtypes other than F32/F16/BF16/U8.
     pub fn get(&self, name: &str) -> Result<TensorView<'_>, WeightsError> {
         let Some((key, entry)) = self.tensors.get_key_value(name) else {
             return Err(WeightsError::Missing {

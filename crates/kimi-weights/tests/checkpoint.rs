@@ -370,14 +370,16 @@ fn other_dtypes_open_but_get_says_unsupported() {
         vec![127; 2],
     ));
     tensors.push(("q.weight", Dtype::I8, vec![3], vec![1, 2, 3]));
+    tensors.push(("fp8.weight", Dtype::F8_E4M3, vec![2], vec![1, 2]));
     fs::write(&path, safetensors_bytes(&tensors)).unwrap();
     let ckpt = Checkpoint::open(dir.path()).unwrap();
     check_sample_values_except_total(&ckpt);
-    for (name, dtype) in [
-        ("experts.w1.weight_packed", "U8"),
-        ("experts.w1.weight_scale", "F8_E8M0"),
-        ("q.weight", "I8"),
-    ] {
+    // MXFP4 planes are raw bytes; the model's expert loader interprets them.
+    let packed = ckpt.get("experts.w1.weight_packed").unwrap();
+    assert_eq!((packed.dtype, packed.bytes), (DType::U8, &[7u8; 8][..]));
+    let scale = ckpt.get("experts.w1.weight_scale").unwrap();
+    assert_eq!((scale.dtype, scale.bytes), (DType::E8M0, &[127u8; 2][..]));
+    for (name, dtype) in [("q.weight", "I8"), ("fp8.weight", "F8_E4M3")] {
         let err = ckpt.get(name).unwrap_err();
         let WeightsError::UnsupportedDType { dtype: found, .. } = &err else {
             panic!("{err:?}")

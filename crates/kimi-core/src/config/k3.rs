@@ -1,13 +1,15 @@
-//! Recognises Kimi K3 configs and names the K3 features kimi-infer does not run yet.
+//! Kimi K3's config as released: the multimodal wrapper and the text model's extensions.
 //!
-//! Key names follow `shared/docs/kimi-k3-spec.md` §1 (the released `config.json`: a
-//! `KimiK3ForConditionalGeneration` wrapper whose `text_config` is a `kimi_linear` config with
-//! extra keys). Detection is lenient about types: a feature key that is present with any
-//! non-default value counts, so a malformed K3 config is still reported as K3.
+//! Key names follow `shared/docs/kimi-k3-spec.md` §1: a `KimiK3ForConditionalGeneration`
+//! wrapper (`model_type` `kimi_k3`) whose `text_config` is a `kimi_linear` config with extra
+//! keys (SiTU, AttnRes, LatentMoE, gated MLA, the safe KDA gate) and, nested inside it, the
+//! `quantization_config` of the MXFP4 routed experts. The extensions parse in `parse.rs` for
+//! any Kimi Linear-style config; this file holds what is K3's own.
 
-use serde_json::Value;
+use serde_json::{Map, Value};
 
-use super::fields::{describe, Fields};
+use super::fields::{describe, invalid, Fields};
+use super::{ConfigError, ExpertFormat};
 
 /// `model_type` of the K3 multimodal wrapper.
 pub(super) const K3_MODEL_TYPE: &str = "kimi_k3";
@@ -17,86 +19,91 @@ pub(super) fn is_k3_architecture(name: &str) -> bool {
     name.starts_with("KimiK3")
 }
 
-/// True for values that switch a feature on: not null, false, 0, "" or an empty container.
-fn truthy(value: Option<&Value>) -> bool {
-    match value {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(Value::Number(n)) => n.as_f64().is_some_and(|x| x != 0.0),
-        Some(Value::String(s)) => !s.is_empty(),
-        Some(Value::Array(a)) => !a.is_empty(),
-        Some(Value::Object(o)) => !o.is_empty(),
+/// The text model's object of a K3 wrapper: `text_config`, or the wrapper itself where a
+/// flattened config has none (as mlx-lm accepts).
+pub(super) fn text_config<'a>(
+    root: Fields<'a>,
+    obj: &'a Map<String, Value>,
+) -> Result<Fields<'a>, ConfigError> {
+    match root.object_opt("text_config")? {
+        Some(text) => {
+            let text = Fields::new(text, "text_config.");
+            match text.str_opt(&["model_type"])? {
+                None | Some("kimi_linear") => Ok(text),
+                Some(other) => Err(ConfigError::Unsupported(format!(
+                    "text_config.model_type {other:?}: a Kimi K3 wrapper holds a `kimi_linear` \
+                     text model"
+                ))),
+            }
+        }
+        None => Ok(Fields::new(obj, "")),
     }
 }
 
-/// The features of a Kimi-Linear-style text config that kimi-infer does not run yet, one
-/// plain-words item each (empty for a Kimi Linear config). `wrapper` is the top level of a K3
-/// multimodal config, whose `quantization_config` may sit outside `text_config`.
-pub(super) fn unsupported_features(text: Fields<'_>, wrapper: Option<Fields<'_>>) -> Vec<String> {
-    let mut out = Vec::new();
-    if let Some(v) = text.get("attn_res_block_size").filter(|v| truthy(Some(v))) {
-        out.push(format!(
-            "Block Attention Residuals (`attn_res_block_size` = {})",
-            describe(v)
-        ));
-    }
-    if text.get("hidden_act").and_then(Value::as_str) == Some("situ") {
-        out.push("SiTU-GLU activation (`hidden_act` = \"situ\")".into());
-    }
-    let latent = text.get("routed_expert_hidden_size");
-    let latent_differs = latent.is_some() && latent != text.get("hidden_size");
-    if latent_differs || truthy(text.get("latent_moe_use_norm")) {
-        let width = latent.map_or_else(|| "unset".into(), describe);
-        out.push(format!(
-            "LatentMoE (routed experts in a latent of width `routed_expert_hidden_size` = {width}, \
-             `latent_moe_use_norm`)"
-        ));
-    }
-    let lac = text.get("linear_attn_config").and_then(Value::as_object);
-    let full_rank_gate = lac
-        .and_then(|o| o.get("use_full_rank_gate"))
-        .or(text.get("use_full_rank_gate"));
-    if truthy(full_rank_gate) {
-        out.push("full-rank KDA output gate (`linear_attn_config.use_full_rank_gate`)".into());
-    }
-    if truthy(text.get("mla_use_output_gate")) {
-        let q_lora = match text.get("q_lora_rank") {
-            Some(v) => format!("; with q-LoRA `q_lora_rank` = {}", describe(v)),
-            None => String::new(),
-        };
-        out.push(format!("gated MLA output (`mla_use_output_gate`{q_lora})"));
-    }
+/// The routed experts' storage named by a `quantization_config` (in `text_config`, or at the
+/// top level where a tool hoisted it, as vLLM does). Only K3's MXFP4 experts are supported.
+pub(super) fn expert_format(
+    text: Fields<'_>,
+    wrapper: Option<Fields<'_>>,
+) -> Result<ExpertFormat, ConfigError> {
     let quant = text
         .get("quantization_config")
-        .or_else(|| wrapper.and_then(|w| w.get("quantization_config")));
-    if let Some(q) = quant {
-        out.push(describe_quantization(q));
-    }
-    if let Some(w) = wrapper.filter(|w| w.get("text_config").is_some()) {
-        let mut parts = vec!["`text_config`"];
-        if w.get("vision_config").is_some() {
-            parts.push("`vision_config`");
-        }
-        out.push(format!(
-            "the multimodal wrapper ({}; text weights under `language_model.`)",
-            parts.join(" + ")
+        .map(|q| (q, text.name("quantization_config")))
+        .or_else(|| {
+            wrapper.and_then(|w| {
+                w.get("quantization_config")
+                    .map(|q| (q, w.name("quantization_config")))
+            })
+        });
+    let Some((quant, field)) = quant else {
+        return Ok(ExpertFormat::Dense);
+    };
+    let Some(q) = quant.as_object() else {
+        return Err(invalid(
+            field,
+            format!("expected an object, found {}", describe(quant)),
         ));
+    };
+    let text_of = |key: &str| q.get(key).and_then(Value::as_str);
+    let method = text_of("quant_method").unwrap_or("(absent)");
+    let format = text_of("format").unwrap_or("(absent)");
+    if method != "compressed-tensors" || format != "mxfp4-pack-quantized" {
+        return Err(ConfigError::Unsupported(format!(
+            "{field}: quant_method {method:?} with format {format:?}; kimi-infer reads \
+             quantized checkpoints in Kimi K3's MXFP4 expert format only (compressed-tensors, \
+             \"mxfp4-pack-quantized\")"
+        )));
     }
-    out
-}
-
-/// Names a `quantization_config` in plain words: MXFP4 experts for K3, else the method.
-fn describe_quantization(q: &Value) -> String {
-    let field = |key: &str| q.get(key).and_then(Value::as_str);
-    let format = field("format");
-    if format.is_some_and(|f| f.contains("mxfp4")) {
-        return format!(
-            "MXFP4 routed experts (`quantization_config`: format {:?})",
-            format.unwrap_or_default()
-        );
+    if let Some(status) = text_of("quantization_status") {
+        if status != "compressed" {
+            return Err(ConfigError::Unsupported(format!(
+                "{field}.quantization_status {status:?}: only packed (\"compressed\") \
+                 checkpoints are read"
+            )));
+        }
     }
-    match field("quant_method").or(format) {
-        Some(method) => format!("quantized weights (`quantization_config`: {method:?})"),
-        None => "quantized weights (`quantization_config`)".into(),
+    // Every config group must describe 4-bit float weights in groups of 32 (the packing the
+    // loader reads); anything else would be misread silently.
+    if let Some(groups) = q.get("config_groups").and_then(Value::as_object) {
+        for (name, group) in groups {
+            let weights = group.get("weights");
+            let num = |key: &str| weights.and_then(|w| w.get(key)).and_then(Value::as_u64);
+            let kind = weights.and_then(|w| w.get("type")).and_then(Value::as_str);
+            if num("num_bits") != Some(4) || num("group_size") != Some(32) || kind != Some("float")
+            {
+                return Err(ConfigError::Unsupported(format!(
+                    "{field}.config_groups.{name}.weights: expected MXFP4 (num_bits 4, type \
+                     \"float\", group_size 32), found {}",
+                    weights.map_or_else(|| "nothing".into(), Value::to_string)
+                )));
+            }
+            if group.get("input_activations").is_some_and(|a| !a.is_null()) {
+                return Err(ConfigError::Unsupported(format!(
+                    "{field}.config_groups.{name}.input_activations: quantized activations \
+                     in the checkpoint are not supported (K3 ships weight-only MXFP4)"
+                )));
+            }
+        }
     }
+    Ok(ExpertFormat::Mxfp4)
 }

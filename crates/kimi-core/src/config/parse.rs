@@ -9,10 +9,11 @@ use serde_json::Value;
 use super::fields::{as_uint, describe, invalid, to_usize, Fields, MAX_CONTEXT};
 use super::schedule::{self, EXPERT_KEYS};
 use super::{
-    k3, ConfigError, Ffn, KdaConfig, KdaGate, LayerSpec, Mixer, MlaConfig, ModelConfig, MoeConfig,
+    k3, Activation, ConfigError, ExpertFormat, Family, Ffn, KdaConfig, KdaGate, KdaOutputGate,
+    LatentMoe, LayerSpec, Mixer, MlaConfig, ModelConfig, MoeConfig,
 };
 
-/// The only `model_type` kimi-infer runs.
+/// `model_type` of Kimi Linear (and of K3's text model).
 const KIMI_LINEAR: &str = "kimi_linear";
 
 /// Architectures that identify a Kimi Linear config without a `model_type`.
@@ -41,25 +42,33 @@ pub(super) fn model_config(value: &Value) -> Result<ModelConfig, ConfigError> {
         ));
     };
     let root = Fields::new(obj, "");
-    let model_type = identify(root)?;
-    let features = k3::unsupported_features(root, None);
-    if !features.is_empty() {
-        return Err(ConfigError::Unsupported(format!(
-            "this config uses features kimi-infer does not run yet (Kimi K3 extensions or \
-             quantized weights): {}",
-            features.join("; ")
-        )));
+    let (family, model_type) = identify(root)?;
+    // K3 nests the text model's config; its token ids may sit at either level.
+    let (text, wrapper) = match family {
+        Family::KimiK3 => (k3::text_config(root, obj)?, Some(root)),
+        Family::KimiLinear => (root, None),
+    };
+    if text.bool_opt(&["attention_bias"])? == Some(true) {
+        return Err(ConfigError::Unsupported(
+            "attention_bias = true: Kimi Linear attention projections have no bias".into(),
+        ));
     }
-    check_plain_kimi_linear(root)?;
+    let activation = activation(text)?;
+    let expert_format = k3::expert_format(text, wrapper)?;
 
-    let vocab_size = root.positive(&["vocab_size"])?;
-    let hidden_size = root.positive(&["hidden_size"])?;
-    let num_layers = root.positive(&["num_hidden_layers"])?;
-    let lac = root
+    let vocab_size = text.positive(&["vocab_size"])?;
+    let hidden_size = text.positive(&["hidden_size"])?;
+    let num_layers = text.positive(&["num_hidden_layers"])?;
+    let lac_prefix = if text.name("").is_empty() {
+        "linear_attn_config."
+    } else {
+        "text_config.linear_attn_config."
+    };
+    let lac = text
         .object_opt("linear_attn_config")?
-        .map(|o| Fields::new(o, "linear_attn_config."));
-    let mixers = schedule::mixers(root, lac, num_layers)?;
-    let ffns = schedule::ffns(root, num_layers, schedule::names_experts(root))?;
+        .map(|o| Fields::new(o, lac_prefix));
+    let mixers = schedule::mixers(text, lac, num_layers)?;
+    let ffns = schedule::ffns(text, num_layers, schedule::names_experts(text))?;
     let layers: Vec<LayerSpec> = mixers
         .into_iter()
         .zip(ffns)
@@ -69,49 +78,59 @@ pub(super) fn model_config(value: &Value) -> Result<ModelConfig, ConfigError> {
     let uses_ffn = |f: Ffn| layers.iter().any(|l| l.ffn == f);
 
     let kda = if uses_mixer(Mixer::Kda) {
-        Some(kda_config(root, lac)?)
+        Some(kda_config(text, lac)?)
     } else {
         None
     };
     let mla = if uses_mixer(Mixer::Mla) {
-        Some(mla_config(root)?)
+        Some(mla_config(text)?)
     } else {
         None
     };
     let moe = if uses_ffn(Ffn::Moe) {
-        Some(moe_config(root)?)
+        Some(moe_config(text, hidden_size, expert_format)?)
     } else {
         None
     };
-    let intermediate_size = dense_width(root, uses_ffn(Ffn::Dense))?;
+    let intermediate_size = dense_width(text, uses_ffn(Ffn::Dense))?;
+    // transformers' `KimiLinearConfig` writes 0 for "off".
+    let attn_res_block_size = text.count_opt(&["attn_res_block_size"])?.filter(|&n| n > 0);
 
     let context_keys = &["max_position_embeddings", "model_max_length"];
     // Absent: the transformers class default (1,048,576, the released model's context).
-    let max_position_embeddings = root
+    let max_position_embeddings = text
         .positive_opt_max(context_keys, MAX_CONTEXT)?
         .unwrap_or(1 << 20);
+    // The wrapper's ids win where both levels name them (K3 repeats them in `text_config`).
+    let ids = wrapper.unwrap_or(text);
+    let id_source = |key: &str| if ids.get(key).is_some() { ids } else { text };
 
     Ok(ModelConfig {
         model_type,
+        family,
         vocab_size,
         hidden_size,
         layers,
-        rms_norm_eps: root.positive_f32_or(&["rms_norm_eps"], DEFAULT_RMS_NORM_EPS)?,
+        rms_norm_eps: text.positive_f32_or(&["rms_norm_eps"], DEFAULT_RMS_NORM_EPS)?,
+        activation,
+        attn_res_block_size,
         intermediate_size,
         kda,
         mla,
         moe,
-        tie_word_embeddings: root.bool_opt(&["tie_word_embeddings"])?.unwrap_or(false),
-        bos_token_id: token_id(root, "bos_token_id", vocab_size)?,
-        eos_token_ids: eos_token_ids(root, vocab_size)?,
-        pad_token_id: token_id(root, "pad_token_id", vocab_size)?,
+        tie_word_embeddings: id_source("tie_word_embeddings")
+            .bool_opt(&["tie_word_embeddings"])?
+            .unwrap_or(false),
+        bos_token_id: token_id(id_source("bos_token_id"), "bos_token_id", vocab_size)?,
+        eos_token_ids: eos_token_ids(id_source("eos_token_id"), vocab_size)?,
+        pad_token_id: token_id(id_source("pad_token_id"), "pad_token_id", vocab_size)?,
         max_position_embeddings,
     })
 }
 
-/// Checks `model_type` / `architectures` and rejects Kimi K3 and other models. Returns the
-/// `model_type` to record.
-fn identify(root: Fields<'_>) -> Result<String, ConfigError> {
+/// Checks `model_type` / `architectures`: Kimi Linear, or Kimi K3's wrapper. Returns the
+/// family and the `model_type` to record.
+fn identify(root: Fields<'_>) -> Result<(Family, String), ConfigError> {
     let model_type = root.str_opt(&["model_type"])?;
     let architectures = architectures(root)?;
     let text_model_type = root
@@ -131,33 +150,49 @@ fn identify(root: Fields<'_>) -> Result<String, ConfigError> {
         )
     };
     if is_k3 {
-        let text = root
-            .get("text_config")
-            .and_then(Value::as_object)
-            .map(|o| Fields::new(o, "text_config."));
-        let features = k3::unsupported_features(text.unwrap_or(root), Some(root));
-        let uses = if features.is_empty() {
-            String::new()
-        } else {
-            format!("; it uses: {}", features.join("; "))
-        };
-        return Err(ConfigError::Unsupported(format!(
-            "Kimi K3 ({}) is not supported yet{uses}",
-            who()
-        )));
+        return Ok((Family::KimiK3, k3::K3_MODEL_TYPE.into()));
     }
     match model_type {
-        Some(KIMI_LINEAR) if root.get("text_config").is_none() => Ok(KIMI_LINEAR.into()),
+        Some(KIMI_LINEAR) => Ok((Family::KimiLinear, KIMI_LINEAR.into())),
         None if architectures
             .iter()
             .any(|a| KIMI_LINEAR_ARCHITECTURES.contains(a)) =>
         {
-            Ok(KIMI_LINEAR.into())
+            Ok((Family::KimiLinear, KIMI_LINEAR.into()))
         }
         None if architectures.is_empty() => Err(root.missing(&["model_type"])),
         _ => Err(ConfigError::Unsupported(format!(
-            "{} is not a model kimi-infer runs (it runs Kimi Linear, model_type `{KIMI_LINEAR}`)",
-            who()
+            "{} is not a model kimi-infer runs (it runs Kimi Linear, model_type \
+             `{KIMI_LINEAR}`, and Kimi K3, `{}`)",
+            who(),
+            k3::K3_MODEL_TYPE
+        ))),
+    }
+}
+
+/// The feed-forward blocks' gated unit: SwiGLU (`silu`) or K3's SiTU-GLU (`situ`, with its
+/// two soft caps; mlx-lm and the reference default β₁ to 1 when absent).
+fn activation(text: Fields<'_>) -> Result<Activation, ConfigError> {
+    match text.str_opt(&["hidden_act"])?.unwrap_or("silu") {
+        "silu" => Ok(Activation::Silu),
+        "situ" => {
+            let beta = text.positive_f32_or(&["activation_situ_beta"], 1.0)?;
+            let linear_beta = match text.f32_opt(&["activation_situ_linear_beta"])? {
+                Some(b) if b > 0.0 && b.is_finite() => Some(b),
+                Some(b) => {
+                    return Err(invalid(
+                        text.name("activation_situ_linear_beta"),
+                        format!("must be a positive number, found {b}"),
+                    ))
+                }
+                None => None,
+            };
+            Ok(Activation::Situ { beta, linear_beta })
+        }
+        other => Err(ConfigError::Unsupported(format!(
+            "{} {other:?}: kimi-infer runs SwiGLU (`silu`) and SiTU-GLU (`situ`) feed-forward \
+             blocks only",
+            text.name("hidden_act")
         ))),
     }
 }
@@ -179,22 +214,6 @@ fn architectures<'a>(root: Fields<'a>) -> Result<Vec<&'a str>, ConfigError> {
             })
         })
         .collect()
-}
-
-/// Rejects settings that change the math of every layer and that kimi-infer does not run.
-fn check_plain_kimi_linear(root: Fields<'_>) -> Result<(), ConfigError> {
-    let act = root.str_opt(&["hidden_act"])?.unwrap_or("silu");
-    if act != "silu" {
-        return Err(ConfigError::Unsupported(format!(
-            "hidden_act {act:?}: kimi-infer runs SwiGLU feed-forward blocks (`silu`) only"
-        )));
-    }
-    if root.bool_opt(&["attention_bias"])? == Some(true) {
-        return Err(ConfigError::Unsupported(
-            "attention_bias = true: Kimi Linear attention projections have no bias".into(),
-        ));
-    }
-    Ok(())
 }
 
 /// A value that may be given in `linear_attn_config` (hub) or at the top level (native); both
@@ -236,6 +255,14 @@ fn kda_config(root: Fields<'_>, lac: Option<Fields<'_>>) -> Result<KdaConfig, Co
         }
         (a, b) => a.or(b),
     };
+    let full_rank = match lac {
+        Some(lac) => lac.bool_opt(&["use_full_rank_gate"])?,
+        None => None,
+    };
+    let output_gate = match full_rank.or(root.bool_opt(&["use_full_rank_gate"])?) {
+        Some(true) => KdaOutputGate::FullRank,
+        _ => KdaOutputGate::LowRank,
+    };
     let gate = match lower_bound {
         None => KdaGate::Softplus,
         Some(x) if x < 0.0 => KdaGate::LowerBound(x),
@@ -256,6 +283,7 @@ fn kda_config(root: Fields<'_>, lac: Option<Fields<'_>>) -> Result<KdaConfig, Co
             "linear_conv_kernel_dim",
         )?,
         gate,
+        output_gate,
     })
 }
 
@@ -282,11 +310,16 @@ fn mla_config(root: Fields<'_>) -> Result<MlaConfig, ConfigError> {
         qk_rope_head_dim,
         v_head_dim: root.positive(&["v_head_dim"])?,
         latent_norm_eps: LATENT_NORM_EPS,
+        output_gate: root.bool_opt(&["mla_use_output_gate"])?.unwrap_or(false),
     })
 }
 
 /// Routing and sizes of the MoE layers.
-fn moe_config(root: Fields<'_>) -> Result<MoeConfig, ConfigError> {
+fn moe_config(
+    root: Fields<'_>,
+    hidden_size: usize,
+    expert_format: ExpertFormat,
+) -> Result<MoeConfig, ConfigError> {
     let activation = root
         .str_opt(&["moe_router_activation_func"])?
         .unwrap_or("sigmoid");
@@ -335,7 +368,37 @@ fn moe_config(root: Fields<'_>) -> Result<MoeConfig, ConfigError> {
         weights_use_correction_bias: root
             .bool_opt(&["kimi_infer_router_weights_use_bias"])?
             .unwrap_or(false),
+        latent: latent_moe(root, hidden_size, expert_format)?,
+        expert_format,
     })
+}
+
+/// LatentMoE: present when `routed_expert_hidden_size` is given (the reference then builds the
+/// down/up projections even at the hidden width). MXFP4 packs 32 inputs per scale, so every
+/// expert input width must be a multiple of 32.
+fn latent_moe(
+    root: Fields<'_>,
+    hidden_size: usize,
+    expert_format: ExpertFormat,
+) -> Result<Option<LatentMoe>, ConfigError> {
+    let width = root.positive_opt(&["routed_expert_hidden_size"])?;
+    let norm = root.bool_opt(&["latent_moe_use_norm"])?.unwrap_or(false);
+    if expert_format == ExpertFormat::Mxfp4 {
+        let expert_in = width.unwrap_or(hidden_size);
+        let inner = root.positive(&["moe_intermediate_size"])?;
+        for (field, n) in [
+            ("routed_expert_hidden_size", expert_in),
+            ("moe_intermediate_size", inner),
+        ] {
+            if !n.is_multiple_of(32) {
+                return Err(invalid(
+                    root.name(field),
+                    format!("is {n}; MXFP4 experts need input widths that are multiples of 32"),
+                ));
+            }
+        }
+    }
+    Ok(width.map(|width| LatentMoe { width, norm }))
 }
 
 /// Group-limited selection: `(num_expert_groups, topk_group)`, both defaulting to 1.

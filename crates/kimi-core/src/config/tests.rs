@@ -111,7 +111,8 @@ fn released_config_parses() {
             num_heads: 32,
             head_dim: 128,
             conv_kernel: 4,
-            gate: KdaGate::Softplus
+            gate: KdaGate::Softplus,
+            output_gate: KdaOutputGate::LowRank,
         })
     );
     assert_eq!(
@@ -124,6 +125,7 @@ fn released_config_parses() {
             qk_rope_head_dim: 64,
             v_head_dim: 128,
             latent_norm_eps: 1e-6,
+            output_gate: false,
         })
     );
     assert_eq!(
@@ -138,8 +140,13 @@ fn released_config_parses() {
             num_expert_groups: 1,
             topk_group: 1,
             weights_use_correction_bias: false,
+            latent: None,
+            expert_format: ExpertFormat::Dense,
         })
     );
+    assert_eq!(c.family, Family::KimiLinear);
+    assert_eq!(c.activation, Activation::Silu);
+    assert_eq!(c.attn_res_block_size, None);
     assert!(!c.tie_word_embeddings);
     assert_eq!(c.bos_token_id, Some(163584));
     assert_eq!(c.eos_token_ids, vec![163586]);
@@ -368,60 +375,130 @@ fn dense_only_config_needs_no_moe_fields() {
 }
 
 #[test]
-fn kimi_k3_is_rejected_with_its_features_named() {
-    let err = ModelConfig::from_json_str(K3).unwrap_err();
-    let ConfigError::Unsupported(msg) = &err else {
-        panic!("expected Unsupported, got {err:?}")
-    };
-    for needle in [
-        "Kimi K3",
-        "KimiK3ForConditionalGeneration",
-        "kimi_k3",
-        "Block Attention Residuals",
-        "attn_res_block_size",
-        "LatentMoE",
-        "routed_expert_hidden_size",
-        "latent_moe_use_norm",
-        "SiTU",
-        "use_full_rank_gate",
-        "mla_use_output_gate",
-        "q_lora_rank",
-        "MXFP4",
-        "text_config",
-    ] {
-        assert!(msg.contains(needle), "missing {needle:?} in: {msg}");
-    }
+fn kimi_k3_released_config_parses() {
+    let c = ModelConfig::from_json_str(K3).unwrap();
+    assert_eq!(c.family, Family::KimiK3);
+    assert_eq!(c.model_type, "kimi_k3");
+    assert_eq!(c.tensor_prefix(), "language_model.");
+    assert_eq!(
+        (c.vocab_size, c.hidden_size, c.num_layers()),
+        (163840, 7168, 93)
+    );
+    // 69 KDA + 24 MLA, MLA at 3, 7, ..., 91 and 92; layer 0 dense.
+    let mla: Vec<usize> = (0..93)
+        .filter(|&i| c.layers[i].mixer == Mixer::Mla)
+        .collect();
+    let mut expect: Vec<usize> = (0..23).map(|b| 4 * b + 3).collect();
+    expect.push(92);
+    assert_eq!(mla, expect);
+    assert_eq!(c.layers[0].ffn, Ffn::Dense);
+    assert!(c.layers[1..].iter().all(|l| l.ffn == Ffn::Moe));
+    assert_eq!(
+        c.activation,
+        Activation::Situ {
+            beta: 4.0,
+            linear_beta: Some(25.0)
+        }
+    );
+    assert_eq!(c.attn_res_block_size, Some(12));
+    let kda = c.kda.as_ref().unwrap();
+    assert_eq!((kda.num_heads, kda.head_dim, kda.conv_kernel), (96, 128, 4));
+    assert_eq!(kda.gate, KdaGate::LowerBound(-5.0));
+    assert_eq!(kda.output_gate, KdaOutputGate::FullRank);
+    let mla = c.mla.as_ref().unwrap();
+    assert_eq!(mla.q_lora_rank, Some(1536));
+    assert!(mla.output_gate);
+    assert_eq!(mla.latent_norm_eps, 1e-6);
+    let moe = c.moe.as_ref().unwrap();
+    assert_eq!((moe.num_experts, moe.top_k), (896, 16));
+    assert_eq!(moe.num_shared_experts, 2);
+    assert_eq!(
+        moe.latent,
+        Some(LatentMoe {
+            width: 3584,
+            norm: true
+        })
+    );
+    assert_eq!(moe.expert_format, ExpertFormat::Mxfp4);
+    assert_eq!(c.eos_token_ids, vec![163586]);
+    assert_eq!(
+        (c.bos_token_id, c.pad_token_id),
+        (Some(163584), Some(163839))
+    );
+    assert!(!c.tie_word_embeddings);
 }
 
 #[test]
-fn k3_text_config_alone_is_rejected_too() {
+fn k3_text_config_alone_is_a_kimi_linear_variant() {
     let k3: Value = serde_json::from_str(K3).unwrap();
-    let text = k3["text_config"].clone();
-    let err = parse(&text).unwrap_err();
-    let ConfigError::Unsupported(msg) = &err else {
-        panic!("expected Unsupported, got {err:?}")
-    };
-    assert!(
-        msg.contains("attn_res_block_size") && msg.contains("MXFP4"),
-        "{msg}"
-    );
-    // A single K3 key on the released config is named on its own.
-    let v = edited(|o| {
-        o.insert("attn_res_block_size".into(), json!(12));
-    });
-    let msg = parse(&v).unwrap_err().to_string();
-    assert!(
-        msg.contains("Block Attention Residuals") && !msg.contains("LatentMoE"),
-        "{msg}"
-    );
-    // Architectures alone identify K3.
+    let c = parse(&k3["text_config"]).unwrap();
+    assert_eq!(c.family, Family::KimiLinear);
+    assert_eq!(c.attn_res_block_size, Some(12));
+    assert_eq!(c.moe.unwrap().expert_format, ExpertFormat::Mxfp4);
+    // Architectures alone identify K3; then `text_config` is needed for the weights' prefix
+    // only, and a flattened config still parses.
     let v = edited(|o| {
         o.insert(
             "architectures".into(),
             json!(["KimiK3ForConditionalGeneration"]),
         );
     });
-    assert!(parse(&v).unwrap_err().to_string().contains("Kimi K3"));
+    assert_eq!(parse(&v).unwrap().family, Family::KimiK3);
+}
+
+#[test]
+fn k3_config_errors_name_the_nested_field() {
+    let k3: Value = serde_json::from_str(K3).unwrap();
+    let with = |edit: &dyn Fn(&mut Value)| {
+        let mut v = k3.clone();
+        edit(&mut v);
+        parse(&v).unwrap_err().to_string()
+    };
+    let msg = with(&|v| v["text_config"]["hidden_size"] = json!("wide"));
+    assert!(msg.contains("text_config.hidden_size"), "{msg}");
+    let msg = with(&|v| v["text_config"]["linear_attn_config"]["num_heads"] = json!(0));
+    assert!(
+        msg.contains("text_config.linear_attn_config.num_heads"),
+        "{msg}"
+    );
+    let msg = with(&|v| v["text_config"]["hidden_act"] = json!("gelu"));
+    assert!(msg.contains("gelu") && msg.contains("situ"), "{msg}");
+    let msg = with(&|v| {
+        v["text_config"]["quantization_config"]["format"] = json!("nvfp4-pack-quantized")
+    });
+    assert!(
+        msg.contains("nvfp4-pack-quantized") && msg.contains("MXFP4"),
+        "{msg}"
+    );
+    let msg = with(&|v| {
+        v["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]
+            ["group_size"] = json!(16)
+    });
+    assert!(
+        msg.contains("group_0") && msg.contains("group_size"),
+        "{msg}"
+    );
+    let msg = with(&|v| v["text_config"]["routed_expert_hidden_size"] = json!(3583));
+    assert!(
+        msg.contains("routed_expert_hidden_size") && msg.contains("32"),
+        "{msg}"
+    );
+    let msg = with(&|v| v["text_config"]["model_type"] = json!("qwen3"));
+    assert!(msg.contains("text_config.model_type"), "{msg}");
+    let msg = with(&|v| v["text_config"]["activation_situ_linear_beta"] = json!(-1.0));
+    assert!(msg.contains("activation_situ_linear_beta"), "{msg}");
+    // A quantization config hoisted to the top level (as vLLM does) is read there too.
+    let mut hoisted = k3.clone();
+    let q = hoisted["text_config"]
+        .as_object_mut()
+        .unwrap()
+        .remove("quantization_config")
+        .unwrap();
+    hoisted["quantization_config"] = q;
+    assert_eq!(
+        parse(&hoisted).unwrap().moe.unwrap().expert_format,
+        ExpertFormat::Mxfp4
+    );
 }
 
 #[test]

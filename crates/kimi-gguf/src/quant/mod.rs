@@ -8,6 +8,7 @@
 
 mod kquants;
 mod legacy;
+pub mod mxfp4;
 
 use half::{bf16, f16};
 
@@ -19,7 +20,7 @@ pub(crate) fn supported(ty: GgmlType) -> bool {
     use GgmlType::*;
     matches!(
         ty,
-        F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q4_K | Q5_K | Q6_K
+        F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q4_K | Q5_K | Q6_K | MXFP4
     )
 }
 
@@ -78,6 +79,7 @@ pub fn dequantize_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()>
         Q4_K => per_block(bytes, out, kquants::dequantize_q4_k),
         Q5_K => per_block(bytes, out, kquants::dequantize_q5_k),
         Q6_K => per_block(bytes, out, kquants::dequantize_q6_k),
+        MXFP4 => per_block(bytes, out, mxfp4::dequantize_mxfp4),
         _ => {
             return Err(GgufError::UnsupportedType {
                 ty,
@@ -131,6 +133,7 @@ pub fn quantize_into(ty: GgmlType, values: &[f32], out: &mut [u8]) -> Result<()>
         Q4_K => per_value_block(values, out, kquants::quantize_q4_k),
         Q5_K => per_value_block(values, out, kquants::quantize_q5_k),
         Q6_K => per_value_block(values, out, kquants::quantize_q6_k),
+        MXFP4 => per_value_block(values, out, mxfp4::quantize_mxfp4),
         _ => return Err(GgufError::UnsupportedType { ty, op: "quantize" }),
     }
     Ok(())

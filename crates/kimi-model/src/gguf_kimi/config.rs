@@ -9,7 +9,10 @@
 //! * `kv_a_layernorm` epsilon: no key exists; the reference's 1e-6 (spec §6) is used;
 //! * the remote-code routing flag (`kimi_infer_router_weights_use_bias`): off, as in llama.cpp.
 
-use kimi_core::config::{Ffn, KdaConfig, KdaGate, LayerSpec, Mixer, MlaConfig, MoeConfig};
+use kimi_core::config::{
+    Activation, ExpertFormat, Family, Ffn, KdaConfig, KdaGate, KdaOutputGate, LayerSpec, Mixer,
+    MlaConfig, MoeConfig,
+};
 use kimi_core::ModelConfig;
 use kimi_gguf::{Array, GgufFile, Value};
 
@@ -201,6 +204,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
                 Some(_) => KdaGate::LowerBound(file.get_f32(&key("kda.gate_lower_bound"))?),
                 None => KdaGate::Softplus,
             },
+            output_gate: KdaOutputGate::LowRank,
         }),
     };
     let mla = match heads_of(Mixer::Mla)? {
@@ -222,6 +226,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
                 qk_rope_head_dim: rope,
                 v_head_dim: n("attention.value_length_mla")?,
                 latent_norm_eps: LATENT_NORM_EPS,
+                output_gate: false,
             })
         }
     };
@@ -262,6 +267,9 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
     };
     Ok(ModelConfig {
         model_type: "kimi_linear".into(),
+        family: Family::KimiLinear,
+        activation: Activation::Silu,
+        attn_res_block_size: None,
         vocab_size,
         hidden_size: n("embedding_length")?,
         layers: mixers
@@ -316,6 +324,8 @@ fn moe_config(file: &GgufFile) -> Result<MoeConfig> {
         num_expert_groups,
         topk_group: n_or("expert_group_used_count", num_expert_groups)?,
         weights_use_correction_bias: false,
+        latent: None,
+        expert_format: ExpertFormat::Dense,
     })
 }
 

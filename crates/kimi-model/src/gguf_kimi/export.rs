@@ -51,6 +51,48 @@ pub struct ExportPlan {
     pub warnings: Vec<String>,
 }
 
+/// llama.cpp's `kimi-linear` layout has no names for Kimi K3's extensions (the forks that
+/// convert K3 disagree on them, K3 spec §7 item 12), so such a config is refused by name.
+fn refuse_k3_variants(config: &ModelConfig) -> Result<()> {
+    use kimi_core::config::{Activation, ExpertFormat, Family, KdaOutputGate};
+    let mut found = Vec::new();
+    if config.family == Family::KimiK3 {
+        found.push("the Kimi K3 wrapper");
+    }
+    if config.activation != Activation::Silu {
+        found.push("SiTU");
+    }
+    if config.attn_res_block_size.is_some() {
+        found.push("Block AttnRes");
+    }
+    if let Some(m) = &config.moe {
+        if m.latent.is_some() {
+            found.push("LatentMoE");
+        }
+        if m.expert_format == ExpertFormat::Mxfp4 {
+            found.push("MXFP4 experts");
+        }
+    }
+    if config.mla.as_ref().is_some_and(|m| m.output_gate) {
+        found.push("the MLA output gate");
+    }
+    if config
+        .kda
+        .as_ref()
+        .is_some_and(|k| k.output_gate == KdaOutputGate::FullRank)
+    {
+        found.push("the full-rank KDA gate");
+    }
+    if found.is_empty() {
+        return Ok(());
+    }
+    Err(crate::ModelError::Input(format!(
+        "GGUF export writes llama.cpp's kimi-linear layout, which has no tensors for {}; \
+         converting Kimi K3 to GGUF is not supported yet",
+        found.join(", ")
+    )))
+}
+
 /// Plans the GGUF of `config` with weights from `source`: every tensor's name, shape and
 /// type, and the metadata. Fails before anything is written if a tensor is missing.
 pub fn plan_export(
@@ -58,6 +100,7 @@ pub fn plan_export(
     config: &ModelConfig,
     opts: &ExportOptions,
 ) -> Result<ExportPlan> {
+    refuse_k3_variants(config)?;
     let mut recipes = recipes(config);
     recipes.retain(|r| !r.optional || r.hub.iter().all(|h| source.contains(h)));
     let num_experts = config.moe.as_ref().map_or(0, |m| m.num_experts);

@@ -275,6 +275,7 @@ pub(crate) fn ggml_type(dtype: DType) -> Option<GgmlType> {
         DType::Q4_K => GgmlType::Q4_K,
         DType::Q5_K => GgmlType::Q5_K,
         DType::Q6_K => GgmlType::Q6_K,
+        DType::MXFP4 => GgmlType::MXFP4,
         _ => return None,
     })
 }
