@@ -1,8 +1,7 @@
 //! Resolving `--model` and loading checkpoint, model and tokenizer.
 //!
-//! `--model` is a checkpoint directory (config.json + safetensors: Kimi Linear) or a `.gguf`
-//! file: `general.architecture = kimi-linear` loads Kimi Linear (llama.cpp's layout), anything
-//! else the llama-family model. Without it, the real demo model
+//! `--model` is a checkpoint directory (config.json + safetensors: Kimi Linear or Kimi K3) or
+//! a `.gguf` file; `kimi_model::registry` decides which model definition loads it. Without it, the real demo model
 //! `models/SmolLM2-135M-Instruct.Q4_1.gguf` is used when `scripts/fetch_demo_model.sh` has
 //! fetched it, else the tiny random Kimi Linear compiled into the binary.
 
@@ -12,7 +11,7 @@ use anyhow::Context;
 use kimi_core::ModelConfig;
 use kimi_engine::Engine;
 use kimi_gguf::GgufFile;
-use kimi_model::{KimiLinear, Llama, ModelSummary};
+use kimi_model::{registry, LoadedModel, ModelSummary};
 use kimi_ops::Backend;
 use kimi_tokenizer::Tokenizer;
 use kimi_weights::Checkpoint;
@@ -144,8 +143,9 @@ pub fn load<B: Backend + 'static>(
     }
     let ckpt = Checkpoint::open(&path)
         .with_context(|| format!("cannot open the model in {}", path.display()))?;
-    let model = KimiLinear::load(backend, &ckpt)
+    let loaded = registry::load_checkpoint(backend, &ckpt)
         .with_context(|| format!("cannot load the weights in {}", path.display()))?;
+    note_skipped_vision(&loaded);
     let tokenizer = if need_tokenizer {
         Some(
             Tokenizer::from_dir(&path)
@@ -154,13 +154,44 @@ pub fn load<B: Backend + 'static>(
     } else {
         None
     };
-    let info = ModelInfo::Kimi(Box::new(model.config().clone()));
     Ok(Loaded {
-        engine: Engine::new(model),
+        info: info_of(&loaded, None),
+        engine: Engine::new(loaded.model),
         tokenizer,
         dir: path,
-        info,
     })
+}
+
+/// Says once that a multimodal checkpoint's vision encoder is not used.
+fn note_skipped_vision<B: Backend>(loaded: &LoadedModel<B>) {
+    if loaded.ignored_vision_tensors > 0 {
+        eprintln!(
+            "note: this {} checkpoint has a vision encoder ({} tensors); kimi-infer runs the \
+             text model only, images are not supported yet",
+            loaded.architecture.name(),
+            loaded.ignored_vision_tensors
+        );
+    }
+}
+
+/// What the commands report about a loaded model (`file`: the GGUF it came from).
+fn info_of<B: Backend>(loaded: &LoadedModel<B>, file: Option<&GgufFile>) -> ModelInfo {
+    match (&loaded.config, file) {
+        (Some(cfg), _) => ModelInfo::Kimi(Box::new(cfg.clone())),
+        (None, file) => ModelInfo::Gguf {
+            weight_bytes: file.map_or(0, |f| f.tensors().iter().map(|t| t.size_bytes).sum()),
+            kv_values_per_token: loaded
+                .model
+                .cache_specs()
+                .iter()
+                .map(|s| match s {
+                    kimi_model::LayerSpec::Kv { width } => 2 * *width as u64,
+                    kimi_model::LayerSpec::Mla { width } => *width as u64,
+                    kimi_model::LayerSpec::Kda { .. } => 0,
+                })
+                .sum(),
+        },
+    }
 }
 
 fn load_gguf<B: Backend + 'static>(
@@ -169,42 +200,11 @@ fn load_gguf<B: Backend + 'static>(
     need_tokenizer: bool,
 ) -> anyhow::Result<Loaded<B>> {
     let file = GgufFile::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    if file.get_str("general.architecture").ok() == Some(kimi_model::gguf_kimi::ARCH) {
-        return load_kimi_gguf(backend, path, &file, need_tokenizer);
-    }
-    let model = Llama::load(backend, &file)
+    let loaded = registry::load_gguf(backend, &file)
         .with_context(|| format!("cannot load the weights in {}", path.display()))?;
     let tokenizer = if need_tokenizer {
-        Some(
-            Tokenizer::from_gguf(&file)
-                .with_context(|| format!("cannot load the tokenizer in {}", path.display()))?,
-        )
-    } else {
-        None
-    };
-    let c = model.config();
-    let info = ModelInfo::Gguf {
-        weight_bytes: file.tensors().iter().map(|t| t.size_bytes).sum(),
-        kv_values_per_token: 2 * (c.num_layers * c.num_kv_heads * c.head_dim) as u64,
-    };
-    Ok(Loaded {
-        engine: Engine::new(model),
-        tokenizer,
-        dir: path.to_path_buf(),
-        info,
-    })
-}
-
-fn load_kimi_gguf<B: Backend + 'static>(
-    backend: B,
-    path: &Path,
-    file: &GgufFile,
-    need_tokenizer: bool,
-) -> anyhow::Result<Loaded<B>> {
-    let model = KimiLinear::load_gguf(backend, file)
-        .with_context(|| format!("cannot load the weights in {}", path.display()))?;
-    let tokenizer = if need_tokenizer {
-        if file.get("tokenizer.ggml.model").is_none() {
+        let kimi = loaded.architecture != kimi_model::Architecture::Llama;
+        if kimi && file.get("tokenizer.ggml.model").is_none() {
             anyhow::bail!(
                 "{} carries no tokenizer (tokenizer.ggml.*): `kimi-infer convert` writes one only \
                  from Kimi's tiktoken.model; pass token ids (`kimi-infer logits --ids`) or use the \
@@ -213,18 +213,17 @@ fn load_kimi_gguf<B: Backend + 'static>(
             );
         }
         Some(
-            Tokenizer::from_gguf(file)
+            Tokenizer::from_gguf(&file)
                 .with_context(|| format!("cannot load the tokenizer in {}", path.display()))?,
         )
     } else {
         None
     };
-    let info = ModelInfo::Kimi(Box::new(model.config().clone()));
     Ok(Loaded {
-        engine: Engine::new(model),
+        info: info_of(&loaded, Some(&file)),
+        engine: Engine::new(loaded.model),
         tokenizer,
         dir: path.to_path_buf(),
-        info,
     })
 }
 
@@ -239,9 +238,9 @@ pub fn load_random<B: Backend + 'static>(
     let cfg =
         ModelConfig::from_json_str(&text).with_context(|| format!("in {}", config.display()))?;
     let source = kimi_model::RandomWeights { dtype, seed: 0 };
-    let model = KimiLinear::load_from(backend, cfg.clone(), &source)?;
+    let loaded = registry::load_config(backend, cfg.clone(), &source)?;
     Ok(Loaded {
-        engine: Engine::new(model),
+        engine: Engine::new(loaded.model),
         tokenizer: None,
         dir: config.to_path_buf(),
         info: ModelInfo::Kimi(Box::new(cfg)),

@@ -630,3 +630,138 @@ fn convert_random_config_bad_input() {
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("--model"), "{}", stderr(&o));
 }
+
+fn k3_fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures/kimi-k3")
+        .join(name)
+}
+
+/// A Kimi K3 checkpoint (the released layout: wrapper config, shards, MXFP4 experts, a
+/// vision encoder to skip) through the binary, in every feed mode, against the float64
+/// reference; the vision tensors are reported once.
+#[test]
+fn k3_logits_match_reference_in_every_feed_mode() {
+    let dir = k3_fixture("k3-tiny-7l");
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let ids: Vec<String> = reference["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap().to_string())
+        .collect();
+    let (want_shape, want) = read_npy(&dir.join("logits.npy"));
+    let out_dir = tempfile::tempdir().unwrap();
+    for step in [None, Some("16"), Some("1")] {
+        let out = out_dir.path().join("logits.npy");
+        let joined = ids.join(",");
+        let mut args = vec!["logits", "--model", dir.to_str().unwrap()];
+        args.extend(["--out", out.to_str().unwrap(), "--ids", &joined]);
+        if let Some(s) = step {
+            args.extend(["--step", s]);
+        }
+        let o = run(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let note = stderr(&o);
+        assert_eq!(
+            note.matches("images are not supported yet").count(),
+            1,
+            "{note}"
+        );
+        let (shape, got) = read_npy(&out);
+        assert_eq!(shape, want_shape);
+        let num: f64 = got.iter().zip(&want).map(|(g, w)| (g - w).powi(2)).sum();
+        let den: f64 = want.iter().map(|w| w * w).sum();
+        let err = (num / den).sqrt();
+        assert!(err < 5e-5, "step {step:?}: relative error {err:e}");
+    }
+}
+
+#[test]
+fn k3_run_generates_from_the_tiny_checkpoint() {
+    let dir = k3_fixture("k3-tiny-5l-b2");
+    let o = run(&[
+        "run",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        "Hello",
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// Copies a K3 fixture, applies `edit` to its directory, and returns what `logits` prints.
+fn k3_error_after(edit: impl Fn(&Path)) -> String {
+    let src = k3_fixture("k3-tiny-7l");
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, dir.path().join(p.file_name().unwrap())).unwrap();
+    }
+    edit(dir.path());
+    let out = dir.path().join("l.npy");
+    let o = run(&[
+        "logits",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--ids",
+        "1,2",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(!err.contains("panicked"), "{err}");
+    err
+}
+
+/// Byte range of tensor `name` in a safetensors file.
+fn tensor_range(path: &Path, name: &str) -> std::ops::Range<usize> {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let offsets = &header[name]["data_offsets"];
+    let (a, b) = (offsets[0].as_u64().unwrap(), offsets[1].as_u64().unwrap());
+    8 + n + a as usize..8 + n + b as usize
+}
+
+#[test]
+fn k3_bad_checkpoints_name_the_file_and_tensor() {
+    // A missing shard names itself.
+    let err = k3_error_after(|d| {
+        std::fs::remove_file(d.join("model-00001-of-00002.safetensors")).unwrap()
+    });
+    assert!(err.contains("model-00001-of-00002.safetensors"), "{err}");
+    // An E8M0 NaN scale names the tensor, row and block.
+    let err = k3_error_after(|d| {
+        let index: Value = serde_json::from_str(
+            &std::fs::read_to_string(d.join("model.safetensors.index.json")).unwrap(),
+        )
+        .unwrap();
+        let name = "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight_scale";
+        let file = d.join(index["weight_map"][name].as_str().unwrap());
+        let range = tensor_range(&file, name);
+        let mut bytes = std::fs::read(&file).unwrap();
+        bytes[range.start + 5] = 255;
+        std::fs::write(&file, bytes).unwrap();
+    });
+    assert!(
+        err.contains("experts.3.w2.weight_scale") && err.contains("255"),
+        "{err}"
+    );
+    // A config that does not fit the stored experts names the tensor and both shapes.
+    let err = k3_error_after(|d| {
+        let path = d.join("config.json");
+        let mut cfg: Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        cfg["text_config"]["moe_intermediate_size"] = Value::from(96);
+        std::fs::write(&path, serde_json::to_string(&cfg).unwrap()).unwrap();
+    });
+    assert!(err.contains("weight_packed") && err.contains("96"), "{err}");
+}

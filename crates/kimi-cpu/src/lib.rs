@@ -24,6 +24,7 @@ mod kda_step;
 mod matmul;
 mod mla;
 mod moe;
+mod mxfp4;
 mod norm;
 mod paged;
 mod qdot;

@@ -34,6 +34,7 @@ pub(crate) fn dequantize(dtype: DType, bytes: &[u8], out: &mut [f32]) {
         DType::Q8_0 => crate::simd::dequantize_legacy(Legacy::Q8_0, bytes, out),
         DType::Q4_0 => crate::simd::dequantize_legacy(Legacy::Q4_0, bytes, out),
         DType::Q4_1 => crate::simd::dequantize_legacy(Legacy::Q4_1, bytes, out),
+        DType::MXFP4 => crate::mxfp4::dequantize(bytes, out),
         other => {
             // Upload checked the type and that rows are whole blocks, so this cannot fail;
             // NaNs make a broken invariant visible instead of silently zero weights.

@@ -681,17 +681,16 @@ fn load_expert<B: Backend>(
     let width = c.expert_intermediate_size;
     let mut matrix = |name: &str, rows: usize, cols: usize| -> Result<B::Tensor> {
         let base = format!("{p}.{name}");
-        if ld.contains(&format!("{base}.weight_packed")) {
+        let (packed, plain) = (format!("{base}.weight_packed"), format!("{base}.weight"));
+        // The config says which form to expect; the other is taken where only it exists.
+        let mxfp4 = match c.expert_format {
+            ExpertFormat::Mxfp4 => ld.contains(&packed) || !ld.contains(&plain),
+            ExpertFormat::Dense => !ld.contains(&plain) && ld.contains(&packed),
+        };
+        if mxfp4 {
             ld.mxfp4(&base, rows, cols)
-        } else if c.expert_format == ExpertFormat::Mxfp4 && !ld.contains(&format!("{base}.weight"))
-        {
-            Err(crate::ModelError::Input(format!(
-                "the checkpoint has neither {0}.weight_packed (MXFP4, as its \
-                 quantization_config says) nor {0}.weight",
-                ld.full(&base)
-            )))
         } else {
-            ld.get(&format!("{base}.weight"), &[rows, cols])
+            ld.get(&plain, &[rows, cols])
         }
     };
     Ok(MlpWeights {

@@ -15,6 +15,7 @@ pub mod gguf_kimi;
 mod kimi_linear;
 mod layers;
 mod llama;
+pub mod registry;
 mod source;
 mod summary;
 
@@ -24,6 +25,7 @@ pub use cache::{CachePool, LayerPool, LayerSpec, SeqCache};
 pub use forward::{Batch, CausalLm, ForwardOptions, ForwardOutput, RowPicks, SINGLE_BLOCK_SIZE};
 pub use kimi_linear::KimiLinear;
 pub use llama::{Llama, LlamaConfig};
+pub use registry::{Architecture, LoadedModel};
 pub use source::{RandomWeights, WeightSource};
 pub use summary::{ModelSummary, ParamCounts};
 

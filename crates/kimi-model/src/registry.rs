@@ -1,0 +1,119 @@
+//! Which model definition a file is: the one place that maps checkpoints and GGUF files to
+//! architectures. A new family joins here (a variant of [`Architecture`], a line in its
+//! recognisers, and a load arm); front ends never name the model types themselves.
+
+use kimi_core::config::Family;
+use kimi_core::ModelConfig;
+use kimi_gguf::GgufFile;
+use kimi_ops::Backend;
+use kimi_weights::Checkpoint;
+
+use crate::{CausalLm, KimiLinear, Llama, Result, WeightSource};
+
+/// The architectures kimi-infer runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Architecture {
+    /// Kimi Linear (`kimi_linear` checkpoints, llama.cpp's `kimi-linear` GGUF files).
+    KimiLinear,
+    /// Kimi K3's text model (`kimi_k3` checkpoints), run by the Kimi Linear definition with
+    /// K3's variants switched on by its config.
+    KimiK3,
+    /// Llama-family GGUF files (the SmolLM2 demo model).
+    Llama,
+}
+
+impl Architecture {
+    /// The architecture of a parsed checkpoint config.
+    pub fn of_config(config: &ModelConfig) -> Self {
+        match config.family {
+            Family::KimiLinear => Architecture::KimiLinear,
+            Family::KimiK3 => Architecture::KimiK3,
+        }
+    }
+
+    /// The architecture of a GGUF file, from `general.architecture`: `kimi-linear` is Kimi
+    /// Linear in llama.cpp's layout; anything else goes to the llama-family loader, which
+    /// names the architectures it does not run.
+    pub fn of_gguf(file: &GgufFile) -> Self {
+        match file.get_str("general.architecture").ok() {
+            Some(crate::gguf_kimi::ARCH) => Architecture::KimiLinear,
+            _ => Architecture::Llama,
+        }
+    }
+
+    /// A short name for messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Architecture::KimiLinear => "Kimi Linear",
+            Architecture::KimiK3 => "Kimi K3",
+            Architecture::Llama => "llama-family GGUF",
+        }
+    }
+}
+
+/// A loaded model of any architecture, with what front ends report about it.
+pub struct LoadedModel<B: Backend> {
+    /// The model, ready for an engine.
+    pub model: Box<dyn CausalLm<B>>,
+    /// What it is.
+    pub architecture: Architecture,
+    /// The Kimi config (`None` for llama-family files, which describe themselves in
+    /// their GGUF metadata).
+    pub config: Option<ModelConfig>,
+    /// Tensors of a vision encoder the checkpoint held and the text model skipped.
+    pub ignored_vision_tensors: usize,
+}
+
+/// Loads a checkpoint directory's model onto `backend`.
+pub fn load_checkpoint<B: Backend + 'static>(
+    backend: B,
+    ckpt: &Checkpoint,
+) -> Result<LoadedModel<B>> {
+    let architecture = Architecture::of_config(ckpt.config());
+    // Both Kimi architectures are the one definition; the config picks the variants.
+    let model = KimiLinear::load(backend, ckpt)?;
+    Ok(LoadedModel {
+        architecture,
+        config: Some(model.config().clone()),
+        ignored_vision_tensors: model.ignored_vision_tensors(),
+        model: Box::new(model),
+    })
+}
+
+/// Builds the model a config describes from any weight source (random weights for
+/// benchmarks of full-size shapes).
+pub fn load_config<B: Backend + 'static>(
+    backend: B,
+    config: ModelConfig,
+    source: &dyn WeightSource,
+) -> Result<LoadedModel<B>> {
+    let architecture = Architecture::of_config(&config);
+    let model = KimiLinear::load_from(backend, config, source)?;
+    Ok(LoadedModel {
+        architecture,
+        config: Some(model.config().clone()),
+        ignored_vision_tensors: model.ignored_vision_tensors(),
+        model: Box::new(model),
+    })
+}
+
+/// Loads a GGUF file's model onto `backend`.
+pub fn load_gguf<B: Backend + 'static>(backend: B, file: &GgufFile) -> Result<LoadedModel<B>> {
+    match Architecture::of_gguf(file) {
+        Architecture::Llama => Ok(LoadedModel {
+            model: Box::new(Llama::load(backend, file)?),
+            architecture: Architecture::Llama,
+            config: None,
+            ignored_vision_tensors: 0,
+        }),
+        architecture => {
+            let model = KimiLinear::load_gguf(backend, file)?;
+            Ok(LoadedModel {
+                architecture,
+                config: Some(model.config().clone()),
+                ignored_vision_tensors: 0,
+                model: Box::new(model),
+            })
+        }
+    }
+}
