@@ -11,6 +11,7 @@ use axum::Json;
 use kimi_tokenizer::Tokenizer;
 use serde_json::{json, Value};
 
+use crate::chat_format::{parse_thinking, render_prompt, PromptRequest, Thinking};
 use crate::chat_request::{
     parse_messages, parse_response_format, parse_tool_choice, parse_tools, ResponseFormat,
     ToolChoice, ToolSpec,
@@ -18,10 +19,12 @@ use crate::chat_request::{
 use crate::constraint::Processor;
 use crate::error::ApiError;
 use crate::fields::{bad_value, Body};
-use crate::generation::{Delta, OutputOptions, Run, SequenceSetup};
+use crate::generation::{Delta, OutputFormat, OutputOptions, Run, SequenceSetup};
 use crate::params::{finalize, parse_common, CommonParams};
 use crate::response::{chat_logprob, collect, stream, ChunkWriter, CollectedChoice};
+use crate::state::ChatFormat;
 use crate::state::{unix_now, AppState, Inner};
+use crate::xtml_output::XtmlStart;
 use crate::{blocking, check_model, deadline};
 
 /// A request ready to submit.
@@ -89,28 +92,6 @@ pub(crate) fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
     })
 }
 
-/// Renders the conversation with the chat template and tokenizes it.
-pub(crate) fn render_prompt(
-    inner: &Inner,
-    messages: &[Value],
-    tools: &[ToolSpec],
-    add_generation_prompt: bool,
-) -> Result<Vec<u32>, ApiError> {
-    let template = inner.chat_template().ok_or_else(|| {
-        ApiError::invalid("The model has no chat template; use /v1/completions", None)
-    })?;
-    let raw_tools: Vec<Value> = tools.iter().map(|t| t.raw.clone()).collect();
-    let tools_arg = (!raw_tools.is_empty()).then_some(raw_tools.as_slice());
-    let text = template
-        .render(messages, tools_arg, add_generation_prompt)
-        .map_err(|e| {
-            ApiError::invalid(format!("The chat template failed: {e}"), Some("messages"))
-        })?;
-    inner.tokenizer.encode(&text, true).map_err(|e| {
-        ApiError::invalid(format!("Cannot tokenize the prompt: {e}"), Some("messages"))
-    })
-}
-
 fn prepare(inner: &Inner, bytes: &[u8]) -> Result<Prepared, ApiError> {
     let body = Body::parse(bytes)?;
     let model = check_model(inner, &body)?;
@@ -130,6 +111,18 @@ fn prepare(inner: &Inner, bytes: &[u8]) -> Result<Prepared, ApiError> {
         return Err(bad_value("top_logprobs", "requires `logprobs` to be true"));
     }
     let add_generation_prompt = body.bool("add_generation_prompt")?.unwrap_or(true);
+    let thinking = match inner.chat_format {
+        ChatFormat::Xtml(_) => parse_thinking(&body)?,
+        ChatFormat::Template | ChatFormat::Unavailable => Thinking::default(),
+    };
+    let request = PromptRequest {
+        messages: &messages,
+        tools: &tools,
+        tool_choice: &tool_choice,
+        response_format: &response_format,
+        add_generation_prompt,
+        thinking,
+    };
     for (i, tool) in tools.iter().enumerate() {
         inner
             .constraints
@@ -141,8 +134,8 @@ fn prepare(inner: &Inner, bytes: &[u8]) -> Result<Prepared, ApiError> {
                 )
             })?;
     }
-    let grammar = build_grammar(inner, &tools, &tool_choice, parallel, &response_format)?;
-    let prompt = render_prompt(inner, &messages, &tools, add_generation_prompt)?;
+    let grammar = build_grammar(inner, &request, parallel)?;
+    let prompt = render_prompt(inner, &request)?;
     let mut sampling = finalize(
         &common,
         prompt.len(),
@@ -156,9 +149,24 @@ fn prepare(inner: &Inner, bytes: &[u8]) -> Result<Prepared, ApiError> {
         sampling.logprobs = Some(top_logprobs.unwrap_or(0) as usize);
     }
     let parse_tools = !tools.is_empty() && tool_choice != ToolChoice::None;
-    let banned = match (&inner.tool_tokens, &tool_choice) {
-        (Some(t), ToolChoice::None) if !tools.is_empty() => t.section_openers(),
+    // XTML has no section token to ban: its prompt tells the model not to call, and a tools
+    // section it writes anyway is dropped.
+    let banned = match (&inner.tool_tokens, &tool_choice, inner.chat_format) {
+        (Some(t), ToolChoice::None, ChatFormat::Template) if !tools.is_empty() => {
+            t.section_openers()
+        }
         _ => Vec::new(),
+    };
+    let format = match inner.chat_format {
+        ChatFormat::Xtml(tokens) => OutputFormat::Xtml {
+            tokens,
+            start: request.xtml_start(),
+            tools: parse_tools,
+        },
+        _ => match inner.tool_tokens {
+            Some(tokens) if parse_tools => OutputFormat::KimiK2Tools(tokens),
+            _ => OutputFormat::Text,
+        },
     };
     let setups = (0..common.n)
         .map(|i| {
@@ -176,7 +184,7 @@ fn prepare(inner: &Inner, bytes: &[u8]) -> Result<Prepared, ApiError> {
         prompt_tokens: prompt.len(),
         setups,
         options: OutputOptions {
-            tools: if parse_tools { inner.tool_tokens } else { None },
+            format,
             named_tool: matches!(tool_choice, ToolChoice::Named(_)),
             logprobs,
             skip_special: common.skip_special_tokens,
@@ -188,18 +196,27 @@ fn prepare(inner: &Inner, bytes: &[u8]) -> Result<Prepared, ApiError> {
 /// The grammar the output must follow, if any.
 fn build_grammar(
     inner: &Inner,
-    tools: &[ToolSpec],
-    tool_choice: &ToolChoice,
+    request: &PromptRequest<'_>,
     parallel: bool,
-    response_format: &ResponseFormat,
 ) -> Result<Option<llguidance::Matcher>, ApiError> {
+    let (tools, tool_choice) = (request.tools, request.tool_choice);
     let forced: Vec<&ToolSpec> = match tool_choice {
         ToolChoice::Required => tools.iter().collect(),
         ToolChoice::Named(name) => tools.iter().filter(|t| &t.name == name).collect(),
         ToolChoice::None | ToolChoice::Auto => Vec::new(),
     };
+    let xtml = matches!(inner.chat_format, ChatFormat::Xtml(_));
+    let constrained = !forced.is_empty() || *request.response_format != ResponseFormat::Text;
+    let start = request.xtml_start();
+    if xtml && constrained && start == XtmlStart::Message {
+        return Err(bad_value(
+            "add_generation_prompt",
+            "must be true when `tool_choice` or `response_format` constrains the output",
+        ));
+    }
+    let thinking = start == XtmlStart::Think;
     if !forced.is_empty() {
-        if *response_format != ResponseFormat::Text {
+        if *request.response_format != ResponseFormat::Text {
             return Err(bad_value(
                 "response_format",
                 "cannot be combined with a required or named `tool_choice`",
@@ -210,18 +227,26 @@ fn build_grammar(
             .map(|t| (t.name.as_str(), &t.parameters))
             .collect();
         let single = !parallel || matches!(tool_choice, ToolChoice::Named(_));
-        return inner
-            .constraints
-            .tool_calls(&specs, single)
+        let matcher = if xtml {
+            inner.constraints.xtml_tool_calls(&specs, single, thinking)
+        } else {
+            inner.constraints.tool_calls(&specs, single)
+        };
+        return matcher
             .map(Some)
             .map_err(|e| bad_value("tool_choice", format!("cannot be enforced: {e}")));
     }
-    let schema = match response_format {
+    let schema = match request.response_format {
         ResponseFormat::Text => return Ok(None),
         ResponseFormat::JsonObject => None,
         ResponseFormat::JsonSchema(schema) => schema.as_ref(),
     };
-    inner.constraints.json(schema).map(Some).map_err(|e| {
+    let matcher = if xtml {
+        inner.constraints.xtml_json(schema, thinking)
+    } else {
+        inner.constraints.json(schema)
+    };
+    matcher.map(Some).map_err(|e| {
         bad_value(
             "response_format",
             format!("has an unusable JSON schema: {e}"),
@@ -261,6 +286,9 @@ impl ChatWriter {
                     })
                     .collect();
                 let mut message = json!({"role": "assistant", "content": c.content});
+                if !c.reasoning.is_empty() {
+                    message["reasoning_content"] = json!(c.reasoning);
+                }
                 if !tool_calls.is_empty() {
                     if c.content.is_empty() {
                         message["content"] = Value::Null;
@@ -317,6 +345,9 @@ impl ChunkWriter for ChatWriter {
 
     fn delta(&mut self, index: usize, delta: Delta) -> Option<Value> {
         let mut body = json!({});
+        if !delta.reasoning.is_empty() {
+            body["reasoning_content"] = json!(delta.reasoning);
+        }
         if !delta.content.is_empty() {
             body["content"] = json!(delta.content);
         }

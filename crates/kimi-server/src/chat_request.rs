@@ -37,7 +37,7 @@ pub(crate) enum ResponseFormat {
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
 /// `messages`, checked and normalised for the chat template: text parts joined into a
-/// string, `developer` as `system`.
+/// string, `developer` as `system`, an assistant's `reasoning` as `reasoning_content`.
 pub(crate) fn parse_messages(body: &Body) -> Result<Vec<Value>, ApiError> {
     let messages = match body.required("messages")? {
         Value::Array(items) => items,
@@ -100,6 +100,17 @@ fn parse_message(param: &str, message: &Value) -> Result<Value, ApiError> {
     if let Some(calls) = tool_calls {
         out.insert("tool_calls".into(), calls);
     }
+    // Past reasoning, sent back by clients (vLLM names it `reasoning`).
+    for key in ["reasoning_content", "reasoning"] {
+        match m.get(key) {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) if role == "assistant" => {
+                out.entry("reasoning_content").or_insert_with(|| json!(s));
+            }
+            Some(Value::String(_)) => {}
+            Some(other) => return Err(wrong_type(&format!("{param}.{key}"), "a string", other)),
+        }
+    }
     Ok(Value::Object(out))
 }
 
@@ -117,6 +128,14 @@ fn parse_content(param: &str, content: Option<&Value>) -> Result<Value, ApiError
                     Value::Object(p) => match (p.get("type"), p.get("text")) {
                         (Some(Value::String(t)), Some(Value::String(s))) if t == "text" => {
                             text += s
+                        }
+                        (Some(Value::String(t)), _)
+                            if ["image_url", "image", "input_image"].contains(&t.as_str()) =>
+                        {
+                            return Err(bad_value(
+                                &part_param,
+                                "is an image: images are not supported yet (text only)",
+                            ))
                         }
                         (Some(Value::String(t)), _) if t != "text" => {
                             return Err(bad_value(
@@ -380,6 +399,20 @@ mod tests {
         assert_eq!(m[0], json!({"role": "system", "content": "ab"}));
         assert_eq!(m[1]["tool_calls"][0]["id"], "functions.f:0");
         assert_eq!(m[1]["tool_calls"][0]["function"]["arguments"], "{\"x\":1}");
+        let r = body(
+            r#"{"messages": [{"role": "assistant", "content": "a", "reasoning": "why"},
+            {"role": "user", "content": "b", "reasoning_content": "dropped"}]}"#,
+        );
+        let m = parse_messages(&r).expect("valid");
+        assert_eq!(m[0]["reasoning_content"], "why");
+        assert!(m[1].get("reasoning_content").is_none());
+        let image = body(r#"{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}"#);
+        let err = parse_messages(&image).expect_err("images refused");
+        assert!(
+            err.message.contains("images are not supported yet"),
+            "{}",
+            err.message
+        );
         for bad in [
             r#"{"messages": []}"#,
             r#"{"messages": "hi"}"#,

@@ -16,7 +16,7 @@ use crate::constraint::Processor;
 use crate::decode::token_text;
 use crate::error::ApiError;
 use crate::fields::{bad_value, token_id, wrong_type, Body};
-use crate::generation::{Delta, OutputOptions, Run, SequenceSetup, TokenLogprob};
+use crate::generation::{Delta, OutputFormat, OutputOptions, Run, SequenceSetup, TokenLogprob};
 use crate::params::{finalize, parse_common};
 use crate::response::{collect, logprob_value, stream, ChunkWriter, CollectedChoice};
 use crate::state::{unix_now, AppState, Inner};
@@ -134,7 +134,7 @@ fn prepare(inner: &Inner, bytes: &[u8]) -> Result<Prepared, ApiError> {
         prompts,
         setups,
         options: OutputOptions {
-            tools: None,
+            format: OutputFormat::Text,
             named_tool: false,
             logprobs: logprobs.is_some(),
             skip_special: common.skip_special_tokens,

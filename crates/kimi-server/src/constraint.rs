@@ -1,10 +1,13 @@
 //! Constrained decoding with llguidance: JSON schemas (`response_format`) and the Kimi
-//! tool-call format (`tool_choice` required or named), plus `logit_bias` and token bans,
-//! all behind one [`LogitsProcessor`] per sequence.
+//! tool-call formats (`tool_choice` required or named; K2 section tokens, or K3's XTML via
+//! [`crate::xtml_grammar`]), plus `logit_bias` and token bans, all behind one
+//! [`LogitsProcessor`] per sequence.
 //!
 //! The token trie is built from the tokenizer's raw token bytes; special tokens are
 //! prefixed with `0xFF` (llguidance's marker), so a grammar can name them as
-//! `<|tool_call_begin|>` and plain text can never produce them.
+//! `<|tool_call_begin|>` and plain text can never produce them. The XTML markers count as
+//! special even where a tokenizer marks them otherwise (K3's own config marks `<|sep|>`
+//! `special: false`).
 
 use std::sync::Arc;
 
@@ -21,28 +24,33 @@ use crate::error::ServerError;
 use crate::tool_parser::{
     SECTION_BEGIN, SECTION_END, TOOL_CALL_ARGUMENT_BEGIN, TOOL_CALL_BEGIN, TOOL_CALL_END,
 };
+use crate::xtml_grammar;
+use crate::xtml_output::XtmlTokens;
 
 /// The most calls one constrained `tool_choice: "required"` turn may make.
-const MAX_PARALLEL_CALLS: usize = 4;
+pub(crate) const MAX_PARALLEL_CALLS: usize = 4;
 
 /// Compiles grammars against one tokenizer. Built once per server.
 pub(crate) struct Constraints {
     factory: ParserFactory,
     /// Whether the tokenizer has all five tool-call special tokens.
     has_tool_tokens: bool,
+    /// Whether the tokenizer has the four XTML markers.
+    has_xtml_tokens: bool,
 }
 
 impl std::fmt::Debug for Constraints {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Constraints")
             .field("has_tool_tokens", &self.has_tool_tokens)
+            .field("has_xtml_tokens", &self.has_xtml_tokens)
             .finish_non_exhaustive()
     }
 }
 
 /// JSON layout options: fixed separators and no free whitespace, so that a grammar leaves
 /// the model no way to ramble between tokens.
-fn with_layout(mut schema: Value) -> Value {
+pub(crate) fn with_layout(mut schema: Value) -> Value {
     if let Value::Object(map) = &mut schema {
         map.entry("x-guidance").or_insert_with(
             || json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}),
@@ -55,9 +63,13 @@ impl Constraints {
     /// Builds the token trie of `tokenizer` for a model with `vocab_size` logits.
     pub(crate) fn new(tokenizer: &Tokenizer, vocab_size: usize) -> Result<Self, ServerError> {
         let num_tokens = vocab_size.max(tokenizer.vocab_size());
+        let xtml = XtmlTokens::find(tokenizer);
+        let xtml_ids = xtml.map(|t| t.ids()).unwrap_or_default();
         let words: Vec<Vec<u8>> = (0..num_tokens as u32)
             .map(|id| match tokenizer.token_bytes(id) {
-                Some(bytes) if tokenizer.is_special(id) => {
+                Some(bytes)
+                    if tokenizer.is_special(id) || (xtml.is_some() && xtml_ids.contains(&id)) =>
+                {
                     let mut word = vec![TokTrie::SPECIAL_TOKEN_MARKER];
                     word.extend_from_slice(&bytes);
                     word
@@ -100,6 +112,7 @@ impl Constraints {
         Ok(Constraints {
             factory,
             has_tool_tokens,
+            has_xtml_tokens: xtml.is_some(),
         })
     }
 
@@ -166,6 +179,42 @@ impl Constraints {
             lark += &format!("args_{t}: %json {schema}\n");
         }
         self.matcher(TopLevelGrammar::from_lark(lark))
+    }
+}
+
+impl Constraints {
+    /// A matcher for an XTML tools section (see [`xtml_grammar::tool_calls`]), starting
+    /// inside `think` when `thinking`, else inside `response`.
+    pub(crate) fn xtml_tool_calls(
+        &self,
+        tools: &[(&str, &Value)],
+        single: bool,
+        thinking: bool,
+    ) -> Result<Matcher, String> {
+        if !self.has_xtml_tokens {
+            return Err("the model's tokenizer has no XTML tokens".into());
+        }
+        let lark = xtml_grammar::tool_calls(tools, single, thinking)?;
+        self.matcher(TopLevelGrammar::from_lark(lark))
+    }
+
+    /// A matcher for an XTML response holding JSON that matches `schema` (any JSON object
+    /// when `None`).
+    pub(crate) fn xtml_json(
+        &self,
+        schema: Option<&Value>,
+        thinking: bool,
+    ) -> Result<Matcher, String> {
+        if !self.has_xtml_tokens {
+            return Err("the model's tokenizer has no XTML tokens".into());
+        }
+        let schema = schema.cloned().unwrap_or_else(|| json!({"type": "object"}));
+        if !schema.is_object() {
+            return Err("a JSON schema must be an object".into());
+        }
+        self.matcher(TopLevelGrammar::from_lark(xtml_grammar::json_response(
+            &schema, thinking,
+        )?))
     }
 }
 

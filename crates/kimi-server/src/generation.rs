@@ -5,8 +5,9 @@
 //! handler ─► Run::submit ─► engine (one sequence per choice)
 //!                 │  events per choice
 //!                 ▼
-//!   Run::next ─► ChoiceOutput: tokens ─► tool parser ─► UTF-8 decoder ─► stop matcher
-//!                 │  Delta { content, tool_calls, logprobs, finish_reason }
+//!   Run::next ─► ChoiceOutput: tokens ─► K2 tool parser ─► UTF-8 decoder ─► stop matcher
+//!                                    └──► XTML parser (reasoning, content, tool calls) ─┘
+//!                 │  Delta { reasoning, content, tool_calls, logprobs, finish_reason }
 //!                 ▼
 //!   JSON body (collect) or SSE chunks (stream)
 //! ```
@@ -30,6 +31,7 @@ use crate::error::ApiError;
 use crate::metrics::SequenceStats;
 use crate::state::{Inner, Permit};
 use crate::tool_parser::{Piece, ToolParser, ToolTokens};
+use crate::xtml_output::{XtmlEvent, XtmlParser, XtmlStart, XtmlTokens};
 
 /// One sequence to run.
 pub(crate) struct SequenceSetup {
@@ -38,11 +40,25 @@ pub(crate) struct SequenceSetup {
     pub processor: Option<Box<dyn LogitsProcessor>>,
 }
 
+/// How generated tokens are read.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum OutputFormat {
+    /// All text.
+    Text,
+    /// Text and Kimi K2 tool-call sections.
+    KimiK2Tools(ToolTokens),
+    /// Kimi K3's XTML: reasoning, response and (with `tools`) tool calls.
+    Xtml {
+        tokens: XtmlTokens,
+        start: XtmlStart,
+        tools: bool,
+    },
+}
+
 /// How generated tokens become output.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct OutputOptions {
-    /// Parse Kimi tool calls out of the output.
-    pub tools: Option<ToolTokens>,
+    pub format: OutputFormat,
     /// `tool_choice` named a function: the finish reason stays `stop` (as OpenAI).
     pub named_tool: bool,
     /// Report each token's logprob.
@@ -71,6 +87,8 @@ pub(crate) struct ToolCallDelta {
 /// What one event added to a choice.
 #[derive(Debug, Default)]
 pub(crate) struct Delta {
+    /// Reasoning (`reasoning_content`), XTML only.
+    pub reasoning: String,
     pub content: String,
     pub tool_calls: Vec<ToolCallDelta>,
     pub logprobs: Vec<TokenLogprob>,
@@ -84,6 +102,7 @@ impl Delta {
     /// Nothing for the client.
     pub(crate) fn is_empty(&self) -> bool {
         self.content.is_empty()
+            && self.reasoning.is_empty()
             && self.tool_calls.is_empty()
             && self.logprobs.is_empty()
             && self.finish_reason.is_none()
@@ -91,21 +110,38 @@ impl Delta {
     }
 }
 
+/// The parser of one sequence's tokens.
+enum Parser {
+    Text,
+    KimiK2(ToolParser),
+    Xtml(XtmlParser),
+}
+
 /// Turns one sequence's tokens into output.
 struct ChoiceOutput {
     content: ByteDecoder,
+    /// Stop strings apply to content (not to reasoning or tool calls).
     stop: StopMatcher,
-    tools: Option<ToolParser>,
+    parser: Parser,
     options: OutputOptions,
     num_tokens: usize,
 }
 
 impl ChoiceOutput {
     fn new(options: OutputOptions, stop: &[String]) -> Self {
+        let parser = match options.format {
+            OutputFormat::Text => Parser::Text,
+            OutputFormat::KimiK2Tools(tokens) => Parser::KimiK2(ToolParser::new(tokens)),
+            OutputFormat::Xtml {
+                tokens,
+                start,
+                tools,
+            } => Parser::Xtml(XtmlParser::new(tokens, start, tools, options.skip_special)),
+        };
         ChoiceOutput {
             content: ByteDecoder::default(),
             stop: StopMatcher::new(stop),
-            tools: options.tools.map(ToolParser::new),
+            parser,
             options,
             num_tokens: 0,
         }
@@ -120,11 +156,32 @@ impl ChoiceOutput {
                 top: sampled.top_logprobs,
             });
         }
-        let pieces = match &mut self.tools {
-            Some(parser) => parser.push(tokenizer, sampled.token),
-            None => vec![Piece::Content(sampled.token)],
+        let pieces = match &mut self.parser {
+            Parser::Text => vec![Piece::Content(sampled.token)],
+            Parser::KimiK2(parser) => parser.push(tokenizer, sampled.token),
+            Parser::Xtml(parser) => {
+                let events = parser.push_token(tokenizer, sampled.token);
+                self.apply_xtml(events, delta);
+                return;
+            }
         };
         self.apply(tokenizer, pieces, delta);
+    }
+
+    fn apply_xtml(&mut self, events: Vec<XtmlEvent>, delta: &mut Delta) {
+        for event in events {
+            match event {
+                XtmlEvent::Reasoning(text) => delta.reasoning += &text,
+                XtmlEvent::Content(text) => self.push_text(&text, delta),
+                XtmlEvent::CallStart { index, id, name } => delta.tool_calls.push(ToolCallDelta {
+                    index,
+                    id: Some(id),
+                    name: Some(name),
+                    arguments: String::new(),
+                }),
+                XtmlEvent::Arguments { index, text } => add_arguments(delta, index, text),
+            }
+        }
     }
 
     fn apply(&mut self, tokenizer: &Tokenizer, pieces: Vec<Piece>, delta: &mut Delta) {
@@ -143,14 +200,7 @@ impl ChoiceOutput {
                     name: Some(name),
                     arguments: String::new(),
                 }),
-                Piece::Arguments { index, text } => match delta.tool_calls.last_mut() {
-                    Some(last) if last.index == index => last.arguments += &text,
-                    _ => delta.tool_calls.push(ToolCallDelta {
-                        index,
-                        arguments: text,
-                        ..ToolCallDelta::default()
-                    }),
-                },
+                Piece::Arguments { index, text } => add_arguments(delta, index, text),
             }
         }
     }
@@ -167,16 +217,27 @@ impl ChoiceOutput {
     }
 
     fn on_finished(&mut self, tokenizer: &Tokenizer, reason: FinishReason, delta: &mut Delta) {
+        match &mut self.parser {
+            Parser::Text => {}
+            Parser::KimiK2(parser) => {
+                let pieces = parser.finish();
+                self.apply(tokenizer, pieces, delta);
+            }
+            Parser::Xtml(parser) => {
+                let events = parser.finish();
+                self.apply_xtml(events, delta);
+            }
+        }
         let rest = self.content.finish();
         self.push_text(&rest, delta);
         if !self.stop.stopped() {
             delta.content += &self.stop.finish();
         }
-        if let Some(parser) = &mut self.tools {
-            let pieces = parser.finish();
-            self.apply(tokenizer, pieces, delta);
-        }
-        let num_calls = self.tools.as_ref().map_or(0, ToolParser::num_calls);
+        let num_calls = match &self.parser {
+            Parser::Text => 0,
+            Parser::KimiK2(parser) => parser.num_calls(),
+            Parser::Xtml(parser) => parser.num_calls(),
+        };
         delta.finish_reason = Some(match reason {
             _ if self.stop.stopped() => "stop",
             FinishReason::Length => "length",
@@ -184,6 +245,18 @@ impl ChoiceOutput {
             FinishReason::Stop => "stop",
             FinishReason::Cancelled => "abort",
         });
+    }
+}
+
+/// Adds argument text to the delta's part of call `index`.
+fn add_arguments(delta: &mut Delta, index: usize, text: String) {
+    match delta.tool_calls.last_mut() {
+        Some(last) if last.index == index => last.arguments += &text,
+        _ => delta.tool_calls.push(ToolCallDelta {
+            index,
+            arguments: text,
+            ..ToolCallDelta::default()
+        }),
     }
 }
 

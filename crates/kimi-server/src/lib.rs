@@ -17,6 +17,13 @@
 //! named function, and with `response_format` `json_object` / `json_schema`, decoding is
 //! constrained by an llguidance grammar, so even a random-weight model emits valid output.
 //!
+//! The chat format is chosen once per server (`ChatFormat`): the chat template
+//! (`--chat-template` or the tokenizer's; Kimi K2's tool-call tokens are parsed when
+//! present), else Kimi K3's XTML when the tokenizer has `<|open|>`, `<|sep|>`, `<|close|>`
+//! and `<|end_of_msg|>` (rendered by `kimi_tokenizer::xtml`, parsed back into
+//! `reasoning_content`, `content` and `tool_calls` by `xtml_output`; thinking on by
+//! default, off with `chat_template_kwargs: {"thinking": false}`).
+//!
 //! [`serve`] binds and runs; [`router`] gives the `axum::Router` for tests.
 //!
 //! ```no_run
@@ -34,6 +41,7 @@
 
 mod auth;
 mod chat;
+mod chat_format;
 mod chat_request;
 mod completions;
 mod config;
@@ -50,6 +58,8 @@ mod params;
 mod response;
 mod state;
 mod tool_parser;
+mod xtml_grammar;
+mod xtml_output;
 
 use std::future::Future;
 use std::sync::Arc;

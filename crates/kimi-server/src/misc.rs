@@ -11,12 +11,12 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use crate::chat::render_prompt;
-use crate::chat_request::{parse_messages, parse_tools};
+use crate::chat_format::{parse_thinking, render_prompt, PromptRequest, Thinking};
+use crate::chat_request::{parse_messages, parse_response_format, parse_tool_choice, parse_tools};
 use crate::decode::token_text;
 use crate::error::ApiError;
 use crate::fields::{bad_value, wrong_type, Body};
-use crate::state::{AppState, Inner};
+use crate::state::{AppState, ChatFormat, Inner};
 use crate::{blocking, check_model};
 
 fn model_card(inner: &Inner) -> Value {
@@ -94,7 +94,19 @@ fn tokenize_body(inner: &Inner, bytes: &[u8]) -> Result<Value, ApiError> {
         let messages = parse_messages(&body)?;
         let tools = parse_tools(&body)?;
         let add_generation_prompt = body.bool("add_generation_prompt")?.unwrap_or(true);
-        render_prompt(inner, &messages, &tools, add_generation_prompt)?
+        let thinking = match inner.chat_format {
+            ChatFormat::Xtml(_) => parse_thinking(&body)?,
+            ChatFormat::Template | ChatFormat::Unavailable => Thinking::default(),
+        };
+        let request = PromptRequest {
+            messages: &messages,
+            tool_choice: &parse_tool_choice(&body, &tools)?,
+            response_format: &parse_response_format(&body)?,
+            tools: &tools,
+            add_generation_prompt,
+            thinking,
+        };
+        render_prompt(inner, &request)?
     } else {
         let prompt = match body.required("prompt")? {
             Value::String(s) => s,

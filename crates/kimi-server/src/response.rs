@@ -41,6 +41,7 @@ pub(crate) fn chat_logprob(tokenizer: &Tokenizer, entry: &TokenLogprob) -> Value
 /// A whole choice, collected.
 #[derive(Debug, Default)]
 pub(crate) struct CollectedChoice {
+    pub reasoning: String,
     pub content: String,
     /// `(id, name, arguments)` per call.
     pub tool_calls: Vec<(String, String, String)>,
@@ -71,6 +72,7 @@ pub(crate) async fn collect(
             return Err(ApiError::internal(format!("generation failed: {message}")));
         }
         let choice = &mut choices[index];
+        choice.reasoning += &delta.reasoning;
         choice.content += &delta.content;
         for call in delta.tool_calls {
             match (call.id, call.name) {

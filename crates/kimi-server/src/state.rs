@@ -11,6 +11,32 @@ use crate::error::{ApiError, ServerError};
 use crate::generator::Generator;
 use crate::metrics::Metrics;
 use crate::tool_parser::ToolTokens;
+use crate::xtml_output::XtmlTokens;
+
+/// How chat messages become a prompt and generated tokens become a message. Chosen once, in
+/// [`AppState::new`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ChatFormat {
+    /// A Jinja chat template (`--chat-template`, or the tokenizer's): Kimi K2's format and
+    /// others; K2 tool-call tokens are parsed when the tokenizer has them.
+    Template,
+    /// Kimi K3's XTML, rendered by `kimi_tokenizer::xtml` (K3 ships no template): chosen
+    /// when there is no template and the tokenizer has `<|open|>`, `<|sep|>`, `<|close|>`
+    /// and `<|end_of_msg|>`.
+    Xtml(XtmlTokens),
+    /// Neither: chat requests are refused.
+    Unavailable,
+}
+
+impl ChatFormat {
+    fn choose(has_template: bool, tokenizer: &Tokenizer) -> ChatFormat {
+        match XtmlTokens::find(tokenizer) {
+            _ if has_template => ChatFormat::Template,
+            Some(tokens) => ChatFormat::Xtml(tokens),
+            None => ChatFormat::Unavailable,
+        }
+    }
+}
 
 /// The server's shared state: configuration, engine, tokenizer, grammar compiler, metrics.
 /// Cheap to clone.
@@ -34,6 +60,7 @@ pub(crate) struct Inner {
     pub tokenizer: Arc<Tokenizer>,
     /// `config.chat_template`, compiled.
     pub chat_template_override: Option<ChatTemplate>,
+    pub chat_format: ChatFormat,
     pub constraints: Constraints,
     pub tool_tokens: Option<ToolTokens>,
     pub metrics: Metrics,
@@ -95,6 +122,11 @@ impl AppState {
             .map_or(engine_len, |m| m.min(engine_len));
         let constraints = Constraints::new(&tokenizer, vocab_size)?;
         let tool_tokens = ToolTokens::find(&tokenizer);
+        let chat_format = ChatFormat::choose(
+            chat_template_override.is_some() || tokenizer.chat_template().is_some(),
+            &tokenizer,
+        );
+        tracing::info!("chat format: {chat_format:?}");
         let metrics = Metrics::new(&config.served_model_name);
         Ok(AppState {
             inner: Arc::new(Inner {
@@ -102,6 +134,7 @@ impl AppState {
                 generator,
                 tokenizer,
                 chat_template_override,
+                chat_format,
                 constraints,
                 tool_tokens,
                 metrics,

@@ -4,7 +4,8 @@
 //! `tokenizer_config.json`; spec §9.1–9.3) or any Hugging Face `tokenizer.json`.
 //! [`Tokenizer::from_gguf`] builds the byte-level BPE stored in a GGUF file's metadata. The chat
 //! template ([`ChatTemplate`]) comes from `chat_template.jinja` or the config's
-//! `chat_template` and renders like transformers' `apply_chat_template`. [`StreamDecoder`]
+//! `chat_template` and renders like transformers' `apply_chat_template`; Kimi K3 ships no
+//! template, and [`xtml`] renders its XTML format instead. [`StreamDecoder`]
 //! turns generated ids into text without ever splitting a UTF-8 character.
 //!
 //! ```
@@ -35,12 +36,14 @@ mod hf;
 mod pyjson;
 mod stream;
 mod tiktoken;
+pub mod xtml;
 
 use std::path::Path;
 
 pub use chat_template::ChatTemplate;
 pub use error::TokenizerError;
 pub use stream::{StreamDecoder, Utf8Stream};
+pub use xtml::{render_xtml, XtmlError, XtmlOptions, XtmlPrompt};
 
 use config::TokenizerConfig;
 use hf::HfTokenizer;
@@ -48,8 +51,9 @@ use tiktoken::TiktokenBpe;
 
 /// End-of-message tokens that stop generation when present as special tokens, besides the
 /// config's `eos_token` (Kimi: `[EOS]` in tokenizer_config, `<|im_end|>` in config.json).
-const END_OF_MESSAGE_TOKENS: [&str; 6] = [
+const END_OF_MESSAGE_TOKENS: [&str; 7] = [
     "<|im_end|>",
+    "<|end_of_msg|>",
     "[EOS]",
     "<|endoftext|>",
     "<|eot_id|>",
@@ -302,6 +306,16 @@ impl Tokenizer {
         }
     }
 
+    /// Encodes an XTML prompt segment by segment: markers as their control tokens, text as
+    /// plain BPE (a `<|open|>` typed by a user stays text).
+    pub fn encode_xtml(&self, prompt: &XtmlPrompt) -> Result<Vec<u32>, TokenizerError> {
+        let mut ids = Vec::new();
+        for segment in prompt.segments() {
+            ids.extend(self.encode(&segment.text, segment.control)?);
+        }
+        Ok(ids)
+    }
+
     /// Decodes `ids`; invalid UTF-8 becomes U+FFFD. Errors on ids outside the vocabulary.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {
         match &self.backend {
@@ -354,7 +368,8 @@ impl Tokenizer {
         self.bos_id
     }
 
-    /// Stop tokens: tokenizer_config's `eos_token`, then whichever of `<|im_end|>`, `[EOS]`,
+    /// Stop tokens: tokenizer_config's `eos_token`, then whichever of `<|im_end|>`,
+    /// `<|end_of_msg|>`, `[EOS]`,
     /// `<|endoftext|>`, `<|eot_id|>`, `<|end_of_text|>`, `<end_of_turn>` are special tokens.
     pub fn eos_ids(&self) -> Vec<u32> {
         self.eos_ids.clone()

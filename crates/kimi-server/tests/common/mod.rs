@@ -23,9 +23,16 @@ pub const MAX_MODEL_LEN: usize = 2048;
 
 /// The demo model and tokenizer copied into one directory.
 pub fn demo_dir() -> tempfile::TempDir {
+    demo_dir_with("demo-tokenizer")
+}
+
+/// The demo model with the tokenizer in `assets/{tokenizer}` (`demo-tokenizer-k3`: Kimi
+/// K3's special tokens and no chat template, so the server speaks XTML; the format is about
+/// tokens, so the random Kimi Linear weights serve as well as K3's would).
+pub fn demo_dir_with(tokenizer: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("tempdir");
     let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets");
-    for sub in ["demo-model", "demo-tokenizer"] {
+    for sub in ["demo-model", tokenizer] {
         for entry in std::fs::read_dir(assets.join(sub)).expect("assets exist") {
             let path = entry.expect("dir entry").path();
             let name = path.file_name().expect("file name");
@@ -79,7 +86,24 @@ pub async fn start() -> TestServer {
 }
 
 pub async fn start_with(config: ServerConfig, serving: ServingConfig) -> TestServer {
-    let dir = demo_dir();
+    start_in(demo_dir(), config, serving).await
+}
+
+/// A server on the demo model with the K3 tokenizer (XTML chat format).
+pub async fn start_k3() -> TestServer {
+    start_in(
+        demo_dir_with("demo-tokenizer-k3"),
+        server_config(),
+        serving_config(),
+    )
+    .await
+}
+
+async fn start_in(
+    dir: tempfile::TempDir,
+    config: ServerConfig,
+    serving: ServingConfig,
+) -> TestServer {
     let ckpt = Checkpoint::open(dir.path()).expect("demo checkpoint opens");
     let model = KimiLinear::load(CpuBackend::new(), &ckpt).expect("demo model loads");
     let engine = EngineHandle::spawn(model, serving).expect("engine starts");
