@@ -1,8 +1,8 @@
 """Kimi K3's XTML chat format through the official `openai` client: reasoning and tools,
 streamed and whole, against `kimi-infer serve` on a K3 checkpoint directory.
 
-Not collected by pytest (no `test_` names) and not called yet: `check_k3_xtml(model_dir)`
-is meant for scripts/test_openai.sh once a tiny K3 checkpoint loads. The server must pick
+Not collected by pytest itself (no `test_` names): `check_k3_xtml(model_dir)`
+is run by tests/openai_client/test_k3.py on the tiny K3 fixture. The server must pick
 the XTML format by itself (the K3 tokenizer has `<|open|>`, `<|sep|>`, `<|close|>`,
 `<|end_of_msg|>` and no chat template). Weights may be random, so only structure,
 agreement between streaming and whole responses, and constraints are checked.

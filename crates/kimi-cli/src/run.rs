@@ -21,17 +21,16 @@ fn run_on<B: Backend + 'static>(backend: B, a: RunArgs) -> anyhow::Result<()> {
     let loaded = crate::load::load(backend, &a.model, true)?;
     let tok = loaded.tokenizer.as_ref().context("no tokenizer")?;
     let params = sampling_params(&a.sampling);
-    let prompt_text = if a.chat {
+    let ids = if a.chat {
         let mut messages = Vec::new();
         if let Some(s) = &a.system {
             messages.push(json!({"role": "system", "content": s}));
         }
         messages.push(json!({"role": "user", "content": a.prompt}));
-        render_chat(tok, &messages)?
+        chat_ids(tok, &messages)?
     } else {
-        a.prompt.clone()
+        tok.encode(&a.prompt, false)?
     };
-    let ids = tok.encode(&prompt_text, a.chat)?;
     let out = generate_streaming(&loaded.engine, tok, &ids, &params)?;
     println!();
     if a.stats {
@@ -81,7 +80,7 @@ fn chat_on<B: Backend + 'static>(backend: B, a: ChatArgs) -> anyhow::Result<()> 
             continue;
         }
         messages.push(json!({"role": "user", "content": line}));
-        let ids = tok.encode(&render_chat(tok, &messages)?, true)?;
+        let ids = chat_ids(tok, &messages)?;
         let out = generate_streaming(&loaded.engine, tok, &ids, &params)?;
         println!();
         messages.push(json!({"role": "assistant", "content": out.text}));
@@ -89,9 +88,23 @@ fn chat_on<B: Backend + 'static>(backend: B, a: ChatArgs) -> anyhow::Result<()> 
     Ok(())
 }
 
-fn render_chat(tok: &Tokenizer, messages: &[serde_json::Value]) -> anyhow::Result<String> {
-    let template = tok.chat_template().context("this model has no chat template (tokenizer_config.json chat_template or chat_template.jinja)")?;
-    Ok(template.render(messages, None, true)?)
+/// The prompt ids of a conversation: the tokenizer's chat template where it has one, else
+/// Kimi K3's XTML format (rendered by our own code, as K3 ships no template) where its
+/// markers are in the vocabulary.
+fn chat_ids(tok: &Tokenizer, messages: &[serde_json::Value]) -> anyhow::Result<Vec<u32>> {
+    if let Some(template) = tok.chat_template() {
+        return Ok(tok.encode(&template.render(messages, None, true)?, true)?);
+    }
+    let xtml = ["<|open|>", "<|sep|>", "<|close|>", "<|end_of_msg|>"];
+    if xtml.iter().all(|m| tok.token_id(m).is_some()) {
+        let prompt =
+            kimi_tokenizer::render_xtml(messages, &kimi_tokenizer::XtmlOptions::default())?;
+        return Ok(tok.encode_xtml(&prompt)?);
+    }
+    anyhow::bail!(
+        "this model has no chat template (tokenizer_config.json chat_template or \
+         chat_template.jinja) and its tokenizer has no Kimi K3 XTML markers"
+    )
 }
 
 pub fn sampling_params(s: &SamplingArgs) -> SamplingParams {

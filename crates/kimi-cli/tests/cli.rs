@@ -694,6 +694,28 @@ fn k3_run_generates_from_the_tiny_checkpoint() {
         "0",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
+    // K3 ships no chat template: `run --chat` and `chat` render its XTML format.
+    let mut args = vec!["run", "--chat", "--model", dir.to_str().unwrap()];
+    args.extend(["--prompt", "Hi", "--max-tokens", "4", "--temperature", "0"]);
+    let o = run(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    use std::io::Write;
+    let mut child = bin()
+        .args(["chat", "--model", dir.to_str().unwrap(), "--max-tokens", "4"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"Hello\nAnd again\n/exit\n")
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stderr(&o).matches("> ").count(), 3, "{}", stderr(&o));
 }
 
 /// Copies a K3 fixture, applies `edit` to its directory, and returns what `logits` prints.
