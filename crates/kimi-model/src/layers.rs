@@ -681,7 +681,12 @@ fn load_expert<B: Backend>(
     let width = c.expert_intermediate_size;
     let mut matrix = |name: &str, rows: usize, cols: usize| -> Result<B::Tensor> {
         let base = format!("{p}.{name}");
-        if ld.contains(&format!("{base}.weight_packed")) {
+        let packed = ld.contains(&format!("{base}.weight_packed"));
+        // A source that has both spellings (random weights have every name) follows the
+        // config: planes only for MXFP4 experts.
+        if packed
+            && (c.expert_format == ExpertFormat::Mxfp4 || !ld.contains(&format!("{base}.weight")))
+        {
             ld.mxfp4(&base, rows, cols)
         } else if c.expert_format == ExpertFormat::Mxfp4 && !ld.contains(&format!("{base}.weight"))
         {
