@@ -132,6 +132,21 @@ pub fn is_gguf(path: &Path) -> bool {
     path.is_file() || path.extension().is_some_and(|e| e == "gguf")
 }
 
+/// True for a path that names a bare `config.json` (any `.json` file) rather than a model.
+pub fn is_config_file(path: &Path) -> bool {
+    path.is_file()
+        && path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("json"))
+}
+
+/// Parses a config.json file.
+pub fn read_config(path: &Path) -> anyhow::Result<ModelConfig> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    ModelConfig::from_json_str(&text).with_context(|| format!("in {}", path.display()))
+}
+
 /// Loads weights onto `backend`, and the tokenizer if asked.
 pub fn load<B: Backend + 'static>(
     backend: B,
@@ -234,10 +249,7 @@ pub fn load_random<B: Backend + 'static>(
     config: &Path,
     dtype: kimi_core::DType,
 ) -> anyhow::Result<Loaded<B>> {
-    let text =
-        std::fs::read_to_string(config).with_context(|| format!("reading {}", config.display()))?;
-    let cfg =
-        ModelConfig::from_json_str(&text).with_context(|| format!("in {}", config.display()))?;
+    let cfg = read_config(config)?;
     let source = kimi_model::RandomWeights { dtype, seed: 0 };
     let model = KimiLinear::load_from(backend, cfg.clone(), &source)?;
     Ok(Loaded {

@@ -228,6 +228,50 @@ fn inspect_works_from_config_alone() {
     assert_eq!(v["kda_state_bytes_per_sequence_f32"], 40u64 << 20);
 }
 
+/// The published Kimi K3 config (`configs/`), as the README's commands use it.
+fn k3_config() -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../configs/kimi-k3.config.json")
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// `inspect` takes a bare config.json and shows K3's components and caches (spec appendix,
+/// §3.9).
+#[test]
+fn inspect_k3_config_file() {
+    let cfg = k3_config();
+    let o = run(&["inspect", "--model", &cfg]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    for want in [
+        "total 2.7795 T, active per token 105.36 B (104.19 B without the input embedding)",
+        "1.5599 TB from config.json (bf16; routed experts mxfp4, 17,547,264 B each",
+        "routed experts 1.4465 TB (896 per layer x 92 layers, 16 per token per layer); everything else 113.49 GB",
+        "A_log stored as 128 values per KDA layer, 96 read",
+        "attn_res",
+        "27,648 B (bf16)",
+        "KDA state 434.1 MB per sequence (f32) + conv windows 15.3 MB (bf16)",
+    ] {
+        assert!(text.contains(want), "missing {want:?} in\n{text}");
+    }
+    let o = run(&["inspect", "--model", &cfg, "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["model_type"], "kimi_k3");
+    assert_eq!(v["num_layers"], 93);
+    assert_eq!(v["bytes_per_expert"], 17_547_264);
+    assert_eq!(v["routed_expert_bytes"], 92u64 * 896 * 17_547_264);
+    assert_eq!(v["mla_cache_bytes_per_token_bf16"], 27_648);
+    assert_eq!(v["kda_state_bytes_per_sequence_f32"], 434_110_464u64);
+    assert_eq!(v["kda_conv_bytes_per_sequence_bf16"], 15_261_696u64);
+    assert_eq!(
+        v["components"]["routed_experts"]["read_bytes_per_token"],
+        16u64 * 92 * 17_547_264
+    );
+    assert!(v["weight_bytes"].is_null());
+}
+
 #[test]
 fn bench_writes_json() {
     let out = tempfile::tempdir().unwrap();

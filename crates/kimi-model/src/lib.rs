@@ -5,7 +5,8 @@
 //! into a shared [`CachePool`] (KDA recurrent and convolution state slots, paged MLA latent
 //! cache). [`Llama`] does the same for Llama-architecture GGUF files (the SmolLM2 demo
 //! model) with a paged key/value cache. Both implement [`CausalLm`], the
-//! interface generation drives. Nothing here names a device.
+//! interface generation drives. [`ModelSummary`] sizes a model from its config alone.
+//! Nothing here names a device.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
@@ -25,7 +26,7 @@ pub use forward::{Batch, CausalLm, ForwardOptions, ForwardOutput, RowPicks, SING
 pub use kimi_linear::KimiLinear;
 pub use llama::{Llama, LlamaConfig};
 pub use source::{RandomWeights, WeightSource};
-pub use summary::{ModelSummary, ParamCounts};
+pub use summary::{Component, ComponentSize, ModelSummary, ParamCounts, CACHE_BYTES, STATE_BYTES};
 
 /// Errors from loading or running a model.
 #[derive(Debug, thiserror::Error)]
