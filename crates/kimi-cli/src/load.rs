@@ -147,6 +147,25 @@ pub fn read_config(path: &Path) -> anyhow::Result<ModelConfig> {
     ModelConfig::from_json_str(&text).with_context(|| format!("in {}", path.display()))
 }
 
+/// The config of `--model` for the commands that need no weights: a config.json file, or
+/// the one in a checkpoint directory.
+pub fn config_of(path: &Path) -> anyhow::Result<ModelConfig> {
+    if is_config_file(path) {
+        return read_config(path);
+    }
+    if path.is_dir() {
+        return read_config(&path.join("config.json"));
+    }
+    if path.exists() {
+        anyhow::bail!(
+            "{} is neither a config.json nor a checkpoint directory (GGUF files are not \
+             supported here)",
+            path.display()
+        );
+    }
+    anyhow::bail!("{} does not exist", path.display())
+}
+
 /// Loads weights onto `backend`, and the tokenizer if asked.
 pub fn load<B: Backend + 'static>(
     backend: B,

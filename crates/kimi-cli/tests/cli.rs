@@ -272,6 +272,105 @@ fn inspect_k3_config_file() {
     assert!(v["weight_bytes"].is_null());
 }
 
+/// `plan` on the published K3 config: 8 × H200 (the defaults) hold it only with host RAM,
+/// nearly full (spec §6); 16 hold it in HBM; too little memory is a plain "no".
+#[test]
+fn plan_k3_on_h200_nodes() {
+    let cfg = k3_config();
+    let o = run(&["plan", "--model", &cfg]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    for want in [
+        "machine    8 GPUs x 141 GiB",
+        "fits       yes, in GPU HBM + host RAM",
+        "nearly full",
+        "not in GPU HBM alone",
+        "642.5 experts per layer",
+        "253.5 experts per layer",
+        "batch 1    16.0 routed experts per layer read",
+        "batch 64   613.2 routed experts per layer read",
+        "host->GPU PCIe",
+        "host RAM (CPU)",
+    ] {
+        assert!(text.contains(want), "missing {want:?} in\n{text}");
+    }
+    let o = run(&["plan", "--model", &cfg, "--json"]);
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        (v["fits"].as_bool(), v["fits_in_gpus"].as_bool()),
+        (Some(true), Some(false))
+    );
+    let tiers = v["tiers"].as_array().unwrap();
+    assert_eq!(tiers.len(), 3);
+    assert_eq!(tiers[2]["tier"], "disk");
+    assert_eq!(tiers[2]["experts"], 0);
+    let batches: Vec<u64> = v["rooflines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["batch"].as_u64().unwrap())
+        .collect();
+    assert_eq!(batches, vec![1, 64]);
+    let tok_s = |r: usize, sc: usize| {
+        v["rooflines"][r]["scenarios"][sc]["tokens_per_s_serial"]
+            .as_f64()
+            .unwrap()
+    };
+    assert!(tok_s(1, 0) > tok_s(0, 0) && tok_s(0, 0) > 0.0);
+
+    // The checkpoint directory works the same way; 16 GPUs hold everything.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(&cfg, dir.path().join("config.json")).unwrap();
+    let o = run(&[
+        "plan",
+        "-m",
+        dir.path().to_str().unwrap(),
+        "--gpus",
+        "16",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["fits_in_gpus"], true);
+    assert_eq!(v["tiers"][0]["experts_per_layer"], 896.0);
+    assert_eq!(v["rooflines"][0]["scenarios"].as_array().unwrap().len(), 1);
+
+    // Units, an extra batch, and a machine that is too small.
+    let o = run(&[
+        "plan",
+        "-m",
+        &cfg,
+        "--ram",
+        "64GB",
+        "--batch",
+        "8",
+        "--context",
+        "4096",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(text.contains("fits       no: short by"), "{text}");
+    assert!(text.contains("batch 8 "), "{text}");
+}
+
+#[test]
+fn plan_refuses_bad_input_in_plain_words() {
+    let cfg = k3_config();
+    let o = run(&["plan", "-m", &cfg, "--gpu-mem", "12XB"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("unknown unit"), "{}", stderr(&o));
+    let o = run(&["plan", "-m", &cfg, "--ram-bw", "0"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("--ram-bw must be a positive"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(&["plan", "-m", "/nonexistent/kimi"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("does not exist"), "{}", stderr(&o));
+}
+
 #[test]
 fn bench_writes_json() {
     let out = tempfile::tempdir().unwrap();
@@ -451,7 +550,7 @@ fn out_of_vocabulary_ids_are_refused() {
 
 #[test]
 fn every_subcommand_has_help() {
-    for sub in ["run", "chat", "logits", "inspect", "bench"] {
+    for sub in ["run", "chat", "logits", "inspect", "plan", "bench"] {
         let o = run(&[sub, "--help"]);
         assert!(o.status.success(), "{sub}");
         assert!(stdout(&o).contains("Usage"), "{sub}");

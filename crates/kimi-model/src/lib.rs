@@ -5,8 +5,8 @@
 //! into a shared [`CachePool`] (KDA recurrent and convolution state slots, paged MLA latent
 //! cache). [`Llama`] does the same for Llama-architecture GGUF files (the SmolLM2 demo
 //! model) with a paged key/value cache. Both implement [`CausalLm`], the
-//! interface generation drives. [`ModelSummary`] sizes a model from its config alone.
-//! Nothing here names a device.
+//! interface generation drives. [`ModelSummary`] sizes a model from its config alone and
+//! [`plan`] places it on a machine and bounds its decode speed. Nothing here names a device.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
@@ -16,6 +16,7 @@ pub mod gguf_kimi;
 mod kimi_linear;
 mod layers;
 mod llama;
+pub mod plan;
 mod source;
 mod summary;
 
