@@ -26,6 +26,9 @@ pub enum Command {
     Logits(LogitsArgs),
     /// Print the architecture, parameter counts, weight bytes and cache sizes of a model.
     Inspect(InspectArgs),
+    /// Whether and how a model fits a machine (GPUs, host RAM, disk), and the decode
+    /// tokens/s its bandwidths allow.
+    Plan(PlanArgs),
     /// Measure prefill and decode speed and peak memory.
     Bench(BenchArgs),
     /// Serve the model over an OpenAI-compatible HTTP API with continuous batching.
@@ -319,6 +322,92 @@ pub struct InspectArgs {
     pub json: bool,
 }
 
+/// `kimi-infer plan`. Sizes are GiB unless they carry a unit (`141GB`, `141GiB`, `1.5TB`);
+/// bandwidths are GB/s. The defaults describe an 8 × H200 node (141 GiB each) with 560 GiB of
+/// RAM and 235 GiB of free disk.
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// Checkpoint directory or config.json (only the config is read).
+    #[arg(long, short = 'm')]
+    pub model: PathBuf,
+    /// GPUs, tensor parallel for the non-expert weights and expert parallel for the routed
+    /// experts (0: the CPU holds and computes everything).
+    #[arg(long, default_value_t = 8)]
+    pub gpus: u64,
+    /// Memory per GPU, GiB unless given a unit as every size here may be (141GB, 1.5TB,
+    /// 512MiB). H200: 141 (nvidia-smi shows 143,771 MiB).
+    #[arg(long, default_value = "141", value_parser = parse_size)]
+    pub gpu_mem: u64,
+    /// Memory per GPU kept free for the CUDA context, workspaces and activations.
+    #[arg(long, default_value = "2", value_parser = parse_size)]
+    pub gpu_reserve: u64,
+    /// Host RAM.
+    #[arg(long, default_value = "560", value_parser = parse_size)]
+    pub ram: u64,
+    /// Host RAM kept free for the system and the process.
+    #[arg(long, default_value = "16", value_parser = parse_size)]
+    pub ram_reserve: u64,
+    /// Free disk space.
+    #[arg(long, default_value = "235", value_parser = parse_size)]
+    pub disk: u64,
+    /// Sequences decoded together: the caches are sized for them; the rooflines are given at
+    /// batch 1, 64 and this one.
+    #[arg(long, default_value_t = 64)]
+    pub batch: u64,
+    /// Tokens each sequence holds (its MLA cache).
+    #[arg(long, default_value_t = 8192)]
+    pub context: u64,
+    /// Memory bandwidth of one GPU, GB/s (H200 datasheet: 4,800).
+    #[arg(long, default_value_t = 4800.0)]
+    pub gpu_bw: f64,
+    /// Host-to-GPU bandwidth of one GPU's link, GB/s (PCIe 5.0 x16, pinned copies: 55).
+    #[arg(long, default_value_t = 55.0)]
+    pub pcie_bw: f64,
+    /// Host memory read bandwidth, all sockets, GB/s (2 × 8 channels of DDR5-4800: 614).
+    #[arg(long, default_value_t = 614.0)]
+    pub ram_bw: f64,
+    /// Disk read bandwidth, GB/s (one PCIe 4.0 NVMe drive: 7).
+    #[arg(long, default_value_t = 7.0)]
+    pub disk_bw: f64,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A byte count: GiB without a unit, else B, kB/MB/GB/TB (powers of 1000) or
+/// KiB/MiB/GiB/TiB (powers of 1024; K/M/G/T alone mean these too).
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("`{text}` is not a size (e.g. 141, 141GiB, 141GB, 1.5TB)"))?;
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "g" | "gib" => (1u64 << 30) as f64,
+        "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => (1u64 << 20) as f64,
+        "t" | "tib" => (1u64 << 40) as f64,
+        other => {
+            return Err(format!(
+                "unknown unit `{other}` in `{text}` (GB, GiB, TB, TiB, ...)"
+            ))
+        }
+    };
+    let bytes = value * scale;
+    if !bytes.is_finite() || bytes >= u64::MAX as f64 {
+        return Err(format!("`{text}` is too large"));
+    }
+    Ok(bytes.round() as u64)
+}
+
 /// `kimi-infer bench`.
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -369,4 +458,24 @@ pub enum RandomDType {
     Bf16,
     /// f32.
     F32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_are_gib_unless_they_say_otherwise() {
+        assert_eq!(parse_size("141"), Ok(141 << 30));
+        assert_eq!(parse_size("141GiB"), Ok(141 << 30));
+        assert_eq!(parse_size("141 gb"), Ok(141_000_000_000));
+        assert_eq!(parse_size("1.5TB"), Ok(1_500_000_000_000));
+        assert_eq!(parse_size("2TiB"), Ok(2 << 40));
+        assert_eq!(parse_size("0.5"), Ok(1 << 29));
+        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
+        assert!(parse_size("12XB").unwrap_err().contains("unknown unit"));
+        assert!(parse_size("GB").is_err());
+        assert!(parse_size("-3").is_err());
+        assert!(parse_size("1e30TB").is_err());
+    }
 }

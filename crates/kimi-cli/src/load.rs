@@ -131,6 +131,40 @@ pub fn is_gguf(path: &Path) -> bool {
     path.is_file() || path.extension().is_some_and(|e| e == "gguf")
 }
 
+/// True for a path that names a bare `config.json` (any `.json` file) rather than a model.
+pub fn is_config_file(path: &Path) -> bool {
+    path.is_file()
+        && path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("json"))
+}
+
+/// Parses a config.json file.
+pub fn read_config(path: &Path) -> anyhow::Result<ModelConfig> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    ModelConfig::from_json_str(&text).with_context(|| format!("in {}", path.display()))
+}
+
+/// The config of `--model` for the commands that need no weights: a config.json file, or
+/// the one in a checkpoint directory.
+pub fn config_of(path: &Path) -> anyhow::Result<ModelConfig> {
+    if is_config_file(path) {
+        return read_config(path);
+    }
+    if path.is_dir() {
+        return read_config(&path.join("config.json"));
+    }
+    if path.exists() {
+        anyhow::bail!(
+            "{} is neither a config.json nor a checkpoint directory (GGUF files are not \
+             supported here)",
+            path.display()
+        );
+    }
+    anyhow::bail!("{} does not exist", path.display())
+}
+
 /// Loads weights onto `backend`, and the tokenizer if asked.
 pub fn load<B: Backend + 'static>(
     backend: B,
@@ -233,10 +267,7 @@ pub fn load_random<B: Backend + 'static>(
     config: &Path,
     dtype: kimi_core::DType,
 ) -> anyhow::Result<Loaded<B>> {
-    let text =
-        std::fs::read_to_string(config).with_context(|| format!("reading {}", config.display()))?;
-    let cfg =
-        ModelConfig::from_json_str(&text).with_context(|| format!("in {}", config.display()))?;
+    let cfg = read_config(config)?;
     let source = kimi_model::RandomWeights { dtype, seed: 0 };
     let loaded = registry::load_config(backend, cfg.clone(), &source)?;
     Ok(Loaded {

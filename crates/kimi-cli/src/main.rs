@@ -1,4 +1,4 @@
-//! `kimi-infer`: run, chat with, inspect and benchmark Kimi models.
+//! `kimi-infer`: run, chat with, inspect, plan and benchmark Kimi models.
 #![forbid(unsafe_code)]
 
 mod args;
@@ -9,6 +9,7 @@ mod inspect;
 mod load;
 mod logits;
 mod npy;
+mod plan;
 mod run;
 mod serve;
 
@@ -36,6 +37,7 @@ fn main() {
         Command::Chat(a) => run::chat(a),
         Command::Logits(a) => logits::logits(a),
         Command::Inspect(a) => inspect::inspect(a),
+        Command::Plan(a) => plan::plan(a),
         Command::Bench(a) => bench::bench(a),
         Command::Serve(a) => serve::serve(a),
         Command::Convert(a) => convert::convert(a),

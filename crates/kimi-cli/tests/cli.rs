@@ -228,6 +228,149 @@ fn inspect_works_from_config_alone() {
     assert_eq!(v["kda_state_bytes_per_sequence_f32"], 40u64 << 20);
 }
 
+/// The published Kimi K3 config (`configs/`), as the README's commands use it.
+fn k3_config() -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../configs/kimi-k3.config.json")
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// `inspect` takes a bare config.json and shows K3's components and caches (spec appendix,
+/// §3.9).
+#[test]
+fn inspect_k3_config_file() {
+    let cfg = k3_config();
+    let o = run(&["inspect", "--model", &cfg]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    for want in [
+        "total 2.7795 T, active per token 105.36 B (104.19 B without the input embedding)",
+        "1.5599 TB from config.json (bf16; routed experts mxfp4, 17,547,264 B each",
+        "routed experts 1.4465 TB (896 per layer x 92 layers, 16 per token per layer); everything else 113.49 GB",
+        "A_log stored as 128 values per KDA layer, 96 read",
+        "attn_res",
+        "27,648 B (bf16)",
+        "KDA state 434.1 MB per sequence (f32) + conv windows 15.3 MB (bf16)",
+    ] {
+        assert!(text.contains(want), "missing {want:?} in\n{text}");
+    }
+    let o = run(&["inspect", "--model", &cfg, "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["model_type"], "kimi_k3");
+    assert_eq!(v["num_layers"], 93);
+    assert_eq!(v["bytes_per_expert"], 17_547_264);
+    assert_eq!(v["routed_expert_bytes"], 92u64 * 896 * 17_547_264);
+    assert_eq!(v["mla_cache_bytes_per_token_bf16"], 27_648);
+    assert_eq!(v["kda_state_bytes_per_sequence_f32"], 434_110_464u64);
+    assert_eq!(v["kda_conv_bytes_per_sequence_bf16"], 15_261_696u64);
+    assert_eq!(
+        v["components"]["routed_experts"]["read_bytes_per_token"],
+        16u64 * 92 * 17_547_264
+    );
+    assert!(v["weight_bytes"].is_null());
+}
+
+/// `plan` on the published K3 config: 8 × H200 (the defaults) hold it only with host RAM,
+/// nearly full (spec §6); 16 hold it in HBM; too little memory is a plain "no".
+#[test]
+fn plan_k3_on_h200_nodes() {
+    let cfg = k3_config();
+    let o = run(&["plan", "--model", &cfg]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    for want in [
+        "machine    8 GPUs x 141 GiB",
+        "fits       yes, in GPU HBM + host RAM",
+        "nearly full",
+        "not in GPU HBM alone",
+        "642.5 experts per layer",
+        "253.5 experts per layer",
+        "batch 1    16.0 routed experts per layer read",
+        "batch 64   613.2 routed experts per layer read",
+        "host->GPU PCIe",
+        "host RAM (CPU)",
+    ] {
+        assert!(text.contains(want), "missing {want:?} in\n{text}");
+    }
+    let o = run(&["plan", "--model", &cfg, "--json"]);
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        (v["fits"].as_bool(), v["fits_in_gpus"].as_bool()),
+        (Some(true), Some(false))
+    );
+    let tiers = v["tiers"].as_array().unwrap();
+    assert_eq!(tiers.len(), 3);
+    assert_eq!(tiers[2]["tier"], "disk");
+    assert_eq!(tiers[2]["experts"], 0);
+    let batches: Vec<u64> = v["rooflines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["batch"].as_u64().unwrap())
+        .collect();
+    assert_eq!(batches, vec![1, 64]);
+    let tok_s = |r: usize, sc: usize| {
+        v["rooflines"][r]["scenarios"][sc]["tokens_per_s_serial"]
+            .as_f64()
+            .unwrap()
+    };
+    assert!(tok_s(1, 0) > tok_s(0, 0) && tok_s(0, 0) > 0.0);
+
+    // The checkpoint directory works the same way; 16 GPUs hold everything.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(&cfg, dir.path().join("config.json")).unwrap();
+    let o = run(&[
+        "plan",
+        "-m",
+        dir.path().to_str().unwrap(),
+        "--gpus",
+        "16",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["fits_in_gpus"], true);
+    assert_eq!(v["tiers"][0]["experts_per_layer"], 896.0);
+    assert_eq!(v["rooflines"][0]["scenarios"].as_array().unwrap().len(), 1);
+
+    // Units, an extra batch, and a machine that is too small.
+    let o = run(&[
+        "plan",
+        "-m",
+        &cfg,
+        "--ram",
+        "64GB",
+        "--batch",
+        "8",
+        "--context",
+        "4096",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(text.contains("fits       no: short by"), "{text}");
+    assert!(text.contains("batch 8 "), "{text}");
+}
+
+#[test]
+fn plan_refuses_bad_input_in_plain_words() {
+    let cfg = k3_config();
+    let o = run(&["plan", "-m", &cfg, "--gpu-mem", "12XB"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("unknown unit"), "{}", stderr(&o));
+    let o = run(&["plan", "-m", &cfg, "--ram-bw", "0"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("--ram-bw must be a positive"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(&["plan", "-m", "/nonexistent/kimi"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("does not exist"), "{}", stderr(&o));
+}
+
 #[test]
 fn bench_writes_json() {
     let out = tempfile::tempdir().unwrap();
@@ -407,7 +550,7 @@ fn out_of_vocabulary_ids_are_refused() {
 
 #[test]
 fn every_subcommand_has_help() {
-    for sub in ["run", "chat", "logits", "inspect", "bench"] {
+    for sub in ["run", "chat", "logits", "inspect", "plan", "bench"] {
         let o = run(&[sub, "--help"]);
         assert!(o.status.success(), "{sub}");
         assert!(stdout(&o).contains("Usage"), "{sub}");
@@ -701,7 +844,13 @@ fn k3_run_generates_from_the_tiny_checkpoint() {
     assert!(o.status.success(), "{}", stderr(&o));
     use std::io::Write;
     let mut child = bin()
-        .args(["chat", "--model", dir.to_str().unwrap(), "--max-tokens", "4"])
+        .args([
+            "chat",
+            "--model",
+            dir.to_str().unwrap(),
+            "--max-tokens",
+            "4",
+        ])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())

@@ -8,6 +8,8 @@
 
 use serde_json::Value;
 
+use crate::DType;
+
 mod fields;
 mod k3;
 mod parse;
@@ -209,6 +211,10 @@ pub struct ModelConfig {
     pub pad_token_id: Option<u32>,
     /// Longest context the model was trained for.
     pub max_position_embeddings: usize,
+    /// The dtype `config.json` declares for the unquantized weights (`dtype`, or the older
+    /// `torch_dtype`); `None` when absent or not a float type. Sizing only: loaders read
+    /// each tensor's own dtype.
+    pub dtype: Option<DType>,
 }
 
 /// A problem with a `config.json`.

@@ -5,7 +5,8 @@
 //! into a shared [`CachePool`] (KDA recurrent and convolution state slots, paged MLA latent
 //! cache). [`Llama`] does the same for Llama-architecture GGUF files (the SmolLM2 demo
 //! model) with a paged key/value cache. Both implement [`CausalLm`], the
-//! interface generation drives. Nothing here names a device.
+//! interface generation drives. [`ModelSummary`] sizes a model from its config alone and
+//! [`plan`] places it on a machine and bounds its decode speed. Nothing here names a device.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
@@ -15,6 +16,7 @@ pub mod gguf_kimi;
 mod kimi_linear;
 mod layers;
 mod llama;
+pub mod plan;
 pub mod registry;
 mod source;
 mod summary;
@@ -27,7 +29,7 @@ pub use kimi_linear::KimiLinear;
 pub use llama::{Llama, LlamaConfig};
 pub use registry::{Architecture, LoadedModel};
 pub use source::{RandomWeights, WeightSource};
-pub use summary::{ModelSummary, ParamCounts};
+pub use summary::{Component, ComponentSize, ModelSummary, ParamCounts, CACHE_BYTES, STATE_BYTES};
 
 /// Errors from loading or running a model.
 #[derive(Debug, thiserror::Error)]

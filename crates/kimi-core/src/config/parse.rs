@@ -6,6 +6,8 @@
 
 use serde_json::Value;
 
+use crate::DType;
+
 use super::fields::{as_uint, describe, invalid, to_usize, Fields, MAX_CONTEXT};
 use super::schedule::{self, EXPERT_KEYS};
 use super::{
@@ -125,7 +127,22 @@ pub(super) fn model_config(value: &Value) -> Result<ModelConfig, ConfigError> {
         eos_token_ids: eos_token_ids(id_source("eos_token_id"), vocab_size)?,
         pad_token_id: token_id(id_source("pad_token_id"), "pad_token_id", vocab_size)?,
         max_position_embeddings,
+        dtype: declared_dtype(text).or_else(|| wrapper.and_then(declared_dtype)),
     })
+}
+
+/// The float dtype a config declares for its weights. Lenient on purpose: the value only
+/// sizes things, so an unknown spelling (`"auto"`) means "not declared", not an error.
+fn declared_dtype(fields: Fields<'_>) -> Option<DType> {
+    let name = ["dtype", "torch_dtype"]
+        .iter()
+        .find_map(|k| fields.get(k).and_then(Value::as_str))?;
+    match name.strip_prefix("torch.").unwrap_or(name) {
+        "bfloat16" | "bf16" => Some(DType::BF16),
+        "float16" | "half" | "fp16" => Some(DType::F16),
+        "float32" | "float" | "fp32" => Some(DType::F32),
+        _ => None,
+    }
 }
 
 /// Checks `model_type` / `architectures`: Kimi Linear, or Kimi K3's wrapper. Returns the

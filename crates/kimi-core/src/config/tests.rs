@@ -71,7 +71,7 @@ fn native() -> Value {
         "num_local_experts": 256, "layer_types": layer_types, "mlp_layer_types": mlp_layer_types,
         "linear_head_dim": 128, "linear_num_heads": 32, "linear_conv_kernel_dim": 4,
         "mla_use_nope": true, "mla_use_output_gate": false, "attn_res_block_size": 0,
-        "head_dim": 64
+        "head_dim": 64, "dtype": "bfloat16"
     })
 }
 
@@ -426,6 +426,26 @@ fn kimi_k3_released_config_parses() {
         (Some(163584), Some(163839))
     );
     assert!(!c.tie_word_embeddings);
+    assert_eq!(c.dtype, Some(DType::BF16));
+}
+
+#[test]
+fn declared_dtype_is_read_leniently() {
+    assert_eq!(parse(&released()).unwrap().dtype, Some(DType::BF16));
+    let v = edited(|o| {
+        o.remove("dtype");
+        o.insert("torch_dtype".into(), json!("float32"));
+    });
+    assert_eq!(parse(&v).unwrap().dtype, Some(DType::F32));
+    // Unknown or absent: not declared, and never a reason to refuse the config.
+    let v = edited(|o| {
+        o.insert("dtype".into(), json!("auto"));
+    });
+    assert_eq!(parse(&v).unwrap().dtype, None);
+    let v = edited(|o| {
+        o.remove("dtype");
+    });
+    assert_eq!(parse(&v).unwrap().dtype, None);
 }
 
 #[test]

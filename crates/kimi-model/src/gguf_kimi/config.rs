@@ -287,6 +287,8 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         eos_token_ids: token("tokenizer.ggml.eos_token_id")?.into_iter().collect(),
         pad_token_id: token("tokenizer.ggml.padding_token_id")?,
         max_position_embeddings: n("context_length")?,
+        // GGUF tensors carry their own types; there is no declared checkpoint dtype.
+        dtype: None,
     })
 }
 
