@@ -83,6 +83,16 @@ impl<B: Backend> Loaded<B> {
     /// Bytes of weights one decoded token reads.
     pub fn weight_bytes_per_token(&self, bytes_per_param: f64) -> f64 {
         match &self.info {
+            // MXFP4 experts read 17/32 bytes per value: the summary counts every component
+            // in its stored format.
+            ModelInfo::Kimi(cfg)
+                if cfg
+                    .moe
+                    .as_ref()
+                    .is_some_and(|m| m.expert_format == kimi_core::config::ExpertFormat::Mxfp4) =>
+            {
+                ModelSummary::new(cfg).read_bytes_per_token() as f64
+            }
             ModelInfo::Kimi(cfg) => ModelSummary::new(cfg).params.active as f64 * bytes_per_param,
             ModelInfo::Gguf { weight_bytes, .. } => *weight_bytes as f64,
         }
