@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::Context;
 use kimi_core::{DType, ModelConfig};
 use kimi_model::gguf_kimi::{plan_export, ExportOptions, ExtraHparams, GgufQuant};
-use kimi_model::{RandomWeights, WeightSource};
+use kimi_model::{CheckpointSource, RandomWeights, WeightSource};
 use kimi_tokenizer::Tokenizer;
 use kimi_weights::Checkpoint;
 
@@ -66,8 +66,10 @@ pub fn convert(args: ConvertArgs) -> anyhow::Result<()> {
                 extra: extra_hparams(&dir.join("config.json"))?,
                 extra_metadata,
             };
+            // Hub names also from the layouts transformers' save_pretrained writes.
+            let source = CheckpointSource::new(&ckpt)?;
             write(
-                &ckpt,
+                &source,
                 ckpt.config(),
                 &opts,
                 &args.out,

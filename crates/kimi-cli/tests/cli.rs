@@ -625,6 +625,56 @@ fn convert_to_gguf_and_run_it() {
     );
 }
 
+/// A directory exactly as transformers' save_pretrained wrote it (here its in-memory layout:
+/// fused experts and convolutions) runs and converts like its hub-layout twin.
+#[test]
+fn save_pretrained_directory_runs_and_converts() {
+    let dir = fixture("native-saved-fused-f32-short");
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let ids: Vec<String> = reference["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap().to_string())
+        .collect();
+    let joined = ids.join(",");
+    let (_, want) = read_npy(&dir.join("logits.npy"));
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = tmp.path().join("model.gguf");
+    let o = run(&[
+        "convert",
+        "--model",
+        dir.to_str().unwrap(),
+        "--to",
+        "gguf",
+        "--quant",
+        "f32",
+        "--out",
+        gguf.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    for model in [dir.as_path(), gguf.as_path()] {
+        let out = tmp.path().join("logits.npy");
+        let o = run(&[
+            "logits",
+            "--model",
+            model.to_str().unwrap(),
+            "--ids",
+            &joined,
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let (_, got) = read_npy(&out);
+        let num: f64 = got.iter().zip(&want).map(|(g, w)| (g - w).powi(2)).sum();
+        let den: f64 = want.iter().map(|w| w * w).sum();
+        let err = (num / den).sqrt();
+        assert!(err < 1e-4, "{}: relative error {err:e}", model.display());
+    }
+}
+
 /// The demo checkpoint with its tiktoken tokenizer converts with the tokenizer, and the GGUF
 /// generates the same greedy text as the directory.
 #[test]

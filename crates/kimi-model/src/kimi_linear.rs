@@ -30,6 +30,7 @@ use crate::forward::{
     check_batch, input, pick_tokens, Batch, CausalLm, ForwardOptions, ForwardOutput,
 };
 use crate::layers::{FfnLayer, KdaLayer, Loader, MlaLayer};
+use crate::native_names::CheckpointSource;
 use crate::source::WeightSource;
 use crate::Result;
 
@@ -76,9 +77,11 @@ pub struct KimiLinear<B: Backend> {
 
 impl<B: Backend> KimiLinear<B> {
     /// Loads every tensor the config calls for, checking names and shapes, and rejects
-    /// checkpoints holding tensors the model does not use.
+    /// checkpoints holding tensors the model does not use. Checkpoints as transformers'
+    /// `save_pretrained` writes them load too ([`CheckpointSource`]).
     pub fn load(backend: B, ckpt: &Checkpoint) -> Result<Self> {
-        Self::load_from(backend, ckpt.config().clone(), ckpt)
+        let source = CheckpointSource::new(ckpt)?;
+        Self::load_from(backend, ckpt.config().clone(), &source)
     }
 
     /// Loads a llama.cpp Kimi Linear GGUF (`general.architecture = kimi-linear`): the config

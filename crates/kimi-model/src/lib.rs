@@ -16,6 +16,7 @@ pub mod gguf_kimi;
 mod kimi_linear;
 mod layers;
 mod llama;
+mod native_names;
 pub mod plan;
 pub mod registry;
 mod source;
@@ -27,6 +28,7 @@ pub use cache::{CachePool, LayerPool, LayerSpec, SeqCache};
 pub use forward::{Batch, CausalLm, ForwardOptions, ForwardOutput, RowPicks, SINGLE_BLOCK_SIZE};
 pub use kimi_linear::KimiLinear;
 pub use llama::{Llama, LlamaConfig};
+pub use native_names::{CheckpointLayout, CheckpointSource};
 pub use registry::{Architecture, LoadedModel};
 pub use source::{RandomWeights, WeightSource};
 pub use summary::{Component, ComponentSize, ModelSummary, ParamCounts, CACHE_BYTES, STATE_BYTES};
@@ -49,6 +51,19 @@ pub enum ModelError {
         path: PathBuf,
         /// What does not fit.
         reason: String,
+    },
+    /// A tensor that transformers stores under another name (or inside a fused tensor)
+    /// could not be read from there.
+    #[error("`{hub}` is read from `{stored}` in {layout}: {source}")]
+    Stored {
+        /// The hub name the model asked for.
+        hub: String,
+        /// The stored tensor that holds it.
+        stored: String,
+        /// The checkpoint's layout, in words.
+        layout: String,
+        /// What went wrong reading the stored tensor (boxed: keeps `Result`s small).
+        source: Box<kimi_weights::WeightsError>,
     },
     /// The backend failed.
     #[error(transparent)]

@@ -35,7 +35,7 @@ pub trait WeightSource {
 
 impl WeightSource for Checkpoint {
     fn contains(&self, name: &str) -> bool {
-        self.get(name).is_ok()
+        Checkpoint::contains(self, name)
     }
     fn load(&self, name: &str, shape: &[usize]) -> Result<(DType, Cow<'_, [u8]>)> {
         let view = self.get_shaped(name, shape)?;
@@ -45,7 +45,7 @@ impl WeightSource for Checkpoint {
         Ok(Checkpoint::check_all_used(self, used)?)
     }
     fn shape(&self, name: &str) -> Option<Vec<usize>> {
-        self.get(name).ok().map(|v| v.shape.to_vec())
+        Checkpoint::shape(self, name).map(<[usize]>::to_vec)
     }
     fn names(&self) -> Vec<String> {
         self.tensor_names().into_iter().map(String::from).collect()

@@ -30,7 +30,9 @@ use std::path::{Path, PathBuf};
 use kimi_cpu::{CpuBackend, QuantMatmul};
 use kimi_gguf::{GgmlType, GgufFile};
 use kimi_model::gguf_kimi::{plan_export, ExportOptions, ExtraHparams, GgufQuant};
-use kimi_model::{Batch, CausalLm, ForwardOptions, KimiLinear, RandomWeights, WeightSource};
+use kimi_model::{
+    Batch, CausalLm, CheckpointSource, ForwardOptions, KimiLinear, RandomWeights, WeightSource,
+};
 use kimi_ops::Segment;
 use kimi_weights::Checkpoint;
 
@@ -200,9 +202,11 @@ fn fixtures_through_gguf_match_the_reference() {
         let direct = KimiLinear::load(exact_backend(), &ckpt).expect("safetensors model");
         let (direct_logits, direct_experts) = run(&direct, &ids);
         let direct_logits: Vec<f64> = direct_logits.iter().map(|&x| x as f64).collect();
+        // Hub names, whichever layout transformers stored them in.
+        let source = CheckpointSource::new(&ckpt).expect("checkpoint layout");
         for quant in quants {
             let path = temp(&format!("{name}-{quant:?}.gguf"));
-            let file = convert(&ckpt, ckpt.config(), quant, &path);
+            let file = convert(&source, ckpt.config(), quant, &path);
             let model = KimiLinear::load_gguf(exact_backend(), &file)
                 .unwrap_or_else(|e| panic!("{name} {quant:?}: {e}"));
             let (got, experts) = run(&model, &ids);

@@ -1,8 +1,9 @@
 //! The model against float64 reference logits.
 //!
 //! Kimi Linear fixtures come from `scripts/make_fixtures.py` (tiny random checkpoints in the
-//! hub layout, made with `KimiLinearForCausalLM` of transformers 5.17); see
-//! `fixtures/kimi-linear/README.md`. Kimi K3 fixtures come from `scripts/make_k3_fixtures.py`
+//! hub layout, made with `KimiLinearForCausalLM` of transformers 5.17; `native-saved-*`, the
+//! same weights as its `save_pretrained` writes them, from `scripts/make_saved_fixtures.py`);
+//! see `fixtures/kimi-linear/README.md`. Kimi K3 fixtures come from `scripts/make_k3_fixtures.py`
 //! (tiny random checkpoints in the released K3 layout: the `language_model.` wrapper, shards,
 //! MXFP4 experts), their logits from our float64 reference of the spec
 //! (`scripts/k3_reference.py`), checked against mlx-lm's K3 model; see

@@ -56,12 +56,18 @@ pub enum WeightsError {
         files: Vec<PathBuf>,
     },
     /// A tensor the model asked for is not in the checkpoint.
-    #[error("tensor `{name}` is not in the checkpoint (searched {})", join(files))]
+    #[error(
+        "tensor `{name}` is not in the checkpoint (searched {}){}",
+        join(files),
+        near_list(near)
+    )]
     Missing {
         /// The tensor name asked for.
         name: String,
         /// Every shard that was searched.
         files: Vec<PathBuf>,
+        /// Up to five stored names that nearly match `name`, closest first.
+        near: Vec<String>,
     },
     /// A tensor has a different shape than the model expects.
     #[error("tensor `{name}` in {}: expected shape {expected:?}, found {found:?}", file.display())]
@@ -100,6 +106,15 @@ pub enum WeightsError {
 fn join(files: &[PathBuf]) -> String {
     let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
     names.join(", ")
+}
+
+/// The suggestions of a [`WeightsError::Missing`] message.
+fn near_list(near: &[String]) -> String {
+    if near.is_empty() {
+        return "; no stored name nearly matches".into();
+    }
+    let names: Vec<String> = near.iter().map(|n| format!("`{n}`")).collect();
+    format!("; names that nearly match: {}", names.join(", "))
 }
 
 /// Builds a [`WeightsError::Io`] for `path`.

@@ -29,6 +29,7 @@
 
 mod error;
 mod header;
+mod near;
 mod view;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -148,19 +149,38 @@ impl Checkpoint {
         names
     }
 
-    /// The tensor called `name`. Fails with [`WeightsError::Missing`] (naming the tensor and the
-    /// files searched) or [`WeightsError::UnsupportedDType`] for dtypes other than F32/F16/BF16/U8.
+    /// Whether a tensor called `name` is stored (of any dtype).
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// The stored shape of `name`, if it is stored.
+    pub fn shape(&self, name: &str) -> Option<&[usize]> {
+        self.tensors.get(name).map(|e| e.shape.as_slice())
+    }
+
+    /// Up to five stored names that nearly match `name` (same path with one module renamed,
+    /// added or dropped, or a segment respelled), closest first.
+    pub fn near_names(&self, name: &str) -> Vec<String> {
+        near::near_names(name, self.tensors.keys().map(String::as_str))
+    }
+
+    /// The tensor called `name`. Fails with [`WeightsError::Missing`] (naming the tensor, the
+    /// files searched and the stored names that nearly match) or
+    /// [`WeightsError::UnsupportedDType`] for dtypes other than F32/F16/BF16/U8.
     pub fn get(&self, name: &str) -> Result<TensorView<'_>, WeightsError> {
         let Some((key, entry)) = self.tensors.get_key_value(name) else {
             return Err(WeightsError::Missing {
                 name: name.to_string(),
                 files: self.shards.iter().map(|s| s.path.clone()).collect(),
+                near: self.near_names(name),
             });
         };
         let Some(shard) = self.shards.get(entry.shard) else {
             return Err(WeightsError::Missing {
                 name: name.to_string(),
                 files: Vec::new(),
+                near: Vec::new(),
             });
         };
         let Some(dtype) = entry.dtype else {

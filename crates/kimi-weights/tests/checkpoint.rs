@@ -197,6 +197,70 @@ fn missing_tensor_names_the_tensor_and_the_files() {
     assert!(text.contains("model-00002-of-00002.safetensors"), "{text}");
 }
 
+/// A missing tensor's error lists the stored names that nearly match it, closest first and
+/// at most five, and says so when none does.
+#[test]
+fn missing_tensor_lists_the_names_that_nearly_match() {
+    let dir = TempDir::new().unwrap();
+    fs::write(dir.path().join("config.json"), CONFIG).unwrap();
+    let zeros = f32_bytes(&[0.0; 4]);
+    let mut names: Vec<String> = ["gate", "up", "down"]
+        .iter()
+        .map(|m| format!("model.layers.0.block_sparse_moe.{m}_proj.weight"))
+        .collect();
+    names.extend((0..8).map(|e| format!("model.layers.1.block_sparse_moe.experts.{e}.w1.weight")));
+    names.push("model.layers.1.block_sparse_moe.gate_proj.weight".into());
+    names.push("model.norm.weight".into());
+    let tensors: Vec<_> = names
+        .iter()
+        .map(|n| (n.as_str(), Dtype::F32, vec![4], zeros.clone()))
+        .collect();
+    fs::write(
+        dir.path().join("model.safetensors"),
+        safetensors_bytes(&tensors),
+    )
+    .unwrap();
+    let ckpt = Checkpoint::open(dir.path()).unwrap();
+
+    let err = ckpt
+        .get_shaped("model.layers.0.mlp.gate_proj.weight", &[4])
+        .unwrap_err();
+    let WeightsError::Missing { name, files, near } = &err else {
+        panic!("{err:?}");
+    };
+    assert_eq!(name, "model.layers.0.mlp.gate_proj.weight");
+    assert_eq!(files, &[dir.path().join("model.safetensors")]);
+    assert_eq!(near[0], "model.layers.0.block_sparse_moe.gate_proj.weight");
+    assert!(near.len() <= 5 && near.len() >= 2, "{near:?}");
+    assert!(!near.iter().any(|n| n.contains("norm")), "{near:?}");
+    let text = err.to_string();
+    assert!(
+        text.contains(
+            "names that nearly match: `model.layers.0.block_sparse_moe.gate_proj.weight`"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("model.safetensors"), "{text}");
+
+    // Eight stored experts are one segment away; five are listed.
+    let err = ckpt
+        .get("model.layers.1.block_sparse_moe.experts.9.w1.weight")
+        .unwrap_err();
+    let WeightsError::Missing { near, .. } = &err else {
+        panic!("{err:?}");
+    };
+    assert_eq!(near.len(), 5, "{near:?}");
+    assert!(near[0].starts_with("model.layers.1.block_sparse_moe.experts."));
+
+    let text = ckpt
+        .get("vision_tower.patch_embed.weight")
+        .unwrap_err()
+        .to_string();
+    assert!(text.contains("no stored name nearly matches"), "{text}");
+    assert!(ckpt.contains("model.norm.weight") && !ckpt.contains("model.norm"));
+    assert_eq!(ckpt.shape("model.norm.weight"), Some(&[4][..]));
+}
+
 #[test]
 fn wrong_shape_names_expected_and_found() {
     let dir = single_file_dir();
