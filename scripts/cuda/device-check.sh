@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the CUDA backend check on a GPU machine that has no Rust toolchain.
 # Build here first:  scripts/cuda/build-check.sh   (puts the binary into .device-bin/)
-# On the GPU machine, from the repository root:  scripts/cuda/device-check.sh [OUT_DIR]
+# On the GPU machine, from the repository root:  scripts/cuda/device-check.sh [OUT_DIR [STAGE...]]
+# (named stages of the check program only, e.g. `device-results k3-ops fixtures`)
 # Writes OUT_DIR/cuda-check.txt (default: device-results/).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,6 +22,13 @@ done
   echo "# LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
 } | tee "$LOG"
 BIN=.device-bin/check
+if [ $# -gt 1 ]; then
+  # Named stages only (e.g. `k3-ops fixtures`), in one process.
+  shift
+  timeout "${STAGES_TIMEOUT:-300}" "$BIN" "$@" 2>&1 | tee -a "$LOG"
+  echo "# exit code: ${PIPESTATUS[0]}" | tee -a "$LOG"
+  exit 0
+fi
 timeout "${OPS_TIMEOUT:-90}" "$BIN" ops 2>&1 | tee -a "$LOG"
 timeout "${FIXTURES_TIMEOUT:-120}" "$BIN" fixtures 2>&1 | tee -a "$LOG"
 timeout "${BIG_TIMEOUT:-240}" "$BIN" big "${BIG_TOKENS:-1000}" 2>&1 | tee -a "$LOG"

@@ -306,3 +306,25 @@ extern "C" __global__ void argmax_rows(const float* x, uint32_t* out, int d) {
     if (lane == 0) out[blockIdx.x] = bi;
   }
 }
+
+// out = x * sigmoid(gate) (Kimi K3's MLA output gate). grid-stride over n.
+extern "C" __global__ void sigmoid_gate(const float* x, const float* gate, float* out, size_t n) {
+  pdl_enter();
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    out[i] = x[i] * sigmoidf_(gate[i]);
+  }
+}
+
+// gate = SiTU-GLU(gate, up) (Kimi K3): beta·tanh(g/beta)·sigmoid(g) · lbeta·tanh(u/lbeta),
+// the up half unchanged when lbeta <= 0. grid-stride over n.
+extern "C" __global__ void situ_mul(float* gate, const float* up, size_t n, float beta,
+                                    float lbeta) {
+  pdl_enter();
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const float g = gate[i], u = up[i];
+    const float a = beta * tanhf(g / beta) * sigmoidf_(g);
+    gate[i] = a * (lbeta > 0.0f ? lbeta * tanhf(u / lbeta) : u);
+  }
+}

@@ -17,6 +17,10 @@
 //!    tensor-core kernels with hi + lo and with bf16 operands, and the f32 kernels) and the
 //!    KDA decode step per layer (fused and composed, B=1 and 64), synchronised wall time.
 //!
+//! 11. With `k3-moe-bench` (only when named): one Kimi K3 LatentMoE layer at full width
+//!     (896 MXFP4 experts top-16), decode batches against the HBM roofline
+//!     (`check_parts/k3_layer.rs`). `k3-ops` runs only the K3 op cases of 1.
+//!
 //! `kda-ops` and `moe-ops` (only when named) run just the KDA or MoE op cases of 1. `sample-bench` (only when
 //! named) times sampling on the device against the argmax and copying logits to the host.
 //! 7. With `tune` (only when named): decode step times of the 48B-shaped model with CUDA
@@ -34,7 +38,7 @@
 //! op by op, and requires the logits to be bit-identical.
 //!
 //! Usage: `check [ops] [kda-ops] [fixtures] [big N_TOKENS] [profile] [mla-bench] [kda-bench]
-//! [tune] [gemv-bench] [ncu-step] [moe-bench] [sample-bench]`
+//! [tune] [gemv-bench] [ncu-step] [moe-bench] [sample-bench] [k3-ops] [k3-moe-bench]`
 //! (default: 1-3, 1000 tokens).
 
 use std::collections::HashSet;
@@ -55,6 +59,10 @@ use kimi_ops::{
 
 type Res<T> = std::result::Result<T, Box<dyn Error>>;
 
+#[path = "../tests/common/k3_cases.rs"]
+mod k3_cases;
+#[path = "check_parts/k3_layer.rs"]
+mod k3_layer;
 #[path = "../tests/common/op_cases.rs"]
 mod op_cases;
 use op_cases::{rel_err, CpuRun, CudaRun};
@@ -97,7 +105,20 @@ fn main() {
                 check_ops(moe)
             }),
         ),
-        ("ops", true, Box::new(|| check_ops(op_cases::cases()))),
+        ("k3-ops", false, Box::new(|| check_ops(k3_cases::cases()))),
+        ("k3-moe-bench", false, Box::new(k3_layer::k3_moe_bench)),
+        (
+            "ops",
+            true,
+            Box::new(|| {
+                check_ops(
+                    op_cases::cases()
+                        .into_iter()
+                        .chain(k3_cases::cases())
+                        .collect(),
+                )
+            }),
+        ),
         ("fixtures", true, Box::new(check_fixtures)),
         ("big", true, Box::new(|| check_big(big_tokens))),
     ];
@@ -242,12 +263,18 @@ fn run_model<B: Backend>(
 }
 
 fn check_fixtures() -> Res<()> {
-    println!("== 2. fixtures: CUDA logits vs transformers float64 reference (rel err)");
-    let root = PathBuf::from("fixtures/kimi-linear");
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("reference.json").exists())
-        .collect();
+    println!(
+        "== 2. fixtures: CUDA logits vs the float64 references (transformers for Kimi Linear, \
+         ours from the spec for K3; rel err)"
+    );
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for root in ["fixtures/kimi-linear", "fixtures/kimi-k3"] {
+        dirs.extend(
+            std::fs::read_dir(root)?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.join("reference.json").exists()),
+        );
+    }
     dirs.sort();
     let absorbed = ForwardOptions {
         kda_mode: KdaMode::Auto,

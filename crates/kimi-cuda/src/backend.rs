@@ -6,12 +6,12 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::sys::cudaDataType;
-use kimi_core::config::KdaGate;
+use kimi_core::config::{Activation, KdaGate};
 use kimi_core::DType;
 use kimi_ops::{
-    check_paged, check_segments, Backend, Error, HostTensor, KdaMode, KdaStepInputs,
-    KdaStepWeights, MlaDims, MlaMode, MlpWeights, MoeRouting, MoeWeights, PagedSeq, Result,
-    RowSampling, Segment, TokenPenalty,
+    check_paged, check_segments, Backend, Error, ExpertBank, HostTensor, KdaMode, KdaStepInputs,
+    KdaStepWeights, MlaDims, MlaMode, MlpWeights, MoeRoutes, MoeRouting, MoeWeights, PagedSeq,
+    Result, RowSampling, Segment, TokenPenalty,
 };
 
 use crate::buffer::DevBuf;
@@ -20,6 +20,7 @@ use crate::error::OpContext;
 use crate::ops;
 use crate::tensor::{dtype_code, CudaTensor};
 
+mod k3;
 mod kda_decode;
 mod sampling;
 
@@ -452,6 +453,8 @@ impl CudaBackend {
             }
             DType::BF16 => ("cast_f32_bf16", "split_f32_bf16", cudaDataType::CUDA_R_16BF),
             DType::F16 => ("cast_f32_f16", "split_f32_f16", cudaDataType::CUDA_R_16F),
+            // Packed weights outside the expert kernels (rare): widened for this product.
+            DType::MXFP4 => return self.matmul_blocks(x, &self.widen_mxfp4(w, op)?, rows, op),
             other => return Err(Error::Unsupported(format!("{op} with {other} weights"))),
         };
         if n * k == 0 {
@@ -954,6 +957,13 @@ impl CudaBackend {
             .chain(w.shared.as_ref())
             .flat_map(|x| [x.gate.ptr(), x.up.ptr(), x.down.ptr()])
             .collect();
+        self.address_table(key)
+    }
+
+    /// A device array of the addresses `key`, uploaded once per distinct contents and kept
+    /// (its contents are its key, so it cannot go stale), and whether every address is
+    /// 16-byte aligned.
+    fn address_table(&self, key: Vec<u64>) -> Result<(u64, bool)> {
         let mut tables = self
             .moe_tables
             .lock()
@@ -1004,10 +1014,13 @@ impl Backend for CudaBackend {
     }
 
     fn stores(&self, dtype: DType) -> bool {
-        dtype_code(dtype).is_some()
+        dtype_code(dtype).is_some() || dtype == DType::MXFP4
     }
 
     fn upload(&self, host: HostTensor<'_>) -> Result<CudaTensor> {
+        if host.dtype == DType::MXFP4 {
+            return self.upload_mxfp4(&host);
+        }
         let n: usize = host.shape.iter().product();
         if dtype_code(host.dtype).is_none() {
             return Err(Error::Unsupported(format!(
@@ -1058,6 +1071,9 @@ impl Backend for CudaBackend {
 
     fn to_f32(&self, t: &CudaTensor) -> Result<Vec<f32>> {
         self.dev.enter("to_f32")?;
+        if t.dtype == DType::MXFP4 {
+            return self.to_f32(&self.widen_mxfp4(t, "to_f32")?);
+        }
         let nb = t.len_bytes();
         if t.dtype == DType::F32 {
             // Straight into the result: no byte buffer and no conversion pass (the logits of
@@ -1420,6 +1436,49 @@ impl Backend for CudaBackend {
             };
         }
         Ok(out)
+    }
+
+    fn sigmoid_gate(&self, x: &CudaTensor, gate: &CudaTensor) -> Result<CudaTensor> {
+        self.gate_sigmoid(x, gate)
+    }
+
+    fn attn_res_mix(
+        &self,
+        blocks: &[&CudaTensor],
+        partial: &CudaTensor,
+        w_eff: &CudaTensor,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        self.mix_attn_res(blocks, partial, w_eff, eps)
+    }
+
+    fn ffn(
+        &self,
+        x: &CudaTensor,
+        w: &MlpWeights<CudaTensor>,
+        act: Activation,
+    ) -> Result<CudaTensor> {
+        self.gated_ffn(x, w, act)
+    }
+
+    fn moe_route(
+        &self,
+        x: &CudaTensor,
+        router: &CudaTensor,
+        correction_bias: Option<&CudaTensor>,
+        routing: &MoeRouting,
+    ) -> Result<MoeRoutes<CudaTensor>> {
+        self.route_moe(x, router, correction_bias, routing)
+    }
+
+    fn moe_experts(
+        &self,
+        x: &CudaTensor,
+        routes: &MoeRoutes<CudaTensor>,
+        bank: &ExpertBank<CudaTensor>,
+        act: Activation,
+    ) -> Result<CudaTensor> {
+        self.run_routed_experts(x, routes, bank, act)
     }
 
     fn mlp(&self, x: &CudaTensor, w: &MlpWeights<CudaTensor>) -> Result<CudaTensor> {

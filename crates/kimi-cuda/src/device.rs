@@ -44,6 +44,7 @@ const BIG_SMEM_KERNELS: &[&str] = &[
     "kda_chunk_prep_blk_128",
     "gemv_stream_1",
     "moe_stream_1",
+    "moe_mxfp4_gemv",
 ];
 
 /// Every kernel symbol, by module (the `kernels/<module>.cu` file stem).
@@ -71,8 +72,12 @@ const KERNELS: &[(&str, &[&str])] = &[
             "split_f32_f16",
             "sum_halves",
             "argmax_rows",
+            "sigmoid_gate",
+            "situ_mul",
         ],
     ),
+    ("attn_res", &["attn_res_mix"]),
+    ("mxfp4", &["moe_mxfp4_gemv", "mxfp4_to_f32"]),
     ("sampling", &["apply_penalties", "sample_rows"]),
     (
         "conv",

@@ -33,6 +33,7 @@
 
 mod error;
 pub use error::Error;
+mod layout;
 
 #[cfg(feature = "cuda")]
 mod backend;

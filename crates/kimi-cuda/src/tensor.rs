@@ -53,9 +53,12 @@ impl CudaTensor {
         self.len() == 0
     }
 
-    /// Bytes of the elements (not the capacity).
+    /// Bytes of the elements (not the capacity); for a block-quantized tensor, of its blocks.
     pub(crate) fn len_bytes(&self) -> usize {
-        self.len() * self.dtype.size_bytes()
+        let n = self.len();
+        self.dtype
+            .storage_bytes(n)
+            .unwrap_or(n * self.dtype.size_bytes())
     }
 
     /// The raw device address of the first element.

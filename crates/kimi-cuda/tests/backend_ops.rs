@@ -2,6 +2,8 @@
 //! output. Needs the `cuda` feature and a GPU; skips (passes with a note) without a device.
 #![cfg(feature = "cuda")]
 
+#[path = "common/k3_cases.rs"]
+mod k3_cases;
 #[path = "common/op_cases.rs"]
 mod op_cases;
 
@@ -23,7 +25,7 @@ fn every_op_matches_cpu() {
     };
     let cpu = CpuRun(CpuBackend::new());
     let mut failures = vec![];
-    for (name, case) in op_cases::cases() {
+    for (name, case) in op_cases::cases().into_iter().chain(k3_cases::cases()) {
         let want = case(&cpu).unwrap_or_else(|e| panic!("{name}: CPU: {e}"));
         let got = match case(&CudaRun(&cuda)) {
             Ok(g) => g,

@@ -281,3 +281,41 @@ pub(crate) unsafe fn cast_to_f32(dev: &Device, x: u64, dt: i32, out: u64, n: usi
     unsafe { b.launch(flat(n)) }.op("cast")?;
     Ok(())
 }
+
+/// `out = x ⊙ sigmoid(gate)`.
+///
+/// # Safety
+/// `x`, `gate` and `out` hold `n` f32.
+pub(crate) unsafe fn sigmoid_gate(
+    dev: &Device,
+    x: u64,
+    gate: u64,
+    out: u64,
+    n: usize,
+) -> Result<()> {
+    let mut b = dev.kernel("sigmoid_gate", "sigmoid_gate")?;
+    b.arg(&x).arg(&gate).arg(&out).arg(&n);
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(flat(n)) }.op("sigmoid_gate")?;
+    Ok(())
+}
+
+/// `gate = situ(gate, up)` in place (Kimi K3's SiTU-GLU; `linear_beta` 0 = the up half
+/// unchanged).
+///
+/// # Safety
+/// `gate` and `up` hold `n` f32.
+pub(crate) unsafe fn situ_mul(
+    dev: &Device,
+    gate: u64,
+    up: u64,
+    n: usize,
+    beta: f32,
+    linear_beta: f32,
+) -> Result<()> {
+    let mut b = dev.kernel("ffn", "situ_mul")?;
+    b.arg(&gate).arg(&up).arg(&n).arg(&beta).arg(&linear_beta);
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(flat(n)) }.op("ffn")?;
+    Ok(())
+}

@@ -2,9 +2,11 @@
 //! addresses, sizes and the [`Device`](crate::device::Device) whose stream it launches on;
 //! the safe checks (shape, dtype, device) happen in `backend.rs` before these are called.
 
+pub(crate) mod attn_res;
 pub(crate) mod conv;
 pub(crate) mod elementwise;
 pub(crate) mod gemm;
 pub(crate) mod kda;
 pub(crate) mod mla;
 pub(crate) mod moe;
+pub(crate) mod mxfp4;

@@ -1,0 +1,438 @@
+//! The ops Kimi K3 adds to the backend interface (the MoE seam's routing and expert bank,
+//! SiTU FFNs, the MLA output gate, Block AttnRes mixes) and its MXFP4 expert weights.
+//! `impl Backend` in `backend.rs` delegates here.
+
+use std::sync::Arc;
+
+use kimi_core::config::Activation;
+use kimi_core::DType;
+use kimi_ops::{ExpertBank, HostTensor, MlpWeights, MoeRoutes, MoeRouting, Result};
+
+use super::{code, f32_rows, shape_err, CudaBackend};
+use crate::layout::mxfp4_device_planes;
+use crate::ops;
+use crate::tensor::CudaTensor;
+
+/// Device lists of one MoE layer's pairs grouped by expert (`moe_lists`), kept alive until
+/// the kernels that read them are queued.
+struct Lists {
+    offsets: crate::buffer::DevBuf,
+    slots: crate::buffer::DevBuf,
+    rows: crate::buffer::DevBuf,
+    wsel: crate::buffer::DevBuf,
+    /// `[ids | counts]` (p + e u32), for the host-side fallback.
+    meta: CudaTensor,
+}
+
+impl CudaBackend {
+    /// An MXFP4 weight from ggml `block_mxfp4` bytes, stored in the device layout of
+    /// `kernels/mxfp4.cu` (codes plane, then scales plane).
+    pub(super) fn upload_mxfp4(&self, host: &HostTensor<'_>) -> Result<CudaTensor> {
+        let n: usize = host.shape.iter().product();
+        let cols = host.shape.last().copied().unwrap_or(0);
+        let want = DType::MXFP4.storage_bytes(n);
+        if host.shape.len() != 2 || !cols.is_multiple_of(32) || want != Some(host.bytes.len()) {
+            return Err(shape_err(
+                "upload",
+                format!(
+                    "MXFP4 matrix {:?} (rows of whole 32-value blocks) needs {want:?} bytes, got {}",
+                    host.shape,
+                    host.bytes.len()
+                ),
+            ));
+        }
+        let planes = mxfp4_device_planes(host.bytes)
+            .ok_or_else(|| shape_err("upload", "MXFP4 bytes are not whole blocks".into()))?;
+        self.dev.enter("upload")?;
+        Ok(CudaTensor {
+            shape: host.shape.to_vec(),
+            dtype: DType::MXFP4,
+            buf: Arc::new(self.dev.upload_kept(&planes, "upload")?),
+            offset: 0,
+        })
+    }
+
+    /// An MXFP4 matrix widened to a new f32 tensor on the device.
+    pub(super) fn widen_mxfp4(&self, w: &CudaTensor, op: &'static str) -> Result<CudaTensor> {
+        let (rows, cols) = match w.shape.as_slice() {
+            [r, c] => (*r, *c),
+            _ => return Err(shape_err(op, format!("MXFP4 tensor {:?}", w.shape))),
+        };
+        let out = self.empty(&[rows, cols], DType::F32, op)?;
+        if rows * cols > 0 {
+            // SAFETY: w is an MXFP4 [rows, cols] matrix in the device layout (uploaded by
+            // upload_mxfp4, cols % 32 == 0); out holds rows*cols f32.
+            unsafe { ops::mxfp4::to_f32(&self.dev, w.ptr(), out.ptr(), rows, cols)? };
+        }
+        Ok(out)
+    }
+
+    pub(super) fn gate_sigmoid(&self, x: &CudaTensor, gate: &CudaTensor) -> Result<CudaTensor> {
+        const OP: &str = "sigmoid_gate";
+        self.dev.enter(OP)?;
+        if f32_rows(x, OP)? != f32_rows(gate, OP)? {
+            return Err(shape_err(
+                OP,
+                format!("{:?} gated by {:?}", x.shape, gate.shape),
+            ));
+        }
+        let out = self.empty(&x.shape, DType::F32, OP)?;
+        if !x.is_empty() {
+            // SAFETY: x, gate and out hold len f32 each (shapes checked above).
+            unsafe {
+                ops::elementwise::sigmoid_gate(&self.dev, x.ptr(), gate.ptr(), out.ptr(), x.len())?
+            };
+        }
+        Ok(out)
+    }
+
+    pub(super) fn mix_attn_res(
+        &self,
+        blocks: &[&CudaTensor],
+        partial: &CudaTensor,
+        w_eff: &CudaTensor,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        const OP: &str = "attn_res_mix";
+        self.dev.enter(OP)?;
+        let (n, d) = f32_rows(partial, OP)?;
+        if w_eff.shape != [d] || w_eff.dtype != DType::F32 {
+            return Err(shape_err(
+                OP,
+                format!("weight {:?} {} for width {d}", w_eff.shape, w_eff.dtype),
+            ));
+        }
+        for b in blocks {
+            if f32_rows(b, OP)? != (n, d) {
+                return Err(shape_err(
+                    OP,
+                    format!("block {:?} beside partial sum {:?}", b.shape, partial.shape),
+                ));
+            }
+        }
+        let sources: Vec<u64> = blocks
+            .iter()
+            .map(|b| b.ptr())
+            .chain([partial.ptr()])
+            .collect();
+        let out = self.empty(&[n, d], DType::F32, OP)?;
+        if n * d > 0 {
+            // SAFETY: every source and out hold n*d f32, w_eff d f32 (checked above).
+            unsafe { ops::attn_res::mix(&self.dev, &sources, w_eff.ptr(), out.ptr(), n, d, eps)? };
+        }
+        Ok(out)
+    }
+
+    /// A gated MLP with any activation: SwiGLU takes the tuned [`Backend::mlp`] path; SiTU
+    /// runs the two projections, `situ_mul` and the down projection.
+    pub(super) fn gated_ffn(
+        &self,
+        x: &CudaTensor,
+        w: &MlpWeights<CudaTensor>,
+        act: Activation,
+    ) -> Result<CudaTensor> {
+        const OP: &str = "ffn";
+        let Activation::Situ { beta, linear_beta } = act else {
+            return kimi_ops::Backend::mlp(self, x, w);
+        };
+        self.dev.enter(OP)?;
+        let gate = self.matmul_op(x, &w.gate, OP)?;
+        let up = self.matmul_op(x, &w.up, OP)?;
+        if gate.shape != up.shape {
+            return Err(shape_err(OP, "gate and up widths differ".into()));
+        }
+        if !gate.is_empty() {
+            // SAFETY: gate and up hold len f32 each.
+            unsafe {
+                ops::elementwise::situ_mul(
+                    &self.dev,
+                    gate.ptr(),
+                    up.ptr(),
+                    gate.len(),
+                    beta,
+                    linear_beta.unwrap_or(0.0),
+                )?
+            };
+        }
+        self.matmul_op(&gate, &w.down, OP)
+    }
+
+    pub(super) fn route_moe(
+        &self,
+        x: &CudaTensor,
+        router: &CudaTensor,
+        correction_bias: Option<&CudaTensor>,
+        r: &MoeRouting,
+    ) -> Result<MoeRoutes<CudaTensor>> {
+        const OP: &str = "moe_route";
+        self.dev.enter(OP)?;
+        let (n, d) = f32_rows(x, OP)?;
+        let e = router.shape.first().copied().unwrap_or(0);
+        if router.shape != [e, d] || r.top_k == 0 || r.top_k > e {
+            return Err(shape_err(
+                OP,
+                format!("router {:?}, top_k {}, hidden {d}", router.shape, r.top_k),
+            ));
+        }
+        if r.num_groups == 0
+            || r.num_groups > 64
+            || !e.is_multiple_of(r.num_groups)
+            || r.topk_group > r.num_groups
+        {
+            return Err(shape_err(
+                OP,
+                format!("{e} experts in {} groups", r.num_groups),
+            ));
+        }
+        let (bias, bdt) = match correction_bias {
+            Some(b) if b.len() == e => (b.ptr(), code(b, OP)?),
+            Some(b) => return Err(shape_err(OP, format!("correction bias {:?}", b.shape))),
+            None => (0, 0),
+        };
+        // The router runs in f32, as on the CPU, so that near-ties pick the same experts.
+        let router32 = self.as_f32_copy(router, OP)?;
+        let router = router32.as_ref().unwrap_or(router);
+        let experts = self.empty(&[n, r.top_k], DType::F32, OP)?;
+        let weights = self.empty(&[n, r.top_k], DType::F32, OP)?;
+        if n > 0 {
+            let logits = self.matmul_op(x, router, OP)?;
+            // SAFETY: logits [n, e] f32; experts/weights hold n*top_k 4-byte entries; the
+            // bias (when given) holds e values of dtype bdt.
+            unsafe {
+                ops::moe::route(
+                    &self.dev,
+                    logits.ptr(),
+                    bias,
+                    bdt,
+                    experts.ptr(),
+                    weights.ptr(),
+                    n,
+                    e,
+                    r,
+                )?
+            };
+        }
+        Ok(MoeRoutes {
+            experts,
+            weights,
+            top_k: r.top_k,
+        })
+    }
+
+    /// The pairs of `routes` grouped by expert on the device.
+    fn pair_lists(&self, routes: &MoeRoutes<CudaTensor>, p: usize, e: usize) -> Result<Lists> {
+        const OP: &str = "moe_experts";
+        let lists = Lists {
+            offsets: self.raw((2 * e + 2) * 4, OP)?,
+            slots: self.raw(p * 4, OP)?,
+            rows: self.raw(p * 4, OP)?,
+            wsel: self.raw(p * 4, OP)?,
+            meta: self.empty(&[p + e], DType::F32, OP)?,
+        };
+        let counters = if p >= ops::moe::LISTS_MULTI_BLOCK_PAIRS {
+            Some(self.zeroed(&[2 * e], OP)?)
+        } else {
+            None
+        };
+        // SAFETY: the routes hold p expert ids below e (moe_route chose them among the
+        // router's e rows; the caller checked the bank has e experts) and p weights; the
+        // list buffers are sized for p pairs over e experts as moe_lists writes them.
+        unsafe {
+            ops::moe::lists(
+                &self.dev,
+                routes.experts.ptr(),
+                routes.weights.ptr(),
+                p,
+                e,
+                routes.top_k,
+                Self::slice_ptr(&lists.offsets),
+                Self::slice_ptr(&lists.slots),
+                Self::slice_ptr(&lists.rows),
+                Self::slice_ptr(&lists.wsel),
+                lists.meta.ptr(),
+                counters.as_ref().map(|c| c.ptr()),
+            )?
+        };
+        Ok(lists)
+    }
+
+    pub(super) fn run_routed_experts(
+        &self,
+        x: &CudaTensor,
+        routes: &MoeRoutes<CudaTensor>,
+        bank: &ExpertBank<CudaTensor>,
+        act: Activation,
+    ) -> Result<CudaTensor> {
+        const OP: &str = "moe_experts";
+        self.dev.enter(OP)?;
+        let (n, d) = f32_rows(x, OP)?;
+        let (k, e) = (routes.top_k, bank.len());
+        if k == 0 || routes.experts.shape != [n, k] || routes.weights.shape != [n, k] || e == 0 {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "routes {:?} / {:?} of top_k {k} for {n} tokens over {e} experts",
+                    routes.experts.shape, routes.weights.shape
+                ),
+            ));
+        }
+        let out_width = bank
+            .expert(0)
+            .and_then(|x| x.down.shape.first().copied())
+            .unwrap_or(0);
+        if n == 0 {
+            return self.zeroed(&[0, out_width], OP);
+        }
+        let p = n * k;
+        let lists = self.pair_lists(routes, p, e)?;
+        let offsets = Self::slice_ptr(&lists.offsets);
+        let slots = Self::slice_ptr(&lists.slots);
+        if let Some(inter) = mxfp4_bank_shape(bank.experts(), d) {
+            let table = self.bank_table(bank.experts())?;
+            let h = self.empty(&[p, inter], DType::F32, OP)?;
+            let y = self.empty(&[p, d], DType::F32, OP)?;
+            // SAFETY: mxfp4_bank_shape checked MXFP4 gate/up [inter, d] and down [d, inter]
+            // for every expert, d and inter multiples of 32; the table holds their
+            // addresses; the lists come from pair_lists for p pairs; x holds n rows of d, h
+            // p rows of inter and y p rows of d f32.
+            unsafe {
+                ops::mxfp4::expert_gemv(
+                    &self.dev,
+                    table,
+                    true,
+                    x.ptr(),
+                    k,
+                    offsets,
+                    e,
+                    slots,
+                    h.ptr(),
+                    p,
+                    inter,
+                    d,
+                    act,
+                )?;
+                ops::mxfp4::expert_gemv(
+                    &self.dev,
+                    table,
+                    false,
+                    h.ptr(),
+                    k,
+                    offsets,
+                    e,
+                    slots,
+                    y.ptr(),
+                    p,
+                    d,
+                    inter,
+                    act,
+                )?;
+            }
+            let out = self.weighted_combine(&y, 0, &routes.weights, None, n, d, k)?;
+            drop(lists);
+            return Ok(out);
+        }
+        self.experts_one_by_one(x, &lists, bank, act, n, d, p, out_width)
+    }
+
+    /// Any expert format or shape: one read of `[ids | counts]` to the host, then per expert
+    /// that received pairs a gather, [`Self::gated_ffn`] and a weighted scatter-add.
+    #[allow(clippy::too_many_arguments)]
+    fn experts_one_by_one(
+        &self,
+        x: &CudaTensor,
+        lists: &Lists,
+        bank: &ExpertBank<CudaTensor>,
+        act: Activation,
+        n: usize,
+        d: usize,
+        p: usize,
+        out_width: usize,
+    ) -> Result<CudaTensor> {
+        const OP: &str = "moe_experts";
+        let e = bank.len();
+        let meta: Vec<u32> = kimi_ops::Backend::to_f32(self, &lists.meta)?
+            .into_iter()
+            .map(f32::to_bits)
+            .collect();
+        let (ids, counts) = meta.split_at(p);
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= e) {
+            return Err(shape_err(OP, format!("routes name expert {bad} of {e}")));
+        }
+        let out = self.zeroed(&[n, out_width], OP)?;
+        let (rows, wsel) = (Self::slice_ptr(&lists.rows), Self::slice_ptr(&lists.wsel));
+        let mut off = 0usize;
+        for (expert, &cnt) in counts.iter().enumerate() {
+            let cnt = cnt as usize;
+            if cnt == 0 {
+                continue;
+            }
+            let w = bank
+                .expert(expert)
+                .ok_or_else(|| shape_err(OP, format!("no expert {expert} in the bank")))?;
+            let xg = self.empty(&[cnt, d], DType::F32, OP)?;
+            // SAFETY: the row indices are token numbers < n; xg holds cnt*d f32.
+            unsafe {
+                ops::elementwise::gather_rows(
+                    &self.dev,
+                    x.ptr(),
+                    rows + (off * 4) as u64,
+                    xg.ptr(),
+                    cnt,
+                    d,
+                )?
+            };
+            let y = self.gated_ffn(&xg, w, act)?;
+            if y.shape != [cnt, out_width] {
+                return Err(shape_err(
+                    OP,
+                    format!("expert {expert} output {:?}", y.shape),
+                ));
+            }
+            // SAFETY: one expert's rows are distinct tokens; y holds cnt*out_width f32 and
+            // out n*out_width.
+            unsafe {
+                ops::elementwise::scatter_add_rows(
+                    &self.dev,
+                    y.ptr(),
+                    rows + (off * 4) as u64,
+                    wsel + (off * 4) as u64,
+                    out.ptr(),
+                    cnt,
+                    out_width,
+                )?
+            };
+            off += cnt;
+        }
+        // The index buffers must outlive the queued kernels that read them.
+        self.dev.synchronize(OP)?;
+        Ok(out)
+    }
+
+    /// The device table of a bank's (gate, up, down) addresses, cached by its contents.
+    fn bank_table(&self, experts: &[MlpWeights<CudaTensor>]) -> Result<u64> {
+        let key: Vec<u64> = experts
+            .iter()
+            .flat_map(|x| [x.gate.ptr(), x.up.ptr(), x.down.ptr()])
+            .collect();
+        Ok(self.address_table(key)?.0)
+    }
+}
+
+/// The intermediate width when every expert is MXFP4 with gate/up `[inter, d]` and down
+/// `[d, inter]`, both widths whole blocks, and the staged activations fit shared memory.
+fn mxfp4_bank_shape(experts: &[MlpWeights<CudaTensor>], d: usize) -> Option<usize> {
+    let inter = *experts.first()?.gate.shape.first()?;
+    let ok = inter > 0
+        && inter.is_multiple_of(32)
+        && d.is_multiple_of(32)
+        && d.max(inter) <= 12 * 1024
+        && experts.iter().all(|x| {
+            x.gate.shape == [inter, d]
+                && x.up.shape == [inter, d]
+                && x.down.shape == [d, inter]
+                && [&x.gate, &x.up, &x.down]
+                    .iter()
+                    .all(|t| t.dtype == DType::MXFP4)
+        });
+    ok.then_some(inter)
+}
