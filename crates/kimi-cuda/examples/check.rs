@@ -334,19 +334,20 @@ fn check_fixtures() -> Res<()> {
             ] {
                 model.backend().set_gemm_precision(prec);
                 let got = run_model(&model, &prompt, step, opts)?;
-                let num: f64 = got
-                    .iter()
-                    .zip(&want)
-                    .map(|(g, w)| (*g as f64 - w).powi(2))
-                    .sum();
-                let den: f64 = want.iter().map(|w| w * w).sum();
-                let err = if got.len() == want.len() {
-                    (num / den).sqrt()
-                } else {
-                    f64::INFINITY
-                };
-                parts.push(format!("{label} {err:.2e}"));
+                parts.push(format!("{label} {:.2e}", fixture_err(&got, &want)));
+                if label == "prefill" {
+                    parts.push(format!(
+                        "argmax {}",
+                        argmax_agreement(&got, &want, model.config().vocab_size)
+                    ));
+                }
             }
+            // The chunked KDA's f32 kernels beside its default tensor-core ones.
+            model.backend().set_gemm_precision(GemmPrecision::Split);
+            model.backend().set_kda_chunk_variant(1);
+            let got = run_model(&model, &prompt, prompt.len(), ForwardOptions::default());
+            model.backend().set_kda_chunk_variant(0);
+            parts.push(format!("prefill kda-f32 {:.2e}", fixture_err(&got?, &want)));
             Ok(format!("T={} | {}", prompt.len(), parts.join(" | ")))
         })();
         match res {
@@ -356,6 +357,44 @@ fn check_fixtures() -> Res<()> {
         let _ = std::io::stdout().flush();
     }
     Ok(())
+}
+
+/// Relative error of logits against a float64 reference (infinite if the lengths differ).
+fn fixture_err(got: &[f32], want: &[f64]) -> f64 {
+    if got.len() != want.len() {
+        return f64::INFINITY;
+    }
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (*g as f64 - w).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|w| w * w).sum();
+    (num / den).sqrt()
+}
+
+/// `matching/positions`: rows of `vocab` logits whose argmax equals the reference's.
+fn argmax_agreement(got: &[f32], want: &[f64], vocab: usize) -> String {
+    if vocab == 0 || got.len() != want.len() {
+        return "n/a".into();
+    }
+    let best = |row: &mut dyn Iterator<Item = f64>| {
+        row.enumerate()
+            .fold(
+                (0, f64::NEG_INFINITY),
+                |b, (i, v)| if v > b.1 { (i, v) } else { b },
+            )
+            .0
+    };
+    let rows = want.len() / vocab;
+    let same = (0..rows)
+        .filter(|r| {
+            let span = r * vocab..(r + 1) * vocab;
+            best(&mut got[span.clone()].iter().map(|&v| v as f64))
+                == best(&mut want[span].iter().copied())
+        })
+        .count();
+    format!("{same}/{rows}")
 }
 
 // ---------------------------------------------------------------- 48B-shaped model

@@ -45,6 +45,11 @@ const BIG_SMEM_KERNELS: &[&str] = &[
     "gemv_stream_1",
     "moe_stream_1",
     "moe_mxfp4_gemv",
+    // A 48 KiB weight tile plus the kernel's static shared memory is over the default limit
+    // (rows of 3072 or 6144 bf16: Kimi K3's shared experts).
+    "gemv_bulk_1",
+    "gemv_bulk_4",
+    "gemv_bulk_8",
 ];
 
 /// Every kernel symbol, by module (the `kernels/<module>.cu` file stem).
@@ -164,6 +169,7 @@ const KERNELS: &[(&str, &[&str])] = &[
         "moe_gemm",
         &[
             "moe_grouped_mma",
+            "moe_mxfp4_grouped_mma",
             "moe_mma_64_half",
             "moe_mma_64_split",
             "moe_mma_128_half",

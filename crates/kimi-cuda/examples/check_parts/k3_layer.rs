@@ -196,5 +196,52 @@ pub fn k3_moe_bench() -> Res<()> {
         );
         let _ = std::io::stdout().flush();
     }
+    prefill(&be, &layer, &mut r)
+}
+
+/// The routed experts of prefill-sized batches on the grouped MXFP4 tensor-core GEMM, both
+/// precisions, in useful TFLOP/s, beside cuBLAS bf16 (Half: one GEMM) on a GEMM of the same
+/// M and K (`[n, 3584] x [3 * 3072, 3584]`).
+fn prefill(be: &CudaBackend, layer: &Layer, r: &mut Rng) -> Res<()> {
+    use kimi_cuda::GemmPrecision;
+    for n in [1024usize, 8192] {
+        let x = be.upload_f32(&[n, HIDDEN], &r.vec(n * HIDDEN, 1.0))?;
+        let routes = be.moe_route(&x, &layer.router, Some(&layer.bias), &layer.routing)?;
+        let z = be.matmul(&x, &layer.down)?;
+        let flops = (n * TOP_K * 3 * 2 * LATENT * EXPERT_WIDTH) as f64;
+        let mut line = format!("prefill n={n:<5} routed experts:");
+        for prec in [GemmPrecision::Split, GemmPrecision::Half] {
+            be.set_gemm_precision(prec);
+            let y = be.to_f32(&be.moe_experts(&z, &routes, &layer.bank, SITU)?)?;
+            if let Some(bad) = y.iter().find(|v| !v.is_finite()) {
+                return Err(format!("K3 experts n={n}: non-finite output {bad}").into());
+            }
+            let secs = time_calls(be, 1, 3, || {
+                be.moe_experts(&z, &routes, &layer.bank, SITU).map(drop)
+            })?;
+            line += &format!(
+                "  {prec:?} {:8.2} ms = {:6.1} TFLOP/s",
+                secs * 1e3,
+                flops / secs / 1e12
+            );
+        }
+        be.set_gemm_precision(GemmPrecision::Half);
+        let w = op_cases::weight(
+            be,
+            &[3 * EXPERT_WIDTH, LATENT],
+            &r.vec(3 * EXPERT_WIDTH * LATENT, 0.02),
+            DType::BF16,
+        )?;
+        let secs = time_calls(be, 1, 5, || be.matmul(&z, &w).map(drop))?;
+        let gemm_flops = (n * 3 * EXPERT_WIDTH * LATENT * 2) as f64;
+        line += &format!(
+            "  | cuBLAS bf16 [{n}, {LATENT}] x [{}, {LATENT}]: {:6.1} TFLOP/s",
+            3 * EXPERT_WIDTH,
+            gemm_flops / secs / 1e12
+        );
+        be.set_gemm_precision(GemmPrecision::Split);
+        println!("{line}");
+        let _ = std::io::stdout().flush();
+    }
     Ok(())
 }

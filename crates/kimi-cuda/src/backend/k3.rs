@@ -291,6 +291,47 @@ impl CudaBackend {
             let table = self.bank_table(bank.experts())?;
             let h = self.empty(&[p, inter], DType::F32, OP)?;
             let y = self.empty(&[p, d], DType::F32, OP)?;
+            if n > MXFP4_GEMV_MAX_TOKENS && inter.is_multiple_of(64) && d.is_multiple_of(64) {
+                let split = self.gemm_precision() == super::GemmPrecision::Split;
+                // SAFETY: as for the GEMVs below, with both widths multiples of 64.
+                unsafe {
+                    ops::mxfp4::grouped_mma(
+                        &self.dev,
+                        table,
+                        true,
+                        split,
+                        x.ptr(),
+                        k,
+                        offsets,
+                        e,
+                        slots,
+                        h.ptr(),
+                        p,
+                        inter,
+                        d,
+                        act,
+                    )?;
+                    ops::mxfp4::grouped_mma(
+                        &self.dev,
+                        table,
+                        false,
+                        split,
+                        h.ptr(),
+                        k,
+                        offsets,
+                        e,
+                        slots,
+                        y.ptr(),
+                        p,
+                        d,
+                        inter,
+                        act,
+                    )?;
+                }
+                let out = self.weighted_combine(&y, 0, &routes.weights, None, n, d, k)?;
+                drop(lists);
+                return Ok(out);
+            }
             // SAFETY: mxfp4_bank_shape checked MXFP4 gate/up [inter, d] and down [d, inter]
             // for every expert, d and inter multiples of 32; the table holds their
             // addresses; the lists come from pair_lists for p pairs; x holds n rows of d, h
@@ -417,6 +458,11 @@ impl CudaBackend {
         Ok(self.address_table(key)?.0)
     }
 }
+
+/// Up to this many tokens, MXFP4 routed experts run as GEMVs over their pairs (each pass
+/// over an expert's rows serves 4 of its pairs); above it, as grouped tensor-core GEMMs (64
+/// pairs per pass). At decode sizes an expert receives one or two pairs.
+const MXFP4_GEMV_MAX_TOKENS: usize = 128;
 
 /// The intermediate width when every expert is MXFP4 with gate/up `[inter, d]` and down
 /// `[d, inter]`, both widths whole blocks, and the staged activations fit shared memory.

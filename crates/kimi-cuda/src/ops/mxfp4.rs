@@ -88,3 +88,53 @@ pub(crate) unsafe fn to_f32(
     unsafe { b.launch(flat(rows * cols)) }.op("to_f32")?;
     Ok(())
 }
+
+/// One projection of every routed pair with MXFP4 weights on the tensor cores
+/// (`moe_mxfp4_grouped_mma` in `kernels/moe_gemm.cu`: 64 pairs x 64 features per CTA, the
+/// weights widened to bf16 in shared memory, exactly): `glu` = gate/up with `act` (`k` = the
+/// expert input width, `n_out` = intermediate), else down. `split`: activations as bf16 hi +
+/// lo (near f32 products).
+///
+/// # Safety
+/// As [`expert_gemv`], with `n_out % 64 == 0` and `k % 32 == 0`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn grouped_mma(
+    dev: &Device,
+    table: u64,
+    glu: bool,
+    split: bool,
+    input: u64,
+    top_k: usize,
+    offsets: u64,
+    experts: usize,
+    slots: u64,
+    out: u64,
+    pairs: usize,
+    n_out: usize,
+    k: usize,
+    act: Activation,
+) -> Result<()> {
+    const OP: &str = "moe_experts";
+    let int = |v: usize| {
+        i32::try_from(v)
+            .map_err(|_| Error::Unsupported(format!("MXFP4 grouped expert GEMM: size {v}")))
+    };
+    let (act_code, beta, lbeta) = act_params(act);
+    let (g, s) = (glu as i32, split as i32);
+    let (ki, ei, ni, kk) = (int(top_k)?, int(experts)?, int(n_out)?, int(k)?);
+    let mut b = dev.kernel(OP, "moe_mxfp4_grouped_mma")?;
+    b.arg(&table).arg(&g).arg(&s).arg(&input).arg(&ki);
+    b.arg(&offsets)
+        .arg(&slots)
+        .arg(&ei)
+        .arg(&out)
+        .arg(&ni)
+        .arg(&kk);
+    b.arg(&act_code).arg(&beta).arg(&lbeta);
+    // Every expert with pairs has at most one partial tile: an upper bound on the tiles,
+    // known without reading the counts back; CTAs past the last tile exit at once.
+    let tiles = pairs.div_ceil(64) + experts.min(pairs);
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(grid(((n_out / 64) as u32, tiles as u32, 1), 128, 0)) }.op(OP)?;
+    Ok(())
+}

@@ -66,6 +66,13 @@ pub fn op_mxfp4_roundtrip<B: Backend>(b: &B, rows: usize, cols: usize) -> Res<Ve
     Ok(vec![b.to_f32(&w)?, b.to_f32(&b.matmul(&x, &w)?)?])
 }
 
+pub fn op_bulk_matmul<B: Backend>(b: &B, n: usize, k: usize, o: usize) -> Res<Vec<Vec<f32>>> {
+    let mut rng = Rng(3);
+    let x = b.upload_f32(&[n, k], &rng.vec(n * k, 1.0))?;
+    let w = weight(b, &[o, k], &rng.vec(o * k, 0.05), DType::BF16)?;
+    Ok(vec![b.to_f32(&b.matmul(&x, &w)?)?])
+}
+
 pub fn op_sigmoid_gate<B: Backend>(b: &B, n: usize, d: usize) -> Res<Vec<Vec<f32>>> {
     let mut rng = Rng(5);
     let x = b.upload_f32(&[n, d], &rng.vec(n * d, 2.0))?;
@@ -181,6 +188,15 @@ pub fn cases() -> Vec<(String, Case)> {
             k3_case!(|b| op_mxfp4_roundtrip(b, 64, 96)),
         ),
         (
+            // A 48 KiB gemv_bulk tile (4 rows of 6144 bf16), as K3's shared-expert down.
+            "k3 matmul bf16 1x6144->200 (full bulk tile)".into(),
+            k3_case!(|b| op_bulk_matmul(b, 1, 6144, 200)),
+        ),
+        (
+            "k3 matmul bf16 3x3072->100 (full bulk tile)".into(),
+            k3_case!(|b| op_bulk_matmul(b, 3, 3072, 100)),
+        ),
+        (
             "k3 sigmoid_gate 5x96".into(),
             k3_case!(|b| op_sigmoid_gate(b, 5, 96)),
         ),
@@ -219,6 +235,14 @@ pub fn cases() -> Vec<(String, Case)> {
         (
             "k3 moe_experts mxfp4 2 tok, 8e top2, d 3584 inter 3072 (K3 widths)".into(),
             k3_case!(|b| op_moe_experts(b, 2, 3584, 3072, 8, 2, DType::MXFP4)),
+        ),
+        (
+            "k3 moe_experts mxfp4 300 tok, 32e top4, d 128 inter 192 (grouped tensor cores)".into(),
+            k3_case!(|b| op_moe_experts(b, 300, 128, 192, 32, 4, DType::MXFP4)),
+        ),
+        (
+            "k3 moe_experts mxfp4 160 tok, 8e top2, d 3584 inter 3072 (grouped, K3 widths)".into(),
+            k3_case!(|b| op_moe_experts(b, 160, 3584, 3072, 8, 2, DType::MXFP4)),
         ),
         (
             "k3 moe_experts bf16 5 tok, 8e top3, d 64 inter 96 (one by one)".into(),
