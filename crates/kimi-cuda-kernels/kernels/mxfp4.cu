@@ -70,10 +70,11 @@ __device__ __forceinline__ float glu_act(float g, float u, int act, float beta, 
 }
 
 #define MX_TG 4  // tokens per pass over a weight row
-#define MX_RW 2  // rows per warp
+#define MX_RW 4  // rows per warp
+#define MX_UB 1  // blocks per lane per step
 
 // Expert GEMV over the pairs routed to one expert, MXFP4 weights. Grid
-// (ceil(rows_out / 16), number of pairs or experts, whichever is fewer); 256 threads = 8
+// (ceil(rows_out / (8 * MX_RW)), number of pairs or experts, whichever is fewer); 256 threads = 8
 // warps of MX_RW rows. Block (x, j) serves the j-th expert that received pairs (the active
 // list after `offsets`, as `moe_lists` writes it), for each group of MX_TG of its pairs.
 // `wtab` holds per expert the (gate, up, down) matrix addresses. glu = 1: out[p, r] =
@@ -116,28 +117,40 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     for (int r = 0; r < MX_RW; ++r)
 #pragma unroll
       for (int g = 0; g < MX_TG; ++g) aa[r][g] = ab[r][g] = 0.0f;
-    for (int b = lane; b < nb; b += 32) {
-      uint4 qa[MX_RW], qb[MX_RW];
-      float sa[MX_RW], sb[MX_RW];
+    // MX_UB blocks per lane per step, all loads queued before any product: 16-byte loads of
+    // MX_RW rows (x2 with up) x MX_UB blocks in flight per lane.
+    for (int b0 = lane; b0 < nb; b0 += 32 * MX_UB) {
+      uint4 qa[MX_UB][MX_RW], qb[MX_UB][MX_RW];
+      uint32_t ea[MX_UB][MX_RW], eb[MX_UB][MX_RW];
 #pragma unroll
-      for (int r = 0; r < MX_RW; ++r) {
-        const size_t row = (size_t)min(row0 + r, rows_out - 1);
-        const size_t blk = row * nb + b;
-        qa[r] = __ldg(reinterpret_cast<const uint4*>(wa) + blk);
-        sa[r] = e8m0_scale(__ldg(wa + codes_bytes + blk));
-        if (glu) {
-          qb[r] = __ldg(reinterpret_cast<const uint4*>(wb) + blk);
-          sb[r] = e8m0_scale(__ldg(wb + codes_bytes + blk));
+      for (int u = 0; u < MX_UB; ++u) {
+        const int b = min(b0 + 32 * u, nb - 1);
+#pragma unroll
+        for (int r = 0; r < MX_RW; ++r) {
+          const size_t row = (size_t)min(row0 + r, rows_out - 1);
+          const size_t blk = row * nb + b;
+          qa[u][r] = __ldg(reinterpret_cast<const uint4*>(wa) + blk);
+          ea[u][r] = __ldg(wa + codes_bytes + blk);
+          if (glu) {
+            qb[u][r] = __ldg(reinterpret_cast<const uint4*>(wb) + blk);
+            eb[u][r] = __ldg(wb + codes_bytes + blk);
+          }
         }
       }
 #pragma unroll
-      for (int g = 0; g < MX_TG; ++g) {
-        if (g < ng) {
-          const float4* xs = mx_xs + (size_t)g * nb * 8 + b;
+      for (int u = 0; u < MX_UB; ++u) {
+        const int b = b0 + 32 * u;
+        if (b >= nb) break;
 #pragma unroll
-          for (int r = 0; r < MX_RW; ++r) {
-            aa[r][g] = fmaf(block_dot(qa[r], xs, nb), sa[r], aa[r][g]);
-            if (glu) ab[r][g] = fmaf(block_dot(qb[r], xs, nb), sb[r], ab[r][g]);
+        for (int g = 0; g < MX_TG; ++g) {
+          if (g < ng) {
+            const float4* xs = mx_xs + (size_t)g * nb * 8 + b;
+#pragma unroll
+            for (int r = 0; r < MX_RW; ++r) {
+              aa[r][g] = fmaf(block_dot(qa[u][r], xs, nb), e8m0_scale(ea[u][r]), aa[r][g]);
+              if (glu)
+                ab[r][g] = fmaf(block_dot(qb[u][r], xs, nb), e8m0_scale(eb[u][r]), ab[r][g]);
+            }
           }
         }
       }

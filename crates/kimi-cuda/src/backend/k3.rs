@@ -461,8 +461,10 @@ impl CudaBackend {
 
 /// Up to this many tokens, MXFP4 routed experts run as GEMVs over their pairs (each pass
 /// over an expert's rows serves 4 of its pairs); above it, as grouped tensor-core GEMMs (64
-/// pairs per pass). At decode sizes an expert receives one or two pairs.
-const MXFP4_GEMV_MAX_TOKENS: usize = 128;
+/// pairs per pass). At decode sizes an expert receives one or two pairs; at 256 tokens
+/// (~4.6 pairs per expert of 896, top-16) the single-stage grouped GEMM measured 45 ms per
+/// layer on an H200, several times the GEMVs' cost.
+const MXFP4_GEMV_MAX_TOKENS: usize = 512;
 
 /// The intermediate width when every expert is MXFP4 with gate/up `[inter, d]` and down
 /// `[d, inter]`, both widths whole blocks, and the staged activations fit shared memory.

@@ -12,8 +12,8 @@ use crate::error::OpContext;
 /// Tokens per pass over a weight row (`MX_TG` in the kernel): the staged activation rows.
 const TOKENS_PER_PASS: usize = 4;
 
-/// Output rows per 256-thread CTA (8 warps of `MX_RW` = 2 rows).
-const ROWS_PER_CTA: usize = 16;
+/// Output rows per 256-thread CTA (8 warps of `MX_RW` = 4 rows).
+const ROWS_PER_CTA: usize = 32;
 
 /// The kernel's activation code and parameters: (0 = SiLU, 1 = SiTU; β₁; β₂ or 0 for none).
 pub(crate) fn act_params(act: Activation) -> (i32, f32, f32) {
