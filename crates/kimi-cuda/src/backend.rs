@@ -2,8 +2,7 @@
 //! dtypes on the host, allocates its outputs and calls the launchers in `ops/`.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use cudarc::cublas::sys::cudaDataType;
 use kimi_core::config::KdaGate;
@@ -18,29 +17,18 @@ use crate::buffer::DevBuf;
 use crate::device::{grid, Device};
 use crate::error::OpContext;
 use crate::ops;
+use crate::plan::{self, GemmPrecision, KdaChunkPath, KernelConfig, MatmulPath};
 use crate::tensor::{dtype_code, CudaTensor};
 
 mod kda_decode;
 mod moe;
 mod sampling;
 
-/// How GEMMs against bf16/f16 weights treat the f32 activations.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum GemmPrecision {
-    /// Split each activation into two 16-bit terms (`hi + lo`) and run both through one GEMM
-    /// of twice the rows: close to f32 accuracy (the weights are read once, so decode costs
-    /// about the same; prefill does twice the tensor-core work).
-    #[default]
-    Split,
-    /// Round activations to the weight's 16-bit type: fastest, ~3e-3 relative error per GEMM.
-    Half,
-}
-
 /// The CUDA backend on one GPU. See the crate documentation for its precision.
 pub struct CudaBackend {
     dev: Device,
-    /// 0 = [`GemmPrecision::Split`], 1 = [`GemmPrecision::Half`].
-    gemm_precision: AtomicU8,
+    /// This backend's kernel choices; every op reads them once (`kernel_config`).
+    config: RwLock<KernelConfig>,
     ordinal: usize,
     device_name: String,
     /// Expert address tables of the fused MoE path, by their contents.
@@ -50,15 +38,6 @@ pub struct CudaBackend {
     /// Two u32, zero between launches: `moe_stream_layer`'s grid-wide handoff counters.
     layer_sync: DevBuf,
 }
-
-/// Up to this many rows, GEMMs against bf16 weights (either precision) run as an f32-product
-/// GEMV kernel (`kernels/gemv.cu`) instead of split + cuBLAS + sum.
-const GEMV_MAX_ROWS: usize = 8;
-
-/// From this many rows, a Split-precision GEMM runs as two accumulating GEMMs (hi, then
-/// lo) instead of one of twice the rows plus a summing pass: the weight is read twice, which
-/// costs little once the product is compute-bound, and the [2n, o] intermediate goes away.
-const SPLIT_ACCUMULATE_MIN_ROWS: usize = 512;
 
 fn shape_err(op: &'static str, detail: String) -> Error {
     Error::Shape { op, detail }
@@ -101,15 +80,21 @@ fn code(t: &CudaTensor, op: &'static str) -> Result<i32> {
 }
 
 impl CudaBackend {
-    /// Opens GPU `ordinal`, loads the embedded kernels and cuBLAS.
+    /// Opens GPU `ordinal`, loads the embedded kernels and cuBLAS, with the kernel choices
+    /// of [`KernelConfig::from_env`].
     pub fn new(ordinal: usize) -> Result<Self> {
-        let dev = Device::new(ordinal)?;
+        Self::with_config(ordinal, KernelConfig::from_env())
+    }
+
+    /// Opens GPU `ordinal` with the kernel choices of `config`.
+    pub fn with_config(ordinal: usize, config: KernelConfig) -> Result<Self> {
+        let dev = Device::new(ordinal, &config)?;
         let device_name = dev.ctx.name().op("init")?;
         let route_ticket = dev.upload_kept(&[0u8; 4], "init")?;
         let layer_sync = dev.upload_kept(&[0u8; 8], "init")?;
         Ok(Self {
             dev,
-            gemm_precision: AtomicU8::new(0),
+            config: RwLock::new(config),
             ordinal,
             device_name,
             moe_tables: Mutex::new(HashMap::new()),
@@ -118,21 +103,47 @@ impl CudaBackend {
         })
     }
 
+    /// This backend's kernel choices now.
+    pub fn kernel_config(&self) -> KernelConfig {
+        // A poisoned lock still holds a whole configuration (writers only assign one).
+        *self.config.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Replaces this backend's kernel choices; later calls plan with them. The device-wide
+    /// ones take effect at once (the memory pool's release, programmatic launch, CUDA
+    /// graphs; a captured graph whose launches differ is captured again), except the pass
+    /// arena's size, which applies when the arena is made (the first recorded pass).
+    pub fn set_kernel_config(&self, config: KernelConfig) -> Result<()> {
+        self.update_kernel_config(|c| *c = config)
+    }
+
+    /// Changes some of this backend's kernel choices, as [`Self::set_kernel_config`]:
+    /// `be.update_kernel_config(|c| c.gemv = GemvKernel::Bulk)`.
+    pub fn update_kernel_config(&self, change: impl FnOnce(&mut KernelConfig)) -> Result<()> {
+        let mut current = self.config.write().unwrap_or_else(PoisonError::into_inner);
+        let mut config = *current;
+        change(&mut config);
+        if config.pool_keeps_memory != current.pool_keeps_memory {
+            self.dev.set_pool_keeps_memory(config.pool_keeps_memory)?;
+        }
+        self.dev.set_pdl(config.pdl);
+        self.dev.set_graphs(config.cuda_graphs);
+        self.dev.set_arena_mb(config.graph_arena_mb);
+        *current = config;
+        Ok(())
+    }
+
     /// Chooses how GEMMs against 16-bit weights round the activations (default: split).
     pub fn set_gemm_precision(&self, p: GemmPrecision) {
-        let v = match p {
-            GemmPrecision::Split => 0,
-            GemmPrecision::Half => 1,
-        };
-        self.gemm_precision.store(v, Ordering::Relaxed);
+        self.config
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .precision = p;
     }
 
     /// The current [`GemmPrecision`].
     pub fn gemm_precision(&self) -> GemmPrecision {
-        match self.gemm_precision.load(Ordering::Relaxed) {
-            0 => GemmPrecision::Split,
-            _ => GemmPrecision::Half,
-        }
+        self.kernel_config().precision
     }
 
     /// Waits for all queued work (for timing).
@@ -140,70 +151,34 @@ impl CudaBackend {
         self.dev.synchronize("synchronize")
     }
 
-    /// Turns CUDA graphs for decode passes on or off (off by default unless the environment
-    /// sets `KIMI_CUDA_GRAPHS=1`).
+    /// Turns CUDA graphs for decode passes on or off ([`KernelConfig::cuda_graphs`]).
     pub fn set_cuda_graphs(&self, on: bool) {
+        let mut config = self.config.write().unwrap_or_else(PoisonError::into_inner);
+        config.cuda_graphs = on;
         self.dev.set_graphs(on);
     }
 
-    /// Whether freed device memory stays in the allocation pool between passes (on unless
-    /// `KIMI_CUDA_POOL_RELEASE=1`), for comparison.
+    /// Whether freed device memory stays in the allocation pool between passes
+    /// ([`KernelConfig::pool_keeps_memory`]), for comparison.
     pub fn set_pool_keeps_memory(&self, keep: bool) -> Result<()> {
-        self.dev.set_pool_keeps_memory(keep)
+        let mut config = self.config.write().unwrap_or_else(PoisonError::into_inner);
+        self.dev.set_pool_keeps_memory(keep)?;
+        config.pool_keeps_memory = keep;
+        Ok(())
     }
 
-    /// Turns programmatic dependent launch on or off (on unless `KIMI_CUDA_PDL=0`), for
+    /// Turns programmatic dependent launch on or off ([`KernelConfig::pdl`]), for
     /// comparison.
     pub fn set_pdl(&self, on: bool) {
+        let mut config = self.config.write().unwrap_or_else(PoisonError::into_inner);
+        config.pdl = on;
         self.dev.set_pdl(on);
-    }
-
-    /// Picks the small-batch bf16 GEMV kernel: 0 = automatic, 1 = the register-streaming
-    /// `gemv_bf16`, 2 = the TMA-fed `gemv_bulk` wherever it fits. For comparison.
-    pub fn set_gemv_variant(&self, v: usize) {
-        ops::gemm::set_gemv_variant(v);
-    }
-
-    /// Picks the chunked KDA kernels: 0 = automatic (the bf16 tensor-core state pass for head
-    /// sizes 64 and 128, with hi + lo operands under [`GemmPrecision::Split`], prepared by
-    /// 16-row blocks), 1 = the f32 CUDA-core kernels, 2 = the tensor-core state pass with
-    /// the pair-loop preparation. Process-wide; `KIMI_CUDA_KDA_CHUNK=f32` / `=mma-prep` make
-    /// 1 / 2 the default. For comparison.
-    pub fn set_kda_chunk_variant(&self, v: usize) {
-        ops::kda::set_chunk_variant(v);
-    }
-
-    /// Timing hook: which kernels of a chunked KDA launch run (bit 0 the preparation, bit 1
-    /// the state pass; 3 = both, the default). With a bit cleared the results are garbage.
-    pub fn set_kda_chunk_stages(&self, mask: usize) {
-        ops::kda::set_stages(mask);
-    }
-
-    /// Caps the chunks of one chunked-KDA launch group (0 = by the scratch bound, the
-    /// default), so that tests can cut short segments into several groups.
-    pub fn set_kda_group_chunks(&self, n: usize) {
-        ops::kda::set_group_chunks(n);
-    }
-
-    /// Picks the expanded-prefill MLA kernel: 0 = automatic (under [`GemmPrecision::Half`]
-    /// with heads of 192 / 128, FlashInfer's Hopper kernel; else our bf16 tensor-core kernel
-    /// wherever it fits, with hi + lo operands under [`GemmPrecision::Split`]), 1 = the f32
-    /// CUDA-core kernel, 2 = never FlashInfer's. Process-wide; `KIMI_CUDA_MLA_PREFILL=f32` makes 1 the default. For
-    /// comparison.
-    pub fn set_mla_prefill_variant(&self, v: usize) {
-        ops::mla::set_prefill_variant(v);
-    }
-
-    /// The fewest latent rows per CTA of the absorbed (decode) MLA kernel (default 64; for
-    /// comparison).
-    pub fn set_mla_decode_min_chunk(&self, rows: usize) {
-        ops::mla::set_decode_min_chunk(rows);
     }
 
     /// The expanded-prefill attention alone, for timing: `q [len, H*(dn+dr)]` attends over
     /// `past + len` keys whose k_pe are columns `r..` of `rows [past+len, r+dr]` and whose
-    /// k_nope ‖ v per head are `kv [past+len, H*(dn+dv)]` (all f32), with the kernel chosen
-    /// by [`Self::set_mla_prefill_variant`] and [`Self::gemm_precision`]. Returns
+    /// k_nope ‖ v per head are `kv [past+len, H*(dn+dv)]` (all f32), with the kernel that
+    /// [`KernelConfig::mla_prefill`] and [`KernelConfig::precision`] choose. Returns
     /// `[len, H*dv]`.
     pub fn mla_expanded_attention(
         &self,
@@ -236,7 +211,7 @@ impl CudaBackend {
             ));
         }
         let out = self.zeroed(&[len, h * dv], OP)?;
-        let split = self.gemm_precision() == GemmPrecision::Split;
+        let cfg = self.kernel_config();
         // SAFETY: shapes checked above: q holds len rows, rows/kv past+len rows of the
         // widths the kernel reads, out len rows of H*dv f32.
         unsafe {
@@ -249,47 +224,10 @@ impl CudaBackend {
                 past,
                 len,
                 dims,
-                split,
-                ops::mla::prefill_variant(),
+                &cfg,
             )?
         };
         Ok(out)
-    }
-
-    /// Whether one-token MoE layers route in one launch (`moe_route_one`, the default) or
-    /// through cuBLAS, `moe_route*` and `moe_lists`. For comparison.
-    pub fn set_moe_route_one(&self, on: bool) {
-        ops::moe::set_route_one(on);
-    }
-
-    /// Whether one-token MoE layers stream their routed and shared experts in two
-    /// persistent launches (`moe_stream_1`, the default) or run the shared expert as an MLP
-    /// and the routed ones through `moe_expert_gemv`. For comparison.
-    pub fn set_moe_stream(&self, on: bool) {
-        ops::moe::set_stream(on);
-    }
-
-    /// Whether streamed one-token MoE layers run gate/up and down in one launch
-    /// (`moe_stream_layer`, the default) or as two `moe_stream_1` passes. For comparison.
-    pub fn set_moe_layer(&self, on: bool) {
-        ops::moe::set_layer(on);
-    }
-
-    /// Sets the streamed one-token kernels' (`gemv_stream_1`, `moe_stream_1`) tile bytes
-    /// and shared memory per CTA; 0 keeps a value. For tuning.
-    pub fn set_stream_shape(&self, tile_bytes: usize, cta_bytes: usize) {
-        ops::gemm::set_stream_shape(tile_bytes, cta_bytes);
-    }
-
-    /// Forces the routed-expert GEMV's 16-row blocks per CTA (0 = automatic), for tuning.
-    pub fn set_moe_row_blocks(&self, n: usize) {
-        ops::moe::set_row_blocks(n);
-    }
-
-    /// Picks the grouped expert GEMM of many-token MoE layers: 0 = automatic (pipelined
-    /// `moe_mma_*`), 1 = the single-stage `moe_grouped_mma`. For comparison.
-    pub fn set_moe_grouped_variant(&self, v: usize) {
-        ops::moe::set_grouped_variant(v);
     }
 
     /// Why a pass's existing CUDA graph was last captured again instead of patched.
@@ -435,15 +373,16 @@ impl CudaBackend {
             return whole(self.zeroed(&[n, o], op)?);
         }
         let aligned = (x.ptr() | w.ptr()).is_multiple_of(16) && k.is_multiple_of(8);
-        // A few rows (decode): the f32-product GEMV in either precision; it streams the
-        // weight faster than cuBLAS and rounding the activations would gain nothing.
-        if w.dtype == DType::BF16 && n <= GEMV_MAX_ROWS && aligned {
+        let cfg = self.kernel_config();
+        let path = plan::plan_matmul(&cfg, w.dtype == DType::BF16, n, aligned);
+        if path == MatmulPath::Gemv {
             let y = self.empty(&[n, o], DType::F32, op)?;
-            // SAFETY: x [n,k] f32 and w [o,k] bf16, 16-byte aligned, k % 8 == 0; y [n,o].
-            unsafe { ops::gemm::gemv_bf16(&self.dev, x.ptr(), w.ptr(), y.ptr(), n, k, o)? };
+            // SAFETY: the planner took the GEMV only for bf16 w [o,k] and x [n,k] f32 with
+            // n <= 8, 16-byte aligned, k % 8 == 0; y [n,o].
+            unsafe { ops::gemm::gemv_bf16(&self.dev, &cfg, x.ptr(), w.ptr(), y.ptr(), n, k, o)? };
             return whole(y);
         }
-        let half = self.gemm_precision() == GemmPrecision::Half;
+        let half = path == MatmulPath::Half;
         // Half: x rounded once. Split: rows [0,n) = hi, [n,2n) = lo.
         let xs = self.empty(&[if half { n } else { 2 * n }, k], w.dtype, op)?;
         let kernel = if half { cast } else { split };
@@ -460,7 +399,7 @@ impl CudaBackend {
                 // SAFETY: xs [n,k] and the block's rows of w [ob,k] share dtype `ab`;
                 // y [n,ob] f32.
                 unsafe { ops::gemm::gemm(&self.dev, xs.ptr(), wb, ab, y.ptr(), n, k, ob)? };
-            } else if n >= SPLIT_ACCUMULATE_MIN_ROWS {
+            } else if path == MatmulPath::SplitAccumulate {
                 // Many rows (prefill): y = hi·wᵀ, then y += lo·wᵀ (cuBLAS's beta = 1), no
                 // [2n, ob] intermediate and no summing pass.
                 let lo = xs.ptr() + (n * k * 2) as u64;
@@ -757,11 +696,13 @@ impl Backend for CudaBackend {
                     self.empty(&[1, oa], DType::F32, OP)?,
                     self.empty(&[1, ob], DType::F32, OP)?,
                 );
+                let cfg = self.kernel_config();
                 // SAFETY: each x holds k f32 and each w [o, k] bf16, 16-byte aligned with
                 // k % 8 == 0 (checked above); each y holds its o f32.
                 let done = unsafe {
                     ops::gemm::gemv_bf16_pair(
                         &self.dev,
+                        &cfg,
                         [a.0.ptr(), a.1.ptr(), ya.ptr()],
                         oa,
                         [b.0.ptr(), b.1.ptr(), yb.ptr()],
@@ -1258,12 +1199,14 @@ impl Backend for CudaBackend {
         if qkvg.iter().any(|p| !p.is_multiple_of(16)) {
             recurrent.append(&mut chunked);
         }
-        let mma = ops::kda::chunk_variant() != 1;
-        let split = self.gemm_precision() == GemmPrecision::Split;
+        let cfg = self.kernel_config();
+        let path = plan::plan_kda_chunk(&cfg);
+        let mma = path != KdaChunkPath::F32;
+        let split = cfg.split();
         let per_chunk = ops::kda::scratch_bytes(d, mma, split);
         // Groups of about equal size when the scratch bound cuts the chunks into several.
         let total: usize = chunked.iter().map(|s| s.1.div_ceil(ops::kda::CHUNK)).sum();
-        let max_chunks = ops::kda::max_group_chunks(num_heads, d, mma, split);
+        let max_chunks = ops::kda::max_group_chunks(num_heads, d, mma, split, cfg.kda_group_chunks);
         let max_chunks = total.div_ceil(total.div_ceil(max_chunks).max(1)).max(1);
         for group in ops::kda::launch_groups(&chunked, max_chunks) {
             let (table, chunks) = ops::kda::SegTable::new(&group)?;
@@ -1273,8 +1216,8 @@ impl Backend for CudaBackend {
             // `launch_groups` appears once per group, its pieces in order); scratch has room
             // for every (chunk, head); the inputs are 16-byte aligned.
             unsafe {
-                if mma {
-                    ops::kda::chunked_mma(
+                match path {
+                    KdaChunkPath::TensorCore(prep) => ops::kda::chunked_mma(
                         &self.dev,
                         qkvg,
                         beta.ptr(),
@@ -1285,9 +1228,10 @@ impl Backend for CudaBackend {
                         num_heads,
                         d,
                         split,
-                    )?
-                } else {
-                    ops::kda::chunked(
+                        prep,
+                        cfg.kda_stages,
+                    )?,
+                    KdaChunkPath::F32 => ops::kda::chunked(
                         &self.dev,
                         qkvg,
                         beta.ptr(),
@@ -1297,7 +1241,8 @@ impl Backend for CudaBackend {
                         out.ptr(),
                         num_heads,
                         d,
-                    )?
+                        cfg.kda_stages,
+                    )?,
                 }
             };
         }
@@ -1483,8 +1428,7 @@ impl Backend for CudaBackend {
         // Absorbed segments are attended together (split-KV over the pool through their
         // tables) after every sequence has its new rows; expanded ones one by one.
         let mut pieces = vec![];
-        let split = self.gemm_precision() == GemmPrecision::Split;
-        let variant = ops::mla::prefill_variant();
+        let cfg = self.kernel_config();
         for (i, (seg, seq)) in segments.iter().zip(seqs).enumerate() {
             if seg.len == 0 {
                 continue;
@@ -1531,8 +1475,7 @@ impl Backend for CudaBackend {
                     past,
                     seg.len,
                     dims,
-                    split,
-                    variant,
+                    &cfg,
                 )?
             };
         }
@@ -1551,6 +1494,7 @@ impl Backend for CudaBackend {
                     kdt,
                     out.ptr(),
                     dims,
+                    cfg.mla_decode_min_chunk,
                 )?
             };
         }

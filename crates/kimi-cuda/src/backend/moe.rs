@@ -1,13 +1,20 @@
-//! `Backend::moe` on the device: the routing, then the expert path (streamed, fused GEMV,
-//! a grouped tensor-core GEMM or cuBLAS per expert), then the weighted combine.
+//! `Backend::moe` on the device: the routing, then the expert path that `plan::plan_moe`
+//! picks (streamed, fused GEMV, a grouped tensor-core GEMM or cuBLAS per expert), then the
+//! weighted combine.
 
 use kimi_core::DType;
 use kimi_ops::{Backend, Error, MoeRouting, MoeWeights, Result};
 
-use super::{code, f32_rows, shape_err, CudaBackend, GemmPrecision};
+use super::{code, f32_rows, shape_err, CudaBackend};
 use crate::buffer::DevBuf;
 use crate::ops;
+use crate::plan::{
+    self, ExpertLayout, GroupedPath, MoeCall, MoePath, RoutePath, RouterFacts, SharedExpert,
+    StreamPasses,
+};
 use crate::tensor::{dtype_code, CudaTensor};
+
+const OP: &str = "moe";
 
 /// Device lists of a MoE layer's routed pairs grouped by expert (`moe_lists`).
 struct PairLists {
@@ -19,18 +26,54 @@ struct PairLists {
     top_k: usize,
 }
 
-/// Up to this many tokens, routed experts run as fused GEMV kernels over all (token, expert)
-/// pairs; above it, as grouped tensor-core GEMMs. Measured on an H200 with the 48B shapes:
-/// the GEMV is 14 % faster at 32 tokens, the pipelined GEMM 3 % faster at 64.
-/// `KIMI_CUDA_FUSED_MOE_MAX_TOKENS` overrides it (for measurements).
-fn fused_moe_max_tokens() -> usize {
-    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MAX.get_or_init(|| {
-        std::env::var("KIMI_CUDA_FUSED_MOE_MAX_TOKENS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(56)
-    })
+/// The routed experts' common layout: every expert's gate/up `[inter, d]` and down
+/// `[d, inter]` of one dtype the kernels read; `None` otherwise.
+fn expert_layout(w: &MoeWeights<CudaTensor>, d: usize) -> Option<ExpertLayout> {
+    let first = w.experts.first()?;
+    let inter = *first.gate.shape.first()?;
+    let dtype = first.gate.dtype;
+    dtype_code(dtype)?;
+    let uniform = w.experts.iter().all(|x| {
+        x.gate.shape == [inter, d]
+            && x.up.shape == [inter, d]
+            && x.down.shape == [d, inter]
+            && x.gate.dtype == dtype
+            && x.up.dtype == dtype
+            && x.down.dtype == dtype
+    });
+    uniform.then_some(ExpertLayout { inter, dtype })
+}
+
+/// Whether the shared expert can stream as one more slot: bf16 of the routed shapes.
+fn shared_expert(
+    w: &MoeWeights<CudaTensor>,
+    layout: Option<ExpertLayout>,
+    d: usize,
+) -> SharedExpert {
+    let Some(m) = &w.shared else {
+        return SharedExpert::Absent;
+    };
+    let foldable = layout.is_some_and(|l| {
+        m.gate.shape == [l.inter, d]
+            && m.up.shape == [l.inter, d]
+            && m.down.shape == [d, l.inter]
+            && [&m.gate, &m.up, &m.down]
+                .iter()
+                .all(|t| t.dtype == DType::BF16)
+    });
+    if foldable {
+        SharedExpert::Foldable
+    } else {
+        SharedExpert::Separate
+    }
+}
+
+/// Every routed and shared expert weight, in [`CudaBackend::expert_table`]'s order.
+fn expert_weights(w: &MoeWeights<CudaTensor>) -> impl Iterator<Item = u64> + '_ {
+    w.experts
+        .iter()
+        .chain(w.shared.as_ref())
+        .flat_map(|x| [x.gate.ptr(), x.up.ptr(), x.down.ptr()])
 }
 
 impl CudaBackend {
@@ -41,7 +84,6 @@ impl CudaBackend {
         w: &MoeWeights<CudaTensor>,
         r: &MoeRouting,
     ) -> Result<(CudaTensor, CudaTensor)> {
-        const OP: &str = "moe";
         self.dev.enter(OP)?;
         let (n, d) = f32_rows(x, OP)?;
         let e = w.experts.len();
@@ -64,6 +106,7 @@ impl CudaBackend {
                 format!("{e} experts in {} groups", r.num_groups),
             ));
         }
+        let cfg = self.kernel_config();
         // The router runs in f32, as on the CPU, so that near-ties pick the same experts.
         let router32 = self.as_f32_copy(&w.router, OP)?;
         let router = router32.as_ref().unwrap_or(&w.router);
@@ -87,7 +130,7 @@ impl CudaBackend {
         let meta = self.empty(&[p + e], DType::F32, OP)?;
         let (offsets_ptr, slots_ptr) = (Self::slice_ptr(&offsets), Self::slice_ptr(&slots));
         let (rows_ptr, wsel_ptr) = (Self::slice_ptr(&rows), Self::slice_ptr(&wsel));
-        let lists = ops::moe::ListBufs {
+        let list_bufs = ops::moe::ListBufs {
             ids: ids_dev.ptr(),
             weights: wts_dev.ptr(),
             offsets: offsets_ptr,
@@ -96,205 +139,219 @@ impl CudaBackend {
             wsel: wsel_ptr,
             meta: meta.ptr(),
         };
-        let one_launch = n == 1
-            && ops::moe::route_one_on()
-            && r.num_groups <= 1
-            && e <= ops::moe::ROUTE_WARP_MAX_EXPERTS
-            && r.top_k <= ops::moe::ROUTE_ONE_MAX_TOP_K.min(e)
-            && (bias == 0 || (bias.is_multiple_of(4) && (bdt == 0 || e.is_multiple_of(2))))
-            && router.dtype == DType::F32
-            && d.is_multiple_of(4)
-            && router.ptr().is_multiple_of(16)
-            && x.ptr().is_multiple_of(16);
-        if one_launch {
-            let logits = self.empty(&[e], DType::F32, OP)?;
-            // SAFETY: router [e, d] f32 and x [1, d] 16-byte aligned with d % 4 == 0; the
-            // ticket is this backend's (zero between launches); buffers as allocated above.
-            unsafe {
-                ops::moe::route_one(
-                    &self.dev,
-                    router.ptr(),
-                    x.ptr(),
-                    d,
-                    bias,
-                    bdt,
-                    e,
-                    r,
-                    logits.ptr(),
-                    &lists,
-                    Self::slice_ptr(&self.route_ticket),
-                )?
-            };
-        } else {
-            let logits = self.matmul_op(x, router, OP)?;
-            let counters = if p >= ops::moe::LISTS_MULTI_BLOCK_PAIRS {
-                Some(self.zeroed(&[2 * e], OP)?)
-            } else {
-                None
-            };
-            // SAFETY: logits [n,e] f32; ids/weights hold n*top_k 4-byte entries; ids < e
-            // (route picks among e experts); buffer sizes as allocated above.
-            unsafe {
-                ops::moe::route(
-                    &self.dev,
-                    logits.ptr(),
-                    bias,
-                    bdt,
-                    ids_dev.ptr(),
-                    wts_dev.ptr(),
-                    n,
-                    e,
-                    r,
-                )?;
-                ops::moe::lists(
-                    &self.dev,
-                    ids_dev.ptr(),
-                    wts_dev.ptr(),
-                    p,
-                    e,
-                    k,
-                    offsets_ptr,
-                    slots_ptr,
-                    rows_ptr,
-                    wsel_ptr,
-                    meta.ptr(),
-                    counters.as_ref().map(|c| c.ptr()),
-                )?
-            };
-        }
-        if let Some(done) = self.moe_streamed(x, w, &wts_dev, k, offsets_ptr, slots_ptr, n, d)? {
-            return Ok((done, ids_dev));
-        }
-        // The shared expert first: the routed experts add into its output.
-        let shared_out = match &w.shared {
-            Some(shared) => {
-                let y = self.mlp(x, shared)?;
-                if y.shape != [n, d] {
-                    return Err(shape_err(OP, format!("shared expert output {:?}", y.shape)));
-                }
-                Some(y)
-            }
-            None => None,
+        let layout = expert_layout(w, d);
+        let call = MoeCall {
+            tokens: n,
+            experts: e,
+            top_k: k,
+            hidden: d,
+            layout,
+            shared: shared_expert(w, layout, d),
+            router: RouterFacts {
+                ungrouped: r.num_groups <= 1,
+                f32_aligned: router.dtype == DType::F32 && router.ptr().is_multiple_of(16),
+                bias_fits: bias == 0
+                    || (bias.is_multiple_of(4) && (bdt == 0 || e.is_multiple_of(2))),
+            },
+            weights_aligned: expert_weights(w).all(|p| p.is_multiple_of(16)),
+            input_aligned: x.ptr().is_multiple_of(16),
+            recording: crate::graph::recording(self.dev.stream.cu_stream()),
+            sm_count: self.dev.sm_count,
         };
-        if let Some((inter, dt)) = self.fused_moe_shape(w, d, n) {
-            let (table, aligned) = self.expert_table(w)?;
-            // 16-byte loads need aligned weights and activations (fresh allocations are).
-            let aligned = aligned && x.ptr().is_multiple_of(16);
-            let h = self.empty(&[p, inter], DType::F32, OP)?;
-            let y = self.empty(&[p, d], DType::F32, OP)?;
-            // SAFETY: the table holds gate/up [inter, d] and down [d, inter] of dtype dt for
-            // every expert (checked by fused_moe_shape); ids/offsets/slots come from lists;
-            // h holds p*inter and y p*d f32.
-            unsafe {
-                ops::moe::expert_gemv(
-                    &self.dev,
-                    table,
-                    true,
-                    x.ptr(),
-                    k,
-                    offsets_ptr,
-                    e,
-                    slots_ptr,
-                    h.ptr(),
-                    p,
-                    inter,
-                    d,
-                    dt,
-                    aligned,
-                )?;
-                ops::moe::expert_gemv(
-                    &self.dev,
-                    table,
-                    false,
-                    h.ptr(),
-                    k,
-                    offsets_ptr,
-                    e,
-                    slots_ptr,
-                    y.ptr(),
-                    p,
-                    d,
-                    inter,
-                    dt,
-                    aligned,
-                )?
-            };
-            return self.combine_routed(&y, 0, &wts_dev, ids_dev, shared_out, n, d, k);
-        }
-        if let Some(inter) = self.grouped_moe_shape(w, d) {
-            let (table, aligned) = self.expert_table(w)?;
-            let split = self.gemm_precision() == GemmPrecision::Split;
-            let lists = PairLists {
-                offsets: offsets_ptr,
-                slots: slots_ptr,
-                experts: e,
-                top_k: k,
-            };
-            let recording = crate::graph::recording(self.dev.stream.cu_stream());
-            if aligned
-                && !recording
-                && ops::moe::pipelined_grouped()
-                && ops::moe::cutlass_grouped(p, split)
-                && x.ptr().is_multiple_of(16)
-                && d.is_multiple_of(8)
-            {
-                let (y, inv) =
-                    self.grouped_moe_cutlass(x, table, split, &lists, rows_ptr, n, d, inter)?;
-                let inv_ptr = Self::slice_ptr(&inv);
-                let done = self.combine_routed(&y, inv_ptr, &wts_dev, ids_dev, shared_out, n, d, k);
-                drop((offsets, slots, rows, wsel, inv));
-                return done;
-            }
-            if aligned && ops::moe::pipelined_grouped() {
-                let y = self.grouped_moe_pipelined(x, table, split, &lists, n, d, inter)?;
-                drop((offsets, slots, rows, wsel));
-                return self.combine_routed(&y, 0, &wts_dev, ids_dev, shared_out, n, d, k);
-            }
-            if aligned && x.ptr().is_multiple_of(16) {
-                let h = self.empty(&[p, inter], DType::F32, OP)?;
-                let y = self.empty(&[p, d], DType::F32, OP)?;
-                // SAFETY: grouped_moe_shape checked bf16 gate/up [inter, d] and down
-                // [d, inter] for every expert, d % 64 == 0 and inter % 64 == 0; the table's
-                // weights and x are 16-byte aligned; offsets/slots come from lists; h holds
-                // p*inter and y p*d f32.
+        let plan = plan::plan_moe(&cfg, &call);
+        match plan.route {
+            RoutePath::OneLaunch => {
+                let logits = self.empty(&[e], DType::F32, OP)?;
+                // SAFETY: the planner took one launch only for one token, ungrouped routing
+                // over at most ROUTE_WARP_MAX_EXPERTS experts and top_k <= min(32, e), an f32
+                // router [e, d] and x [1, d] 16-byte aligned with d % 4 == 0 and a bias it
+                // can copy as words; the ticket is this backend's (zero between launches);
+                // buffers as allocated above.
                 unsafe {
-                    ops::moe::grouped_mma(
+                    ops::moe::route_one(
                         &self.dev,
-                        table,
-                        true,
-                        split,
+                        router.ptr(),
                         x.ptr(),
+                        d,
+                        bias,
+                        bdt,
+                        e,
+                        r,
+                        logits.ptr(),
+                        &list_bufs,
+                        Self::slice_ptr(&self.route_ticket),
+                    )?
+                };
+            }
+            RoutePath::Separate => {
+                let logits = self.matmul_op(x, router, OP)?;
+                let counters = if p >= ops::moe::LISTS_MULTI_BLOCK_PAIRS {
+                    Some(self.zeroed(&[2 * e], OP)?)
+                } else {
+                    None
+                };
+                // SAFETY: logits [n,e] f32; ids/weights hold n*top_k 4-byte entries; ids < e
+                // (route picks among e experts); buffer sizes as allocated above.
+                unsafe {
+                    ops::moe::route(
+                        &self.dev,
+                        logits.ptr(),
+                        bias,
+                        bdt,
+                        ids_dev.ptr(),
+                        wts_dev.ptr(),
+                        n,
+                        e,
+                        r,
+                    )?;
+                    ops::moe::lists(
+                        &self.dev,
+                        ids_dev.ptr(),
+                        wts_dev.ptr(),
+                        p,
+                        e,
                         k,
                         offsets_ptr,
                         slots_ptr,
+                        rows_ptr,
+                        wsel_ptr,
+                        meta.ptr(),
+                        counters.as_ref().map(|c| c.ptr()),
+                    )?
+                };
+            }
+        }
+        let lists = PairLists {
+            offsets: offsets_ptr,
+            slots: slots_ptr,
+            experts: e,
+            top_k: k,
+        };
+        let aligned = call.weights_aligned && call.input_aligned;
+        let out = match plan.experts {
+            MoePath::Streamed {
+                inter,
+                fold_shared,
+                passes,
+            } => self.moe_streamed(x, w, &wts_dev, &lists, n, d, inter, fold_shared, passes)?,
+            MoePath::FusedGemv { inter, dtype } => {
+                let shared_out = self.shared_expert_out(x, w, n, d)?;
+                let dt = dtype_code(dtype)
+                    .ok_or_else(|| Error::Unsupported(format!("{OP} with {dtype} experts")))?;
+                let table = self.expert_table(w)?;
+                let h = self.empty(&[p, inter], DType::F32, OP)?;
+                let y = self.empty(&[p, d], DType::F32, OP)?;
+                // SAFETY: the table holds gate/up [inter, d] and down [d, inter] of dtype dt
+                // for every expert (the layout the planner was given); offsets/slots come
+                // from lists; h holds p*inter and y p*d f32; `aligned` is the weights' and
+                // x's 16-byte alignment (fresh allocations such as h are aligned).
+                unsafe {
+                    ops::moe::expert_gemv(
+                        &self.dev,
+                        table,
+                        true,
+                        x.ptr(),
+                        k,
+                        offsets_ptr,
                         e,
+                        slots_ptr,
                         h.ptr(),
                         p,
                         inter,
                         d,
+                        dt,
+                        aligned,
+                        cfg.moe_row_blocks,
                     )?;
-                    ops::moe::grouped_mma(
+                    ops::moe::expert_gemv(
                         &self.dev,
                         table,
                         false,
-                        split,
                         h.ptr(),
                         k,
                         offsets_ptr,
-                        slots_ptr,
                         e,
+                        slots_ptr,
                         y.ptr(),
                         p,
                         d,
                         inter,
-                    )?;
-                }
-                drop((offsets, slots, rows, wsel));
-                return self.combine_routed(&y, 0, &wts_dev, ids_dev, shared_out, n, d, k);
+                        dt,
+                        aligned,
+                        cfg.moe_row_blocks,
+                    )?
+                };
+                self.weighted_combine(&y, 0, &wts_dev, shared_out, n, d, k)?
             }
+            MoePath::Grouped { inter, kernel } => {
+                let shared_out = self.shared_expert_out(x, w, n, d)?;
+                let table = self.expert_table(w)?;
+                let split = cfg.split();
+                match kernel {
+                    GroupedPath::Cutlass => {
+                        let (y, inv) = self
+                            .grouped_moe_cutlass(x, table, split, &lists, rows_ptr, n, d, inter)?;
+                        let inv_ptr = Self::slice_ptr(&inv);
+                        let out = self.weighted_combine(&y, inv_ptr, &wts_dev, shared_out, n, d, k);
+                        drop(inv);
+                        out?
+                    }
+                    GroupedPath::Pipelined => {
+                        let y = self.grouped_moe_pipelined(x, table, split, &lists, n, d, inter)?;
+                        self.weighted_combine(&y, 0, &wts_dev, shared_out, n, d, k)?
+                    }
+                    GroupedPath::SingleStage => {
+                        let y =
+                            self.grouped_moe_single_stage(x, table, split, &lists, n, d, inter)?;
+                        self.weighted_combine(&y, 0, &wts_dev, shared_out, n, d, k)?
+                    }
+                }
+            }
+            MoePath::PerExpert => {
+                let shared_out = self.shared_expert_out(x, w, n, d)?;
+                self.moe_per_expert(x, w, &meta, shared_out, rows_ptr, wsel_ptr, n, d, p)?
+            }
+        };
+        // The index buffers are freed in stream order, after the kernels that read them.
+        drop((offsets, slots, rows, wsel));
+        Ok((out, ids_dev))
+    }
+
+    /// The shared expert's output `[n, d]`, which the routed experts then add into.
+    fn shared_expert_out(
+        &self,
+        x: &CudaTensor,
+        w: &MoeWeights<CudaTensor>,
+        n: usize,
+        d: usize,
+    ) -> Result<Option<CudaTensor>> {
+        let Some(shared) = &w.shared else {
+            return Ok(None);
+        };
+        let y = self.mlp(x, shared)?;
+        if y.shape != [n, d] {
+            return Err(shape_err(OP, format!("shared expert output {:?}", y.shape)));
         }
-        // Other shapes or dtypes: cuBLAS per expert, with one host read of [ids | counts].
-        let meta_host: Vec<u32> = self.to_f32(&meta)?.into_iter().map(f32::to_bits).collect();
+        Ok(Some(y))
+    }
+
+    /// Other shapes or dtypes: cuBLAS per expert, with one host read of [ids | counts]
+    /// (`meta`), the routing-weighted rows added to `shared_out` (or to zero).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_per_expert(
+        &self,
+        x: &CudaTensor,
+        w: &MoeWeights<CudaTensor>,
+        meta: &CudaTensor,
+        shared_out: Option<CudaTensor>,
+        rows_ptr: u64,
+        wsel_ptr: u64,
+        n: usize,
+        d: usize,
+        p: usize,
+    ) -> Result<CudaTensor> {
+        let e = w.experts.len();
+        let meta_host: Vec<u32> = self.to_f32(meta)?.into_iter().map(f32::to_bits).collect();
         let (ids, counts) = meta_host.split_at(p);
         if let Some(bad) = ids.iter().find(|&&i| i as usize >= e) {
             return Err(shape_err(OP, format!("router chose expert {bad} of {e}")));
@@ -344,61 +401,13 @@ impl CudaBackend {
         }
         // Keep the index buffers alive until the queued kernels have read them.
         self.dev.synchronize(OP)?;
-        drop((offsets, slots, rows, wsel));
-        Ok((out, ids_dev))
+        Ok(out)
     }
 
-    /// `(intermediate, weight dtype code)` when the routed experts can take the fused
-    /// device path: at most [`fused_moe_max_tokens`] tokens and every expert's gate/up
-    /// `[inter, d]` and down `[d, inter]` of one dtype.
-    fn fused_moe_shape(
-        &self,
-        w: &MoeWeights<CudaTensor>,
-        d: usize,
-        n: usize,
-    ) -> Option<(usize, i32)> {
-        if n > fused_moe_max_tokens() {
-            return None;
-        }
-        let first = w.experts.first()?;
-        let inter = *first.gate.shape.first()?;
-        let dtype = first.gate.dtype;
-        let dt = dtype_code(dtype)?;
-        let ok = w.experts.iter().all(|x| {
-            x.gate.shape == [inter, d]
-                && x.up.shape == [inter, d]
-                && x.down.shape == [d, inter]
-                && x.gate.dtype == dtype
-                && x.up.dtype == dtype
-                && x.down.dtype == dtype
-        });
-        (ok && inter > 0).then_some((inter, dt))
-    }
-
-    /// The last step of the device MoE paths: adds the routing-weighted pair rows `y [p, d]`
-    /// (in pair order, or in sorted order when `inv` is non-zero, see `ops::moe::combine`)
-    /// to the shared expert's output (or to zero). The chosen experts stay on the device
-    /// (`ids`), for `expert_ids` to read once the pass is queued: no host wait per layer.
-    #[allow(clippy::too_many_arguments)]
-    fn combine_routed(
-        &self,
-        y: &CudaTensor,
-        inv: u64,
-        wts: &CudaTensor,
-        ids: CudaTensor,
-        shared_out: Option<CudaTensor>,
-        n: usize,
-        d: usize,
-        k: usize,
-    ) -> Result<(CudaTensor, CudaTensor)> {
-        Ok((
-            self.weighted_combine(y, inv, wts, shared_out, n, d, k)?,
-            ids,
-        ))
-    }
-
-    /// The routing-weighted pair rows `y` (see [`Self::combine_routed`]) added to
-    /// `shared_out` in place, or written to a new `[n, d]`.
+    /// The routing-weighted pair rows `y [p, d]` (in pair order, or in sorted order when
+    /// `inv` is non-zero, see `ops::moe::combine`) added to `shared_out` in place, or written
+    /// to a new `[n, d]`. The chosen experts stay on the device for `expert_ids` to read once
+    /// the pass is queued: no host wait per layer.
     #[allow(clippy::too_many_arguments)]
     fn weighted_combine(
         &self,
@@ -410,7 +419,6 @@ impl CudaBackend {
         d: usize,
         k: usize,
     ) -> Result<CudaTensor> {
-        const OP: &str = "moe";
         let accumulate = shared_out.is_some();
         let out = match shared_out {
             Some(o) => o,
@@ -433,53 +441,26 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// A one-token MoE layer's experts as two `moe_stream_1` passes (gate/up, then down),
-    /// the shared expert folded in as one more slot when its shapes match the routed ones',
-    /// then the weighted combine. `None` where the stream does not apply (more tokens,
-    /// other dtypes or shapes, unaligned weights): the caller takes another path.
+    /// A one-token MoE layer's experts streamed by `passes` (`moe_stream_layer`, or two
+    /// `moe_stream_1` passes: gate/up, then down), the shared expert folded in as one more
+    /// slot when `fold_shared` (else run as an MLP that the routed experts add into), then
+    /// the weighted combine.
     #[allow(clippy::too_many_arguments)]
     fn moe_streamed(
         &self,
         x: &CudaTensor,
         w: &MoeWeights<CudaTensor>,
         wts: &CudaTensor,
-        k: usize,
-        offsets: u64,
-        slots: u64,
+        lists: &PairLists,
         n: usize,
         d: usize,
-    ) -> Result<Option<CudaTensor>> {
-        const OP: &str = "moe";
-        if n != 1 || !ops::moe::stream_on() {
-            return Ok(None);
-        }
-        let Some(inter) = self.grouped_moe_shape(w, d) else {
-            return Ok(None);
-        };
-        let e = w.experts.len();
-        let fold_shared = w.shared.as_ref().is_some_and(|m| {
-            m.gate.shape == [inter, d]
-                && m.up.shape == [inter, d]
-                && m.down.shape == [d, inter]
-                && [&m.gate, &m.up, &m.down]
-                    .iter()
-                    .all(|t| t.dtype == DType::BF16)
-        });
-        let slots_max = k.min(e) + fold_shared as usize;
-        if slots_max > ops::moe::STREAM_MAX_SLOTS {
-            return Ok(None);
-        }
-        let staged = |glu, cols| ops::moe::stream_staged_bytes(glu, k, fold_shared, cols);
-        let (Some(plan_gu), Some(plan_down)) = (
-            ops::gemm::stream_plan(&self.dev, d, inter * slots_max, 2, staged(true, d)),
-            ops::gemm::stream_plan(&self.dev, inter, d * slots_max, 1, staged(false, inter)),
-        ) else {
-            return Ok(None);
-        };
-        let (table, aligned) = self.expert_table(w)?;
-        if !aligned || !x.ptr().is_multiple_of(16) {
-            return Ok(None);
-        }
+        inter: usize,
+        fold_shared: bool,
+        passes: StreamPasses,
+    ) -> Result<CudaTensor> {
+        let (k, e) = (lists.top_k, lists.experts);
+        let (offsets, slots) = (lists.offsets, lists.slots);
+        let table = self.expert_table(w)?;
         // A shared expert of other shapes runs as an MLP; the routed experts add into it.
         let shared_mlp = match (&w.shared, fold_shared) {
             (Some(shared), false) => Some(self.mlp(x, shared)?),
@@ -489,66 +470,68 @@ impl CudaBackend {
         let rows = p + if fold_shared { n } else { 0 };
         let h = self.empty(&[rows, inter], DType::F32, OP)?;
         let y = self.empty(&[rows, d], DType::F32, OP)?;
-        let layer = ops::moe::layer_on()
-            .then(|| ops::moe::layer_plan(&self.dev, d, inter, rows))
-            .flatten();
-        if let Some(plan) = layer {
-            // SAFETY: as for the two passes below; the plan is layer_plan's for `rows` slots
-            // and layer_sync is this backend's (zero between launches).
-            unsafe {
-                ops::moe::layer_stream(
-                    &self.dev,
-                    table,
-                    x.ptr(),
-                    k,
-                    offsets,
-                    e,
-                    slots,
-                    h.ptr(),
-                    y.ptr(),
-                    fold_shared,
-                    d,
-                    inter,
-                    plan,
-                    Self::slice_ptr(&self.layer_sync),
-                )?
-            };
-        } else {
-            // SAFETY: grouped_moe_shape checked bf16 gate/up [inter, d] and down [d, inter] for
-            // every expert (fold_shared: the shared one too, at table entry e); the table and x
-            // are 16-byte aligned (fresh allocations such as h are); offsets/slots come from
-            // lists for p pairs; h and y hold `rows` rows; the plans are stream_plan's.
-            unsafe {
-                ops::moe::expert_stream(
-                    &self.dev,
-                    table,
-                    true,
-                    x.ptr(),
-                    k,
-                    offsets,
-                    e,
-                    slots,
-                    h.ptr(),
-                    fold_shared,
-                    inter,
-                    d,
-                    plan_gu,
-                )?;
-                ops::moe::expert_stream(
-                    &self.dev,
-                    table,
-                    false,
-                    h.ptr(),
-                    k,
-                    offsets,
-                    e,
-                    slots,
-                    y.ptr(),
-                    fold_shared,
-                    d,
-                    inter,
-                    plan_down,
-                )?;
+        // What the launches rely on: the planner streamed only one token whose experts are
+        // bf16 gate/up [inter, d] and down [d, inter] (fold_shared: the shared one too, at
+        // table entry e), the table's weights and x 16-byte aligned (fresh allocations such
+        // as h are), with at most STREAM_MAX_SLOTS slots and the plans stream_plan /
+        // layer_plan made for these sizes; offsets/slots come from lists for p pairs; h and
+        // y hold `rows` rows.
+        match passes {
+            StreamPasses::Layer(plan) => {
+                // SAFETY: see above; layer_sync is this backend's (zero between launches).
+                unsafe {
+                    ops::moe::layer_stream(
+                        &self.dev,
+                        table,
+                        x.ptr(),
+                        k,
+                        offsets,
+                        e,
+                        slots,
+                        h.ptr(),
+                        y.ptr(),
+                        fold_shared,
+                        d,
+                        inter,
+                        plan,
+                        Self::slice_ptr(&self.layer_sync),
+                    )?
+                };
+            }
+            StreamPasses::Two { gate_up, down } => {
+                // SAFETY: see above.
+                unsafe {
+                    ops::moe::expert_stream(
+                        &self.dev,
+                        table,
+                        true,
+                        x.ptr(),
+                        k,
+                        offsets,
+                        e,
+                        slots,
+                        h.ptr(),
+                        fold_shared,
+                        inter,
+                        d,
+                        gate_up,
+                    )?;
+                    ops::moe::expert_stream(
+                        &self.dev,
+                        table,
+                        false,
+                        h.ptr(),
+                        k,
+                        offsets,
+                        e,
+                        slots,
+                        y.ptr(),
+                        fold_shared,
+                        d,
+                        inter,
+                        down,
+                    )?;
+                }
             }
         }
         // The shared rows (after the p pair rows) take the routed sum in place.
@@ -563,27 +546,64 @@ impl CudaBackend {
             shared_mlp
         };
         // y's first p rows are the pair rows.
-        Ok(Some(
-            self.weighted_combine(&y, 0, wts, shared_out, n, d, k)?,
-        ))
+        self.weighted_combine(&y, 0, wts, shared_out, n, d, k)
     }
 
-    /// The intermediate size when the routed experts fit the grouped tensor-core kernel:
-    /// bf16 gate/up `[inter, d]` and down `[d, inter]` with both sizes multiples of 64.
-    fn grouped_moe_shape(&self, w: &MoeWeights<CudaTensor>, d: usize) -> Option<usize> {
-        let inter = *w.experts.first()?.gate.shape.first()?;
-        let ok = inter > 0
-            && inter.is_multiple_of(64)
-            && d.is_multiple_of(64)
-            && w.experts.iter().all(|x| {
-                x.gate.shape == [inter, d]
-                    && x.up.shape == [inter, d]
-                    && x.down.shape == [d, inter]
-                    && [&x.gate, &x.up, &x.down]
-                        .iter()
-                        .all(|t| t.dtype == DType::BF16)
-            });
-        ok.then_some(inter)
+    /// Routed experts of many tokens on the single-stage tensor-core kernel
+    /// (`moe_grouped_mma`), f32 rows throughout. Returns the f32 expert outputs `[p, d]` in
+    /// pair order.
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_moe_single_stage(
+        &self,
+        x: &CudaTensor,
+        table: u64,
+        split: bool,
+        lists: &PairLists,
+        n: usize,
+        d: usize,
+        inter: usize,
+    ) -> Result<CudaTensor> {
+        let (k, e) = (lists.top_k, lists.experts);
+        let p = n * k;
+        let h = self.empty(&[p, inter], DType::F32, OP)?;
+        let y = self.empty(&[p, d], DType::F32, OP)?;
+        // SAFETY: the planner took the grouped kernels only for bf16 gate/up [inter, d] and
+        // down [d, inter] for every expert, d % 64 == 0 and inter % 64 == 0, and this one
+        // only with the table's weights and x 16-byte aligned; offsets/slots come from
+        // lists; h holds p*inter and y p*d f32.
+        unsafe {
+            ops::moe::grouped_mma(
+                &self.dev,
+                table,
+                true,
+                split,
+                x.ptr(),
+                k,
+                lists.offsets,
+                lists.slots,
+                e,
+                h.ptr(),
+                p,
+                inter,
+                d,
+            )?;
+            ops::moe::grouped_mma(
+                &self.dev,
+                table,
+                false,
+                split,
+                h.ptr(),
+                k,
+                lists.offsets,
+                lists.slots,
+                e,
+                y.ptr(),
+                p,
+                d,
+                inter,
+            )?;
+        }
+        Ok(y)
     }
 
     /// Routed experts of many tokens on the pipelined tensor-core kernels: the hidden
@@ -601,7 +621,6 @@ impl CudaBackend {
         d: usize,
         inter: usize,
     ) -> Result<CudaTensor> {
-        const OP: &str = "moe";
         let p = n * lists.top_k;
         let terms = if split { 2 } else { 1 };
         let xs = self.empty(&[terms * n, d], DType::BF16, OP)?;
@@ -615,10 +634,11 @@ impl CudaBackend {
         let h = self.empty(&[terms * p, inter], DType::BF16, OP)?;
         let y = self.empty(&[p, d], DType::F32, OP)?;
         let bm = ops::moe::mma_tile_rows(p, lists.experts);
-        // SAFETY: the caller checked (grouped_moe_shape) bf16 gate/up [inter, d] and down
-        // [d, inter] for every expert, 16-byte aligned, d % 64 == 0 and inter % 64 == 0;
-        // xs holds n token rows (+ n lo rows at n*d), h p pair rows (+ p lo rows at
-        // p*inter), y p rows of d f32; offsets/slots come from `lists` for p pairs.
+        // SAFETY: the planner took the grouped kernels only for bf16 gate/up [inter, d] and
+        // down [d, inter] for every expert, d % 64 == 0 and inter % 64 == 0, and this one
+        // only with the table's weights 16-byte aligned; xs holds n token rows (+ n lo rows
+        // at n*d), h p pair rows (+ p lo rows at p*inter), y p rows of d f32; offsets/slots
+        // come from `lists` for p pairs.
         unsafe {
             ops::moe::grouped_mma_pipelined(
                 &self.dev,
@@ -678,12 +698,11 @@ impl CudaBackend {
         d: usize,
         inter: usize,
     ) -> Result<(CudaTensor, DevBuf)> {
-        const OP: &str = "moe";
         let (p, e) = (n * lists.top_k, lists.experts);
         let terms = if split { 2 } else { 1 };
         let a = self.empty(&[terms * p, d], DType::BF16, OP)?;
         let inv = self.raw(p * 4, OP)?;
-        // SAFETY: x holds n rows of d f32 (16-byte aligned, d % 8 == 0: the caller checked);
+        // SAFETY: x holds n rows of d f32 (16-byte aligned, d % 8 == 0: the planner checked);
         // rows/slots hold p entries from moe_lists; a and inv are sized as the kernel needs.
         unsafe {
             ops::moe::gather_bf16(
@@ -714,12 +733,11 @@ impl CudaBackend {
         let gu = self.empty(&[p, 2 * inter], gu_dtype, OP)?;
         let h = self.empty(&[terms * p, inter], DType::BF16, OP)?;
         let y = self.empty(&[p, d], DType::F32, OP)?;
-        // What the launches below rely on: grouped_moe_shape checked bf16 gate/up [inter, d]
-        // and down [d, inter] for every expert (16-byte aligned: expert_table), d and inter
-        // multiples of 64; a holds terms*p rows of d, gu p rows of 2*inter, h terms*p rows
-        // of inter, y p rows of d; scratch and workspace have the sizes cutlass_bytes gave;
-        // the caller checked that no pass is being recorded, and `moe` entered the device's
-        // context.
+        // What the launches below rely on: the planner took CUTLASS only for bf16 gate/up
+        // [inter, d] and down [d, inter] for every expert (16-byte aligned), d and inter
+        // multiples of 64, and no pass being recorded; a holds terms*p rows of d, gu p rows
+        // of 2*inter, h terms*p rows of inter, y p rows of d; scratch and workspace have the
+        // sizes cutlass_bytes gave, and `moe` entered the device's context.
         //
         // One projection per term of the bf16 input rows `[terms * p, k]`, the lo term
         // accumulating onto the hi term's output (beta = 1).
@@ -757,26 +775,20 @@ impl CudaBackend {
     /// expert's when there is one (entry `experts.len()`, read by `moe_stream`), uploaded
     /// once per distinct set of weights and kept (its contents are its key, so it cannot go
     /// stale).
-    fn expert_table(&self, w: &MoeWeights<CudaTensor>) -> Result<(u64, bool)> {
-        let key: Vec<u64> = w
-            .experts
-            .iter()
-            .chain(w.shared.as_ref())
-            .flat_map(|x| [x.gate.ptr(), x.up.ptr(), x.down.ptr()])
-            .collect();
+    fn expert_table(&self, w: &MoeWeights<CudaTensor>) -> Result<u64> {
+        let key: Vec<u64> = expert_weights(w).collect();
         let mut tables = self
             .moe_tables
             .lock()
             .map_err(|_| Error::Unsupported("moe table lock poisoned".into()))?;
-        let aligned = key.iter().all(|p| p.is_multiple_of(16));
         if let Some(t) = tables.get(&key) {
-            return Ok((Self::slice_ptr(t), aligned));
+            return Ok(Self::slice_ptr(t));
         }
         let bytes: Vec<u8> = key.iter().flat_map(|v| v.to_le_bytes()).collect();
         // Kept across passes: never from a pass arena.
-        let t = self.dev.upload_kept(&bytes, "moe")?;
+        let t = self.dev.upload_kept(&bytes, OP)?;
         let ptr = Self::slice_ptr(&t);
         tables.insert(key, t);
-        Ok((ptr, aligned))
+        Ok(ptr)
     }
 }
