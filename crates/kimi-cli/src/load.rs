@@ -54,11 +54,13 @@ macro_rules! with_backend {
             }
             #[cfg(feature = "cuda")]
             $crate::args::Device::Cuda(ordinal) => {
-                let $b = kimi_cuda::CudaBackend::new(ordinal)
-                    .map_err(|e| anyhow::anyhow!("cannot start CUDA device {ordinal}: {e}"))?;
+                // The kernel choices: the `KIMI_CUDA_*` variables, then the flags.
+                let mut config = kimi_cuda::KernelConfig::from_env();
                 if bf16_activations {
-                    $b.set_gemm_precision(kimi_cuda::GemmPrecision::Half);
+                    config.precision = kimi_cuda::GemmPrecision::Half;
                 }
+                let $b = kimi_cuda::CudaBackend::with_config(ordinal, config)
+                    .map_err(|e| anyhow::anyhow!("cannot start CUDA device {ordinal}: {e}"))?;
                 $body
             }
             #[cfg(not(feature = "cuda"))]

@@ -50,7 +50,10 @@ use std::time::Instant;
 use kimi_core::config::{KdaGate, ModelConfig};
 use kimi_core::DType;
 use kimi_cpu::CpuBackend;
-use kimi_cuda::{CudaBackend, GemmPrecision};
+use kimi_cuda::{
+    CudaBackend, GemmPrecision, GemvKernel, GroupedMoeKernel, KdaChunkKernel, KdaStages,
+    MlaPrefillKernel,
+};
 use kimi_model::{Batch, CachePool, CausalLm, ForwardOptions, KimiLinear, RandomWeights, SeqCache};
 use kimi_ops::{
     Backend, HostTensor, KdaMode, KdaStepInputs, KdaStepWeights, MlaDims, MlaMode, MlpWeights,
@@ -344,9 +347,13 @@ fn check_fixtures() -> Res<()> {
             }
             // The chunked KDA's f32 kernels beside its default tensor-core ones.
             model.backend().set_gemm_precision(GemmPrecision::Split);
-            model.backend().set_kda_chunk_variant(1);
+            model
+                .backend()
+                .update_kernel_config(|c| c.kda_chunk = KdaChunkKernel::F32)?;
             let got = run_model(&model, &prompt, prompt.len(), ForwardOptions::default());
-            model.backend().set_kda_chunk_variant(0);
+            model
+                .backend()
+                .update_kernel_config(|c| c.kda_chunk = KdaChunkKernel::Auto)?;
             parts.push(format!("prefill kda-f32 {:.2e}", fixture_err(&got?, &want)));
             Ok(format!("T={} | {}", prompt.len(), parts.join(" | ")))
         })();
@@ -552,12 +559,25 @@ fn tune() -> Res<()> {
     let model = big_model(CudaBackend::new(0)?)?;
     let be = model.backend();
     let (warm, timed) = (3, 12);
-    // (label, CUDA graphs, programmatic dependent launch, GEMV variant, pool keeps memory)
-    let variants: [(&str, bool, bool, usize, bool); 4] = [
-        ("graphs off, pdl on, pool releases", false, true, 0, false),
-        ("graphs off, pdl on, pool keeps   ", false, true, 0, true),
-        ("graphs on,  pdl on, pool keeps   ", true, true, 0, true),
-        ("graphs off, pdl off, pool keeps  ", false, false, 0, true),
+    // (label, CUDA graphs, programmatic dependent launch, GEMV kernel, pool keeps memory)
+    let auto = GemvKernel::Auto;
+    let variants: [(&str, bool, bool, GemvKernel, bool); 4] = [
+        (
+            "graphs off, pdl on, pool releases",
+            false,
+            true,
+            auto,
+            false,
+        ),
+        ("graphs off, pdl on, pool keeps   ", false, true, auto, true),
+        ("graphs on,  pdl on, pool keeps   ", true, true, auto, true),
+        (
+            "graphs off, pdl off, pool keeps  ",
+            false,
+            false,
+            auto,
+            true,
+        ),
     ];
     for batch in [1usize, 8, 64] {
         // One set of sequences for every variant (their contexts grow by a few hundred
@@ -568,7 +588,7 @@ fn tune() -> Res<()> {
             for &(label, graphs, pdl, gemv, keep) in &variants {
                 be.set_cuda_graphs(graphs);
                 be.set_pdl(pdl);
-                be.set_gemv_variant(gemv);
+                be.update_kernel_config(|c| c.gemv = gemv)?;
                 be.set_pool_keeps_memory(keep)?;
                 let ms = step_times(&model, &mut run, warm, timed)?;
                 let med = ms[ms.len() / 2];
@@ -584,7 +604,7 @@ fn tune() -> Res<()> {
     }
     be.set_cuda_graphs(true);
     be.set_pdl(true);
-    be.set_gemv_variant(0);
+    be.update_kernel_config(|c| c.gemv = GemvKernel::Auto)?;
     println!(
         "graph passes op-by-op/captured/replayed {:?}",
         be.graph_pass_counts()
@@ -646,17 +666,21 @@ fn moe_bench() -> Res<()> {
     for n in [256usize, 512, 1024, 8192] {
         let x = be.upload_f32(&[n, d], &r.vec(n * d, 1.0))?;
         let flops = (n * top_k * 3 * d * inter * 2) as f64;
-        be.set_gemm_precision(GemmPrecision::Split);
-        be.set_moe_grouped_variant(1);
+        be.update_kernel_config(|c| {
+            c.precision = GemmPrecision::Split;
+            c.grouped_moe = GroupedMoeKernel::SingleStage;
+        })?;
         let reference = be.to_f32(&be.moe(&x, &w, &routing)?.0)?;
-        for (label, variant) in [
-            ("single-stage", 1usize),
-            ("pipelined   ", 2),
-            ("cutlass     ", 3),
+        for (label, kernel) in [
+            ("single-stage", GroupedMoeKernel::SingleStage),
+            ("pipelined   ", GroupedMoeKernel::Pipelined),
+            ("cutlass     ", GroupedMoeKernel::Cutlass),
         ] {
             for prec in [GemmPrecision::Split, GemmPrecision::Half] {
-                be.set_moe_grouped_variant(variant);
-                be.set_gemm_precision(prec);
+                be.update_kernel_config(|c| {
+                    c.grouped_moe = kernel;
+                    c.precision = prec;
+                })?;
                 let y = be.to_f32(&be.moe(&x, &w, &routing)?.0)?;
                 let err = rel_err(&y, &reference);
                 let reps = 5;
@@ -675,8 +699,10 @@ fn moe_bench() -> Res<()> {
             }
         }
     }
-    be.set_gemm_precision(GemmPrecision::Split);
-    be.set_moe_grouped_variant(0);
+    be.update_kernel_config(|c| {
+        c.precision = GemmPrecision::Split;
+        c.grouped_moe = GroupedMoeKernel::Auto;
+    })?;
     Ok(())
 }
 
@@ -699,8 +725,10 @@ fn moe_decode_bench() -> Res<()> {
         let xs = (0..calls)
             .map(|_| be.upload_f32(&[n, d], &r.vec(n * d, 1.0)))
             .collect::<kimi_ops::Result<Vec<_>>>()?;
-        be.set_moe_stream(false);
-        be.set_moe_route_one(false);
+        be.update_kernel_config(|c| {
+            c.moe_stream = false;
+            c.moe_route_one = false;
+        })?;
         let reference = be.to_f32(&be.moe(&xs[0], &w, &routing)?.0)?;
         // Weights read per call: the distinct experts of the first call, plus the shared
         // expert and the router.
@@ -717,9 +745,11 @@ fn moe_decode_bench() -> Res<()> {
             ("route_one + stream", true, true, false),
             ("route_one + layer", true, true, true),
         ] {
-            be.set_moe_route_one(route_one);
-            be.set_moe_stream(stream);
-            be.set_moe_layer(layer);
+            be.update_kernel_config(|c| {
+                c.moe_route_one = route_one;
+                c.moe_stream = stream;
+                c.moe_layer = layer;
+            })?;
             let err = rel_err(&be.to_f32(&be.moe(&xs[0], &w, &routing)?.0)?, &reference);
             if err > 1e-5 {
                 return Err(format!("moe decode n={n} {label}: rel err {err:.2e}").into());
@@ -743,14 +773,16 @@ fn moe_decode_bench() -> Res<()> {
         println!("{line}");
         let _ = std::io::stdout().flush();
     }
-    be.set_moe_stream(true);
-    be.set_moe_route_one(true);
-    be.set_moe_layer(true);
+    be.update_kernel_config(|c| {
+        c.moe_stream = true;
+        c.moe_route_one = true;
+        c.moe_layer = true;
+    })?;
     Ok(())
 }
 
-/// The streamed kernels' default shape (`ops::gemm` in kimi-cuda): tile KiB, shared memory
-/// KiB per CTA.
+/// The streamed kernels' default shape (`StreamShape::default()` in kimi-cuda): tile KiB,
+/// shared memory KiB per CTA.
 const STREAM_DEFAULT_SHAPE: (usize, usize) = (40, 200);
 
 /// The small-batch bf16 GEMV at the 48B model's decode shapes, inside a replayed pass (as in
@@ -775,15 +807,16 @@ fn gemv_bench() -> Res<()> {
         ("dense down", 2304, 9216),
         ("lm_head", 163840, 2304),
     ];
-    // (label, GEMV variant, PDL, streamed kernel's (tile KiB, shared memory KiB per CTA)).
-    type Variant = (&'static str, usize, bool, (usize, usize));
+    // (label, GEMV kernel, PDL, streamed kernel's (tile KiB, shared memory KiB per CTA; 0
+    // keeps the current value)).
+    type Variant = (&'static str, GemvKernel, bool, (usize, usize));
     let variants: [Variant; 6] = [
-        ("regs", 1, true, (0, 0)),
-        ("bulk", 2, true, (0, 0)),
-        ("s40/200", 3, true, (40, 200)),
-        ("s20/200", 3, true, (20, 200)),
-        ("s32/128", 3, true, (32, 128)),
-        ("auto", 0, true, STREAM_DEFAULT_SHAPE),
+        ("regs", GemvKernel::Register, true, (0, 0)),
+        ("bulk", GemvKernel::Bulk, true, (0, 0)),
+        ("s40/200", GemvKernel::Stream, true, (40, 200)),
+        ("s20/200", GemvKernel::Stream, true, (20, 200)),
+        ("s32/128", GemvKernel::Stream, true, (32, 128)),
+        ("auto", GemvKernel::Auto, true, STREAM_DEFAULT_SHAPE),
     ];
     let mut key = 1u64 << 40;
     for (name, o, k) in shapes {
@@ -798,12 +831,19 @@ fn gemv_bench() -> Res<()> {
         for n in [1usize, 8] {
             let x = be.upload_f32(&[n, k], &r.vec(n * k, 1.0))?;
             let mut line = format!("gemv {name:<22} o={o:<6} k={k:<5} n={n}:");
-            be.set_gemv_variant(1);
+            be.update_kernel_config(|c| c.gemv = GemvKernel::Register)?;
             let reference = be.to_f32(&be.matmul(&x, &ws[0])?)?;
-            for &(label, variant, pdl, (tile, cta)) in &variants {
-                be.set_gemv_variant(variant);
-                be.set_pdl(pdl);
-                be.set_stream_shape(tile << 10, cta << 10);
+            for &(label, kernel, pdl, (tile, cta)) in &variants {
+                be.update_kernel_config(|c| {
+                    c.gemv = kernel;
+                    c.pdl = pdl;
+                    if tile > 0 {
+                        c.stream_shape.tile_bytes = tile << 10;
+                    }
+                    if cta > 0 {
+                        c.stream_shape.cta_bytes = cta << 10;
+                    }
+                })?;
                 let err = rel_err(&be.to_f32(&be.matmul(&x, &ws[0])?)?, &reference);
                 if err > 1e-5 {
                     return Err(format!("gemv {name} n={n} {label}: rel err {err:.2e}").into());
@@ -828,10 +868,13 @@ fn gemv_bench() -> Res<()> {
             let _ = std::io::stdout().flush();
         }
     }
-    be.set_gemv_variant(0);
-    be.set_pdl(true);
     let (tile, cta) = STREAM_DEFAULT_SHAPE;
-    be.set_stream_shape(tile << 10, cta << 10);
+    be.update_kernel_config(|c| {
+        c.gemv = GemvKernel::Auto;
+        c.pdl = true;
+        c.stream_shape.tile_bytes = tile << 10;
+        c.stream_shape.cta_bytes = cta << 10;
+    })?;
     Ok(())
 }
 
@@ -865,26 +908,44 @@ fn step_times(
 fn decode_modes() -> Res<()> {
     let model = big_model(CudaBackend::new(0)?)?;
     let be = model.backend();
-    // (label, precision, prompt, MoE grouped variant, MLA prefill variant, MLA decode chunk)
-    type Mode = (&'static str, GemmPrecision, usize, usize, usize, usize);
+    // (label, precision, prompt, MoE grouped GEMM, MLA prefill kernel, MLA decode chunk)
+    type Mode = (
+        &'static str,
+        GemmPrecision,
+        usize,
+        GroupedMoeKernel,
+        MlaPrefillKernel,
+        usize,
+    );
     use GemmPrecision::{Half, Split};
+    let (moe, no_cutlass) = (GroupedMoeKernel::Auto, GroupedMoeKernel::Pipelined);
+    let (mla, no_fi) = (MlaPrefillKernel::Auto, MlaPrefillKernel::NoFlashInfer);
     let modes: [Mode; 10] = [
-        ("split, 16-token prompt       ", Split, 16, 0, 0, 64),
-        ("half,  16-token prompt       ", Half, 16, 0, 0, 64),
-        ("split, 1K prompt             ", Split, 1024, 0, 0, 64),
-        ("split, 1K, MLA chunks of 256 ", Split, 1024, 0, 0, 256),
-        ("split, 8K, MLA chunks of 64  ", Split, 8192, 0, 0, 64),
-        ("split, 8K, MLA chunks of 256 ", Split, 8192, 0, 0, 256),
-        ("half,  1K prompt             ", Half, 1024, 0, 0, 64),
-        ("half,  1K prompt, no CUTLASS ", Half, 1024, 2, 0, 64),
-        ("half,  1K prompt, no FlashInf", Half, 1024, 0, 2, 64),
-        ("split, 16-token prompt again ", Split, 16, 0, 0, 64),
+        ("split, 16-token prompt       ", Split, 16, moe, mla, 64),
+        ("half,  16-token prompt       ", Half, 16, moe, mla, 64),
+        ("split, 1K prompt             ", Split, 1024, moe, mla, 64),
+        ("split, 1K, MLA chunks of 256 ", Split, 1024, moe, mla, 256),
+        ("split, 8K, MLA chunks of 64  ", Split, 8192, moe, mla, 64),
+        ("split, 8K, MLA chunks of 256 ", Split, 8192, moe, mla, 256),
+        ("half,  1K prompt             ", Half, 1024, moe, mla, 64),
+        (
+            "half,  1K prompt, no CUTLASS ",
+            Half,
+            1024,
+            no_cutlass,
+            mla,
+            64,
+        ),
+        ("half,  1K prompt, no FlashInf", Half, 1024, moe, no_fi, 64),
+        ("split, 16-token prompt again ", Split, 16, moe, mla, 64),
     ];
     for (label, prec, prompt, moe, mla, chunk) in modes {
-        be.set_gemm_precision(prec);
-        be.set_moe_grouped_variant(moe);
-        be.set_mla_prefill_variant(mla);
-        be.set_mla_decode_min_chunk(chunk);
+        be.update_kernel_config(|c| {
+            c.precision = prec;
+            c.grouped_moe = moe;
+            c.mla_prefill = mla;
+            c.mla_decode_min_chunk = chunk;
+        })?;
         let (warm, timed) = (4, 16);
         let mut run = DecodeRun::with_prompt(&model, 1, prompt, warm + timed)?;
         let ms = step_times(&model, &mut run, warm, timed)?;
@@ -896,10 +957,12 @@ fn decode_modes() -> Res<()> {
         );
         let _ = std::io::stdout().flush();
     }
-    be.set_gemm_precision(Split);
-    be.set_moe_grouped_variant(0);
-    be.set_mla_prefill_variant(0);
-    be.set_mla_decode_min_chunk(64);
+    be.update_kernel_config(|c| {
+        c.precision = Split;
+        c.grouped_moe = GroupedMoeKernel::Auto;
+        c.mla_prefill = MlaPrefillKernel::Auto;
+        c.mla_decode_min_chunk = 64;
+    })?;
     Ok(())
 }
 
@@ -1466,8 +1529,11 @@ fn mla_bench() -> Res<()> {
     let table: Vec<u32> = (0..t_len.div_ceil(bs) as u32).collect();
     let mut pool = b.zeros(&[table.len(), bs, lw])?;
     let flops = 2.0 * h as f64 * (t_len * (t_len + 1) / 2) as f64 * (dn + dr + dv) as f64;
-    for (label, variant) in [("f32 kernel", 1usize), ("auto (mma)", 0)] {
-        b.set_mla_prefill_variant(variant);
+    for (label, kernel) in [
+        ("f32 kernel", MlaPrefillKernel::F32),
+        ("auto (mma)", MlaPrefillKernel::Auto),
+    ] {
+        b.update_kernel_config(|c| c.mla_prefill = kernel)?;
         let mut best = f64::INFINITY;
         for _ in 0..4 {
             b.synchronize()?;
@@ -1507,15 +1573,21 @@ fn mla_bench() -> Res<()> {
         &rng.vec(t_len * h * (dn + dv), 1.0),
     )?;
     let variants = [
-        ("f32 kernel", 1usize, GemmPrecision::Split),
-        ("mma Split", 0, GemmPrecision::Split),
-        ("mma Half", 2, GemmPrecision::Half),
-        ("FlashInfer", 0, GemmPrecision::Half),
+        ("f32 kernel", MlaPrefillKernel::F32, GemmPrecision::Split),
+        ("mma Split", MlaPrefillKernel::Auto, GemmPrecision::Split),
+        (
+            "mma Half",
+            MlaPrefillKernel::NoFlashInfer,
+            GemmPrecision::Half,
+        ),
+        ("FlashInfer", MlaPrefillKernel::Auto, GemmPrecision::Half),
     ];
     let mut reference: Vec<f32> = vec![];
-    for (label, variant, precision) in variants {
-        b.set_mla_prefill_variant(variant);
-        b.set_gemm_precision(precision);
+    for (label, kernel, precision) in variants {
+        b.update_kernel_config(|c| {
+            c.mla_prefill = kernel;
+            c.precision = precision;
+        })?;
         let got = b.to_f32(&b.mla_expanded_attention(&qa, &lat, &kv, &dims, 0)?)?;
         if reference.is_empty() {
             reference = got.clone();
@@ -1538,8 +1610,10 @@ fn mla_bench() -> Res<()> {
         );
         let _ = std::io::stdout().flush();
     }
-    b.set_mla_prefill_variant(0);
-    b.set_gemm_precision(GemmPrecision::Split);
+    b.update_kernel_config(|c| {
+        c.mla_prefill = MlaPrefillKernel::Auto;
+        c.precision = GemmPrecision::Split;
+    })?;
     drop((qa, kv, reference));
 
     // Segments that continue cached rows (chunked prefill) and ragged lengths: FlashInfer's
@@ -1552,10 +1626,12 @@ fn mla_bench() -> Res<()> {
             &[total, h * (dn + dv)],
             &rng.vec(total * h * (dn + dv), 1.0),
         )?;
-        b.set_mla_prefill_variant(1);
+        b.update_kernel_config(|c| c.mla_prefill = MlaPrefillKernel::F32)?;
         let want = b.to_f32(&b.mla_expanded_attention(&q, &rows, &kv, &dims, past)?)?;
-        b.set_mla_prefill_variant(0);
-        b.set_gemm_precision(GemmPrecision::Half);
+        b.update_kernel_config(|c| {
+            c.mla_prefill = MlaPrefillKernel::Auto;
+            c.precision = GemmPrecision::Half;
+        })?;
         let got = b.to_f32(&b.mla_expanded_attention(&q, &rows, &kv, &dims, past)?)?;
         b.set_gemm_precision(GemmPrecision::Split);
         let finite = got.iter().all(|x| x.is_finite());
@@ -1700,22 +1776,38 @@ fn kda_bench() -> Res<()> {
         let segs = [Segment { start: 0, len: t }];
         // The chunked kernels: tensor cores with hi + lo operands (the default), bf16 only,
         // and the f32 CUDA-core kernels.
-        // Variant 0 = blocked prep (default), 2 = pair-loop prep; prep / state alone through
-        // the stage hook (bit 0 prep, bit 1 state pass).
-        for (label, variant, prec) in [
-            ("mma", 0, GemmPrecision::Split),
-            ("mma half", 0, GemmPrecision::Half),
-            ("mma oldprep", 2, GemmPrecision::Split),
-            ("f32", 1, GemmPrecision::Split),
+        // Auto = blocked prep (default), MmaPairPrep = pair-loop prep; prep / state alone
+        // through the stage hook.
+        let f32_kernels = KdaChunkKernel::F32;
+        for (label, kernel, prec) in [
+            ("mma", KdaChunkKernel::Auto, GemmPrecision::Split),
+            ("mma half", KdaChunkKernel::Auto, GemmPrecision::Half),
+            (
+                "mma oldprep",
+                KdaChunkKernel::MmaPairPrep,
+                GemmPrecision::Split,
+            ),
+            ("f32", f32_kernels, GemmPrecision::Split),
         ] {
-            be.set_kda_chunk_variant(variant);
-            be.set_gemm_precision(prec);
+            be.update_kernel_config(|c| {
+                c.kda_chunk = kernel;
+                c.precision = prec;
+            })?;
             let mut times = [0.0f64; 3];
-            for (slot, stages) in [(0usize, 3usize), (1, 1), (2, 2)] {
-                if variant == 1 && stages != 3 {
+            let both = KdaStages::default();
+            let prep_only = KdaStages {
+                state: false,
+                ..both
+            };
+            let state_only = KdaStages {
+                prep: false,
+                ..both
+            };
+            for (slot, stages) in [(0usize, both), (1, prep_only), (2, state_only)] {
+                if kernel == f32_kernels && stages != both {
                     continue;
                 }
-                be.set_kda_chunk_stages(stages);
+                be.update_kernel_config(|c| c.kda_stages = stages)?;
                 times[slot] = time_calls(&be, 2, 10, || {
                     be.kda(
                         &q,
@@ -1731,13 +1823,15 @@ fn kda_bench() -> Res<()> {
                     .map(drop)
                 })?;
             }
-            be.set_kda_chunk_stages(3);
-            be.set_kda_chunk_variant(0);
-            be.set_gemm_precision(GemmPrecision::Split);
+            be.update_kernel_config(|c| {
+                c.kda_stages = KdaStages::default();
+                c.kda_chunk = KdaChunkKernel::Auto;
+                c.precision = GemmPrecision::Split;
+            })?;
             let s = times[0];
             // Model FLOPs as performance-anchors.md §1.3 (C=16 convention).
             let tflops = (t * h) as f64 * 117_760.0 / s / 1e12;
-            let parts = if variant == 1 {
+            let parts = if kernel == f32_kernels {
                 String::new()
             } else {
                 format!(

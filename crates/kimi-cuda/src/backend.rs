@@ -2,8 +2,7 @@
 //! dtypes on the host, allocates its outputs and calls the launchers in `ops/`.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use cudarc::cublas::sys::cudaDataType;
 use kimi_core::config::{Activation, KdaGate};
@@ -18,39 +17,19 @@ use crate::buffer::DevBuf;
 use crate::device::{grid, Device};
 use crate::error::OpContext;
 use crate::ops;
+use crate::plan::{self, GemmPrecision, KdaChunkPath, KernelConfig, MatmulPath};
 use crate::tensor::{dtype_code, CudaTensor};
 
 mod k3;
 mod kda_decode;
+mod moe;
 mod sampling;
-
-/// How GEMMs against bf16/f16 weights treat the f32 activations.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum GemmPrecision {
-    /// Split each activation into two 16-bit terms (`hi + lo`) and run both through one GEMM
-    /// of twice the rows: close to f32 accuracy (the weights are read once, so decode costs
-    /// about the same; prefill does twice the tensor-core work).
-    #[default]
-    Split,
-    /// Round activations to the weight's 16-bit type: fastest, ~3e-3 relative error per GEMM.
-    Half,
-}
-
-/// Device lists of a MoE layer's routed pairs grouped by expert (`moe_lists`).
-struct PairLists {
-    /// `u32 [E + 1]` start of each expert's pairs.
-    offsets: u64,
-    /// `u32 [P]` pair number (token * top_k + j) at each sorted position.
-    slots: u64,
-    experts: usize,
-    top_k: usize,
-}
 
 /// The CUDA backend on one GPU. See the crate documentation for its precision.
 pub struct CudaBackend {
     dev: Device,
-    /// 0 = [`GemmPrecision::Split`], 1 = [`GemmPrecision::Half`].
-    gemm_precision: AtomicU8,
+    /// This backend's kernel choices; every op reads them once (`kernel_config`).
+    config: RwLock<KernelConfig>,
     ordinal: usize,
     device_name: String,
     /// Expert address tables of the fused MoE path, by their contents.
@@ -60,29 +39,6 @@ pub struct CudaBackend {
     /// Two u32, zero between launches: `moe_stream_layer`'s grid-wide handoff counters.
     layer_sync: DevBuf,
 }
-
-/// Up to this many tokens, routed experts run as fused GEMV kernels over all (token, expert)
-/// pairs; above it, as grouped tensor-core GEMMs. Measured on an H200 with the 48B shapes:
-/// the GEMV is 14 % faster at 32 tokens, the pipelined GEMM 3 % faster at 64.
-/// `KIMI_CUDA_FUSED_MOE_MAX_TOKENS` overrides it (for measurements).
-fn fused_moe_max_tokens() -> usize {
-    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MAX.get_or_init(|| {
-        std::env::var("KIMI_CUDA_FUSED_MOE_MAX_TOKENS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(56)
-    })
-}
-
-/// Up to this many rows, GEMMs against bf16 weights (either precision) run as an f32-product
-/// GEMV kernel (`kernels/gemv.cu`) instead of split + cuBLAS + sum.
-const GEMV_MAX_ROWS: usize = 8;
-
-/// From this many rows, a Split-precision GEMM runs as two accumulating GEMMs (hi, then
-/// lo) instead of one of twice the rows plus a summing pass: the weight is read twice, which
-/// costs little once the product is compute-bound, and the [2n, o] intermediate goes away.
-const SPLIT_ACCUMULATE_MIN_ROWS: usize = 512;
 
 fn shape_err(op: &'static str, detail: String) -> Error {
     Error::Shape { op, detail }
@@ -125,15 +81,21 @@ fn code(t: &CudaTensor, op: &'static str) -> Result<i32> {
 }
 
 impl CudaBackend {
-    /// Opens GPU `ordinal`, loads the embedded kernels and cuBLAS.
+    /// Opens GPU `ordinal`, loads the embedded kernels and cuBLAS, with the kernel choices
+    /// of [`KernelConfig::from_env`].
     pub fn new(ordinal: usize) -> Result<Self> {
-        let dev = Device::new(ordinal)?;
+        Self::with_config(ordinal, KernelConfig::from_env())
+    }
+
+    /// Opens GPU `ordinal` with the kernel choices of `config`.
+    pub fn with_config(ordinal: usize, config: KernelConfig) -> Result<Self> {
+        let dev = Device::new(ordinal, &config)?;
         let device_name = dev.ctx.name().op("init")?;
         let route_ticket = dev.upload_kept(&[0u8; 4], "init")?;
         let layer_sync = dev.upload_kept(&[0u8; 8], "init")?;
         Ok(Self {
             dev,
-            gemm_precision: AtomicU8::new(0),
+            config: RwLock::new(config),
             ordinal,
             device_name,
             moe_tables: Mutex::new(HashMap::new()),
@@ -142,21 +104,47 @@ impl CudaBackend {
         })
     }
 
+    /// This backend's kernel choices now.
+    pub fn kernel_config(&self) -> KernelConfig {
+        // A poisoned lock still holds a whole configuration (writers only assign one).
+        *self.config.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Replaces this backend's kernel choices; later calls plan with them. The device-wide
+    /// ones take effect at once (the memory pool's release, programmatic launch, CUDA
+    /// graphs; a captured graph whose launches differ is captured again), except the pass
+    /// arena's size, which applies when the arena is made (the first recorded pass).
+    pub fn set_kernel_config(&self, config: KernelConfig) -> Result<()> {
+        self.update_kernel_config(|c| *c = config)
+    }
+
+    /// Changes some of this backend's kernel choices, as [`Self::set_kernel_config`]:
+    /// `be.update_kernel_config(|c| c.gemv = GemvKernel::Bulk)`.
+    pub fn update_kernel_config(&self, change: impl FnOnce(&mut KernelConfig)) -> Result<()> {
+        let mut current = self.config.write().unwrap_or_else(PoisonError::into_inner);
+        let mut config = *current;
+        change(&mut config);
+        if config.pool_keeps_memory != current.pool_keeps_memory {
+            self.dev.set_pool_keeps_memory(config.pool_keeps_memory)?;
+        }
+        self.dev.set_pdl(config.pdl);
+        self.dev.set_graphs(config.cuda_graphs);
+        self.dev.set_arena_mb(config.graph_arena_mb);
+        *current = config;
+        Ok(())
+    }
+
     /// Chooses how GEMMs against 16-bit weights round the activations (default: split).
     pub fn set_gemm_precision(&self, p: GemmPrecision) {
-        let v = match p {
-            GemmPrecision::Split => 0,
-            GemmPrecision::Half => 1,
-        };
-        self.gemm_precision.store(v, Ordering::Relaxed);
+        self.config
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .precision = p;
     }
 
     /// The current [`GemmPrecision`].
     pub fn gemm_precision(&self) -> GemmPrecision {
-        match self.gemm_precision.load(Ordering::Relaxed) {
-            0 => GemmPrecision::Split,
-            _ => GemmPrecision::Half,
-        }
+        self.kernel_config().precision
     }
 
     /// Waits for all queued work (for timing).
@@ -164,70 +152,34 @@ impl CudaBackend {
         self.dev.synchronize("synchronize")
     }
 
-    /// Turns CUDA graphs for decode passes on or off (off by default unless the environment
-    /// sets `KIMI_CUDA_GRAPHS=1`).
+    /// Turns CUDA graphs for decode passes on or off ([`KernelConfig::cuda_graphs`]).
     pub fn set_cuda_graphs(&self, on: bool) {
+        let mut config = self.config.write().unwrap_or_else(PoisonError::into_inner);
+        config.cuda_graphs = on;
         self.dev.set_graphs(on);
     }
 
-    /// Whether freed device memory stays in the allocation pool between passes (on unless
-    /// `KIMI_CUDA_POOL_RELEASE=1`), for comparison.
+    /// Whether freed device memory stays in the allocation pool between passes
+    /// ([`KernelConfig::pool_keeps_memory`]), for comparison.
     pub fn set_pool_keeps_memory(&self, keep: bool) -> Result<()> {
-        self.dev.set_pool_keeps_memory(keep)
+        let mut config = self.config.write().unwrap_or_else(PoisonError::into_inner);
+        self.dev.set_pool_keeps_memory(keep)?;
+        config.pool_keeps_memory = keep;
+        Ok(())
     }
 
-    /// Turns programmatic dependent launch on or off (on unless `KIMI_CUDA_PDL=0`), for
+    /// Turns programmatic dependent launch on or off ([`KernelConfig::pdl`]), for
     /// comparison.
     pub fn set_pdl(&self, on: bool) {
+        let mut config = self.config.write().unwrap_or_else(PoisonError::into_inner);
+        config.pdl = on;
         self.dev.set_pdl(on);
-    }
-
-    /// Picks the small-batch bf16 GEMV kernel: 0 = automatic, 1 = the register-streaming
-    /// `gemv_bf16`, 2 = the TMA-fed `gemv_bulk` wherever it fits. For comparison.
-    pub fn set_gemv_variant(&self, v: usize) {
-        ops::gemm::set_gemv_variant(v);
-    }
-
-    /// Picks the chunked KDA kernels: 0 = automatic (the bf16 tensor-core state pass for head
-    /// sizes 64 and 128, with hi + lo operands under [`GemmPrecision::Split`], prepared by
-    /// 16-row blocks), 1 = the f32 CUDA-core kernels, 2 = the tensor-core state pass with
-    /// the pair-loop preparation. Process-wide; `KIMI_CUDA_KDA_CHUNK=f32` / `=mma-prep` make
-    /// 1 / 2 the default. For comparison.
-    pub fn set_kda_chunk_variant(&self, v: usize) {
-        ops::kda::set_chunk_variant(v);
-    }
-
-    /// Timing hook: which kernels of a chunked KDA launch run (bit 0 the preparation, bit 1
-    /// the state pass; 3 = both, the default). With a bit cleared the results are garbage.
-    pub fn set_kda_chunk_stages(&self, mask: usize) {
-        ops::kda::set_stages(mask);
-    }
-
-    /// Caps the chunks of one chunked-KDA launch group (0 = by the scratch bound, the
-    /// default), so that tests can cut short segments into several groups.
-    pub fn set_kda_group_chunks(&self, n: usize) {
-        ops::kda::set_group_chunks(n);
-    }
-
-    /// Picks the expanded-prefill MLA kernel: 0 = automatic (under [`GemmPrecision::Half`]
-    /// with heads of 192 / 128, FlashInfer's Hopper kernel; else our bf16 tensor-core kernel
-    /// wherever it fits, with hi + lo operands under [`GemmPrecision::Split`]), 1 = the f32
-    /// CUDA-core kernel, 2 = never FlashInfer's. Process-wide; `KIMI_CUDA_MLA_PREFILL=f32` makes 1 the default. For
-    /// comparison.
-    pub fn set_mla_prefill_variant(&self, v: usize) {
-        ops::mla::set_prefill_variant(v);
-    }
-
-    /// The fewest latent rows per CTA of the absorbed (decode) MLA kernel (default 64; for
-    /// comparison).
-    pub fn set_mla_decode_min_chunk(&self, rows: usize) {
-        ops::mla::set_decode_min_chunk(rows);
     }
 
     /// The expanded-prefill attention alone, for timing: `q [len, H*(dn+dr)]` attends over
     /// `past + len` keys whose k_pe are columns `r..` of `rows [past+len, r+dr]` and whose
-    /// k_nope ‖ v per head are `kv [past+len, H*(dn+dv)]` (all f32), with the kernel chosen
-    /// by [`Self::set_mla_prefill_variant`] and [`Self::gemm_precision`]. Returns
+    /// k_nope ‖ v per head are `kv [past+len, H*(dn+dv)]` (all f32), with the kernel that
+    /// [`KernelConfig::mla_prefill`] and [`KernelConfig::precision`] choose. Returns
     /// `[len, H*dv]`.
     pub fn mla_expanded_attention(
         &self,
@@ -260,7 +212,7 @@ impl CudaBackend {
             ));
         }
         let out = self.zeroed(&[len, h * dv], OP)?;
-        let split = self.gemm_precision() == GemmPrecision::Split;
+        let cfg = self.kernel_config();
         // SAFETY: shapes checked above: q holds len rows, rows/kv past+len rows of the
         // widths the kernel reads, out len rows of H*dv f32.
         unsafe {
@@ -273,47 +225,10 @@ impl CudaBackend {
                 past,
                 len,
                 dims,
-                split,
-                ops::mla::prefill_variant(),
+                &cfg,
             )?
         };
         Ok(out)
-    }
-
-    /// Whether one-token MoE layers route in one launch (`moe_route_one`, the default) or
-    /// through cuBLAS, `moe_route*` and `moe_lists`. For comparison.
-    pub fn set_moe_route_one(&self, on: bool) {
-        ops::moe::set_route_one(on);
-    }
-
-    /// Whether one-token MoE layers stream their routed and shared experts in two
-    /// persistent launches (`moe_stream_1`, the default) or run the shared expert as an MLP
-    /// and the routed ones through `moe_expert_gemv`. For comparison.
-    pub fn set_moe_stream(&self, on: bool) {
-        ops::moe::set_stream(on);
-    }
-
-    /// Whether streamed one-token MoE layers run gate/up and down in one launch
-    /// (`moe_stream_layer`, the default) or as two `moe_stream_1` passes. For comparison.
-    pub fn set_moe_layer(&self, on: bool) {
-        ops::moe::set_layer(on);
-    }
-
-    /// Sets the streamed one-token kernels' (`gemv_stream_1`, `moe_stream_1`) tile bytes
-    /// and shared memory per CTA; 0 keeps a value. For tuning.
-    pub fn set_stream_shape(&self, tile_bytes: usize, cta_bytes: usize) {
-        ops::gemm::set_stream_shape(tile_bytes, cta_bytes);
-    }
-
-    /// Forces the routed-expert GEMV's 16-row blocks per CTA (0 = automatic), for tuning.
-    pub fn set_moe_row_blocks(&self, n: usize) {
-        ops::moe::set_row_blocks(n);
-    }
-
-    /// Picks the grouped expert GEMM of many-token MoE layers: 0 = automatic (pipelined
-    /// `moe_mma_*`), 1 = the single-stage `moe_grouped_mma`. For comparison.
-    pub fn set_moe_grouped_variant(&self, v: usize) {
-        ops::moe::set_grouped_variant(v);
     }
 
     /// Why a pass's existing CUDA graph was last captured again instead of patched.
@@ -461,15 +376,16 @@ impl CudaBackend {
             return whole(self.zeroed(&[n, o], op)?);
         }
         let aligned = (x.ptr() | w.ptr()).is_multiple_of(16) && k.is_multiple_of(8);
-        // A few rows (decode): the f32-product GEMV in either precision; it streams the
-        // weight faster than cuBLAS and rounding the activations would gain nothing.
-        if w.dtype == DType::BF16 && n <= GEMV_MAX_ROWS && aligned {
+        let cfg = self.kernel_config();
+        let path = plan::plan_matmul(&cfg, w.dtype == DType::BF16, n, aligned);
+        if path == MatmulPath::Gemv {
             let y = self.empty(&[n, o], DType::F32, op)?;
-            // SAFETY: x [n,k] f32 and w [o,k] bf16, 16-byte aligned, k % 8 == 0; y [n,o].
-            unsafe { ops::gemm::gemv_bf16(&self.dev, x.ptr(), w.ptr(), y.ptr(), n, k, o)? };
+            // SAFETY: the planner took the GEMV only for bf16 w [o,k] and x [n,k] f32 with
+            // n <= 8, 16-byte aligned, k % 8 == 0; y [n,o].
+            unsafe { ops::gemm::gemv_bf16(&self.dev, &cfg, x.ptr(), w.ptr(), y.ptr(), n, k, o)? };
             return whole(y);
         }
-        let half = self.gemm_precision() == GemmPrecision::Half;
+        let half = path == MatmulPath::Half;
         // Half: x rounded once. Split: rows [0,n) = hi, [n,2n) = lo.
         let xs = self.empty(&[if half { n } else { 2 * n }, k], w.dtype, op)?;
         let kernel = if half { cast } else { split };
@@ -486,7 +402,7 @@ impl CudaBackend {
                 // SAFETY: xs [n,k] and the block's rows of w [ob,k] share dtype `ab`;
                 // y [n,ob] f32.
                 unsafe { ops::gemm::gemm(&self.dev, xs.ptr(), wb, ab, y.ptr(), n, k, ob)? };
-            } else if n >= SPLIT_ACCUMULATE_MIN_ROWS {
+            } else if path == MatmulPath::SplitAccumulate {
                 // Many rows (prefill): y = hi·wᵀ, then y += lo·wᵀ (cuBLAS's beta = 1), no
                 // [2n, ob] intermediate and no summing pass.
                 let lo = xs.ptr() + (n * k * 2) as u64;
@@ -539,445 +455,6 @@ impl CudaBackend {
             )?
         };
         Ok(out)
-    }
-
-    /// `(intermediate, weight dtype code)` when the routed experts can take the fused
-    /// device path: at most [`fused_moe_max_tokens`] tokens and every expert's gate/up
-    /// `[inter, d]` and down `[d, inter]` of one dtype.
-    fn fused_moe_shape(
-        &self,
-        w: &MoeWeights<CudaTensor>,
-        d: usize,
-        n: usize,
-    ) -> Option<(usize, i32)> {
-        if n > fused_moe_max_tokens() {
-            return None;
-        }
-        let first = w.experts.first()?;
-        let inter = *first.gate.shape.first()?;
-        let dtype = first.gate.dtype;
-        let dt = dtype_code(dtype)?;
-        let ok = w.experts.iter().all(|x| {
-            x.gate.shape == [inter, d]
-                && x.up.shape == [inter, d]
-                && x.down.shape == [d, inter]
-                && x.gate.dtype == dtype
-                && x.up.dtype == dtype
-                && x.down.dtype == dtype
-        });
-        (ok && inter > 0).then_some((inter, dt))
-    }
-
-    /// The last step of the device MoE paths: adds the routing-weighted pair rows `y [p, d]`
-    /// (in pair order, or in sorted order when `inv` is non-zero, see `ops::moe::combine`)
-    /// to the shared expert's output (or to zero). The chosen experts stay on the device
-    /// (`ids`), for `expert_ids` to read once the pass is queued: no host wait per layer.
-    #[allow(clippy::too_many_arguments)]
-    fn combine_routed(
-        &self,
-        y: &CudaTensor,
-        inv: u64,
-        wts: &CudaTensor,
-        ids: CudaTensor,
-        shared_out: Option<CudaTensor>,
-        n: usize,
-        d: usize,
-        k: usize,
-    ) -> Result<(CudaTensor, CudaTensor)> {
-        Ok((
-            self.weighted_combine(y, inv, wts, shared_out, n, d, k)?,
-            ids,
-        ))
-    }
-
-    /// The routing-weighted pair rows `y` (see [`Self::combine_routed`]) added to
-    /// `shared_out` in place, or written to a new `[n, d]`.
-    #[allow(clippy::too_many_arguments)]
-    fn weighted_combine(
-        &self,
-        y: &CudaTensor,
-        inv: u64,
-        wts: &CudaTensor,
-        shared_out: Option<CudaTensor>,
-        n: usize,
-        d: usize,
-        k: usize,
-    ) -> Result<CudaTensor> {
-        const OP: &str = "moe";
-        let accumulate = shared_out.is_some();
-        let out = match shared_out {
-            Some(o) => o,
-            None => self.empty(&[n, d], DType::F32, OP)?,
-        };
-        // SAFETY: y holds n*k*d f32 (at least), wts (and inv unless 0) n*k entries, out n*d.
-        unsafe {
-            ops::moe::combine(
-                &self.dev,
-                y.ptr(),
-                inv,
-                wts.ptr(),
-                out.ptr(),
-                n,
-                d,
-                k,
-                accumulate,
-            )?
-        };
-        Ok(out)
-    }
-
-    /// A one-token MoE layer's experts as two `moe_stream_1` passes (gate/up, then down),
-    /// the shared expert folded in as one more slot when its shapes match the routed ones',
-    /// then the weighted combine. `None` where the stream does not apply (more tokens,
-    /// other dtypes or shapes, unaligned weights): the caller takes another path.
-    #[allow(clippy::too_many_arguments)]
-    fn moe_streamed(
-        &self,
-        x: &CudaTensor,
-        w: &MoeWeights<CudaTensor>,
-        wts: &CudaTensor,
-        k: usize,
-        offsets: u64,
-        slots: u64,
-        n: usize,
-        d: usize,
-    ) -> Result<Option<CudaTensor>> {
-        const OP: &str = "moe";
-        if n != 1 || !ops::moe::stream_on() {
-            return Ok(None);
-        }
-        let Some(inter) = self.grouped_moe_shape(w, d) else {
-            return Ok(None);
-        };
-        let e = w.experts.len();
-        let fold_shared = w.shared.as_ref().is_some_and(|m| {
-            m.gate.shape == [inter, d]
-                && m.up.shape == [inter, d]
-                && m.down.shape == [d, inter]
-                && [&m.gate, &m.up, &m.down]
-                    .iter()
-                    .all(|t| t.dtype == DType::BF16)
-        });
-        let slots_max = k.min(e) + fold_shared as usize;
-        if slots_max > ops::moe::STREAM_MAX_SLOTS {
-            return Ok(None);
-        }
-        let staged = |glu, cols| ops::moe::stream_staged_bytes(glu, k, fold_shared, cols);
-        let (Some(plan_gu), Some(plan_down)) = (
-            ops::gemm::stream_plan(&self.dev, d, inter * slots_max, 2, staged(true, d)),
-            ops::gemm::stream_plan(&self.dev, inter, d * slots_max, 1, staged(false, inter)),
-        ) else {
-            return Ok(None);
-        };
-        let (table, aligned) = self.expert_table(w)?;
-        if !aligned || !x.ptr().is_multiple_of(16) {
-            return Ok(None);
-        }
-        // A shared expert of other shapes runs as an MLP; the routed experts add into it.
-        let shared_mlp = match (&w.shared, fold_shared) {
-            (Some(shared), false) => Some(self.mlp(x, shared)?),
-            _ => None,
-        };
-        let p = n * k;
-        let rows = p + if fold_shared { n } else { 0 };
-        let h = self.empty(&[rows, inter], DType::F32, OP)?;
-        let y = self.empty(&[rows, d], DType::F32, OP)?;
-        let layer = ops::moe::layer_on()
-            .then(|| ops::moe::layer_plan(&self.dev, d, inter, rows))
-            .flatten();
-        if let Some(plan) = layer {
-            // SAFETY: as for the two passes below; the plan is layer_plan's for `rows` slots
-            // and layer_sync is this backend's (zero between launches).
-            unsafe {
-                ops::moe::layer_stream(
-                    &self.dev,
-                    table,
-                    x.ptr(),
-                    k,
-                    offsets,
-                    e,
-                    slots,
-                    h.ptr(),
-                    y.ptr(),
-                    fold_shared,
-                    d,
-                    inter,
-                    plan,
-                    Self::slice_ptr(&self.layer_sync),
-                )?
-            };
-        } else {
-            // SAFETY: grouped_moe_shape checked bf16 gate/up [inter, d] and down [d, inter] for
-            // every expert (fold_shared: the shared one too, at table entry e); the table and x
-            // are 16-byte aligned (fresh allocations such as h are); offsets/slots come from
-            // lists for p pairs; h and y hold `rows` rows; the plans are stream_plan's.
-            unsafe {
-                ops::moe::expert_stream(
-                    &self.dev,
-                    table,
-                    true,
-                    x.ptr(),
-                    k,
-                    offsets,
-                    e,
-                    slots,
-                    h.ptr(),
-                    fold_shared,
-                    inter,
-                    d,
-                    plan_gu,
-                )?;
-                ops::moe::expert_stream(
-                    &self.dev,
-                    table,
-                    false,
-                    h.ptr(),
-                    k,
-                    offsets,
-                    e,
-                    slots,
-                    y.ptr(),
-                    fold_shared,
-                    d,
-                    inter,
-                    plan_down,
-                )?;
-            }
-        }
-        // The shared rows (after the p pair rows) take the routed sum in place.
-        let shared_out = if fold_shared {
-            Some(CudaTensor {
-                shape: vec![n, d],
-                dtype: DType::F32,
-                buf: y.buf.clone(),
-                offset: y.offset + p * d * 4,
-            })
-        } else {
-            shared_mlp
-        };
-        // y's first p rows are the pair rows.
-        Ok(Some(
-            self.weighted_combine(&y, 0, wts, shared_out, n, d, k)?,
-        ))
-    }
-
-    /// The intermediate size when the routed experts fit the grouped tensor-core kernel:
-    /// bf16 gate/up `[inter, d]` and down `[d, inter]` with both sizes multiples of 64.
-    fn grouped_moe_shape(&self, w: &MoeWeights<CudaTensor>, d: usize) -> Option<usize> {
-        let inter = *w.experts.first()?.gate.shape.first()?;
-        let ok = inter > 0
-            && inter.is_multiple_of(64)
-            && d.is_multiple_of(64)
-            && w.experts.iter().all(|x| {
-                x.gate.shape == [inter, d]
-                    && x.up.shape == [inter, d]
-                    && x.down.shape == [d, inter]
-                    && [&x.gate, &x.up, &x.down]
-                        .iter()
-                        .all(|t| t.dtype == DType::BF16)
-            });
-        ok.then_some(inter)
-    }
-
-    /// Routed experts of many tokens on the pipelined tensor-core kernels: the hidden
-    /// states become bf16 rows once (hi and lo terms when `split`), gate/up writes the
-    /// SwiGLU rows in sorted pair order as bf16, down reads them contiguously. Returns the
-    /// f32 expert outputs `[p, d]` in pair order.
-    #[allow(clippy::too_many_arguments)]
-    fn grouped_moe_pipelined(
-        &self,
-        x: &CudaTensor,
-        table: u64,
-        split: bool,
-        lists: &PairLists,
-        n: usize,
-        d: usize,
-        inter: usize,
-    ) -> Result<CudaTensor> {
-        const OP: &str = "moe";
-        let p = n * lists.top_k;
-        let terms = if split { 2 } else { 1 };
-        let xs = self.empty(&[terms * n, d], DType::BF16, OP)?;
-        let kernel = if split {
-            "split_f32_bf16"
-        } else {
-            "cast_f32_bf16"
-        };
-        // SAFETY: x holds n*d f32 and xs terms*n*d bf16.
-        unsafe { ops::elementwise::binary(&self.dev, OP, kernel, x.ptr(), xs.ptr(), n * d)? };
-        let h = self.empty(&[terms * p, inter], DType::BF16, OP)?;
-        let y = self.empty(&[p, d], DType::F32, OP)?;
-        let bm = ops::moe::mma_tile_rows(p, lists.experts);
-        // SAFETY: the caller checked (grouped_moe_shape) bf16 gate/up [inter, d] and down
-        // [d, inter] for every expert, 16-byte aligned, d % 64 == 0 and inter % 64 == 0;
-        // xs holds n token rows (+ n lo rows at n*d), h p pair rows (+ p lo rows at
-        // p*inter), y p rows of d f32; offsets/slots come from `lists` for p pairs.
-        unsafe {
-            ops::moe::grouped_mma_pipelined(
-                &self.dev,
-                table,
-                true,
-                split,
-                xs.ptr(),
-                n * d,
-                lists.top_k,
-                lists.offsets,
-                lists.slots,
-                lists.experts,
-                h.ptr(),
-                p * inter,
-                p,
-                inter,
-                d,
-                bm,
-            )?;
-            ops::moe::grouped_mma_pipelined(
-                &self.dev,
-                table,
-                false,
-                split,
-                h.ptr(),
-                p * inter,
-                lists.top_k,
-                lists.offsets,
-                lists.slots,
-                lists.experts,
-                y.ptr(),
-                0,
-                p,
-                d,
-                inter,
-                bm,
-            )?;
-        }
-        Ok(y)
-    }
-
-    /// Routed experts of many tokens through the CUTLASS grouped GEMM
-    /// (`cutlass/moe_grouped.cu`): the pairs' token rows gathered in sorted order as bf16
-    /// (hi and lo terms when `split`, each term one GEMM, the second accumulating), gate and
-    /// up in one launch into `[p, 2 * inter]` (f32 under `split`, else bf16), SiLU-and-
-    /// multiply to bf16 rows, then down. Returns the f32 expert outputs `[p, d]` in sorted
-    /// pair order and the inverse order (`inv[pair] = sorted position`).
-    #[allow(clippy::too_many_arguments)]
-    fn grouped_moe_cutlass(
-        &self,
-        x: &CudaTensor,
-        table: u64,
-        split: bool,
-        lists: &PairLists,
-        rows: u64,
-        n: usize,
-        d: usize,
-        inter: usize,
-    ) -> Result<(CudaTensor, DevBuf)> {
-        const OP: &str = "moe";
-        let (p, e) = (n * lists.top_k, lists.experts);
-        let terms = if split { 2 } else { 1 };
-        let a = self.empty(&[terms * p, d], DType::BF16, OP)?;
-        let inv = self.raw(p * 4, OP)?;
-        // SAFETY: x holds n rows of d f32 (16-byte aligned, d % 8 == 0: the caller checked);
-        // rows/slots hold p entries from moe_lists; a and inv are sized as the kernel needs.
-        unsafe {
-            ops::moe::gather_bf16(
-                &self.dev,
-                x.ptr(),
-                rows,
-                lists.slots,
-                a.ptr(),
-                Self::slice_ptr(&inv),
-                p,
-                d,
-                split,
-            )?
-        };
-        let (scratch_bytes, ws_bytes) = ops::moe::cutlass_bytes(e);
-        if ws_bytes == 0 {
-            return Err(shape_err(OP, "CUTLASS cannot query the device".into()));
-        }
-        let scratch = self.raw(scratch_bytes, OP)?;
-        let workspace = self.raw(ws_bytes, OP)?;
-        let bufs = ops::moe::CutlassBuffers {
-            scratch: Self::slice_ptr(&scratch),
-            workspace: Self::slice_ptr(&workspace),
-        };
-        // Split: f32 sums of the hi and lo products; Half: bf16 gate/up rows, as bf16
-        // engines write them.
-        let gu_dtype = if split { DType::F32 } else { DType::BF16 };
-        let gu = self.empty(&[p, 2 * inter], gu_dtype, OP)?;
-        let h = self.empty(&[terms * p, inter], DType::BF16, OP)?;
-        let y = self.empty(&[p, d], DType::F32, OP)?;
-        // What the launches below rely on: grouped_moe_shape checked bf16 gate/up [inter, d]
-        // and down [d, inter] for every expert (16-byte aligned: expert_table), d and inter
-        // multiples of 64; a holds terms*p rows of d, gu p rows of 2*inter, h terms*p rows
-        // of inter, y p rows of d; scratch and workspace have the sizes cutlass_bytes gave;
-        // the caller checked that no pass is being recorded, and `moe` entered the device's
-        // context.
-        //
-        // One projection per term of the bf16 input rows `[terms * p, k]`, the lo term
-        // accumulating onto the hi term's output (beta = 1).
-        let project = |glu: bool, d_f32: bool, input: u64, out: u64, n_out: usize, k: usize| {
-            (0..terms).try_for_each(|t| {
-                let input_t = input + (t * p * k * 2) as u64;
-                // SAFETY: see above; input_t is term t's p rows of k bf16.
-                unsafe {
-                    ops::moe::cutlass_gemm(
-                        &self.dev,
-                        glu,
-                        d_f32,
-                        e,
-                        lists.offsets,
-                        table,
-                        input_t,
-                        out,
-                        n_out,
-                        k,
-                        t as f32,
-                        &bufs,
-                    )
-                }
-            })
-        };
-        project(true, split, a.ptr(), gu.ptr(), inter, d)?;
-        // SAFETY: gu holds p rows of 2*inter (f32 when split), h terms*p rows of inter bf16.
-        unsafe { ops::moe::silu_mul_bf16(&self.dev, gu.ptr(), split, h.ptr(), p, inter, split)? };
-        project(false, true, h.ptr(), y.ptr(), d, inter)?;
-        drop((scratch, workspace));
-        Ok((y, inv))
-    }
-
-    /// The device table of every expert's (gate, up, down) addresses, then the shared
-    /// expert's when there is one (entry `experts.len()`, read by `moe_stream`), uploaded
-    /// once per distinct set of weights and kept (its contents are its key, so it cannot go
-    /// stale).
-    fn expert_table(&self, w: &MoeWeights<CudaTensor>) -> Result<(u64, bool)> {
-        let key: Vec<u64> = w
-            .experts
-            .iter()
-            .chain(w.shared.as_ref())
-            .flat_map(|x| [x.gate.ptr(), x.up.ptr(), x.down.ptr()])
-            .collect();
-        self.address_table(key)
-    }
-
-    /// A device array of the addresses `key`, uploaded once per distinct contents and kept
-    /// (its contents are its key, so it cannot go stale), and whether every address is
-    /// 16-byte aligned.
-    fn address_table(&self, key: Vec<u64>) -> Result<(u64, bool)> {
-        let mut tables = self
-            .moe_tables
-            .lock()
-            .map_err(|_| Error::Unsupported("moe table lock poisoned".into()))?;
-        let aligned = key.iter().all(|p| p.is_multiple_of(16));
-        if let Some(t) = tables.get(&key) {
-            return Ok((Self::slice_ptr(t), aligned));
-        }
-        let bytes: Vec<u8> = key.iter().flat_map(|v| v.to_le_bytes()).collect();
-        // Kept across passes: never from a pass arena.
-        let t = self.dev.upload_kept(&bytes, "moe")?;
-        let ptr = Self::slice_ptr(&t);
-        tables.insert(key, t);
-        Ok((ptr, aligned))
     }
 }
 
@@ -1228,11 +705,13 @@ impl Backend for CudaBackend {
                     self.empty(&[1, oa], DType::F32, OP)?,
                     self.empty(&[1, ob], DType::F32, OP)?,
                 );
+                let cfg = self.kernel_config();
                 // SAFETY: each x holds k f32 and each w [o, k] bf16, 16-byte aligned with
                 // k % 8 == 0 (checked above); each y holds its o f32.
                 let done = unsafe {
                     ops::gemm::gemv_bf16_pair(
                         &self.dev,
+                        &cfg,
                         [a.0.ptr(), a.1.ptr(), ya.ptr()],
                         oa,
                         [b.0.ptr(), b.1.ptr(), yb.ptr()],
@@ -1511,311 +990,7 @@ impl Backend for CudaBackend {
         w: &MoeWeights<CudaTensor>,
         r: &MoeRouting,
     ) -> Result<(CudaTensor, CudaTensor)> {
-        const OP: &str = "moe";
-        self.dev.enter(OP)?;
-        let (n, d) = f32_rows(x, OP)?;
-        let e = w.experts.len();
-        if w.router.shape != [e, d] || r.top_k == 0 || r.top_k > e {
-            return Err(shape_err(
-                OP,
-                format!(
-                    "router {:?}, {e} experts, top_k {}, hidden {d}",
-                    w.router.shape, r.top_k
-                ),
-            ));
-        }
-        if r.num_groups == 0
-            || r.num_groups > 64
-            || !e.is_multiple_of(r.num_groups)
-            || r.topk_group > r.num_groups
-        {
-            return Err(shape_err(
-                OP,
-                format!("{e} experts in {} groups", r.num_groups),
-            ));
-        }
-        // The router runs in f32, as on the CPU, so that near-ties pick the same experts.
-        let router32 = self.as_f32_copy(&w.router, OP)?;
-        let router = router32.as_ref().unwrap_or(&w.router);
-        let (bias, bdt) = match &w.correction_bias {
-            Some(b) if b.len() == e => (b.ptr(), code(b, OP)?),
-            Some(b) => return Err(shape_err(OP, format!("correction bias {:?}", b.shape))),
-            None => (0, 0),
-        };
-        let ids_dev = self.empty(&[n, r.top_k], DType::F32, OP)?;
-        let wts_dev = self.empty(&[n, r.top_k], DType::F32, OP)?;
-        if n == 0 {
-            return Ok((self.zeroed(&[n, d], OP)?, ids_dev));
-        }
-        // Pairs grouped by expert, on the device.
-        let (k, p) = (r.top_k, n * r.top_k);
-        // Offsets, then the active-expert list (see `moe_lists`).
-        let offsets = self.raw((2 * e + 2) * 4, OP)?;
-        let slots = self.raw(p * 4, OP)?;
-        let rows = self.raw(p * 4, OP)?;
-        let wsel = self.raw(p * 4, OP)?;
-        let meta = self.empty(&[p + e], DType::F32, OP)?;
-        let (offsets_ptr, slots_ptr) = (Self::slice_ptr(&offsets), Self::slice_ptr(&slots));
-        let (rows_ptr, wsel_ptr) = (Self::slice_ptr(&rows), Self::slice_ptr(&wsel));
-        let lists = ops::moe::ListBufs {
-            ids: ids_dev.ptr(),
-            weights: wts_dev.ptr(),
-            offsets: offsets_ptr,
-            slots: slots_ptr,
-            rows: rows_ptr,
-            wsel: wsel_ptr,
-            meta: meta.ptr(),
-        };
-        let one_launch = n == 1
-            && ops::moe::route_one_on()
-            && r.num_groups <= 1
-            && e <= ops::moe::ROUTE_WARP_MAX_EXPERTS
-            && r.top_k <= ops::moe::ROUTE_ONE_MAX_TOP_K.min(e)
-            && (bias == 0 || (bias.is_multiple_of(4) && (bdt == 0 || e.is_multiple_of(2))))
-            && router.dtype == DType::F32
-            && d.is_multiple_of(4)
-            && router.ptr().is_multiple_of(16)
-            && x.ptr().is_multiple_of(16);
-        if one_launch {
-            let logits = self.empty(&[e], DType::F32, OP)?;
-            // SAFETY: router [e, d] f32 and x [1, d] 16-byte aligned with d % 4 == 0; the
-            // ticket is this backend's (zero between launches); buffers as allocated above.
-            unsafe {
-                ops::moe::route_one(
-                    &self.dev,
-                    router.ptr(),
-                    x.ptr(),
-                    d,
-                    bias,
-                    bdt,
-                    e,
-                    r,
-                    logits.ptr(),
-                    &lists,
-                    Self::slice_ptr(&self.route_ticket),
-                )?
-            };
-        } else {
-            let logits = self.matmul_op(x, router, OP)?;
-            let counters = if p >= ops::moe::LISTS_MULTI_BLOCK_PAIRS {
-                Some(self.zeroed(&[2 * e], OP)?)
-            } else {
-                None
-            };
-            // SAFETY: logits [n,e] f32; ids/weights hold n*top_k 4-byte entries; ids < e
-            // (route picks among e experts); buffer sizes as allocated above.
-            unsafe {
-                ops::moe::route(
-                    &self.dev,
-                    logits.ptr(),
-                    bias,
-                    bdt,
-                    ids_dev.ptr(),
-                    wts_dev.ptr(),
-                    n,
-                    e,
-                    r,
-                )?;
-                ops::moe::lists(
-                    &self.dev,
-                    ids_dev.ptr(),
-                    wts_dev.ptr(),
-                    p,
-                    e,
-                    k,
-                    offsets_ptr,
-                    slots_ptr,
-                    rows_ptr,
-                    wsel_ptr,
-                    meta.ptr(),
-                    counters.as_ref().map(|c| c.ptr()),
-                )?
-            };
-        }
-        if let Some(done) = self.moe_streamed(x, w, &wts_dev, k, offsets_ptr, slots_ptr, n, d)? {
-            return Ok((done, ids_dev));
-        }
-        // The shared expert first: the routed experts add into its output.
-        let shared_out = match &w.shared {
-            Some(shared) => {
-                let y = self.mlp(x, shared)?;
-                if y.shape != [n, d] {
-                    return Err(shape_err(OP, format!("shared expert output {:?}", y.shape)));
-                }
-                Some(y)
-            }
-            None => None,
-        };
-        if let Some((inter, dt)) = self.fused_moe_shape(w, d, n) {
-            let (table, aligned) = self.expert_table(w)?;
-            // 16-byte loads need aligned weights and activations (fresh allocations are).
-            let aligned = aligned && x.ptr().is_multiple_of(16);
-            let h = self.empty(&[p, inter], DType::F32, OP)?;
-            let y = self.empty(&[p, d], DType::F32, OP)?;
-            // SAFETY: the table holds gate/up [inter, d] and down [d, inter] of dtype dt for
-            // every expert (checked by fused_moe_shape); ids/offsets/slots come from lists;
-            // h holds p*inter and y p*d f32.
-            unsafe {
-                ops::moe::expert_gemv(
-                    &self.dev,
-                    table,
-                    true,
-                    x.ptr(),
-                    k,
-                    offsets_ptr,
-                    e,
-                    slots_ptr,
-                    h.ptr(),
-                    p,
-                    inter,
-                    d,
-                    dt,
-                    aligned,
-                )?;
-                ops::moe::expert_gemv(
-                    &self.dev,
-                    table,
-                    false,
-                    h.ptr(),
-                    k,
-                    offsets_ptr,
-                    e,
-                    slots_ptr,
-                    y.ptr(),
-                    p,
-                    d,
-                    inter,
-                    dt,
-                    aligned,
-                )?
-            };
-            return self.combine_routed(&y, 0, &wts_dev, ids_dev, shared_out, n, d, k);
-        }
-        if let Some(inter) = self.grouped_moe_shape(w, d) {
-            let (table, aligned) = self.expert_table(w)?;
-            let split = self.gemm_precision() == GemmPrecision::Split;
-            let lists = PairLists {
-                offsets: offsets_ptr,
-                slots: slots_ptr,
-                experts: e,
-                top_k: k,
-            };
-            let recording = crate::graph::recording(self.dev.stream.cu_stream());
-            if aligned
-                && !recording
-                && ops::moe::pipelined_grouped()
-                && ops::moe::cutlass_grouped(p, split)
-                && x.ptr().is_multiple_of(16)
-                && d.is_multiple_of(8)
-            {
-                let (y, inv) =
-                    self.grouped_moe_cutlass(x, table, split, &lists, rows_ptr, n, d, inter)?;
-                let inv_ptr = Self::slice_ptr(&inv);
-                let done = self.combine_routed(&y, inv_ptr, &wts_dev, ids_dev, shared_out, n, d, k);
-                drop((offsets, slots, rows, wsel, inv));
-                return done;
-            }
-            if aligned && ops::moe::pipelined_grouped() {
-                let y = self.grouped_moe_pipelined(x, table, split, &lists, n, d, inter)?;
-                drop((offsets, slots, rows, wsel));
-                return self.combine_routed(&y, 0, &wts_dev, ids_dev, shared_out, n, d, k);
-            }
-            if aligned && x.ptr().is_multiple_of(16) {
-                let h = self.empty(&[p, inter], DType::F32, OP)?;
-                let y = self.empty(&[p, d], DType::F32, OP)?;
-                // SAFETY: grouped_moe_shape checked bf16 gate/up [inter, d] and down
-                // [d, inter] for every expert, d % 64 == 0 and inter % 64 == 0; the table's
-                // weights and x are 16-byte aligned; offsets/slots come from lists; h holds
-                // p*inter and y p*d f32.
-                unsafe {
-                    ops::moe::grouped_mma(
-                        &self.dev,
-                        table,
-                        true,
-                        split,
-                        x.ptr(),
-                        k,
-                        offsets_ptr,
-                        slots_ptr,
-                        e,
-                        h.ptr(),
-                        p,
-                        inter,
-                        d,
-                    )?;
-                    ops::moe::grouped_mma(
-                        &self.dev,
-                        table,
-                        false,
-                        split,
-                        h.ptr(),
-                        k,
-                        offsets_ptr,
-                        slots_ptr,
-                        e,
-                        y.ptr(),
-                        p,
-                        d,
-                        inter,
-                    )?;
-                }
-                drop((offsets, slots, rows, wsel));
-                return self.combine_routed(&y, 0, &wts_dev, ids_dev, shared_out, n, d, k);
-            }
-        }
-        // Other shapes or dtypes: cuBLAS per expert, with one host read of [ids | counts].
-        let meta_host: Vec<u32> = self.to_f32(&meta)?.into_iter().map(f32::to_bits).collect();
-        let (ids, counts) = meta_host.split_at(p);
-        if let Some(bad) = ids.iter().find(|&&i| i as usize >= e) {
-            return Err(shape_err(OP, format!("router chose expert {bad} of {e}")));
-        }
-        let out = match shared_out {
-            Some(o) => o,
-            None => self.zeroed(&[n, d], OP)?,
-        };
-        let mut off = 0usize;
-        for (expert, &cnt) in counts.iter().enumerate() {
-            let cnt = cnt as usize;
-            if cnt == 0 {
-                continue;
-            }
-            let xg = self.empty(&[cnt, d], DType::F32, OP)?;
-            // SAFETY: the row indices are token numbers < n; xg holds cnt*d f32.
-            unsafe {
-                ops::elementwise::gather_rows(
-                    &self.dev,
-                    x.ptr(),
-                    rows_ptr + (off * 4) as u64,
-                    xg.ptr(),
-                    cnt,
-                    d,
-                )?
-            };
-            let y = self.mlp(&xg, &w.experts[expert])?;
-            if y.shape != [cnt, d] {
-                return Err(shape_err(
-                    OP,
-                    format!("expert {expert} output {:?}", y.shape),
-                ));
-            }
-            // SAFETY: one expert's rows are distinct tokens; y holds cnt*d f32.
-            unsafe {
-                ops::elementwise::scatter_add_rows(
-                    &self.dev,
-                    y.ptr(),
-                    rows_ptr + (off * 4) as u64,
-                    wsel_ptr + (off * 4) as u64,
-                    out.ptr(),
-                    cnt,
-                    d,
-                )?
-            };
-            off += cnt;
-        }
-        // Keep the index buffers alive until the queued kernels have read them.
-        self.dev.synchronize(OP)?;
-        drop((offsets, slots, rows, wsel));
-        Ok((out, ids_dev))
+        self.moe_layer(x, w, r)
     }
 
     fn argmax_rows(&self, x: &CudaTensor) -> Result<Vec<u32>> {
@@ -2076,12 +1251,14 @@ impl Backend for CudaBackend {
         if qkvg.iter().any(|p| !p.is_multiple_of(16)) {
             recurrent.append(&mut chunked);
         }
-        let mma = ops::kda::chunk_variant() != 1;
-        let split = self.gemm_precision() == GemmPrecision::Split;
+        let cfg = self.kernel_config();
+        let path = plan::plan_kda_chunk(&cfg);
+        let mma = path != KdaChunkPath::F32;
+        let split = cfg.split();
         let per_chunk = ops::kda::scratch_bytes(d, mma, split);
         // Groups of about equal size when the scratch bound cuts the chunks into several.
         let total: usize = chunked.iter().map(|s| s.1.div_ceil(ops::kda::CHUNK)).sum();
-        let max_chunks = ops::kda::max_group_chunks(num_heads, d, mma, split);
+        let max_chunks = ops::kda::max_group_chunks(num_heads, d, mma, split, cfg.kda_group_chunks);
         let max_chunks = total.div_ceil(total.div_ceil(max_chunks).max(1)).max(1);
         for group in ops::kda::launch_groups(&chunked, max_chunks) {
             let (table, chunks) = ops::kda::SegTable::new(&group)?;
@@ -2091,8 +1268,8 @@ impl Backend for CudaBackend {
             // `launch_groups` appears once per group, its pieces in order); scratch has room
             // for every (chunk, head); the inputs are 16-byte aligned.
             unsafe {
-                if mma {
-                    ops::kda::chunked_mma(
+                match path {
+                    KdaChunkPath::TensorCore(prep) => ops::kda::chunked_mma(
                         &self.dev,
                         qkvg,
                         beta.ptr(),
@@ -2103,9 +1280,10 @@ impl Backend for CudaBackend {
                         num_heads,
                         d,
                         split,
-                    )?
-                } else {
-                    ops::kda::chunked(
+                        prep,
+                        cfg.kda_stages,
+                    )?,
+                    KdaChunkPath::F32 => ops::kda::chunked(
                         &self.dev,
                         qkvg,
                         beta.ptr(),
@@ -2115,7 +1293,8 @@ impl Backend for CudaBackend {
                         out.ptr(),
                         num_heads,
                         d,
-                    )?
+                        cfg.kda_stages,
+                    )?,
                 }
             };
         }
@@ -2301,8 +1480,7 @@ impl Backend for CudaBackend {
         // Absorbed segments are attended together (split-KV over the pool through their
         // tables) after every sequence has its new rows; expanded ones one by one.
         let mut pieces = vec![];
-        let split = self.gemm_precision() == GemmPrecision::Split;
-        let variant = ops::mla::prefill_variant();
+        let cfg = self.kernel_config();
         for (i, (seg, seq)) in segments.iter().zip(seqs).enumerate() {
             if seg.len == 0 {
                 continue;
@@ -2349,8 +1527,7 @@ impl Backend for CudaBackend {
                     past,
                     seg.len,
                     dims,
-                    split,
-                    variant,
+                    &cfg,
                 )?
             };
         }
@@ -2369,6 +1546,7 @@ impl Backend for CudaBackend {
                     kdt,
                     out.ptr(),
                     dims,
+                    cfg.mla_decode_min_chunk,
                 )?
             };
         }

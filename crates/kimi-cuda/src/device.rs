@@ -1,7 +1,7 @@
 //! The device: one CUDA context and stream, a cuBLAS handle and the embedded kernels.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
@@ -13,9 +13,8 @@ use kimi_ops::Result;
 use crate::buffer::{Arena, DevBuf};
 use crate::error::{Error, OpContext};
 use crate::graph::{self, Args, GraphCache, KernelOp, Op, Outcome};
-
-/// Kernels with more than 48 KiB of dynamic shared memory opt in to this much.
-pub(crate) const MAX_DYNAMIC_SMEM_BYTES: u32 = 200 * 1024;
+pub(crate) use crate::plan::MAX_DYNAMIC_SMEM_BYTES;
+use crate::plan::{KernelConfig, LAYER_SMEM_BYTES};
 
 /// Kernels that get the large dynamic shared memory limit.
 const BIG_SMEM_KERNELS: &[&str] = &[
@@ -227,10 +226,6 @@ fn pool_attribute(
     Ok(value)
 }
 
-/// Bytes of the pass arena (`buffer.rs`) unless `KIMI_CUDA_GRAPH_ARENA_MB` says otherwise:
-/// a 64-sequence decode step of the 48B model peaks near 100 MB.
-const DEFAULT_ARENA_MB: usize = 512;
-
 /// One GPU: context, the stream every operation runs on, cuBLAS, the kernel table and the
 /// state of recorded passes (arena and CUDA graphs, see `graph.rs`).
 pub(crate) struct Device {
@@ -238,12 +233,15 @@ pub(crate) struct Device {
     pub(crate) stream: Arc<CudaStream>,
     pub(crate) blas: CudaBlas,
     functions: HashMap<&'static str, CudaFunction>,
-    /// Whether decode passes run through CUDA graphs (`KIMI_CUDA_GRAPHS=1` turns them on).
+    /// Whether decode passes run through CUDA graphs (`KernelConfig::cuda_graphs`).
     graphs_on: AtomicBool,
     /// Whether kernels launch with programmatic stream serialization, so that a kernel's
-    /// blocks start while its predecessor drains (`pdl_wait` in `kernels/common.cuh`);
-    /// `KIMI_CUDA_PDL=0` turns it off.
+    /// blocks start while its predecessor drains (`pdl_wait` in `kernels/common.cuh`;
+    /// `KernelConfig::pdl`). Read at every launch, hence an atomic beside the backend's
+    /// configuration.
     pdl_on: AtomicBool,
+    /// MiB of the pass arena (`KernelConfig::graph_arena_mb`), read when it is made.
+    arena_mb: AtomicUsize,
     /// The pass arena, made on the first recorded pass; `Err` once it could not be made.
     arena: Mutex<Option<std::result::Result<Arc<Arena>, ()>>>,
     graphs: Mutex<GraphCache>,
@@ -254,7 +252,9 @@ pub(crate) struct Device {
 }
 
 impl Device {
-    pub(crate) fn new(ordinal: usize) -> Result<Self> {
+    /// Opens GPU `ordinal` with `config`'s launch settings (CUDA graphs, programmatic
+    /// launch, the memory pool's release, the pass arena's size).
+    pub(crate) fn new(ordinal: usize, config: &KernelConfig) -> Result<Self> {
         // cudarc panics on first use of a library it cannot dlopen; look first.
         // SAFETY: only tries to dlopen the candidate names, running no library code.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
@@ -287,7 +287,7 @@ impl Device {
             for name in *names {
                 let f = m.load_function(name).op("load kernel")?;
                 let smem_limit = if *name == "moe_stream_layer" {
-                    Some(crate::ops::moe::LAYER_SMEM_BYTES)
+                    Some(LAYER_SMEM_BYTES)
                 } else {
                     BIG_SMEM_KERNELS
                         .contains(name)
@@ -303,14 +303,7 @@ impl Device {
                 functions.insert(*name, f);
             }
         }
-        // Graphs are off by default: with programmatic dependent launch, issuing a decode
-        // step op by op was 4-8 % faster than replaying it as a graph on an H200 (`check
-        // tune`, device-results/2026-11-30-session5), although the captured graphs do carry
-        // programmatic edges. `KIMI_CUDA_GRAPHS=1` turns them on.
-        let keep = std::env::var("KIMI_CUDA_POOL_RELEASE").map_or(true, |v| v != "1");
-        pool_keeps_memory(&ctx, keep)?;
-        let graphs_on = std::env::var("KIMI_CUDA_GRAPHS").is_ok_and(|v| v == "1");
-        let pdl_on = std::env::var("KIMI_CUDA_PDL").map_or(true, |v| v != "0");
+        pool_keeps_memory(&ctx, config.pool_keeps_memory)?;
         let sm_count = ctx
             .attribute(
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
@@ -322,8 +315,9 @@ impl Device {
             stream,
             blas,
             functions,
-            graphs_on: AtomicBool::new(graphs_on),
-            pdl_on: AtomicBool::new(pdl_on),
+            graphs_on: AtomicBool::new(config.cuda_graphs),
+            pdl_on: AtomicBool::new(config.pdl),
+            arena_mb: AtomicUsize::new(config.graph_arena_mb),
             arena: Mutex::new(None),
             graphs: Mutex::new(GraphCache::new()),
             pass_counts: Mutex::new([0; 3]),
@@ -542,6 +536,11 @@ impl Device {
         self.graphs_on.store(on, Ordering::Relaxed);
     }
 
+    /// Sets the size of the pass arena, for when it is made (at the first recorded pass).
+    pub(crate) fn set_arena_mb(&self, mb: usize) {
+        self.arena_mb.store(mb, Ordering::Relaxed);
+    }
+
     /// Makes the pass arena now where CUDA graphs are on, so that a memory plan made from
     /// free memory afterwards (`serve`'s) counts it; otherwise the first recorded pass
     /// makes it, after the cache may already have taken that memory.
@@ -555,12 +554,9 @@ impl Device {
     fn arena(&self) -> Option<Arc<Arena>> {
         let mut slot = self.arena.lock().ok()?;
         if slot.is_none() {
-            let mb = std::env::var("KIMI_CUDA_GRAPH_ARENA_MB")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
-                .unwrap_or(DEFAULT_ARENA_MB);
+            let mb = self.arena_mb.load(Ordering::Relaxed);
             // SAFETY: arena blocks are written by their producers before they are read.
-            let made = unsafe { self.stream.alloc::<u8>(mb << 20) };
+            let made = unsafe { self.stream.alloc::<u8>(mb.saturating_mul(1 << 20)) };
             *slot = Some(match made {
                 Ok(mem) => Ok(Arc::new(Arena::new(mem))),
                 Err(e) => {

@@ -11,6 +11,7 @@ use kimi_ops::{ExpertBank, HostTensor, MlpWeights, MoeRoutes, MoeRouting, Result
 use super::{code, f32_rows, shape_err, CudaBackend};
 use crate::layout::mxfp4_device_planes;
 use crate::ops;
+use crate::plan::{plan_expert_bank, BankCall, BankPath, Mxfp4Bank};
 use crate::tensor::CudaTensor;
 
 /// Device lists of one MoE layer's pairs grouped by expert (`moe_lists`), kept alive until
@@ -287,55 +288,63 @@ impl CudaBackend {
         let lists = self.pair_lists(routes, p, e)?;
         let offsets = Self::slice_ptr(&lists.offsets);
         let slots = Self::slice_ptr(&lists.slots);
-        if let Some(inter) = mxfp4_bank_shape(bank.experts(), d) {
-            let table = self.bank_table(bank.experts())?;
-            let h = self.empty(&[p, inter], DType::F32, OP)?;
-            let y = self.empty(&[p, d], DType::F32, OP)?;
-            if n > MXFP4_GEMV_MAX_TOKENS && inter.is_multiple_of(64) && d.is_multiple_of(64) {
-                let split = self.gemm_precision() == super::GemmPrecision::Split;
-                // SAFETY: as for the GEMVs below, with both widths multiples of 64.
-                unsafe {
-                    ops::mxfp4::grouped_mma(
-                        &self.dev,
-                        table,
-                        true,
-                        split,
-                        x.ptr(),
-                        k,
-                        offsets,
-                        e,
-                        slots,
-                        h.ptr(),
-                        p,
-                        inter,
-                        d,
-                        act,
-                    )?;
-                    ops::mxfp4::grouped_mma(
-                        &self.dev,
-                        table,
-                        false,
-                        split,
-                        h.ptr(),
-                        k,
-                        offsets,
-                        e,
-                        slots,
-                        y.ptr(),
-                        p,
-                        d,
-                        inter,
-                        act,
-                    )?;
-                }
-                let out = self.weighted_combine(&y, 0, &routes.weights, None, n, d, k)?;
-                drop(lists);
-                return Ok(out);
+        let cfg = self.kernel_config();
+        let call = BankCall {
+            tokens: n,
+            mxfp4: mxfp4_bank_shape(bank.experts(), d).map(|inter| Mxfp4Bank { inter, width: d }),
+        };
+        let (grouped, inter) = match plan_expert_bank(&cfg, &call) {
+            BankPath::OneByOne => {
+                return self.experts_one_by_one(x, &lists, bank, act, n, d, p, out_width)
             }
+            BankPath::Mxfp4Gemv(b) => (false, b.inter),
+            BankPath::Mxfp4Grouped(b) => (true, b.inter),
+        };
+        let table = self.bank_table(bank.experts())?;
+        let h = self.empty(&[p, inter], DType::F32, OP)?;
+        let y = self.empty(&[p, d], DType::F32, OP)?;
+        if grouped {
+            let split = cfg.split();
             // SAFETY: mxfp4_bank_shape checked MXFP4 gate/up [inter, d] and down [d, inter]
-            // for every expert, d and inter multiples of 32; the table holds their
-            // addresses; the lists come from pair_lists for p pairs; x holds n rows of d, h
-            // p rows of inter and y p rows of d f32.
+            // for every expert, and the plan both widths multiples of 64; the table holds
+            // their addresses; the lists come from pair_lists for p pairs; x holds n rows of
+            // d, h p rows of inter and y p rows of d f32.
+            unsafe {
+                ops::mxfp4::grouped_mma(
+                    &self.dev,
+                    table,
+                    true,
+                    split,
+                    x.ptr(),
+                    k,
+                    offsets,
+                    e,
+                    slots,
+                    h.ptr(),
+                    p,
+                    inter,
+                    d,
+                    act,
+                )?;
+                ops::mxfp4::grouped_mma(
+                    &self.dev,
+                    table,
+                    false,
+                    split,
+                    h.ptr(),
+                    k,
+                    offsets,
+                    e,
+                    slots,
+                    y.ptr(),
+                    p,
+                    d,
+                    inter,
+                    act,
+                )?;
+            }
+        } else {
+            // SAFETY: as above, with both widths multiples of 32.
             unsafe {
                 ops::mxfp4::expert_gemv(
                     &self.dev,
@@ -368,11 +377,10 @@ impl CudaBackend {
                     act,
                 )?;
             }
-            let out = self.weighted_combine(&y, 0, &routes.weights, None, n, d, k)?;
-            drop(lists);
-            return Ok(out);
         }
-        self.experts_one_by_one(x, &lists, bank, act, n, d, p, out_width)
+        let out = self.weighted_combine(&y, 0, &routes.weights, None, n, d, k)?;
+        drop(lists);
+        Ok(out)
     }
 
     /// Any expert format or shape: one read of `[ids | counts]` to the host, then per expert
@@ -455,16 +463,9 @@ impl CudaBackend {
             .iter()
             .flat_map(|x| [x.gate.ptr(), x.up.ptr(), x.down.ptr()])
             .collect();
-        Ok(self.address_table(key)?.0)
+        self.address_table(key)
     }
 }
-
-/// Up to this many tokens, MXFP4 routed experts run as GEMVs over their pairs (each pass
-/// over an expert's rows serves 4 of its pairs); above it, as grouped tensor-core GEMMs (64
-/// pairs per pass). At decode sizes an expert receives one or two pairs; at 256 tokens
-/// (~4.6 pairs per expert of 896, top-16) the single-stage grouped GEMM measured 45 ms per
-/// layer on an H200, several times the GEMVs' cost.
-const MXFP4_GEMV_MAX_TOKENS: usize = 512;
 
 /// The intermediate width when every expert is MXFP4 with gate/up `[inter, d]` and down
 /// `[d, inter]`, both widths whole blocks, and the staged activations fit shared memory.

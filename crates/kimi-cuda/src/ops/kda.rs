@@ -2,19 +2,21 @@
 //!
 //! The chunked (WY) form runs as two kernels per launch group: a parallel preparation per
 //! (chunk, head) into a scratch buffer, then the serial pass over each segment's chunks.
-//! Two variants ([`chunk_variant`]): the tensor-core pass (`kda_chunk_prep_mma_D` +
-//! `kda_chunk_mma_D_{split,half}`, the default for D = 64 and 128: bf16 hi + lo operands
-//! under `GemmPrecision::Split`, hi only under `Half`, f32 state) and the f32 CUDA-core pass
-//! (`kda_chunk_prep_D` + `kda_chunk_state_D`, `KIMI_CUDA_KDA_CHUNK=f32`). Long inputs are
-//! cut into launch groups of at most [`max_group_chunks`] chunks so that the scratch stays
-//! under [`SCRATCH_CAP_BYTES`]; a segment cut in two continues from its state in place.
+//! Two variants (`plan::plan_kda_chunk` picks one): the tensor-core pass (a preparation
+//! kernel + `kda_chunk_mma_D_{split,half}`, the default for D = 64 and 128: bf16 hi + lo
+//! operands under `GemmPrecision::Split`, hi only under `Half`, f32 state) and the f32
+//! CUDA-core pass (`kda_chunk_prep_D` + `kda_chunk_state_D`, `KIMI_CUDA_KDA_CHUNK=f32`).
+//! Long inputs are cut into launch groups of at most [`max_group_chunks`] chunks so that the
+//! scratch stays under [`SCRATCH_CAP_BYTES`]; a segment cut in two continues from its state
+//! in place.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::num::NonZeroUsize;
 
 use kimi_ops::{Error, Result};
 
 use crate::device::{grid, Device, MAX_DYNAMIC_SMEM_BYTES};
 use crate::error::OpContext;
+use crate::plan::{KdaPrep, KdaStages};
 
 /// The forget gate over `f [n, width]` (`kind` 0 = softplus, 1 = lower bound `lb`).
 ///
@@ -128,48 +130,6 @@ pub(crate) const SCRATCH_CAP_BYTES: usize = 256 << 20;
 /// Warps per block of `kda_chunk_mma_D_*` (`km::NW`), 16 state columns each.
 const MMA_WARPS: usize = 4;
 
-/// Which chunked kernels run: 0 = automatic (tensor cores for D = 64, 128, operands from
-/// the blocked `kda_chunk_prep_blk_D`), 1 = the f32 kernels, 2 = tensor cores with operands
-/// from the pair-loop `kda_chunk_prep_mma_D`. `usize::MAX` = not chosen yet:
-/// `KIMI_CUDA_KDA_CHUNK=f32` picks 1 and `=mma-prep` 2 on first use.
-static CHUNK_VARIANT: AtomicUsize = AtomicUsize::new(usize::MAX);
-
-/// Sets [`CHUNK_VARIANT`] (for comparison and tests).
-pub(crate) fn set_chunk_variant(v: usize) {
-    CHUNK_VARIANT.store(v, Ordering::Relaxed);
-}
-
-/// The chunked-kernel choice (see [`CHUNK_VARIANT`]).
-pub(crate) fn chunk_variant() -> usize {
-    let v = CHUNK_VARIANT.load(Ordering::Relaxed);
-    if v != usize::MAX {
-        return v;
-    }
-    let env = match std::env::var("KIMI_CUDA_KDA_CHUNK").as_deref() {
-        Ok("f32") => 1,
-        Ok("mma-prep") => 2,
-        _ => 0,
-    };
-    // A concurrent `set_chunk_variant` wins over the environment.
-    match CHUNK_VARIANT.compare_exchange(usize::MAX, env, Ordering::Relaxed, Ordering::Relaxed) {
-        Ok(_) => env,
-        Err(set) => set,
-    }
-}
-
-/// Which kernels of a chunked launch run (bit 0: the preparation, bit 1: the state pass);
-/// 3 (both) except for timing one of them alone.
-static STAGES: AtomicUsize = AtomicUsize::new(3);
-
-/// Sets [`STAGES`] (timing hook: with a bit cleared the outputs are garbage).
-pub(crate) fn set_stages(mask: usize) {
-    STAGES.store(mask, Ordering::Relaxed);
-}
-
-fn stage(bit: usize) -> bool {
-    STAGES.load(Ordering::Relaxed) & bit != 0
-}
-
 /// Scratch bytes per (chunk, head) of the chunked variant (`mma`, with or without the
 /// `split`'s lo planes, or f32).
 pub(crate) fn scratch_bytes(d: usize, mma: bool, split: bool) -> usize {
@@ -180,19 +140,18 @@ pub(crate) fn scratch_bytes(d: usize, mma: bool, split: bool) -> usize {
     }
 }
 
-/// A fixed [`max_group_chunks`] for tests (0 = from [`SCRATCH_CAP_BYTES`]).
-static GROUP_CHUNKS: AtomicUsize = AtomicUsize::new(0);
-
-/// Sets [`GROUP_CHUNKS`].
-pub(crate) fn set_group_chunks(n: usize) {
-    GROUP_CHUNKS.store(n, Ordering::Relaxed);
-}
-
-/// Chunks per launch group that keep its scratch under [`SCRATCH_CAP_BYTES`] (at least 1).
-pub(crate) fn max_group_chunks(h: usize, d: usize, mma: bool, split: bool) -> usize {
-    match GROUP_CHUNKS.load(Ordering::Relaxed) {
-        0 => (SCRATCH_CAP_BYTES / (h * scratch_bytes(d, mma, split)).max(1)).max(1),
-        n => n,
+/// Chunks per launch group that keep its scratch under [`SCRATCH_CAP_BYTES`] (at least 1),
+/// or `fixed` (`KernelConfig::kda_group_chunks`).
+pub(crate) fn max_group_chunks(
+    h: usize,
+    d: usize,
+    mma: bool,
+    split: bool,
+    fixed: Option<NonZeroUsize>,
+) -> usize {
+    match fixed {
+        None => (SCRATCH_CAP_BYTES / (h * scratch_bytes(d, mma, split)).max(1)).max(1),
+        Some(n) => n.get(),
     }
 }
 
@@ -336,7 +295,8 @@ pub(crate) fn state_smem(d: usize) -> usize {
 }
 
 /// The chunked (WY) form of every segment in `table` (`chunks` chunks in all): the
-/// per-chunk preparation into `scratch`, then the serial state pass.
+/// per-chunk preparation into `scratch`, then the serial state pass (each only where
+/// `stages` has it).
 ///
 /// # Safety
 /// As [`recurrent_split`]; also `q, k, v, g, out` are 16-byte aligned, and `scratch` holds
@@ -352,6 +312,7 @@ pub(crate) unsafe fn chunked(
     out: u64,
     h: usize,
     d: usize,
+    stages: KdaStages,
 ) -> Result<()> {
     let [q, k, v, g] = qkvg;
     let hi = h as i32;
@@ -359,7 +320,7 @@ pub(crate) unsafe fn chunked(
     if ps.max(ss) > MAX_DYNAMIC_SMEM_BYTES as usize || chunks > u32::MAX as usize {
         return Err(Error::Unsupported(format!("chunked kda with head_dim {d}")));
     }
-    if stage(1) {
+    if stages.prep {
         let mut b = dev.kernel("kda", &format!("kda_chunk_prep_{d}"))?;
         b.arg(&q).arg(&k).arg(&g).arg(&beta);
         b.arg(table).arg(&scratch).arg(&hi);
@@ -367,7 +328,7 @@ pub(crate) unsafe fn chunked(
         // chunk's scratch; the shared memory size matches the kernel's carve-up.
         unsafe { b.launch(grid((chunks as u32, h as u32, 1), 256, ps as u32)) }.op("kda")?;
     }
-    if !stage(2) {
+    if !stages.state {
         return Ok(());
     }
     let mut b = dev.kernel("kda", &format!("kda_chunk_state_{d}"))?;
@@ -398,7 +359,8 @@ pub(crate) fn mma_smem(d: usize, split: bool) -> usize {
 /// The chunked form on tensor cores: `kda_chunk_prep_mma_D` (grid (chunks, H), block 256)
 /// writes the per-chunk operands to `scratch`, then `kda_chunk_mma_D_{split,half}` (grid
 /// (D / 64, H, segments), block 128) runs each segment's chunks in order; every warp keeps
-/// 16 columns of one state in mma accumulators.
+/// 16 columns of one state in mma accumulators. `prep` picks the preparation kernel;
+/// `stages` which of the two kernels run.
 ///
 /// # Safety
 /// As [`chunked`], with `scratch` holding `chunks * h * mma_scratch_bytes(d, split)` bytes.
@@ -414,6 +376,8 @@ pub(crate) unsafe fn chunked_mma(
     h: usize,
     d: usize,
     split: bool,
+    prep: KdaPrep,
+    stages: KdaStages,
 ) -> Result<()> {
     let [q, k, v, g] = qkvg;
     let hi = h as i32;
@@ -425,12 +389,11 @@ pub(crate) unsafe fn chunked_mma(
         return Err(Error::Unsupported(format!("chunked kda with head_dim {d}")));
     }
     let sp = i32::from(split);
-    if stage(1) {
-        // The blocked preparation (default) or the pair loop (variant 2); same scratch.
-        let (prep, smem) = if chunk_variant() == 2 {
-            ("mma", ps)
-        } else {
-            ("blk", prep_blk_smem(d))
+    if stages.prep {
+        // The blocked preparation (default) or the pair loop; same scratch.
+        let (prep, smem) = match prep {
+            KdaPrep::PairLoop => ("mma", ps),
+            KdaPrep::Blocked => ("blk", prep_blk_smem(d)),
         };
         let mut b = dev.kernel("kda", &format!("kda_chunk_prep_{prep}_{d}"))?;
         b.arg(&q).arg(&k).arg(&g).arg(&beta);
@@ -439,7 +402,7 @@ pub(crate) unsafe fn chunked_mma(
         // chunk's scratch slot; the shared memory size matches the kernel's carve-up.
         unsafe { b.launch(grid((chunks as u32, h as u32, 1), 256, smem as u32)) }.op("kda")?;
     }
-    if !stage(2) {
+    if !stages.state {
         return Ok(());
     }
     let name = format!("kda_chunk_mma_{d}_{}", if split { "split" } else { "half" });

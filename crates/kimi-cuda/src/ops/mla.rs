@@ -1,13 +1,12 @@
 //! Launchers of `kernels/mla.cu`: the flash-style expanded prefill and the split-KV
 //! absorbed decode (q absorb → partial attention per latent chunk → combine → W_uv).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use kimi_ops::{Error, MlaDims, Result};
 
 use crate::buffer::DevBuf;
 use crate::device::{grid, Device, MAX_DYNAMIC_SMEM_BYTES};
 use crate::error::OpContext;
+use crate::plan::{self, KernelConfig, MlaPrefillFacts, MlaPrefillPath};
 
 /// Queries per CTA of the flash prefill kernel.
 const FLASH_BM: usize = 64;
@@ -19,14 +18,11 @@ const MMA_BN: usize = 64;
 const DECODE_ROWS: usize = 32;
 /// Latent rows per decode tile; chunk lengths are multiples of it.
 const DECODE_TILE: usize = 16;
-/// A decode chunk covers at least this many latent rows (fewer only for short contexts),
-/// so the per-CTA query load and the merge stay small next to the rows read. At one token
-/// and 1K of context 256 left 5 CTAs working; 64 gives 17 (see [`set_decode_min_chunk`]).
-static MIN_CHUNK: AtomicUsize = AtomicUsize::new(64);
-
-/// Sets [`MIN_CHUNK`] (a multiple of 16, for comparison).
-pub(crate) fn set_decode_min_chunk(rows: usize) {
-    MIN_CHUNK.store(round_up(rows.max(1), DECODE_TILE), Ordering::Relaxed);
+/// A decode chunk covers at least this many latent rows (fewer only for short contexts), so
+/// the per-CTA query load and the merge stay small next to the rows read: the backend's
+/// `KernelConfig::mla_decode_min_chunk` (at least 1), as a multiple of [`DECODE_TILE`].
+fn decode_min_chunk(rows: usize) -> usize {
+    round_up(rows.max(1), DECODE_TILE)
 }
 /// Decode CTAs to aim for: four per SM of an H200 (132 SMs; one resident CTA per SM).
 const TARGET_CTAS: usize = 4 * 132;
@@ -55,32 +51,6 @@ fn flash_smem_bytes(dq: usize) -> usize {
 /// `flash_mma_smem_bytes` of `mla.cu`: Q, K and V tiles as hi and lo bf16 rows of `d + 8`.
 fn mma_smem_bytes(dq: usize, dv: usize) -> usize {
     4 * (MMA_BM + MMA_BN) * (dq + 8) + 4 * MMA_BN * (dv + 8)
-}
-
-/// Which kernel expanded prefill uses: 0 = automatic (with bf16 operands and heads of
-/// 192 / 128, FlashInfer's Hopper kernel; else the tensor-core `mla_flash_prefill_mma`
-/// wherever it fits, else the f32 kernel), 1 = always the f32 `mla_flash_prefill[_vec]`,
-/// 2 = never FlashInfer's. `usize::MAX` = not chosen yet: `KIMI_CUDA_MLA_PREFILL=f32`
-/// picks 1 on first use.
-static PREFILL_VARIANT: AtomicUsize = AtomicUsize::new(usize::MAX);
-
-/// Sets [`PREFILL_VARIANT`] (for comparison and tests).
-pub(crate) fn set_prefill_variant(v: usize) {
-    PREFILL_VARIANT.store(v, Ordering::Relaxed);
-}
-
-/// The kernel choice of expanded prefill (see [`PREFILL_VARIANT`]).
-pub(crate) fn prefill_variant() -> usize {
-    let v = PREFILL_VARIANT.load(Ordering::Relaxed);
-    if v != usize::MAX {
-        return v;
-    }
-    let env = usize::from(std::env::var("KIMI_CUDA_MLA_PREFILL").is_ok_and(|s| s == "f32"));
-    // A concurrent `set_prefill_variant` wins over the environment.
-    match PREFILL_VARIANT.compare_exchange(usize::MAX, env, Ordering::Relaxed, Ordering::Relaxed) {
-        Ok(_) => env,
-        Err(set) => set,
-    }
 }
 
 fn decode_smem_bytes(lw: usize) -> usize {
@@ -115,10 +85,10 @@ fn to_i32(x: usize, what: &str) -> Result<i32> {
     i32::try_from(x).map_err(|_| Error::Unsupported(format!("mla {what} {x} exceeds i32")))
 }
 
-/// Expanded (prefill) attention of one segment: `len` queries over `past + len` keys.
-/// `variant` as [`PREFILL_VARIANT`]: 0 runs FlashInfer's kernel where it fits without
-/// `split`, else the tensor-core kernel where it fits (with
-/// `split`, its operands as bf16 hi + lo pairs, near f32; without, bf16), 1 the f32 kernel.
+/// Expanded (prefill) attention of one segment: `len` queries over `past + len` keys, on the
+/// kernel [`plan::plan_mla_prefill`] picks under `cfg` for this segment's shapes and
+/// buffers: FlashInfer's, the tensor-core kernel (under the split its operands as bf16
+/// hi + lo pairs, near f32; without, bf16) or the f32 one.
 ///
 /// # Safety
 /// `q` holds this segment's `len` rows of `H*(dn+dr)` f32, `cache` `past+len` contiguous
@@ -134,23 +104,36 @@ pub(crate) unsafe fn expanded(
     past: usize,
     len: usize,
     dims: &MlaDims,
-    split: bool,
-    variant: usize,
+    cfg: &KernelConfig,
 ) -> Result<()> {
     if len == 0 {
         return Ok(());
     }
     let [h, r, dn, dr, dv] = dims_i32(dims)?;
     let dq = dims.qk_nope_head_dim + dims.qk_rope_head_dim;
-    if !split
-        && variant == 0
-        && dq == 192
-        && dims.v_head_dim == 128
-        && dims.qk_nope_head_dim.is_multiple_of(4)
-        && aligned(&[q, cache, kv, out])
-        && !crate::graph::recording(dev.stream.cu_stream())
-    {
-        // SAFETY: the caller's contract; the widths and alignment were checked above.
+    let mma_smem = mma_smem_bytes(dq, dims.v_head_dim);
+    let facts = MlaPrefillFacts {
+        flashinfer_heads: dq == 192
+            && dims.v_head_dim == 128
+            && dims.qk_nope_head_dim.is_multiple_of(4),
+        aligned: aligned(&[q, cache, kv, out]),
+        vec_widths: [
+            dims.kv_lora_rank,
+            dq,
+            dims.qk_nope_head_dim,
+            dims.v_head_dim,
+        ]
+        .iter()
+        .all(|d| d.is_multiple_of(4)),
+        mma_fits: dq.is_multiple_of(16)
+            && dims.v_head_dim.is_multiple_of(16)
+            && mma_smem <= MAX_DYNAMIC_SMEM_BYTES as usize,
+        recording: crate::graph::recording(dev.stream.cu_stream()),
+    };
+    let path = plan::plan_mla_prefill(cfg, &facts);
+    if path == MlaPrefillPath::FlashInfer {
+        // SAFETY: the caller's contract; the planner took FlashInfer's kernel only for
+        // heads of 192 / 128 with dn % 4 == 0, aligned buffers and no recorded pass.
         return unsafe { expanded_sm90(dev, q, cache, kv, out, past, len, dims) };
     }
     let smem = flash_smem_bytes(dq);
@@ -159,34 +142,18 @@ pub(crate) unsafe fn expanded(
             "mla expanded with {dims:?} (needs dn+dr <= 256, dv <= 128)"
         )));
     }
-    let vec = [
-        dims.kv_lora_rank,
-        dq,
-        dims.qk_nope_head_dim,
-        dims.v_head_dim,
-    ]
-    .iter()
-    .all(|d| d.is_multiple_of(4))
-        && aligned(&[q, cache, kv, out]);
-    let mma_smem = mma_smem_bytes(dq, dims.v_head_dim);
-    let mma = (variant == 0 || variant == 2)
-        && vec
-        && dq.is_multiple_of(16)
-        && dims.v_head_dim.is_multiple_of(16)
-        && mma_smem <= MAX_DYNAMIC_SMEM_BYTES as usize;
-    let (name, bm, smem) = if mma {
-        ("mla_flash_prefill_mma", MMA_BM, mma_smem)
-    } else if vec {
-        ("mla_flash_prefill_vec", FLASH_BM, smem)
-    } else {
-        ("mla_flash_prefill", FLASH_BM, smem)
+    let mma = path == MlaPrefillPath::TensorCore;
+    let (name, bm, smem) = match path {
+        MlaPrefillPath::TensorCore => ("mla_flash_prefill_mma", MMA_BM, mma_smem),
+        MlaPrefillPath::F32Vec => ("mla_flash_prefill_vec", FLASH_BM, smem),
+        MlaPrefillPath::F32 | MlaPrefillPath::FlashInfer => ("mla_flash_prefill", FLASH_BM, smem),
     };
     let tiles = u32::try_from(len.div_ceil(bm))
         .map_err(|_| Error::Unsupported(format!("mla segment of {len} tokens")))?;
     let (p, n) = (to_i32(past, "past")?, to_i32(len, "len")?);
     to_i32(past + len, "context")?;
     let scale_log2 = dims.scale * std::f32::consts::LOG2_E;
-    let split = i32::from(split);
+    let split = i32::from(cfg.split());
     let mut b = dev.kernel("mla", name)?;
     b.arg(&q).arg(&cache).arg(&kv).arg(&out).arg(&p).arg(&n);
     b.arg(&h)
@@ -198,12 +165,13 @@ pub(crate) unsafe fn expanded(
     if mma {
         b.arg(&split);
     }
-    let cfg = grid((tiles, dims.num_heads as u32, 1), 256, smem as u32);
+    let shape = grid((tiles, dims.num_heads as u32, 1), 256, smem as u32);
     // SAFETY: grid (query tiles of `bm`, H) × 256 threads with the chosen kernel's dynamic
     // shared memory (opted in at load, within the limit), as the kernel expects; buffer sizes
-    // per the contract above; the vec and mma variants only with widths % 4 == 0 and 16-byte
-    // aligned pointers, mma only with dn+dr, dv % 16 == 0 (dn+dr <= 256, dv <= 128 above).
-    unsafe { b.launch(cfg) }.op("mla")?;
+    // per the contract above; the planner took the vec and mma variants only with widths
+    // % 4 == 0 and 16-byte aligned pointers, mma only with dn+dr, dv % 16 == 0 (dn+dr <= 256,
+    // dv <= 128 above).
+    unsafe { b.launch(shape) }.op("mla")?;
     Ok(())
 }
 
@@ -350,12 +318,12 @@ fn max_chunks(group: &[Piece], h: usize) -> usize {
     TARGET_CTAS.div_ceil(row_tiles.max(1)).max(1)
 }
 
-/// Splits per sequence so that about [`TARGET_CTAS`] CTAs run: `(nchunks, chunk_len per
-/// piece)`.
-fn split_plan(group: &[Piece], h: usize) -> (usize, Vec<usize>) {
+/// Splits per sequence so that about [`TARGET_CTAS`] CTAs run, chunks of at least
+/// `min_chunk` rows (a multiple of [`DECODE_TILE`]): `(nchunks, chunk_len per piece)`.
+fn split_plan(group: &[Piece], h: usize, min_chunk: usize) -> (usize, Vec<usize>) {
     let max_total = group.iter().map(|p| p.past + p.len).max().unwrap_or(1);
     let nchunks = max_chunks(group, h)
-        .min(max_total.div_ceil(MIN_CHUNK.load(Ordering::Relaxed)))
+        .min(max_total.div_ceil(min_chunk))
         .max(1);
     let lens = group
         .iter()
@@ -374,7 +342,8 @@ fn ptr(s: &DevBuf) -> u64 {
     s.ptr()
 }
 
-/// Absorbed attention of every piece: `out[q_row + i]` for each piece's `len` queries.
+/// Absorbed attention of every piece: `out[q_row + i]` for each piece's `len` queries, in
+/// latent chunks of at least `min_chunk` rows (`KernelConfig::mla_decode_min_chunk`).
 ///
 /// # Safety
 /// `q` holds `H*(dn+dr)` f32 per row and `out` `H*dv` f32 per row for every row a piece
@@ -391,6 +360,7 @@ pub(crate) unsafe fn absorbed(
     kdt: i32,
     out: u64,
     dims: &MlaDims,
+    min_chunk: usize,
 ) -> Result<()> {
     let [h, r, dn, dr, dv] = dims_i32(dims)?;
     let (hu, ru) = (dims.num_heads, dims.kv_lora_rank);
@@ -417,7 +387,11 @@ pub(crate) unsafe fn absorbed(
     if max_tokens == 0 {
         return Ok(());
     }
-    let plans: Vec<(usize, Vec<usize>)> = groups.iter().map(|g| split_plan(g, hu)).collect();
+    let min_chunk = decode_min_chunk(min_chunk);
+    let plans: Vec<(usize, Vec<usize>)> = groups
+        .iter()
+        .map(|g| split_plan(g, hu, min_chunk))
+        .collect();
     // Sized for the most chunks `split_plan` can choose, not this step's: the scratch then
     // keeps its size as the context grows (so a replayed decode graph stays valid).
     let max_parts = groups
@@ -562,7 +536,7 @@ mod tests {
     fn split_covers_context() {
         for total in [1usize, 100, 5000, 70_000, 1 << 20] {
             let g = [piece(total - 1, 1, 0)];
-            let (nc, lens) = split_plan(&g, 32);
+            let (nc, lens) = split_plan(&g, 32, decode_min_chunk(64));
             assert!(nc * lens[0] >= total, "{total}");
             assert!(nc <= TARGET_CTAS);
             assert_eq!(lens[0] % DECODE_TILE, 0);

@@ -1,9 +1,12 @@
 //! Launchers of `kernels/moe.cu`.
 
+use std::num::NonZeroUsize;
+
 use kimi_ops::{Error, MoeRouting, Result};
 
 use crate::device::{flat, grid, Device};
 use crate::error::OpContext;
+use crate::plan::{LayerPlan, StreamPlan, ROUTE_WARP_MAX_EXPERTS, STREAM_MAX_SLOTS};
 
 /// Routes `n` tokens from f32 router logits `[n, e]`: writes `ids` and `weights`
 /// `[n, top_k]`.
@@ -78,9 +81,9 @@ pub(crate) struct ListBufs {
 /// # Safety
 /// `router` holds `[e, d]` and `x` `d` f32, both 16-byte aligned, `d % 4 == 0`; `bias`
 /// (unless 0) 4-byte aligned, with `e` even unless `bdt` is f32 (the kernel copies it as
-/// 4-byte words); `r.top_k <= min(ROUTE_ONE_MAX_TOP_K, e)`; `logits` holds `e` f32; `out` as for
-/// [`route`] and [`lists`] with one token; `ticket` is one u32 that is zero and no other
-/// launch uses while this one runs.
+/// 4-byte words); `r.top_k <= min(ROUTE_ONE_MAX_TOP_K, e)` (`crate::plan`); `logits` holds
+/// `e` f32; `out` as for [`route`] and [`lists`] with one token; `ticket` is one u32 that is
+/// zero and no other launch uses while this one runs.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn route_one(
     dev: &Device,
@@ -125,12 +128,6 @@ pub(crate) unsafe fn route_one(
 
 /// From this many tokens, ungrouped routing runs a warp per token (see [`route`]).
 const ROUTE_WARP_MIN_TOKENS: usize = 32;
-
-/// The most experts `moe_route_warp` holds in its lanes' registers (32 × `ROUTE_MAXJ`).
-pub(crate) const ROUTE_WARP_MAX_EXPERTS: usize = 512;
-
-/// The most picks per token [`route_one`] takes (one per lane of the routing warp).
-pub(crate) const ROUTE_ONE_MAX_TOP_K: usize = 32;
 
 /// Pairs per `moe_lists_place` block (`LISTS_CHUNK` in `kernels/moe.cu`).
 const LISTS_CHUNK: usize = 4096;
@@ -192,7 +189,8 @@ pub(crate) unsafe fn lists(
 /// `[rows_out, cols]` otherwise) of dtype `dt`; `input` holds `cols`-wide f32 rows (tokens
 /// when `glu`, pairs otherwise); `offsets` (with its active-expert list, `2 * e + 2`
 /// entries) and `slots` come from [`lists`] for `p` pairs; `out` holds `p * rows_out` f32;
-/// `aligned`: every weight and `input` is 16-byte aligned.
+/// `aligned`: every weight and `input` is 16-byte aligned. `row_blocks_forced` overrides
+/// the 16-row blocks per CTA (`KernelConfig::moe_row_blocks`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn expert_gemv(
     dev: &Device,
@@ -209,6 +207,7 @@ pub(crate) unsafe fn expert_gemv(
     cols: usize,
     dt: i32,
     aligned: bool,
+    row_blocks_forced: Option<NonZeroUsize>,
 ) -> Result<()> {
     let vec = (aligned && dt == 1 && cols.is_multiple_of(8)) as i32;
     // Activation rows go through shared memory where a group of them fits in the default
@@ -223,7 +222,7 @@ pub(crate) unsafe fn expert_gemv(
         cols as i32,
     );
     let st = stage as i32;
-    let rb = row_blocks(p);
+    let rb = row_blocks_forced.map_or_else(|| row_blocks(p), NonZeroUsize::get);
     let rbi = rb as i32;
     let mut b = dev.kernel("moe", "moe_expert_gemv")?;
     b.arg(&wtab).arg(&g).arg(&input).arg(&ki);
@@ -248,10 +247,10 @@ pub(crate) unsafe fn expert_gemv(
 /// `wtab` holds `3 * (e + shared)` addresses of bf16 weights (gate, up `[rows_out, cols]`
 /// when `glu`; down `[rows_out, cols]` otherwise), 16-byte aligned; `input` is 16-byte
 /// aligned and holds the rows named above; `offsets` (with its active list) and `slots` come
-/// from [`lists`] for `top_k` pairs; `plan` is [`crate::ops::gemm::stream_plan`] of `cols`,
-/// `rows_out`, 2 (glu) or 1, and `staged` = [`stream_staged_bytes`]. A down pass (`glu` =
-/// false) is issued right after the gate/up pass of the same routing, on the same stream (it
-/// reads the routing before its `pdl_wait`).
+/// from [`lists`] for `top_k` pairs; `plan` is `plan::stream_plan` of `cols`, `rows_out`, 2
+/// (glu) or 1, and `staged` = `plan::stream_staged_bytes`. A down pass (`glu` = false) is
+/// issued right after the gate/up pass of the same routing, on the same stream (it reads the
+/// routing before its `pdl_wait`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn expert_stream(
     dev: &Device,
@@ -266,14 +265,14 @@ pub(crate) unsafe fn expert_stream(
     shared: bool,
     rows_out: usize,
     cols: usize,
-    plan: crate::ops::gemm::StreamPlan,
+    plan: StreamPlan,
 ) -> Result<()> {
     if top_k.min(e) + shared as usize > STREAM_MAX_SLOTS {
         return Err(kimi_ops::Error::Device(format!(
             "moe_stream_1: {top_k} pairs, at most {STREAM_MAX_SLOTS} slots"
         )));
     }
-    let staged = stream_staged_bytes(glu, top_k, shared, cols) > 0;
+    let staged = crate::plan::stream_staged_bytes(glu, top_k, shared, cols) > 0;
     // The down pass follows the gate/up pass on the same stream: its routing is final before
     // its `pdl_wait` (see `moe_stream_1`), so it queues the routed tiles early.
     let route_ready = !glu;
@@ -310,48 +309,12 @@ pub(crate) unsafe fn expert_stream(
     Ok(())
 }
 
-/// The cut of a one-token MoE layer in one launch (`moe_stream_layer` in `kernels/moe.cu`):
-/// each projection's tile rows as [`crate::ops::gemm::stream_plan`] picks them, every stage
-/// the larger tile, and the shared memory left after the staged rows filled with stages.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct LayerPlan {
-    rows_gu: usize,
-    rows_dn: usize,
-    stages: usize,
-    stage_bytes: usize,
-    grid: usize,
-    smem: u32,
-}
-
-/// Dynamic shared memory of `moe_stream_layer` (above the 200 KiB of the other kernels: with
-/// its ~6 KiB of static tables it stays under the 227 KiB a CTA may have).
-pub(crate) const LAYER_SMEM_BYTES: u32 = 216 * 1024;
-
-/// [`LayerPlan`] for `slots` experts of `[inter, d]` gate/up and `[d, inter]` down, or `None`
-/// where it does not apply (then the two `moe_stream_1` passes run).
-pub(crate) fn layer_plan(dev: &Device, d: usize, inter: usize, slots: usize) -> Option<LayerPlan> {
-    let staged = d.max(slots * inter) * 4;
-    let gu = crate::ops::gemm::stream_plan(dev, d, inter * slots, 2, d * 4)?;
-    let dn = crate::ops::gemm::stream_plan(dev, inter, d * slots, 1, slots * inter * 4)?;
-    let stage_bytes = (gu.rows * d * 4).max(dn.rows * inter * 2);
-    let stages = ((LAYER_SMEM_BYTES as usize).checked_sub(staged)? / stage_bytes).min(8);
-    (stages >= 2).then_some(LayerPlan {
-        rows_gu: gu.rows,
-        rows_dn: dn.rows,
-        stages,
-        stage_bytes,
-        // The grid-wide handoff needs every CTA resident: one per SM.
-        grid: dev.sm_count,
-        smem: (stages * stage_bytes + staged) as u32,
-    })
-}
-
 /// A token's whole expert layer, streamed in one launch (`moe_stream_layer`): the SwiGLU rows
 /// `h [top_k + shared, inter]` of the hidden row `input [1, d]`, then `out [top_k + shared, d]`
 /// from them, as [`expert_stream`]'s two passes compute them (bit for bit).
 ///
 /// # Safety
-/// As [`expert_stream`] for both passes; `plan` is [`layer_plan`] of `d`, `inter` and
+/// As [`expert_stream`] for both passes; `plan` is `plan::layer_plan` of `d`, `inter` and
 /// `top_k + shared`; `sync` is two u32, zero between launches, used by no other kernel.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn layer_stream(
@@ -404,86 +367,15 @@ pub(crate) unsafe fn layer_stream(
     Ok(())
 }
 
-static LAYER_ON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-/// Whether streamed one-token MoE layers take [`layer_stream`] (else two [`expert_stream`]
-/// passes). `KIMI_CUDA_MOE_LAYER=0` turns it off at start (for comparisons).
-pub(crate) fn layer_on() -> bool {
-    static ENV: std::sync::Once = std::sync::Once::new();
-    ENV.call_once(|| {
-        if std::env::var("KIMI_CUDA_MOE_LAYER").is_ok_and(|v| v == "0") {
-            set_layer(false);
-        }
-    });
-    LAYER_ON.load(std::sync::atomic::Ordering::Relaxed)
-}
-
-/// Sets [`layer_on`].
-pub(crate) fn set_layer(on: bool) {
-    LAYER_ON.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Slots (routed experts of one token, plus the shared one) a `moe_stream_1` launch handles
-/// at most (`MOE_STREAM_MAX_SLOTS` in `kernels/moe.cu`).
-pub(crate) const STREAM_MAX_SLOTS: usize = 64;
-
-/// Bytes of input rows `moe_stream_1` stages in shared memory (the token's hidden row for
-/// `glu`, every pair's SwiGLU row otherwise), or 0 when they are read from global memory.
-pub(crate) fn stream_staged_bytes(glu: bool, top_k: usize, shared: bool, cols: usize) -> usize {
-    let rows = if glu { 1 } else { top_k + shared as usize };
-    let bytes = rows * cols * 4;
-    if bytes <= 48 * 1024 {
-        bytes
-    } else {
-        0
-    }
-}
-
-static STREAM_ON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-static ROUTE_ONE_ON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-/// Whether one-token routing takes [`route_one`] (else cuBLAS, [`route`], [`lists`]).
-pub(crate) fn route_one_on() -> bool {
-    ROUTE_ONE_ON.load(std::sync::atomic::Ordering::Relaxed)
-}
-
-/// Sets [`route_one_on`] (for comparison).
-pub(crate) fn set_route_one(on: bool) {
-    ROUTE_ONE_ON.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Whether one-token MoE layers take [`expert_stream`].
-pub(crate) fn stream_on() -> bool {
-    STREAM_ON.load(std::sync::atomic::Ordering::Relaxed)
-}
-
-/// Sets [`stream_on`] (for comparison).
-pub(crate) fn set_stream(on: bool) {
-    STREAM_ON.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
 /// Row blocks of 16 per CTA of `moe_expert_gemv` for `p` (token, expert) pairs: one while
 /// few experts are active (every CTA is needed to fill the GPU), more once most experts
-/// are. [`set_row_blocks`] overrides it (for tuning).
+/// are.
 fn row_blocks(p: usize) -> usize {
-    match ROW_BLOCKS.load(std::sync::atomic::Ordering::Relaxed) {
-        0 => {
-            if p >= 128 {
-                4
-            } else {
-                1
-            }
-        }
-        forced => forced,
+    if p >= 128 {
+        4
+    } else {
+        1
     }
-}
-
-static ROW_BLOCKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// Forces `moe_expert_gemv`'s row blocks per CTA (0 = automatic).
-pub(crate) fn set_row_blocks(n: usize) {
-    ROW_BLOCKS.store(n, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Tokens per pass over a weight row in `moe_expert_gemv` (`TG` in `kernels/moe.cu`).
@@ -560,23 +452,6 @@ pub(crate) unsafe fn grouped_mma(
     Ok(())
 }
 
-/// Which grouped expert GEMM prefill uses: 0 = automatic (CUTLASS from
-/// [`CUTLASS_MIN_PAIRS_HALF`] or [`CUTLASS_MIN_PAIRS_SPLIT`] pairs, else the pipelined
-/// `moe_mma_*`), 1 = the older single-stage
-/// `moe_grouped_mma`, 2 = the pipelined kernel, 3 = CUTLASS. For comparison (`check`).
-static GROUPED_VARIANT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// Chooses the grouped expert GEMM (0 = automatic, 1 = `moe_grouped_mma`, 2 = `moe_mma_*`,
-/// 3 = CUTLASS).
-pub(crate) fn set_grouped_variant(v: usize) {
-    GROUPED_VARIANT.store(v, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Whether prefill takes the pipelined `moe_mma_*` kernels.
-pub(crate) fn pipelined_grouped() -> bool {
-    GROUPED_VARIANT.load(std::sync::atomic::Ordering::Relaxed) != 1
-}
-
 /// Pairs per tile of the pipelined grouped GEMM: 128 once experts get ~100 pairs on
 /// average, else 64 (fewer padded rows in the last tile of each expert).
 pub(crate) fn mma_tile_rows(p: usize, e: usize) -> usize {
@@ -651,35 +526,6 @@ pub(crate) unsafe fn grouped_mma_pipelined(
     unsafe { b.launch(grid((cols as u32, tiles as u32, 1), 256, smem)) }.op("moe")?;
     Ok(())
 }
-
-/// Whether `p` routed pairs take the CUTLASS grouped GEMM (`KIMI_CUDA_MOE_GEMM` = `cutlass`
-/// or `mma` overrides the automatic choice; [`set_grouped_variant`] overrides both).
-pub(crate) fn cutlass_grouped(p: usize, split: bool) -> bool {
-    match GROUPED_VARIANT.load(std::sync::atomic::Ordering::Relaxed) {
-        2 => return false,
-        3 => return true,
-        _ => {}
-    }
-    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    let forced = FORCED.get_or_init(|| match std::env::var("KIMI_CUDA_MOE_GEMM").as_deref() {
-        Ok("cutlass") => Some(true),
-        Ok("mma") => Some(false),
-        _ => None,
-    });
-    let min = if split {
-        CUTLASS_MIN_PAIRS_SPLIT
-    } else {
-        CUTLASS_MIN_PAIRS_HALF
-    };
-    forced.unwrap_or(p >= min)
-}
-
-/// Routed pairs from which the CUTLASS grouped GEMM is the default. `check moe-bench` on an
-/// H200 (48B layer, top-8): with bf16 operands it wins from 256 tokens (0.81 vs 1.10 ms);
-/// under the split it runs two GEMMs per projection and f32 gate/up rows, and wins only past
-/// ~1.7K tokens (1K: 2.14 vs 1.88 ms; 8K: 6.37 vs 8.65 ms).
-const CUTLASS_MIN_PAIRS_HALF: usize = 2048;
-const CUTLASS_MIN_PAIRS_SPLIT: usize = 16384;
 
 /// Gathers the token rows of every sorted pair as bf16 (hi, then lo terms `p` rows further
 /// when `split`) into `out`, and writes `inv[slots[pos]] = pos` (for [`combine`]).

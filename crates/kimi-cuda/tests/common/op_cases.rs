@@ -9,7 +9,7 @@ use half::bf16;
 use kimi_core::config::KdaGate;
 use kimi_core::DType;
 use kimi_cpu::CpuBackend;
-use kimi_cuda::{CudaBackend, GemmPrecision};
+use kimi_cuda::{CudaBackend, GemmPrecision, KdaChunkKernel};
 use kimi_ops::{
     kda_decode_composed, Backend, HostTensor, KdaMode, KdaStepInputs, KdaStepWeights, MlaDims,
     MlaMode, MlpWeights, MoeRouting, MoeWeights, PagedSeq, RowSampling, Segment, TokenPenalty,
@@ -1314,16 +1314,17 @@ pub fn kda_cases() -> Vec<(String, Case)> {
             let c: Case = Box::new(move |r: &dyn Runner| match (r.cpu(), r.cuda()) {
                 (Some(b), _) => op_kda_segs(b, 3, d, &lens, KdaGate::Softplus, KdaMode::Chunked),
                 (_, Some(b)) => {
+                    let before = b.kernel_config();
+                    let mut cfg = before;
                     match setting {
-                        0 => b.set_gemm_precision(GemmPrecision::Half),
-                        1 => b.set_kda_chunk_variant(1),
-                        3 => b.set_kda_chunk_variant(2),
-                        _ => b.set_kda_group_chunks(2),
+                        0 => cfg.precision = GemmPrecision::Half,
+                        1 => cfg.kda_chunk = KdaChunkKernel::F32,
+                        3 => cfg.kda_chunk = KdaChunkKernel::MmaPairPrep,
+                        _ => cfg.kda_group_chunks = std::num::NonZeroUsize::new(2),
                     }
+                    b.set_kernel_config(cfg)?;
                     let out = op_kda_segs(b, 3, d, &lens, KdaGate::Softplus, KdaMode::Chunked);
-                    b.set_gemm_precision(GemmPrecision::Split);
-                    b.set_kda_chunk_variant(0);
-                    b.set_kda_group_chunks(0);
+                    b.set_kernel_config(before)?;
                     out
                 }
                 _ => unreachable!(),

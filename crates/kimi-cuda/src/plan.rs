@@ -1,0 +1,260 @@
+//! The kernel choices of one [`CudaBackend`](crate::CudaBackend): its [`KernelConfig`], and
+//! the planners that decide from that configuration and a call's shapes which kernels the
+//! call runs (`plan_moe`, `plan_matmul`, `plan_gemv`, `plan_kda_chunk`, `plan_mla_prefill`).
+//!
+//! Nothing here touches the GPU: this module builds without the `cuda` feature, so its
+//! tests run on any machine, and the backend hands the launchers in `ops/` what the planners
+//! chose. [`KernelConfig::from_env`] is the one place that reads the `KIMI_CUDA_*`
+//! variables; `plan/README.md` tables every field, its variable, its default and why.
+
+use std::num::NonZeroUsize;
+
+mod bank;
+mod env;
+mod kernels;
+mod moe;
+mod stream;
+
+pub(crate) use bank::{plan_expert_bank, BankCall, BankPath, Mxfp4Bank};
+pub use env::EnvVarError;
+pub(crate) use kernels::{
+    plan_gemv, plan_gemv_pair, plan_kda_chunk, plan_matmul, plan_mla_prefill, GemvPath,
+    KdaChunkPath, KdaPrep, MatmulPath, MlaPrefillFacts, MlaPrefillPath, GEMV_MAX_ROWS,
+};
+pub(crate) use moe::{
+    plan_moe, ExpertLayout, GroupedPath, MoeCall, MoePath, RoutePath, RouterFacts, SharedExpert,
+    StreamPasses, ROUTE_WARP_MAX_EXPERTS,
+};
+pub use stream::StreamShape;
+pub(crate) use stream::{
+    stream_staged_bytes, LayerPlan, StreamPlan, LAYER_SMEM_BYTES, MAX_DYNAMIC_SMEM_BYTES,
+    STREAM_CONSUMERS, STREAM_MAX_SLOTS,
+};
+
+/// How GEMMs against bf16/f16 weights treat the f32 activations.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GemmPrecision {
+    /// Split each activation into two 16-bit terms (`hi + lo`) and run both through one GEMM
+    /// of twice the rows: close to f32 accuracy (the weights are read once, so decode costs
+    /// about the same; prefill does twice the tensor-core work).
+    #[default]
+    Split,
+    /// Round activations to the weight's 16-bit type: fastest, ~3e-3 relative error per GEMM.
+    Half,
+}
+
+/// The small-batch (at most 8 rows) bf16 GEMV kernel.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum GemvKernel {
+    /// The TMA-fed `gemv_bulk` where it measured faster (one token, narrow matrices, very
+    /// long rows), else the register-streaming `gemv_bf16`; two one-token products of one
+    /// row length that both take `gemv_bf16` share one `gemv_bf16_pair` launch.
+    #[default]
+    Auto,
+    /// Always the register-streaming `gemv_bf16`.
+    Register,
+    /// `gemv_bulk` wherever its weight tile fits.
+    Bulk,
+    /// The persistent `gemv_stream_1` for one token where its cut fits (else as `Auto`,
+    /// without the pair kernel): it matched `gemv_bulk` without bettering it.
+    Stream,
+}
+
+/// The chunked (prefill) KDA kernels, for head sizes 64 and 128.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KdaChunkKernel {
+    /// The bf16 tensor-core state pass (hi + lo operands under [`GemmPrecision::Split`]),
+    /// its operands prepared by 16-row blocks (`kda_chunk_prep_blk_D`).
+    #[default]
+    Auto,
+    /// The f32 CUDA-core kernels (`kda_chunk_prep_D`, `kda_chunk_state_D`).
+    F32,
+    /// The tensor-core state pass with the pair-loop preparation (`kda_chunk_prep_mma_D`).
+    MmaPairPrep,
+}
+
+/// Which kernels of a chunked KDA launch run: a timing hook (with either off, the outputs
+/// are garbage).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KdaStages {
+    /// The per-chunk preparation.
+    pub prep: bool,
+    /// The serial state pass.
+    pub state: bool,
+}
+
+impl Default for KdaStages {
+    fn default() -> Self {
+        Self {
+            prep: true,
+            state: true,
+        }
+    }
+}
+
+/// The expanded (prefill) MLA attention kernel.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MlaPrefillKernel {
+    /// Under [`GemmPrecision::Half`] with heads of 192 (q·k) and 128 (v), FlashInfer's
+    /// Hopper kernel; else our bf16 tensor-core kernel wherever it fits (hi + lo operands
+    /// under [`GemmPrecision::Split`]); else the f32 kernel.
+    #[default]
+    Auto,
+    /// Always the f32 CUDA-core kernel.
+    F32,
+    /// As `Auto`, never FlashInfer's kernel.
+    NoFlashInfer,
+}
+
+/// The grouped expert GEMM of MoE layers above [`KernelConfig::fused_moe_max_tokens`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum GroupedMoeKernel {
+    /// CUTLASS's grouped GEMM from [`KernelConfig::cutlass_min_pairs`] routed pairs (outside
+    /// recorded passes: it bypasses the recorder), else the pipelined `moe_mma_*`.
+    #[default]
+    Auto,
+    /// The older single-stage `moe_grouped_mma`.
+    SingleStage,
+    /// Always the pipelined `moe_mma_*`.
+    Pipelined,
+    /// Always CUTLASS's grouped GEMM (outside recorded passes).
+    Cutlass,
+}
+
+/// Routed pairs (tokens × top-k) from which [`GroupedMoeKernel::Auto`] takes CUTLASS.
+/// `check moe-bench` on an H200 (48B layer, top-8): with bf16 operands CUTLASS wins from 256
+/// tokens (0.81 vs 1.10 ms); under the split it runs two GEMMs per projection and f32
+/// gate/up rows, and wins only past ~1.7K tokens (1K: 2.14 vs 1.88 ms; 8K: 6.37 vs 8.65 ms).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CutlassMinPairs {
+    /// Under [`GemmPrecision::Half`].
+    pub half: usize,
+    /// Under [`GemmPrecision::Split`].
+    pub split: usize,
+}
+
+impl Default for CutlassMinPairs {
+    fn default() -> Self {
+        Self {
+            half: 2048,
+            split: 16384,
+        }
+    }
+}
+
+impl CutlassMinPairs {
+    /// The threshold for `precision`.
+    pub fn for_precision(self, precision: GemmPrecision) -> usize {
+        match precision {
+            GemmPrecision::Split => self.split,
+            GemmPrecision::Half => self.half,
+        }
+    }
+}
+
+/// Every kernel choice of one [`CudaBackend`](crate::CudaBackend). `Default` is what the
+/// backend runs with no `KIMI_CUDA_*` variable set; [`KernelConfig::from_env`] applies the
+/// variables (`CudaBackend::new` starts from it). Two backends in one process may differ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct KernelConfig {
+    /// How tensor-core products (GEMMs, MoE experts, MLA prefill attention, the chunked KDA
+    /// state pass) take the f32 activations.
+    pub precision: GemmPrecision,
+    /// The small-batch bf16 GEMV kernel.
+    pub gemv: GemvKernel,
+    /// The cut of the streamed one-token kernels (`KIMI_CUDA_STREAM_SHAPE`).
+    pub stream_shape: StreamShape,
+    /// The chunked KDA kernels (`KIMI_CUDA_KDA_CHUNK`).
+    pub kda_chunk: KdaChunkKernel,
+    /// Which kernels of a chunked KDA launch run (timing only).
+    pub kda_stages: KdaStages,
+    /// The most chunks of one chunked-KDA launch group; `None`: as many as keep the scratch
+    /// under its bound (tests set a few to cut short segments into several groups).
+    pub kda_group_chunks: Option<NonZeroUsize>,
+    /// The expanded (prefill) MLA kernel (`KIMI_CUDA_MLA_PREFILL`).
+    pub mla_prefill: MlaPrefillKernel,
+    /// The fewest latent rows per CTA of the absorbed (decode) MLA kernel, rounded up to a
+    /// multiple of 16: at one token and 1K of context 256 left 5 CTAs working, 64 gives 17.
+    pub mla_decode_min_chunk: usize,
+    /// One-token MoE layers route in one launch (`moe_route_one`) instead of through cuBLAS,
+    /// `moe_route*` and `moe_lists`.
+    pub moe_route_one: bool,
+    /// One-token MoE layers stream their routed and shared experts (`moe_stream_1` /
+    /// `moe_stream_layer`) instead of running the shared expert as an MLP and the routed
+    /// ones through `moe_expert_gemv`.
+    pub moe_stream: bool,
+    /// Streamed one-token MoE layers run gate/up and down in one launch
+    /// (`moe_stream_layer`) instead of two `moe_stream_1` passes (`KIMI_CUDA_MOE_LAYER`).
+    pub moe_layer: bool,
+    /// Up to this many tokens the routed experts run as fused GEMVs over every (token,
+    /// expert) pair; above, as grouped tensor-core GEMMs (`KIMI_CUDA_FUSED_MOE_MAX_TOKENS`).
+    /// On an H200 with the 48B shapes the GEMV is 14 % faster at 32 tokens, the pipelined
+    /// GEMM 3 % faster at 64.
+    pub fused_moe_max_tokens: usize,
+    /// Forces `moe_expert_gemv`'s 16-row blocks per CTA; `None`: one while few experts are
+    /// active, four from 128 pairs.
+    pub moe_row_blocks: Option<NonZeroUsize>,
+    /// Up to this many tokens an MXFP4 expert bank (`moe_experts`) runs as GEMVs over its
+    /// pairs; above, as the grouped tensor-core GEMM. At 256 tokens (~4.6 pairs per expert of
+    /// Kimi K3's 896, top-16) the single-stage grouped GEMM took 45 ms per layer on an H200,
+    /// several times the GEMVs.
+    pub mxfp4_gemv_max_tokens: usize,
+    /// The grouped expert GEMM above [`Self::fused_moe_max_tokens`].
+    pub grouped_moe: GroupedMoeKernel,
+    /// Where [`GroupedMoeKernel::Auto`] switches to CUTLASS (`KIMI_CUDA_MOE_GEMM=cutlass` /
+    /// `=mma` make it always / never).
+    pub cutlass_min_pairs: CutlassMinPairs,
+    /// Decode passes run through CUDA graphs (`KIMI_CUDA_GRAPHS`). Off: with programmatic
+    /// dependent launch, issuing a decode step op by op was 4-8 % faster than replaying it
+    /// as a graph on an H200, although the captured graphs carry programmatic edges.
+    pub cuda_graphs: bool,
+    /// Kernels launch with programmatic stream serialization, so that a kernel's blocks
+    /// start while its predecessor drains (`KIMI_CUDA_PDL`).
+    pub pdl: bool,
+    /// Freed device memory stays in the device's pool between passes instead of going back
+    /// to the driver at every synchronisation (`KIMI_CUDA_POOL_RELEASE`). The pool is the
+    /// device's: backends on one GPU share this setting.
+    pub pool_keeps_memory: bool,
+    /// MiB of the CUDA graphs' pass arena, made at the first recorded pass (a 64-sequence
+    /// decode step of the 48B model peaks near 100 MB; `KIMI_CUDA_GRAPH_ARENA_MB`).
+    pub graph_arena_mb: usize,
+}
+
+impl Default for KernelConfig {
+    fn default() -> Self {
+        Self {
+            precision: GemmPrecision::Split,
+            gemv: GemvKernel::Auto,
+            stream_shape: StreamShape::default(),
+            kda_chunk: KdaChunkKernel::Auto,
+            kda_stages: KdaStages::default(),
+            kda_group_chunks: None,
+            mla_prefill: MlaPrefillKernel::Auto,
+            mla_decode_min_chunk: 64,
+            moe_route_one: true,
+            moe_stream: true,
+            moe_layer: true,
+            fused_moe_max_tokens: 56,
+            mxfp4_gemv_max_tokens: 512,
+            moe_row_blocks: None,
+            grouped_moe: GroupedMoeKernel::Auto,
+            cutlass_min_pairs: CutlassMinPairs::default(),
+            cuda_graphs: false,
+            pdl: true,
+            pool_keeps_memory: true,
+            graph_arena_mb: 512,
+        }
+    }
+}
+
+impl KernelConfig {
+    /// Whether activations enter tensor-core products as hi + lo pairs.
+    pub(crate) fn split(&self) -> bool {
+        self.precision == GemmPrecision::Split
+    }
+}

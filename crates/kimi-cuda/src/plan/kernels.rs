@@ -1,0 +1,331 @@
+//! The planners of the dense products (GEMM or GEMV), chunked KDA and MLA prefill.
+
+use super::stream::{stream_plan, StreamPlan};
+use super::{GemmPrecision, GemvKernel, KdaChunkKernel, KernelConfig, MlaPrefillKernel};
+
+/// Up to this many rows, GEMMs against bf16 weights (either precision) run as an f32-product
+/// GEMV kernel (`kernels/gemv.cu`) instead of split + cuBLAS + sum.
+pub(crate) const GEMV_MAX_ROWS: usize = 8;
+
+/// From this many rows, a Split-precision GEMM runs as two accumulating GEMMs (hi, then
+/// lo) instead of one of twice the rows plus a summing pass: the weight is read twice, which
+/// costs little once the product is compute-bound, and the [2n, o] intermediate goes away.
+const SPLIT_ACCUMULATE_MIN_ROWS: usize = 512;
+
+/// Shared memory a `gemv_bulk` CTA may use for its weight tile (the default limit, so the
+/// kernel needs no opt-in).
+const BULK_TILE_BYTES: usize = 48 * 1024;
+
+/// How `x [n, k] · wᵀ` against a 16-bit weight runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum MatmulPath {
+    /// The f32-product GEMV (bf16 weights, a few rows; see [`plan_gemv`]).
+    Gemv,
+    /// The activations rounded once to the weight's type, one cuBLAS GEMM.
+    Half,
+    /// hi and lo rows stacked into one GEMM of `2n` rows, then summed (the weight is read
+    /// once).
+    SplitStacked,
+    /// `y = hi · wᵀ`, then `y += lo · wᵀ` (cuBLAS's beta = 1).
+    SplitAccumulate,
+}
+
+/// The path of an `n`-row product against a bf16 (`weight_bf16`) or f16 weight; `aligned`:
+/// the activations and the weight are 16-byte aligned with rows of a multiple of 8.
+pub(crate) fn plan_matmul(
+    cfg: &KernelConfig,
+    weight_bf16: bool,
+    n: usize,
+    aligned: bool,
+) -> MatmulPath {
+    // A few rows (decode): the GEMV in either precision; it streams the weight faster than
+    // cuBLAS and rounding the activations would gain nothing.
+    if weight_bf16 && n <= GEMV_MAX_ROWS && aligned {
+        MatmulPath::Gemv
+    } else if cfg.precision == GemmPrecision::Half {
+        MatmulPath::Half
+    } else if n >= SPLIT_ACCUMULATE_MIN_ROWS {
+        MatmulPath::SplitAccumulate
+    } else {
+        MatmulPath::SplitStacked
+    }
+}
+
+/// Which GEMV kernel runs `x [n, k] · wᵀ` for a bf16 `w [o, k]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GemvPath {
+    /// `gemv_stream_1`, cut by the plan.
+    Stream(StreamPlan),
+    /// `gemv_bulk_{1,4,8}` with `rows` weight rows per CTA.
+    Bulk { rows: usize },
+    /// The register-streaming `gemv_bf16` / `gemv_bf16_8`.
+    Register,
+}
+
+/// Weight rows per `gemv_bulk` CTA for rows of `k` bf16: the largest of 8, 4, 2, 1 whose
+/// tile fits [`BULK_TILE_BYTES`]; `None` when not even one row does.
+fn bulk_rows(k: usize) -> Option<usize> {
+    [8, 4, 2, 1]
+        .into_iter()
+        .find(|r| r * k * 2 <= BULK_TILE_BYTES)
+}
+
+/// Where `gemv_bulk` beat `gemv_bf16` on an H200 (`check gemv-bench`,
+/// device-results/2026-11-30-session5): at one token everywhere but very short rows (it
+/// fetches a whole tile per DRAM round trip); at up to 8 tokens only on narrow matrices
+/// (o <= 1024: router, MLA kv_a, shared expert gate/up, 2.3-2.5x faster) and very long
+/// rows (k >= 8192), since it re-reads every activation row per CTA from L2.
+fn prefers_bulk(n: usize, k: usize, o: usize) -> bool {
+    k >= 256 && (n == 1 || o <= 1024 || k >= 8192)
+}
+
+/// The GEMV kernel for `n` (1..=8) rows of `k` against `o` weight rows on `sm_count` SMs.
+pub(crate) fn plan_gemv(
+    cfg: &KernelConfig,
+    sm_count: usize,
+    n: usize,
+    k: usize,
+    o: usize,
+) -> GemvPath {
+    // One token, on request: the persistent streamed kernel, with the activation row
+    // staged. It matched `gemv_bulk` at the model's shapes but not bettered it (o_proj was
+    // slower; device-results/2026-12-01-session11), so the automatic choice stays with the
+    // latter.
+    if cfg.gemv == GemvKernel::Stream && n == 1 {
+        if let Some(plan) = stream_plan(cfg.stream_shape, sm_count, k, o, 1, k * 4) {
+            return GemvPath::Stream(plan);
+        }
+    }
+    let bulk = match cfg.gemv {
+        GemvKernel::Register => None,
+        GemvKernel::Bulk => bulk_rows(k),
+        GemvKernel::Auto | GemvKernel::Stream => bulk_rows(k).filter(|_| prefers_bulk(n, k, o)),
+    };
+    bulk.map_or(GemvPath::Register, |rows| GemvPath::Bulk { rows })
+}
+
+/// Whether two one-token products of rows of `k` against `oa` and `ob` weight rows share
+/// one `gemv_bf16_pair` launch: where the automatic choice for each alone is `gemv_bf16`.
+pub(crate) fn plan_gemv_pair(cfg: &KernelConfig, k: usize, oa: usize, ob: usize) -> bool {
+    cfg.gemv == GemvKernel::Auto && !prefers_bulk(1, k, oa.max(ob)) && oa * ob != 0
+}
+
+/// How the chunked KDA form runs (head sizes 64 and 128).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum KdaChunkPath {
+    /// `kda_chunk_prep_D` + `kda_chunk_state_D` on the CUDA cores.
+    F32,
+    /// A preparation kernel, then `kda_chunk_mma_D_{split,half}` on the tensor cores.
+    TensorCore(KdaPrep),
+}
+
+/// The preparation kernel of [`KdaChunkPath::TensorCore`] (both write the same scratch).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum KdaPrep {
+    /// `kda_chunk_prep_blk_D`, by 16-row blocks.
+    Blocked,
+    /// `kda_chunk_prep_mma_D`, the pair loop.
+    PairLoop,
+}
+
+/// The chunked KDA kernels.
+pub(crate) fn plan_kda_chunk(cfg: &KernelConfig) -> KdaChunkPath {
+    match cfg.kda_chunk {
+        KdaChunkKernel::Auto => KdaChunkPath::TensorCore(KdaPrep::Blocked),
+        KdaChunkKernel::F32 => KdaChunkPath::F32,
+        KdaChunkKernel::MmaPairPrep => KdaChunkPath::TensorCore(KdaPrep::PairLoop),
+    }
+}
+
+/// What the expanded MLA kernels need of one segment, found by `ops::mla`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct MlaPrefillFacts {
+    /// Heads of 192 (q·k) and 128 (v) with the nope part a multiple of 4: FlashInfer's
+    /// kernel's layout.
+    pub(crate) flashinfer_heads: bool,
+    /// q, the latent rows, kv and the output are 16-byte aligned.
+    pub(crate) aligned: bool,
+    /// Every width the vector kernels load is a multiple of 4.
+    pub(crate) vec_widths: bool,
+    /// The head widths are multiples of 16 and the tensor-core kernel's tiles fit its
+    /// shared memory.
+    pub(crate) mma_fits: bool,
+    /// A pass is being recorded (FlashInfer's host launch would bypass the recorder).
+    pub(crate) recording: bool,
+}
+
+/// The expanded MLA kernel of one segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum MlaPrefillPath {
+    /// FlashInfer's Hopper kernel on bf16 copies (`mla_pack_bf16`).
+    FlashInfer,
+    /// `mla_flash_prefill_mma` (hi + lo operands under the split).
+    TensorCore,
+    /// `mla_flash_prefill_vec`, f32 with vector loads.
+    F32Vec,
+    /// `mla_flash_prefill`, f32.
+    F32,
+}
+
+/// The expanded MLA kernel for a segment with `facts`.
+pub(crate) fn plan_mla_prefill(cfg: &KernelConfig, facts: &MlaPrefillFacts) -> MlaPrefillPath {
+    let vec = facts.vec_widths && facts.aligned;
+    match cfg.mla_prefill {
+        MlaPrefillKernel::Auto
+            if !cfg.split() && facts.flashinfer_heads && facts.aligned && !facts.recording =>
+        {
+            MlaPrefillPath::FlashInfer
+        }
+        MlaPrefillKernel::Auto | MlaPrefillKernel::NoFlashInfer if vec && facts.mma_fits => {
+            MlaPrefillPath::TensorCore
+        }
+        _ if vec => MlaPrefillPath::F32Vec,
+        _ => MlaPrefillPath::F32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(f: impl FnOnce(&mut KernelConfig)) -> KernelConfig {
+        let mut cfg = KernelConfig::default();
+        f(&mut cfg);
+        cfg
+    }
+
+    #[test]
+    fn matmuls_take_the_gemv_up_to_8_rows() {
+        let cfg = KernelConfig::default();
+        assert_eq!(plan_matmul(&cfg, true, 1, true), MatmulPath::Gemv);
+        assert_eq!(plan_matmul(&cfg, true, 8, true), MatmulPath::Gemv);
+        assert_eq!(plan_matmul(&cfg, true, 9, true), MatmulPath::SplitStacked);
+        assert_eq!(plan_matmul(&cfg, true, 511, true), MatmulPath::SplitStacked);
+        assert_eq!(
+            plan_matmul(&cfg, true, 512, true),
+            MatmulPath::SplitAccumulate
+        );
+        // f16 weights and unaligned rows go to cuBLAS whatever the rows.
+        assert_eq!(plan_matmul(&cfg, false, 1, true), MatmulPath::SplitStacked);
+        assert_eq!(plan_matmul(&cfg, true, 1, false), MatmulPath::SplitStacked);
+        let half = with(|c| c.precision = GemmPrecision::Half);
+        assert_eq!(plan_matmul(&half, true, 4, true), MatmulPath::Gemv);
+        assert_eq!(plan_matmul(&half, true, 9, true), MatmulPath::Half);
+        assert_eq!(plan_matmul(&half, true, 4096, true), MatmulPath::Half);
+    }
+
+    #[test]
+    fn gemv_defaults_follow_the_measured_split() {
+        let cfg = KernelConfig::default();
+        // One token: the bulk kernel with the most rows whose tile fits 48 KiB.
+        assert_eq!(
+            plan_gemv(&cfg, 132, 1, 2304, 4096),
+            GemvPath::Bulk { rows: 8 }
+        );
+        assert_eq!(
+            plan_gemv(&cfg, 132, 1, 9216, 2304),
+            GemvPath::Bulk { rows: 2 }
+        );
+        // Very short rows, and 8 tokens on wide matrices: the register kernel.
+        assert_eq!(plan_gemv(&cfg, 132, 1, 128, 4096), GemvPath::Register);
+        assert_eq!(plan_gemv(&cfg, 132, 8, 2304, 4096), GemvPath::Register);
+        // 8 tokens on narrow matrices or very long rows: bulk.
+        assert_eq!(
+            plan_gemv(&cfg, 132, 8, 2304, 1024),
+            GemvPath::Bulk { rows: 8 }
+        );
+        assert_eq!(
+            plan_gemv(&cfg, 132, 8, 9216, 2304),
+            GemvPath::Bulk { rows: 2 }
+        );
+        // The pair kernel only where each alone would take gemv_bf16.
+        assert!(plan_gemv_pair(&cfg, 128, 4096, 64));
+        assert!(!plan_gemv_pair(&cfg, 2304, 4096, 64));
+        assert!(!plan_gemv_pair(&cfg, 128, 4096, 0));
+    }
+
+    #[test]
+    fn gemv_overrides() {
+        let regs = with(|c| c.gemv = GemvKernel::Register);
+        assert_eq!(plan_gemv(&regs, 132, 1, 2304, 4096), GemvPath::Register);
+        assert!(!plan_gemv_pair(&regs, 128, 4096, 64));
+        let bulk = with(|c| c.gemv = GemvKernel::Bulk);
+        assert_eq!(
+            plan_gemv(&bulk, 132, 8, 2304, 4096),
+            GemvPath::Bulk { rows: 8 }
+        );
+        // Rows too long for one row per tile: the register kernel even when forced.
+        assert_eq!(plan_gemv(&bulk, 132, 1, 32768, 64), GemvPath::Register);
+        let stream = with(|c| c.gemv = GemvKernel::Stream);
+        assert!(matches!(
+            plan_gemv(&stream, 132, 1, 2304, 4096),
+            GemvPath::Stream(_)
+        ));
+        // Not one token, or rows no stream cut divides: as automatic.
+        assert_eq!(plan_gemv(&stream, 132, 8, 2304, 4096), GemvPath::Register);
+        assert_eq!(
+            plan_gemv(&stream, 132, 1, 2300, 4096),
+            GemvPath::Bulk { rows: 8 }
+        );
+        assert!(!plan_gemv_pair(&stream, 128, 4096, 64));
+    }
+
+    #[test]
+    fn kda_chunk_kernels() {
+        let tc = |c: KernelConfig| plan_kda_chunk(&c);
+        assert_eq!(
+            tc(KernelConfig::default()),
+            KdaChunkPath::TensorCore(KdaPrep::Blocked)
+        );
+        assert_eq!(
+            tc(with(|c| c.kda_chunk = KdaChunkKernel::F32)),
+            KdaChunkPath::F32
+        );
+        assert_eq!(
+            tc(with(|c| c.kda_chunk = KdaChunkKernel::MmaPairPrep)),
+            KdaChunkPath::TensorCore(KdaPrep::PairLoop)
+        );
+    }
+
+    #[test]
+    fn mla_prefill_kernels() {
+        // Kimi Linear's heads, aligned, outside a recorded pass.
+        let kimi = MlaPrefillFacts {
+            flashinfer_heads: true,
+            aligned: true,
+            vec_widths: true,
+            mma_fits: true,
+            recording: false,
+        };
+        let split = KernelConfig::default();
+        let half = with(|c| c.precision = GemmPrecision::Half);
+        assert_eq!(plan_mla_prefill(&split, &kimi), MlaPrefillPath::TensorCore);
+        assert_eq!(plan_mla_prefill(&half, &kimi), MlaPrefillPath::FlashInfer);
+        let recording = MlaPrefillFacts {
+            recording: true,
+            ..kimi
+        };
+        assert_eq!(
+            plan_mla_prefill(&half, &recording),
+            MlaPrefillPath::TensorCore
+        );
+        let no_fi = with(|c| {
+            c.precision = GemmPrecision::Half;
+            c.mla_prefill = MlaPrefillKernel::NoFlashInfer;
+        });
+        assert_eq!(plan_mla_prefill(&no_fi, &kimi), MlaPrefillPath::TensorCore);
+        let f32 = with(|c| c.mla_prefill = MlaPrefillKernel::F32);
+        assert_eq!(plan_mla_prefill(&f32, &kimi), MlaPrefillPath::F32Vec);
+        let unaligned = MlaPrefillFacts {
+            aligned: false,
+            ..kimi
+        };
+        assert_eq!(plan_mla_prefill(&half, &unaligned), MlaPrefillPath::F32);
+        let odd = MlaPrefillFacts {
+            flashinfer_heads: false,
+            mma_fits: false,
+            ..kimi
+        };
+        assert_eq!(plan_mla_prefill(&half, &odd), MlaPrefillPath::F32Vec);
+    }
+}

@@ -1,0 +1,177 @@
+//! How the streamed one-token kernels (`kernels/stream.cuh`: `gemv_stream_1`,
+//! `moe_stream_1`, `moe_stream_layer`) are cut: tile rows, shared-memory stages, CTAs.
+
+/// Kernels with more than 48 KiB of dynamic shared memory opt in to this much.
+pub(crate) const MAX_DYNAMIC_SMEM_BYTES: u32 = 200 * 1024;
+
+/// Dynamic shared memory of `moe_stream_layer` (above the 200 KiB of the other kernels: with
+/// its ~6 KiB of static tables it stays under the 227 KiB a CTA may have).
+pub(crate) const LAYER_SMEM_BYTES: u32 = 216 * 1024;
+
+/// `STREAM_MAX_ROWS`, `STREAM_CONSUMERS` and `STREAM_MAX_STAGES` in `kernels/stream.cuh`.
+const STREAM_MAX_ROWS: usize = 16;
+pub(crate) const STREAM_CONSUMERS: usize = 8;
+const STREAM_MAX_STAGES: usize = 8;
+
+/// Slots (routed experts of one token, plus the shared one) a `moe_stream_1` launch handles
+/// at most (`MOE_STREAM_MAX_SLOTS` in `kernels/moe.cu`).
+pub(crate) const STREAM_MAX_SLOTS: usize = 64;
+
+/// The bytes of one streamed tile at most, and of a CTA's stages and staged activations
+/// (one CTA per SM).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamShape {
+    /// Bytes of one tile of weight rows at most.
+    pub tile_bytes: usize,
+    /// Dynamic shared memory per CTA (capped at the kernels' 200 KiB opt-in).
+    pub cta_bytes: usize,
+}
+
+impl Default for StreamShape {
+    /// 40 KiB tiles, 200 KiB per CTA: 20 KiB tiles made the one-token MoE layer slower on an
+    /// H200 (75.5 against 52.4 us in one launch).
+    fn default() -> Self {
+        Self {
+            tile_bytes: 40 * 1024,
+            cta_bytes: 200 * 1024,
+        }
+    }
+}
+
+/// How a streamed one-token product is cut: output rows per tile, shared-memory stages,
+/// CTAs and dynamic shared memory per CTA (stages, then the staged activations).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct StreamPlan {
+    pub(crate) rows: usize,
+    pub(crate) stages: usize,
+    pub(crate) grid: usize,
+    pub(crate) smem: u32,
+}
+
+/// The cut of a streamed product over `o` output rows of `k` bf16 (`per_row` weight rows
+/// per output row: 2 for gate + up) on `sm_count` SMs, with `staged` bytes of activations in
+/// shared memory; `None` where it does not apply. A tile takes the most rows that fit the
+/// tile bytes, up to 8 weight rows per consumer warp... while still leaving every CTA two
+/// tiles; tiles of fewer than 8 weight rows split rows into column slices, which must
+/// divide k into 256-column multiples.
+pub(crate) fn stream_plan(
+    shape: StreamShape,
+    sm_count: usize,
+    k: usize,
+    o: usize,
+    per_row: usize,
+    staged: usize,
+) -> Option<StreamPlan> {
+    if k == 0 || o == 0 || !k.is_multiple_of(256) {
+        return None;
+    }
+    let row_bytes = k * 2 * per_row;
+    let ctas = sm_count;
+    let fits = |r: usize| {
+        let wrows = r * per_row;
+        let slices = (STREAM_CONSUMERS / wrows).max(1);
+        wrows <= STREAM_MAX_ROWS
+            && r * row_bytes <= shape.tile_bytes
+            && k.is_multiple_of(256 * slices)
+    };
+    let rows = [16usize, 8, 4, 2, 1]
+        .into_iter()
+        .filter(|&r| fits(r))
+        .find(|&r| o.div_ceil(r) >= 2 * ctas)
+        .or_else(|| [1usize, 2, 4, 8, 16].into_iter().find(|&r| fits(r)))?;
+    let tile = rows * row_bytes;
+    let budget = shape.cta_bytes.min(MAX_DYNAMIC_SMEM_BYTES as usize);
+    let stages = (budget.checked_sub(staged)? / tile).min(STREAM_MAX_STAGES);
+    if stages < 2 {
+        return None;
+    }
+    Some(StreamPlan {
+        rows,
+        stages,
+        grid: o.div_ceil(rows).min(ctas),
+        smem: (stages * tile + staged) as u32,
+    })
+}
+
+/// Bytes of input rows `moe_stream_1` stages in shared memory (the token's hidden row for
+/// `glu`, every pair's SwiGLU row otherwise), or 0 when they are read from global memory.
+pub(crate) fn stream_staged_bytes(glu: bool, top_k: usize, shared: bool, cols: usize) -> usize {
+    let rows = if glu { 1 } else { top_k + shared as usize };
+    let bytes = rows * cols * 4;
+    if bytes <= 48 * 1024 {
+        bytes
+    } else {
+        0
+    }
+}
+
+/// The cut of a one-token MoE layer in one launch (`moe_stream_layer` in `kernels/moe.cu`):
+/// each projection's tile rows as [`stream_plan`] picks them, every stage the larger tile,
+/// and the shared memory left after the staged rows filled with stages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LayerPlan {
+    pub(crate) rows_gu: usize,
+    pub(crate) rows_dn: usize,
+    pub(crate) stages: usize,
+    pub(crate) stage_bytes: usize,
+    pub(crate) grid: usize,
+    pub(crate) smem: u32,
+}
+
+/// [`LayerPlan`] for `slots` experts of `[inter, d]` gate/up and `[d, inter]` down on
+/// `sm_count` SMs, or `None` where it does not apply (then the two `moe_stream_1` passes
+/// run).
+pub(crate) fn layer_plan(
+    shape: StreamShape,
+    sm_count: usize,
+    d: usize,
+    inter: usize,
+    slots: usize,
+) -> Option<LayerPlan> {
+    let staged = d.max(slots * inter) * 4;
+    let gu = stream_plan(shape, sm_count, d, inter * slots, 2, d * 4)?;
+    let dn = stream_plan(shape, sm_count, inter, d * slots, 1, slots * inter * 4)?;
+    let stage_bytes = (gu.rows * d * 4).max(dn.rows * inter * 2);
+    let stages = ((LAYER_SMEM_BYTES as usize).checked_sub(staged)? / stage_bytes).min(8);
+    (stages >= 2).then_some(LayerPlan {
+        rows_gu: gu.rows,
+        rows_dn: dn.rows,
+        stages,
+        stage_bytes,
+        // The grid-wide handoff needs every CTA resident: one per SM.
+        grid: sm_count,
+        smem: (stages * stage_bytes + staged) as u32,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An H200's SMs.
+    const SMS: usize = 132;
+
+    #[test]
+    fn stream_plans_of_the_48b_decode_shapes() {
+        let shape = StreamShape::default();
+        // The router-sized and the one-token gate/up cuts of the 48B model.
+        let plan = stream_plan(shape, SMS, 2304, 9 * 1024, 2, 2304 * 4).expect("fits");
+        assert!(plan.stages >= 2 && plan.grid <= SMS);
+        assert!(plan.smem as usize <= MAX_DYNAMIC_SMEM_BYTES as usize);
+        // Rows that no 256-column slice divides do not stream.
+        assert_eq!(stream_plan(shape, SMS, 2300, 1024, 1, 0), None);
+        // A tile cap below one row leaves nothing.
+        let tiny = StreamShape {
+            tile_bytes: 1024,
+            ..shape
+        };
+        assert_eq!(stream_plan(tiny, SMS, 2304, 1024, 1, 0), None);
+    }
+
+    #[test]
+    fn the_48b_layer_fits_one_launch() {
+        let plan = layer_plan(StreamShape::default(), SMS, 2304, 1024, 9).expect("fits");
+        assert_eq!(plan.grid, SMS);
+        assert!(plan.stages >= 2 && plan.smem <= LAYER_SMEM_BYTES);
+    }
+}
