@@ -237,11 +237,15 @@ pub fn cases() -> Vec<(String, Case)> {
             k3_case!(|b| op_moe_experts(b, 2, 3584, 3072, 8, 2, DType::MXFP4)),
         ),
         (
-            "k3 moe_experts mxfp4 300 tok, 32e top4, d 128 inter 192 (grouped tensor cores)".into(),
-            k3_case!(|b| op_moe_experts(b, 300, 128, 192, 32, 4, DType::MXFP4)),
+            "k3 moe_experts mxfp4 600 tok, 32e top4, d 128 inter 192 (grouped tensor cores)".into(),
+            k3_case!(|b| op_moe_experts(b, 600, 128, 192, 32, 4, DType::MXFP4)),
         ),
         (
-            "k3 moe_experts mxfp4 160 tok, 8e top2, d 3584 inter 3072 (grouped, K3 widths)".into(),
+            "k3 moe_experts mxfp4 520 tok, 8e top2, d 3584 inter 3072 (grouped, K3 widths)".into(),
+            k3_case!(|b| op_moe_experts(b, 520, 3584, 3072, 8, 2, DType::MXFP4)),
+        ),
+        (
+            "k3 moe_experts mxfp4 160 tok, 8e top2, d 3584 inter 3072 (GEMV, 40 pairs each)".into(),
             k3_case!(|b| op_moe_experts(b, 160, 3584, 3072, 8, 2, DType::MXFP4)),
         ),
         (
