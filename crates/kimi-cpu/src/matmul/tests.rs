@@ -252,8 +252,8 @@ fn glu_matches_two_matmuls() {
 }
 
 /// Quantized weights multiply as their dequantized f32 values do (Q4_1 and Q8_0 are
-/// the demo model's types; the K types cover the 256-value super-blocks), on the f32
-/// path and, up to the activation rounding, on the integer one.
+/// the demo model's types; the K types cover the 256-value super-blocks; MXFP4 is Kimi
+/// K3's experts), on the f32 path and, up to the activation rounding, on the integer one.
 #[test]
 fn quantized_weights_match_dequantized() {
     use kimi_core::DType;
@@ -294,6 +294,7 @@ fn quantized_case(n: usize, k: usize, o: usize) {
         (DType::Q4_K, GgmlType::Q4_K),
         (DType::Q5_K, GgmlType::Q5_K),
         (DType::Q6_K, GgmlType::Q6_K),
+        (DType::MXFP4, GgmlType::MXFP4),
     ] {
         let bytes = kimi_gguf::quantize(ty, &w).unwrap();
         let wround = kimi_gguf::dequantize(ty, &bytes, w.len()).unwrap();

@@ -16,7 +16,7 @@ use std::arch::x86_64::*;
 
 pub(super) use interleaved::{matmul_groups_avx2, matmul_groups_vnni};
 
-use super::{q4k_scale_min, Kind, Q8Acts, QK};
+use super::{mxfp4_half_scale, q4k_scale_min, Kind, Q8Acts, MXFP4_BIAS, MXFP4_DOUBLED, QK};
 
 /// `Σ w[4i..4i+4]·x[4i..4i+4]` per i32 lane, `w` unsigned and at most 128, `x` signed.
 trait I8Dot {
@@ -285,6 +285,71 @@ unsafe fn scale_min_blocks<D: I8Dot, const R: usize, const N: usize, const FIVE:
     }
 }
 
+/// [`MXFP4_DOUBLED`] `+ MXFP4_BIAS` in both 128-bit lanes: the `vpshufb` table that turns
+/// E2M1 codes into unsigned dot operands.
+#[inline(always)]
+pub(super) unsafe fn mxfp4_table() -> __m256i {
+    let biased: [i8; 16] = std::array::from_fn(|c| MXFP4_DOUBLED[c] + MXFP4_BIAS);
+    // SAFETY: AVX2 (caller); the load reads the 16 bytes of a local array.
+    unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(biased.as_ptr().cast())) }
+}
+
+/// `2^(e - 128)` per i32 lane `e` (0..=254), the bits [`mxfp4_half_scale`] gives: the
+/// exponent field `e - 1`, or for `e` 0 and 1 the subnormal bit 21 + `e`.
+#[inline(always)]
+pub(super) unsafe fn mxfp4_half_scales(e: __m256i) -> __m256 {
+    // SAFETY: AVX2 (caller); register-only operations.
+    unsafe {
+        let normal = _mm256_slli_epi32::<23>(_mm256_sub_epi32(e, _mm256_set1_epi32(1)));
+        let tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
+        let is_normal = _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1));
+        _mm256_castsi256_ps(_mm256_blendv_epi8(tiny, normal, is_normal))
+    }
+}
+
+/// MXFP4 blocks of a tile: each row's nibbles through [`mxfp4_table`] once, then one
+/// integer dot per token, less `12·Σx` (a vector per token, shared by the rows), scaled
+/// by half the E8M0 scale times the activation scale.
+///
+/// # Safety
+/// As [`tile`], whose pointers `t` holds.
+#[inline(always)]
+unsafe fn mxfp4_blocks<D: I8Dot, const R: usize, const N: usize>(
+    t: &TilePtrs<R, N>,
+    xi: &[*const i32; N],
+    nb: usize,
+    acc: &mut [[__m256; N]; R],
+) {
+    let TilePtrs { rp, qs, xd, .. } = t;
+    // SAFETY: as in `tile`: every pointer offset stays inside its row, token or block (the
+    // 16 code bytes of a block follow its scale byte).
+    unsafe {
+        let table = mxfp4_table();
+        let m4 = _mm256_set1_epi8(0x0F);
+        for b in 0..nb {
+            let xv: [__m256i; N] =
+                std::array::from_fn(|i| _mm256_loadu_si256(qs[i].add(b * QK).cast()));
+            let xdb: [f32; N] = std::array::from_fn(|i| *xd[i].add(b));
+            // The bias's share in one lane: the lanes are summed at the end.
+            let bias: [__m256i; N] = std::array::from_fn(|i| {
+                let v = i32::from(MXFP4_BIAS) * *xi[i].add(b);
+                _mm256_setr_epi32(v, 0, 0, 0, 0, 0, 0, 0)
+            });
+            for j in 0..R {
+                let blk = rp[j].add(b * 17);
+                let dw = mxfp4_half_scale(*blk);
+                let nib = _mm_loadu_si128(blk.add(1).cast());
+                let codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), m4);
+                let wv = _mm256_shuffle_epi8(table, codes);
+                for i in 0..N {
+                    let p = _mm256_cvtepi32_ps(_mm256_sub_epi32(D::dot(wv, xv[i]), bias[i]));
+                    acc[j][i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xdb[i]), p, acc[j][i]);
+                }
+            }
+        }
+    }
+}
+
 /// `out[(r0 + j) * n + t0 + i] = row r0 + j · token t0 + i` for `j < R`, `i < N`.
 ///
 /// # Safety
@@ -397,6 +462,12 @@ unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
             Kind::Q5K => {
                 let ptrs = TilePtrs { rp, qs, xd, xs };
                 scale_min_blocks::<D, R, N, true>(&ptrs, nb, &mut acc, &mut off);
+            }
+            Kind::Mxfp4 => {
+                let xi: [*const i32; N] =
+                    std::array::from_fn(|i| x.isum.as_ptr().add((t0 + i) * nb));
+                let ptrs = TilePtrs { rp, qs, xd, xs };
+                mxfp4_blocks::<D, R, N>(&ptrs, &xi, nb, &mut acc);
             }
             Kind::Q6K => {
                 for sb in 0..nb / 8 {

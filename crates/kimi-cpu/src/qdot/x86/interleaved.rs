@@ -4,8 +4,8 @@
 use std::arch::x86_64::*;
 
 use super::super::groups::{self, GROUP};
-use super::super::{Kind, Q8Acts, QK};
-use super::{Maddubs, Vnni};
+use super::super::{Kind, Q8Acts, MXFP4_BIAS, MXFP4_DOUBLED, QK};
+use super::{mxfp4_half_scales, mxfp4_table, Maddubs, Vnni};
 
 /// Interleaved weights (`super::groups`), every group of 16 rows and every token, up to
 /// four tokens per pass over a group's blocks.
@@ -203,6 +203,43 @@ unsafe fn group<const N: usize>(
                     }
                 }
             }
+            Kind::Mxfp4 => {
+                let biased: [i8; 16] = std::array::from_fn(|c| MXFP4_DOUBLED[c] + MXFP4_BIAS);
+                let table = _mm512_broadcast_i32x4(_mm_loadu_si128(biased.as_ptr().cast()));
+                for b in 0..nb {
+                    let blk = gw.as_ptr().add(b * bb16);
+                    if lead {
+                        prefetch_ahead(blk, bb16);
+                    }
+                    let mut lo = [_mm512_setzero_si512(); N];
+                    let mut hi = [_mm512_setzero_si512(); N];
+                    for j in 0..4 {
+                        let v = _mm512_loadu_si512(blk.add(sb + 64 * j).cast());
+                        // `vpshufb` indexes by the low four bits within each 128-bit lane.
+                        let l = _mm512_shuffle_epi8(table, _mm512_and_si512(v, m4));
+                        let h = _mm512_shuffle_epi8(
+                            table,
+                            _mm512_and_si512(_mm512_srli_epi16(v, 4), m4),
+                        );
+                        for i in 0..N {
+                            lo[i] = _mm512_dpbusd_epi32(lo[i], l, word(i, b, 4 * j));
+                            hi[i] = _mm512_dpbusd_epi32(hi[i], h, word(i, b, 16 + 4 * j));
+                        }
+                    }
+                    let d =
+                        mxfp4_half_scales_512(_mm512_cvtepu8_epi32(_mm_loadu_si128(blk.cast())));
+                    for i in 0..N {
+                        // Codes are looked up + 12: Σ (w + 12)·x − 12·Σx, exactly.
+                        let bias = i32::from(MXFP4_BIAS) * *xi[i].add(b);
+                        let s = _mm512_sub_epi32(
+                            _mm512_add_epi32(lo[i], hi[i]),
+                            _mm512_set1_epi32(bias),
+                        );
+                        let scale = _mm512_mul_ps(d, _mm512_set1_ps(*xd[i].add(b)));
+                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[i]);
+                    }
+                }
+            }
             Kind::Q8_0 => {
                 for b in 0..nb {
                     let blk = gw.as_ptr().add(b * bb16);
@@ -350,6 +387,18 @@ unsafe fn group<const N: usize>(
                 }
             }
         }
+    }
+}
+
+/// [`mxfp4_half_scales`] on 16 lanes.
+#[inline(always)]
+unsafe fn mxfp4_half_scales_512(e: __m512i) -> __m512 {
+    // SAFETY: AVX-512F (caller); register-only operations.
+    unsafe {
+        let normal = _mm512_slli_epi32::<23>(_mm512_sub_epi32(e, _mm512_set1_epi32(1)));
+        let tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x0020_0000), e);
+        let is_normal = _mm512_cmpgt_epi32_mask(e, _mm512_set1_epi32(1));
+        _mm512_castsi512_ps(_mm512_mask_blend_epi32(is_normal, tiny, normal))
     }
 }
 
@@ -513,6 +562,48 @@ unsafe fn half_group<const N: usize>(
                         if q4_1 {
                             *a2 = _mm256_fmadd_ps(m, _mm256_set1_ps(*xs[i].add(b)), *a2);
                         }
+                    }
+                }
+            }
+            Kind::Mxfp4 => {
+                let table = mxfp4_table();
+                for b in 0..nb {
+                    let blk = gw.as_ptr().add(b * bb16);
+                    fetch.consume(b * bb16, bb16);
+                    // `vpmaddubsw` pair sums of (w + 12)·x reach 2·24·127: four of them
+                    // (two word planes) fit in 16 bits, then widen.
+                    let mut s = [_mm256_setzero_si256(); N];
+                    for jj in 0..2 {
+                        let mut s16 = [_mm256_setzero_si256(); N];
+                        for j in 2 * jj..2 * jj + 2 {
+                            let v = plane(blk.add(sb + 64 * j));
+                            let l = _mm256_shuffle_epi8(table, _mm256_and_si256(v, m4));
+                            let h = _mm256_shuffle_epi8(
+                                table,
+                                _mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                            );
+                            for (i, t) in s16.iter_mut().enumerate() {
+                                let pl = _mm256_maddubs_epi16(l, word(i, b, 4 * j));
+                                let ph = _mm256_maddubs_epi16(h, word(i, b, 16 + 4 * j));
+                                *t = _mm256_add_epi16(*t, _mm256_add_epi16(pl, ph));
+                            }
+                        }
+                        for (si, t) in s.iter_mut().zip(&s16) {
+                            *si = _mm256_add_epi32(*si, _mm256_madd_epi16(*t, ones));
+                        }
+                    }
+                    let d = mxfp4_half_scales(u8s(blk));
+                    for i in 0..N {
+                        // Codes are looked up + 12: Σ (w + 12)·x − 12·Σx, exactly.
+                        let bias = i32::from(MXFP4_BIAS) * *xi[i].add(b);
+                        let t = _mm256_sub_epi32(s[i], _mm256_set1_epi32(bias));
+                        let scale = _mm256_mul_ps(d, _mm256_set1_ps(*xd[i].add(b)));
+                        let a = if b % 2 == 0 {
+                            &mut acc[i]
+                        } else {
+                            &mut acc2[i]
+                        };
+                        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, *a);
                     }
                 }
             }
