@@ -1,7 +1,8 @@
 //! Times quantized matmuls at the demo model's shapes on both paths (int8 activations and
 //! f32): `cargo run --release -p kimi-cpu --example quant_bench [reps] [threads]`. Best of
 //! `reps`. `QB_16BIT=1` times f16/bf16 weights at Kimi Linear 0.5B's prefill shapes,
-//! `QB_TILE=1` the f32 tile kernel alone. On a shared machine, `perf stat -e cycles:u` over one thread counts work without
+//! `QB_TILE=1` the f32 tile kernel alone, `QB_MXFP4=1` MXFP4 weights at the K3 CPU bench's
+//! expert shapes over a range of token counts. On a shared machine, `perf stat -e cycles:u` over one thread counts work without
 //! the noise of other processes.
 
 use std::time::Instant;
@@ -26,6 +27,9 @@ fn main() {
     }
     if std::env::var("QB_16BIT").is_ok() {
         return sixteen_bit(&fast, reps);
+    }
+    if std::env::var("QB_MXFP4").is_ok() {
+        return mxfp4(&fast, &exact, reps);
     }
     for (dtype, ty) in [
         (DType::Q4_1, GgmlType::Q4_1),
@@ -163,5 +167,27 @@ fn tile_kernel(reps: usize) {
             2.0 * (rows * 4 * k) as f64 / best / 1e9,
             out[0][0]
         );
+    }
+}
+
+/// `QB_MXFP4=1`: MXFP4 experts of `configs/bench-kimi-k3-cpu.json` (gate/up `[448, 512]`,
+/// down `[512, 448]`) on both paths, from one token (decode) to an expert's share of a long
+/// prefill.
+fn mxfp4(fast: &CpuBackend, exact: &CpuBackend, reps: usize) {
+    for (k, o) in [(512usize, 448usize), (448, 512)] {
+        let w: Vec<f32> = (0..o * k)
+            .map(|i| ((i as u32).wrapping_mul(2654435761) % 1000) as f32 / 1000.0 - 0.5)
+            .collect();
+        let bytes = kimi_gguf::quantize(GgmlType::MXFP4, &w).unwrap();
+        for n in [1usize, 2, 4, 8, 16, 32, 64, 128] {
+            let x: Vec<f32> = (0..n * k).map(|i| (i % 37) as f32 * 0.01 - 0.18).collect();
+            let mut line = format!("MXFP4 n={n:<4} k={k:<5} o={o:<6}");
+            for (label, be) in [("int8", fast), ("f32", exact)] {
+                let best = best_matmul(be, DType::MXFP4, &bytes, &x, [n, k, o], reps);
+                let gmacs = (n * k * o) as f64 / best / 1e9;
+                line += &format!("  {label} {:>8.1} us {gmacs:>6.1} GMAC/s", best * 1e6);
+            }
+            println!("{line}");
+        }
     }
 }
