@@ -424,8 +424,9 @@ fn sequences_sharing_a_pool_match_running_alone() {
 /// made active, as in the q4_k_m int8 check of `gguf_kimi.rs`; what is left is the
 /// activations' rounding (~0.3 % per expert product), which these tiny random models
 /// amplify about tenfold: measured 4.7e-2 (k3-tiny-5l-b2) and 8.1e-2 (k3-tiny-7l) in both
-/// feed modes; bound 0.15. A kernel that lost the bias, doubled the scale or swapped the
-/// nibbles misses it by far (measured 0.58 to 1.3).
+/// feed modes on x86, and the same by decode on aarch64 (NEON; its prefill, row-major
+/// above `INT8_MAX_TOKENS`, is the f32 product); bound 0.15. A kernel that lost the bias,
+/// doubled the scale or swapped the nibbles misses it by far (measured 0.58 to 1.3).
 #[test]
 fn k3_int8_matmul_stays_near_the_f32_products() {
     const BOUND: f64 = 0.15;
