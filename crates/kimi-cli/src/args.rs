@@ -145,12 +145,11 @@ pub struct ModelArgs {
     /// gibberish) is used.
     #[arg(long, short = 'm')]
     pub model: Option<PathBuf>,
-    /// Multiply block-quantized (GGUF) weights against activations quantized to int8 per 32
-    /// values (as llama.cpp does): decode batches of up to 8 tokens, and every batch on x86
-    /// CPUs with AVX2 or AVX-512 VNNI (weights interleaved for their kernels): several times
-    /// faster, but
-    /// greedy choices between near-tied tokens can change. Off by default: products are then
-    /// those of the dequantized weights in f32.
+    /// Multiply block-quantized weights (GGUF types, and Kimi K3's MXFP4 experts) against
+    /// activations quantized to int8 per 32 values (as llama.cpp does): decode batches of up
+    /// to 8 tokens, and every batch on x86 CPUs with AVX2 or AVX-512 VNNI (weights interleaved
+    /// for their kernels): several times faster, but greedy choices between near-tied tokens
+    /// can change. Off by default: products are then those of the dequantized weights in f32.
     #[arg(long)]
     pub int8_matmul: bool,
     /// Device to run on: `cpu`, `cuda` or `cuda:N` (GPU N; needs a build with `--features cuda`).

@@ -26,6 +26,8 @@
 //! - Q6_K: `d[16]:f16 | sc[16][16]:i8 | ql[2][2][8][16]:[u8; 4] | qh[2][8][16]:[u8; 4]`:
 //!   the ggml block's byte runs (`ql[64h + 32m..][..32]`, `qh[32h..][..32]`) cut into
 //!   words, 3,360 bytes as in ggml.
+//! - MXFP4: `e[16]:u8 | w[4][16]:[u8; 4]`, Q4_0's words after the 16 E8M0 scale bytes
+//!   (272 bytes, as in ggml).
 //!
 //! Every value is kept: [`block_at`] rebuilds any ggml block exactly (dequantization and
 //! the scalar reference go through it).
@@ -40,7 +42,7 @@ pub(crate) const GROUP: usize = 16;
 pub(crate) fn supported(kind: Kind) -> bool {
     matches!(
         kind,
-        Kind::Q4_0 | Kind::Q4_1 | Kind::Q8_0 | Kind::Q4K | Kind::Q6K
+        Kind::Q4_0 | Kind::Q4_1 | Kind::Q8_0 | Kind::Q4K | Kind::Q6K | Kind::Mxfp4
     )
 }
 
@@ -75,10 +77,10 @@ pub(crate) fn wanted(kind: Kind, rows: usize) -> bool {
 /// Bytes of scales before the quant words in a group's block.
 #[cfg(target_arch = "x86_64")]
 pub(super) fn scale_bytes(kind: Kind) -> usize {
-    if kind == Kind::Q4_1 {
-        4 * GROUP
-    } else {
-        2 * GROUP
+    match kind {
+        Kind::Q4_1 => 4 * GROUP,
+        Kind::Mxfp4 => GROUP,
+        _ => 2 * GROUP,
     }
 }
 
@@ -178,6 +180,10 @@ pub(crate) fn block_at(kind: Kind, bytes: &[u8], nb: usize, row: usize, b: usize
             }
             words(&mut out[16..], 320);
         }
+        Kind::Mxfp4 => {
+            out[0] = src[r];
+            words(&mut out[1..], GROUP);
+        }
         Kind::Q6K => {
             words(&mut out[..192], 288);
             for s in 0..16 {
@@ -200,6 +206,8 @@ fn position(kind: Kind, r: usize, from: usize) -> Option<usize> {
         (Kind::Q6K, 0..192) => word(288, from),
         (Kind::Q6K, 192..208) => 32 + 16 * (from - 192) + r,
         (Kind::Q6K, _) => 2 * r + from - 208,
+        (Kind::Mxfp4, 0) => r,
+        (Kind::Mxfp4, _) => word(GROUP, from - 1),
         (_, 0..2) => 2 * r + from,
         (Kind::Q8_0 | Kind::Q4_0, _) => word(32, from - 2),
         (Kind::Q4_1 | Kind::Q4K, 2..4) => 32 + 2 * r + from - 2,

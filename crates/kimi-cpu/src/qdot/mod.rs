@@ -13,6 +13,12 @@
 //! for the others), AVX2 (`maddubs`/`madd`), AVX-512 VNNI (`vpdpbusd`) and NEON
 //! (aarch64). Integer parts agree bit for bit across variants; only the order of the f32
 //! sums of per-block results differs.
+//!
+//! MXFP4 (OCP microscaling FP4, Kimi K3's routed experts) fits the same scheme: twice an
+//! E2M1 value is a whole number in `-12..=12` ([`MXFP4_DOUBLED`], found by a 16-byte table
+//! lookup per nibble), so a block's dot is the integer dot of the doubled codes with the
+//! int8 activations, times half the E8M0 scale ([`mxfp4_half_scale`]) and the activation
+//! scale. Only the activations are rounded, as for the ggml types.
 
 pub(crate) mod groups;
 #[cfg(target_arch = "aarch64")]
@@ -51,6 +57,9 @@ pub(crate) enum Kind {
     /// 256-value super-blocks of 16 sub-blocks of 16: `ql[128] | qh[64] | scales:i8[16] |
     /// d:f16`, `d * scales[s] * (q - 32)` with 6-bit `q` (see [`q6k_level`]).
     Q6K,
+    /// MXFP4 as ggml's `block_mxfp4`: `e:u8 | qs[16]`, `E2M1(nibble) * 2^(e - 127)`, the
+    /// nibbles placed as Q4_0's.
+    Mxfp4,
 }
 
 impl Kind {
@@ -64,6 +73,7 @@ impl Kind {
             DType::Q4_K => Kind::Q4K,
             DType::Q5_K => Kind::Q5K,
             DType::Q6_K => Kind::Q6K,
+            DType::MXFP4 => Kind::Mxfp4,
             _ => return None,
         })
     }
@@ -72,7 +82,7 @@ impl Kind {
     pub(crate) fn block_values(self) -> usize {
         match self {
             Kind::Q4K | Kind::Q5K | Kind::Q6K => 256,
-            Kind::Q4_0 | Kind::Q4_1 | Kind::Q5_0 | Kind::Q8_0 => QK,
+            Kind::Q4_0 | Kind::Q4_1 | Kind::Q5_0 | Kind::Q8_0 | Kind::Mxfp4 => QK,
         }
     }
 
@@ -86,6 +96,7 @@ impl Kind {
             Kind::Q4K => 144,
             Kind::Q5K => 176,
             Kind::Q6K => 210,
+            Kind::Mxfp4 => 17,
         }
     }
 
@@ -246,7 +257,8 @@ pub(crate) fn matmul_rows_with(isa: Isa, kind: Kind, w: &[u8], x: &Q8Acts, out: 
             && out.len() == rows * x.n
             && x.qs.len() == x.n * x.k
             && x.d.len() == x.n * x.blocks()
-            && x.sum.len() == x.d.len(),
+            && x.sum.len() == x.d.len()
+            && x.isum.len() == x.d.len(),
         "qdot: inconsistent sizes"
     );
     match isa {
@@ -289,6 +301,29 @@ fn q4k_scale_min(j: usize, scales: &[u8]) -> (u8, u8) {
             (scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4),
             (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4),
         )
+    }
+}
+
+/// Twice the E2M1 value of each MXFP4 code: whole numbers, exact in int8. Code 8 (−0) is
+/// 0, which no sum can tell from +0.
+pub(crate) const MXFP4_DOUBLED: [i8; 16] =
+    [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// What the x86 kernels add to [`MXFP4_DOUBLED`]: `vpmaddubsw` and `vpdpbusd` multiply
+/// unsigned bytes by signed ones, so the weights go in as `w + 12` (0..=24) and
+/// `Σ (w + 12)·x − 12·Σx` gives the same integer.
+#[cfg(target_arch = "x86_64")]
+pub(crate) const MXFP4_BIAS: i8 = 12;
+
+/// `2^(e - 128)`: half an E8M0 scale, the factor of the doubled codes, as f32 bits (the
+/// subnormals 2^-128 and 2^-127 for `e` 0 and 1; the SIMD kernels build the same bits).
+/// Equal to `e8m0_to_f32(e) * 0.5` for every `e` but 255, which is NaN in the OCP spec and
+/// never reaches a block (the loader rejects it).
+#[inline(always)]
+pub(crate) fn mxfp4_half_scale(e: u8) -> f32 {
+    match e {
+        0 | 1 => f32::from_bits(0x0020_0000 << e),
+        _ => f32::from_bits(u32::from(e - 1) << 23),
     }
 }
 
@@ -394,6 +429,19 @@ mod scalar {
                         acc += d * f32::from(sc) * xd[b] * dot as f32;
                         offset += -dmin * f32::from(m) * xs[b];
                     }
+                }
+            }
+            Kind::Mxfp4 => {
+                for (b, blk) in row.chunks_exact(17).enumerate() {
+                    let q = &qs[b * QK..(b + 1) * QK];
+                    let w = |code: u8| i32::from(MXFP4_DOUBLED[usize::from(code & 0xF)]);
+                    let dot: i32 = (0..16)
+                        .map(|j| {
+                            w(blk[1 + j]) * i32::from(q[j])
+                                + w(blk[1 + j] >> 4) * i32::from(q[j + 16])
+                        })
+                        .sum();
+                    acc += mxfp4_half_scale(blk[0]) * xd[b] * dot as f32;
                 }
             }
             Kind::Q6K => {

@@ -5,7 +5,7 @@
 
 use std::arch::aarch64::*;
 
-use super::{q4k_scale_min, Kind, Q8Acts, QK};
+use super::{mxfp4_half_scale, q4k_scale_min, Kind, Q8Acts, MXFP4_DOUBLED, QK};
 
 /// # Safety
 /// Sizes as checked by `qdot::matmul_rows_with` (NEON is part of the aarch64 baseline).
@@ -85,7 +85,8 @@ unsafe fn row_dot(kind: Kind, row: &[u8], x: &Q8Acts, t: usize) -> f32 {
     let (xd, xs) = (&x.d[t * nb..(t + 1) * nb], &x.sum[t * nb..(t + 1) * nb]);
     let (mut acc, mut offset) = (0f32, 0f32);
     // SAFETY (every load below): each reads 16 bytes inside a slice that was bounds-checked
-    // to hold them (`blk`, `q`, `half` and `qh` are exact sub-slices).
+    // to hold them (`blk`, `q`, `half` and `qh` are exact sub-slices; the MXFP4 table is a
+    // 16-byte array).
     unsafe {
         let m4 = vdupq_n_u8(0x0F);
         match kind {
@@ -163,6 +164,20 @@ unsafe fn row_dot(kind: Kind, row: &[u8], x: &Q8Acts, t: usize) -> f32 {
                         acc += d * f32::from(sc) * xd[b] * dot as f32;
                         offset += -dmin * f32::from(m) * xs[b];
                     }
+                }
+            }
+            Kind::Mxfp4 => {
+                // Doubled E2M1 values by table lookup (`tbl`, one per 16 codes).
+                let table = vld1q_s8(MXFP4_DOUBLED.as_ptr());
+                for (b, blk) in row.chunks_exact(17).enumerate() {
+                    let q = &qs[b * QK..(b + 1) * QK];
+                    let x0 = vld1q_s8(q.as_ptr());
+                    let x1 = vld1q_s8(q[16..].as_ptr());
+                    let nib = vld1q_u8(blk[1..17].as_ptr());
+                    let lo = vqtbl1q_s8(table, vandq_u8(nib, m4));
+                    let hi = vqtbl1q_s8(table, vshrq_n_u8::<4>(nib));
+                    let dot = vaddvq_s32(dot16(dot16(vdupq_n_s32(0), lo, x0), hi, x1));
+                    acc += mxfp4_half_scale(blk[0]) * xd[b] * dot as f32;
                 }
             }
             Kind::Q6K => {

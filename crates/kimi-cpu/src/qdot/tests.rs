@@ -3,7 +3,7 @@ use kimi_gguf::GgmlType;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-const KINDS: [Kind; 7] = [
+const KINDS: [Kind; 8] = [
     Kind::Q4_0,
     Kind::Q4_1,
     Kind::Q5_0,
@@ -11,6 +11,7 @@ const KINDS: [Kind; 7] = [
     Kind::Q4K,
     Kind::Q5K,
     Kind::Q6K,
+    Kind::Mxfp4,
 ];
 
 fn ggml(kind: Kind) -> GgmlType {
@@ -22,6 +23,7 @@ fn ggml(kind: Kind) -> GgmlType {
         Kind::Q4K => GgmlType::Q4_K,
         Kind::Q5K => GgmlType::Q5_K,
         Kind::Q6K => GgmlType::Q6_K,
+        Kind::Mxfp4 => GgmlType::MXFP4,
     }
 }
 
@@ -33,7 +35,9 @@ fn f16_bits(v: f32) -> [u8; 2] {
 fn widths(kind: Kind) -> &'static [usize] {
     match kind {
         Kind::Q4K | Kind::Q5K | Kind::Q6K => &[256, 512, 1536],
-        Kind::Q4_0 | Kind::Q4_1 | Kind::Q5_0 | Kind::Q8_0 => &[32, 96, 128, 576, 1536],
+        Kind::Q4_0 | Kind::Q4_1 | Kind::Q5_0 | Kind::Q8_0 | Kind::Mxfp4 => {
+            &[32, 96, 128, 576, 1536]
+        }
     }
 }
 
@@ -108,6 +112,8 @@ fn exact_case(
                 }
                 blk[208..].copy_from_slice(&f16_bits(pow2(rng, -2, -1)));
             }
+            // Half scales 2^-2 and 2^-1, as the others'.
+            Kind::Mxfp4 => blk[0] = rng.random_range(126..=127),
         }
     }
     let nb = k / QK;
@@ -295,6 +301,8 @@ fn the_best_variant_is_one_of_the_available_ones() {
     assert_eq!(Kind::of(DType::Q5_1), None);
     assert_eq!(Kind::Q6K.row_bytes(512), 2 * 210);
     assert_eq!(Kind::Q4_1.row_bytes(576), 18 * 20);
+    assert_eq!(Kind::of(DType::MXFP4), Some(Kind::Mxfp4));
+    assert_eq!(Kind::Mxfp4.row_bytes(448), 14 * 17);
 }
 
 /// The quantizer's vector-friendly form equals the plain one (per block: a serial `max`
@@ -358,7 +366,14 @@ fn quantize_equals_the_plain_form() {
     assert_eq!(bits(&a.sum), bits(&sum));
 }
 
-const GROUPED: [Kind; 5] = [Kind::Q4_0, Kind::Q4_1, Kind::Q8_0, Kind::Q4K, Kind::Q6K];
+const GROUPED: [Kind; 6] = [
+    Kind::Q4_0,
+    Kind::Q4_1,
+    Kind::Q8_0,
+    Kind::Q4K,
+    Kind::Q6K,
+    Kind::Mxfp4,
+];
 
 #[test]
 fn interleaving_keeps_every_block() {
@@ -407,18 +422,26 @@ fn interleaved_kernels_match_scalar_on_random_values() {
 }
 
 /// Extreme levels: every quant byte 0x00, 0x7F, 0x80 or 0xFF (nibbles 0 or 15, Q8_0's −128
-/// and 127, Q6_K's 0 and 63), the largest scales of both signs, and activations of ±127
+/// and 127, Q6_K's 0 and 63; MXFP4's codes 7 and 15, ±6, and 0x77, +6 in both nibbles, the
+/// largest biased operand), the largest scales of both signs, and activations of ±127
 /// in long runs. A 16-bit pair sum that saturated (as `vpmaddubsw` does above 2^15) would
 /// be off by thousands of steps, far beyond the summation-order tolerance.
 #[test]
 fn kernels_do_not_saturate_on_extreme_values() {
     let mut rng = ChaCha8Rng::seed_from_u64(14);
-    let kinds = [Kind::Q4_0, Kind::Q4_1, Kind::Q8_0, Kind::Q4K, Kind::Q6K];
+    let kinds = [
+        Kind::Q4_0,
+        Kind::Q4_1,
+        Kind::Q8_0,
+        Kind::Q4K,
+        Kind::Q6K,
+        Kind::Mxfp4,
+    ];
     let (rows, n, k) = (32, 3, 512);
     for kind in kinds {
         let mut w = vec![0u8; rows * kind.row_bytes(k)];
         for blk in w.chunks_exact_mut(kind.block_bytes()) {
-            blk.fill([0x00, 0x7F, 0x80, 0xFF][rng.random_range(0..4)]);
+            blk.fill([0x00, 0x7F, 0x80, 0xFF, 0x77][rng.random_range(0..5)]);
             let one = f16_bits(1.0);
             match kind {
                 Kind::Q6K => {
@@ -431,6 +454,7 @@ fn kernels_do_not_saturate_on_extreme_values() {
                     blk[..2].copy_from_slice(&one);
                     blk[2..4].copy_from_slice(&one);
                 }
+                Kind::Mxfp4 => blk[0] = 127,
                 _ => blk[..2].copy_from_slice(&one),
             }
         }
@@ -441,6 +465,155 @@ fn kernels_do_not_saturate_on_extreme_values() {
             .collect();
         for multiply in [row_major as Multiply, interleaved] {
             check_near_scalar(kind, multiply, &w, &wd, &xs, k);
+        }
+    }
+}
+
+/// The MXFP4 integer form is the dequantized one: doubled codes are twice `kimi-gguf`'s E2M1
+/// values (−0 as 0) and half scales half its E8M0 scales, bit for bit, subnormals included.
+#[test]
+fn mxfp4_doubled_codes_and_half_scales_match_kimi_gguf() {
+    use kimi_gguf::mxfp4::{e8m0_to_f32, E2M1};
+    for (c, &v) in MXFP4_DOUBLED.iter().enumerate() {
+        assert_eq!(f32::from(v), 2.0 * E2M1[c], "code {c}");
+    }
+    for e in 0..=254u8 {
+        let want = e8m0_to_f32(e) * 0.5;
+        assert_eq!(mxfp4_half_scale(e).to_bits(), want.to_bits(), "e8m0 {e}");
+    }
+}
+
+/// Activations from given quants and block scales, with their sums.
+fn acts(n: usize, k: usize, qs: Vec<i8>, d: Vec<f32>) -> Q8Acts {
+    let nb = k / QK;
+    let isum: Vec<i32> = qs
+        .chunks_exact(QK)
+        .map(|q| q.iter().map(|&v| i32::from(v)).sum())
+        .collect();
+    let isum16 = qs
+        .chunks_exact(QK / 2)
+        .map(|q| q.iter().map(|&v| i32::from(v)).sum())
+        .collect();
+    let sum = isum.iter().zip(&d).map(|(&s, &d)| d * s as f32).collect();
+    assert_eq!(d.len(), n * nb);
+    Q8Acts {
+        n,
+        k,
+        qs,
+        d,
+        sum,
+        isum,
+        isum16,
+    }
+}
+
+/// MXFP4 rows at the ends of the E8M0 range (scale bytes 0 and 1, whose halves are f32
+/// subnormals, and 251..=254), with negative-zero codes (whole blocks of 0x88, and single
+/// nibbles) and the largest codes: every variant, row-major and interleaved, equals the
+/// scalar kernel bit for bit, and the scalar kernel equals the exact product (activation
+/// scales are chosen so that every product and sum is exact in f32).
+#[test]
+fn mxfp4_kernels_equal_scalar_at_extreme_scales() {
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    let kind = Kind::Mxfp4;
+    for (scales, x_exp) in [(0u8..=3, 18..=20), (251..=254, -122..=-120)] {
+        for &k in &[32usize, 96, 448, 512] {
+            for &(n, rows) in &[(1usize, 5usize), (1, 16), (2, 37), (5, 16)] {
+                let mut w = vec![0u8; rows * kind.row_bytes(k)];
+                for blk in w.chunks_exact_mut(17) {
+                    match rng.random_range(0..4) {
+                        0 => blk[1..].fill(0x88),
+                        1 => blk[1..].fill([0x77, 0xFF, 0x7F, 0xF7][rng.random_range(0..4)]),
+                        _ => rng.fill(&mut blk[1..]),
+                    }
+                    blk[0] = rng.random_range(scales.clone());
+                }
+                let nb = k / QK;
+                let qs = (0..n * k).map(|_| rng.random_range(-127i8..=127)).collect();
+                let d = (0..n * nb)
+                    .map(|_| 2f32.powi(rng.random_range(x_exp.clone())))
+                    .collect();
+                let x = acts(n, k, qs, d);
+                let mut want = vec![0f32; rows * n];
+                matmul_rows_with(Isa::Scalar, kind, &w, &x, &mut want);
+                for r in 0..rows {
+                    for t in 0..n {
+                        let exact: f64 = (0..k)
+                            .map(|i| {
+                                let blk = &w[(r * nb + i / QK) * 17..][..17];
+                                let j = i % QK;
+                                let code = if j < 16 {
+                                    blk[1 + j] & 0xF
+                                } else {
+                                    blk[1 + j - 16] >> 4
+                                };
+                                f64::from(MXFP4_DOUBLED[usize::from(code)])
+                                    * f64::from(x.qs[t * k + i])
+                                    * f64::from(mxfp4_half_scale(blk[0]))
+                                    * f64::from(x.d[t * nb + i / QK])
+                            })
+                            .sum();
+                        assert_eq!(f64::from(want[r * n + t]), exact, "k={k} row {r}");
+                    }
+                }
+                for isa in Isa::available() {
+                    for multiply in [row_major as Multiply, interleaved] {
+                        let mut got = vec![f32::NAN; rows * n];
+                        multiply(isa, kind, &w, &x, &mut got);
+                        let same = got
+                            .iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{isa:?} k={k} n={n} rows={rows}: {got:?} vs {want:?}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// MXFP4 rows whose scale bytes span 0..=200 (values from 2^-128 to 2^73) and quantized
+/// random activations: every variant within the summation-order tolerance of the scalar
+/// kernel, the magnitude taken in f64 from the doubled codes (the f32 dequantization of the
+/// largest would not matter here, but keeps no subnormal).
+#[test]
+fn mxfp4_kernels_match_scalar_across_the_scale_range() {
+    let mut rng = ChaCha8Rng::seed_from_u64(22);
+    let kind = Kind::Mxfp4;
+    for &k in &[64usize, 448, 512] {
+        for &(n, rows) in &[(1usize, 16usize), (3, 21), (8, 32)] {
+            let mut w = vec![0u8; rows * kind.row_bytes(k)];
+            rng.fill(&mut w[..]);
+            for blk in w.chunks_exact_mut(17) {
+                blk[0] = rng.random_range(0..=200);
+            }
+            let xs: Vec<f32> = (0..n * k).map(|_| rng.random_range(-2.0..2.0)).collect();
+            let x = Q8Acts::quantize(&xs, n, k);
+            let nb = k / QK;
+            let mut want = vec![0f32; rows * n];
+            matmul_rows_with(Isa::Scalar, kind, &w, &x, &mut want);
+            for isa in Isa::available() {
+                for multiply in [row_major as Multiply, interleaved] {
+                    let mut got = vec![0f32; rows * n];
+                    multiply(isa, kind, &w, &x, &mut got);
+                    for r in 0..rows {
+                        for t in 0..n {
+                            let magnitude: f64 = (0..k)
+                                .map(|i| {
+                                    let blk = &w[(r * nb + i / QK) * 17..][..17];
+                                    let e = i32::from(blk[0]) - 128;
+                                    12.0 * 2f64.powi(e) * f64::from(xs[t * k + i].abs())
+                                })
+                                .sum();
+                            let (a, b) = (got[r * n + t], want[r * n + t]);
+                            assert!(
+                                f64::from((a - b).abs()) <= 1e-5 * magnitude,
+                                "{isa:?} k={k} n={n} row {r} token {t}: {a} vs {b}"
+                            );
+                        }
+                    }
+                }
+            }
         }
     }
 }
