@@ -655,3 +655,28 @@ fn random_weights_build_a_llama() {
     let model = Llama::load_from(CpuBackend::new(), config, &source).unwrap();
     check_feed_modes_agree(&model, &[1, 2, 3, 4, 5, 6], &[7, 8], 1e-5);
 }
+
+/// The demo vocabulary has no token for some bytes (e.g. 0x04), which its BPE drops: the
+/// length bound of `encode_within` counts only the bytes tokens stand for, so a prompt
+/// padded with them is encoded exactly as before, while a 30 MB one is refused unread.
+#[test]
+fn demo_tokenizer_bounds_prompts_by_length_exactly() {
+    use kimi_tokenizer::Bounded;
+    let Some(file) = demo_model() else { return };
+    let tok = Tokenizer::from_gguf(&file).unwrap();
+    let longest = tok.max_token_bytes().expect("a byte-level BPE");
+    let padded = format!("{}What is the capital of France?", "\u{4}".repeat(100_000));
+    let ids = tok.encode(&padded, true).unwrap();
+    assert!(ids.len() < 20, "{} ids: the padding is dropped", ids.len());
+    assert_eq!(
+        tok.encode_within(&padded, true, 20).unwrap(),
+        Bounded::Fits(ids)
+    );
+    let huge = "hello world ".repeat(2_500_000);
+    let start = std::time::Instant::now();
+    let Bounded::TooLong { at_least } = tok.encode_within(&huge, true, 8192).unwrap() else {
+        panic!("30 MB fits in 8192 ids?");
+    };
+    assert!(start.elapsed().as_secs_f64() < 2.0, "{:?}", start.elapsed());
+    assert_eq!(at_least, huge.len().div_ceil(longest));
+}
