@@ -424,6 +424,8 @@ struct Spoil {
     transposed: Option<&'static str>,
     /// An extra tensor the model does not use.
     extra_tensor: bool,
+    /// A metadata value replaced.
+    meta: Option<(&'static str, Value)>,
 }
 
 /// A two-layer Llama GGUF (hidden 256, 4 heads of 64 over 2 kv heads, tied embeddings)
@@ -449,6 +451,10 @@ fn tiny_gguf(spoil: Spoil) -> GgufFile {
         ("tokenizer.ggml.eos_token_id", Value::U32(3)),
     ];
     for (key, value) in meta {
+        let value = match &spoil.meta {
+            Some((k, v)) if *k == key => v.clone(),
+            _ => value,
+        };
         w.add_metadata(key, value).unwrap();
     }
     let mut tensors = vec![("token_embd.weight".to_string(), vec![TINY_VOCAB, h], Q8_0)];
@@ -601,6 +607,26 @@ fn tiny_model_rejects_what_it_cannot_run() {
         ..Spoil::default()
     });
     assert!(reason.contains("qwen2"), "{reason}");
+    // Numbers that would load and then give NaN logits are refused, naming the key.
+    for (key, value) in [
+        ("llama.rope.freq_base", Value::F32(f32::NAN)),
+        ("llama.rope.freq_base", Value::F32(-10_000.0)),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            Value::F32(f32::NAN),
+        ),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(-1e-5)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(0.0)),
+        ("llama.feed_forward_length", Value::U32(0)),
+        ("llama.context_length", Value::U32(0)),
+    ] {
+        let shown = format!("{value:?}");
+        let reason = format_error(Spoil {
+            meta: Some((key, value)),
+            ..Spoil::default()
+        });
+        assert!(reason.starts_with(key), "{key} = {shown}: {reason}");
+    }
 
     let model = Llama::load(CpuBackend::new(), &tiny_gguf(Spoil::default())).unwrap();
     let opts = ForwardOptions::default();
