@@ -41,12 +41,7 @@ struct Prepared {
 
 /// The prompts of a request: a string, a list of strings, a list of ids, a list of lists.
 fn parse_prompts(inner: &Inner, body: &Body) -> Result<Vec<Vec<u32>>, ApiError> {
-    let encode = |text: &str| {
-        inner
-            .tokenizer
-            .encode(text, true)
-            .map_err(|e| bad_value("prompt", format!("cannot be tokenized: {e}")))
-    };
+    let encode = |text: &str| inner.encode_prompt(text, true, "prompt");
     let ids = |items: &[Value]| -> Result<Vec<u32>, ApiError> {
         items
             .iter()

@@ -22,7 +22,7 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+    pub(crate) fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
         ApiError {
             status,
             message: message.into(),
@@ -37,6 +37,12 @@ impl ApiError {
         let mut err = Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message);
         err.param = param.map(str::to_owned);
         err
+    }
+
+    /// 400 `context_length_exceeded` for a prompt (or prompt + completion) that does not
+    /// fit the context; `param` names the prompt's field.
+    pub fn context_length_exceeded(message: impl Into<String>, param: &str) -> Self {
+        Self::invalid(message, Some(param)).code("context_length_exceeded")
     }
 
     /// 404 for a model this server does not serve.
@@ -70,6 +76,31 @@ impl ApiError {
             "invalid_request_error",
             message,
         )
+    }
+
+    /// 415 for a request body that is not JSON.
+    pub fn unsupported_media_type(content_type: &str) -> Self {
+        let message = format!(
+            "Content-Type `{content_type}` is not supported; send the body as application/json"
+        );
+        Self::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request_error",
+            message,
+        )
+        .code("unsupported_media_type")
+    }
+
+    /// 413 for a body over the server's limit.
+    pub fn payload_too_large(limit: usize) -> Self {
+        let message =
+            format!("The request body is larger than the server's limit of {limit} bytes");
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            message,
+        )
+        .code("payload_too_large")
     }
 
     /// 401 for a missing or wrong API key.

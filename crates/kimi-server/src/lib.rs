@@ -52,9 +52,11 @@ mod error;
 mod fields;
 mod generation;
 mod generator;
+mod listener;
 mod metrics;
 mod misc;
 mod params;
+mod request_body;
 mod response;
 mod state;
 mod tool_parser;
@@ -72,7 +74,6 @@ use axum::http::Uri;
 use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 use axum::Router;
 use kimi_tokenizer::Tokenizer;
 use tokio::net::TcpListener;
@@ -94,6 +95,11 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models/{model}", get(misc::get_model))
         .route("/tokenize", post(misc::tokenize))
         .route("/detokenize", post(misc::detokenize))
+        // Authentication first (the outer layer), so anonymous bodies are never read.
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            request_body::read_body,
+        ))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_api_key,
@@ -131,30 +137,21 @@ pub async fn serve(
     serve_listener(listener, state, shutdown).await
 }
 
-/// Serves on an already bound listener (tests bind `127.0.0.1:0`).
+/// Serves on an already bound listener (tests bind `127.0.0.1:0`) until `shutdown`
+/// completes, then lets open requests finish for up to `config.shutdown_timeout`.
 ///
 /// # Errors
 ///
-/// [`ServerError::Serve`] if serving fails.
+/// [`ServerError::Config`] for a zero `max_connections`.
 pub async fn serve_listener(
     listener: TcpListener,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
     if let Ok(addr) = listener.local_addr() {
-        tracing::info!("kimi-server listening on http://{addr}");
+        tracing::debug!("kimi-server listening on http://{addr}");
     }
-    // Streams write one small SSE event per token: without TCP_NODELAY, Nagle's algorithm
-    // holds each one back until the client's delayed ACK (up to 40 ms) arrives.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!("cannot set TCP_NODELAY: {e}");
-        }
-    });
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(ServerError::Serve)
+    listener::run(listener, state, shutdown).await
 }
 
 async fn not_found(uri: Uri) -> ApiError {
