@@ -45,20 +45,13 @@ impl ApiError {
         Self::invalid(message, Some(param)).code("context_length_exceeded")
     }
 
-    /// 404 for a model this server does not serve.
+    /// 404 for a model this server does not serve, whether named in the path
+    /// (`/v1/models/{id}`) or in a request body (as OpenAI and vLLM answer).
     pub fn model_not_found(model: &str) -> Self {
         let message = format!("The model `{model}` does not exist.");
         let mut err = Self::new(StatusCode::NOT_FOUND, "invalid_request_error", message);
         err.param = Some("model".into());
         err.code = Some("model_not_found");
-        err
-    }
-
-    /// 400 for a request body naming a model this server does not serve (a bad request
-    /// field like any other; `GET /v1/models/{id}` answers 404 instead).
-    pub fn unknown_model(model: &str) -> Self {
-        let mut err = Self::model_not_found(model);
-        err.status = StatusCode::BAD_REQUEST;
         err
     }
 
@@ -157,7 +150,12 @@ impl std::fmt::Display for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.to_json())).into_response()
+        let mut response = (self.status, axum::Json(self.to_json())).into_response();
+        // For the access log.
+        response
+            .extensions_mut()
+            .insert(crate::access_log::ErrorMessage(self.message));
+        response
     }
 }
 

@@ -39,6 +39,7 @@
 #![warn(missing_docs)]
 #![cfg_attr(not(test), warn(clippy::unwrap_used))]
 
+mod access_log;
 mod auth;
 mod chat;
 mod chat_format;
@@ -69,10 +70,9 @@ use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::DefaultBodyLimit;
 use axum::http::Uri;
-use axum::middleware::{self, Next};
-use axum::response::Response;
+use axum::middleware;
 use axum::routing::{get, post};
 use axum::Router;
 use kimi_tokenizer::Tokenizer;
@@ -111,8 +111,11 @@ pub fn router(state: AppState) -> Router {
         .route("/metrics", get(misc::metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(middleware::from_fn_with_state(state.clone(), count_errors))
         .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            access_log::access_log,
+        ))
         .with_state(state)
 }
 
@@ -162,22 +165,6 @@ async fn method_not_allowed() -> ApiError {
     ApiError::method_not_allowed()
 }
 
-/// Counts error responses for `/metrics`.
-async fn count_errors(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    let (method, path) = (request.method().clone(), request.uri().path().to_owned());
-    let response = next.run(request).await;
-    let status = response.status();
-    if status.is_client_error() || status.is_server_error() {
-        state.inner.metrics.record_error(status.as_u16());
-        if status.is_server_error() {
-            tracing::warn!("{method} {path} -> {status}");
-        } else {
-            tracing::debug!("{method} {path} -> {status}");
-        }
-    }
-    response
-}
-
 /// The body, or OpenAI's error for an unreadable or too large one.
 pub(crate) fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     body.map_err(|rejection| {
@@ -205,7 +192,7 @@ pub(crate) async fn blocking<T: Send + 'static>(
 pub(crate) fn check_model(inner: &Inner, body: &Body) -> Result<String, ApiError> {
     let served = &inner.config.served_model_name;
     match body.str("model")? {
-        Some(model) if model != served => Err(ApiError::unknown_model(model)),
+        Some(model) if model != served => Err(ApiError::model_not_found(model)),
         _ => Ok(served.clone()),
     }
 }

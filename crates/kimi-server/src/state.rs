@@ -147,6 +147,11 @@ impl AppState {
         })
     }
 
+    /// The configuration it serves with.
+    pub fn config(&self) -> &ServerConfig {
+        &self.inner.config
+    }
+
     /// The longest prompt + output this server accepts.
     pub fn max_model_len(&self) -> usize {
         self.inner.max_model_len
