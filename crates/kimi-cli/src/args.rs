@@ -11,8 +11,21 @@ pub struct Cli {
     /// Worker threads for the CPU backend (default: one per core).
     #[arg(long, global = true)]
     pub threads: Option<usize>,
+    /// Log lines on stderr as text (colours only on a terminal) or JSON objects; KIMI_LOG
+    /// sets what is logged (e.g. `info`, `warn,kimi_server::access=info`).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// How log lines are written.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    /// `2026-12-03T12:00:00Z  INFO target: message key=value ...`
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 /// The subcommands.
@@ -108,13 +121,22 @@ pub struct ServeArgs {
     /// Tokens per forward pass; longer prompts are prefilled in chunks.
     #[arg(long, default_value_t = 2048)]
     pub max_num_batched_tokens: usize,
-    /// Fraction of memory the weights and caches may use (of free RAM on the CPU).
-    #[arg(long, default_value_t = 0.9)]
-    pub gpu_memory_utilization: f64,
+    /// Fraction of memory the weights and caches may use: of the GPU's memory (default
+    /// 0.9), or on the CPU of the memory this process may still take, the smaller of
+    /// MemAvailable and the cgroup's limit less its use (default 0.5). The cache pool is
+    /// never larger than --max-num-seqs sequences of --max-model-len tokens.
+    #[arg(long)]
+    pub gpu_memory_utilization: Option<f64>,
+    /// Bytes for the cache pool instead of a share of memory (vLLM's flag; units as in
+    /// 4GiB, 500MB; a plain number is bytes); still capped at what --max-num-seqs
+    /// sequences of --max-model-len tokens use.
+    #[arg(long, value_parser = parse_bytes)]
+    pub kv_cache_memory_bytes: Option<u64>,
     /// Tokens per cache block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// Cache blocks to allocate, instead of sizing the pool from free memory.
+    /// Cache blocks to allocate, instead of sizing the pool from free memory (refused when
+    /// larger than the memory left).
     #[arg(long)]
     pub num_gpu_blocks_override: Option<usize>,
     /// Accepted API key (repeatable; also KIMI_API_KEY, comma-separated). None: no auth.
@@ -135,6 +157,34 @@ pub struct ServeArgs {
     /// Tokenizer directory (tiktoken.model or tokenizer.json) instead of the model's own.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+    /// Seconds a connection may take to send a complete request head, counted from when
+    /// it opens or from its previous response: closes idle keep-alive connections and
+    /// half-sent requests (0: never).
+    #[arg(long, default_value_t = 5.0, value_parser = parse_secs)]
+    pub timeout_keep_alive: f64,
+    /// Seconds a request body may take to arrive after its head; later: 408 (0: never).
+    #[arg(long, default_value_t = 60.0, value_parser = parse_secs)]
+    pub timeout_body: f64,
+    /// Seconds a request may take end to end; later: 408, or a stream ends with an error
+    /// (0: no limit).
+    #[arg(long, default_value_t = 600.0, value_parser = parse_secs)]
+    pub request_timeout: f64,
+    /// Most connections open at once; past it, new connections get 503 with Retry-After
+    /// (a `GET /health` still gets 200). Default: 1024, lowered to fit the open-file limit.
+    #[arg(long)]
+    pub max_connections: Option<usize>,
+    /// Seconds SIGTERM / Ctrl-C lets running requests finish before their connections are
+    /// closed (0: wait for them). A second signal exits at once.
+    #[arg(long, default_value_t = 30.0, value_parser = parse_secs)]
+    pub shutdown_timeout: f64,
+}
+
+/// Seconds: a finite number, at least 0.
+fn parse_secs(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(s) if (0.0..1e9).contains(&s) => Ok(s),
+        _ => Err(format!("`{text}` is not a number of seconds (0 or more)")),
+    }
 }
 
 /// Where the model comes from.
@@ -407,6 +457,18 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     Ok(bytes.round() as u64)
 }
 
+/// A byte count for `--kv-cache-memory-bytes`: as [`parse_size`], but a plain number is
+/// bytes.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    if !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()) {
+        return t
+            .parse()
+            .map_err(|_| format!("`{text}` is too large for a byte count"));
+    }
+    parse_size(t)
+}
+
 /// `kimi-infer bench`.
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -476,5 +538,8 @@ mod tests {
         assert!(parse_size("GB").is_err());
         assert!(parse_size("-3").is_err());
         assert!(parse_size("1e30TB").is_err());
+        assert_eq!(super::parse_bytes("4096"), Ok(4096));
+        assert_eq!(super::parse_bytes("4GiB"), Ok(4 << 30));
+        assert!(super::parse_bytes("99999999999999999999999").is_err());
     }
 }

@@ -4,14 +4,13 @@
 use std::time::Instant;
 
 use kimi_engine::sampling::SamplingParams;
-use kimi_model::{Batch, CausalLm, ForwardOptions, ModelSummary, SeqCache};
+use kimi_model::{Batch, CausalLm, ForwardOptions, SeqCache};
 use kimi_ops::{Backend, Segment};
 use rayon::prelude::*;
 use serde_json::json;
 
 use crate::args::{BenchArgs, RandomDType};
 use crate::inspect::bytes;
-use crate::load::ModelInfo;
 
 pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
@@ -52,13 +51,7 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
     let backend_name = loaded.engine.model().backend().name();
     let memory_after_load = device_memory_used(loaded.engine.model().backend());
     let vocab = loaded.engine.model().vocab_size() as u64;
-    let (total_params, active_params) = match &loaded.info {
-        ModelInfo::Kimi(cfg) => {
-            let s = ModelSummary::new(cfg);
-            (s.params.total, s.params.active)
-        }
-        ModelInfo::Gguf { .. } => (0, 0),
-    };
+    let (total_params, active_params) = loaded.params();
     let ckpt_bytes_per_param =
         bytes_per_param.unwrap_or_else(|| weight_bytes_per_param(&loaded.dir, total_params));
     let weight_bytes_per_token = loaded.weight_bytes_per_token(ckpt_bytes_per_param);

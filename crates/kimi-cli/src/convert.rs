@@ -28,6 +28,7 @@ pub fn convert(args: ConvertArgs) -> anyhow::Result<()> {
             let config = ModelConfig::from_json_str(&text).with_context(|| {
                 format!("cannot parse the model config {}", config_path.display())
             })?;
+            check_fits(&config, &config_path.display().to_string())?;
             let name = config_path
                 .file_stem()
                 .map(|n| n.to_string_lossy().trim_end_matches(".config").to_string())
@@ -196,4 +197,34 @@ fn extra_hparams(path: &Path) -> anyhow::Result<ExtraHparams> {
         rope_theta,
         head_dim,
     })
+}
+
+/// Tensors are converted one at a time: the largest (the embedding, or a layer's experts
+/// stacked into one GGUF tensor), read in bf16 and widened to f32 at once, must fit in the
+/// memory left.
+fn check_fits(config: &ModelConfig, what: &str) -> anyhow::Result<()> {
+    let d = config.hidden_size as u64;
+    let experts = config.moe.as_ref().map_or(0, |m| {
+        (m.num_experts as u64).saturating_mul(m.expert_intermediate_size as u64)
+    });
+    let largest = [
+        config.vocab_size as u64,
+        config.intermediate_size as u64,
+        experts,
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0)
+    .saturating_mul(d);
+    let need = largest.saturating_mul(6);
+    if let Some(room) = crate::memory::HostMemory::read().usable() {
+        anyhow::ensure!(
+            need <= room,
+            "cannot convert {what}: its largest tensor ({largest} values) needs {} while it \
+             is converted, more than the {} of memory left",
+            crate::cache_plan::gib(need),
+            crate::cache_plan::gib(room)
+        );
+    }
+    Ok(())
 }

@@ -25,8 +25,10 @@ pub const DEMO_GGUF: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 pub enum ModelInfo {
     /// Kimi Linear from a Hugging Face checkpoint.
     Kimi(Box<ModelConfig>),
-    /// A llama-family GGUF: weight bytes and KV-cache values per token.
+    /// A llama-family GGUF: parameters (every stored value), weight bytes and KV-cache
+    /// values per token.
     Gguf {
+        params: u64,
         weight_bytes: u64,
         kv_values_per_token: u64,
     },
@@ -97,6 +99,25 @@ impl<B: Backend> Loaded<B> {
             }
             ModelInfo::Kimi(cfg) => ModelSummary::new(cfg).params.active as f64 * bytes_per_param,
             ModelInfo::Gguf { weight_bytes, .. } => *weight_bytes as f64,
+        }
+    }
+
+    /// Total and active parameters (a dense GGUF model uses them all for every token).
+    pub fn params(&self) -> (u64, u64) {
+        match &self.info {
+            ModelInfo::Kimi(cfg) => {
+                let s = ModelSummary::new(cfg);
+                (s.params.total, s.params.active)
+            }
+            ModelInfo::Gguf { params, .. } => (*params, *params),
+        }
+    }
+
+    /// Bytes of the weights as stored.
+    pub fn weight_bytes(&self) -> u64 {
+        match &self.info {
+            ModelInfo::Kimi(cfg) => ModelSummary::new(cfg).total_bytes(),
+            ModelInfo::Gguf { weight_bytes, .. } => *weight_bytes,
         }
     }
 
@@ -225,6 +246,7 @@ fn info_of<B: Backend>(loaded: &LoadedModel<B>, file: Option<&GgufFile>) -> Mode
     match (&loaded.config, file) {
         (Some(cfg), _) => ModelInfo::Kimi(Box::new(cfg.clone())),
         (None, file) => ModelInfo::Gguf {
+            params: file.map_or(0, |f| f.tensors().iter().map(|t| t.num_elements()).sum()),
             weight_bytes: file.map_or(0, |f| f.tensors().iter().map(|t| t.size_bytes).sum()),
             kv_values_per_token: loaded
                 .model
@@ -280,6 +302,23 @@ pub fn load_random<B: Backend + 'static>(
     dtype: kimi_core::DType,
 ) -> anyhow::Result<Loaded<B>> {
     let cfg = read_config(config)?;
+    // Refuse up front what cannot fit, rather than dying half-way through filling it.
+    let bytes = ModelSummary::new(&cfg)
+        .params
+        .total
+        .saturating_mul(dtype.size_bytes() as u64);
+    let room = backend
+        .memory_info()
+        .map(|(free, _)| free)
+        .or_else(|| crate::memory::HostMemory::read().usable());
+    if let Some(room) = room.filter(|&room| bytes > room) {
+        anyhow::bail!(
+            "the random {dtype} weights of {} need {}, more than the {} of memory left",
+            config.display(),
+            crate::cache_plan::gib(bytes),
+            crate::cache_plan::gib(room)
+        );
+    }
     let source = kimi_model::RandomWeights { dtype, seed: 0 };
     let loaded = registry::load_config(backend, cfg.clone(), &source)?;
     Ok(Loaded {

@@ -3,11 +3,14 @@
 
 mod args;
 mod bench;
+mod cache_plan;
 mod convert;
 mod demo;
 mod inspect;
 mod load;
+mod logging;
 mod logits;
+mod memory;
 mod npy;
 mod plan;
 mod run;
@@ -18,17 +21,12 @@ use clap::Parser;
 use args::{Cli, Command};
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("KIMI_LOG")
-                .unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    let serving = matches!(cli.command, Command::Serve(_));
+    logging::init(cli.log_format, logging::default_filter(serving));
     if let Some(threads) = cli.threads {
         if let Err(e) = cpu_threads(threads) {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", report(&e));
             std::process::exit(2);
         }
     }
@@ -43,12 +41,58 @@ fn main() {
         Command::Convert(a) => convert::convert(a),
     };
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", report(&e));
         std::process::exit(1);
     }
+}
+
+/// The error and its causes joined by `: `, each said once: a library error that already
+/// quotes its cause in its message (`{path}: {source}`) also returns it as its source, and
+/// anyhow's `{:#}` would print it twice.
+fn report(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.contains(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
 }
 
 fn cpu_threads(n: usize) -> anyhow::Result<()> {
     anyhow::ensure!(n > 0, "--threads must be at least 1");
     kimi_cpu::set_num_threads(n).map_err(|e| anyhow::anyhow!("cannot set the thread count: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::report;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("{path}: {source}")]
+    struct Quoting {
+        path: &'static str,
+        source: std::io::Error,
+    }
+
+    #[test]
+    fn each_cause_is_said_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+        let err = anyhow::Error::new(Quoting {
+            path: "/m/config.json",
+            source: io,
+        })
+        .context("cannot open the model in /m");
+        assert_eq!(
+            report(&err),
+            "cannot open the model in /m: /m/config.json: no such file"
+        );
+        let plain = anyhow::anyhow!("inner").context("outer");
+        assert_eq!(report(&plain), "outer: inner");
+    }
 }

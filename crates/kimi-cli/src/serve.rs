@@ -6,20 +6,35 @@ use anyhow::Context;
 use kimi_engine::{EngineHandle, ServingConfig};
 use kimi_model::{Batch, CausalLm, ForwardOptions};
 use kimi_ops::{Backend, Segment};
-use kimi_server::ServerConfig;
+use kimi_server::{AppState, ServerConfig};
+use tokio::net::TcpListener;
 
 use crate::args::ServeArgs;
+use crate::cache_plan::{self, Budget, Shape, DEFAULT_CPU_UTILIZATION, DEFAULT_GPU_UTILIZATION};
+use crate::load::ModelInfo;
+use crate::memory::HostMemory;
 
 pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        a.gpu_memory_utilization > 0.0 && a.gpu_memory_utilization <= 1.0,
-        "--gpu-memory-utilization must be in (0, 1]"
-    );
+    if let Some(u) = a.gpu_memory_utilization {
+        anyhow::ensure!(
+            u > 0.0 && u <= 1.0,
+            "--gpu-memory-utilization must be in (0, 1], got {u}"
+        );
+    }
     crate::load::with_backend!(a.model, |backend| serve_on(backend, a))
 }
 
 fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(a.block_size > 0, "--block-size must be at least 1");
+    // Flags first: a bad one should not wait for the weights to load.
+    let mut shape = Shape {
+        block_size: a.block_size,
+        max_num_seqs: a.max_num_seqs,
+        max_model_len: a.max_model_len.unwrap_or(2),
+        max_num_batched_tokens: a.max_num_batched_tokens,
+        values_per_token: 0,
+        values_per_slot: 0,
+    };
+    shape.validate()?;
     let mut loaded = match &a.random_config {
         Some(config) => crate::load::load_random(backend, config, kimi_core::DType::BF16)?,
         None => crate::load::load(backend, &a.model, a.tokenizer.is_none())?,
@@ -36,25 +51,46 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
             .take()
             .context("the model has no tokenizer")?,
     );
-    let max_model_len = a
-        .max_model_len
-        .unwrap_or(loaded.engine.model().max_context().min(32768));
+    let context = loaded.engine.model().max_context();
+    let max_model_len = a.max_model_len.unwrap_or(context.min(32768));
+    anyhow::ensure!(
+        max_model_len <= context,
+        "--max-model-len {max_model_len} is more than the model's context of {context} tokens"
+    );
     // The pool's real layout: values per token over the block-pooled layers, values per
     // state slot over the KDA layers.
     let specs = loaded.engine.model().cache_specs();
-    let per_token: u64 = specs.iter().map(|s| s.values_per_token() as u64).sum();
-    let per_slot: u64 = specs.iter().map(|s| s.values_per_slot() as u64).sum();
-    let workspace = match a.num_gpu_blocks_override {
-        Some(_) => None,
-        None => step_workspace(loaded.engine.model(), &a, max_model_len)?,
+    shape.max_model_len = max_model_len;
+    shape.values_per_token = specs.iter().map(|s| s.values_per_token() as u64).sum();
+    shape.values_per_slot = specs.iter().map(|s| s.values_per_slot() as u64).sum();
+    let device = loaded.engine.model().backend().memory_info();
+    let host = HostMemory::read();
+    let plan = match a.num_gpu_blocks_override {
+        Some(n) => {
+            let room = match device {
+                Some((free, _)) => Some(free),
+                None => host.usable(),
+            };
+            cache_plan::fixed(&shape, n, room)?
+        }
+        None => {
+            let budget = match device {
+                Some((free, total)) => Budget::Device {
+                    free,
+                    total,
+                    utilization: a.gpu_memory_utilization.unwrap_or(DEFAULT_GPU_UTILIZATION),
+                    workspace: step_workspace(loaded.engine.model(), &a, max_model_len)?,
+                },
+                None => Budget::Host {
+                    memory: host,
+                    utilization: a.gpu_memory_utilization.unwrap_or(DEFAULT_CPU_UTILIZATION),
+                    fixed: a.kv_cache_memory_bytes,
+                },
+            };
+            cache_plan::plan(&shape, budget)?
+        }
     };
-    let memory = loaded.engine.model().backend().memory_info();
-    let num_blocks = match a.num_gpu_blocks_override {
-        Some(n) => n,
-        None => cache_blocks(&a, (per_token, per_slot), max_model_len, memory, workspace)?,
-    };
-    let pool_bytes = 4
-        * (num_blocks as u64 * a.block_size as u64 * per_token + a.max_num_seqs as u64 * per_slot);
+    let num_blocks = plan.num_blocks;
     let serving = ServingConfig {
         max_model_len,
         max_num_seqs: a.max_num_seqs,
@@ -63,7 +99,6 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
         num_blocks,
         max_waiting: 4096,
     };
-    let engine = EngineHandle::spawn(loaded.engine.into_model(), serving)?;
     let chat_template = match &a.chat_template {
         Some(p) => {
             Some(std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?)
@@ -91,52 +126,265 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
             .collect(),
         chat_template,
         max_model_len: Some(max_model_len),
+        keep_alive_timeout: secs(a.timeout_keep_alive),
+        body_timeout: secs(a.timeout_body),
+        request_timeout: secs(a.request_timeout),
+        max_connections: max_connections(a.max_connections)?,
+        shutdown_timeout: secs(a.shutdown_timeout),
         ..ServerConfig::default()
     };
-    eprintln!(
-        "serving {} on http://{}:{} ({} cache blocks of {} tokens, up to {} sequences, \
-         cache pool {:.2} GiB)",
-        loaded.dir.display(),
-        a.host,
-        a.port,
-        num_blocks,
-        a.block_size,
-        a.max_num_seqs,
-        pool_bytes as f64 / (1u64 << 30) as f64
-    );
+    let banner = Banner {
+        model: describe_model(&loaded),
+        backend: loaded.engine.model().backend().name(),
+        plan,
+        shape,
+        memory: match device {
+            Some((free, total)) => format!(
+                "{} of {} free on the device",
+                cache_plan::gib(free),
+                cache_plan::gib(total)
+            ),
+            None => host.describe(),
+        },
+    };
+    let engine = EngineHandle::spawn(loaded.engine.into_model(), serving)?;
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-    let result = runtime.block_on(kimi_server::serve(
-        config,
-        engine.clone(),
-        tokenizer,
-        shutdown_signal(),
-    ));
-    // The listener has stopped taking requests; let the running ones finish.
-    engine.shutdown(true);
-    result.context("the server failed")
+    let result = runtime.block_on(async {
+        let addr = format!("{}:{}", config.host, config.port);
+        let signals = Signals::new()?;
+        let state = AppState::new(config, Arc::new(engine.clone()), tokenizer)?;
+        let listener = TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr}"))?;
+        banner.log(&state, listener.local_addr().ok());
+        kimi_server::serve_listener(
+            listener,
+            state,
+            shutdown_signal(signals, a.shutdown_timeout),
+        )
+        .await
+        .context("the server failed")
+    });
+    // Every connection has finished or was cut at the shutdown timeout (cancelling its
+    // requests): nothing is left for the engine to finish.
+    engine.shutdown(false);
+    // Blocking tasks still tokenizing a request are not waited for.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    result
 }
 
-/// Resolves on Ctrl-C or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
+/// "Kimi Linear, 48.0 B parameters (3.0 B active), 91.5 GiB of weights".
+fn describe_model<B: Backend>(loaded: &crate::load::Loaded<B>) -> String {
+    let kind = match &loaded.info {
+        ModelInfo::Kimi(cfg) => match cfg.family {
+            kimi_core::config::Family::KimiLinear => "Kimi Linear",
+            kimi_core::config::Family::KimiK3 => "Kimi K3",
+        },
+        ModelInfo::Gguf { .. } => "llama (GGUF)",
     };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
+    let (total, active) = loaded.params();
+    let active = if active == total {
+        String::new()
+    } else {
+        format!(" ({} active)", count(active))
     };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
+    format!(
+        "{} ({kind}, {} parameters{active}, {} of weights)",
+        loaded.dir.display(),
+        count(total),
+        cache_plan::size(loaded.weight_bytes())
+    )
+}
+
+/// "134.5 M".
+fn count(n: u64) -> String {
+    let n = n as f64;
+    match n {
+        n if n >= 1e12 => format!("{:.2} T", n / 1e12),
+        n if n >= 1e9 => format!("{:.1} B", n / 1e9),
+        n if n >= 1e6 => format!("{:.1} M", n / 1e6),
+        n => format!("{n}"),
     }
-    eprintln!("shutting down: finishing running requests");
+}
+
+/// What `serve` says when it starts.
+struct Banner {
+    model: String,
+    backend: String,
+    plan: cache_plan::CachePlan,
+    shape: Shape,
+    memory: String,
+}
+
+impl Banner {
+    fn log(&self, state: &AppState, addr: Option<std::net::SocketAddr>) {
+        let config = state.config();
+        let (plan, shape) = (&self.plan, &self.shape);
+        let tokens = plan.num_blocks * shape.block_size;
+        let full = plan.num_blocks / plan.blocks_per_seq.max(1);
+        tracing::info!("model   {}", self.model);
+        tracing::info!(
+            "cache   {} blocks of {} tokens ({tokens} tokens: {full} sequences of {} at full \
+             length; --max-num-seqs {}), {}; memory: {}",
+            plan.num_blocks,
+            shape.block_size,
+            shape.max_model_len,
+            shape.max_num_seqs,
+            cache_plan::size(plan.pool_bytes),
+            self.memory
+        );
+        if !plan.holds_all {
+            tracing::warn!(
+                "the cache holds {full} of --max-num-seqs {} sequences at full length \
+                 (--max-model-len {}); past that, requests wait or are preempted",
+                shape.max_num_seqs,
+                shape.max_model_len
+            );
+        }
+        let threads = if self.backend.starts_with("cpu") {
+            format!("{} CPU threads", kimi_cpu::num_threads())
+        } else {
+            self.backend.clone()
+        };
+        let secs = |d: Option<std::time::Duration>| {
+            d.map_or("none".to_string(), |d| format!("{}s", d.as_secs_f64()))
+        };
+        tracing::info!(
+            "compute {threads}; up to {} connections; timeouts: keep-alive {}, body {}, \
+             request {}, shutdown {}",
+            config.max_connections,
+            secs(config.keep_alive_timeout),
+            secs(config.body_timeout),
+            secs(config.request_timeout),
+            secs(config.shutdown_timeout)
+        );
+        let keys = config.api_keys.len();
+        let auth = match keys {
+            0 => "none: every client is served".to_string(),
+            1 => "1 API key".to_string(),
+            n => format!("{n} API keys"),
+        };
+        tracing::info!("auth    {auth}");
+        if keys == 0 && !is_loopback(&config.host) {
+            tracing::warn!(
+                "listening on {} without --api-key: anyone who can reach this address can \
+                 use the model",
+                config.host
+            );
+        }
+        let url = addr.map_or_else(
+            || format!("http://{}:{}", config.host, config.port),
+            |a| format!("http://{a}"),
+        );
+        tracing::info!(
+            model = %config.served_model_name,
+            "serving `{}` on {url}",
+            config.served_model_name
+        );
+    }
+}
+
+/// Whether `host` only accepts connections from this machine.
+fn is_loopback(host: &str) -> bool {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// A flag's seconds, 0 meaning "no limit".
+fn secs(s: f64) -> Option<std::time::Duration> {
+    (s > 0.0).then(|| std::time::Duration::from_secs_f64(s))
+}
+
+/// `--max-connections`, or 1024 lowered to leave room under the open-file limit for the
+/// model's files and the refusals past the cap.
+fn max_connections(flag: Option<usize>) -> anyhow::Result<usize> {
+    const RESERVED: u64 = 128;
+    let soft = open_file_limit();
+    match flag {
+        Some(0) => anyhow::bail!("--max-connections must be at least 1"),
+        Some(n) => {
+            if let Some(soft) = soft.filter(|&soft| n as u64 + RESERVED > soft) {
+                tracing::warn!(
+                    "--max-connections {n} is close to the open-file limit ({soft}, ulimit -n): \
+                     accepting may fail before the cap is reached"
+                );
+            }
+            Ok(n)
+        }
+        None => {
+            Ok(soft.map_or(1024, |soft| soft.saturating_sub(RESERVED).clamp(16, 1024)) as usize)
+        }
+    }
+}
+
+/// The soft limit on open files (`ulimit -n`), from /proc/self/limits.
+fn open_file_limit() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = text.lines().find(|l| l.starts_with("Max open files"))?;
+    line.split_whitespace().nth(3)?.parse().ok()
+}
+
+/// Resolves on the first Ctrl-C or SIGTERM; a second one exits the process at once.
+async fn shutdown_signal(mut signals: Signals, drain_secs: f64) {
+    signals.next().await;
+    let deadline = if drain_secs > 0.0 {
+        format!("up to {drain_secs}s")
+    } else {
+        "no time limit".into()
+    };
+    tracing::info!(
+        "shutting down: finishing running requests ({deadline}; signal again to exit now)"
+    );
+    tokio::spawn(async move {
+        signals.next().await;
+        tracing::warn!("second signal: exiting without finishing requests");
+        std::process::exit(1);
+    });
+}
+
+/// SIGINT (Ctrl-C) and SIGTERM as one stream. The handlers are installed when this is
+/// made (inside the runtime), before the server says it is up: a signal sent as soon as
+/// the banner appears must not find the default action, which kills the process.
+struct Signals {
+    #[cfg(unix)]
+    handlers: Vec<tokio::signal::unix::Signal>,
+}
+
+impl Signals {
+    fn new() -> anyhow::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            let handlers = [SignalKind::interrupt(), SignalKind::terminate()]
+                .into_iter()
+                .map(signal)
+                .collect::<Result<_, _>>()
+                .context("cannot install the SIGINT / SIGTERM handlers")?;
+            Ok(Signals { handlers })
+        }
+        #[cfg(not(unix))]
+        Ok(Signals {})
+    }
+
+    async fn next(&mut self) {
+        #[cfg(unix)]
+        {
+            let [int, term] = &mut self.handlers[..] else {
+                return std::future::pending().await;
+            };
+            tokio::select! {
+                _ = int.recv() => {},
+                _ = term.recv() => {},
+            }
+        }
+        #[cfg(not(unix))]
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
 }
 
 /// The device memory one engine step needs besides weights and caches, measured as vLLM's
@@ -174,65 +422,10 @@ fn step_workspace<B: Backend>(
     drop((pool, seq));
     be.release_unused_memory()?;
     if let Some(bytes) = workspace {
-        eprintln!(
-            "a {n}-token step needs {:.2} GiB of workspace (measured)",
-            bytes as f64 / (1u64 << 30) as f64
+        tracing::info!(
+            "a {n}-token step needs {} of workspace (measured)",
+            cache_plan::gib(bytes)
         );
     }
     Ok(workspace)
-}
-
-/// Cache blocks that fit in the memory budget next to `max_num_seqs` KDA state slots,
-/// capped at what `max_num_seqs` full-length sequences could use; the engine allocates
-/// exactly this pool at start. Both backends keep caches in f32; `per_token`/`per_seq` count
-/// cache values. On a GPU (`device_memory` = free and total bytes after the weights were
-/// loaded) the budget is vLLM's: `--gpu-memory-utilization` of the total, minus what is
-/// already used, minus one step's workspace (`workspace` as measured by [`step_workspace`],
-/// else a generous 64 KiB per batched token); on the CPU it is that fraction of free RAM.
-fn cache_blocks(
-    a: &ServeArgs,
-    (per_token, per_seq): (u64, u64),
-    max_model_len: usize,
-    device_memory: Option<(u64, u64)>,
-    workspace: Option<u64>,
-) -> anyhow::Result<usize> {
-    let per_seq_blocks = max_model_len.div_ceil(a.block_size);
-    let wanted = a.max_num_seqs * per_seq_blocks;
-    let block_bytes = (a.block_size as u64 * per_token * 4).max(1);
-    let state_bytes = per_seq * 4 * a.max_num_seqs as u64;
-    let budget = match device_memory {
-        Some((free, total)) => {
-            let used = total.saturating_sub(free);
-            let workspace = workspace.unwrap_or(a.max_num_batched_tokens as u64 * (64 << 10));
-            ((total as f64 * a.gpu_memory_utilization) as u64)
-                .saturating_sub(used)
-                .saturating_sub(workspace)
-        }
-        None => {
-            let Some(available) = mem_available_bytes() else {
-                return Ok(wanted);
-            };
-            (available as f64 * a.gpu_memory_utilization) as u64
-        }
-    };
-    let blocks = budget.saturating_sub(state_bytes) / block_bytes;
-    let blocks = (blocks as usize).min(wanted);
-    anyhow::ensure!(
-        blocks >= per_seq_blocks,
-        "not enough memory for one {max_model_len}-token sequence's cache; lower --max-model-len"
-    );
-    Ok(blocks)
-}
-
-/// Linux `MemAvailable`.
-fn mem_available_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let kb: u64 = text
-        .lines()
-        .find(|l| l.starts_with("MemAvailable:"))?
-        .split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()?;
-    Some(kb * 1024)
 }

@@ -10,12 +10,15 @@ use serde_json::Value;
 
 use crate::DType;
 
+pub use validate::MAX_PARAMS;
+
 mod fields;
 mod k3;
 mod parse;
 mod schedule;
 #[cfg(test)]
 mod tests;
+mod validate;
 
 /// Which token mixer a decoder layer uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -254,7 +257,9 @@ impl ModelConfig {
     /// model's config nested in `text_config`). Other model types, and features kimi-infer
     /// does not run, are rejected with [`ConfigError::Unsupported`]. Never panics.
     pub fn from_json(value: &Value) -> Result<Self, ConfigError> {
-        parse::model_config(value)
+        let config = parse::model_config(value)?;
+        config.validate()?;
+        Ok(config)
     }
 
     /// Number of decoder layers.

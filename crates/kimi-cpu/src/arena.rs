@@ -44,19 +44,42 @@ unsafe impl<T: Send> Send for WeightBuf<T> {}
 // SAFETY: as for `Send`: shared access goes only through `&[T]`.
 unsafe impl<T: Sync> Sync for WeightBuf<T> {}
 
+/// `len` zeros on the heap, or `None` where the allocator refuses: cache pools are sized
+/// by flags, and a size too large must be an error, not an aborted process.
+pub(crate) fn try_zeroed_vec<T: Plain>(len: usize) -> Option<Vec<T>> {
+    if len == 0 || std::mem::size_of::<T>() == 0 {
+        return Some(vec![T::default(); len]);
+    }
+    let layout = std::alloc::Layout::array::<T>(len).ok()?;
+    // SAFETY: `layout` has a non-zero size (`len > 0` and `T` is not zero-sized).
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<T>();
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: `ptr` comes from the global allocator with the layout of `len` `T`s, the one a
+    // `Vec<T>` of capacity `len` frees with, and its `len` values are zero bytes, which are
+    // a valid zero `T` (`Plain`).
+    Some(unsafe { Vec::from_raw_parts(ptr, len, len) })
+}
+
 impl<T: Plain> WeightBuf<T> {
     /// `len` zeros.
     pub(crate) fn zeroed(len: usize) -> Self {
+        Self::try_zeroed(len).unwrap_or_else(|| Self(Repr::Heap(vec![T::default(); len])))
+    }
+
+    /// `len` zeros, or `None` where neither a mapping nor the heap can hold them.
+    pub(crate) fn try_zeroed(len: usize) -> Option<Self> {
         #[cfg(target_os = "linux")]
         if let Some((ptr, map)) = map::carve(len.saturating_mul(std::mem::size_of::<T>())) {
             // Anonymous mappings are zero-filled, and zero bytes are a zero `T` (`Plain`).
-            return Self(Repr::Mapped {
+            return Some(Self(Repr::Mapped {
                 ptr: ptr.cast(),
                 len,
                 _map: map,
-            });
+            }));
         }
-        Self(Repr::Heap(vec![T::default(); len]))
+        try_zeroed_vec(len).map(|v| Self(Repr::Heap(v)))
     }
 
     /// `len` values taken from `values` (zeros after it ends).

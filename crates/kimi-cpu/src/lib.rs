@@ -88,14 +88,14 @@ impl Backend for CpuBackend {
         CpuTensor::f32(shape, data.to_vec())
     }
     fn zeros(&self, shape: &[usize]) -> Result<CpuTensor> {
-        CpuTensor::f32(shape, vec![0.0; shape.iter().product()])
+        CpuTensor::try_f32_zeros(shape)
     }
     // The int8 mode keeps keys and values in f16, as llama.cpp does by default: decode
     // attention reads every cached row once per step, and that read bounds it. The f32
     // mode (golden tests) keeps them exact.
     fn kv_zeros(&self, shape: &[usize]) -> Result<CpuTensor> {
         match self.quant_matmul {
-            QuantMatmul::Int8 => Ok(CpuTensor::f16_zeros(shape)),
+            QuantMatmul::Int8 => CpuTensor::try_f16_zeros(shape),
             QuantMatmul::F32 => self.zeros(shape),
         }
     }

@@ -63,6 +63,29 @@ impl CpuTensor {
         )
     }
 
+    /// An f32 tensor of zeros, or [`Error::OutOfMemory`] when the shape's size overflows or
+    /// the allocator refuses it (pool sizes come from flags: no abort, no overflow).
+    pub fn try_f32_zeros(shape: &[usize]) -> Result<Self> {
+        let n = checked_len(shape);
+        let data = n
+            .and_then(crate::arena::try_zeroed_vec::<f32>)
+            .ok_or_else(|| {
+                Error::out_of_memory(format!("an f32 tensor of shape {shape:?}"), n, 4)
+            })?;
+        Ok(Self::new(shape.to_vec(), Storage::F32(data)))
+    }
+
+    /// [`Self::try_f32_zeros`] in f16.
+    pub fn try_f16_zeros(shape: &[usize]) -> Result<Self> {
+        let n = checked_len(shape);
+        let data = n
+            .and_then(crate::arena::WeightBuf::<u16>::try_zeroed)
+            .ok_or_else(|| {
+                Error::out_of_memory(format!("an f16 tensor of shape {shape:?}"), n, 2)
+            })?;
+        Ok(Self::new(shape.to_vec(), Storage::F16(data)))
+    }
+
     /// Copies a checkpoint tensor, keeping its dtype. A block-quantized tensor's last
     /// dimension must be a whole number of blocks.
     pub fn from_host(host: HostTensor<'_>) -> Result<Self> {
@@ -257,4 +280,36 @@ pub(crate) fn row_to_f32(storage: &Storage, offset: usize, out: &mut [f32]) {
 
 pub(crate) fn shape_err(op: &'static str, detail: String) -> Error {
     Error::Shape { op, detail }
+}
+
+/// The number of values of `shape`, if it fits a `usize` and the address space (as bytes of
+/// the widest element, f32).
+fn checked_len(shape: &[usize]) -> Option<usize> {
+    let n = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))?;
+    (n <= isize::MAX as usize / 4).then_some(n)
+}
+
+#[cfg(test)]
+mod alloc_tests {
+    use super::*;
+
+    #[test]
+    fn impossible_zeros_are_errors_not_aborts() {
+        for shape in [&[usize::MAX, 2][..], &[1 << 20, 1 << 20, 1 << 12]] {
+            for f16 in [false, true] {
+                let result = if f16 {
+                    CpuTensor::try_f16_zeros(shape)
+                } else {
+                    CpuTensor::try_f32_zeros(shape)
+                };
+                let err = result.expect_err("no machine has this much memory");
+                assert!(matches!(err, Error::OutOfMemory { .. }), "{err}");
+                assert!(err.to_string().contains(&format!("{shape:?}")), "{err}");
+            }
+        }
+        let t = CpuTensor::try_f16_zeros(&[3, 5]).expect("small");
+        assert_eq!((t.shape(), t.to_f32_vec()), (&[3, 5][..], vec![0.0; 15]));
+        let t = CpuTensor::try_f32_zeros(&[0, 7]).expect("empty");
+        assert!(t.to_f32_vec().is_empty());
+    }
 }

@@ -96,7 +96,7 @@ impl LlamaConfig {
             None => 10_000.0, // llama.cpp's default for llama
         };
         let embed = file.tensor("token_embd.weight")?.info.shape_outer_first();
-        Ok(Self {
+        let config = Self {
             vocab_size: embed.first().copied().unwrap_or(0),
             hidden_size,
             intermediate_size: count("feed_forward_length")?,
@@ -110,7 +110,45 @@ impl LlamaConfig {
             max_context: count("context_length")?,
             tie_word_embeddings: file.tensor("output.weight").is_err(),
             eos_token_ids: eos_token_ids(file)?,
-        })
+        };
+        config.validate(file)?;
+        Ok(config)
+    }
+
+    /// Every number in range, so that none shows up later as NaN logits: a NaN or negative
+    /// RoPE base or norm epsilon loads fine and breaks every forward pass.
+    fn validate(&self, file: &GgufFile) -> Result<()> {
+        let bad = |key: &str, reason: String| format_error(file, format!("llama.{key}: {reason}"));
+        let floats = [
+            ("rope.freq_base", self.rope_theta, f32::INFINITY),
+            ("attention.layer_norm_rms_epsilon", self.rms_norm_eps, 1.0),
+        ];
+        for (key, x, below) in floats {
+            if !(x.is_finite() && x > 0.0 && x < below) {
+                let range = if below.is_finite() {
+                    format!("in (0, {below})")
+                } else {
+                    "finite and greater than 0".into()
+                };
+                return Err(bad(key, format!("must be {range}, found {x}")));
+            }
+        }
+        let counts = [
+            ("embedding_length", self.hidden_size),
+            ("feed_forward_length", self.intermediate_size),
+            ("block_count", self.num_layers),
+            ("context_length", self.max_context),
+            ("attention.key_length", self.head_dim),
+        ];
+        for (key, n) in counts {
+            if n == 0 {
+                return Err(bad(key, "must be at least 1, found 0".into()));
+            }
+        }
+        if self.vocab_size == 0 {
+            return Err(format_error(file, "token_embd.weight has no rows".into()));
+        }
+        Ok(())
     }
 
     fn kv_width(&self) -> usize {

@@ -166,11 +166,14 @@ impl WeightSource for RandomWeights {
     }
 
     fn load(&self, name: &str, shape: &[usize]) -> Result<(DType, Cow<'_, [u8]>)> {
-        let n: usize = shape.iter().product();
+        let n = shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .ok_or_else(|| too_large(name, shape, None))?;
         if name.ends_with(".weight_packed") || name.ends_with(".weight_scale") {
             return Ok((
                 DType::U8,
-                Cow::Owned(random_mxfp4_plane(name, n, self.seed)),
+                Cow::Owned(random_mxfp4_plane(name, shape, n, self.seed)?),
             ));
         }
         let fan_in = *shape.last().unwrap_or(&1) as f32;
@@ -191,7 +194,7 @@ impl WeightSource for RandomWeights {
         // Fixed-size chunks with their own streams: the same values on any thread count, and
         // a 48B-parameter model fills in seconds instead of minutes.
         const CHUNK: usize = 1 << 16;
-        let mut bytes = vec![0u8; n * esize];
+        let mut bytes = zeroed_bytes(name, shape, n.checked_mul(esize))?;
         bytes
             .par_chunks_mut(CHUNK * esize)
             .enumerate()
@@ -219,9 +222,9 @@ impl WeightSource for RandomWeights {
 
 /// One plane of a random MXFP4 matrix: uniform codes, or E8M0 scales of 2^-8 .. 2^-5 so that
 /// the values (up to ±6 · scale) keep activations finite through any depth.
-fn random_mxfp4_plane(name: &str, n: usize, seed: u64) -> Vec<u8> {
+fn random_mxfp4_plane(name: &str, shape: &[usize], n: usize, seed: u64) -> Result<Vec<u8>> {
     let scales = name.ends_with(".weight_scale");
-    let mut bytes = vec![0u8; n];
+    let mut bytes = zeroed_bytes(name, shape, Some(n))?;
     const CHUNK: usize = 1 << 16;
     let seed = seed ^ fnv(name);
     bytes
@@ -238,7 +241,31 @@ fn random_mxfp4_plane(name: &str, n: usize, seed: u64) -> Vec<u8> {
                 };
             }
         });
-    bytes
+    Ok(bytes)
+}
+
+/// `bytes` zero bytes for tensor `name`, or an error where the size overflows or the
+/// allocator refuses it (a config's sizes are input: they must not abort the process).
+fn zeroed_bytes(name: &str, shape: &[usize], bytes: Option<usize>) -> Result<Vec<u8>> {
+    let len = bytes.ok_or_else(|| too_large(name, shape, None))?;
+    // Ask first, then take zeroed pages (mapped lazily, filled in parallel by the caller)
+    // rather than writing `len` zeros on one thread.
+    let mut probe = Vec::<u8>::new();
+    probe
+        .try_reserve_exact(len)
+        .map_err(|_| too_large(name, shape, Some(len)))?;
+    drop(probe);
+    Ok(vec![0u8; len])
+}
+
+fn too_large(name: &str, shape: &[usize], bytes: Option<usize>) -> ModelError {
+    let size = match bytes {
+        Some(b) => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
+        None => "more bytes than memory can address".into(),
+    };
+    ModelError::Input(format!(
+        "cannot allocate random weights for `{name}` {shape:?}: {size}"
+    ))
 }
 
 /// splitmix64 step mapped to [0, 1).

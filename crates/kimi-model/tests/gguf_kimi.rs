@@ -402,6 +402,69 @@ fn broken_kimi_ggufs_name_the_tensor_file_and_shapes() {
     std::fs::remove_file(&path).ok();
 }
 
+/// Copies `file` with the metadata value at `key` replaced.
+fn with_meta(file: &GgufFile, key: &str, value: kimi_gguf::Value) -> GgufFile {
+    let mut w = kimi_gguf::GgufWriter::new();
+    for (k, v) in file.metadata() {
+        let v = if k == key { value.clone() } else { v.clone() };
+        w.add_metadata(k.clone(), v).expect("metadata");
+    }
+    for info in file.tensors() {
+        let t = file.tensor(&info.name).expect("tensor");
+        w.add_tensor(
+            info.name.clone(),
+            &info.shape_outer_first(),
+            info.ggml_type,
+            t.bytes.to_vec(),
+        )
+        .expect("tensor");
+    }
+    GgufFile::from_vec(w.to_bytes().expect("bytes")).expect("parse")
+}
+
+/// NaN, negative and inconsistent metadata load as errors naming the file and the key,
+/// instead of a model whose every logit is NaN.
+#[test]
+fn bad_kimi_gguf_metadata_names_the_file_and_key() {
+    use kimi_gguf::Value;
+    let dir = &fixture_dirs()[0];
+    let ckpt = Checkpoint::open(dir).expect("checkpoint");
+    let path = temp("bad-meta.gguf");
+    let file = convert(&ckpt, ckpt.config(), GgufQuant::F32, &path);
+    assert!(KimiLinear::load_gguf(CpuBackend::new(), &file).is_ok());
+    let experts = file
+        .get_u64("kimi-linear.expert_count")
+        .expect("a MoE fixture");
+    for (key, value) in [
+        (
+            "kimi-linear.attention.layer_norm_rms_epsilon",
+            Value::F32(f32::NAN),
+        ),
+        (
+            "kimi-linear.attention.layer_norm_rms_epsilon",
+            Value::F32(-1e-6),
+        ),
+        ("kimi-linear.expert_weights_scale", Value::F32(f32::NAN)),
+        ("kimi-linear.expert_weights_scale", Value::F32(-2.5)),
+        (
+            "kimi-linear.expert_used_count",
+            Value::U32(experts as u32 + 1),
+        ),
+    ] {
+        let shown = format!("{value:?}");
+        let spoiled = with_meta(&file, key, value);
+        let msg = match KimiLinear::load_gguf(CpuBackend::new(), &spoiled) {
+            Ok(_) => panic!("{key} = {shown} loaded"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            msg.starts_with("<memory>: ") && msg.contains(key),
+            "{key} = {shown}: {msg}"
+        );
+    }
+    std::fs::remove_file(&path).ok();
+}
+
 /// Products of the dequantized weights in f32: loading checks compare exact numbers (the
 /// default integer kernels round activations, which is checked on its own).
 fn exact_backend() -> CpuBackend {

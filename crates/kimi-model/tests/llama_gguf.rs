@@ -424,6 +424,8 @@ struct Spoil {
     transposed: Option<&'static str>,
     /// An extra tensor the model does not use.
     extra_tensor: bool,
+    /// A metadata value replaced.
+    meta: Option<(&'static str, Value)>,
 }
 
 /// A two-layer Llama GGUF (hidden 256, 4 heads of 64 over 2 kv heads, tied embeddings)
@@ -449,6 +451,10 @@ fn tiny_gguf(spoil: Spoil) -> GgufFile {
         ("tokenizer.ggml.eos_token_id", Value::U32(3)),
     ];
     for (key, value) in meta {
+        let value = match &spoil.meta {
+            Some((k, v)) if *k == key => v.clone(),
+            _ => value,
+        };
         w.add_metadata(key, value).unwrap();
     }
     let mut tensors = vec![("token_embd.weight".to_string(), vec![TINY_VOCAB, h], Q8_0)];
@@ -601,6 +607,26 @@ fn tiny_model_rejects_what_it_cannot_run() {
         ..Spoil::default()
     });
     assert!(reason.contains("qwen2"), "{reason}");
+    // Numbers that would load and then give NaN logits are refused, naming the key.
+    for (key, value) in [
+        ("llama.rope.freq_base", Value::F32(f32::NAN)),
+        ("llama.rope.freq_base", Value::F32(-10_000.0)),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            Value::F32(f32::NAN),
+        ),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(-1e-5)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(0.0)),
+        ("llama.feed_forward_length", Value::U32(0)),
+        ("llama.context_length", Value::U32(0)),
+    ] {
+        let shown = format!("{value:?}");
+        let reason = format_error(Spoil {
+            meta: Some((key, value)),
+            ..Spoil::default()
+        });
+        assert!(reason.starts_with(key), "{key} = {shown}: {reason}");
+    }
 
     let model = Llama::load(CpuBackend::new(), &tiny_gguf(Spoil::default())).unwrap();
     let opts = ForwardOptions::default();
@@ -654,4 +680,29 @@ fn random_weights_build_a_llama() {
     };
     let model = Llama::load_from(CpuBackend::new(), config, &source).unwrap();
     check_feed_modes_agree(&model, &[1, 2, 3, 4, 5, 6], &[7, 8], 1e-5);
+}
+
+/// The demo vocabulary has no token for some bytes (e.g. 0x04), which its BPE drops: the
+/// length bound of `encode_within` counts only the bytes tokens stand for, so a prompt
+/// padded with them is encoded exactly as before, while a 30 MB one is refused unread.
+#[test]
+fn demo_tokenizer_bounds_prompts_by_length_exactly() {
+    use kimi_tokenizer::Bounded;
+    let Some(file) = demo_model() else { return };
+    let tok = Tokenizer::from_gguf(&file).unwrap();
+    let longest = tok.max_token_bytes().expect("a byte-level BPE");
+    let padded = format!("{}What is the capital of France?", "\u{4}".repeat(100_000));
+    let ids = tok.encode(&padded, true).unwrap();
+    assert!(ids.len() < 20, "{} ids: the padding is dropped", ids.len());
+    assert_eq!(
+        tok.encode_within(&padded, true, 20).unwrap(),
+        Bounded::Fits(ids)
+    );
+    let huge = "hello world ".repeat(2_500_000);
+    let start = std::time::Instant::now();
+    let Bounded::TooLong { at_least } = tok.encode_within(&huge, true, 8192).unwrap() else {
+        panic!("30 MB fits in 8192 ids?");
+    };
+    assert!(start.elapsed().as_secs_f64() < 2.0, "{:?}", start.elapsed());
+    assert_eq!(at_least, huge.len().div_ceil(longest));
 }

@@ -37,6 +37,32 @@ pub enum Error {
     /// A device-level failure.
     #[error("backend: {0}")]
     Device(String),
+    /// A buffer could not be allocated (or its size does not fit in memory at all).
+    #[error("cannot allocate {what}: {}", describe_bytes(*.bytes))]
+    OutOfMemory {
+        /// What the buffer was for, e.g. `a tensor of shape [4096, 16, 576]`.
+        what: String,
+        /// The bytes asked for; `None` when the size overflows.
+        bytes: Option<u128>,
+    },
+}
+
+/// "12.50 GiB (13421772800 bytes)", or that the size overflows.
+fn describe_bytes(bytes: Option<u128>) -> String {
+    match bytes {
+        Some(b) => format!("{:.2} GiB ({b} bytes)", b as f64 / (1u64 << 30) as f64),
+        None => "the size does not fit in memory at all".into(),
+    }
+}
+
+impl Error {
+    /// [`Error::OutOfMemory`] for `count` elements of `elem_bytes` bytes each.
+    pub fn out_of_memory(what: impl Into<String>, count: Option<usize>, elem_bytes: usize) -> Self {
+        Error::OutOfMemory {
+            what: what.into(),
+            bytes: count.map(|n| n as u128 * elem_bytes as u128),
+        }
+    }
 }
 
 /// Result alias for backend operations.

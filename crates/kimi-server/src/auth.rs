@@ -1,10 +1,14 @@
 //! API keys: `Authorization: Bearer <key>`, compared in constant time against every key.
 
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
 use axum::extract::{Request, State};
 use axum::http::header;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
+use crate::access_log::RequestRecord;
 use crate::error::ApiError;
 use crate::state::AppState;
 
@@ -19,10 +23,11 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     diff == 0
 }
 
-/// Whether `presented` matches one of `keys`; every key is compared, match or not.
-pub(crate) fn key_matches(keys: &[String], presented: &[u8]) -> bool {
-    keys.iter().fold(false, |found, key| {
-        constant_time_eq(key.as_bytes(), presented) | found
+/// The index of the key `presented` matches; every key is compared, match or not.
+fn matching_key(keys: &[String], presented: &[u8]) -> Option<usize> {
+    keys.iter().enumerate().fold(None, |found, (i, key)| {
+        let equal = constant_time_eq(key.as_bytes(), presented);
+        found.or(equal.then_some(i))
     })
 }
 
@@ -46,9 +51,15 @@ pub(crate) async fn require_api_key(
                 .eq_ignore_ascii_case(b"bearer ")
                 .then(|| v[7..].trim_ascii())
         });
-    match presented {
-        Some(key) if key_matches(keys, key) => next.run(request).await,
-        _ => ApiError::unauthorized().into_response(),
+    match presented.and_then(|key| matching_key(keys, key)) {
+        Some(index) => {
+            // The access log names the key by its position, never by its text.
+            if let Some(record) = request.extensions().get::<Arc<RequestRecord>>() {
+                record.key.store(index + 1, Ordering::Relaxed);
+            }
+            next.run(request).await
+        }
+        None => ApiError::unauthorized().into_response(),
     }
 }
 
@@ -59,11 +70,11 @@ mod tests {
     #[test]
     fn keys_compare_exactly() {
         let keys = vec!["alpha".to_string(), "beta-key".to_string()];
-        assert!(key_matches(&keys, b"alpha"));
-        assert!(key_matches(&keys, b"beta-key"));
-        assert!(!key_matches(&keys, b"alph"));
-        assert!(!key_matches(&keys, b"alphaa"));
-        assert!(!key_matches(&keys, b""));
-        assert!(!key_matches(&[], b"alpha"));
+        assert_eq!(matching_key(&keys, b"alpha"), Some(0));
+        assert_eq!(matching_key(&keys, b"beta-key"), Some(1));
+        assert_eq!(matching_key(&keys, b"alph"), None);
+        assert_eq!(matching_key(&keys, b"alphaa"), None);
+        assert_eq!(matching_key(&keys, b""), None);
+        assert_eq!(matching_key(&[], b"alpha"), None);
     }
 }

@@ -7,10 +7,12 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use axum::Json;
 use kimi_tokenizer::Tokenizer;
 use serde_json::{json, Value};
 
+use crate::access_log::RequestRecord;
 use crate::chat_format::{parse_thinking, render_prompt, PromptRequest, Thinking};
 use crate::chat_request::{
     parse_messages, parse_response_format, parse_tool_choice, parse_tools, ResponseFormat,
@@ -39,6 +41,7 @@ struct Prepared {
 /// The handler.
 pub(crate) async fn chat_completions(
     State(state): State<AppState>,
+    record: Option<Extension<Arc<RequestRecord>>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let body = match crate::body_bytes(body) {
@@ -59,7 +62,7 @@ pub(crate) async fn chat_completions(
         common,
     } = prepared;
     let num_choices = setups.len();
-    let mut run = match Run::submit(&state.inner, setups, options, arrival) {
+    let mut run = match Run::submit(&state.inner, setups, options, arrival, record.map(|r| r.0)) {
         Ok(run) => run,
         Err(err) => return err.into_response(),
     };

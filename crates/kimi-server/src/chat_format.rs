@@ -122,8 +122,6 @@ pub(crate) fn render_prompt(
     request: &PromptRequest<'_>,
 ) -> Result<Vec<u32>, ApiError> {
     let raw_tools: Vec<Value> = request.tools.iter().map(|t| t.raw.clone()).collect();
-    let tokenize_error =
-        |e| ApiError::invalid(format!("Cannot tokenize the prompt: {e}"), Some("messages"));
     match inner.chat_format {
         ChatFormat::Xtml(_) => {
             let options = XtmlOptions {
@@ -145,7 +143,7 @@ pub(crate) fn render_prompt(
                 },
             };
             let prompt = render_xtml(request.messages, &options).map_err(xtml_error)?;
-            inner.tokenizer.encode_xtml(&prompt).map_err(tokenize_error)
+            inner.encode_xtml_prompt(&prompt, "messages")
         }
         ChatFormat::Template => {
             let template = inner
@@ -157,7 +155,7 @@ pub(crate) fn render_prompt(
                 .map_err(|e| {
                     ApiError::invalid(format!("The chat template failed: {e}"), Some("messages"))
                 })?;
-            inner.tokenizer.encode(&text, true).map_err(tokenize_error)
+            inner.encode_prompt(&text, true, "messages")
         }
         ChatFormat::Unavailable => Err(ApiError::invalid(
             "The model has no chat template; use /v1/completions",

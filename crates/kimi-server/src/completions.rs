@@ -7,10 +7,12 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use axum::Json;
 use kimi_tokenizer::Tokenizer;
 use serde_json::{json, Map, Value};
 
+use crate::access_log::RequestRecord;
 use crate::chat::usage;
 use crate::constraint::Processor;
 use crate::decode::token_text;
@@ -41,12 +43,7 @@ struct Prepared {
 
 /// The prompts of a request: a string, a list of strings, a list of ids, a list of lists.
 fn parse_prompts(inner: &Inner, body: &Body) -> Result<Vec<Vec<u32>>, ApiError> {
-    let encode = |text: &str| {
-        inner
-            .tokenizer
-            .encode(text, true)
-            .map_err(|e| bad_value("prompt", format!("cannot be tokenized: {e}")))
-    };
+    let encode = |text: &str| inner.encode_prompt(text, true, "prompt");
     let ids = |items: &[Value]| -> Result<Vec<u32>, ApiError> {
         items
             .iter()
@@ -149,6 +146,7 @@ fn prepare(inner: &Inner, bytes: &[u8]) -> Result<Prepared, ApiError> {
 /// The handler.
 pub(crate) async fn completions(
     State(state): State<AppState>,
+    record: Option<Extension<Arc<RequestRecord>>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let body = match crate::body_bytes(body) {
@@ -163,7 +161,13 @@ pub(crate) async fn completions(
     };
     let num_choices = prepared.setups.len();
     let options = prepared.options;
-    let mut run = match Run::submit(&state.inner, prepared.setups, options, arrival) {
+    let mut run = match Run::submit(
+        &state.inner,
+        prepared.setups,
+        options,
+        arrival,
+        record.map(|r| r.0),
+    ) {
         Ok(run) => run,
         Err(err) => return err.into_response(),
     };

@@ -23,6 +23,18 @@ pub struct ServerConfig {
     pub max_pending_requests: usize,
     /// Largest request body accepted.
     pub max_body_bytes: usize,
+    /// A connection must send a complete request head within this of opening or of its
+    /// previous response, else it is closed: this ends idle keep-alive connections and
+    /// half-sent heads alike. `None` waits forever.
+    pub keep_alive_timeout: Option<Duration>,
+    /// A request's body must arrive within this of its head (else 408). `None` waits forever.
+    pub body_timeout: Option<Duration>,
+    /// Most connections open at once; past it, connections get a 503 (a `/health` probe
+    /// still gets its 200).
+    pub max_connections: usize,
+    /// After the shutdown signal, how long open requests may run before their connections
+    /// are closed. `None` waits for them.
+    pub shutdown_timeout: Option<Duration>,
 }
 
 impl Default for ServerConfig {
@@ -37,6 +49,10 @@ impl Default for ServerConfig {
             request_timeout: Some(Duration::from_secs(600)),
             max_pending_requests: 1024,
             max_body_bytes: 32 << 20,
+            keep_alive_timeout: Some(Duration::from_secs(5)),
+            body_timeout: Some(Duration::from_secs(60)),
+            max_connections: 1024,
+            shutdown_timeout: Some(Duration::from_secs(30)),
         }
     }
 }

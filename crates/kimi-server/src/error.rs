@@ -22,7 +22,7 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+    pub(crate) fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
         ApiError {
             status,
             message: message.into(),
@@ -39,20 +39,19 @@ impl ApiError {
         err
     }
 
-    /// 404 for a model this server does not serve.
+    /// 400 `context_length_exceeded` for a prompt (or prompt + completion) that does not
+    /// fit the context; `param` names the prompt's field.
+    pub fn context_length_exceeded(message: impl Into<String>, param: &str) -> Self {
+        Self::invalid(message, Some(param)).code("context_length_exceeded")
+    }
+
+    /// 404 for a model this server does not serve, whether named in the path
+    /// (`/v1/models/{id}`) or in a request body (as OpenAI and vLLM answer).
     pub fn model_not_found(model: &str) -> Self {
         let message = format!("The model `{model}` does not exist.");
         let mut err = Self::new(StatusCode::NOT_FOUND, "invalid_request_error", message);
         err.param = Some("model".into());
         err.code = Some("model_not_found");
-        err
-    }
-
-    /// 400 for a request body naming a model this server does not serve (a bad request
-    /// field like any other; `GET /v1/models/{id}` answers 404 instead).
-    pub fn unknown_model(model: &str) -> Self {
-        let mut err = Self::model_not_found(model);
-        err.status = StatusCode::BAD_REQUEST;
         err
     }
 
@@ -70,6 +69,31 @@ impl ApiError {
             "invalid_request_error",
             message,
         )
+    }
+
+    /// 415 for a request body that is not JSON.
+    pub fn unsupported_media_type(content_type: &str) -> Self {
+        let message = format!(
+            "Content-Type `{content_type}` is not supported; send the body as application/json"
+        );
+        Self::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request_error",
+            message,
+        )
+        .code("unsupported_media_type")
+    }
+
+    /// 413 for a body over the server's limit.
+    pub fn payload_too_large(limit: usize) -> Self {
+        let message =
+            format!("The request body is larger than the server's limit of {limit} bytes");
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            message,
+        )
+        .code("payload_too_large")
     }
 
     /// 401 for a missing or wrong API key.
@@ -126,7 +150,12 @@ impl std::fmt::Display for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.to_json())).into_response()
+        let mut response = (self.status, axum::Json(self.to_json())).into_response();
+        // For the access log.
+        response
+            .extensions_mut()
+            .insert(crate::access_log::ErrorMessage(self.message));
+        response
     }
 }
 

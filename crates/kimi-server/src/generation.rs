@@ -15,6 +15,7 @@
 //! Dropping a [`Run`] (client gone, timeout) cancels every sequence still running.
 
 use std::future::poll_fn;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Instant;
@@ -26,6 +27,7 @@ use kimi_engine::FinishReason;
 use kimi_tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use crate::access_log::RequestRecord;
 use crate::decode::{token_bytes, ByteDecoder};
 use crate::error::ApiError;
 use crate::metrics::SequenceStats;
@@ -279,6 +281,8 @@ pub(crate) struct Run {
     arrival: Instant,
     /// Round-robin start for polling, so one busy choice cannot starve the others.
     next_poll: usize,
+    /// Where the access log reads the token counts.
+    record: Option<Arc<RequestRecord>>,
     _permit: Permit,
 }
 
@@ -298,13 +302,19 @@ impl Run {
         setups: Vec<SequenceSetup>,
         options: OutputOptions,
         arrival: Instant,
+        record: Option<Arc<RequestRecord>>,
     ) -> Result<Run, ApiError> {
         let permit = state.reserve(setups.len())?;
+        if let Some(record) = &record {
+            let prompt_tokens = setups.iter().map(|s| s.prompt.len()).sum();
+            record.prompt_tokens.store(prompt_tokens, Ordering::Relaxed);
+        }
         let mut run = Run {
             state: Arc::clone(state),
             sequences: Vec::with_capacity(setups.len()),
             arrival,
             next_poll: 0,
+            record,
             _permit: permit,
         };
         let eos_ids = state.tokenizer.eos_ids();
@@ -388,6 +398,9 @@ impl Run {
                 seq.first_token.get_or_insert(now);
                 seq.last_token = Some(now);
                 seq.output.on_token(&tokenizer, sampled, &mut delta);
+                if let Some(record) = &self.record {
+                    record.completion_tokens.fetch_add(1, Ordering::Relaxed);
+                }
             }
             Some(Event::Finished { reason, .. }) => {
                 seq.output.on_finished(&tokenizer, reason, &mut delta);

@@ -39,6 +39,7 @@
 #![warn(missing_docs)]
 #![cfg_attr(not(test), warn(clippy::unwrap_used))]
 
+mod access_log;
 mod auth;
 mod chat;
 mod chat_format;
@@ -52,9 +53,11 @@ mod error;
 mod fields;
 mod generation;
 mod generator;
+mod listener;
 mod metrics;
 mod misc;
 mod params;
+mod request_body;
 mod response;
 mod state;
 mod tool_parser;
@@ -67,12 +70,10 @@ use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::DefaultBodyLimit;
 use axum::http::Uri;
-use axum::middleware::{self, Next};
-use axum::response::Response;
+use axum::middleware;
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 use axum::Router;
 use kimi_tokenizer::Tokenizer;
 use tokio::net::TcpListener;
@@ -94,6 +95,11 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models/{model}", get(misc::get_model))
         .route("/tokenize", post(misc::tokenize))
         .route("/detokenize", post(misc::detokenize))
+        // Authentication first (the outer layer), so anonymous bodies are never read.
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            request_body::read_body,
+        ))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_api_key,
@@ -105,8 +111,11 @@ pub fn router(state: AppState) -> Router {
         .route("/metrics", get(misc::metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(middleware::from_fn_with_state(state.clone(), count_errors))
         .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            access_log::access_log,
+        ))
         .with_state(state)
 }
 
@@ -131,30 +140,21 @@ pub async fn serve(
     serve_listener(listener, state, shutdown).await
 }
 
-/// Serves on an already bound listener (tests bind `127.0.0.1:0`).
+/// Serves on an already bound listener (tests bind `127.0.0.1:0`) until `shutdown`
+/// completes, then lets open requests finish for up to `config.shutdown_timeout`.
 ///
 /// # Errors
 ///
-/// [`ServerError::Serve`] if serving fails.
+/// [`ServerError::Config`] for a zero `max_connections`.
 pub async fn serve_listener(
     listener: TcpListener,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
     if let Ok(addr) = listener.local_addr() {
-        tracing::info!("kimi-server listening on http://{addr}");
+        tracing::debug!("kimi-server listening on http://{addr}");
     }
-    // Streams write one small SSE event per token: without TCP_NODELAY, Nagle's algorithm
-    // holds each one back until the client's delayed ACK (up to 40 ms) arrives.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!("cannot set TCP_NODELAY: {e}");
-        }
-    });
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(ServerError::Serve)
+    listener::run(listener, state, shutdown).await
 }
 
 async fn not_found(uri: Uri) -> ApiError {
@@ -163,22 +163,6 @@ async fn not_found(uri: Uri) -> ApiError {
 
 async fn method_not_allowed() -> ApiError {
     ApiError::method_not_allowed()
-}
-
-/// Counts error responses for `/metrics`.
-async fn count_errors(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    let (method, path) = (request.method().clone(), request.uri().path().to_owned());
-    let response = next.run(request).await;
-    let status = response.status();
-    if status.is_client_error() || status.is_server_error() {
-        state.inner.metrics.record_error(status.as_u16());
-        if status.is_server_error() {
-            tracing::warn!("{method} {path} -> {status}");
-        } else {
-            tracing::debug!("{method} {path} -> {status}");
-        }
-    }
-    response
 }
 
 /// The body, or OpenAI's error for an unreadable or too large one.
@@ -208,7 +192,7 @@ pub(crate) async fn blocking<T: Send + 'static>(
 pub(crate) fn check_model(inner: &Inner, body: &Body) -> Result<String, ApiError> {
     let served = &inner.config.served_model_name;
     match body.str("model")? {
-        Some(model) if model != served => Err(ApiError::unknown_model(model)),
+        Some(model) if model != served => Err(ApiError::model_not_found(model)),
         _ => Ok(served.clone()),
     }
 }

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use kimi_engine::serving::EngineMetrics;
@@ -142,6 +143,10 @@ pub(crate) struct Metrics {
     generation_tokens: Histogram,
     finished: Mutex<BTreeMap<&'static str, u64>>,
     http_errors: Mutex<BTreeMap<u16, u64>>,
+    /// HTTP connections being served now.
+    pub connections_open: AtomicUsize,
+    /// Connections refused at the cap (`max_connections`).
+    pub connections_refused: AtomicU64,
 }
 
 impl Metrics {
@@ -180,6 +185,8 @@ impl Metrics {
             ),
             finished: Mutex::new(BTreeMap::new()),
             http_errors: Mutex::new(BTreeMap::new()),
+            connections_open: AtomicUsize::new(0),
+            connections_refused: AtomicU64::new(0),
         }
     }
 
@@ -295,6 +302,18 @@ impl Metrics {
             "Sequences the HTTP server has in flight (running or waiting).",
             "gauge",
             num_pending.to_string(),
+        );
+        single(
+            "kimi:http_connections_open",
+            "HTTP connections being served.",
+            "gauge",
+            self.connections_open.load(Ordering::Relaxed).to_string(),
+        );
+        single(
+            "kimi:http_connections_refused_total",
+            "Connections refused with 503 because max_connections were open.",
+            "counter",
+            self.connections_refused.load(Ordering::Relaxed).to_string(),
         );
         for histogram in [
             &self.ttft,

@@ -113,10 +113,7 @@ fn tokenize_body(inner: &Inner, bytes: &[u8]) -> Result<Value, ApiError> {
             other => return Err(wrong_type("prompt", "a string", other)),
         };
         let special = body.bool("add_special_tokens")?.unwrap_or(true);
-        inner
-            .tokenizer
-            .encode(prompt, special)
-            .map_err(|e| bad_value("prompt", format!("cannot be tokenized: {e}")))?
+        inner.encode_prompt(prompt, special, "prompt")?
     };
     let mut out =
         json!({"count": tokens.len(), "max_model_len": inner.max_model_len, "tokens": tokens});

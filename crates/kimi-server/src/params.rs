@@ -153,7 +153,7 @@ pub(crate) fn finalize(
             "This model's maximum context length is {max_model_len} tokens. However, your \
              prompt has {prompt_len} tokens, which leaves no room for the completion."
         );
-        return Err(ApiError::invalid(message, Some(prompt_param)).code("context_length_exceeded"));
+        return Err(ApiError::context_length_exceeded(message, prompt_param));
     }
     let room = max_model_len - prompt_len;
     let max_tokens = match common.max_tokens {
@@ -164,9 +164,7 @@ pub(crate) fn finalize(
                  Please reduce the prompt or the completion length.",
                 prompt_len.saturating_add(m)
             );
-            return Err(
-                ApiError::invalid(message, Some(prompt_param)).code("context_length_exceeded")
-            );
+            return Err(ApiError::context_length_exceeded(message, prompt_param));
         }
         Some(m) => m,
         None => default_max.map_or(room, |d| d.min(room)),

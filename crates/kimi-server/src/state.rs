@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use kimi_tokenizer::{ChatTemplate, Tokenizer};
+use kimi_tokenizer::{Bounded, ChatTemplate, Tokenizer, TokenizerError, XtmlPrompt};
 
 use crate::config::ServerConfig;
 use crate::constraint::Constraints;
@@ -126,7 +126,7 @@ impl AppState {
             chat_template_override.is_some() || tokenizer.chat_template().is_some(),
             &tokenizer,
         );
-        tracing::info!("chat format: {chat_format:?}");
+        tracing::debug!("chat format: {chat_format:?}");
         let metrics = Metrics::new(&config.served_model_name);
         Ok(AppState {
             inner: Arc::new(Inner {
@@ -147,6 +147,11 @@ impl AppState {
         })
     }
 
+    /// The configuration it serves with.
+    pub fn config(&self) -> &ServerConfig {
+        &self.inner.config
+    }
+
     /// The longest prompt + output this server accepts.
     pub fn max_model_len(&self) -> usize {
         self.inner.max_model_len
@@ -159,6 +164,55 @@ impl Inner {
         self.chat_template_override
             .as_ref()
             .or_else(|| self.tokenizer.chat_template())
+    }
+
+    /// Tokenizes a prompt (`param` names its field), refusing one with more than
+    /// `max_model_len` tokens before the work grows with its length: a 30 MB message costs
+    /// a length check, not a tokenization.
+    pub(crate) fn encode_prompt(
+        &self,
+        text: &str,
+        allow_special: bool,
+        param: &str,
+    ) -> Result<Vec<u32>, ApiError> {
+        let bounded = self
+            .tokenizer
+            .encode_within(text, allow_special, self.max_model_len);
+        self.prompt_ids(bounded, param)
+    }
+
+    /// [`Self::encode_prompt`] for an XTML prompt.
+    pub(crate) fn encode_xtml_prompt(
+        &self,
+        prompt: &XtmlPrompt,
+        param: &str,
+    ) -> Result<Vec<u32>, ApiError> {
+        let bounded = self
+            .tokenizer
+            .encode_xtml_within(prompt, self.max_model_len);
+        self.prompt_ids(bounded, param)
+    }
+
+    fn prompt_ids(
+        &self,
+        bounded: Result<Bounded, TokenizerError>,
+        param: &str,
+    ) -> Result<Vec<u32>, ApiError> {
+        match bounded {
+            Ok(Bounded::Fits(ids)) => Ok(ids),
+            Ok(Bounded::TooLong { at_least }) => Err(ApiError::context_length_exceeded(
+                format!(
+                    "This model's maximum context length is {} tokens. However, your prompt \
+                     has at least {at_least} tokens.",
+                    self.max_model_len
+                ),
+                param,
+            )),
+            Err(e) => Err(ApiError::invalid(
+                format!("Cannot tokenize the prompt: {e}"),
+                Some(param),
+            )),
+        }
     }
 
     /// A fresh response id such as `chatcmpl-0193…`.

@@ -20,7 +20,7 @@ fn chat_cases() -> Vec<(Value, u16, Option<&'static str>)> {
     };
     let long = "word ".repeat(3000);
     vec![
-        (with(json!({"model": "gpt-4"})), 400, Some("model")),
+        (with(json!({"model": "gpt-4"})), 404, Some("model")),
         (with(json!({"model": 7})), 400, Some("model")),
         (json!({"model": MODEL}), 400, Some("messages")),
         (with(json!({"messages": []})), 400, Some("messages")),
@@ -297,7 +297,7 @@ async fn bad_completion_requests_get_openai_errors() {
             400,
             Some("prompt"),
         ),
-        (json!({"model": "nope", "prompt": "a"}), 400, Some("model")),
+        (json!({"model": "nope", "prompt": "a"}), 404, Some("model")),
     ];
     for (body, status, param) in cases {
         let resp = post(server.addr, "/v1/completions", &body).await;
@@ -323,6 +323,85 @@ async fn routing_errors_are_json() {
     post_bytes(server.addr, "/v1/chat/completions", b"")
         .await
         .expect_error(400);
+}
+
+/// OpenAI's and vLLM's statuses: 404 for a model the server does not serve, 415 for a
+/// body that is not JSON (a browser form or `text/plain` POST, as a cross-site page could
+/// send without a preflight), 413 past the body limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_codes_follow_openai() {
+    let server = start().await;
+    let body = serde_json::to_vec(&chat("hi", 2)).expect("json");
+    for path in ["/v1/chat/completions", "/v1/completions", "/tokenize"] {
+        for content_type in [
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "multipart/form-data; boundary=x",
+        ] {
+            let resp = request(
+                server.addr,
+                "POST",
+                path,
+                &[("Content-Type", content_type)],
+                &body,
+            )
+            .await;
+            let err = resp.expect_error(415);
+            assert_eq!(
+                err["code"], "unsupported_media_type",
+                "{path} {content_type}"
+            );
+        }
+    }
+    let with_charset = request(
+        server.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[("Content-Type", "application/json; charset=utf-8")],
+        &body,
+    )
+    .await;
+    assert_eq!(with_charset.status, 200, "{}", with_charset.text());
+    let no_type = request(server.addr, "POST", "/v1/chat/completions", &[], &body).await;
+    assert_eq!(no_type.status, 200, "{}", no_type.text());
+    let mut other = chat("hi", 2);
+    other["model"] = json!("gpt-4o");
+    let err = post(server.addr, "/v1/chat/completions", &other)
+        .await
+        .expect_error(404);
+    assert_eq!(err["code"], "model_not_found");
+    let err = post(
+        server.addr,
+        "/v1/completions",
+        &json!({"model": "nope", "prompt": "x"}),
+    )
+    .await
+    .expect_error(404);
+    assert_eq!(err["code"], "model_not_found");
+    // Past the 32 MiB limit: the answer may come before the client has sent it all.
+    let raw = build_request(
+        "POST",
+        "/v1/chat/completions",
+        &[("Content-Type", "application/json")],
+        &vec![b' '; 33 << 20],
+    );
+    let (mut rd, mut wr) = tokio::net::TcpStream::connect(server.addr)
+        .await
+        .expect("connect")
+        .into_split();
+    let writer = tokio::spawn(async move {
+        use tokio::io::AsyncWriteExt;
+        let _ = wr.write_all(&raw).await;
+    });
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        tokio::io::AsyncReadExt::read_to_end(&mut rd, &mut out),
+    )
+    .await;
+    writer.abort();
+    let err = parse_response(&out).expect_error(413);
+    assert_eq!(err["code"], "payload_too_large");
 }
 
 /// Raw requests: broken HTTP, broken JSON, hostile values. Each gets an answer (or a

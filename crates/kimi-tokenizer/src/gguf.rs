@@ -133,7 +133,8 @@ pub(crate) fn load(file: &GgufFile) -> Result<GgufTokenizer, TokenizerError> {
         None => None,
     };
     Ok(GgufTokenizer {
-        hf: HfTokenizer::new(inner, PieceScheme::ByteLevel),
+        // ByteLevel pre-tokenizer, no normalizer, added tokens that strip nothing.
+        hf: HfTokenizer::new(inner, PieceScheme::ByteLevel, true),
         bos_id: optional_id("tokenizer.ggml.bos_token_id")?,
         eos_id: optional_id("tokenizer.ggml.eos_token_id")?,
         chat_template,

@@ -26,6 +26,11 @@ pub(crate) struct HfTokenizer {
     /// id → bytes (`None` for ids no token has).
     token_bytes: Vec<Option<Vec<u8>>>,
     special: HashSet<u32>,
+    /// The most bytes of text one token can stand for, where that is bounded (see
+    /// [`byte_exact`]).
+    max_token_bytes: Option<usize>,
+    /// Bytes that are a token on their own; the BPE drops the others (no unknown token).
+    encodable: [bool; 256],
 }
 
 impl HfTokenizer {
@@ -42,11 +47,13 @@ impl HfTokenizer {
                 source,
             }
         })?;
-        Ok(Self::new(inner, scheme))
+        let exact = scheme == PieceScheme::ByteLevel && byte_exact(&json);
+        Ok(Self::new(inner, scheme, exact))
     }
 
-    /// Wraps a built tokenizer whose model tokens spell their bytes as `scheme` says.
-    pub fn new(inner: tokenizers::Tokenizer, scheme: PieceScheme) -> Self {
+    /// Wraps a built tokenizer whose model tokens spell their bytes as `scheme` says;
+    /// `byte_exact`: its tokens' bytes always concatenate to the text (see [`byte_exact`]).
+    pub fn new(inner: tokenizers::Tokenizer, scheme: PieceScheme, byte_exact: bool) -> Self {
         let added = inner.get_added_tokens_decoder();
         let special = added
             .iter()
@@ -69,12 +76,46 @@ impl HfTokenizer {
         for (id, token) in &added {
             token_bytes[*id as usize] = Some(token.content.as_bytes().to_vec());
         }
+        // A byte with no token of its own is dropped by the BPE rather than encoded, so
+        // only the others count towards the bound.
+        let mut encodable = [false; 256];
+        for bytes in token_bytes.iter().flatten() {
+            if let [b] = bytes.as_slice() {
+                encodable[usize::from(*b)] = true;
+            }
+        }
+        let max_token_bytes = byte_exact.then(|| {
+            token_bytes
+                .iter()
+                .flatten()
+                .map(Vec::len)
+                .max()
+                .unwrap_or(1)
+                .max(1)
+        });
         Self {
             inner,
             plain: OnceLock::new(),
             token_bytes,
             special,
+            max_token_bytes,
+            encodable,
         }
+    }
+
+    /// The most bytes of text one token stands for, when that is bounded.
+    pub fn max_token_bytes(&self) -> Option<usize> {
+        self.max_token_bytes
+    }
+
+    /// The bytes of `text` that become part of some token (see `encodable`).
+    pub fn encodable_bytes(&self, text: &str) -> usize {
+        if self.encodable.iter().all(|&e| e) {
+            return text.len();
+        }
+        text.bytes()
+            .filter(|&b| self.encodable[usize::from(b)])
+            .count()
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -123,6 +164,35 @@ impl HfTokenizer {
             .decode(ids, skip_special)
             .map_err(|err| TokenizerError::Decode(err.to_string()))
     }
+}
+
+/// Whether a `tokenizer.json` turns text into tokens whose bytes are runs of that text, so
+/// that a text of `n` bytes has at least `n / longest token` tokens: a byte-level BPE with no
+/// normalizer (which could shrink text) and no added token that strips the whitespace
+/// around it (which could swallow any amount). Others (WordPiece, unigram, normalizers,
+/// unknown tokens) can stand for unbounded text per token.
+fn byte_exact(json: &Value) -> bool {
+    let mut pre = Vec::new();
+    collect_types(json.get("pre_tokenizer").unwrap_or(&Value::Null), &mut pre);
+    let model_bpe = json
+        .get("model")
+        .and_then(|m| m.get("type"))
+        .and_then(Value::as_str)
+        == Some("BPE");
+    let strips = json
+        .get("added_tokens")
+        .and_then(Value::as_array)
+        .is_some_and(|tokens| {
+            tokens.iter().any(|t| {
+                ["lstrip", "rstrip"]
+                    .iter()
+                    .any(|k| t.get(*k).and_then(Value::as_bool) == Some(true))
+            })
+        });
+    json.get("normalizer").is_none_or(Value::is_null)
+        && model_bpe
+        && pre.contains(&"ByteLevel")
+        && !strips
 }
 
 fn piece_scheme(decoder: &Value) -> PieceScheme {

@@ -61,6 +61,18 @@ const END_OF_MESSAGE_TOKENS: [&str; 7] = [
     "<end_of_turn>",
 ];
 
+/// What [`Tokenizer::encode_within`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Bounded {
+    /// The text's ids, exactly those of [`Tokenizer::encode`]; no more than the limit.
+    Fits(Vec<u32>),
+    /// The text has more ids than the limit: at least this many.
+    TooLong {
+        /// A lower bound on the text's id count, above the limit.
+        at_least: usize,
+    },
+}
+
 enum Backend {
     Tiktoken(Box<TiktokenBpe>),
     Hf(Box<HfTokenizer>),
@@ -306,6 +318,53 @@ impl Tokenizer {
         }
     }
 
+    /// The most bytes of text one token can stand for, where the tokenizer bounds it: Kimi's
+    /// tiktoken BPE and byte-level `tokenizer.json` / GGUF BPEs, whose tokens' bytes are
+    /// always runs of the text (less the bytes a vocabulary without them drops). `None` for tokenizers that normalize text or have tokens
+    /// standing for unbounded text (unknown-word tokens, whitespace-stripping added tokens).
+    pub fn max_token_bytes(&self) -> Option<usize> {
+        match &self.backend {
+            Backend::Tiktoken(bpe) => Some(bpe.max_token_bytes()),
+            Backend::Hf(hf) => hf.max_token_bytes(),
+        }
+    }
+
+    /// [`Self::encode`] for text that may be far too long: ids only when there are at most
+    /// `limit` of them (then exactly `encode`'s), otherwise a lower bound on their count,
+    /// found with work bounded by `limit` rather than by the text: a text longer than
+    /// `limit` × [`Self::max_token_bytes`] bytes is refused unread, and Kimi's BPE stops at
+    /// the first piece past the limit.
+    pub fn encode_within(
+        &self,
+        text: &str,
+        allow_special: bool,
+        limit: usize,
+    ) -> Result<Bounded, TokenizerError> {
+        if let Some(at_least) = self.too_long_by_bytes(self.encodable_bytes(text), limit) {
+            return Ok(Bounded::TooLong { at_least });
+        }
+        let ids = match &self.backend {
+            Backend::Tiktoken(bpe) => bpe.encode_until(text, allow_special, limit)?,
+            Backend::Hf(hf) => hf.encode(text, allow_special)?,
+        };
+        Ok(bounded(ids, limit))
+    }
+
+    /// The bytes of `text` that tokens stand for (a byte-level BPE drops bytes it has no
+    /// token for).
+    fn encodable_bytes(&self, text: &str) -> usize {
+        match &self.backend {
+            Backend::Tiktoken(_) => text.len(),
+            Backend::Hf(hf) => hf.encodable_bytes(text),
+        }
+    }
+
+    /// The fewest ids `bytes` encodable bytes can have, when that is more than `limit`.
+    fn too_long_by_bytes(&self, bytes: usize, limit: usize) -> Option<usize> {
+        let at_least = bytes.div_ceil(self.max_token_bytes()?);
+        (at_least > limit).then_some(at_least)
+    }
+
     /// Encodes an XTML prompt segment by segment: markers as their control tokens, text as
     /// plain BPE (a `<|open|>` typed by a user stays text).
     pub fn encode_xtml(&self, prompt: &XtmlPrompt) -> Result<Vec<u32>, TokenizerError> {
@@ -314,6 +373,35 @@ impl Tokenizer {
             ids.extend(self.encode(&segment.text, segment.control)?);
         }
         Ok(ids)
+    }
+
+    /// [`Self::encode_xtml`] with [`Self::encode_within`]'s bound.
+    pub fn encode_xtml_within(
+        &self,
+        prompt: &XtmlPrompt,
+        limit: usize,
+    ) -> Result<Bounded, TokenizerError> {
+        let bytes = prompt
+            .segments()
+            .iter()
+            .map(|s| self.encodable_bytes(&s.text))
+            .sum();
+        if let Some(at_least) = self.too_long_by_bytes(bytes, limit) {
+            return Ok(Bounded::TooLong { at_least });
+        }
+        let mut ids = Vec::new();
+        for segment in prompt.segments() {
+            let room = limit.saturating_sub(ids.len());
+            match self.encode_within(&segment.text, segment.control, room)? {
+                Bounded::Fits(more) => ids.extend(more),
+                Bounded::TooLong { at_least } => {
+                    return Ok(Bounded::TooLong {
+                        at_least: ids.len() + at_least,
+                    })
+                }
+            }
+        }
+        Ok(Bounded::Fits(ids))
     }
 
     /// Decodes `ids`; invalid UTF-8 becomes U+FFFD. Errors on ids outside the vocabulary.
@@ -386,6 +474,17 @@ impl Tokenizer {
             Backend::Tiktoken(bpe) => Some(bpe.n_base()),
             Backend::Hf(_) => None,
         }
+    }
+}
+
+/// `ids` as a [`Bounded`] against `limit`.
+fn bounded(ids: Vec<u32>, limit: usize) -> Bounded {
+    if ids.len() > limit {
+        Bounded::TooLong {
+            at_least: ids.len(),
+        }
+    } else {
+        Bounded::Fits(ids)
     }
 }
 

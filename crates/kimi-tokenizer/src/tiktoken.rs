@@ -47,6 +47,8 @@ pub(crate) struct TiktokenBpe {
     sorted_ids: Vec<u32>,
     specials: HashMap<String, u32>,
     n_base: u32,
+    /// Bytes of the longest token (special tokens count their text).
+    max_token_bytes: usize,
 }
 
 impl TiktokenBpe {
@@ -103,13 +105,21 @@ impl TiktokenBpe {
         let mut names: Vec<(&String, u32)> = specials.iter().map(|(n, &id)| (n, id)).collect();
         names.sort_unstable_by_key(|&(_, id)| id);
         tokens.extend(names.into_iter().map(|(name, _)| name.as_bytes().to_vec()));
+        let max_token_bytes = tokens.iter().map(Vec::len).max().unwrap_or(1).max(1);
         Ok(Self {
             bpe,
             tokens,
             sorted_ids,
             specials,
             n_base,
+            max_token_bytes,
         })
+    }
+
+    /// Every token's bytes are a run of the text it encodes (byte-level BPE, special tokens
+    /// matched literally), so no token covers more text than this.
+    pub fn max_token_bytes(&self) -> usize {
+        self.max_token_bytes
     }
 
     pub fn n_base(&self) -> u32 {
@@ -142,6 +152,18 @@ impl TiktokenBpe {
     /// Encodes as Kimi's `encode`: ≤400,000-char pieces, long runs cut, then tiktoken with
     /// `allowed_special="all"` (or no special tokens at all when `allow_special` is false).
     pub fn encode(&self, text: &str, allow_special: bool) -> Result<Vec<u32>, TokenizerError> {
+        self.encode_until(text, allow_special, usize::MAX)
+    }
+
+    /// [`Self::encode`], stopping after the first piece that takes the ids past `limit`: the
+    /// pieces are encoded independently, so what comes back is always a prefix of the full
+    /// encoding, and the full encoding itself when it has at most `limit` ids.
+    pub fn encode_until(
+        &self,
+        text: &str,
+        allow_special: bool,
+        limit: usize,
+    ) -> Result<Vec<u32>, TokenizerError> {
         let allowed: HashSet<&str> = if allow_special {
             self.specials.keys().map(String::as_str).collect()
         } else {
@@ -157,6 +179,9 @@ impl TiktokenBpe {
                     .encode(piece, &allowed)
                     .map_err(|err| TokenizerError::Encode(err.message))?;
                 ids.extend(piece_ids);
+                if ids.len() > limit {
+                    return Ok(ids);
+                }
             }
         }
         Ok(ids)

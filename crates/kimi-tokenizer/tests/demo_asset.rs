@@ -88,3 +88,24 @@ fn directory_is_small() {
         .sum();
     assert!(total < 50 * 1024, "{total} bytes");
 }
+
+#[test]
+fn encode_within_equals_encode_or_refuses_early() {
+    let tok = demo();
+    common::check_encode_within(&tok);
+    let longest = tok.max_token_bytes().expect("Kimi's BPE bounds its tokens");
+    assert!(longest >= "<|im_assistant|>".len());
+    // 30 MB is refused from its length alone, before any BPE work.
+    let huge = "hello world ".repeat(2_500_000);
+    let start = std::time::Instant::now();
+    let got = tok.encode_within(&huge, true, 32_768).unwrap();
+    assert!(start.elapsed().as_secs_f64() < 1.0, "{:?}", start.elapsed());
+    let kimi_tokenizer::Bounded::TooLong { at_least } = got else {
+        panic!("30 MB fits in 32768 ids?");
+    };
+    assert!(at_least > 32_768 && at_least >= huge.len() / longest);
+    // Under the byte bound, the BPE stops soon after the limit.
+    let text = "hello world ".repeat(longest * 200);
+    let got = tok.encode_within(&text, true, 100).unwrap();
+    assert!(matches!(got, kimi_tokenizer::Bounded::TooLong { at_least } if at_least > 100));
+}

@@ -146,3 +146,30 @@ fn chat_template_from_config_list_and_jinja_override() {
     assert!(tok.chat_template().is_none());
     assert!(tok.eos_ids().contains(&tok.token_id("<|im_end|>").unwrap()));
 }
+
+#[test]
+fn encode_within_equals_encode_or_refuses_early() {
+    let dir = trained_dir(&[("tokenizer_config.json", &config())]);
+    let tok = Tokenizer::from_dir(dir.path()).unwrap();
+    assert!(
+        tok.max_token_bytes().is_some(),
+        "a byte-level BPE bounds its tokens"
+    );
+    common::check_encode_within(&tok);
+}
+
+#[test]
+fn a_normalizing_tokenizer_has_no_byte_bound() {
+    // Lowercasing (like any normalizer) may change the text's length, so its tokens' bytes
+    // say nothing sure about how much text they stand for.
+    let dir = trained_dir(&[("tokenizer_config.json", &config())]);
+    let path = dir.path().join("tokenizer.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    json["normalizer"] = json!({"type": "Lowercase"});
+    std::fs::write(&path, json.to_string()).unwrap();
+    let tok = Tokenizer::from_dir(dir.path()).unwrap();
+    assert_eq!(tok.max_token_bytes(), None);
+    // Without the bound, encode_within still gives encode's ids or refuses past the limit.
+    common::check_encode_within(&tok);
+}

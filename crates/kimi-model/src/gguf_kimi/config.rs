@@ -13,7 +13,7 @@ use kimi_core::config::{
     Activation, ExpertFormat, Family, Ffn, KdaConfig, KdaGate, KdaOutputGate, LayerSpec, Mixer,
     MlaConfig, MoeConfig,
 };
-use kimi_core::ModelConfig;
+use kimi_core::{ConfigError, ModelConfig};
 use kimi_gguf::{Array, GgufFile, Value};
 
 use crate::source::format_error;
@@ -265,7 +265,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
             .copied()
             .unwrap_or(0),
     };
-    Ok(ModelConfig {
+    let config = ModelConfig {
         model_type: "kimi_linear".into(),
         family: Family::KimiLinear,
         activation: Activation::Silu,
@@ -289,7 +289,40 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         max_position_embeddings: n("context_length")?,
         // GGUF tensors carry their own types; there is no declared checkpoint dtype.
         dtype: None,
-    })
+    };
+    config.validate().map_err(|e| match e {
+        ConfigError::Invalid { field, reason } => {
+            format_error(file, format!("{}: {reason}", gguf_key(&field)))
+        }
+        other => format_error(file, other.to_string()),
+    })?;
+    Ok(config)
+}
+
+/// The metadata key that holds a config.json field (as `ModelConfig::validate` names it).
+fn gguf_key(field: &str) -> String {
+    let name = match field {
+        "rms_norm_eps" => "attention.layer_norm_rms_epsilon",
+        "routed_scaling_factor" => "expert_weights_scale",
+        "num_experts_per_token" => "expert_used_count",
+        "num_experts" => "expert_count",
+        "moe_intermediate_size" => "expert_feed_forward_length",
+        "n_group" => "expert_group_count",
+        "topk_group" => "expert_group_used_count",
+        "linear_attn_config.gate_lower_bound" => "kda.gate_lower_bound",
+        "linear_attn_config.head_dim" => "kda.head_dim",
+        "linear_attn_config.short_conv_kernel_size" => "ssm.conv_kernel",
+        "linear_attn_config.num_heads" | "num_attention_heads" => "attention.head_count",
+        "kv_lora_rank" => "attention.kv_lora_rank",
+        "v_head_dim" => "attention.value_length_mla",
+        "hidden_size" => "embedding_length",
+        "num_hidden_layers" => "block_count",
+        "intermediate_size" => "feed_forward_length",
+        "max_position_embeddings" => "context_length",
+        "vocab_size" => "vocab_size (or token_embd.weight's rows)",
+        other => return other.to_string(),
+    };
+    key(name)
 }
 
 fn moe_config(file: &GgufFile) -> Result<MoeConfig> {

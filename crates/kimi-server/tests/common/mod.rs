@@ -59,7 +59,21 @@ pub struct TestServer {
     pub engine: EngineHandle,
     pub tokenizer: Arc<Tokenizer>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    served: Option<tokio::task::JoinHandle<Result<(), kimi_server::ServerError>>>,
     _dir: tempfile::TempDir,
+}
+
+impl TestServer {
+    /// Sends the shutdown signal and returns the serving task, which ends once the server
+    /// has drained (or cut) its connections.
+    pub fn begin_shutdown(
+        &mut self,
+    ) -> tokio::task::JoinHandle<Result<(), kimi_server::ServerError>> {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        self.served.take().expect("the server is serving")
+    }
 }
 
 impl Drop for TestServer {
@@ -99,7 +113,7 @@ pub async fn start_k3() -> TestServer {
     .await
 }
 
-async fn start_in(
+pub async fn start_in(
     dir: tempfile::TempDir,
     config: ServerConfig,
     serving: ServingConfig,
@@ -115,7 +129,7 @@ async fn start_in(
         .expect("bind");
     let addr = listener.local_addr().expect("local addr");
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(kimi_server::serve_listener(listener, state, async move {
+    let served = tokio::spawn(kimi_server::serve_listener(listener, state, async move {
         let _ = rx.await;
     }));
     TestServer {
@@ -123,6 +137,7 @@ async fn start_in(
         engine,
         tokenizer,
         shutdown: Some(tx),
+        served: Some(served),
         _dir: dir,
     }
 }
@@ -194,7 +209,7 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     haystack.windows(needle.len()).position(|w| w == needle)
 }
 
-fn parse_response(raw: &[u8]) -> HttpResponse {
+pub fn parse_response(raw: &[u8]) -> HttpResponse {
     let head_end = find(raw, b"\r\n\r\n")
         .unwrap_or_else(|| panic!("no HTTP head in {:?}", String::from_utf8_lossy(raw)));
     let head = String::from_utf8_lossy(&raw[..head_end]).into_owned();

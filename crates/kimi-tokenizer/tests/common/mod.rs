@@ -111,3 +111,30 @@ pub fn varied_texts() -> Vec<String> {
     texts.push("长".repeat(26_000));
     texts
 }
+
+/// Checks `encode_within` against `encode` on every varied text (with special tokens
+/// allowed and not) at limits below, at and above each text's id count: the same ids when
+/// they fit, else a lower bound past the limit that the real count meets.
+pub fn check_encode_within(tok: &kimi_tokenizer::Tokenizer) {
+    use kimi_tokenizer::Bounded;
+    let mut texts = varied_texts();
+    texts.push("<|im_end|>".repeat(50) + &"word ".repeat(400));
+    for text in &texts {
+        for special in [true, false] {
+            let ids = tok.encode(text, special).unwrap();
+            let n = ids.len();
+            for limit in [0, 1, n / 2, n.saturating_sub(1), n, n + 1, 10 * n + 10] {
+                match tok.encode_within(text, special, limit).unwrap() {
+                    Bounded::Fits(got) => {
+                        assert!(n <= limit, "{n} ids fit in {limit}?");
+                        assert_eq!(got, ids, "limit {limit}");
+                    }
+                    Bounded::TooLong { at_least } => {
+                        assert!(n > limit, "{n} ids refused at {limit}");
+                        assert!(at_least > limit && at_least <= n, "{at_least} vs {n}");
+                    }
+                }
+            }
+        }
+    }
+}
