@@ -15,6 +15,17 @@ use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+/// A wall-clock bound of these tests, stretched tenfold under emulation
+/// (`scripts/arm/test.sh` runs them in qemu user mode, several times slower; it sets
+/// `KIMI_TEST_EMULATED`). The server's own timeouts are not stretched.
+fn bound(d: Duration) -> Duration {
+    if std::env::var_os("KIMI_TEST_EMULATED").is_some() {
+        d * 10
+    } else {
+        d
+    }
+}
+
 /// Serializes the cases of this file.
 async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
     static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -131,7 +142,7 @@ async fn huge_prompts_are_refused_quickly_in_bounded_memory() {
     }
     // Four 30 MB requests at once, each parsed and rendered once but never tokenized:
     // seconds and hundreds of MB, where tokenizing took tens of seconds and GBs each.
-    assert!(elapsed < Duration::from_secs(15), "took {elapsed:?}");
+    assert!(elapsed < bound(Duration::from_secs(15)), "took {elapsed:?}");
     assert!(growth < 1536 << 20, "memory grew by {} MiB", growth >> 20);
     assert_healthy(&server).await;
 }
@@ -165,12 +176,15 @@ async fn half_sent_heads_and_idle_connections_are_closed() {
         false
     });
     for stream in hogs {
-        let (waited, seen) = closed_within(stream, Duration::from_secs(10)).await;
+        let (waited, seen) = closed_within(stream, bound(Duration::from_secs(10))).await;
         assert!(
             seen.is_empty() || seen.starts_with(b"HTTP/1.1 408"),
             "{seen:?}"
         );
-        assert!(waited < Duration::from_secs(5), "closed after {waited:?}");
+        assert!(
+            waited < bound(Duration::from_secs(5)),
+            "closed after {waited:?}"
+        );
     }
     assert!(
         trickled.await.expect("trickle task"),
@@ -182,10 +196,10 @@ async fn half_sent_heads_and_idle_connections_are_closed() {
         .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         .await
         .expect("send");
-    let (waited, seen) = closed_within(stream, Duration::from_secs(10)).await;
+    let (waited, seen) = closed_within(stream, bound(Duration::from_secs(10))).await;
     assert!(seen.starts_with(b"HTTP/1.1 200"), "{seen:?}");
     assert!(
-        waited >= Duration::from_millis(900) && waited < Duration::from_secs(5),
+        waited >= Duration::from_millis(900) && waited < bound(Duration::from_secs(5)),
         "{waited:?}"
     );
     let metrics = get(server.addr, "/metrics").await.text();
@@ -214,11 +228,11 @@ async fn half_sent_bodies_time_out_with_408() {
         streams.push(stream);
     }
     for stream in streams {
-        let (waited, seen) = closed_within(stream, Duration::from_secs(10)).await;
+        let (waited, seen) = closed_within(stream, bound(Duration::from_secs(10))).await;
         let text = String::from_utf8_lossy(&seen);
         assert!(text.starts_with("HTTP/1.1 408"), "{text}");
         assert!(text.contains("body_timeout"), "{text}");
-        assert!(waited < Duration::from_secs(5), "{waited:?}");
+        assert!(waited < bound(Duration::from_secs(5)), "{waited:?}");
     }
     assert_healthy(&server).await;
 }
@@ -252,7 +266,7 @@ async fn the_connection_cap_refuses_clearly_and_health_stays_reachable() {
     assert_eq!(get(server.addr, "/health").await.status, 200);
     drop(hogs);
     // The server notices the hogs are gone and serves again.
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + bound(Duration::from_secs(10));
     loop {
         let resp = post(server.addr, "/v1/chat/completions", &chat("hi", 2)).await;
         if resp.status == 200 {
@@ -278,13 +292,13 @@ async fn a_client_hoarding_sockets_cannot_lock_others_out() {
     // One client holds 600 sockets (kept open on its side throughout).
     let hogs = hoard(&server, 600).await;
     // /health answers while they are held...
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + bound(Duration::from_secs(5));
     while get(server.addr, "/health").await.status != 200 {
         assert!(Instant::now() < deadline, "/health unreachable");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // ...and once the server has timed out its share of them, everything does.
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + bound(Duration::from_secs(10));
     loop {
         let resp = post(server.addr, "/v1/chat/completions", &chat("hi", 2)).await;
         if resp.status == 200 {
@@ -295,7 +309,7 @@ async fn a_client_hoarding_sockets_cannot_lock_others_out() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // The server's side of every hoarded socket closes (only a scrape's own stays open).
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + bound(Duration::from_secs(10));
     loop {
         let metrics = get(server.addr, "/metrics").await.text();
         if metric(&metrics, "kimi:http_connections_open", "") == Some(1.0) {
@@ -333,12 +347,12 @@ async fn shutdown_cuts_a_long_stream_at_the_deadline() {
     }
     let started = Instant::now();
     let served = server.begin_shutdown();
-    let result = tokio::time::timeout(Duration::from_secs(10), served).await;
+    let result = tokio::time::timeout(bound(Duration::from_secs(10)), served).await;
     let waited = started.elapsed();
-    let (_, rest) = closed_within(stream, Duration::from_secs(5)).await;
+    let (_, rest) = closed_within(stream, bound(Duration::from_secs(5))).await;
     assert!(result.is_ok(), "the server outlived its shutdown timeout");
     assert!(
-        waited >= Duration::from_millis(900) && waited < Duration::from_secs(5),
+        waited >= Duration::from_millis(900) && waited < bound(Duration::from_secs(5)),
         "{waited:?}"
     );
     // The stream was cut, not finished: no [DONE].

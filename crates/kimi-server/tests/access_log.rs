@@ -10,6 +10,17 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::json;
 
+/// A wall-clock bound of these tests, stretched tenfold under emulation
+/// (`scripts/arm/test.sh` runs them in qemu user mode, several times slower; it sets
+/// `KIMI_TEST_EMULATED`). The server's own timeouts are not stretched.
+fn bound(d: Duration) -> Duration {
+    if std::env::var_os("KIMI_TEST_EMULATED").is_some() {
+        d * 10
+    } else {
+        d
+    }
+}
+
 #[derive(Clone, Default)]
 struct Captured(Arc<Mutex<Vec<u8>>>);
 
@@ -40,7 +51,7 @@ fn captured() -> &'static Captured {
 
 /// The access lines that mention `needle`, waiting a little for a stream's line.
 async fn lines_with(needle: &str) -> Vec<String> {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + bound(Duration::from_secs(10));
     loop {
         let text = String::from_utf8_lossy(&captured().0.lock().expect("lock")).into_owned();
         let found: Vec<String> = text
