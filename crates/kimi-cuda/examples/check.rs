@@ -49,7 +49,7 @@ use std::time::Instant;
 
 use kimi_core::config::{KdaGate, ModelConfig};
 use kimi_core::DType;
-use kimi_cpu::CpuBackend;
+use kimi_cpu::{CpuBackend, QuantMatmul};
 use kimi_cuda::{
     CudaBackend, GemmPrecision, GemvKernel, GroupedMoeKernel, KdaChunkKernel, KdaStages,
     MlaPrefillKernel,
@@ -159,7 +159,9 @@ fn check_ops(cases: Vec<(String, op_cases::Case)>) -> Res<()> {
     if let Some(c) = &cuda {
         println!("device: {}", c.name());
     }
-    let cpu = CpuRun(CpuBackend::new());
+    // The reference multiplies in f32: the CPU's default integer path for packed weights
+    // (MXFP4, ggml blocks) rounds the activations to int8.
+    let cpu = CpuRun(CpuBackend::with_quant_matmul(QuantMatmul::F32));
     let mut failures = Vec::new();
     for (name, c) in &cases {
         let want = match c(&cpu) {

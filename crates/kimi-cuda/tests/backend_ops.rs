@@ -7,7 +7,7 @@ mod k3_cases;
 #[path = "common/op_cases.rs"]
 mod op_cases;
 
-use kimi_cpu::CpuBackend;
+use kimi_cpu::{CpuBackend, QuantMatmul};
 use kimi_cuda::CudaBackend;
 use op_cases::{rel_err, CpuRun, CudaRun};
 
@@ -23,7 +23,9 @@ fn every_op_matches_cpu() {
             return;
         }
     };
-    let cpu = CpuRun(CpuBackend::new());
+    // The reference multiplies in f32: the CPU's default integer path for packed weights
+    // (MXFP4, ggml blocks) rounds the activations to int8.
+    let cpu = CpuRun(CpuBackend::with_quant_matmul(QuantMatmul::F32));
     let mut failures = vec![];
     for (name, case) in op_cases::cases().into_iter().chain(k3_cases::cases()) {
         let want = case(&cpu).unwrap_or_else(|e| panic!("{name}: CPU: {e}"));

@@ -295,7 +295,7 @@ impl CudaBackend {
         };
         let (grouped, inter) = match plan_expert_bank(&cfg, &call) {
             BankPath::OneByOne => {
-                return self.experts_one_by_one(x, &lists, bank, act, n, d, p, out_width)
+                return self.experts_one_by_one(x, &lists, bank, act, n, p, out_width)
             }
             BankPath::Mxfp4Gemv(b) => (false, b.inter),
             BankPath::Mxfp4Grouped(b) => (true, b.inter),
@@ -393,7 +393,6 @@ impl CudaBackend {
         bank: &ExpertBank<CudaTensor>,
         act: Activation,
         n: usize,
-        d: usize,
         p: usize,
         out_width: usize,
     ) -> Result<CudaTensor> {
@@ -418,37 +417,12 @@ impl CudaBackend {
             let w = bank
                 .expert(expert)
                 .ok_or_else(|| shape_err(OP, format!("no expert {expert} in the bank")))?;
-            let xg = self.empty(&[cnt, d], DType::F32, OP)?;
-            // SAFETY: the row indices are token numbers < n; xg holds cnt*d f32.
+            // SAFETY: pair_lists placed `cnt` distinct tokens (< n) routed to `expert` at
+            // sorted positions `off ..` of `rows` / `wsel`; out holds n*out_width f32.
             unsafe {
-                ops::elementwise::gather_rows(
-                    &self.dev,
-                    x.ptr(),
-                    rows + (off * 4) as u64,
-                    xg.ptr(),
-                    cnt,
-                    d,
-                )?
-            };
-            let y = self.gated_ffn(&xg, w, act)?;
-            if y.shape != [cnt, out_width] {
-                return Err(shape_err(
-                    OP,
-                    format!("expert {expert} output {:?}", y.shape),
-                ));
-            }
-            // SAFETY: one expert's rows are distinct tokens; y holds cnt*out_width f32 and
-            // out n*out_width.
-            unsafe {
-                ops::elementwise::scatter_add_rows(
-                    &self.dev,
-                    y.ptr(),
-                    rows + (off * 4) as u64,
-                    wsel + (off * 4) as u64,
-                    out.ptr(),
-                    cnt,
-                    out_width,
-                )?
+                self.expert_rows(x, rows, wsel, off, cnt, &out, out_width, |xg| {
+                    self.gated_ffn(xg, w, act)
+                })?
             };
             off += cnt;
         }

@@ -366,36 +366,12 @@ impl CudaBackend {
             if cnt == 0 {
                 continue;
             }
-            let xg = self.empty(&[cnt, d], DType::F32, OP)?;
-            // SAFETY: the row indices are token numbers < n; xg holds cnt*d f32.
+            // SAFETY: `lists` placed `cnt` distinct tokens (< n) routed to `expert` at
+            // sorted positions `off ..` of `rows_ptr` / `wsel_ptr`; out holds n*d f32.
             unsafe {
-                ops::elementwise::gather_rows(
-                    &self.dev,
-                    x.ptr(),
-                    rows_ptr + (off * 4) as u64,
-                    xg.ptr(),
-                    cnt,
-                    d,
-                )?
-            };
-            let y = self.mlp(&xg, &w.experts[expert])?;
-            if y.shape != [cnt, d] {
-                return Err(shape_err(
-                    OP,
-                    format!("expert {expert} output {:?}", y.shape),
-                ));
-            }
-            // SAFETY: one expert's rows are distinct tokens; y holds cnt*d f32.
-            unsafe {
-                ops::elementwise::scatter_add_rows(
-                    &self.dev,
-                    y.ptr(),
-                    rows_ptr + (off * 4) as u64,
-                    wsel_ptr + (off * 4) as u64,
-                    out.ptr(),
-                    cnt,
-                    d,
-                )?
+                self.expert_rows(x, rows_ptr, wsel_ptr, off, cnt, &out, d, |xg| {
+                    self.mlp(xg, &w.experts[expert])
+                })?
             };
             off += cnt;
         }
@@ -775,6 +751,48 @@ impl CudaBackend {
     /// expert's when there is one (entry `experts.len()`, read by `moe_stream`), uploaded
     /// once per distinct set of weights and kept (its contents are its key, so it cannot go
     /// stale).
+    /// One expert's share of a per-expert MoE pass: its `cnt` routed rows of `x [n, d]`
+    /// (token numbers at sorted positions `off ..` of `rows`) gathered, run through `ffn`,
+    /// and added to `out [n, out_width]` times their routing weights (`wsel`, same positions).
+    ///
+    /// # Safety
+    /// `rows` and `wsel` hold at least `off + cnt` u32 / f32 entries, the rows are distinct
+    /// token numbers below `n`, and `out` holds `n * out_width` f32.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn expert_rows(
+        &self,
+        x: &CudaTensor,
+        rows: u64,
+        wsel: u64,
+        off: usize,
+        cnt: usize,
+        out: &CudaTensor,
+        out_width: usize,
+        ffn: impl FnOnce(&CudaTensor) -> Result<CudaTensor>,
+    ) -> Result<()> {
+        let d = x.shape.last().copied().unwrap_or(0);
+        let at = (off * 4) as u64;
+        let xg = self.empty(&[cnt, d], DType::F32, OP)?;
+        // SAFETY: the caller's contract; xg holds cnt*d f32.
+        unsafe { ops::elementwise::gather_rows(&self.dev, x.ptr(), rows + at, xg.ptr(), cnt, d)? };
+        let y = ffn(&xg)?;
+        if y.shape != [cnt, out_width] {
+            return Err(shape_err(OP, format!("expert output {:?}", y.shape)));
+        }
+        // SAFETY: the caller's contract; y holds cnt*out_width f32.
+        unsafe {
+            ops::elementwise::scatter_add_rows(
+                &self.dev,
+                y.ptr(),
+                rows + at,
+                wsel + at,
+                out.ptr(),
+                cnt,
+                out_width,
+            )
+        }
+    }
+
     fn expert_table(&self, w: &MoeWeights<CudaTensor>) -> Result<u64> {
         self.address_table(expert_weights(w).collect())
     }
