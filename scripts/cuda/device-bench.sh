@@ -3,7 +3,7 @@
 # side by side on the same GPU. Build here first: scripts/cuda/build-check.sh; fetch the
 # Python wheels (fla-core, flash-linear-attention, einops, openai) into .whl/ with
 # scripts/cuda/fetch-wheels.sh. Then on the device, from the repository root:
-#   scripts/cuda/device-bench.sh OUT_DIR [check] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu]
+#   scripts/cuda/device-bench.sh OUT_DIR [check] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack]
 # (no stage names = all). Each stage writes OUT_DIR/<stage>.txt (+ JSON where it has one).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -122,6 +122,28 @@ if want serve-cpu; then
   for b in 1 16 64; do
     timeout 120 taskset -c 0,1 .device-bin/kimi-infer bench --threads 2 --prompt-len 64 --gen-len 32 \
       --repeats 3 --batch $b --json "$OUT/serve-cpu-offline-$b.json" 2>&1 | tee -a "$OUT/serve-cpu.txt"
+  done
+fi
+# Kimi K3 at full width (hidden 7168, 96 KDA heads, gated MLA, 896 MXFP4 experts top-16 in
+# the 3584 latent, AttnRes), random weights: the released config cut to 2 and to 6 layers.
+# Layers 2..5 of the deeper stack are one K3 block (3 KDA + 1 MLA, all LatentMoE), so the
+# difference of the two runs is the cost of one block without the embedding and the head.
+if want k3-stack; then
+  K3FULL=crates/kimi-core/tests/data/kimi-k3-trimmed.config.json
+  for n in ${K3_DEPTHS:-2 6}; do
+    python3 - "$K3FULL" "$n" "/tmp/k3-$n.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1])); n = int(sys.argv[2]); t = c.get("text_config", c)
+t["num_hidden_layers"] = n
+la = t["linear_attn_config"]
+for k in ("kda_layers", "full_attn_layers"):
+    la[k] = [i for i in la[k] if i <= n]
+json.dump(c, open(sys.argv[3], "w"), indent=1)
+PY
+    timeout ${K3_TIMEOUT:-280} .device-bin/kimi-infer bench --device cuda --random-config "/tmp/k3-$n.json" \
+      --prompt-len "${K3_PROMPTS:-8192}" --gen-len 8 --repeats 1 \
+      --decode-batch "${K3_BATCHES:-1,16,64,256}" --context "${CONTEXT:-1024}" --decode-steps 8 \
+      --json "$OUT/k3-stack-$n.json" 2>&1 | tee "$OUT/k3-stack-$n.txt"
   done
 fi
 echo "# done: $STAGES" | tee -a "$OUT/env.txt"

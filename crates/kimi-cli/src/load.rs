@@ -303,10 +303,22 @@ pub fn load_random<B: Backend + 'static>(
 ) -> anyhow::Result<Loaded<B>> {
     let cfg = read_config(config)?;
     // Refuse up front what cannot fit, rather than dying half-way through filling it.
-    let bytes = ModelSummary::new(&cfg)
-        .params
-        .total
-        .saturating_mul(dtype.size_bytes() as u64);
+    // Dense matrices take `dtype`; routed experts that the config stores as MXFP4 stay at
+    // 4.25 bits per value whatever `dtype` is.
+    let summary = ModelSummary::new(&cfg);
+    let mxfp4_experts = cfg
+        .moe
+        .as_ref()
+        .is_some_and(|m| m.expert_format == kimi_core::config::ExpertFormat::Mxfp4);
+    let (dense_params, packed_bytes) = if mxfp4_experts {
+        let experts = summary.component(kimi_model::Component::RoutedExperts);
+        (summary.params.total - experts.params, experts.bytes)
+    } else {
+        (summary.params.total, 0)
+    };
+    let bytes = dense_params
+        .saturating_mul(dtype.size_bytes() as u64)
+        .saturating_add(packed_bytes);
     let room = backend
         .memory_info()
         .map(|(free, _)| free)

@@ -69,54 +69,19 @@ __device__ __forceinline__ void find_tile(const uint32_t* offsets, int E, int t,
   row0 = r0;
 }
 
-// Eight weights of row `r` of a tile, columns k0 + lc .. + 7, as bf16 into `dst`: bf16
-// weights are one 16-byte load; MXFP4 weights (`MX`, the device layout of kernels/mxfp4.cu,
-// whose 32-value blocks are exactly one GK stage) are eight codes decoded with the block's
-// scale, exact in bf16 (an E2M1 value times a power of two has at most two significant bits).
-template <bool MX>
-__device__ __forceinline__ void load_b8(const void* w, size_t codes_bytes, int K, int r,
-                                        int k0, int lc, __nv_bfloat16* dst) {
-  if (!MX) {
-    *reinterpret_cast<uint4*>(dst) = __ldg(reinterpret_cast<const uint4*>(
-        reinterpret_cast<const __nv_bfloat16*>(w) + (size_t)r * K + k0 + lc));
-    return;
-  }
-  const uint8_t* base = reinterpret_cast<const uint8_t*>(w);
-  const size_t blk = (size_t)r * (K >> 5) + (k0 >> 5);
-  // Values lc .. lc+7 of the block: bytes (lc & 15) .. +7, low nibbles below 16, high above.
-  const uint2 q = __ldg(reinterpret_cast<const uint2*>(base + blk * 16 + (lc & 15)));
-  const uint32_t e = __ldg(base + codes_bytes + blk);
-  const float scale =
-      (e == 0 ? 5.877471754e-39f : __uint_as_float(e << 23)) * 16384.0f;  // 2^(e-127) * 2^14
-  const uint32_t words[2] = {q.x, q.y};
-  __align__(16) __nv_bfloat16 v[8];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const uint32_t n = lc >= 16 ? (words[i] >> 4) & 0x0F0F0F0Fu : words[i] & 0x0F0F0F0Fu;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t c = (n >> (8 * j)) & 0xFu;
-      const uint32_t h = ((c & 7u) << 9) | ((c & 8u) << 12);  // E2M1 * 2^-14 as f16 bits
-      v[4 * i + j] = __float2bfloat16(__half2float(__ushort_as_half((unsigned short)h)) * scale);
-    }
-  }
-  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(v);
+// Eight bf16 weights of row `r` of a tile, columns k0 + lc .. + 7, into `dst` (one 16-byte
+// load).
+__device__ __forceinline__ void load_b8(const void* w, int K, int r, int k0, int lc,
+                                        __nv_bfloat16* dst) {
+  *reinterpret_cast<uint4*>(dst) = __ldg(reinterpret_cast<const uint4*>(
+      reinterpret_cast<const __nv_bfloat16*>(w) + (size_t)r * K + k0 + lc));
 }
 
-// The gated activation of the epilogue: 0 = SiLU-GLU, 1 = SiTU-GLU (see kernels/mxfp4.cu).
-__device__ __forceinline__ float mma_glu_act(float g, float u, int act, float beta, float lbeta) {
-  if (act == 0) return (g / (1.0f + expf(-g))) * u;
-  const float a = beta * tanhf(g / beta) * (1.0f / (1.0f + expf(-g)));
-  return a * (lbeta > 0.0f ? lbeta * tanhf(u / lbeta) : u);
-}
-
-template <bool MX>
 __device__ __forceinline__ void grouped_mma_body(const uint64_t* wtab, int glu, int split,
                                                  const float* in, int top_k,
                                                  const uint32_t* offsets,
                                                  const uint32_t* slots, int E, float* out,
-                                                 int N, int K, int act, float beta,
-                                                 float lbeta) {
+                                                 int N, int K) {
   pdl_enter();
   __shared__ __align__(128) GemmSmem sm;
   __shared__ int tile_expert, tile_row0;
@@ -136,11 +101,8 @@ __device__ __forceinline__ void grouped_mma_body(const uint64_t* wtab, int glu, 
   const uint32_t beg = offsets[e] + tile_row0;
   const int rows = min(GM, (int)(offsets[e + 1] - beg));
   const int n0 = blockIdx.x * GN;
-  // The matrices' first rows; MX tiles index rows n0 + r of the whole matrix (its scales
-  // plane follows all N rows of codes).
   const void* w0 = reinterpret_cast<const void*>(wtab[3 * e + (glu ? 0 : 2)]);
   const void* w1 = glu ? reinterpret_cast<const void*>(wtab[3 * e + 1]) : nullptr;
-  const size_t codes_bytes = (size_t)N * K / 2;
 
   // Per thread: A rows (r, r+32) x 8 columns; B rows (r, r+32) x 8 columns.
   const int lr = threadIdx.x >> 2;       // 0..31
@@ -187,8 +149,8 @@ __device__ __forceinline__ void grouped_mma_body(const uint64_t* wtab, int glu, 
         sm.s.a_hi[r][lc + u] = hi;
         sm.s.a_lo[r][lc + u] = __float2bfloat16(v[u] - __bfloat162float(hi));
       }
-      load_b8<MX>(w0, codes_bytes, K, n0 + r, k0, lc, &sm.s.b0[r][lc]);
-      if (glu) load_b8<MX>(w1, codes_bytes, K, n0 + r, k0, lc, &sm.s.b1[r][lc]);
+      load_b8(w0, K, n0 + r, k0, lc, &sm.s.b0[r][lc]);
+      if (glu) load_b8(w1, K, n0 + r, k0, lc, &sm.s.b1[r][lc]);
     }
     __syncthreads();
 #pragma unroll
@@ -237,7 +199,10 @@ __device__ __forceinline__ void grouped_mma_body(const uint64_t* wtab, int glu, 
     const int r = idx / GN, c = idx % GN;
     const uint32_t p = slots[beg + r];
     float v = sm.e.c0[r][c];
-    if (glu) v = mma_glu_act(v, sm.e.c1[r][c], act, beta, lbeta);
+    if (glu) {
+      const float gv = v;
+      v = gv / (1.0f + expf(-gv)) * sm.e.c1[r][c];
+    }
     out[(size_t)p * N + n0 + c] = v;
   }
 }
@@ -246,18 +211,7 @@ extern "C" __global__ void __launch_bounds__(128)
     moe_grouped_mma(const uint64_t* wtab, int glu, int split, const float* in, int top_k,
                     const uint32_t* offsets, const uint32_t* slots, int E, float* out, int N,
                     int K) {
-  grouped_mma_body<false>(wtab, glu, split, in, top_k, offsets, slots, E, out, N, K, 0, 0.0f,
-                          0.0f);
-}
-
-// The same with MXFP4 weights (Kimi K3's routed experts) and the activation a parameter
-// (0 = SiLU, 1 = SiTU with beta, lbeta).
-extern "C" __global__ void __launch_bounds__(128)
-    moe_mxfp4_grouped_mma(const uint64_t* wtab, int glu, int split, const float* in, int top_k,
-                          const uint32_t* offsets, const uint32_t* slots, int E, float* out,
-                          int N, int K, int act, float beta, float lbeta) {
-  grouped_mma_body<true>(wtab, glu, split, in, top_k, offsets, slots, E, out, N, K, act, beta,
-                         lbeta);
+  grouped_mma_body(wtab, glu, split, in, top_k, offsets, slots, E, out, N, K);
 }
 
 // ---------------------------------------------------------------- pipelined mma.sync version

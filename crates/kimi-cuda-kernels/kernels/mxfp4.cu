@@ -1,65 +1,30 @@
-// MXFP4 (OCP microscaling FP4) routed experts: GEMVs over the (token, expert) pairs of a MoE
-// layer whose expert weights stay packed on the device (Kimi K3's routed experts, 4.25 bits
-// per weight).
+// MXFP4 (OCP microscaling FP4) routed experts on the tensor cores: every (token, expert)
+// pair of a MoE layer in one launch per projection, the expert weights kept packed on the
+// device (Kimi K3's routed experts, 4.25 bits per weight) and widened to bf16 in registers.
 //
-// Device layout of one MXFP4 matrix [rows, cols] (cols % 32 == 0), made by the backend's
-// upload from ggml `block_mxfp4` blocks: the codes plane, rows * cols / 2 bytes (per block of
-// 32 values the block's 16 code bytes as ggml stores them: byte j holds value j in its low
-// nibble and value j + 16 in its high nibble), then the scales plane, rows * cols / 32 E8M0
-// bytes. Every block's codes are one aligned 16-byte load.
+// Device layout (made on the host by `layout::mxfp4_device_tiles`, described there in full):
+// a [rows, cols] matrix in tiles of 16 rows x 128 values; each tile is 1,024 code bytes in
+// which lane 4g + t of a warp finds, in one 16-byte load, its A-fragment codes of rows g and
+// (512 bytes on) g + 8 for the tile's four 32-value blocks, then (after all tiles' codes) 64
+// E8M0 scale bytes per tile, row-major by (row, block).
 //
-// E2M1 to float without a table: a code `s e1 e0 m` placed at bits 15 and 11..9 of an f16
-// (sign, the two low exponent bits, the top mantissa bit) is exactly the E2M1 value times
-// 2^-14, subnormal codes included (0 and 0.5 become 0 and the f16 subnormal 2^-15). The 2^14
-// goes into the block scale. Two codes become one f16 pair with a byte permute, two shifts
-// and a bit select; the products and sums stay in f32.
+// Decoding: a code word holds four bf16 pairs whose bits are already where a bf16 wants them
+// (sign at 15, exponent low bits at 8..7, mantissa top bit at 6: the E2M1 value times
+// 2^-126, zero and the subnormal 0.5 included) after a shift and a mask; one bf16 multiply by
+// 2^(scale - 1) makes the exact MXFP4 value (at most two significant bits: exact in bf16).
+//
+// Products: the weights are the M side of `mma.sync.m16n8k16` (16 rows per fragment) and
+// the tokens the N side (8 per fragment), so one pair per expert, the decode case, wastes
+// tensor-core work but none of the weight stream. Activations enter as bf16 rows in the
+// fragment order (`mxfp4_act_bf16`, or the gate/up epilogue for the down projection): hi,
+// and with `SPLIT` a second term lo = x - hi (close to f32 products). Accumulation is f32.
 #include "common.cuh"
 
-__device__ __forceinline__ float mx_warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-// Four codes of a 32-bit word of codes (bytes b0..b3; `high` = the high nibbles) as two f16
-// pairs: (v[0], v[1]) and (v[2], v[3]), values 4w .. 4w + 3 of the word's block half.
-__device__ __forceinline__ void e2m1x4(uint32_t q, bool high, float2& a, float2& b) {
-  const uint32_t n = high ? (q >> 4) & 0x0F0F0F0Fu : q & 0x0F0F0F0Fu;
-  // Bytes 0,1 (then 2,3) into the low byte of each 16-bit half.
-  const uint32_t s0 = __byte_perm(n, 0, 0x4140), s1 = __byte_perm(n, 0, 0x4342);
-  const uint32_t h0 = ((s0 << 9) & 0x0E000E00u) | ((s0 << 12) & 0x80008000u);
-  const uint32_t h1 = ((s1 << 9) & 0x0E000E00u) | ((s1 << 12) & 0x80008000u);
-  a = __half22float2(*reinterpret_cast<const __half2*>(&h0));
-  b = __half22float2(*reinterpret_cast<const __half2*>(&h1));
-}
-
-// An E8M0 scale byte times 2^14 (the f16 placement's offset): 2^(e - 113).
-__device__ __forceinline__ float e8m0_scale(uint32_t e) {
-  // e = 0 is 2^-127, an f32 subnormal: scaled by 2^14 in two exact steps.
-  return e == 0 ? 5.877471754e-39f * 16384.0f : __uint_as_float(e << 23) * 16384.0f;
-}
-
-// The dot of one block's 32 codes (four words) with the block's 32 activations `x` (eight
-// float4 at `xs[j * stride]`, j = 0..7, the natural order of the block's values).
-__device__ __forceinline__ float block_dot(const uint4& q, const float4* xs, int stride) {
-  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-  float acc = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float2 a, b;
-    const float4 lo = xs[i * stride], hi = xs[(4 + i) * stride];
-    e2m1x4(w[i], false, a, b);
-    acc = fmaf(a.x, lo.x, acc);
-    acc = fmaf(a.y, lo.y, acc);
-    acc = fmaf(b.x, lo.z, acc);
-    acc = fmaf(b.y, lo.w, acc);
-    e2m1x4(w[i], true, a, b);
-    acc = fmaf(a.x, hi.x, acc);
-    acc = fmaf(a.y, hi.y, acc);
-    acc = fmaf(b.x, hi.z, acc);
-    acc = fmaf(b.y, hi.w, acc);
-  }
-  return acc;
-}
+namespace mx {
+constexpr int WARPS = 4;  // per CTA
+constexpr int TILE_CODE_BYTES = 1024;
+constexpr int TILE_SCALE_BYTES = 64;
+}  // namespace mx
 
 // The gated activation of a gate/up pair: 0 = SiLU-GLU, 1 = SiTU-GLU (Kimi K3:
 // beta·tanh(g/beta)·sigmoid(g) · lbeta·tanh(u/lbeta); lbeta <= 0: u unchanged).
@@ -69,104 +34,269 @@ __device__ __forceinline__ float glu_act(float g, float u, int act, float beta, 
   return a * (lbeta > 0.0f ? lbeta * tanhf(u / lbeta) : u);
 }
 
-#define MX_TG 4  // tokens per pass over a weight row
-#define MX_RW 4  // rows per warp
-#define MX_UB 1  // blocks per lane per step
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                             *reinterpret_cast<const __nv_bfloat162*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
 
-// Expert GEMV over the pairs routed to one expert, MXFP4 weights. Grid
-// (ceil(rows_out / (8 * MX_RW)), number of pairs or experts, whichever is fewer); 256 threads = 8
-// warps of MX_RW rows. Block (x, j) serves the j-th expert that received pairs (the active
-// list after `offsets`, as `moe_lists` writes it), for each group of MX_TG of its pairs.
-// `wtab` holds per expert the (gate, up, down) matrix addresses. glu = 1: out[p, r] =
-// act(gate_e[r]·x, up_e[r]·x) with x = in[p / top_k] (the token's row); glu = 0:
-// out[p, r] = down_e[r]·in[p]. The group's activation rows are staged in shared memory
-// (MX_TG * cols floats), each block's 32 values as eight float4 strided by the number of
-// blocks per row, so that the 32 lanes of a warp (one block each) read them without bank
-// conflicts.
-extern "C" __global__ void __launch_bounds__(256, 2)
-    moe_mxfp4_gemv(const uint64_t* wtab, int glu, const float* in, int top_k,
-                   const uint32_t* offsets, int E, const uint32_t* slots, float* out,
-                   int rows_out, int cols, int act, float beta, float lbeta) {
-  pdl_enter();
-  extern __shared__ float4 mx_xs[];
+// The four bf16 pairs of a code word, each value E2M1 * 2^-126 (see the layout's HALF_BITS).
+__device__ __forceinline__ void mx_unpack(uint32_t w, uint32_t p[4]) {
+  constexpr uint32_t M = 0x81C081C0u;
+  p[0] = w & M;
+  p[1] = (w << 6) & M;
+  p[2] = (w << 3) & M;
+  p[3] = ((w << 2) & 0x80008000u) | ((w >> 6) & 0x01000100u) | ((w >> 4) & 0x00C000C0u);
+}
+
+// The pairs of a word times 2^(s - 1), s the block's E8M0 byte: exact MXFP4 values in bf16.
+// 2^(s - 1) is one bf16 up to s = 128; larger exponents (never seen in trained weights)
+// take a second multiply.
+__device__ __forceinline__ void mx_scale(uint32_t p[4], uint32_t s) {
+  uint32_t e = s + 126;
+  if (s > 128) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) p[j] = bf16x2_mul(p[j], 0x7F007F00u);  // 2^127
+    e = s - 1;
+  }
+  const uint32_t s2 = (e << 7) | (e << 23);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) p[j] = bf16x2_mul(p[j], s2);
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
+                                               uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& q, int i) {
+  return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w;
+}
+
+// Where feature k of an activation row goes in the fragment order: per 32-value block, word
+// 4t + j holds the bf16 pair (8j + 2t, 8j + 2t + 1).
+__device__ __forceinline__ int act_slot(int k) {
+  const int i = k & 31, j = i >> 3, r = i & 7;
+  return (k & ~31) + ((r >> 1) * 4 + j) * 2 + (r & 1);
+}
+
+// The weight stream goes through shared memory by cp.async, STAGES k tiles deep per warp,
+// so that many bytes are in flight without holding them in registers. Each lane copies and
+// later reads only its own slots (codes of rows g and g + 8 of both tiles, then their four
+// scale words), so the pipeline needs no barrier.
+constexpr int MX_STAGES = 4;
+constexpr int MX_STAGE_BYTES = 5 * 32 * 16;  // per warp: four code slots and one scale slot
+
+__device__ __forceinline__ void mx_cp16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void mx_cp4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void mx_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N>
+__device__ __forceinline__ void mx_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Queues k tile `S` of both row tiles into this lane's slots of stage `S % MX_STAGES`.
+__device__ __forceinline__ void mx_issue(uint32_t warp_stages, int lane, int S,
+                                         const uint8_t* ca, const uint8_t* cb,
+                                         const uint8_t* sa, const uint8_t* sb) {
+  const uint32_t st = warp_stages + (S % MX_STAGES) * MX_STAGE_BYTES + lane * 16;
+  const size_t c = (size_t)S * mx::TILE_CODE_BYTES, sc = (size_t)S * mx::TILE_SCALE_BYTES;
+  mx_cp16(st, ca + c);
+  mx_cp16(st + 512, ca + c + 512);
+  mx_cp16(st + 1024, cb + c);
+  mx_cp16(st + 1536, cb + c + 512);
+  mx_cp4(st + 2048, sa + sc);
+  mx_cp4(st + 2052, sa + sc + 32);
+  mx_cp4(st + 2056, sb + sc);
+  mx_cp4(st + 2060, sb + sc + 32);
+}
+
+// Expert projection over the pairs routed to each expert, MXFP4 weights. Grid (row chunks,
+// number of pairs or experts, whichever is fewer); 4 warps. Block (x, y) serves the y-th
+// expert that received pairs (the active list after `offsets`, as `moe_lists` writes it), its
+// pairs 8 * NT at a time. Each warp owns two 16-row weight tiles: glu = 1: gate tile R and up
+// tile R (R = x * 4 + warp), writing h = act(gate·x, up·x) for 16 features as bf16 (hi, and
+// lo at `out_lo`) rows of `out_kp` in the fragment order, at the pair's sorted position;
+// glu = 0: down tiles 2R and 2R + 1, writing f32 out[slots[q] * rows_out + row].
+// `act` holds bf16 activation rows of `Kp` (K rounded up to 128) in the fragment order, lo
+// at `act_lo`: glu rows are tokens (slots[q] / top_k), down rows sorted pairs (q).
+template <int NT, bool SPLIT>
+__device__ __forceinline__ void mxfp4_mma_body(const uint64_t* wtab, int glu,
+                                               const __nv_bfloat16* act, size_t act_lo,
+                                               int top_k, const uint32_t* offsets, int E,
+                                               const uint32_t* slots, void* out, size_t out_lo,
+                                               int rows_out, int out_kp, int K, int act_code,
+                                               float beta, float lbeta) {
   const uint32_t* active = offsets + E + 1;
   if (blockIdx.y >= active[0]) return;
   const uint32_t e = active[1 + blockIdx.y];
   const uint32_t beg = offsets[e], end = offsets[e + 1];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int nb = cols >> 5;  // blocks per row
-  const uint8_t* wa = reinterpret_cast<const uint8_t*>(wtab[3 * e + (glu ? 0 : 2)]);
-  const uint8_t* wb = reinterpret_cast<const uint8_t*>(wtab[3 * e + 1]);
-  const size_t codes_bytes = (size_t)rows_out * cols / 2;
-  const int row0 = (blockIdx.x * 8 + warp) * MX_RW;
-  for (uint32_t g0 = beg; g0 < end; g0 += MX_TG) {
-    const int ng = min((uint32_t)MX_TG, end - g0);
-    __syncthreads();  // the previous group's rows are no longer read
-    for (int i = threadIdx.x; i < ng * nb * 8; i += blockDim.x) {
-      const int g = i / (nb * 8), rest = i - g * nb * 8;
-      const int b = rest >> 3, j = rest & 7;
-      const uint32_t p = slots[g0 + g];
-      const float4* src =
-          reinterpret_cast<const float4*>(in + (size_t)(glu ? p / top_k : p) * cols);
-      mx_xs[(size_t)g * nb * 8 + j * nb + b] = src[b * 8 + j];
+  const int g = lane >> 2, t = lane & 3;
+  const int tiles_r = (rows_out + 15) >> 4, kt = (K + 127) >> 7, Kp = kt * 128;
+  int ra, rb;
+  const uint8_t *wa, *wb;
+  if (glu) {
+    ra = rb = blockIdx.x * mx::WARPS + warp;
+    wa = reinterpret_cast<const uint8_t*>(wtab[3 * e]);
+    wb = reinterpret_cast<const uint8_t*>(wtab[3 * e + 1]);
+  } else {
+    ra = 2 * (blockIdx.x * mx::WARPS + warp);
+    rb = ra + 1;
+    wa = wb = reinterpret_cast<const uint8_t*>(wtab[3 * e + 2]);
+  }
+  if (ra >= tiles_r) return;
+  const bool has_b = rb < tiles_r;
+  if (!has_b) rb = ra;  // computed, never written
+  const size_t codes_plane = (size_t)tiles_r * kt * mx::TILE_CODE_BYTES;
+  const uint8_t* ca = wa + (size_t)ra * kt * mx::TILE_CODE_BYTES + lane * 16;
+  const uint8_t* cb = wb + (size_t)rb * kt * mx::TILE_CODE_BYTES + lane * 16;
+  const uint8_t* sa = wa + codes_plane + (size_t)ra * kt * mx::TILE_SCALE_BYTES + g * 4;
+  const uint8_t* sb = wb + codes_plane + (size_t)rb * kt * mx::TILE_SCALE_BYTES + g * 4;
+  extern __shared__ __align__(16) uint8_t stages[];
+  const uint32_t warp_stages = smem_addr(stages) + warp * (MX_STAGES * MX_STAGE_BYTES);
+
+  for (uint32_t g0 = beg; g0 < end; g0 += 8 * NT) {
+    // This thread's B-fragment rows: token n = nt * 8 + g of the group.
+    const __nv_bfloat16* brow[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const uint32_t q = g0 + nt * 8 + g;
+      brow[nt] = nullptr;
+      if (q < end) brow[nt] = act + (size_t)(glu ? slots[q] / top_k : q) * Kp + 8 * t;
     }
-    __syncthreads();
-    if (row0 >= rows_out) continue;
-    float aa[MX_RW][MX_TG], ab[MX_RW][MX_TG];
+    float acc[2][NT][4];
 #pragma unroll
-    for (int r = 0; r < MX_RW; ++r)
+    for (int s = 0; s < 2; ++s)
 #pragma unroll
-      for (int g = 0; g < MX_TG; ++g) aa[r][g] = ab[r][g] = 0.0f;
-    // MX_UB blocks per lane per step, all loads queued before any product: 16-byte loads of
-    // MX_RW rows (x2 with up) x MX_UB blocks in flight per lane.
-    for (int b0 = lane; b0 < nb; b0 += 32 * MX_UB) {
-      uint4 qa[MX_UB][MX_RW], qb[MX_UB][MX_RW];
-      uint32_t ea[MX_UB][MX_RW], eb[MX_UB][MX_RW];
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int u = 0; u < MX_UB; ++u) {
-        const int b = min(b0 + 32 * u, nb - 1);
+        for (int u = 0; u < 4; ++u) acc[s][nt][u] = 0.0f;
+
 #pragma unroll
-        for (int r = 0; r < MX_RW; ++r) {
-          const size_t row = (size_t)min(row0 + r, rows_out - 1);
-          const size_t blk = row * nb + b;
-          qa[u][r] = __ldg(reinterpret_cast<const uint4*>(wa) + blk);
-          ea[u][r] = __ldg(wa + codes_bytes + blk);
-          if (glu) {
-            qb[u][r] = __ldg(reinterpret_cast<const uint4*>(wb) + blk);
-            eb[u][r] = __ldg(wb + codes_bytes + blk);
+    for (int st = 0; st < MX_STAGES - 1; ++st) {
+      if (st < kt) mx_issue(warp_stages, lane, st, ca, cb, sa, sb);
+      mx_commit();
+    }
+    for (int S = 0; S < kt; ++S) {
+      mx_wait<MX_STAGES - 2>();
+      const uint8_t* mine = stages + warp * (MX_STAGES * MX_STAGE_BYTES) +
+                            (S % MX_STAGES) * MX_STAGE_BYTES + lane * 16;
+      const uint4 qa0 = *reinterpret_cast<const uint4*>(mine);
+      const uint4 qa1 = *reinterpret_cast<const uint4*>(mine + 512);
+      const uint4 qb0 = *reinterpret_cast<const uint4*>(mine + 1024);
+      const uint4 qb1 = *reinterpret_cast<const uint4*>(mine + 1536);
+      const uint4 scl = *reinterpret_cast<const uint4*>(mine + 2048);
+      if (S + MX_STAGES - 1 < kt) mx_issue(warp_stages, lane, S + MX_STAGES - 1, ca, cb, sa, sb);
+      mx_commit();
+#pragma unroll
+      for (int blk = 0; blk < 4; ++blk) {
+        uint4 bh[NT], bl[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          bh[nt] = bl[nt] = make_uint4(0, 0, 0, 0);
+          if (brow[nt]) {
+            const __nv_bfloat16* p = brow[nt] + (size_t)(S * 4 + blk) * 32;
+            bh[nt] = __ldg(reinterpret_cast<const uint4*>(p));
+            if (SPLIT) bl[nt] = __ldg(reinterpret_cast<const uint4*>(p + act_lo));
           }
         }
-      }
 #pragma unroll
-      for (int u = 0; u < MX_UB; ++u) {
-        const int b = b0 + 32 * u;
-        if (b >= nb) break;
+        for (int s = 0; s < 2; ++s) {
+          uint32_t p0[4], p1[4];
+          mx_unpack(word_of(s == 0 ? qa0 : qb0, blk), p0);
+          mx_unpack(word_of(s == 0 ? qa1 : qb1, blk), p1);
+          mx_scale(p0, ((s == 0 ? scl.x : scl.z) >> (8 * blk)) & 0xFFu);
+          mx_scale(p1, ((s == 0 ? scl.y : scl.w) >> (8 * blk)) & 0xFFu);
 #pragma unroll
-        for (int g = 0; g < MX_TG; ++g) {
-          if (g < ng) {
-            const float4* xs = mx_xs + (size_t)g * nb * 8 + b;
+          for (int h = 0; h < 2; ++h) {
 #pragma unroll
-            for (int r = 0; r < MX_RW; ++r) {
-              aa[r][g] = fmaf(block_dot(qa[u][r], xs, nb), e8m0_scale(ea[u][r]), aa[r][g]);
-              if (glu)
-                ab[r][g] = fmaf(block_dot(qb[u][r], xs, nb), e8m0_scale(eb[u][r]), ab[r][g]);
+            for (int nt = 0; nt < NT; ++nt) {
+              mma_bf16_16816(acc[s][nt], p0[2 * h], p1[2 * h], p0[2 * h + 1], p1[2 * h + 1],
+                             word_of(bh[nt], 2 * h), word_of(bh[nt], 2 * h + 1));
+              if (SPLIT)
+                mma_bf16_16816(acc[s][nt], p0[2 * h], p1[2 * h], p0[2 * h + 1], p1[2 * h + 1],
+                               word_of(bl[nt], 2 * h), word_of(bl[nt], 2 * h + 1));
             }
           }
         }
       }
     }
+
+    // Epilogue: acc[s][nt][u] is row (g + 8 * (u >> 1)) of tile s, token nt * 8 + 2t + (u & 1).
 #pragma unroll
-    for (int r = 0; r < MX_RW; ++r) {
+    for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-      for (int g = 0; g < MX_TG; ++g) {
-        const float a = mx_warp_sum(aa[r][g]);
-        const float u = mx_warp_sum(ab[r][g]);
-        if (lane == 0 && g < ng && row0 + r < rows_out) {
-          const uint32_t p = slots[g0 + g];
-          out[(size_t)p * rows_out + row0 + r] = glu ? glu_act(a, u, act, beta, lbeta) : a;
+      for (int u = 0; u < 4; ++u) {
+        const uint32_t q = g0 + nt * 8 + 2 * t + (u & 1);
+        if (q >= end) continue;
+        const int r = g + 8 * (u >> 1);
+        if (glu) {
+          const int f = ra * 16 + r;
+          if (f >= rows_out) continue;
+          const float v = glu_act(acc[0][nt][u], acc[1][nt][u], act_code, beta, lbeta);
+          __nv_bfloat16* h = reinterpret_cast<__nv_bfloat16*>(out) + (size_t)q * out_kp +
+                             act_slot(f);
+          const __nv_bfloat16 hi = __float2bfloat16(v);
+          h[0] = hi;
+          if (SPLIT) h[out_lo] = __float2bfloat16(v - __bfloat162float(hi));
+        } else {
+          float* y = reinterpret_cast<float*>(out) + (size_t)slots[q] * rows_out;
+          const int r0 = ra * 16 + r, r1 = rb * 16 + r;
+          if (r0 < rows_out) y[r0] = acc[0][nt][u];
+          if (has_b && r1 < rows_out) y[r1] = acc[1][nt][u];
         }
       }
     }
+  }
+}
+
+#define MXFP4_MMA_KERNEL(NAME, NT, SPLIT, MINB)                                              \
+  extern "C" __global__ void __launch_bounds__(mx::WARPS * 32, MINB)                          \
+      NAME(const uint64_t* wtab, int glu, const __nv_bfloat16* act, size_t act_lo, int top_k, \
+           const uint32_t* offsets, int E, const uint32_t* slots, void* out, size_t out_lo,   \
+           int rows_out, int out_kp, int K, int act_code, float beta, float lbeta) {          \
+    pdl_enter();                                                                              \
+    mxfp4_mma_body<NT, SPLIT>(wtab, glu, act, act_lo, top_k, offsets, E, slots, out, out_lo,  \
+                              rows_out, out_kp, K, act_code, beta, lbeta);                    \
+  }
+MXFP4_MMA_KERNEL(moe_mxfp4_mma_1_half, 1, false, 5)
+MXFP4_MMA_KERNEL(moe_mxfp4_mma_1_split, 1, true, 5)
+MXFP4_MMA_KERNEL(moe_mxfp4_mma_2_half, 2, false, 3)
+MXFP4_MMA_KERNEL(moe_mxfp4_mma_2_split, 2, true, 3)
+MXFP4_MMA_KERNEL(moe_mxfp4_mma_4_half, 4, false, 2)
+MXFP4_MMA_KERNEL(moe_mxfp4_mma_4_split, 4, true, 2)
+
+// f32 rows [rows, K] -> bf16 rows [rows, Kp] in the fragment order (zeros past K): hi, and
+// with `split` lo = x - hi at `lo` elements on. One thread per bf16 pair.
+extern "C" __global__ void mxfp4_act_bf16(const float* x, __nv_bfloat16* out, size_t lo,
+                                          int rows, int K, int Kp, int split) {
+  pdl_enter();
+  const size_t words = (size_t)rows * (Kp >> 1);
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < words;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const size_t row = i / (Kp >> 1);
+    const int w = (int)(i - row * (Kp >> 1));
+    const int r16 = w & 15, k = (w >> 4) * 32 + 8 * (r16 & 3) + 2 * (r16 >> 2);
+    float v0 = 0.0f, v1 = 0.0f;
+    if (k < K) {
+      const float2 v = *reinterpret_cast<const float2*>(x + row * K + k);
+      v0 = v.x;
+      v1 = v.y;
+    }
+    const __nv_bfloat162 hi = __floats2bfloat162_rn(v0, v1);
+    reinterpret_cast<__nv_bfloat162*>(out)[i] = hi;
+    if (split)
+      reinterpret_cast<__nv_bfloat162*>(out + lo)[i] =
+          __floats2bfloat162_rn(v0 - __low2float(hi), v1 - __high2float(hi));
   }
 }
 
@@ -174,16 +304,25 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 // value (reading weights back, and the fallback paths that need them widened).
 extern "C" __global__ void mxfp4_to_f32(const uint8_t* w, float* out, int rows, int cols) {
   pdl_enter();
+  const int tiles_r = (rows + 15) >> 4, kt = (cols + 127) >> 7;
+  const size_t codes_plane = (size_t)tiles_r * kt * mx::TILE_CODE_BYTES;
   const size_t total = (size_t)rows * cols;
-  const size_t codes_bytes = total / 2;
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
        i += (size_t)gridDim.x * blockDim.x) {
-    const size_t blk = i >> 5;
-    const int j = i & 31;
-    const uint32_t byte = w[blk * 16 + (j & 15)];
-    const uint32_t code = j < 16 ? byte & 15 : byte >> 4;
-    const uint32_t h = ((code & 7) << 9) | ((code & 8) << 12);
-    const float v = __half2float(__ushort_as_half((unsigned short)h));
-    out[i] = v * e8m0_scale(w[codes_bytes + blk]);
+    const int r = (int)(i / cols), c = (int)(i - (size_t)r * cols);
+    const size_t tile = (size_t)(r >> 4) * kt + (c >> 7);
+    const int rr = r & 15, blk = (c >> 5) & 3, v = c & 31;
+    const int j = v >> 3, t = (v & 7) >> 1, half = v & 1;
+    const uint32_t word = *reinterpret_cast<const uint32_t*>(
+        w + tile * mx::TILE_CODE_BYTES + (rr >> 3) * 512 + (4 * (rr & 7) + t) * 16 + blk * 4);
+    uint32_t p[4];
+    mx_unpack(word, p);
+    const uint32_t bits = half ? p[j] >> 16 : p[j] & 0xFFFFu;
+    // Sign at 15, e1 e0 m at 8..6.
+    const float mags[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    const float m = mags[(bits >> 6) & 7];
+    const int s = w[codes_plane + tile * mx::TILE_SCALE_BYTES + rr * 4 + blk];
+    const float val = ldexpf(m, s - 127);
+    out[i] = bits & 0x8000u ? -val : val;
   }
 }

@@ -43,7 +43,6 @@ const BIG_SMEM_KERNELS: &[&str] = &[
     "kda_chunk_prep_blk_128",
     "gemv_stream_1",
     "moe_stream_1",
-    "moe_mxfp4_gemv",
     // A 48 KiB weight tile plus the kernel's static shared memory is over the default limit
     // (rows of 3072 or 6144 bf16: Kimi K3's shared experts).
     "gemv_bulk_1",
@@ -81,7 +80,19 @@ const KERNELS: &[(&str, &[&str])] = &[
         ],
     ),
     ("attn_res", &["attn_res_mix"]),
-    ("mxfp4", &["moe_mxfp4_gemv", "mxfp4_to_f32"]),
+    (
+        "mxfp4",
+        &[
+            "moe_mxfp4_mma_1_half",
+            "moe_mxfp4_mma_1_split",
+            "moe_mxfp4_mma_2_half",
+            "moe_mxfp4_mma_2_split",
+            "moe_mxfp4_mma_4_half",
+            "moe_mxfp4_mma_4_split",
+            "mxfp4_act_bf16",
+            "mxfp4_to_f32",
+        ],
+    ),
     ("sampling", &["apply_penalties", "sample_rows"]),
     (
         "conv",
@@ -168,7 +179,6 @@ const KERNELS: &[(&str, &[&str])] = &[
         "moe_gemm",
         &[
             "moe_grouped_mma",
-            "moe_mxfp4_grouped_mma",
             "moe_mma_64_half",
             "moe_mma_64_split",
             "moe_mma_128_half",

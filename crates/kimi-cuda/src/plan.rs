@@ -199,11 +199,10 @@ pub struct KernelConfig {
     /// Forces `moe_expert_gemv`'s 16-row blocks per CTA; `None`: one while few experts are
     /// active, four from 128 pairs.
     pub moe_row_blocks: Option<NonZeroUsize>,
-    /// Up to this many tokens an MXFP4 expert bank (`moe_experts`) runs as GEMVs over its
-    /// pairs; above, as the grouped tensor-core GEMM. At 256 tokens (~4.6 pairs per expert of
-    /// Kimi K3's 896, top-16) the single-stage grouped GEMM took 45 ms per layer on an H200,
-    /// several times the GEMVs.
-    pub mxfp4_gemv_max_tokens: usize,
+    /// Forces the pairs an MXFP4 expert bank's kernel (`moe_mxfp4_mma_*`) serves per pass
+    /// over an expert's weights, in groups of 8 (1, 2 or 4; `KIMI_CUDA_MXFP4_TOKEN_TILES`).
+    /// `None`: by the expected pairs per active expert ([`plan_expert_bank`]).
+    pub mxfp4_token_tiles: Option<usize>,
     /// The grouped expert GEMM above [`Self::fused_moe_max_tokens`].
     pub grouped_moe: GroupedMoeKernel,
     /// Where [`GroupedMoeKernel::Auto`] switches to CUTLASS (`KIMI_CUDA_MOE_GEMM=cutlass` /
@@ -240,7 +239,7 @@ impl Default for KernelConfig {
             moe_stream: true,
             moe_layer: true,
             fused_moe_max_tokens: 56,
-            mxfp4_gemv_max_tokens: 512,
+            mxfp4_token_tiles: None,
             moe_row_blocks: None,
             grouped_moe: GroupedMoeKernel::Auto,
             cutlass_min_pairs: CutlassMinPairs::default(),

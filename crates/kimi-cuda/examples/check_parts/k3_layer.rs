@@ -199,7 +199,7 @@ pub fn k3_moe_bench() -> Res<()> {
     prefill(&be, &layer, &mut r)
 }
 
-/// The routed experts of prefill-sized batches on the grouped MXFP4 tensor-core GEMM, both
+/// The routed experts of prefill-sized batches on the MXFP4 tensor-core kernels, both
 /// precisions, in useful TFLOP/s, beside cuBLAS bf16 (Half: one GEMM) on a GEMM of the same
 /// M and K (`[n, 3584] x [3 * 3072, 3584]`).
 fn prefill(be: &CudaBackend, layer: &Layer, r: &mut Rng) -> Res<()> {

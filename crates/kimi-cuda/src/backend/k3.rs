@@ -9,7 +9,7 @@ use kimi_core::DType;
 use kimi_ops::{ExpertBank, HostTensor, MlpWeights, MoeRoutes, MoeRouting, Result};
 
 use super::{code, f32_rows, shape_err, CudaBackend};
-use crate::layout::mxfp4_device_planes;
+use crate::layout::mxfp4_device_tiles;
 use crate::ops;
 use crate::plan::{plan_expert_bank, BankCall, BankPath, Mxfp4Bank};
 use crate::tensor::CudaTensor;
@@ -26,8 +26,8 @@ struct Lists {
 }
 
 impl CudaBackend {
-    /// An MXFP4 weight from ggml `block_mxfp4` bytes, stored in the device layout of
-    /// `kernels/mxfp4.cu` (codes plane, then scales plane).
+    /// An MXFP4 weight from ggml `block_mxfp4` bytes, stored in the tensor-core tiles of
+    /// [`mxfp4_device_tiles`].
     pub(super) fn upload_mxfp4(&self, host: &HostTensor<'_>) -> Result<CudaTensor> {
         let n: usize = host.shape.iter().product();
         let cols = host.shape.last().copied().unwrap_or(0);
@@ -42,7 +42,7 @@ impl CudaBackend {
                 ),
             ));
         }
-        let planes = mxfp4_device_planes(host.bytes)
+        let planes = mxfp4_device_tiles(host.bytes, host.shape[0], cols)
             .ok_or_else(|| shape_err("upload", "MXFP4 bytes are not whole blocks".into()))?;
         self.dev.enter("upload")?;
         Ok(CudaTensor {
@@ -291,92 +291,72 @@ impl CudaBackend {
         let cfg = self.kernel_config();
         let call = BankCall {
             tokens: n,
+            top_k: k,
+            experts: e,
             mxfp4: mxfp4_bank_shape(bank.experts(), d).map(|inter| Mxfp4Bank { inter, width: d }),
         };
-        let (grouped, inter) = match plan_expert_bank(&cfg, &call) {
+        let (inter, token_tiles) = match plan_expert_bank(&cfg, &call) {
             BankPath::OneByOne => {
                 return self.experts_one_by_one(x, &lists, bank, act, n, p, out_width)
             }
-            BankPath::Mxfp4Gemv(b) => (false, b.inter),
-            BankPath::Mxfp4Grouped(b) => (true, b.inter),
+            BankPath::Mxfp4Mma { bank, token_tiles } => (bank.inter, token_tiles),
         };
         let table = self.bank_table(bank.experts())?;
-        let h = self.empty(&[p, inter], DType::F32, OP)?;
-        let y = self.empty(&[p, d], DType::F32, OP)?;
-        if grouped {
-            let split = cfg.split();
-            // SAFETY: mxfp4_bank_shape checked MXFP4 gate/up [inter, d] and down [d, inter]
-            // for every expert, and the plan both widths multiples of 64; the table holds
-            // their addresses; the lists come from pair_lists for p pairs; x holds n rows of
-            // d, h p rows of inter and y p rows of d f32.
-            unsafe {
-                ops::mxfp4::grouped_mma(
-                    &self.dev,
-                    table,
-                    true,
-                    split,
-                    x.ptr(),
-                    k,
-                    offsets,
-                    e,
-                    slots,
-                    h.ptr(),
-                    p,
-                    inter,
-                    d,
-                    act,
-                )?;
-                ops::mxfp4::grouped_mma(
-                    &self.dev,
-                    table,
-                    false,
-                    split,
-                    h.ptr(),
-                    k,
-                    offsets,
-                    e,
-                    slots,
-                    y.ptr(),
-                    p,
-                    d,
-                    inter,
-                    act,
-                )?;
-            }
+        let split = cfg.split();
+        let terms = if split { 2 } else { 1 };
+        // Activation rows in the kernels' fragment order (bf16 hi, then lo): the tokens'
+        // inputs, then the gate/up outputs at the pairs' sorted positions. Both are u16
+        // tensors of the right byte size; their padding past `inter` must read as zeros.
+        let (dp, ip) = (ops::mxfp4::padded_width(d), ops::mxfp4::padded_width(inter));
+        let xa = self.empty(&[terms * n * dp], DType::BF16, OP)?;
+        let h = if ip == inter {
+            self.empty(&[terms * p * ip], DType::BF16, OP)?
         } else {
-            // SAFETY: as above, with both widths multiples of 32.
-            unsafe {
-                ops::mxfp4::expert_gemv(
-                    &self.dev,
-                    table,
-                    true,
-                    x.ptr(),
-                    k,
-                    offsets,
-                    e,
-                    slots,
-                    h.ptr(),
-                    p,
-                    inter,
-                    d,
-                    act,
-                )?;
-                ops::mxfp4::expert_gemv(
-                    &self.dev,
-                    table,
-                    false,
-                    h.ptr(),
-                    k,
-                    offsets,
-                    e,
-                    slots,
-                    y.ptr(),
-                    p,
-                    d,
-                    inter,
-                    act,
-                )?;
-            }
+            let mut z = self.zeroed(&[(terms * p * ip).div_ceil(2)], OP)?;
+            z.dtype = DType::BF16;
+            z
+        };
+        let y = self.empty(&[p, d], DType::F32, OP)?;
+        let proj = |glu: bool, rows_out: usize, width: usize| ops::mxfp4::ExpertMma {
+            glu,
+            split,
+            token_tiles,
+            top_k: k,
+            experts: e,
+            pairs: p,
+            rows_out,
+            k: width,
+            act,
+        };
+        // SAFETY: mxfp4_bank_shape checked MXFP4 gate/up [inter, d] and down [d, inter] for
+        // every expert, both widths multiples of 32; the table holds their addresses; the
+        // lists come from pair_lists for p pairs; x holds n rows of d f32, xa n rows of dp
+        // bf16 per term, h p rows of ip per term (zeroed where ip > inter) and y p rows of d
+        // f32.
+        unsafe {
+            ops::mxfp4::act_bf16(&self.dev, x.ptr(), xa.ptr(), n * dp, n, d, split)?;
+            ops::mxfp4::expert_mma(
+                &self.dev,
+                &proj(true, inter, d),
+                table,
+                xa.ptr(),
+                n * dp,
+                offsets,
+                slots,
+                h.ptr(),
+                p * ip,
+            )?;
+            ops::mxfp4::expert_mma(
+                &self.dev,
+                &proj(false, d, inter),
+                table,
+                h.ptr(),
+                p * ip,
+                offsets,
+                slots,
+                y.ptr(),
+                0,
+            )?;
         }
         let out = self.weighted_combine(&y, 0, &routes.weights, None, n, d, k)?;
         drop(lists);
@@ -442,13 +422,12 @@ impl CudaBackend {
 }
 
 /// The intermediate width when every expert is MXFP4 with gate/up `[inter, d]` and down
-/// `[d, inter]`, both widths whole blocks, and the staged activations fit shared memory.
+/// `[d, inter]`, both widths whole blocks.
 fn mxfp4_bank_shape(experts: &[MlpWeights<CudaTensor>], d: usize) -> Option<usize> {
     let inter = *experts.first()?.gate.shape.first()?;
     let ok = inter > 0
         && inter.is_multiple_of(32)
         && d.is_multiple_of(32)
-        && d.max(inter) <= 12 * 1024
         && experts.iter().all(|x| {
             x.gate.shape == [inter, d]
                 && x.up.shape == [inter, d]

@@ -1,19 +1,21 @@
-//! Launchers of `kernels/mxfp4.cu`: routed experts whose weights stay MXFP4 on the device,
-//! and widening an MXFP4 matrix to f32. The device layout of an MXFP4 matrix (codes plane,
-//! then scales plane) is described at the top of the kernel file and made by
-//! [`crate::layout::mxfp4_device_planes`].
+//! Launchers of `kernels/mxfp4.cu`: routed experts whose weights stay MXFP4 on the device
+//! (products on the tensor cores, the weights widened in registers), activation rows in the
+//! kernels' fragment order, and widening an MXFP4 matrix to f32. The device layout of an
+//! MXFP4 matrix is made and described by [`crate::layout::mxfp4_device_tiles`].
 
 use kimi_core::config::Activation;
 use kimi_ops::{Error, Result};
 
 use crate::device::{flat, grid, Device};
 use crate::error::OpContext;
+use crate::layout::mxfp4_tiles;
 
-/// Tokens per pass over a weight row (`MX_TG` in the kernel): the staged activation rows.
-const TOKENS_PER_PASS: usize = 4;
+/// Warps per CTA of `moe_mxfp4_mma_*` (each owns two 16-row weight tiles).
+const WARPS: usize = 4;
 
-/// Output rows per 256-thread CTA (8 warps of `MX_RW` = 4 rows).
-const ROWS_PER_CTA: usize = 32;
+/// Shared memory of `moe_mxfp4_mma_*`: per warp `MX_STAGES` (4) k tiles of its weight stream,
+/// 2,560 bytes each (`MX_STAGE_BYTES`).
+const STAGE_SMEM: usize = WARPS * 4 * 2560;
 
 /// The kernel's activation code and parameters: (0 = SiLU, 1 = SiTU; β₁; β₂ or 0 for none).
 pub(crate) fn act_params(act: Activation) -> (i32, f32, f32) {
@@ -23,49 +25,131 @@ pub(crate) fn act_params(act: Activation) -> (i32, f32, f32) {
     }
 }
 
-/// One projection of every routed pair with MXFP4 weights (`moe_mxfp4_gemv`): `glu` =
-/// gate/up with `act` (`cols` = the expert input width, `rows_out` = intermediate), else down
-/// (`cols` = intermediate, `rows_out` = the expert output width).
+/// The width of an activation row in the fragment order: `k` rounded up to whole 128-value
+/// tiles.
+pub(crate) fn padded_width(k: usize) -> usize {
+    k.div_ceil(128) * 128
+}
+
+fn int(v: usize, what: &str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::Unsupported(format!("MXFP4 experts: {what} {v}")))
+}
+
+/// f32 rows `[rows, k]` at `x` into bf16 rows `[rows, padded_width(k)]` in the fragment order
+/// at `out` (zeros past `k`); with `split` the residual lo = x - hi at `out + lo` elements.
+///
+/// # Safety
+/// `x` holds `rows * k` f32 (`k % 32 == 0`); `out` holds `rows * padded_width(k)` bf16, and
+/// as many again from `lo` on when `split`.
+pub(crate) unsafe fn act_bf16(
+    dev: &Device,
+    x: u64,
+    out: u64,
+    lo: usize,
+    rows: usize,
+    k: usize,
+    split: bool,
+) -> Result<()> {
+    const OP: &str = "moe_experts";
+    let kp = padded_width(k);
+    let (ri, ki, kpi, si) = (
+        int(rows, "rows")?,
+        int(k, "width")?,
+        int(kp, "width")?,
+        split as i32,
+    );
+    let lo = lo as u64;
+    let mut b = dev.kernel(OP, "mxfp4_act_bf16")?;
+    b.arg(&x)
+        .arg(&out)
+        .arg(&lo)
+        .arg(&ri)
+        .arg(&ki)
+        .arg(&kpi)
+        .arg(&si);
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(flat(rows * kp / 2)) }.op(OP)?;
+    Ok(())
+}
+
+/// The launch of one projection of every routed pair ([`expert_mma`]).
+pub(crate) struct ExpertMma {
+    /// Gate/up with the activation (else down).
+    pub glu: bool,
+    /// Activations as bf16 hi + lo (near f32 products), else hi alone.
+    pub split: bool,
+    /// Pairs per pass over a weight tile, in groups of 8 (1, 2 or 4).
+    pub token_tiles: usize,
+    pub top_k: usize,
+    pub experts: usize,
+    pub pairs: usize,
+    /// Output rows of each matrix (gate/up: the intermediate width; down: the output width).
+    pub rows_out: usize,
+    /// Input width of each matrix.
+    pub k: usize,
+    pub act: Activation,
+}
+
+/// One projection of every routed pair with MXFP4 weights (`moe_mxfp4_mma_{1,2,4}_*`). `input`
+/// holds activation rows in the fragment order (glu: one per token, from [`act_bf16`]; down:
+/// one per sorted pair, the glu output); lo at `input_lo` elements on. glu writes `out` as
+/// bf16 rows of `padded_width(rows_out)` in the fragment order at each pair's sorted
+/// position (lo at `out_lo`), ready to be the down projection's input; down writes f32
+/// `out[pair * rows_out + row]`.
 ///
 /// # Safety
 /// `table` holds `3 * experts` addresses of MXFP4 matrices in the device layout (gate and up
-/// `[rows_out, cols]` when `glu`, down `[rows_out, cols]` otherwise); `offsets`/`slots` come
-/// from `moe_lists` for `pairs` pairs over `experts`; `input` holds `pairs / top_k` (glu) or
-/// `pairs` rows of `cols` f32 and `out` `pairs * rows_out` f32; `cols % 32 == 0`.
+/// `[rows_out, k]` when `glu`, down `[rows_out, k]` otherwise); `offsets`/`slots` come from
+/// `moe_lists` for `pairs` pairs over `experts`; `input` and `out` hold the rows above (the
+/// padding of glu's output past `rows_out` zeroed when the down projection reads it).
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn expert_gemv(
+pub(crate) unsafe fn expert_mma(
     dev: &Device,
+    call: &ExpertMma,
     table: u64,
-    glu: bool,
     input: u64,
-    top_k: usize,
+    input_lo: usize,
     offsets: u64,
-    experts: usize,
     slots: u64,
     out: u64,
-    pairs: usize,
-    rows_out: usize,
-    cols: usize,
-    act: Activation,
+    out_lo: usize,
 ) -> Result<()> {
     const OP: &str = "moe_experts";
-    let smem = TOKENS_PER_PASS * cols * 4;
-    let too_big = |what: String| Error::Unsupported(format!("MXFP4 expert GEMV: {what}"));
-    if smem > 200 * 1024 {
-        return Err(too_big(format!("input width {cols} (shared memory)")));
-    }
-    let (act_code, beta, lbeta) = act_params(act);
-    let int = |v: usize| i32::try_from(v).map_err(|_| too_big(format!("size {v}")));
-    let (ki, ei, ri, ci) = (int(top_k)?, int(experts)?, int(rows_out)?, int(cols)?);
-    let glu_i = glu as i32;
-    let mut b = dev.kernel(OP, "moe_mxfp4_gemv")?;
-    b.arg(&table).arg(&glu_i).arg(&input).arg(&ki).arg(&offsets);
-    b.arg(&ei).arg(&slots).arg(&out).arg(&ri).arg(&ci);
-    b.arg(&act_code).arg(&beta).arg(&lbeta);
-    let gx = rows_out.div_ceil(ROWS_PER_CTA) as u32;
-    let gy = pairs.min(experts) as u32;
-    // SAFETY: see the function's contract; the staged rows fit the dynamic shared memory.
-    unsafe { b.launch(grid((gx, gy, 1), 256, smem as u32)) }.op(OP)?;
+    let name = match (call.token_tiles, call.split) {
+        (1, false) => "moe_mxfp4_mma_1_half",
+        (1, true) => "moe_mxfp4_mma_1_split",
+        (2, false) => "moe_mxfp4_mma_2_half",
+        (2, true) => "moe_mxfp4_mma_2_split",
+        (4, false) => "moe_mxfp4_mma_4_half",
+        (4, true) => "moe_mxfp4_mma_4_split",
+        (n, _) => {
+            return Err(Error::Unsupported(format!(
+                "MXFP4 experts: {n} token tiles per pass"
+            )))
+        }
+    };
+    let (act_code, beta, lbeta) = act_params(call.act);
+    let (row_tiles, _) = mxfp4_tiles(call.rows_out, call.k);
+    let glu_i = call.glu as i32;
+    let (ki, ei) = (int(call.top_k, "top_k")?, int(call.experts, "experts")?);
+    let (ri, kk) = (int(call.rows_out, "rows")?, int(call.k, "width")?);
+    let out_kp = int(padded_width(call.rows_out), "rows")?;
+    let (in_lo, o_lo) = (input_lo as u64, out_lo as u64);
+    let mut b = dev.kernel(OP, name)?;
+    b.arg(&table).arg(&glu_i).arg(&input).arg(&in_lo).arg(&ki);
+    b.arg(&offsets).arg(&ei).arg(&slots).arg(&out).arg(&o_lo);
+    b.arg(&ri)
+        .arg(&out_kp)
+        .arg(&kk)
+        .arg(&act_code)
+        .arg(&beta)
+        .arg(&lbeta);
+    // glu: one row tile per warp; down: two.
+    let tiles_per_cta = if call.glu { WARPS } else { 2 * WARPS };
+    let gx = row_tiles.div_ceil(tiles_per_cta) as u32;
+    let gy = call.pairs.min(call.experts) as u32;
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(grid((gx, gy, 1), (WARPS * 32) as u32, STAGE_SMEM as u32)) }.op(OP)?;
     Ok(())
 }
 
@@ -81,60 +165,10 @@ pub(crate) unsafe fn to_f32(
     rows: usize,
     cols: usize,
 ) -> Result<()> {
-    let (ri, ci) = (rows as i32, cols as i32);
+    let (ri, ci) = (int(rows, "rows")?, int(cols, "width")?);
     let mut b = dev.kernel("to_f32", "mxfp4_to_f32")?;
     b.arg(&w).arg(&out).arg(&ri).arg(&ci);
     // SAFETY: see the function's contract.
     unsafe { b.launch(flat(rows * cols)) }.op("to_f32")?;
-    Ok(())
-}
-
-/// One projection of every routed pair with MXFP4 weights on the tensor cores
-/// (`moe_mxfp4_grouped_mma` in `kernels/moe_gemm.cu`: 64 pairs x 64 features per CTA, the
-/// weights widened to bf16 in shared memory, exactly): `glu` = gate/up with `act` (`k` = the
-/// expert input width, `n_out` = intermediate), else down. `split`: activations as bf16 hi +
-/// lo (near f32 products).
-///
-/// # Safety
-/// As [`expert_gemv`], with `n_out % 64 == 0` and `k % 32 == 0`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn grouped_mma(
-    dev: &Device,
-    table: u64,
-    glu: bool,
-    split: bool,
-    input: u64,
-    top_k: usize,
-    offsets: u64,
-    experts: usize,
-    slots: u64,
-    out: u64,
-    pairs: usize,
-    n_out: usize,
-    k: usize,
-    act: Activation,
-) -> Result<()> {
-    const OP: &str = "moe_experts";
-    let int = |v: usize| {
-        i32::try_from(v)
-            .map_err(|_| Error::Unsupported(format!("MXFP4 grouped expert GEMM: size {v}")))
-    };
-    let (act_code, beta, lbeta) = act_params(act);
-    let (g, s) = (glu as i32, split as i32);
-    let (ki, ei, ni, kk) = (int(top_k)?, int(experts)?, int(n_out)?, int(k)?);
-    let mut b = dev.kernel(OP, "moe_mxfp4_grouped_mma")?;
-    b.arg(&table).arg(&g).arg(&s).arg(&input).arg(&ki);
-    b.arg(&offsets)
-        .arg(&slots)
-        .arg(&ei)
-        .arg(&out)
-        .arg(&ni)
-        .arg(&kk);
-    b.arg(&act_code).arg(&beta).arg(&lbeta);
-    // Every expert with pairs has at most one partial tile: an upper bound on the tiles,
-    // known without reading the counts back; CTAs past the last tile exit at once.
-    let tiles = pairs.div_ceil(64) + experts.min(pairs);
-    // SAFETY: see the function's contract.
-    unsafe { b.launch(grid(((n_out / 64) as u32, tiles as u32, 1), 128, 0)) }.op(OP)?;
     Ok(())
 }

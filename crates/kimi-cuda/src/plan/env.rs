@@ -26,9 +26,10 @@ const GRAPHS: &str = "KIMI_CUDA_GRAPHS";
 const PDL: &str = "KIMI_CUDA_PDL";
 const POOL_RELEASE: &str = "KIMI_CUDA_POOL_RELEASE";
 const GRAPH_ARENA_MB: &str = "KIMI_CUDA_GRAPH_ARENA_MB";
+const MXFP4_TOKEN_TILES: &str = "KIMI_CUDA_MXFP4_TOKEN_TILES";
 
 /// Every variable [`KernelConfig::from_env`] reads.
-const VARS: [&str; 10] = [
+const VARS: [&str; 11] = [
     MLA_PREFILL,
     KDA_CHUNK,
     MOE_LAYER,
@@ -39,6 +40,7 @@ const VARS: [&str; 10] = [
     PDL,
     POOL_RELEASE,
     GRAPH_ARENA_MB,
+    MXFP4_TOKEN_TILES,
 ];
 
 impl KernelConfig {
@@ -83,6 +85,7 @@ impl KernelConfig {
     /// | `KIMI_CUDA_PDL` | `0`: programmatic dependent launch off; `1` |
     /// | `KIMI_CUDA_POOL_RELEASE` | `1`: freed memory goes back to the driver; `0` |
     /// | `KIMI_CUDA_GRAPH_ARENA_MB` | MiB |
+    /// | `KIMI_CUDA_MXFP4_TOKEN_TILES` | `1`, `2` or `4`; `auto` |
     pub fn from_vars<'a>(
         vars: impl IntoIterator<Item = (&'a str, &'a str)>,
     ) -> (Self, Vec<EnvVarError>) {
@@ -159,6 +162,15 @@ impl KernelConfig {
                     .ok()
                     .filter(|mb| mb.checked_mul(1 << 20).is_some())
                     .ok_or_else(|| invalid("a size in MiB"))?
+            }
+            MXFP4_TOKEN_TILES => {
+                self.mxfp4_token_tiles = match value {
+                    "1" => Some(1),
+                    "2" => Some(2),
+                    "4" => Some(4),
+                    "auto" => None,
+                    _ => return Err(invalid("`1`, `2`, `4` or `auto`")),
+                }
             }
             _ => {}
         }

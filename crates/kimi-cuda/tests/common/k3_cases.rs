@@ -225,11 +225,11 @@ pub fn cases() -> Vec<(String, Case)> {
             k3_case!(|b| op_moe_route(b, 3, 128, 896, 16)),
         ),
         (
-            "k3 moe_experts mxfp4 1 tok, 16e top4, d 64 inter 96".into(),
+            "k3 moe_experts mxfp4 1 tok, 16e top4, d 64 inter 96 (padded tiles)".into(),
             k3_case!(|b| op_moe_experts(b, 1, 64, 96, 16, 4, DType::MXFP4)),
         ),
         (
-            "k3 moe_experts mxfp4 37 tok, 16e top4, d 64 inter 96".into(),
+            "k3 moe_experts mxfp4 37 tok, 16e top4, d 64 inter 96 (16 pairs a pass)".into(),
             k3_case!(|b| op_moe_experts(b, 37, 64, 96, 16, 4, DType::MXFP4)),
         ),
         (
@@ -237,15 +237,17 @@ pub fn cases() -> Vec<(String, Case)> {
             k3_case!(|b| op_moe_experts(b, 2, 3584, 3072, 8, 2, DType::MXFP4)),
         ),
         (
-            "k3 moe_experts mxfp4 600 tok, 32e top4, d 128 inter 192 (grouped tensor cores)".into(),
+            "k3 moe_experts mxfp4 600 tok, 32e top4, d 128 inter 192 (32 pairs a pass)".into(),
             k3_case!(|b| op_moe_experts(b, 600, 128, 192, 32, 4, DType::MXFP4)),
         ),
         (
-            "k3 moe_experts mxfp4 520 tok, 8e top2, d 3584 inter 3072 (grouped, K3 widths)".into(),
+            "k3 moe_experts mxfp4 520 tok, 8e top2, d 3584 inter 3072 (32 pairs a pass, K3 widths)"
+                .into(),
             k3_case!(|b| op_moe_experts(b, 520, 3584, 3072, 8, 2, DType::MXFP4)),
         ),
         (
-            "k3 moe_experts mxfp4 160 tok, 8e top2, d 3584 inter 3072 (GEMV, 40 pairs each)".into(),
+            "k3 moe_experts mxfp4 160 tok, 8e top2, d 3584 inter 3072 (40 pairs each, two passes)"
+                .into(),
             k3_case!(|b| op_moe_experts(b, 160, 3584, 3072, 8, 2, DType::MXFP4)),
         ),
         (
