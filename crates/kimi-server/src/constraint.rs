@@ -408,6 +408,29 @@ mod tests {
     }
 
     #[test]
+    fn a_tag_that_is_a_special_token_is_named_by_id() {
+        use crate::tool_format::{JsonToolFormat, JsonToolKind};
+        let tok = demo_tokenizer();
+        let constraints = Constraints::new(&tok, 1212).expect("trie");
+        // Any special token stands in for Mistral's `[TOOL_CALLS]`.
+        let tag = tok.token_id(TOOL_CALL_BEGIN).expect("demo has the token");
+        let format = JsonToolFormat {
+            kind: JsonToolKind::Mistral,
+            template_renders_tools: false,
+            tag_token: Some(tag),
+        };
+        let schema = json!({"type": "object", "properties": {}, "additionalProperties": false});
+        let matcher = constraints
+            .json_tool_calls(&format, &[("f", &schema)], true)
+            .expect("grammar compiles");
+        let processor = Processor::build(&[], &[], Some(matcher)).expect("processor");
+        let ids = drive(processor, 1212, 100);
+        assert_eq!(ids.first(), Some(&tag));
+        let rest = tok.decode(&ids[1..], false).expect("decodes");
+        assert_eq!(rest, "[{\"name\": \"f\", \"arguments\": {}}]");
+    }
+
+    #[test]
     fn bad_schemas_are_rejected() {
         let tok = demo_tokenizer();
         let constraints = Constraints::new(&tok, 1212).expect("trie");

@@ -349,6 +349,29 @@ mod tests {
     }
 
     #[test]
+    fn the_flag_overrides_detection() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/demo-tokenizer");
+        let tok = Tokenizer::from_dir(&dir).expect("demo tokenizer");
+        let hermes_template = Some("{% if tools %}<tool_call>{% endif %}");
+        // The demo tokenizer has Kimi's tool tokens: `auto` keeps them.
+        let auto = ToolFormat::choose(ToolCallParser::Auto, hermes_template, &tok);
+        assert_eq!(auto.as_ref().map(ToolFormat::name), Ok("kimi"));
+        let forced = ToolFormat::choose(ToolCallParser::Mistral, Some("plain"), &tok);
+        assert_eq!(
+            forced,
+            Ok(ToolFormat::Json(JsonToolFormat {
+                kind: JsonToolKind::Mistral,
+                template_renders_tools: false,
+                tag_token: None,
+            }))
+        );
+        let hermes = ToolFormat::choose(ToolCallParser::Hermes, hermes_template, &tok);
+        assert!(matches!(hermes, Ok(ToolFormat::Json(f)) if f.template_renders_tools));
+        assert_eq!(ToolCallParser::Llama3Json.to_string(), "llama3_json");
+    }
+
+    #[test]
     fn writes_calls_in_each_format() {
         let calls = [("f".to_string(), "{\"a\": 1}".to_string())];
         assert_eq!(
