@@ -375,12 +375,14 @@ mod tests {
             JsonToolKind::Hermes,
             JsonToolKind::Llama3Json,
             JsonToolKind::Mistral,
+            JsonToolKind::MistralArgs,
             JsonToolKind::Generic,
         ] {
             let format = JsonToolFormat {
                 kind,
                 template_renders_tools: false,
                 tag_token: None,
+                args_token: None,
             };
             let matcher = constraints
                 .json_tool_calls(&format, &[("get_weather", &schema)], true)
@@ -418,6 +420,7 @@ mod tests {
             kind: JsonToolKind::Mistral,
             template_renders_tools: false,
             tag_token: Some(tag),
+            args_token: None,
         };
         let schema = json!({"type": "object", "properties": {}, "additionalProperties": false});
         let matcher = constraints

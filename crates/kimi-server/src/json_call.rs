@@ -285,6 +285,50 @@ impl CallScanner {
     }
 }
 
+/// A bare JSON object (Mistral's `[ARGS]{...}`), told where it ends.
+#[derive(Debug, Default)]
+pub(crate) struct ObjectScanner {
+    depth: usize,
+    in_string: bool,
+    escaped: bool,
+}
+
+impl ObjectScanner {
+    /// Whether the object's `{` has been read.
+    pub(crate) fn begun(&self) -> bool {
+        self.depth > 0
+    }
+
+    /// Feeds one character of the object (leading whitespace is the caller's).
+    pub(crate) fn push(&mut self, ch: char) -> Step {
+        if self.depth == 0 && ch != '{' {
+            return Step::Malformed;
+        }
+        if self.in_string {
+            if self.escaped {
+                self.escaped = false;
+            } else if ch == '\\' {
+                self.escaped = true;
+            } else if ch == '"' {
+                self.in_string = false;
+            }
+            return Step::Open;
+        }
+        match ch {
+            '"' => self.in_string = true,
+            '{' | '[' => self.depth += 1,
+            '}' | ']' => {
+                self.depth -= 1;
+                if self.depth == 0 {
+                    return Step::Closed;
+                }
+            }
+            _ => {}
+        }
+        Step::Open
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -20,6 +20,9 @@ pub(crate) fn tool_calls(
     single: bool,
 ) -> Result<String, String> {
     let kind = format.kind;
+    if kind == JsonToolKind::MistralArgs {
+        return mistral_args_calls(format, tools, single);
+    }
     let key = kind.arguments_key();
     let (open, separator, close) = match kind {
         JsonToolKind::Hermes => (
@@ -28,7 +31,7 @@ pub(crate) fn tool_calls(
             "\n</tool_call>",
         ),
         JsonToolKind::Llama3Json => ("", "; ", ""),
-        JsonToolKind::Mistral => ("[", ", ", "]"),
+        JsonToolKind::Mistral | JsonToolKind::MistralArgs => ("[", ", ", "]"),
         JsonToolKind::Generic => ("{\"tool_calls\": [", ", ", "]}"),
     };
     // A tag that is one special token is named by its id: text cannot produce it.
@@ -54,11 +57,7 @@ pub(crate) fn tool_calls(
     } else {
         literal(close)?
     };
-    let mut tail = String::new();
-    let more = if single { 1 } else { MAX_PARALLEL_CALLS };
-    for _ in 1..more {
-        tail = format!("({separator} call {tail})?");
-    }
+    let tail = repeated(&format!("{separator} call"), single);
     let mut lark = format!("start: {opener} call {tail} {close}\n");
     let alternatives: Vec<String> = tools
         .iter()
@@ -70,10 +69,54 @@ pub(crate) fn tool_calls(
         })
         .collect::<Result<_, String>>()?;
     lark += &format!("call: {}\n", alternatives.join(" | "));
+    lark += &arguments_rules(tools)?;
+    Ok(lark)
+}
+
+/// `item` again up to `MAX_PARALLEL_CALLS - 1` times (none when `single`), as nested
+/// optionals.
+fn repeated(item: &str, single: bool) -> String {
+    let mut tail = String::new();
+    let more = if single { 1 } else { MAX_PARALLEL_CALLS };
+    for _ in 1..more {
+        tail = format!("({item} {tail})?");
+    }
+    tail
+}
+
+/// `args_T: %json SCHEMA` for each tool.
+fn arguments_rules(tools: &[(&str, &Value)]) -> Result<String, String> {
+    let mut rules = String::new();
     for (t, (_, schema)) in tools.iter().enumerate() {
         let schema =
             serde_json::to_string(&with_layout((*schema).clone())).map_err(|e| e.to_string())?;
-        lark += &format!("args_{t}: %json {schema}\n");
+        rules += &format!("args_{t}: %json {schema}\n");
     }
+    Ok(rules)
+}
+
+/// Mistral's newer form: `[TOOL_CALLS]name[ARGS]{...}` per call.
+fn mistral_args_calls(
+    format: &JsonToolFormat,
+    tools: &[(&str, &Value)],
+    single: bool,
+) -> Result<String, String> {
+    let tag = |token: Option<u32>, text: &str| match token {
+        Some(id) => Ok(format!("<[{id}]>")),
+        None => literal(text),
+    };
+    let open = tag(format.tag_token, "[TOOL_CALLS]")?;
+    let args = tag(format.args_token, "[ARGS]")?;
+    let alternatives: Vec<String> = tools
+        .iter()
+        .enumerate()
+        .map(|(t, (name, _))| Ok(format!("{} {args} args_{t}", literal(name)?)))
+        .collect::<Result<_, String>>()?;
+    let tail = repeated("call", single);
+    let mut lark = format!(
+        "start: call {tail}\ncall: {open} ({})\n",
+        alternatives.join(" | ")
+    );
+    lark += &arguments_rules(tools)?;
     Ok(lark)
 }

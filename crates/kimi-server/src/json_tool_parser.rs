@@ -19,7 +19,7 @@
 use kimi_tokenizer::Tokenizer;
 
 use crate::decode::{token_bytes, ByteDecoder};
-use crate::json_call::{CallScanner, Step};
+use crate::json_call::{CallScanner, ObjectScanner, Step};
 use crate::tool_format::JsonToolKind;
 use crate::xtml_output::fresh_call_id;
 
@@ -44,6 +44,10 @@ const HERMES_OPEN: &str = "<tool_call>";
 const HERMES_CLOSE: &str = "</tool_call>";
 const MISTRAL_OPEN: &str = "[TOOL_CALLS]";
 const PYTHON_TAG: &str = "<|python_tag|>";
+/// Mistral's newer form, `[TOOL_CALLS]name[ARGS]{...}`, one tag per call.
+const MISTRAL_ARGS: &str = "[ARGS]";
+/// Longest function name read before `[ARGS]` (OpenAI allows 64).
+const MAX_NAME_CHARS: usize = 64 + MISTRAL_ARGS.len();
 
 #[derive(Debug)]
 enum Mode {
@@ -58,6 +62,10 @@ enum Mode {
     /// Expecting a call object (`{`), or in a list `]`.
     BeforeCall,
     InCall(CallScanner),
+    /// Mistral: a function name up to `[ARGS]`.
+    MistralName(String),
+    /// Mistral: the arguments object after `[ARGS]`, streamed as it comes.
+    MistralArguments(ObjectScanner),
     /// After a call object: a separator, a closing tag or bracket.
     AfterCall,
     /// Generic: after the list's `]`, before the envelope's `}`.
@@ -89,7 +97,11 @@ pub(crate) struct JsonToolParser {
 impl JsonToolParser {
     pub(crate) fn new(kind: JsonToolKind, skip_special: bool) -> Self {
         JsonToolParser {
-            kind,
+            // Both Mistral forms are read, whichever the template shows.
+            kind: match kind {
+                JsonToolKind::MistralArgs => JsonToolKind::Mistral,
+                other => other,
+            },
             skip_special,
             bytes: ByteDecoder::default(),
             mode: Mode::Content,
@@ -117,7 +129,14 @@ impl JsonToolParser {
             let text = String::from_utf8_lossy(&bytes).into_owned();
             let rest = self.bytes.finish();
             self.push_str(&rest);
-            let is_tag = [HERMES_OPEN, HERMES_CLOSE, MISTRAL_OPEN, PYTHON_TAG].contains(&&*text);
+            let is_tag = [
+                HERMES_OPEN,
+                HERMES_CLOSE,
+                MISTRAL_OPEN,
+                MISTRAL_ARGS,
+                PYTHON_TAG,
+            ]
+            .contains(&&*text);
             if is_tag || !self.skip_special {
                 self.push_str(&text);
             }
@@ -192,7 +211,7 @@ impl JsonToolParser {
     fn open_tag(&self) -> Option<&'static str> {
         match self.kind {
             JsonToolKind::Hermes => Some(HERMES_OPEN),
-            JsonToolKind::Mistral => Some(MISTRAL_OPEN),
+            JsonToolKind::Mistral | JsonToolKind::MistralArgs => Some(MISTRAL_OPEN),
             JsonToolKind::Llama3Json if self.at_start => Some(PYTHON_TAG),
             JsonToolKind::Llama3Json | JsonToolKind::Generic => None,
         }
@@ -229,6 +248,13 @@ impl JsonToolParser {
                     self.mode = Mode::InCall(scanner);
                 }
                 ']' if self.in_list() => self.after_list(),
+                c if self.kind == JsonToolKind::Mistral
+                    && is_name_char(c)
+                    && self.held.trim_end() == MISTRAL_OPEN =>
+                {
+                    self.held.push(ch);
+                    self.mode = Mode::MistralName(ch.to_string());
+                }
                 c if c.is_whitespace() || (c == '[' && self.kind == JsonToolKind::Mistral) => {
                     self.held.push(ch);
                 }
@@ -264,6 +290,39 @@ impl JsonToolParser {
                         self.mode = Mode::AfterCall;
                     }
                     Step::Malformed => self.give_back(None),
+                }
+            }
+            Mode::MistralName(name) => {
+                self.held.push(ch);
+                name.push(ch);
+                if let Some(name) = name.strip_suffix(MISTRAL_ARGS) {
+                    let name = name.to_string();
+                    self.report(Some(name), String::new());
+                    self.mode = Mode::MistralArguments(ObjectScanner::default());
+                } else if name.chars().count() > MAX_NAME_CHARS
+                    || !(is_name_char(ch) || MISTRAL_ARGS.contains(ch))
+                {
+                    self.give_back(None);
+                }
+            }
+            Mode::MistralArguments(scanner) => {
+                if !scanner.begun() && ch.is_whitespace() {
+                    return;
+                }
+                let step = scanner.push(ch);
+                if step != Step::Malformed {
+                    self.report(None, ch.to_string());
+                }
+                if step != Step::Open {
+                    // A call per tag: the next one opens with `[TOOL_CALLS]` again.
+                    if step == Step::Malformed && self.index.is_some() {
+                        self.report(None, "{}".into());
+                    }
+                    self.index = None;
+                    self.mode = Mode::Content;
+                    if step == Step::Malformed {
+                        self.content_char(ch);
+                    }
                 }
             }
             Mode::AfterCall => self.after_call_char(ch),
@@ -302,7 +361,9 @@ impl JsonToolParser {
 
     fn content_mode(&self) -> Mode {
         match self.kind {
-            JsonToolKind::Hermes | JsonToolKind::Mistral => Mode::Content,
+            JsonToolKind::Hermes | JsonToolKind::Mistral | JsonToolKind::MistralArgs => {
+                Mode::Content
+            }
             JsonToolKind::Llama3Json | JsonToolKind::Generic => Mode::Plain,
         }
     }
@@ -324,7 +385,7 @@ impl JsonToolParser {
                     }
                 }
             }
-            JsonToolKind::Mistral | JsonToolKind::Generic => match ch {
+            JsonToolKind::Mistral | JsonToolKind::MistralArgs | JsonToolKind::Generic => match ch {
                 ',' => self.mode = Mode::BeforeCall,
                 ']' => self.after_list(),
                 c if c.is_whitespace() => {}
@@ -424,6 +485,11 @@ impl JsonToolParser {
             }),
         }
     }
+}
+
+/// A character of a function name (OpenAI's rule).
+fn is_name_char(ch: char) -> bool {
+    ch.is_ascii_alphanumeric() || ch == '_' || ch == '-'
 }
 
 #[cfg(test)]

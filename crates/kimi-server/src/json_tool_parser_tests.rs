@@ -207,3 +207,24 @@ fn tokens_that_split_characters_and_tags_parse() {
         .collect();
     assert_eq!(content, "ok");
 }
+
+#[test]
+fn mistral_calls_named_before_args() {
+    let text = "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Pa}ris\", \"n\": [1]}\
+                [TOOL_CALLS]get_time[ARGS]{}";
+    for n in [1, 3, 1000] {
+        let parsed = parse_split(JsonToolKind::Mistral, text, n);
+        assert_eq!(
+            parsed.calls,
+            calls(&[
+                ("get_weather", "{\"city\": \"Pa}ris\", \"n\": [1]}"),
+                ("get_time", "{}")
+            ]),
+            "split {n}"
+        );
+        assert_eq!(parsed.content, "");
+    }
+    let parsed = parse(JsonToolKind::Mistral, &["[TOOL_CALLS]not a name"]);
+    assert_eq!(parsed.content, "[TOOL_CALLS]not a name");
+    assert!(parsed.calls.is_empty());
+}

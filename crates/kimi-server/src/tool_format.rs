@@ -4,7 +4,8 @@
 //! `--tool-call-parser auto` (the default) picks, in this order:
 //! 1. `kimi` when the tokenizer has Kimi K2's tool-call special tokens;
 //! 2. `hermes` when the chat template contains `<tool_call>` (Qwen 2.5/3, Hermes);
-//! 3. `mistral` when it contains `[TOOL_CALLS]`;
+//! 3. `mistral` when it contains `[TOOL_CALLS]` (the newer `[TOOL_CALLS]name[ARGS]{...}`
+//!    form when it also contains `[ARGS]`);
 //! 4. `llama3_json` when it contains `<|python_tag|>`, or `<|start_header_id|>` together
 //!    with `tools` (Llama 3.1-3.3);
 //! 5. `generic` otherwise: a JSON object `{"tool_calls": [...]}` that the system prompt
@@ -96,6 +97,8 @@ pub(crate) enum JsonToolKind {
     Hermes,
     Llama3Json,
     Mistral,
+    /// Mistral's newer form (tokenizer v11 and later): `[TOOL_CALLS]name[ARGS]{...}`.
+    MistralArgs,
     Generic,
 }
 
@@ -104,7 +107,7 @@ impl JsonToolKind {
         match self {
             JsonToolKind::Hermes => "hermes",
             JsonToolKind::Llama3Json => "llama3_json",
-            JsonToolKind::Mistral => "mistral",
+            JsonToolKind::Mistral | JsonToolKind::MistralArgs => "mistral",
             JsonToolKind::Generic => "generic",
         }
     }
@@ -135,6 +138,10 @@ impl JsonToolKind {
                 .join("\n"),
             JsonToolKind::Llama3Json => objects.join("; "),
             JsonToolKind::Mistral => format!("[TOOL_CALLS][{}]", objects.join(", ")),
+            JsonToolKind::MistralArgs => calls
+                .iter()
+                .map(|(name, arguments)| format!("[TOOL_CALLS]{name}[ARGS]{arguments}"))
+                .collect(),
             JsonToolKind::Generic => format!("{{\"tool_calls\": [{}]}}", objects.join(", ")),
         }
     }
@@ -149,6 +156,8 @@ pub(crate) struct JsonToolFormat {
     /// The opening tag as one special token (`[TOOL_CALLS]` in Mistral tokenizers), which a
     /// grammar must name by id: plain text cannot produce a special token.
     pub tag_token: Option<u32>,
+    /// `[ARGS]` as one special token (`mistral`'s newer form).
+    pub args_token: Option<u32>,
 }
 
 /// How tool calls are written, chosen once per server.
@@ -181,19 +190,31 @@ impl ToolFormat {
             },
             ToolCallParser::Hermes => JsonToolKind::Hermes,
             ToolCallParser::Llama3Json => JsonToolKind::Llama3Json,
+            ToolCallParser::Mistral if template.is_some_and(|t| t.contains("[ARGS]")) => {
+                JsonToolKind::MistralArgs
+            }
             ToolCallParser::Mistral => JsonToolKind::Mistral,
             ToolCallParser::Generic => JsonToolKind::Generic,
         };
+        let special = |name: &str| {
+            tokenizer
+                .token_id(name)
+                .filter(|&id| tokenizer.is_special(id))
+        };
         let tag_token = match kind {
-            JsonToolKind::Hermes => tokenizer.token_id("<tool_call>"),
-            JsonToolKind::Mistral => tokenizer.token_id("[TOOL_CALLS]"),
+            JsonToolKind::Hermes => special("<tool_call>"),
+            JsonToolKind::Mistral | JsonToolKind::MistralArgs => special("[TOOL_CALLS]"),
             JsonToolKind::Llama3Json | JsonToolKind::Generic => None,
-        }
-        .filter(|&id| tokenizer.is_special(id));
+        };
+        let args_token = match kind {
+            JsonToolKind::MistralArgs => special("[ARGS]"),
+            _ => None,
+        };
         Ok(ToolFormat::Json(JsonToolFormat {
             kind,
             template_renders_tools: template.is_some_and(|t| t.contains("tools")),
             tag_token,
+            args_token,
         }))
     }
 
@@ -210,6 +231,8 @@ impl ToolFormat {
 pub(crate) fn detect(template: &str) -> JsonToolKind {
     if template.contains("<tool_call>") {
         JsonToolKind::Hermes
+    } else if template.contains("[TOOL_CALLS]") && template.contains("[ARGS]") {
+        JsonToolKind::MistralArgs
     } else if template.contains("[TOOL_CALLS]") {
         JsonToolKind::Mistral
     } else if template.contains("<|python_tag|>")
@@ -336,6 +359,10 @@ mod tests {
         let qwen = "{%- if tools %}<tools>{{ tool | tojson }}</tools> <tool_call>\n";
         assert_eq!(detect(qwen), JsonToolKind::Hermes);
         assert_eq!(detect("{{ '[TOOL_CALLS]' }}"), JsonToolKind::Mistral);
+        assert_eq!(
+            detect("{{ '[TOOL_CALLS]' + name + '[ARGS]' }}"),
+            JsonToolKind::MistralArgs
+        );
         let llama = "<|start_header_id|>ipython<|end_header_id|>{% if tools %}";
         assert_eq!(detect(llama), JsonToolKind::Llama3Json);
         assert_eq!(detect("{{ '<|python_tag|>' }}"), JsonToolKind::Llama3Json);
@@ -364,6 +391,7 @@ mod tests {
                 kind: JsonToolKind::Mistral,
                 template_renders_tools: false,
                 tag_token: None,
+                args_token: None,
             }))
         );
         let hermes = ToolFormat::choose(ToolCallParser::Hermes, hermes_template, &tok);
@@ -387,6 +415,10 @@ mod tests {
             "[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {\"a\": 1}}]"
         );
         assert_eq!(
+            JsonToolKind::MistralArgs.write_calls(&calls),
+            "[TOOL_CALLS]f[ARGS]{\"a\": 1}"
+        );
+        assert_eq!(
             JsonToolKind::Generic.write_calls(&calls),
             "{\"tool_calls\": [{\"name\": \"f\", \"arguments\": {\"a\": 1}}]}"
         );
@@ -398,6 +430,7 @@ mod tests {
             kind: JsonToolKind::Generic,
             template_renders_tools: false,
             tag_token: None,
+            args_token: None,
         };
         let tools = [ToolSpec {
             name: "get_weather".into(),
