@@ -150,6 +150,10 @@ pub struct ServeArgs {
     /// Chat template file (Jinja) replacing the tokenizer's.
     #[arg(long)]
     pub chat_template: Option<PathBuf>,
+    /// How the model writes tool calls: auto (detected from the tokenizer and the chat
+    /// template), kimi, hermes, llama3_json, mistral or generic.
+    #[arg(long, default_value = "auto", value_parser = parse_tool_call_parser)]
+    pub tool_call_parser: kimi_server::ToolCallParser,
     /// Serve a config.json with deterministic random bf16 weights (benchmarks of full-size
     /// shapes without a checkpoint); needs --tokenizer.
     #[arg(long, conflicts_with = "model", requires = "tokenizer")]
@@ -177,6 +181,10 @@ pub struct ServeArgs {
     /// closed (0: wait for them). A second signal exits at once.
     #[arg(long, default_value_t = 30.0, value_parser = parse_secs)]
     pub shutdown_timeout: f64,
+}
+
+fn parse_tool_call_parser(name: &str) -> Result<kimi_server::ToolCallParser, String> {
+    name.parse()
 }
 
 /// Seconds: a finite number, at least 0.

@@ -125,6 +125,7 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
             .cloned()
             .collect(),
         chat_template,
+        tool_call_parser: a.tool_call_parser,
         max_model_len: Some(max_model_len),
         keep_alive_timeout: secs(a.timeout_keep_alive),
         body_timeout: secs(a.timeout_body),

@@ -387,6 +387,24 @@ fn bench_counts_the_parameters_of_a_gguf_model() {
     );
 }
 
+#[test]
+fn a_tool_call_parser_the_model_cannot_speak_is_refused_at_start() {
+    let demo =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !demo.exists() {
+        eprintln!(
+            "SKIPPED: {} is absent (scripts/fetch_demo_model.sh)",
+            demo.display()
+        );
+        return;
+    }
+    let model = demo.to_str().expect("utf-8");
+    one_error(
+        &run(&["serve", "--model", model, "--tool-call-parser", "kimi"]),
+        "the tokenizer has no Kimi tool-call tokens",
+    );
+}
+
 /// Peak resident memory of process `pid`, in bytes.
 fn peak_rss(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();

@@ -26,6 +26,7 @@ use crate::params::{finalize, parse_common, CommonParams};
 use crate::response::{chat_logprob, collect, stream, ChunkWriter, CollectedChoice};
 use crate::state::ChatFormat;
 use crate::state::{unix_now, AppState, Inner};
+use crate::tool_format::ToolFormat;
 use crate::xtml_output::XtmlStart;
 use crate::{blocking, check_model, deadline};
 
@@ -154,8 +155,10 @@ fn prepare(inner: &Inner, bytes: &[u8]) -> Result<Prepared, ApiError> {
     let parse_tools = !tools.is_empty() && tool_choice != ToolChoice::None;
     // XTML has no section token to ban: its prompt tells the model not to call, and a tools
     // section it writes anyway is dropped.
-    let banned = match (&inner.tool_tokens, &tool_choice, inner.chat_format) {
-        (Some(t), ToolChoice::None, ChatFormat::Template) if !tools.is_empty() => {
+    let banned = match (&inner.tool_format, &tool_choice, inner.chat_format) {
+        (Some(ToolFormat::Kimi(t)), ToolChoice::None, ChatFormat::Template)
+            if !tools.is_empty() =>
+        {
             t.section_openers()
         }
         _ => Vec::new(),
@@ -166,8 +169,9 @@ fn prepare(inner: &Inner, bytes: &[u8]) -> Result<Prepared, ApiError> {
             start: request.xtml_start(),
             tools: parse_tools,
         },
-        _ => match inner.tool_tokens {
-            Some(tokens) if parse_tools => OutputFormat::KimiK2Tools(tokens),
+        _ => match inner.tool_format {
+            Some(ToolFormat::Kimi(tokens)) if parse_tools => OutputFormat::KimiK2Tools(tokens),
+            Some(ToolFormat::Json(format)) if parse_tools => OutputFormat::JsonTools(format.kind),
             _ => OutputFormat::Text,
         },
     };
@@ -230,10 +234,12 @@ fn build_grammar(
             .map(|t| (t.name.as_str(), &t.parameters))
             .collect();
         let single = !parallel || matches!(tool_choice, ToolChoice::Named(_));
-        let matcher = if xtml {
-            inner.constraints.xtml_tool_calls(&specs, single, thinking)
-        } else {
-            inner.constraints.tool_calls(&specs, single)
+        let matcher = match &inner.tool_format {
+            _ if xtml => inner.constraints.xtml_tool_calls(&specs, single, thinking),
+            Some(ToolFormat::Json(format)) => {
+                inner.constraints.json_tool_calls(format, &specs, single)
+            }
+            Some(ToolFormat::Kimi(_)) | None => inner.constraints.tool_calls(&specs, single),
         };
         return matcher
             .map(Some)

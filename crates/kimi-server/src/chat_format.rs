@@ -15,6 +15,7 @@ use crate::chat_request::{ResponseFormat, ToolChoice, ToolSpec};
 use crate::error::ApiError;
 use crate::fields::{bad_value, wrong_type, Body};
 use crate::state::{ChatFormat, Inner};
+use crate::tool_format::{adapt_messages, ToolFormat};
 use crate::xtml_output::XtmlStart;
 
 /// Thinking mode for an XTML prompt.
@@ -150,8 +151,21 @@ pub(crate) fn render_prompt(
                 .chat_template()
                 .ok_or_else(|| ApiError::internal("the chat template went missing".to_string()))?;
             let tools_arg = (!raw_tools.is_empty()).then_some(raw_tools.as_slice());
+            let adapted;
+            let messages = match &inner.tool_format {
+                Some(ToolFormat::Json(format)) => {
+                    adapted = adapt_messages(
+                        format,
+                        request.messages,
+                        request.tools,
+                        request.tool_choice,
+                    );
+                    adapted.as_slice()
+                }
+                _ => request.messages,
+            };
             let text = template
-                .render(request.messages, tools_arg, request.add_generation_prompt)
+                .render(messages, tools_arg, request.add_generation_prompt)
                 .map_err(|e| {
                     ApiError::invalid(format!("The chat template failed: {e}"), Some("messages"))
                 })?;

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::tool_format::ToolCallParser;
+
 /// Settings of the HTTP server (the engine has its own, `ServingConfig`).
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
@@ -15,6 +17,9 @@ pub struct ServerConfig {
     pub api_keys: Vec<String>,
     /// A chat template (Jinja source) overriding the tokenizer's.
     pub chat_template: Option<String>,
+    /// The tool-call format of a template-based model (`auto`: detected from the tokenizer
+    /// and the chat template).
+    pub tool_call_parser: ToolCallParser,
     /// Longest prompt + output; `None` uses the engine's limit (a larger value is capped to it).
     pub max_model_len: Option<usize>,
     /// Longest a request may take end to end; `None` is no limit.
@@ -45,6 +50,7 @@ impl Default for ServerConfig {
             served_model_name: "kimi".into(),
             api_keys: Vec::new(),
             chat_template: None,
+            tool_call_parser: ToolCallParser::Auto,
             max_model_len: None,
             request_timeout: Some(Duration::from_secs(600)),
             max_pending_requests: 1024,

@@ -1,6 +1,6 @@
-//! Constrained decoding with llguidance: JSON schemas (`response_format`) and the Kimi
-//! tool-call formats (`tool_choice` required or named; K2 section tokens, or K3's XTML via
-//! [`crate::xtml_grammar`]), plus `logit_bias` and token bans, all behind one
+//! Constrained decoding with llguidance: JSON schemas (`response_format`) and forced tool
+//! calls (`tool_choice` required or named: K2 section tokens, K3's XTML via
+//! [`crate::xtml_grammar`], the text formats via [`crate::json_tool_grammar`]), plus `logit_bias` and token bans, all behind one
 //! [`LogitsProcessor`] per sequence.
 //!
 //! The token trie is built from the tokenizer's raw token bytes; special tokens are
@@ -21,6 +21,8 @@ use llguidance::{Matcher, ParserFactory};
 use serde_json::{json, Value};
 
 use crate::error::ServerError;
+use crate::json_tool_grammar;
+use crate::tool_format::JsonToolFormat;
 use crate::tool_parser::{
     SECTION_BEGIN, SECTION_END, TOOL_CALL_ARGUMENT_BEGIN, TOOL_CALL_BEGIN, TOOL_CALL_END,
 };
@@ -183,6 +185,18 @@ impl Constraints {
 }
 
 impl Constraints {
+    /// A matcher for forced calls in one of the text formats (see
+    /// [`crate::json_tool_grammar`]).
+    pub(crate) fn json_tool_calls(
+        &self,
+        format: &JsonToolFormat,
+        tools: &[(&str, &Value)],
+        single: bool,
+    ) -> Result<Matcher, String> {
+        let lark = json_tool_grammar::tool_calls(format, tools, single)?;
+        self.matcher(TopLevelGrammar::from_lark(lark))
+    }
+
     /// A matcher for an XTML tools section (see [`xtml_grammar::tool_calls`]), starting
     /// inside `think` when `thinking`, else inside `response`.
     pub(crate) fn xtml_tool_calls(
@@ -347,6 +361,76 @@ mod tests {
             text.ends_with("\"}<|tool_call_end|><|tool_calls_section_end|>"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn text_tool_formats_produce_calls_their_parser_reads() {
+        use crate::json_tool_parser::{JsonToolParser, ToolEvent};
+        use crate::tool_format::{JsonToolFormat, JsonToolKind};
+        let tok = demo_tokenizer();
+        let constraints = Constraints::new(&tok, 1212).expect("trie");
+        let schema = json!({"type": "object", "properties": {"unit": {"enum": ["c", "f"]}},
+                            "required": ["unit"], "additionalProperties": false});
+        for kind in [
+            JsonToolKind::Hermes,
+            JsonToolKind::Llama3Json,
+            JsonToolKind::Mistral,
+            JsonToolKind::MistralArgs,
+            JsonToolKind::Generic,
+        ] {
+            let format = JsonToolFormat {
+                kind,
+                template_renders_tools: false,
+                tag_token: None,
+                args_token: None,
+            };
+            let matcher = constraints
+                .json_tool_calls(&format, &[("get_weather", &schema)], true)
+                .expect("grammar compiles");
+            let processor = Processor::build(&[], &[], Some(matcher)).expect("processor");
+            let ids = drive(processor, 1212, 200);
+            let text = tok.decode(&ids, false).expect("decodes");
+            let expected = kind.write_calls(&[("get_weather".into(), "{\"unit\": \"c\"}".into())]);
+            assert_eq!(text, expected, "{kind:?}");
+            let mut parser = JsonToolParser::new(kind, true);
+            let mut events = parser.push_text(&text);
+            events.extend(parser.finish());
+            assert_eq!(events.len(), 2, "{kind:?}: {events:?}");
+            assert!(
+                matches!(&events[0], ToolEvent::CallStart { name, .. } if name == "get_weather")
+            );
+            assert_eq!(
+                events[1],
+                ToolEvent::Arguments {
+                    index: 0,
+                    text: "{\"unit\": \"c\"}".into()
+                }
+            );
+        }
+    }
+
+    #[test]
+    fn a_tag_that_is_a_special_token_is_named_by_id() {
+        use crate::tool_format::{JsonToolFormat, JsonToolKind};
+        let tok = demo_tokenizer();
+        let constraints = Constraints::new(&tok, 1212).expect("trie");
+        // Any special token stands in for Mistral's `[TOOL_CALLS]`.
+        let tag = tok.token_id(TOOL_CALL_BEGIN).expect("demo has the token");
+        let format = JsonToolFormat {
+            kind: JsonToolKind::Mistral,
+            template_renders_tools: false,
+            tag_token: Some(tag),
+            args_token: None,
+        };
+        let schema = json!({"type": "object", "properties": {}, "additionalProperties": false});
+        let matcher = constraints
+            .json_tool_calls(&format, &[("f", &schema)], true)
+            .expect("grammar compiles");
+        let processor = Processor::build(&[], &[], Some(matcher)).expect("processor");
+        let ids = drive(processor, 1212, 100);
+        assert_eq!(ids.first(), Some(&tag));
+        let rest = tok.decode(&ids[1..], false).expect("decodes");
+        assert_eq!(rest, "[{\"name\": \"f\", \"arguments\": {}}]");
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //!                 │  events per choice
 //!                 ▼
 //!   Run::next ─► ChoiceOutput: tokens ─► K2 tool parser ─► UTF-8 decoder ─► stop matcher
+//!                                    ├──► text tool-call parser (content, tool calls) ──┤
 //!                                    └──► XTML parser (reasoning, content, tool calls) ─┘
 //!                 │  Delta { reasoning, content, tool_calls, logprobs, finish_reason }
 //!                 ▼
@@ -30,8 +31,10 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use crate::access_log::RequestRecord;
 use crate::decode::{token_bytes, ByteDecoder};
 use crate::error::ApiError;
+use crate::json_tool_parser::{JsonToolParser, ToolEvent};
 use crate::metrics::SequenceStats;
 use crate::state::{Inner, Permit};
+use crate::tool_format::JsonToolKind;
 use crate::tool_parser::{Piece, ToolParser, ToolTokens};
 use crate::xtml_output::{XtmlEvent, XtmlParser, XtmlStart, XtmlTokens};
 
@@ -49,6 +52,8 @@ pub(crate) enum OutputFormat {
     Text,
     /// Text and Kimi K2 tool-call sections.
     KimiK2Tools(ToolTokens),
+    /// Text and tool calls in one of the text formats.
+    JsonTools(JsonToolKind),
     /// Kimi K3's XTML: reasoning, response and (with `tools`) tool calls.
     Xtml {
         tokens: XtmlTokens,
@@ -116,6 +121,7 @@ impl Delta {
 enum Parser {
     Text,
     KimiK2(ToolParser),
+    Json(JsonToolParser),
     Xtml(XtmlParser),
 }
 
@@ -134,6 +140,9 @@ impl ChoiceOutput {
         let parser = match options.format {
             OutputFormat::Text => Parser::Text,
             OutputFormat::KimiK2Tools(tokens) => Parser::KimiK2(ToolParser::new(tokens)),
+            OutputFormat::JsonTools(kind) => {
+                Parser::Json(JsonToolParser::new(kind, options.skip_special))
+            }
             OutputFormat::Xtml {
                 tokens,
                 start,
@@ -166,6 +175,11 @@ impl ChoiceOutput {
                 self.apply_xtml(events, delta);
                 return;
             }
+            Parser::Json(parser) => {
+                let events = parser.push_token(tokenizer, sampled.token);
+                self.apply_json(events, delta);
+                return;
+            }
         };
         self.apply(tokenizer, pieces, delta);
     }
@@ -182,6 +196,21 @@ impl ChoiceOutput {
                     arguments: String::new(),
                 }),
                 XtmlEvent::Arguments { index, text } => add_arguments(delta, index, text),
+            }
+        }
+    }
+
+    fn apply_json(&mut self, events: Vec<ToolEvent>, delta: &mut Delta) {
+        for event in events {
+            match event {
+                ToolEvent::Content(text) => self.push_text(&text, delta),
+                ToolEvent::CallStart { index, id, name } => delta.tool_calls.push(ToolCallDelta {
+                    index,
+                    id: Some(id),
+                    name: Some(name),
+                    arguments: String::new(),
+                }),
+                ToolEvent::Arguments { index, text } => add_arguments(delta, index, text),
             }
         }
     }
@@ -229,6 +258,10 @@ impl ChoiceOutput {
                 let events = parser.finish();
                 self.apply_xtml(events, delta);
             }
+            Parser::Json(parser) => {
+                let events = parser.finish();
+                self.apply_json(events, delta);
+            }
         }
         let rest = self.content.finish();
         self.push_text(&rest, delta);
@@ -239,6 +272,7 @@ impl ChoiceOutput {
             Parser::Text => 0,
             Parser::KimiK2(parser) => parser.num_calls(),
             Parser::Xtml(parser) => parser.num_calls(),
+            Parser::Json(parser) => parser.num_calls(),
         };
         delta.finish_reason = Some(match reason {
             _ if self.stop.stopped() => "stop",

@@ -22,7 +22,10 @@
 //! present), else Kimi K3's XTML when the tokenizer has `<|open|>`, `<|sep|>`, `<|close|>`
 //! and `<|end_of_msg|>` (rendered by `kimi_tokenizer::xtml`, parsed back into
 //! `reasoning_content`, `content` and `tool_calls` by `xtml_output`; thinking on by
-//! default, off with `chat_template_kwargs: {"thinking": false}`).
+//! default, off with `chat_template_kwargs: {"thinking": false}`). Template-based models
+//! without Kimi's tool tokens write calls as text in a format picked from the template or
+//! `--tool-call-parser` (`tool_format`: hermes, llama3_json, mistral, generic), parsed by
+//! `json_tool_parser` and forced by `json_tool_grammar`.
 //!
 //! [`serve`] binds and runs; [`router`] gives the `axum::Router` for tests.
 //!
@@ -53,6 +56,9 @@ mod error;
 mod fields;
 mod generation;
 mod generator;
+mod json_call;
+mod json_tool_grammar;
+mod json_tool_parser;
 mod listener;
 mod metrics;
 mod misc;
@@ -60,6 +66,7 @@ mod params;
 mod request_body;
 mod response;
 mod state;
+mod tool_format;
 mod tool_parser;
 mod xtml_grammar;
 mod xtml_output;
@@ -82,6 +89,7 @@ pub use config::ServerConfig;
 pub use error::{ApiError, ServerError};
 pub use generator::Generator;
 pub use state::AppState;
+pub use tool_format::ToolCallParser;
 
 use fields::Body;
 use state::Inner;

@@ -10,7 +10,7 @@ use crate::constraint::Constraints;
 use crate::error::{ApiError, ServerError};
 use crate::generator::Generator;
 use crate::metrics::Metrics;
-use crate::tool_parser::ToolTokens;
+use crate::tool_format::{ToolCallParser, ToolFormat};
 use crate::xtml_output::XtmlTokens;
 
 /// How chat messages become a prompt and generated tokens become a message. Chosen once, in
@@ -62,7 +62,9 @@ pub(crate) struct Inner {
     pub chat_template_override: Option<ChatTemplate>,
     pub chat_format: ChatFormat,
     pub constraints: Constraints,
-    pub tool_tokens: Option<ToolTokens>,
+    /// How a template-based model writes tool calls (`None` for XTML and template-less
+    /// models).
+    pub tool_format: Option<ToolFormat>,
     pub metrics: Metrics,
     /// Sequences in flight (see [`Permit`]).
     pub num_pending: AtomicUsize,
@@ -121,12 +123,38 @@ impl AppState {
             .max_model_len
             .map_or(engine_len, |m| m.min(engine_len));
         let constraints = Constraints::new(&tokenizer, vocab_size)?;
-        let tool_tokens = ToolTokens::find(&tokenizer);
-        let chat_format = ChatFormat::choose(
-            chat_template_override.is_some() || tokenizer.chat_template().is_some(),
-            &tokenizer,
-        );
+        let template_source = chat_template_override
+            .as_ref()
+            .or_else(|| tokenizer.chat_template())
+            .map(|t| t.source().to_string());
+        let chat_format = ChatFormat::choose(template_source.is_some(), &tokenizer);
+        let tool_format = match chat_format {
+            ChatFormat::Template => Some(
+                ToolFormat::choose(
+                    config.tool_call_parser,
+                    template_source.as_deref(),
+                    &tokenizer,
+                )
+                .map_err(ServerError::Config)?,
+            ),
+            // K3's XTML has its own tool format.
+            ChatFormat::Xtml(_)
+                if !matches!(
+                    config.tool_call_parser,
+                    ToolCallParser::Auto | ToolCallParser::Kimi
+                ) =>
+            {
+                return Err(ServerError::Config(format!(
+                    "--tool-call-parser {} does not apply: this model speaks Kimi K3's XTML,                      whose tool calls need no parser option",
+                    config.tool_call_parser
+                )));
+            }
+            ChatFormat::Xtml(_) | ChatFormat::Unavailable => None,
+        };
         tracing::debug!("chat format: {chat_format:?}");
+        if let Some(format) = &tool_format {
+            tracing::info!("tool calls: {} format", format.name());
+        }
         let metrics = Metrics::new(&config.served_model_name);
         Ok(AppState {
             inner: Arc::new(Inner {
@@ -136,7 +164,7 @@ impl AppState {
                 chat_template_override,
                 chat_format,
                 constraints,
-                tool_tokens,
+                tool_format,
                 metrics,
                 num_pending: AtomicUsize::new(0),
                 max_model_len,

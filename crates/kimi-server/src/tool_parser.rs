@@ -27,7 +27,7 @@ pub(crate) const TOOL_CALL_END: &str = "<|tool_call_end|>";
 const SECTION_BEGIN_SINGULAR: &str = "<|tool_call_section_begin|>";
 
 /// Ids of the tool-call markers in one tokenizer.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct ToolTokens {
     section_begin: u32,
     section_begin_singular: Option<u32>,

@@ -513,7 +513,7 @@ fn json_escape(text: &str) -> String {
 }
 
 /// An OpenAI-style call id, unique in this process (`call_` + 24 hex digits).
-fn fresh_call_id() -> String {
+pub(crate) fn fresh_call_id() -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     let nanos = std::time::SystemTime::now()
