@@ -628,6 +628,9 @@ fn convert_to_gguf_and_run_it() {
         "{log}"
     );
     assert!(log.contains("no tokenizer is written"), "{log}");
+    // stderr is a pipe here: a line per tensor, no progress bar redrawn with `\r`.
+    assert!(log.contains("] token_embd.weight"), "{log}");
+    assert!(!log.contains('\r'), "{log}");
 
     let reference: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
