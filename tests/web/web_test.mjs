@@ -129,6 +129,24 @@ try {
   check(heat.colored === heat.cells, "every heatmap cell coloured");
   check(heat.imbalance.startsWith(heat.hot ? "Imbalanced" : "No expert"), "imbalance line matches the flagged cells");
   await page.screenshot({ path: join(outDir, "web-page.png"), fullPage: true });
+
+  // The flag itself, on counts the tiny model will not produce: expert 3 of layer 1 at 4.5x
+  // the mean of its layer (rendered and read back in one task, between two polls).
+  const flagged = await page.evaluate(() => {
+    const lines = [0, 0, 0, 16, 0, 0, 0, 0].map(
+      (n, e) => `kimi:moe_expert_tokens_total{model_name="m",layer="1",expert="${e}"} ${n + 2}`,
+    );
+    updateHeatmap(parseMetrics(lines.join("\n")));
+    return {
+      hot: [...document.querySelectorAll("#heatmap .hm-cell")].map((c) => c.classList.contains("hot")),
+      note: document.getElementById("imbalance").textContent,
+    };
+  });
+  check(
+    flagged.hot.join() === [false, false, false, true, false, false, false, false].join(),
+    "an expert past 3x its layer's mean is flagged",
+  );
+  check(flagged.note.startsWith("Imbalanced: layer 1 expert 3"), `imbalance named (${flagged.note})`);
 } catch (err) {
   problems.push("driver: " + (err.stack || err));
 } finally {
