@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The project's checks: formatting, lints, every CPU test of the workspace, the official
-# OpenAI client against `kimi-infer serve`, and a build of the CUDA backend with its kernels.
+# OpenAI client and the web page (headless Chromium) against `kimi-infer serve`, and a
+# build of the CUDA backend with its kernels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # A one-shot full build gains nothing from incremental caches; they doubled target/ in size.
@@ -13,6 +14,15 @@ cargo test --workspace
 # Kimi Linear GGUFs from `kimi-infer convert`, checked by llama.cpp's gguf-py (pinned; PyPI once).
 scripts/check_gguf_kimi.sh
 scripts/test_openai.sh
+# The web page in headless Chromium from Debian's packages (about 10 s once installed).
+# Where Chromium cannot be installed the test is skipped with a warning; a failure fails.
+web_status=0
+scripts/web-test.sh || web_status=$?
+if [ "$web_status" = 2 ]; then
+  echo "WARNING: Chromium or playwright-core could not be installed: the web page test skipped" >&2
+elif [ "$web_status" != 0 ]; then
+  exit "$web_status"
+fi
 # The CPU crates cross-built for aarch64 and tested under qemu user-mode emulation, with a
 # toolchain from Debian's archive. If that archive cannot be reached the tests are skipped
 # with a warning (an outage elsewhere is not a failure of this code); a failing test fails.

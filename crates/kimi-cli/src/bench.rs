@@ -392,8 +392,10 @@ fn batched_throughput<B: Backend + 'static>(
         let after = handle.metrics();
         let steps = after.steps_total - before.steps_total;
         // How the wave was scheduled, comparable with a server's `kimi:engine_step*` counters.
+        // A step is one forward pass; its tokens are every position fed to it (prompt-chunk
+        // tokens plus one per decoding sequence), not output tokens.
         println!(
-            "wave        {:.1} output tokens/s: {steps} steps, {:.1} tokens/step, {:.3} s in passes of {wall:.3} s",
+            "wave        {:.1} output tokens/s: {steps} steps, {:.1} tokens/step (prompt + decode tokens fed per forward pass), {:.3} s in passes of {wall:.3} s",
             tokens as f64 / wall,
             (after.step_tokens_total - before.step_tokens_total) as f64 / steps.max(1) as f64,
             after.step_seconds_total - before.step_seconds_total,

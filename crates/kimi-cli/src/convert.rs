@@ -96,21 +96,35 @@ fn write(
     let total = plan.tensors.len();
     let width = total.to_string().len();
     let start = Instant::now();
-    plan.write(source, out, &mut |i, t| {
+    // A terminal gets a bar (fallback notes still print above it); a log gets a line each.
+    let bar = crate::progress::count_bar(total as u64, "converting");
+    let written = plan.write(source, out, &mut |i, t| {
         let note = t
             .fallback
             .as_deref()
             .map(|f| format!("  ({f})"))
             .unwrap_or_default();
-        eprintln!(
-            "[{:>width$}/{total}] {:<32} {:<6} {:?}{note}",
-            i + 1,
-            t.name,
-            t.ggml_type.name(),
-            t.shape
-        );
-    })
-    .with_context(|| format!("cannot write {}", out.display()))?;
+        match &bar {
+            Some(bar) => {
+                if !note.is_empty() {
+                    bar.println(format!("{}{note}", t.name));
+                }
+                bar.set_position(i as u64);
+                bar.set_message(t.name.clone());
+            }
+            None => eprintln!(
+                "[{:>width$}/{total}] {:<32} {:<6} {:?}{note}",
+                i + 1,
+                t.name,
+                t.ggml_type.name(),
+                t.shape
+            ),
+        }
+    });
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    written.with_context(|| format!("cannot write {}", out.display()))?;
     let bytes = std::fs::metadata(out).map(|m| m.len()).unwrap_or(0);
     eprintln!(
         "wrote {} ({total} tensors, {:.1} MiB) in {:.1} s",

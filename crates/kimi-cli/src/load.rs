@@ -208,10 +208,15 @@ pub fn load<B: Backend + 'static>(
     if is_gguf(&path) {
         return load_gguf(backend, &path, need_tokenizer);
     }
-    let ckpt = Checkpoint::open(&path)
+    let mut ckpt = Checkpoint::open(&path)
         .with_context(|| format!("cannot open the model in {}", path.display()))?;
-    let loaded = registry::load_checkpoint(backend, &ckpt)
-        .with_context(|| format!("cannot load the weights in {}", path.display()))?;
+    let bar = crate::progress::watch_checkpoint(&mut ckpt);
+    let loaded = registry::load_checkpoint(backend, &ckpt);
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    let loaded =
+        loaded.with_context(|| format!("cannot load the weights in {}", path.display()))?;
     note_skipped_vision(&loaded);
     let tokenizer = if need_tokenizer {
         Some(
@@ -268,8 +273,13 @@ fn load_gguf<B: Backend + 'static>(
     need_tokenizer: bool,
 ) -> anyhow::Result<Loaded<B>> {
     let file = GgufFile::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    let loaded = registry::load_gguf(backend, &file)
-        .with_context(|| format!("cannot load the weights in {}", path.display()))?;
+    let spinner = crate::progress::spinner("loading weights");
+    let loaded = registry::load_gguf(backend, &file);
+    if let Some(spinner) = spinner {
+        spinner.finish_and_clear();
+    }
+    let loaded =
+        loaded.with_context(|| format!("cannot load the weights in {}", path.display()))?;
     let tokenizer = if need_tokenizer {
         let kimi = loaded.architecture != kimi_model::Architecture::Llama;
         if kimi && file.get("tokenizer.ggml.model").is_none() {

@@ -13,6 +13,7 @@ mod logits;
 mod memory;
 mod npy;
 mod plan;
+mod progress;
 mod run;
 mod serve;
 

@@ -61,7 +61,7 @@ fn chat_on<B: Backend + 'static>(backend: B, a: ChatArgs) -> anyhow::Result<()> 
         messages.push(json!({"role": "system", "content": s}));
     }
     eprintln!(
-        "chatting with {} — type a message, or /exit to quit",
+        "chatting with {} — type a message, /help for commands",
         loaded.dir.display()
     );
     let stdin = std::io::stdin();
@@ -73,19 +73,66 @@ fn chat_on<B: Backend + 'static>(backend: B, a: ChatArgs) -> anyhow::Result<()> 
             break;
         }
         let line = line.trim_end_matches(['\n', '\r']);
-        if line == "/exit" || line == "/quit" {
-            break;
-        }
         if line.is_empty() {
             continue;
         }
-        messages.push(json!({"role": "user", "content": line}));
+        match ChatCommand::parse(line) {
+            Some(ChatCommand::Exit) => break,
+            Some(ChatCommand::Reset) => {
+                // The system prompt is part of the setup, not of the conversation.
+                messages.truncate(usize::from(a.system.is_some()));
+                eprintln!("conversation cleared");
+                continue;
+            }
+            Some(ChatCommand::Help) => {
+                eprintln!("{CHAT_HELP}");
+                continue;
+            }
+            Some(ChatCommand::Unknown) => {
+                eprintln!("unknown command `{line}`; /help lists the commands");
+                continue;
+            }
+            None => {}
+        }
+        let text = line.strip_prefix("//").map_or(line, |_| &line[1..]);
+        messages.push(json!({"role": "user", "content": text}));
         let ids = chat_ids(tok, &messages)?;
         let out = generate_streaming(&loaded.engine, tok, &ids, &params)?;
         println!();
         messages.push(json!({"role": "assistant", "content": out.text}));
     }
     Ok(())
+}
+
+const CHAT_HELP: &str = "commands:
+  /reset   clear the conversation (the system prompt stays)
+  /help    show this list
+  /exit    quit (also /quit, or end of input)
+a line starting with // sends the rest, starting with /";
+
+/// A line of `chat` input that is a command rather than a message.
+#[derive(Debug, PartialEq, Eq)]
+enum ChatCommand {
+    Reset,
+    Help,
+    Exit,
+    Unknown,
+}
+
+impl ChatCommand {
+    /// `None` for a message; `//text` is the message `/text`.
+    fn parse(line: &str) -> Option<ChatCommand> {
+        let rest = line.strip_prefix('/')?;
+        if rest.starts_with('/') {
+            return None;
+        }
+        Some(match rest.trim() {
+            "reset" | "clear" => ChatCommand::Reset,
+            "help" | "?" => ChatCommand::Help,
+            "exit" | "quit" => ChatCommand::Exit,
+            _ => ChatCommand::Unknown,
+        })
+    }
 }
 
 /// The prompt ids of a conversation: the tokenizer's chat template where it has one, else
@@ -202,4 +249,19 @@ pub fn generate_streaming<B: Backend>(
             gen.finish
         },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ChatCommand;
+
+    #[test]
+    fn chat_commands_parse() {
+        assert_eq!(ChatCommand::parse("/reset"), Some(ChatCommand::Reset));
+        assert_eq!(ChatCommand::parse("/help"), Some(ChatCommand::Help));
+        assert_eq!(ChatCommand::parse("/quit"), Some(ChatCommand::Exit));
+        assert_eq!(ChatCommand::parse("/nope"), Some(ChatCommand::Unknown));
+        assert_eq!(ChatCommand::parse("//reset"), None);
+        assert_eq!(ChatCommand::parse("hello /reset"), None);
+    }
 }

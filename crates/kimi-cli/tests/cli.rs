@@ -204,6 +204,48 @@ fn chat_reads_turns_from_stdin() {
     assert!(o.status.success(), "{}", stderr(&o));
 }
 
+/// `chat` fed `input` on stdin (greedy, so equal conversations give equal text).
+fn chat_with_input(input: &str) -> Output {
+    use std::io::Write;
+    let mut child = bin()
+        .args(["chat", "--max-tokens", "6", "--temperature", "0"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn chat_reset_and_help_commands() {
+    let once = chat_with_input("hello\n");
+    assert!(once.status.success(), "{}", stderr(&once));
+    // After /reset the second "hello" starts a fresh conversation: the same answer again.
+    let reset = chat_with_input("hello\n/reset\nhello\n");
+    assert!(reset.status.success(), "{}", stderr(&reset));
+    assert_eq!(stdout(&reset), stdout(&once).repeat(2));
+    assert!(stderr(&reset).contains("conversation cleared"));
+    // Without it the history changes the prompt, so the output is not just repeated.
+    let kept = chat_with_input("hello\nhello\n");
+    assert_ne!(stdout(&kept), stdout(&once).repeat(2));
+
+    let help = chat_with_input("/help\n/bogus\n/quit\nnever sent\n");
+    assert!(help.status.success(), "{}", stderr(&help));
+    let err = stderr(&help);
+    for command in ["/reset", "/help", "/exit"] {
+        assert!(err.contains(command), "{command} missing from help: {err}");
+    }
+    assert!(err.contains("unknown command `/bogus`"), "{err}");
+    assert_eq!(stdout(&help), "", "a command is never sent as a message");
+}
+
 #[test]
 fn inspect_reports_layers_and_json() {
     let dir = fixture("hub-bf16-irregular");
@@ -586,6 +628,9 @@ fn convert_to_gguf_and_run_it() {
         "{log}"
     );
     assert!(log.contains("no tokenizer is written"), "{log}");
+    // stderr is a pipe here: a line per tensor, no progress bar redrawn with `\r`.
+    assert!(log.contains("] token_embd.weight"), "{log}");
+    assert!(!log.contains('\r'), "{log}");
 
     let reference: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())

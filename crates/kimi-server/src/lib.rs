@@ -12,7 +12,8 @@
 //!
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
 //! `GET /v1/models/{model}`, `GET /health`, `GET /metrics` (Prometheus text, vLLM's names),
-//! `POST /tokenize`, `POST /detokenize`. Errors are OpenAI's JSON
+//! `POST /tokenize`, `POST /detokenize`, and a web page at `/` (chat and dashboard, its assets
+//! under `/assets/`). Errors are OpenAI's JSON
 //! (`{"error": {"message", "type", "param", "code"}}`). With `tool_choice` `required` or a
 //! named function, and with `response_format` `json_object` / `json_schema`, decoding is
 //! constrained by an llguidance grammar, so even a random-weight model emits valid output.
@@ -68,6 +69,7 @@ mod response;
 mod state;
 mod tool_format;
 mod tool_parser;
+mod web;
 mod xtml_grammar;
 mod xtml_output;
 
@@ -117,6 +119,9 @@ pub fn router(state: AppState) -> Router {
         .merge(protected)
         .route("/health", get(misc::health))
         .route("/metrics", get(misc::metrics))
+        .route("/", get(web::index))
+        .route("/assets/app.js", get(web::app_js))
+        .route("/assets/app.css", get(web::app_css))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(max_body_bytes))

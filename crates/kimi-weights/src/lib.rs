@@ -35,6 +35,7 @@ mod view;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
 
 use kimi_core::{DType, ModelConfig};
 use memmap2::Mmap;
@@ -60,7 +61,12 @@ pub struct Checkpoint {
     config_json: Value,
     shards: Vec<Shard>,
     tensors: HashMap<String, Entry>,
+    read_observer: Option<ReadObserver>,
 }
+
+/// Told the size in bytes of each tensor [`Checkpoint::get`] hands out: loaders read every
+/// tensor once, so the sum against [`Checkpoint::total_bytes`] is their progress.
+pub type ReadObserver = Arc<dyn Fn(u64) + Send + Sync>;
 
 impl std::fmt::Debug for Checkpoint {
     /// A summary: the directory, the shards and the number of tensors (not every entry).
@@ -124,7 +130,13 @@ impl Checkpoint {
             config_json,
             shards,
             tensors,
+            read_observer: None,
         })
+    }
+
+    /// Reports every tensor [`Checkpoint::get`] hands out to `observer` from now on.
+    pub fn set_read_observer(&mut self, observer: ReadObserver) {
+        self.read_observer = Some(observer);
     }
 
     /// The checkpoint directory.
@@ -195,6 +207,9 @@ impl Checkpoint {
             .map
             .get(entry.start..entry.end)
             .ok_or_else(|| corrupt(&shard.path, format!("tensor `{key}` lies outside the file")))?;
+        if let Some(observer) = &self.read_observer {
+            observer(bytes.len() as u64);
+        }
         Ok(TensorView {
             name: key,
             file: &shard.path,
