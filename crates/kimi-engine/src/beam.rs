@@ -419,14 +419,13 @@ mod tests {
         assert!(s.step(&[&stop, &stop]).is_empty());
         assert!(s.is_done());
         let results = s.results();
-        assert_eq!(results.len(), 2);
-        assert_eq!(results[0].tokens.len(), 0);
-        assert_eq!(
-            results[1].tokens[0].token, 1,
-            "0.3 over two tokens beats 0.2"
-        );
-        assert_eq!(results[1].finish, FinishReason::Stop);
-        assert!((results[1].score - 0.3f64.ln() / 2.0).abs() < 1e-6);
+        assert_eq!(results.len(), 2, "the worst of three hypotheses is dropped");
+        // log(.3) over two generated tokens (the stop token counts) beats log(.5) over one.
+        assert_eq!(results[0].tokens[0].token, 1);
+        assert_eq!(results[0].finish, FinishReason::Stop);
+        assert!((results[0].score - 0.3f64.ln() / 2.0).abs() < 1e-6);
+        assert!(results[1].tokens.is_empty());
+        assert!((results[1].score - 0.5f64.ln()).abs() < 1e-6);
     }
 
     #[test]

@@ -134,10 +134,9 @@ impl CacheManager {
     ) -> Option<(SeqBlocks, ForkCopy)> {
         let parent_slot = parent.slot?;
         let full = num_tokens / self.block_size;
-        let tail = (num_tokens % self.block_size != 0).then(|| parent.block_ids.get(full));
-        if tail.is_some_and(|b| b.is_none())
-            || parent.block_ids.len() < full
-            || (tail.is_some() && self.free_blocks.is_empty())
+        let partial = !num_tokens.is_multiple_of(self.block_size);
+        if parent.block_ids.len() < full + usize::from(partial)
+            || (partial && self.free_blocks.is_empty())
         {
             return None;
         }
@@ -147,11 +146,11 @@ impl CacheManager {
             self.holders[b as usize] += 1;
         }
         let mut block = None;
-        if let Some(Some(&src)) = tail {
+        if partial {
             let dst = self.free_blocks.pop_front()?;
             self.holders[dst as usize] = 1;
             block_ids.push(dst);
-            block = Some((src, dst));
+            block = Some((parent.block_ids[full], dst));
         }
         let child = SeqBlocks {
             num_sent: block_ids.len(),

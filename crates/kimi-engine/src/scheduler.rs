@@ -590,6 +590,39 @@ mod tests {
     }
 
     #[test]
+    fn a_beam_group_holds_its_width_in_seats_and_forks_share_blocks() {
+        let mut s = scheduler(4, 64, 16, 4);
+        s.add_beams(RequestId(0), vec![1; 6], 3);
+        s.add(RequestId(1), vec![1; 2]);
+        s.add(RequestId(2), vec![1; 2]);
+        let plan = s.schedule();
+        // Three seats for the group and one for request 1: request 2 waits.
+        assert_eq!(lens(&plan), vec![(0, 0, 6, true), (1, 0, 2, true)]);
+        assert_eq!(s.num_waiting(), 1);
+        let Some(Forked::Shared { copy, block_ids }) = s.fork(RequestId(0), RequestId(10), 5)
+        else {
+            panic!("the first beam is cached and a block and slot are free");
+        };
+        // Request 0 holds [0, 1] (6 tokens), request 1 [2]: the fork shares block 0 and
+        // copies the partial block 1 into 3.
+        assert_eq!(block_ids, vec![0, 3]);
+        assert_eq!(copy.block, Some((1, 3)));
+        s.append_token(RequestId(0), 7);
+        s.append_token(RequestId(1), 7);
+        let plan = s.schedule();
+        assert_eq!(
+            lens(&plan),
+            vec![(0, 6, 1, true), (1, 2, 1, true), (10, 6, 1, true)]
+        );
+        assert_eq!(s.num_waiting(), 1, "the group still holds three seats");
+        s.append_token(RequestId(1), 7);
+        s.remove(RequestId(0));
+        s.remove(RequestId(10));
+        let plan = s.schedule();
+        assert_eq!(lens(&plan), vec![(1, 3, 1, true), (2, 0, 2, true)]);
+    }
+
+    #[test]
     fn removing_frees_blocks_and_queues() {
         let mut s = scheduler(4, 64, 8, 4);
         s.add(RequestId(0), vec![1; 8]);

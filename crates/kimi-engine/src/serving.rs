@@ -231,7 +231,7 @@ struct Control {
 ///     match event {
 ///         Event::Token(t) => println!("{}", t.token),
 ///         Event::Finished { .. } | Event::Error(_) => break,
-///         Event::Started { .. } => {}
+///         Event::Started { .. } | Event::Beams(_) => {}
 ///     }
 /// }
 /// engine.shutdown(true);

@@ -445,31 +445,51 @@ fn beams_under_cache_pressure_match_the_reference() {
     let beam = beams(4, 4, 1.0, false);
     let prompt = prompt(7, 6);
     let want = reference(&single, &prompt, &beam, 6, &eos);
-    // Two greedy requests compete for the blocks.
+    // Two greedy requests compete for the blocks. The first holds the engine in its
+    // logits processor until every request is queued, so none finishes before the beams
+    // arrive.
     let greedy = SamplingParams {
-        max_tokens: 20,
+        max_tokens: 24,
         ignore_eos: true,
         ..SamplingParams::default()
     };
-    let competitors: Vec<_> = (0..2)
-        .map(|i| {
-            engine
-                .submit(request(self::prompt(30 + i, 8), greedy.clone()))
-                .expect("accepted")
-                .1
-        })
-        .collect();
+    let (open, gate) = std::sync::mpsc::channel::<()>();
+    let gated = Request {
+        logits_processor: Some(Box::new(Gate(gate))),
+        ..request(self::prompt(30, 8), greedy.clone())
+    };
+    let first = engine.submit(gated).expect("accepted").1;
+    let second = engine
+        .submit(request(self::prompt(31, 8), greedy))
+        .expect("accepted")
+        .1;
     let (_, mut rx) = engine
         .submit(request(prompt, params(beam, 6, vec![])))
         .expect("accepted");
+    drop(open);
     let (got, _, _) = collect(&mut rx);
     assert_matches(&got, &want, "under pressure");
     assert!(
         engine.metrics().num_preemptions_total > 0,
         "the cache was too small for every sequence"
     );
-    drop(competitors);
+    drop((first, second));
     engine.shutdown(false);
+}
+
+/// Blocks the engine in `mask` until the sender is dropped.
+struct Gate(std::sync::mpsc::Receiver<()>);
+
+impl LogitsProcessor for Gate {
+    fn mask(&mut self, _logits: &mut [f32]) {
+        let _ = self.0.recv();
+    }
+    fn accept(&mut self, _token: u32) -> Result<(), String> {
+        Ok(())
+    }
+    fn is_finished(&self) -> bool {
+        false
+    }
 }
 
 struct Nothing;

@@ -262,6 +262,30 @@ mod tests {
         let err = finalize(&c, 1, 20, 100, None, "prompt", "logprobs").expect_err("top_p 0");
         assert_eq!(err.param.as_deref(), Some("top_p"));
         assert!(common(r#"{"logit_bias": {"100": 1}}"#).is_err());
+        let beams = common(
+            r#"{"use_beam_search": true, "n": 2, "best_of": 3,
+                "length_penalty": 0.5, "early_stopping": true}"#,
+        )
+        .expect("valid");
+        assert_eq!(
+            beams.sampling.temperature, 0.0,
+            "beam search defaults to temperature 0"
+        );
+        assert_eq!(
+            beams.sampling.beam,
+            Some(BeamParams {
+                num_beams: 3,
+                num_return: 2,
+                length_penalty: 0.5,
+                early_stopping: true
+            })
+        );
+        let err = common(r#"{"use_beam_search": true, "n": 3, "best_of": 2}"#).expect_err("n");
+        assert_eq!(err.param.as_deref(), Some("best_of"));
+        let err = common(r#"{"use_beam_search": true, "stream": true}"#).expect_err("stream");
+        assert_eq!(err.param.as_deref(), Some("stream"));
+        let err = common(r#"{"best_of": 2}"#).expect_err("best_of without beams");
+        assert_eq!(err.param.as_deref(), Some("best_of"));
         assert!(common(r#"{"logit_bias": {"5": 101}}"#).is_err());
         assert_eq!(
             common(r#"{"logit_bias": {"5": -100}}"#)
