@@ -402,12 +402,12 @@ impl Scheduler {
     /// Step 3: admits waiting sequences in order while a sequence slot, budget and blocks
     /// for all of the next one's tokens are free.
     fn admit_waiting(&mut self, plan: &mut StepPlan, budget: &mut usize) {
-        while *budget > 0 {
-            let Some(&id) = self.waiting.front() else {
-                return;
-            };
+        let mut i = 0;
+        let mut out_of_seats = false;
+        while *budget > 0 && i < self.waiting.len() {
+            let id = self.waiting[i];
             let Some(seq) = self.seqs.get(&id) else {
-                self.waiting.pop_front();
+                self.waiting.remove(i);
                 continue;
             };
             // A beam of an admitted group has its seat already; a new group needs all its
@@ -417,8 +417,12 @@ impl Scheduler {
                 Some((_, width)) => width,
                 None => 1,
             };
-            if seats > 0 && self.seats_taken() + seats > self.max_num_seqs {
-                return;
+            if seats > 0 && (out_of_seats || self.seats_taken() + seats > self.max_num_seqs) {
+                // Only beams that need no seat may pass it: their groups end only once
+                // every beam has run.
+                out_of_seats = true;
+                i += 1;
+                continue;
             }
             let Some(seq) = self.seqs.get_mut(&id) else {
                 return;
@@ -430,7 +434,7 @@ impl Scheduler {
                 self.groups.entry(group).or_insert((width, 1));
             }
             let left = seq.num_left();
-            self.waiting.pop_front();
+            self.waiting.remove(i);
             self.running.push(id);
             self.schedule_chunk(id, left.min(*budget), plan, budget);
         }
@@ -620,6 +624,24 @@ mod tests {
         s.remove(RequestId(10));
         let plan = s.schedule();
         assert_eq!(lens(&plan), vec![(1, 3, 1, true), (2, 0, 2, true)]);
+    }
+
+    #[test]
+    fn a_beam_of_an_admitted_group_passes_a_request_waiting_for_a_seat() {
+        let mut s = scheduler(3, 64, 16, 4);
+        s.add_beams(RequestId(0), vec![1; 4], 2);
+        s.add(RequestId(1), vec![1; 4]);
+        s.add(RequestId(2), vec![1; 4]);
+        let plan = s.schedule();
+        assert_eq!(lens(&plan), vec![(0, 0, 4, true), (1, 0, 4, true)]);
+        // The beam lost its cache and queues behind request 2, which has no seat: the
+        // group's seats are its own, so it goes first.
+        s.recompute(RequestId(0));
+        s.waiting = VecDeque::from([RequestId(2), RequestId(0)]);
+        s.append_token(RequestId(1), 7);
+        let plan = s.schedule();
+        assert_eq!(lens(&plan), vec![(1, 4, 1, true), (0, 0, 4, true)]);
+        assert_eq!(s.waiting, VecDeque::from([RequestId(2)]));
     }
 
     #[test]

@@ -367,8 +367,8 @@ impl EngineHandle {
         let inner = &self.inner;
         if request.logits_processor.is_some() {
             return Err(
-                "beam search cannot be combined with constrained decoding (tools, \
-                        response_format)"
+                "beam search cannot be combined with constrained decoding or logit biases \
+                 (tools, response_format, logit_bias)"
                     .into(),
             );
         }
