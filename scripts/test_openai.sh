@@ -34,4 +34,5 @@ cargo build --release -p kimi-server --example serve_demo
 cargo build --release -p kimi-cli || echo "warning: kimi-cli did not build; testing serve_demo" >&2
 
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/openai_client/test_openai.py \
-  tests/openai_client/test_k3.py tests/openai_client/test_tools_any_model.py "$@"
+  tests/openai_client/test_k3.py tests/openai_client/test_tools_any_model.py \
+  tests/openai_client/test_beam.py "$@"

@@ -306,6 +306,17 @@ pub struct RunArgs {
     pub system: Option<String>,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    /// Beam search with this many beams instead of sampling (temperature 0): prints the
+    /// best beam, and every beam with its score to stderr.
+    #[arg(long)]
+    pub num_beams: Option<usize>,
+    /// Beam search: a finished beam scores sum(logprob) / length^X (X > 0 favours longer).
+    #[arg(long, default_value_t = 1.0, requires = "num_beams")]
+    pub length_penalty: f32,
+    /// Beam search: stop once num-beams beams have finished, without waiting for better
+    /// ones to be impossible.
+    #[arg(long, requires = "num_beams")]
+    pub early_stopping: bool,
     /// Print prompt and generation speed to stderr at the end.
     #[arg(long)]
     pub stats: bool,

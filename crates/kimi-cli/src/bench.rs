@@ -384,7 +384,8 @@ fn batched_throughput<B: Backend + 'static>(
                     Event::Token(_) => tokens += 1,
                     Event::Finished { .. } => break,
                     Event::Error(e) => anyhow::bail!("batched request failed: {e}"),
-                    Event::Started { .. } => {}
+                    // Bench requests sample; they never search beams.
+                    Event::Started { .. } | Event::Beams(_) => {}
                 }
             }
         }

@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 mod args;
+mod beam_run;
 mod bench;
 mod cache_plan;
 mod convert;

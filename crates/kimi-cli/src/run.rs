@@ -4,6 +4,7 @@ use std::io::{BufRead, Write};
 use std::ops::ControlFlow;
 
 use anyhow::Context;
+use kimi_engine::beam::BeamParams;
 use kimi_engine::sampling::SamplingParams;
 use kimi_engine::stop::StopMatcher;
 use kimi_engine::{Engine, FinishReason};
@@ -31,6 +32,19 @@ fn run_on<B: Backend + 'static>(backend: B, a: RunArgs) -> anyhow::Result<()> {
     } else {
         tok.encode(&a.prompt, false)?
     };
+    if let Some(num_beams) = a.num_beams {
+        let beam = BeamParams {
+            num_beams,
+            num_return: num_beams,
+            length_penalty: a.length_penalty,
+            early_stopping: a.early_stopping,
+        };
+        let params = SamplingParams {
+            beam: Some(beam),
+            ..params
+        };
+        return crate::beam_run::run_beams(loaded.engine, tok, ids, params);
+    }
     let out = generate_streaming(&loaded.engine, tok, &ids, &params)?;
     println!();
     if a.stats {
@@ -169,6 +183,7 @@ pub fn sampling_params(s: &SamplingArgs) -> SamplingParams {
         stop_token_ids: s.stop_ids.clone(),
         ignore_eos: s.ignore_eos,
         logprobs: s.logprobs,
+        beam: None,
     }
 }
 

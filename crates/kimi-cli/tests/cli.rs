@@ -178,6 +178,33 @@ fn run_chat_with_stats_and_logprobs() {
 }
 
 #[test]
+fn run_beam_search_prints_the_best_beam_and_every_score() {
+    let args = [
+        "run",
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "6",
+    ];
+    let beams = run(&[&args[..], &["--num-beams", "3", "--length-penalty", "0.5"]].concat());
+    assert!(beams.status.success(), "{}", stderr(&beams));
+    let err = stderr(&beams);
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("[beam ")).collect();
+    assert_eq!(lines.len(), 3, "{err}");
+    assert!(
+        lines[0].contains("score") && lines[0].contains("finish"),
+        "{err}"
+    );
+    // One beam is greedy decoding.
+    let one = run(&[&args[..], &["--num-beams", "1"]].concat());
+    assert!(one.status.success(), "{}", stderr(&one));
+    assert_eq!(stdout(&one), stdout(&run(&args)));
+    let hot = run(&[&args[..], &["--num-beams", "2", "--temperature", "0.5"]].concat());
+    assert!(!hot.status.success());
+    assert!(stderr(&hot).contains("--temperature"), "{}", stderr(&hot));
+}
+
+#[test]
 fn invalid_sampling_values_are_refused_in_plain_words() {
     let o = run(&["run", "--prompt", "x", "--top-p", "0"]);
     assert!(!o.status.success());

@@ -42,7 +42,7 @@ use std::sync::OnceLock;
 
 use kimi_core::config::KdaGate;
 use kimi_ops::{
-    Activation, AttentionDims, Backend, ExpertBank, HostTensor, KdaMode, KdaStepInputs,
+    Activation, AttentionDims, Backend, Error, ExpertBank, HostTensor, KdaMode, KdaStepInputs,
     KdaStepWeights, MlaDims, MlaMode, MlpWeights, MoeRoutes, MoeRouting, MoeWeights, PagedSeq,
     Result, RopeStyle, Segment,
 };
@@ -307,6 +307,28 @@ impl Backend for CpuBackend {
     }
     fn fill_zero(&self, t: &mut CpuTensor) -> Result<()> {
         t.as_f32_mut("fill_zero")?.fill(0.0);
+        Ok(())
+    }
+    fn copy_block(&self, pool: &mut CpuTensor, src: usize, dst: usize) -> Result<()> {
+        let num_blocks = pool.shape.first().copied().unwrap_or(0);
+        if src >= num_blocks || dst >= num_blocks {
+            return Err(Error::Shape {
+                op: "copy_block",
+                detail: format!("blocks {src} and {dst} of a pool of {num_blocks}"),
+            });
+        }
+        let block: usize = pool.shape[1..].iter().product();
+        let (from, to) = (src * block, dst * block);
+        match &mut pool.storage {
+            Storage::F32(v) => v.copy_within(from..from + block, to),
+            Storage::F16(v) => v.copy_within(from..from + block, to),
+            _ => {
+                return Err(Error::Shape {
+                    op: "copy_block",
+                    detail: "cache pools are f32 or f16".into(),
+                })
+            }
+        }
         Ok(())
     }
     fn rope(

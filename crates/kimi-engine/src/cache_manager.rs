@@ -26,6 +26,17 @@
 //! value pool) and, per KDA layer, `num_slots` state slots. The backend reads and writes a
 //! sequence's rows through its block table, so freeing a sequence here is all it takes to
 //! reuse its memory.
+//!
+//! Beam search forks sequences ([`CacheManager::fork`]): the child shares the parent's
+//! full blocks, which nobody writes again (a sequence only writes rows past its tokens),
+//! so each block counts its holders and returns to the free list with the last one. The
+//! partial last block would be written by both, so the child gets a copy of it (copy on
+//! write, done at the fork), and a slot of its own for a copy of the KDA state.
+//!
+//! ```text
+//! parent, 10 tokens: [b0, b1, b2]  slot s0      fork ─► child: [b0, b1, b5] slot s1
+//!                     full  full  2 rows                     copy b2 → b5, s0 → s1
+//! ```
 
 use std::collections::VecDeque;
 
@@ -61,6 +72,17 @@ pub(crate) struct CacheManager {
     free_blocks: VecDeque<BlockId>,
     /// Free KDA state slots.
     free_slots: Vec<u32>,
+    /// Sequences holding each block.
+    holders: Vec<u32>,
+}
+
+/// What a fork must copy in the cache pool before the child runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct ForkCopy {
+    /// The parent's partial last block and the child's copy of it.
+    pub(crate) block: Option<(BlockId, BlockId)>,
+    /// The parent's KDA state slot and the child's.
+    pub(crate) slots: (u32, u32),
 }
 
 impl CacheManager {
@@ -71,6 +93,7 @@ impl CacheManager {
             num_blocks,
             free_blocks: (0..num_blocks as BlockId).collect(),
             free_slots: (0..num_slots as u32).rev().collect(),
+            holders: vec![0; num_blocks],
         }
     }
 
@@ -92,13 +115,65 @@ impl CacheManager {
         if needs_slot {
             seq.slot = self.free_slots.pop();
         }
-        seq.block_ids.extend(self.free_blocks.drain(..missing));
+        let new: Vec<BlockId> = self.free_blocks.drain(..missing).collect();
+        for &b in &new {
+            self.holders[b as usize] = 1;
+        }
+        seq.block_ids.extend(new);
         true
     }
 
-    /// Returns every block and the slot of `seq` to the free lists.
+    /// A child of `parent`, which holds `num_tokens` tokens in its cache: it shares the
+    /// full blocks and gets a new block for the partial last one, and a slot; both copies
+    /// are returned for the model runner to make. `None`, changing nothing, when no slot or
+    /// block is free.
+    pub(crate) fn fork(
+        &mut self,
+        parent: &SeqBlocks,
+        num_tokens: usize,
+    ) -> Option<(SeqBlocks, ForkCopy)> {
+        let parent_slot = parent.slot?;
+        let full = num_tokens / self.block_size;
+        let partial = !num_tokens.is_multiple_of(self.block_size);
+        if parent.block_ids.len() < full + usize::from(partial)
+            || (partial && self.free_blocks.is_empty())
+        {
+            return None;
+        }
+        let slot = self.free_slots.pop()?;
+        let mut block_ids = parent.block_ids[..full].to_vec();
+        for &b in &block_ids {
+            self.holders[b as usize] += 1;
+        }
+        let mut block = None;
+        if partial {
+            let dst = self.free_blocks.pop_front()?;
+            self.holders[dst as usize] = 1;
+            block_ids.push(dst);
+            block = Some((parent.block_ids[full], dst));
+        }
+        let child = SeqBlocks {
+            num_sent: block_ids.len(),
+            block_ids,
+            slot: Some(slot),
+        };
+        let copy = ForkCopy {
+            block,
+            slots: (parent_slot, slot),
+        };
+        Some((child, copy))
+    }
+
+    /// Lets go of every block and the slot of `seq`; a block no one else holds returns to
+    /// the free list.
     pub(crate) fn free(&mut self, seq: &mut SeqBlocks) {
-        self.free_blocks.extend(seq.block_ids.drain(..));
+        for b in seq.block_ids.drain(..) {
+            let holders = &mut self.holders[b as usize];
+            *holders = holders.saturating_sub(1);
+            if *holders == 0 {
+                self.free_blocks.push_back(b);
+            }
+        }
         seq.num_sent = 0;
         if let Some(slot) = seq.slot.take() {
             self.free_slots.push(slot);
@@ -159,6 +234,35 @@ mod tests {
         // Freed blocks are reused oldest-freed first, after the never-used ones.
         assert!(cm.allocate(&mut a, 20));
         assert_eq!(a.take_new(), vec![4, 5, 6, 7, 0]);
+    }
+
+    #[test]
+    fn a_fork_shares_full_blocks_and_copies_the_partial_one() {
+        let mut cm = CacheManager::new(8, 4, 3);
+        let mut parent = SeqBlocks::default();
+        assert!(cm.allocate(&mut parent, 10));
+        parent.take_new();
+        let (mut child, copy) = cm.fork(&parent, 10).expect("a block and a slot are free");
+        assert_eq!(child.block_ids, vec![0, 1, 3]);
+        assert_eq!(copy.block, Some((2, 3)));
+        assert_eq!(copy.slots, (0, 1));
+        assert!(
+            child.take_new().is_empty(),
+            "the fork hands the runner its table"
+        );
+        let (mut aligned, copy) = cm.fork(&parent, 8).expect("free");
+        assert_eq!((aligned.block_ids.clone(), copy.block), (vec![0, 1], None));
+        assert!(cm.fork(&parent, 8).is_none(), "no slot left");
+        cm.free(&mut parent);
+        cm.free(&mut aligned);
+        assert_eq!(
+            cm.num_free_blocks(),
+            5,
+            "blocks 0 and 1 are still the child's"
+        );
+        cm.free(&mut child);
+        assert_eq!(cm.num_free_blocks(), 8);
+        assert_eq!(cm.usage(), 0.0);
     }
 
     #[test]

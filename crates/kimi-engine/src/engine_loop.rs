@@ -7,9 +7,12 @@
 //!
 //! Every request lives in two places: the [`Scheduler`] holds its tokens and capacity, and
 //! [`Live`] here holds what only the engine needs (sampler, constraint, event channel).
-//! [`EngineLoop::finish`] removes both together.
+//! [`EngineLoop::finish`] removes both together. Beam search requests run several
+//! sequences each (`beams` module).
 
-use std::collections::HashMap;
+mod beams;
+
+use std::collections::{BTreeSet, HashMap};
 use std::ops::ControlFlow;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -28,6 +31,7 @@ use crate::sampling::{Sampled, Sampler, SamplingParams};
 use crate::scheduler::{Chunk, Scheduler, StepPlan};
 use crate::serving::{EngineMetrics, Event, LogitsProcessor, Request, RequestId, ServingConfig};
 use crate::FinishReason;
+use beams::{BeamGroup, FIRST_FORK_ID};
 
 /// What the handle tells the engine thread.
 pub(crate) enum Command {
@@ -73,6 +77,8 @@ struct Live {
     queued_secs: Option<f64>,
     /// `Event::Started` was sent.
     started: bool,
+    /// The beams of a beam search request.
+    beam: Option<BeamGroup>,
 }
 
 /// How a request leaves the engine.
@@ -95,6 +101,10 @@ pub(crate) struct EngineLoop<B: Backend> {
     draining: bool,
     /// Counters since start (the queue fields are filled in when published).
     totals: EngineMetrics,
+    /// The request of every forked beam.
+    beam_owner: HashMap<RequestId, RequestId>,
+    /// The id of the next forked beam.
+    next_fork_id: u64,
 }
 
 impl<B: Backend> EngineLoop<B> {
@@ -123,6 +133,8 @@ impl<B: Backend> EngineLoop<B> {
             max_model_len: config.max_model_len,
             draining: false,
             totals,
+            beam_owner: HashMap::new(),
+            next_fork_id: FIRST_FORK_ID,
         })
     }
 
@@ -170,7 +182,8 @@ impl<B: Backend> EngineLoop<B> {
             Command::Cancel(id) => self.finish(id, End::Finished(FinishReason::Cancelled)),
             Command::Shutdown { graceful: true } => self.draining = true,
             Command::Shutdown { graceful: false } => {
-                let ids: Vec<RequestId> = self.scheduler.ids().collect();
+                let ids: BTreeSet<RequestId> =
+                    self.scheduler.ids().map(|id| self.owner(id)).collect();
                 for id in ids {
                     self.finish(id, End::Finished(FinishReason::Cancelled));
                 }
@@ -188,6 +201,12 @@ impl<B: Backend> EngineLoop<B> {
             events,
             arrival,
         } = submission;
+        let beam = request.params.beam.clone().map(|beam| {
+            let prompt_len = request.prompt.len();
+            let (params, eos) = (&request.params, &request.eos_ids);
+            BeamGroup::new(id, params, beam, eos, prompt_len, self.max_model_len)
+        });
+        let width = request.params.beam.as_ref().map(|b| b.num_beams);
         let live = Live {
             events,
             sampler: Sampler::new(&request.params),
@@ -197,9 +216,13 @@ impl<B: Backend> EngineLoop<B> {
             arrival,
             queued_secs: None,
             started: false,
+            beam,
         };
         self.live.insert(id, live);
-        self.scheduler.add(id, request.prompt);
+        match width {
+            Some(width) => self.scheduler.add_beams(id, request.prompt, width),
+            None => self.scheduler.add(id, request.prompt),
+        }
     }
 
     /// Removes requests whose event receiver was dropped.
@@ -231,9 +254,9 @@ impl<B: Backend> EngineLoop<B> {
         // When every sampling row is plain greedy, the backend picks the tokens where the
         // logits are and only token ids come back.
         let greedy = plan.chunks.iter().filter(|c| c.samples).all(|c| {
-            self.live
-                .get(&c.id)
-                .is_some_and(|l| l.processor.is_none() && l.sampler.is_plain_greedy())
+            self.live.get(&c.id).is_some_and(|l| {
+                l.processor.is_none() && l.beam.is_none() && l.sampler.is_plain_greedy()
+            })
         });
         let picks = if greedy {
             Picks::Greedy
@@ -262,7 +285,7 @@ impl<B: Backend> EngineLoop<B> {
             }
             Err(message) => {
                 for chunk in &plan.chunks {
-                    self.finish(chunk.id, End::Error(message.clone()));
+                    self.finish(self.owner(chunk.id), End::Error(message.clone()));
                 }
             }
         }
@@ -310,10 +333,14 @@ impl<B: Backend> EngineLoop<B> {
     fn sample_rows(&mut self, chunks: &[Chunk], mut logits: Vec<f32>, vocab_size: usize) {
         let sampling = chunks.iter().filter(|c| c.samples);
         for (chunk, row) in sampling.zip(logits.chunks_exact_mut(vocab_size.max(1))) {
+            if self.take_beam_row(chunk.id, row) {
+                continue;
+            }
             if let Err(end) = self.sample_one(chunk.id, Pick::Sample(row)) {
                 self.finish(chunk.id, end);
             }
         }
+        self.advance_beams();
     }
 
     /// The rules for the backend to sample every row of this step where the logits are,
@@ -325,9 +352,9 @@ impl<B: Backend> EngineLoop<B> {
         }
         let sampling = || chunks.iter().filter(|c| c.samples);
         let eligible = sampling().all(|c| {
-            self.live
-                .get(&c.id)
-                .is_some_and(|l| l.processor.is_none() && !l.sampler.wants_logprob())
+            self.live.get(&c.id).is_some_and(|l| {
+                l.processor.is_none() && l.beam.is_none() && !l.sampler.wants_logprob()
+            })
         });
         if !eligible {
             return None;
@@ -409,6 +436,17 @@ impl<B: Backend> EngineLoop<B> {
         let Some(live) = self.live.remove(&id) else {
             return;
         };
+        if let Some(beams) = &live.beam {
+            self.remove_beams(id);
+            if let End::Finished(reason) = end {
+                for event in Self::beam_results(beams, reason) {
+                    let _ = live.events.send(event);
+                }
+            } else if let End::Error(message) = end {
+                let _ = live.events.send(Event::Error(message));
+            }
+            return;
+        }
         let (prompt_tokens, completion_tokens) =
             seq.map_or((0, 0), |s| (s.num_prompt_tokens, s.num_output_tokens()));
         let event = match end {

@@ -11,6 +11,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod beam;
 mod cache_manager;
 mod engine_loop;
 mod generate;

@@ -18,6 +18,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use kimi_model::{Batch, CachePool, CausalLm, ForwardOptions, ForwardOutput, RowPicks, SeqCache};
 use kimi_ops::{Backend, Segment};
 
+use crate::cache_manager::ForkCopy;
 use crate::scheduler::Chunk;
 use crate::serving::RequestId;
 
@@ -44,6 +45,34 @@ impl<B: Backend> ModelRunner<B> {
     /// cache manager, which frees them in the same call.
     pub(crate) fn release(&mut self, id: RequestId) {
         self.seqs.remove(&id);
+    }
+
+    /// Makes `child` a copy of `parent`'s cached state, in the blocks and slot the cache
+    /// manager gave it (`copy` says what to duplicate; the full blocks are shared). On
+    /// error the child has no cache here and must be prefilled.
+    pub(crate) fn fork(
+        &mut self,
+        parent: RequestId,
+        child: RequestId,
+        copy: &ForkCopy,
+        block_ids: Vec<u32>,
+    ) -> Result<(), String> {
+        let Some(num_tokens) = self.seqs.get(&parent).map(|s| s.num_tokens) else {
+            return Err(format!("request {} has no cache to fork", parent.0));
+        };
+        let backend = self.model.backend();
+        catch_unwind(AssertUnwindSafe(|| {
+            self.pool.fork_state(backend, copy.slots, copy.block)
+        }))
+        .map_err(|p| panic_message(&*p))?
+        .map_err(|e| e.to_string())?;
+        let seq = SeqCache {
+            block_table: block_ids,
+            slot: copy.slots.1,
+            num_tokens,
+        };
+        self.seqs.insert(child, seq);
+        Ok(())
     }
 
     /// Whether the backend samples where the logits are ([`Backend::samples_on_device`]).

@@ -20,6 +20,8 @@ use kimi_ops::{RowSampling, TokenPenalty};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use crate::beam::BeamParams;
+
 /// The most alternatives a request may ask for with [`SamplingParams::logprobs`] (as OpenAI).
 pub const MAX_LOGPROBS: usize = 20;
 
@@ -61,6 +63,9 @@ pub struct SamplingParams {
     /// `Some(n)`: return the chosen token's logprob and the `n` most likely alternatives
     /// (`n <= 20`).
     pub logprobs: Option<usize>,
+    /// `Some`: beam search instead of sampling ([`crate::beam`]); the output is the best
+    /// beams, reported at the end, not streamed.
+    pub beam: Option<BeamParams>,
 }
 
 impl Default for SamplingParams {
@@ -79,6 +84,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            beam: None,
         }
     }
 }
@@ -157,6 +163,9 @@ impl SamplingParams {
         {
             let reason = format!("token id {id} is not in the vocabulary (ids 0..{vocab_size})");
             invalid("stop_token_ids", reason)?;
+        }
+        if let Some(beam) = &self.beam {
+            beam.validate(self)?;
         }
         Ok(())
     }

@@ -19,6 +19,11 @@
 //! cache and blocks and goes back to the front of the waiting queue with its output kept;
 //! when admitted again all its tokens are prefilled anew.
 //!
+//! A beam search is a group of sequences (its beams) that takes `num_beams` of the
+//! `max_num_seqs` seats from the admission of its first beam until its last one leaves, so
+//! forks always find a seat and a state slot. A beam waiting for its group's other rows has
+//! no token left and is not scheduled.
+//!
 //! The scheduler advances `num_computed_tokens` when it schedules (the forward pass is
 //! assumed to succeed; a failed step removes its sequences). The engine loop then appends
 //! each sampled token with [`Scheduler::append_token`] or removes finished sequences.
@@ -27,7 +32,7 @@ use std::collections::{HashMap, VecDeque};
 
 use kimi_core::TokenId;
 
-use crate::cache_manager::{CacheManager, SeqBlocks};
+use crate::cache_manager::{CacheManager, ForkCopy, SeqBlocks};
 use crate::serving::RequestId;
 
 /// One request's tokens and progress.
@@ -40,6 +45,8 @@ pub(crate) struct Sequence {
     /// Tokens already in the sequence's cache.
     pub(crate) num_computed_tokens: usize,
     blocks: SeqBlocks,
+    /// The beam search it belongs to, with the group's width.
+    group: Option<(RequestId, usize)>,
 }
 
 impl Sequence {
@@ -97,6 +104,18 @@ pub(crate) struct Scheduler {
     /// Oldest admission first; preemption takes from the back.
     running: Vec<RequestId>,
     num_preemptions: u64,
+    /// Beam groups admitted: their width in seats, and how many of their beams remain.
+    groups: HashMap<RequestId, (usize, usize)>,
+}
+
+/// Where a forked beam's cache comes from.
+#[derive(Debug)]
+pub(crate) enum Forked {
+    /// It shares its parent's cache: the runner copies what [`ForkCopy`] says, and the
+    /// child's table is `block_ids`.
+    Shared { copy: ForkCopy, block_ids: Vec<u32> },
+    /// No cache to share or no room: it waits to be prefilled from scratch.
+    Recompute,
 }
 
 impl Scheduler {
@@ -114,16 +133,32 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             num_preemptions: 0,
+            groups: HashMap::new(),
         }
     }
 
     /// Queues a new sequence at the back of the waiting queue.
     pub(crate) fn add(&mut self, id: RequestId, prompt: Vec<TokenId>) {
+        self.add_sequence(id, prompt, None);
+    }
+
+    /// Queues the first beam of a beam search `width` beams wide; its id names the group.
+    pub(crate) fn add_beams(&mut self, id: RequestId, prompt: Vec<TokenId>, width: usize) {
+        self.add_sequence(id, prompt, Some((id, width.max(1))));
+    }
+
+    fn add_sequence(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<TokenId>,
+        group: Option<(RequestId, usize)>,
+    ) {
         let seq = Sequence {
             num_prompt_tokens: prompt.len(),
             tokens: prompt,
             num_computed_tokens: 0,
             blocks: SeqBlocks::default(),
+            group,
         };
         if self.seqs.insert(id, seq).is_none() {
             self.waiting.push_back(id);
@@ -136,7 +171,86 @@ impl Scheduler {
         self.cache.free(&mut seq.blocks);
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&w| w != id);
+        if let Some((group, _)) = seq.group {
+            if let Some(members) = self.groups.get_mut(&group).map(|g| &mut g.1) {
+                *members = members.saturating_sub(1);
+                if *members == 0 {
+                    self.groups.remove(&group);
+                }
+            }
+        }
         Some(seq)
+    }
+
+    /// A new beam `child`: `parent`'s tokens then `token`. It shares the parent's cache when
+    /// the parent has its tokens cached and a block and slot are free; otherwise it waits
+    /// to be prefilled. Returns how, or `None` when `parent` is unknown.
+    pub(crate) fn fork(
+        &mut self,
+        parent: RequestId,
+        child: RequestId,
+        token: TokenId,
+    ) -> Option<Forked> {
+        let p = self.seqs.get(&parent)?;
+        let mut tokens = p.tokens.clone();
+        tokens.push(token);
+        let cached = p.num_computed_tokens == p.tokens.len() && self.running.contains(&parent);
+        let shared = if cached {
+            self.cache.fork(&p.blocks, p.num_computed_tokens)
+        } else {
+            None
+        };
+        let mut seq = Sequence {
+            tokens,
+            num_prompt_tokens: p.num_prompt_tokens,
+            num_computed_tokens: 0,
+            blocks: SeqBlocks::default(),
+            group: p.group,
+        };
+        if let Some((group, _)) = seq.group {
+            if let Some(g) = self.groups.get_mut(&group) {
+                g.1 += 1;
+            }
+        }
+        let forked = match shared {
+            Some((blocks, copy)) => {
+                seq.num_computed_tokens = p.num_computed_tokens;
+                let block_ids = blocks.block_ids.clone();
+                seq.blocks = blocks;
+                self.running.push(child);
+                Forked::Shared { copy, block_ids }
+            }
+            None => {
+                self.waiting.push_front(child);
+                Forked::Recompute
+            }
+        };
+        self.seqs.insert(child, seq);
+        Some(forked)
+    }
+
+    /// Drops the cache of `id` (the runner could not fork it) so that it is prefilled anew.
+    pub(crate) fn recompute(&mut self, id: RequestId) {
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        self.cache.free(&mut seq.blocks);
+        seq.num_computed_tokens = 0;
+        if self.running.contains(&id) {
+            self.running.retain(|&r| r != id);
+            self.waiting.push_front(id);
+        }
+    }
+
+    /// Seats taken: running sequences outside beam groups, plus every admitted group's
+    /// width.
+    fn seats_taken(&self) -> usize {
+        let plain = self
+            .running
+            .iter()
+            .filter(|id| self.seqs.get(id).is_some_and(|s| s.group.is_none()))
+            .count();
+        plain + self.groups.values().map(|g| g.0).sum::<usize>()
     }
 
     /// The sequence `id`, if it is waiting or running.
@@ -191,7 +305,33 @@ impl Scheduler {
         if plan.preempted.is_empty() {
             self.admit_waiting(&mut plan, &mut budget);
         }
+        if plan.chunks.is_empty() && !self.waiting.is_empty() {
+            // Nothing can run: beams waiting for their group hold the blocks the waiting
+            // sequences need. Their rows are kept, so dropping their caches loses nothing
+            // but the recompute.
+            self.release_idle();
+            self.admit_waiting(&mut plan, &mut budget);
+        }
         plan
+    }
+
+    /// Frees the cache of every running sequence with no token left (a beam waiting for
+    /// its group) and queues it behind the waiting ones, to be prefilled again.
+    fn release_idle(&mut self) {
+        let idle: Vec<RequestId> = self
+            .running
+            .iter()
+            .copied()
+            .filter(|id| self.seqs.get(id).is_some_and(|s| s.num_left() == 0))
+            .collect();
+        for id in idle {
+            if let Some(seq) = self.seqs.get_mut(&id) {
+                self.cache.free(&mut seq.blocks);
+                seq.num_computed_tokens = 0;
+            }
+            self.running.retain(|&r| r != id);
+            self.waiting.push_back(id);
+        }
     }
 
     /// Step 1: one token for every running sequence that has one left, growing its block
@@ -262,19 +402,39 @@ impl Scheduler {
     /// Step 3: admits waiting sequences in order while a sequence slot, budget and blocks
     /// for all of the next one's tokens are free.
     fn admit_waiting(&mut self, plan: &mut StepPlan, budget: &mut usize) {
-        while *budget > 0 && self.running.len() < self.max_num_seqs {
-            let Some(&id) = self.waiting.front() else {
-                return;
-            };
-            let Some(seq) = self.seqs.get_mut(&id) else {
-                self.waiting.pop_front();
+        let mut i = 0;
+        let mut out_of_seats = false;
+        while *budget > 0 && i < self.waiting.len() {
+            let id = self.waiting[i];
+            let Some(seq) = self.seqs.get(&id) else {
+                self.waiting.remove(i);
                 continue;
+            };
+            // A beam of an admitted group has its seat already; a new group needs all its
+            // beams' seats.
+            let seats = match seq.group {
+                Some((group, _)) if self.groups.contains_key(&group) => 0,
+                Some((_, width)) => width,
+                None => 1,
+            };
+            if seats > 0 && (out_of_seats || self.seats_taken() + seats > self.max_num_seqs) {
+                // Only beams that need no seat may pass it: their groups end only once
+                // every beam has run.
+                out_of_seats = true;
+                i += 1;
+                continue;
+            }
+            let Some(seq) = self.seqs.get_mut(&id) else {
+                return;
             };
             if !self.cache.allocate(&mut seq.blocks, seq.tokens.len()) {
                 return;
             }
+            if let Some((group, width)) = seq.group {
+                self.groups.entry(group).or_insert((width, 1));
+            }
             let left = seq.num_left();
-            self.waiting.pop_front();
+            self.waiting.remove(i);
             self.running.push(id);
             self.schedule_chunk(id, left.min(*budget), plan, budget);
         }
@@ -431,6 +591,57 @@ mod tests {
         assert_eq!(s.num_waiting(), 1);
         assert_eq!(s.num_running(), 1);
         assert_eq!(s.cache.num_free_blocks(), 1);
+    }
+
+    #[test]
+    fn a_beam_group_holds_its_width_in_seats_and_forks_share_blocks() {
+        let mut s = scheduler(4, 64, 16, 4);
+        s.add_beams(RequestId(0), vec![1; 6], 3);
+        s.add(RequestId(1), vec![1; 2]);
+        s.add(RequestId(2), vec![1; 2]);
+        let plan = s.schedule();
+        // Three seats for the group and one for request 1: request 2 waits.
+        assert_eq!(lens(&plan), vec![(0, 0, 6, true), (1, 0, 2, true)]);
+        assert_eq!(s.num_waiting(), 1);
+        let Some(Forked::Shared { copy, block_ids }) = s.fork(RequestId(0), RequestId(10), 5)
+        else {
+            panic!("the first beam is cached and a block and slot are free");
+        };
+        // Request 0 holds [0, 1] (6 tokens), request 1 [2]: the fork shares block 0 and
+        // copies the partial block 1 into 3.
+        assert_eq!(block_ids, vec![0, 3]);
+        assert_eq!(copy.block, Some((1, 3)));
+        s.append_token(RequestId(0), 7);
+        s.append_token(RequestId(1), 7);
+        let plan = s.schedule();
+        assert_eq!(
+            lens(&plan),
+            vec![(0, 6, 1, true), (1, 2, 1, true), (10, 6, 1, true)]
+        );
+        assert_eq!(s.num_waiting(), 1, "the group still holds three seats");
+        s.append_token(RequestId(1), 7);
+        s.remove(RequestId(0));
+        s.remove(RequestId(10));
+        let plan = s.schedule();
+        assert_eq!(lens(&plan), vec![(1, 3, 1, true), (2, 0, 2, true)]);
+    }
+
+    #[test]
+    fn a_beam_of_an_admitted_group_passes_a_request_waiting_for_a_seat() {
+        let mut s = scheduler(3, 64, 16, 4);
+        s.add_beams(RequestId(0), vec![1; 4], 2);
+        s.add(RequestId(1), vec![1; 4]);
+        s.add(RequestId(2), vec![1; 4]);
+        let plan = s.schedule();
+        assert_eq!(lens(&plan), vec![(0, 0, 4, true), (1, 0, 4, true)]);
+        // The beam lost its cache and queues behind request 2, which has no seat: the
+        // group's seats are its own, so it goes first.
+        s.recompute(RequestId(0));
+        s.waiting = VecDeque::from([RequestId(2), RequestId(0)]);
+        s.append_token(RequestId(1), 7);
+        let plan = s.schedule();
+        assert_eq!(lens(&plan), vec![(1, 4, 1, true), (0, 0, 4, true)]);
+        assert_eq!(s.waiting, VecDeque::from([RequestId(2)]));
     }
 
     #[test]

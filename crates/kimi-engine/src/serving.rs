@@ -20,6 +20,7 @@ use kimi_model::CausalLm;
 use kimi_ops::Backend;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
+use crate::beam::{BeamOutput, BeamParams};
 use crate::engine_loop::{Command, EngineLoop, Shared, Submission};
 use crate::sampling::{Sampled, SamplingParams};
 use crate::{EngineError, FinishReason};
@@ -70,7 +71,8 @@ pub struct Request {
 pub struct RequestId(pub u64);
 
 /// What the engine reports about a request, in order: `Started` once, `Token`s, then
-/// exactly one `Finished` or `Error`.
+/// exactly one `Finished` or `Error`. A beam search request sends no `Token`s: its beams
+/// come in one `Beams` just before `Finished`.
 #[derive(Clone, Debug)]
 pub enum Event {
     /// Prefill finished; `queued_secs` is the wait before it was scheduled.
@@ -80,6 +82,8 @@ pub enum Event {
     },
     /// A new output token.
     Token(Sampled),
+    /// The best beams of a beam search, best first.
+    Beams(Vec<BeamOutput>),
     /// Generation ended normally.
     Finished {
         /// Why.
@@ -181,6 +185,10 @@ struct Inner {
     vocab_size: usize,
     max_model_len: usize,
     max_waiting: usize,
+    /// Cache limits a beam search must fit in.
+    max_num_seqs: usize,
+    block_size: usize,
+    num_blocks: usize,
 }
 
 struct Control {
@@ -223,7 +231,7 @@ struct Control {
 ///     match event {
 ///         Event::Token(t) => println!("{}", t.token),
 ///         Event::Finished { .. } | Event::Error(_) => break,
-///         Event::Started { .. } => {}
+///         Event::Started { .. } | Event::Beams(_) => {}
 ///     }
 /// }
 /// engine.shutdown(true);
@@ -272,6 +280,9 @@ impl EngineHandle {
                 vocab_size,
                 max_model_len: config.max_model_len,
                 max_waiting: config.max_waiting,
+                max_num_seqs: config.max_num_seqs,
+                block_size: config.block_size,
+                num_blocks: config.num_blocks,
             }),
         })
     }
@@ -342,7 +353,46 @@ impl EngineHandle {
                 "prompt token {i} has id {id}, which is not in the vocabulary (ids 0..{vocab})"
             ));
         }
-        request.params.validate(vocab).map_err(|e| e.to_string())
+        request.params.validate(vocab).map_err(|e| e.to_string())?;
+        match &request.params.beam {
+            Some(beam) => self.check_beams(beam, request),
+            None => Ok(()),
+        }
+    }
+
+    /// Why the cache cannot hold this beam search, if it cannot: every beam is a running
+    /// sequence, and beams share the prompt's full blocks but, in the worst case, nothing
+    /// after them.
+    fn check_beams(&self, beam: &BeamParams, request: &Request) -> Result<(), String> {
+        let inner = &self.inner;
+        if request.logits_processor.is_some() {
+            return Err(
+                "beam search cannot be combined with constrained decoding or logit biases \
+                 (tools, response_format, logit_bias)"
+                    .into(),
+            );
+        }
+        if beam.num_beams > inner.max_num_seqs {
+            return Err(format!(
+                "beam search with {} beams needs as many running sequences, but this server \
+                 runs at most {} (--max-num-seqs)",
+                beam.num_beams, inner.max_num_seqs
+            ));
+        }
+        let prompt = request.prompt.len();
+        let output = request.params.max_tokens.min(inner.max_model_len - prompt);
+        let bs = inner.block_size.max(1);
+        let per_beam = (prompt % bs + output).div_ceil(bs);
+        let needed = (prompt / bs).saturating_add(beam.num_beams.saturating_mul(per_beam));
+        if needed > inner.num_blocks {
+            return Err(format!(
+                "beam search with {} beams of up to {output} tokens after a {prompt}-token \
+                 prompt may need {needed} cache blocks of {bs} tokens, more than the {} this \
+                 server has; lower max_tokens or the number of beams",
+                beam.num_beams, inner.num_blocks
+            ));
+        }
+        Ok(())
     }
 
     /// Cancels a request (idempotent); its capacity is freed before the next step. Its

@@ -142,6 +142,7 @@ fn collect_from(rx: &mut UnboundedReceiver<Event>, mut out: Outcome) -> Outcome 
                 out.error = Some(e);
                 break;
             }
+            Event::Beams(b) => panic!("a sampled request reported beams: {b:?}"),
         }
     }
     out

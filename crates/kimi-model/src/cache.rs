@@ -237,6 +237,54 @@ impl<B: Backend> CachePool<B> {
             .sum()
     }
 
+    /// Gives slot `dst` a copy of slot `src`'s KDA state and, with `block`, every
+    /// token-indexed layer's block `block.1` a copy of block `block.0`: what a forked
+    /// sequence needs before its first step. The KDA state travels through the host (one
+    /// slot per layer, on forks only), so every backend can do it; blocks need
+    /// [`Backend::copy_block`].
+    pub fn fork_state(
+        &mut self,
+        backend: &B,
+        (src, dst): (u32, u32),
+        block: Option<(u32, u32)>,
+    ) -> Result<()> {
+        let (src, dst) = (src as usize, dst as usize);
+        if src.max(dst) >= self.num_slots || src == dst {
+            return Err(input(&format!(
+                "cannot fork state slot {src} into {dst} in a pool of {}",
+                self.num_slots
+            )));
+        }
+        let copy = |t: &B::Tensor| -> Result<B::Tensor> {
+            Ok(backend.upload_f32(backend.shape(t), &backend.to_f32(t)?)?)
+        };
+        for layer in &mut self.layers {
+            match layer {
+                LayerPool::Kda { conv, state } => {
+                    let windows = [
+                        copy(&conv[src][0])?,
+                        copy(&conv[src][1])?,
+                        copy(&conv[src][2])?,
+                    ];
+                    conv[dst] = windows;
+                    state[dst] = copy(&state[src])?;
+                }
+                LayerPool::Mla { latent } => {
+                    if let Some((from, to)) = block {
+                        backend.copy_block(latent, from as usize, to as usize)?;
+                    }
+                }
+                LayerPool::Kv { k, v } => {
+                    if let Some((from, to)) = block {
+                        backend.copy_block(k, from as usize, to as usize)?;
+                        backend.copy_block(v, from as usize, to as usize)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Checks that the pool has one layer per model layer and that the sequences' slots
     /// are distinct and inside the pool; zeroes the KDA state of every sequence that
     /// starts (`num_tokens == 0`).

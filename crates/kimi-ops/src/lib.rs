@@ -787,6 +787,14 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// Copies block `src` of a cache pool `[num_blocks, block_size, width]` over block
+    /// `dst` (forking a beam copies the partial block its parent would overwrite). The
+    /// default says it is unsupported, and the engine prefills the fork instead.
+    fn copy_block(&self, pool: &mut Self::Tensor, src: usize, dst: usize) -> Result<()> {
+        let _ = (pool, src, dst);
+        Err(Error::Unsupported("copy_block".into()))
+    }
+
     /// Rotary position embedding of `x [n, num_heads * head_dim]`, one position per row.
     ///
     /// Pair `i` of each head (`0 <= i < head_dim / 2`, paired as `style` says) is rotated by

@@ -29,6 +29,7 @@ use kimi_tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::access_log::RequestRecord;
+use crate::beam_relay::BeamRelay;
 use crate::decode::{token_bytes, ByteDecoder};
 use crate::error::ApiError;
 use crate::json_tool_parser::{JsonToolParser, ToolEvent};
@@ -317,6 +318,8 @@ pub(crate) struct Run {
     next_poll: usize,
     /// Where the access log reads the token counts.
     record: Option<Arc<RequestRecord>>,
+    /// Beam search requests whose beams have not come yet.
+    relays: Vec<BeamRelay>,
     _permit: Permit,
 }
 
@@ -349,10 +352,20 @@ impl Run {
             arrival,
             next_poll: 0,
             record,
+            relays: Vec::new(),
             _permit: permit,
         };
         let eos_ids = state.tokenizer.eos_ids();
-        for setup in setups {
+        let mut setups = setups.into_iter();
+        while let Some(setup) = setups.next() {
+            if let Some(n) = setup.params.beam.as_ref().map(|b| b.num_return) {
+                // A beam search's `n` choices come as `n` equal setups: one request.
+                for _ in 1..n {
+                    setups.next();
+                }
+                run.submit_beams(setup, n, options, eos_ids.clone())?;
+                continue;
+            }
             let output = ChoiceOutput::new(options, &setup.params.stop);
             let prompt_tokens = setup.prompt.len();
             let request = Request {
@@ -377,6 +390,40 @@ impl Run {
         Ok(run)
     }
 
+    /// Submits one beam search request for `n` choices.
+    fn submit_beams(
+        &mut self,
+        setup: SequenceSetup,
+        n: usize,
+        options: OutputOptions,
+        eos_ids: Vec<u32>,
+    ) -> Result<(), ApiError> {
+        let prompt_tokens = setup.prompt.len();
+        let stop = setup.params.stop.clone();
+        let request = Request {
+            prompt: setup.prompt,
+            params: setup.params,
+            eos_ids,
+            logits_processor: setup.processor,
+        };
+        let (id, events) = self.state.generator.submit(request).map_err(submit_error)?;
+        let (relay, receivers) = BeamRelay::new(events, n, prompt_tokens);
+        self.relays.push(relay);
+        for events in receivers {
+            self.sequences.push(Sequence {
+                id,
+                events,
+                output: ChoiceOutput::new(options, &stop),
+                done: false,
+                prompt_tokens,
+                queue_secs: None,
+                first_token: None,
+                last_token: None,
+            });
+        }
+        Ok(())
+    }
+
     /// Tokens generated so far by each choice.
     pub(crate) fn completion_tokens(&self) -> usize {
         self.sequences.iter().map(|s| s.output.num_tokens).sum()
@@ -397,6 +444,7 @@ impl Run {
         let num = self.sequences.len();
         let start = self.next_poll;
         poll_fn(|cx| {
+            self.relays.retain_mut(|relay| relay.poll(cx).is_pending());
             let mut any_running = false;
             for k in 0..num {
                 let i = (start + k) % num;
@@ -441,6 +489,11 @@ impl Run {
             }
             Some(Event::Error(message)) => {
                 delta.error = Some(message);
+                delta.finish_reason = Some("error");
+            }
+            // The relay turns beams into tokens; a choice never sees them.
+            Some(Event::Beams(_)) => {
+                delta.error = Some("internal error: beams reached a choice unrelayed".into());
                 delta.finish_reason = Some("error");
             }
             None => {

@@ -45,6 +45,7 @@
 
 mod access_log;
 mod auth;
+mod beam_relay;
 mod chat;
 mod chat_format;
 mod chat_request;

@@ -1,7 +1,9 @@
 //! Sampling parameters shared by `/v1/chat/completions` and `/v1/completions`: OpenAI's
 //! fields plus vLLM's extensions (`top_k`, `min_p`, `repetition_penalty`,
-//! `stop_token_ids`, `ignore_eos`, `skip_special_tokens`).
+//! `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, and beam search:
+//! `use_beam_search`, `best_of`, `length_penalty`, `early_stopping`).
 
+use kimi_engine::beam::BeamParams;
 use kimi_engine::sampling::{SamplingError, SamplingParams};
 
 use crate::error::ApiError;
@@ -71,12 +73,20 @@ pub(crate) fn parse_common(
         }
     }
     let n = body.int_in("n", 1, MAX_N)?.unwrap_or(1) as usize;
-    if let Some(best_of) = body.int("best_of")? {
+    let stream = body.bool("stream")?.unwrap_or(false);
+    if body.bool("use_beam_search")?.unwrap_or(false) {
+        sampling.beam = Some(parse_beams(body, n, stream)?);
+        // Beams are ranked by log probability: temperature 0 unless the client says otherwise
+        // (and then validation names it).
+        sampling.temperature = body.f32("temperature")?.unwrap_or(0.0);
+    } else if let Some(best_of) = body.int("best_of")? {
         if best_of != n as i64 {
-            return Err(bad_value("best_of", "is not supported (only best_of == n)"));
+            return Err(bad_value(
+                "best_of",
+                "is only supported with use_beam_search (or equal to n)",
+            ));
         }
     }
-    let stream = body.bool("stream")?.unwrap_or(false);
     let include_usage = match body.object("stream_options")? {
         None => false,
         Some(_) if !stream => {
@@ -99,6 +109,40 @@ pub(crate) fn parse_common(
         include_usage,
         logit_bias: parse_logit_bias(body, vocab_size)?,
         skip_special_tokens: body.bool("skip_special_tokens")?.unwrap_or(true),
+    })
+}
+
+/// vLLM's beam search fields: `best_of` beams (default `n`), of which the `n` best are
+/// returned, `length_penalty` and `early_stopping`.
+fn parse_beams(body: &Body, n: usize, stream: bool) -> Result<BeamParams, ApiError> {
+    if stream {
+        return Err(bad_value(
+            "stream",
+            "is not supported with use_beam_search: the beams are only known at the end \
+             (vLLM does not stream beam search either)",
+        ));
+    }
+    let num_beams = match body.int("best_of")? {
+        None => n,
+        Some(b) if b < n as i64 => {
+            return Err(bad_value(
+                "best_of",
+                format!("must be at least n ({n}) with use_beam_search, got {b}"),
+            ))
+        }
+        Some(b) if b > MAX_N => {
+            return Err(bad_value(
+                "best_of",
+                format!("must be at most {MAX_N}, got {b}"),
+            ))
+        }
+        Some(b) => b as usize,
+    };
+    Ok(BeamParams {
+        num_beams,
+        num_return: n,
+        length_penalty: body.f32("length_penalty")?.unwrap_or(1.0),
+        early_stopping: body.bool("early_stopping")?.unwrap_or(false),
     })
 }
 
@@ -177,10 +221,12 @@ pub(crate) fn finalize(
         let SamplingError::Invalid { field, .. } = &err else {
             return ApiError::invalid(err.to_string(), None);
         };
-        let param = if *field == "logprobs" {
-            logprobs_param
-        } else {
-            field
+        let param = match *field {
+            "logprobs" => logprobs_param,
+            // The engine's beam fields, as the request spells them.
+            "num_beams" => "best_of",
+            "num_return" => "n",
+            other => other,
         };
         ApiError::invalid(err.to_string(), Some(param)).code("invalid_value")
     })?;
@@ -216,6 +262,30 @@ mod tests {
         let err = finalize(&c, 1, 20, 100, None, "prompt", "logprobs").expect_err("top_p 0");
         assert_eq!(err.param.as_deref(), Some("top_p"));
         assert!(common(r#"{"logit_bias": {"100": 1}}"#).is_err());
+        let beams = common(
+            r#"{"use_beam_search": true, "n": 2, "best_of": 3,
+                "length_penalty": 0.5, "early_stopping": true}"#,
+        )
+        .expect("valid");
+        assert_eq!(
+            beams.sampling.temperature, 0.0,
+            "beam search defaults to temperature 0"
+        );
+        assert_eq!(
+            beams.sampling.beam,
+            Some(BeamParams {
+                num_beams: 3,
+                num_return: 2,
+                length_penalty: 0.5,
+                early_stopping: true
+            })
+        );
+        let err = common(r#"{"use_beam_search": true, "n": 3, "best_of": 2}"#).expect_err("n");
+        assert_eq!(err.param.as_deref(), Some("best_of"));
+        let err = common(r#"{"use_beam_search": true, "stream": true}"#).expect_err("stream");
+        assert_eq!(err.param.as_deref(), Some("stream"));
+        let err = common(r#"{"best_of": 2}"#).expect_err("best_of without beams");
+        assert_eq!(err.param.as_deref(), Some("best_of"));
         assert!(common(r#"{"logit_bias": {"5": 101}}"#).is_err());
         assert_eq!(
             common(r#"{"logit_bias": {"5": -100}}"#)
