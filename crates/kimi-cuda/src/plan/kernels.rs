@@ -71,7 +71,7 @@ fn bulk_rows(k: usize) -> Option<usize> {
 }
 
 /// Where `gemv_bulk` beat `gemv_bf16` on an H200 (`check gemv-bench`,
-/// device-results/2026-11-30-session5): at one token everywhere but very short rows (it
+/// device-results/2026-11-30-50826b9): at one token everywhere but very short rows (it
 /// fetches a whole tile per DRAM round trip); at up to 8 tokens only on narrow matrices
 /// (o <= 1024: router, MLA kv_a, shared expert gate/up, 2.3-2.5x faster) and very long
 /// rows (k >= 8192), since it re-reads every activation row per CTA from L2.
@@ -89,7 +89,7 @@ pub(crate) fn plan_gemv(
 ) -> GemvPath {
     // One token, on request: the persistent streamed kernel, with the activation row
     // staged. It matched `gemv_bulk` at the model's shapes but not bettered it (o_proj was
-    // slower; device-results/2026-12-01-session11), so the automatic choice stays with the
+    // slower; device-results/2026-12-01-ee40ab2), so the automatic choice stays with the
     // latter.
     if cfg.gemv == GemvKernel::Stream && n == 1 {
         if let Some(plan) = stream_plan(cfg.stream_shape, sm_count, k, o, 1, k * 4) {
