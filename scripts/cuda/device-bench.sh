@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything measured on the GPU machine in one session, so that peers and kimi-infer run
+# Everything measured on the GPU machine in one lease of the device, so that peers and kimi-infer run
 # side by side on the same GPU. Build here first: scripts/cuda/build-check.sh; fetch the
 # Python wheels (fla-core, flash-linear-attention, einops, openai) into .whl/ with
 # scripts/cuda/fetch-wheels.sh. Then on the device, from the repository root:
