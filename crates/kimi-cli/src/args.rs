@@ -37,6 +37,9 @@ pub enum Command {
     Chat(ChatArgs),
     /// Write the logits of every position of a token-id sequence as a NumPy .npy file.
     Logits(LogitsArgs),
+    /// Perplexity of a text as llama.cpp's `llama-perplexity` measures it, and the KL
+    /// divergence from a reference model's saved top-k log-probabilities.
+    Perplexity(PerplexityArgs),
     /// Print the architecture, parameter counts, weight bytes and cache sizes of a model.
     Inspect(InspectArgs),
     /// Whether and how a model fits a machine (GPUs, host RAM, disk), and the decode
@@ -378,6 +381,39 @@ pub struct LogitsArgs {
     /// MLA attention form.
     #[arg(long, value_enum, default_value_t = MlaModeArg::Auto)]
     pub mla_mode: MlaModeArg,
+}
+
+/// `kimi-infer perplexity`.
+#[derive(Args, Debug)]
+pub struct PerplexityArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The text to score (UTF-8), e.g. the corpus scripts/fetch_corpus.sh fetches.
+    #[arg(long, short = 'f')]
+    pub text: PathBuf,
+    /// Tokens per window (llama.cpp's `--ctx-size`); the second half of each is scored.
+    #[arg(long, default_value_t = 512)]
+    pub ctx: usize,
+    /// Tokens per forward pass within a window (default: the whole window at once).
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Score at most this many windows (default: every whole window of the text).
+    #[arg(long)]
+    pub chunks: Option<usize>,
+    /// Also write the per-window estimates and the final figures as JSON.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Save each scored token's top-k log-probabilities (and the rest's) for a later
+    /// `--kl-divergence` run (format: docs/kld-format.md).
+    #[arg(long, alias = "kl-divergence-base", conflicts_with = "kl_divergence")]
+    pub save_logits: Option<PathBuf>,
+    /// How many log-probabilities `--save-logits` keeps per token.
+    #[arg(long, default_value_t = 32)]
+    pub top_k: usize,
+    /// Compare against a file `--save-logits` wrote (same text, tokenizer and --ctx): mean
+    /// KL divergence, its standard error, and how often the top token agrees.
+    #[arg(long)]
+    pub kl_divergence: Option<PathBuf>,
 }
 
 /// `kimi-infer inspect`.

@@ -8,11 +8,13 @@ mod cache_plan;
 mod convert;
 mod demo;
 mod inspect;
+mod kld;
 mod load;
 mod logging;
 mod logits;
 mod memory;
 mod npy;
+mod perplexity;
 mod plan;
 mod progress;
 mod run;
@@ -36,6 +38,7 @@ fn main() {
         Command::Run(a) => run::run(a),
         Command::Chat(a) => run::chat(a),
         Command::Logits(a) => logits::logits(a),
+        Command::Perplexity(a) => perplexity::perplexity(a),
         Command::Inspect(a) => inspect::inspect(a),
         Command::Plan(a) => plan::plan(a),
         Command::Bench(a) => bench::bench(a),
