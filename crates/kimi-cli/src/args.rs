@@ -222,6 +222,9 @@ pub struct ModelArgs {
     /// keeps products near f32 accuracy at twice the tensor-core work.
     #[arg(long)]
     pub bf16_activations: bool,
+    /// Routed experts beyond the device's memory.
+    #[command(flatten)]
+    pub offload: crate::offload::OffloadArgs,
 }
 
 /// Where the model runs.

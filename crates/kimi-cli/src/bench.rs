@@ -37,7 +37,7 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
                 RandomDType::F32 => kimi_core::DType::F32,
             };
             (
-                crate::load::load_random(backend, cfg, dtype)?,
+                crate::load::load_random(backend, cfg, dtype, &a.model.offload.load_options()?)?,
                 Some(dtype.size_bytes() as f64),
             )
         }
@@ -140,7 +140,25 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
             a.context
         );
         memory_peak = memory_peak.max(r.memory_used);
+        let offload = r.offload.map(|c| {
+            let tokens = (batch * a.decode_steps).max(1) as f64;
+            println!(
+                "  experts   hit rate {}, {} moved and {:.1} cold pairs per token",
+                c.hit_rate()
+                    .map_or("-".into(), |h| format!("{:.1} %", h * 100.0)),
+                bytes((c.bytes_moved as f64 / tokens) as u64),
+                c.cold_pairs as f64 / tokens
+            );
+            json!({
+                "hit_rate": c.hit_rate(),
+                "hits": c.hits, "fills": c.fills, "evictions": c.evictions,
+                "cold_experts": c.cold_experts, "cold_pairs": c.cold_pairs,
+                "device_pairs": c.device_pairs,
+                "bytes_moved_per_token": c.bytes_moved as f64 / tokens,
+            })
+        });
         batches.push(json!({
+            "offload": offload,
             "batch": batch, "context": a.context, "steps": a.decode_steps,
             "tokens_per_sec": batch as f64 / r.median_step_secs,
             "median_step_ms": r.median_step_secs * 1e3,
@@ -212,6 +230,8 @@ struct BatchTiming {
     min_step_secs: f64,
     prefill_secs: f64,
     memory_used: u64,
+    /// The expert tiers' counters over the timed decode steps (with offloaded experts).
+    offload: Option<kimi_model::OffloadCounts>,
 }
 
 /// Prefills `batch` sequences with `context` tokens each (several sequences per forward pass,
@@ -267,6 +287,7 @@ fn decode_batch<B: Backend>(
     let prefill_secs = prefill_start.elapsed().as_secs_f64();
     let mut times = Vec::with_capacity(steps);
     let mut memory_used = 0;
+    let offload_before = model.offload_counts();
     for _ in 0..steps {
         let b = Batch {
             tokens: last.clone(),
@@ -283,11 +304,16 @@ fn decode_batch<B: Backend>(
         last.copy_from_slice(&out.token_ids);
     }
     times.sort_by(f64::total_cmp);
+    let offload = match (offload_before, model.offload_counts()) {
+        (Some(a), Some(b)) => Some(b - a),
+        _ => None,
+    };
     Ok(BatchTiming {
         median_step_secs: times[times.len() / 2],
         min_step_secs: times[0],
         prefill_secs,
         memory_used,
+        offload,
     })
 }
 

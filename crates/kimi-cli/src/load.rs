@@ -206,18 +206,25 @@ pub fn load<B: Backend + 'static>(
 ) -> anyhow::Result<Loaded<B>> {
     let path = model_path(args)?;
     if is_gguf(&path) {
-        return load_gguf(backend, &path, need_tokenizer);
+        return load_gguf(
+            backend,
+            &path,
+            need_tokenizer,
+            &args.offload.load_options()?,
+        );
     }
     let mut ckpt = Checkpoint::open(&path)
         .with_context(|| format!("cannot open the model in {}", path.display()))?;
     let bar = crate::progress::watch_checkpoint(&mut ckpt);
-    let loaded = registry::load_checkpoint(backend, &ckpt);
+    let options = args.offload.load_options()?;
+    let loaded = registry::load_checkpoint_with(backend, &ckpt, &options);
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
     let loaded =
         loaded.with_context(|| format!("cannot load the weights in {}", path.display()))?;
     note_skipped_vision(&loaded);
+    crate::offload::report_placement(loaded.model.as_ref());
     let tokenizer = if need_tokenizer {
         Some(
             Tokenizer::from_dir(&path)
@@ -271,15 +278,17 @@ fn load_gguf<B: Backend + 'static>(
     backend: B,
     path: &Path,
     need_tokenizer: bool,
+    options: &kimi_model::LoadOptions,
 ) -> anyhow::Result<Loaded<B>> {
     let file = GgufFile::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let spinner = crate::progress::spinner("loading weights");
-    let loaded = registry::load_gguf(backend, &file);
+    let loaded = registry::load_gguf_with(backend, &file, options);
     if let Some(spinner) = spinner {
         spinner.finish_and_clear();
     }
     let loaded =
         loaded.with_context(|| format!("cannot load the weights in {}", path.display()))?;
+    crate::offload::report_placement(loaded.model.as_ref());
     let tokenizer = if need_tokenizer {
         let kimi = loaded.architecture != kimi_model::Architecture::Llama;
         if kimi && file.get("tokenizer.ggml.model").is_none() {
@@ -310,6 +319,7 @@ pub fn load_random<B: Backend + 'static>(
     backend: B,
     config: &Path,
     dtype: kimi_core::DType,
+    options: &kimi_model::LoadOptions,
 ) -> anyhow::Result<Loaded<B>> {
     let cfg = read_config(config)?;
     // Refuse up front what cannot fit, rather than dying half-way through filling it.
@@ -320,15 +330,31 @@ pub fn load_random<B: Backend + 'static>(
         .moe
         .as_ref()
         .is_some_and(|m| m.expert_format == kimi_core::config::ExpertFormat::Mxfp4);
-    let (dense_params, packed_bytes) = if mxfp4_experts {
-        let experts = summary.component(kimi_model::Component::RoutedExperts);
-        (summary.params.total - experts.params, experts.bytes)
+    let experts = summary.component(kimi_model::Component::RoutedExperts);
+    let expert_bytes = if mxfp4_experts {
+        experts.bytes
     } else {
-        (summary.params.total, 0)
+        experts.params.saturating_mul(dtype.size_bytes() as u64)
     };
-    let bytes = dense_params
+    // Experts offloaded to host RAM (less the device slots caching them) are not on the
+    // device.
+    let off_device = match (&options.offload, cfg.moe.as_ref()) {
+        (Some(o), Some(m)) => {
+            let layers = cfg
+                .layers
+                .iter()
+                .filter(|l| l.ffn == kimi_core::config::Ffn::Moe)
+                .count();
+            let per_expert = expert_bytes / (m.num_experts * layers).max(1) as u64;
+            let (host, slots) = o.per_layer(m.num_experts, per_expert, layers);
+            ((host - slots) * layers) as u64 * per_expert
+        }
+        _ => 0,
+    };
+    let bytes = (summary.params.total - experts.params)
         .saturating_mul(dtype.size_bytes() as u64)
-        .saturating_add(packed_bytes);
+        .saturating_add(expert_bytes)
+        .saturating_sub(off_device);
     let room = backend
         .memory_info()
         .map(|(free, _)| free)
@@ -342,7 +368,8 @@ pub fn load_random<B: Backend + 'static>(
         );
     }
     let source = kimi_model::RandomWeights { dtype, seed: 0 };
-    let loaded = registry::load_config(backend, cfg.clone(), &source)?;
+    let loaded = registry::load_config_with(backend, cfg.clone(), &source, options)?;
+    crate::offload::report_placement(loaded.model.as_ref());
     Ok(Loaded {
         engine: Engine::new(loaded.model),
         tokenizer: None,

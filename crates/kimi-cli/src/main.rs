@@ -14,6 +14,7 @@ mod logging;
 mod logits;
 mod memory;
 mod npy;
+mod offload;
 mod perplexity;
 mod plan;
 mod progress;

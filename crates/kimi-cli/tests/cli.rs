@@ -443,6 +443,71 @@ fn plan_refuses_bad_input_in_plain_words() {
     assert!(stderr(&o).contains("does not exist"), "{}", stderr(&o));
 }
 
+/// The logits of a K3 fixture with every expert in host RAM behind one device slot
+/// (misses, evictions and cold experts) equal the resident ones to f32 rounding, and the
+/// start log says where the experts went.
+#[test]
+fn offloaded_experts_give_the_resident_logits() {
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/kimi-k3/k3-tiny-7l");
+    let out = tempfile::tempdir().unwrap();
+    let logits = |name: &str, extra: &[&str]| -> (Vec<f64>, String) {
+        let path = out.path().join(name);
+        let mut args = vec![
+            "logits",
+            "--model",
+            dir.to_str().unwrap(),
+            "--ids",
+            "1,5,9,2,7,3",
+        ];
+        args.extend(["--step", "1", "--out", path.to_str().unwrap()]);
+        args.extend(extra);
+        let o = run(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        (read_npy(&path).1, stderr(&o))
+    };
+    let (want, _) = logits("resident.npy", &[]);
+    for extra in [
+        &["--offload-experts", "8", "--expert-cache-slots", "1"][..],
+        &["--cpu-offload-gb", "1", "--expert-cache-gb", "0"][..],
+    ] {
+        let (got, log) = logits("tiered.npy", extra);
+        assert!(
+            log.contains("experts: per MoE layer 0 on cpu") && log.contains(" and 8 in host RAM"),
+            "{extra:?}: {log}"
+        );
+        let num: f64 = got.iter().zip(&want).map(|(g, w)| (g - w).powi(2)).sum();
+        let den: f64 = want.iter().map(|w| w * w).sum();
+        assert!((num / den).sqrt() < 1e-5, "{extra:?}");
+    }
+}
+
+#[test]
+fn offload_flags_refuse_bad_values_naming_the_flag() {
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/kimi-k3/k3-tiny-7l");
+    let model = dir.to_str().unwrap();
+    for (extra, says) in [
+        (&["--cpu-offload-gb=-1"][..], "--cpu-offload-gb must be"),
+        (&["--cpu-offload-gb", "nan"][..], "--cpu-offload-gb must be"),
+        (
+            &["--expert-cache-slots", "2"][..],
+            "give --cpu-offload-gb or --offload-experts",
+        ),
+    ] {
+        let out = tempfile::tempdir().unwrap();
+        let out = out.path().join("x.npy");
+        let mut args = vec!["logits", "--model", model, "--ids", "1,2"];
+        args.extend(["--out", out.to_str().unwrap()]);
+        args.extend(extra);
+        let o = run(&args);
+        assert!(!o.status.success(), "{extra:?}");
+        let err = stderr(&o);
+        assert!(err.contains(says), "{extra:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
 #[test]
 fn bench_writes_json() {
     let out = tempfile::tempdir().unwrap();

@@ -11,7 +11,7 @@ use std::time::Instant;
 use kimi_core::DType;
 use kimi_cpu::{CpuBackend, QuantMatmul};
 use kimi_gguf::GgmlType;
-use kimi_ops::{Activation, Backend, ExpertBank, HostTensor, MlpWeights, MoeRoutes};
+use kimi_ops::{Activation, Backend, ExpertView, HostTensor, MlpWeights, MoeRoutes};
 
 fn main() {
     let reps: usize = std::env::args()
@@ -231,7 +231,7 @@ fn moe(fast: &CpuBackend, exact: &CpuBackend, reps: usize) {
                 .collect()
         })
         .collect();
-    let banks = |be: &CpuBackend| -> Vec<ExpertBank<_>> {
+    let banks = |be: &CpuBackend| -> Vec<Vec<MlpWeights<_>>> {
         let up = |b: &[u8], rows, cols| {
             be.upload(HostTensor {
                 shape: &[rows, cols],
@@ -243,16 +243,14 @@ fn moe(fast: &CpuBackend, exact: &CpuBackend, reps: usize) {
         layers
             .iter()
             .map(|experts| {
-                ExpertBank::resident(
-                    experts
-                        .iter()
-                        .map(|[g, u, dn]| MlpWeights {
-                            gate: up(g, width, d),
-                            up: up(u, width, d),
-                            down: up(dn, d, width),
-                        })
-                        .collect(),
-                )
+                experts
+                    .iter()
+                    .map(|[g, u, dn]| MlpWeights {
+                        gate: up(g, width, d),
+                        up: up(u, width, d),
+                        down: up(dn, d, width),
+                    })
+                    .collect()
             })
             .collect()
     };
@@ -271,7 +269,7 @@ fn moe(fast: &CpuBackend, exact: &CpuBackend, reps: usize) {
         }
         ids
     };
-    let pass = |be: &CpuBackend, banks: &[ExpertBank<_>], ids: &[f32], n: usize| -> f64 {
+    let pass = |be: &CpuBackend, banks: &[Vec<MlpWeights<_>>], ids: &[f32], n: usize| -> f64 {
         let x: Vec<f32> = (0..n * d).map(|i| (i % 37) as f32 * 0.01 - 0.18).collect();
         let routes = MoeRoutes {
             experts: be.upload_f32(&[n, TOP_K], ids).unwrap(),
@@ -283,7 +281,8 @@ fn moe(fast: &CpuBackend, exact: &CpuBackend, reps: usize) {
         let xt = be.upload_f32(&[n, d], &x).unwrap();
         let t = Instant::now();
         for bank in banks {
-            be.moe_experts(&xt, &routes, bank, act).unwrap();
+            be.moe_experts(&xt, &routes, &ExpertView::new(bank), act)
+                .unwrap();
         }
         t.elapsed().as_secs_f64()
     };

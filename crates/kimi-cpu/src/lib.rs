@@ -42,7 +42,7 @@ use std::sync::OnceLock;
 
 use kimi_core::config::KdaGate;
 use kimi_ops::{
-    Activation, AttentionDims, Backend, Error, ExpertBank, HostTensor, KdaMode, KdaStepInputs,
+    Activation, AttentionDims, Backend, Error, ExpertView, HostTensor, KdaMode, KdaStepInputs,
     KdaStepWeights, MlaDims, MlaMode, MlpWeights, MoeRoutes, MoeRouting, MoeWeights, PagedSeq,
     Result, RopeStyle, Segment,
 };
@@ -83,6 +83,9 @@ impl Backend for CpuBackend {
     }
     fn run_pass<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         flushing(f)
+    }
+    fn host_view<'a>(&self, t: &'a CpuTensor) -> Option<HostTensor<'a>> {
+        t.stored()
     }
     fn upload_f32(&self, shape: &[usize], data: &[f32]) -> Result<CpuTensor> {
         CpuTensor::f32(shape, data.to_vec())
@@ -198,7 +201,7 @@ impl Backend for CpuBackend {
         &self,
         x: &CpuTensor,
         routes: &MoeRoutes<CpuTensor>,
-        bank: &ExpertBank<CpuTensor>,
+        experts: &ExpertView<'_, CpuTensor>,
         act: Activation,
     ) -> Result<CpuTensor> {
         let (ids, weights) = (
@@ -214,7 +217,7 @@ impl Backend for CpuBackend {
                 weights: w.to_vec(),
             })
             .collect();
-        flushing(|| moe::run_experts(x, &routes, bank.experts(), None, act, self.quant_matmul))
+        flushing(|| moe::run_experts(x, &routes, experts.experts(), None, act, self.quant_matmul))
     }
     fn moe(
         &self,

@@ -129,7 +129,7 @@ pub fn route_tokens(
 pub fn run_experts(
     x: &CpuTensor,
     routes: &[Route],
-    experts: &[MlpWeights<CpuTensor>],
+    experts: &[&MlpWeights<CpuTensor>],
     shared: Option<&MlpWeights<CpuTensor>>,
     act: Activation,
     mode: QuantMatmul,
@@ -151,13 +151,13 @@ pub fn run_experts(
             format!("route to expert {bad} of {}", experts.len()),
         ));
     }
-    let out_dim = match experts.first().or(shared) {
+    let out_dim = match experts.first().copied().or(shared) {
         Some(w) => w.down.shape().first().copied().unwrap_or(0),
         None => d,
     };
     let xs = x.as_f32("moe")?;
     let mut used = Vec::new();
-    for (expert, ew) in experts.iter().enumerate() {
+    for (expert, &ew) in experts.iter().enumerate() {
         let users: Vec<(usize, f32)> = routes
             .iter()
             .enumerate()
@@ -239,10 +239,11 @@ pub fn moe(
     mode: QuantMatmul,
 ) -> Result<(CpuTensor, Vec<u32>)> {
     let routes = route_tokens(x, &w.router, w.correction_bias.as_ref(), r)?;
+    let experts: Vec<&MlpWeights<CpuTensor>> = w.experts.iter().collect();
     let y = run_experts(
         x,
         &routes,
-        &w.experts,
+        &experts,
         w.shared.as_ref(),
         Activation::Silu,
         mode,

@@ -225,6 +225,31 @@ impl CpuTensor {
         }
     }
 
+    /// The tensor as [`kimi_ops::Backend::upload`] took it: its dtype and stored
+    /// little-endian bytes, or `None` where the storage is rearranged (rows interleaved for
+    /// the int8 kernels) or the machine is big-endian.
+    pub fn stored(&self) -> Option<HostTensor<'_>> {
+        if cfg!(target_endian = "big") {
+            return None;
+        }
+        let (dtype, bytes): (DType, &[u8]) = match &self.storage {
+            Storage::F32(v) => (DType::F32, as_bytes(v)),
+            Storage::Bf16(v) => (DType::BF16, as_bytes(v)),
+            Storage::F16(v) => (DType::F16, as_bytes(v)),
+            Storage::Quant {
+                dtype,
+                bytes,
+                grouped: None,
+            } => (*dtype, bytes),
+            Storage::Quant { .. } => return None,
+        };
+        Some(HostTensor {
+            shape: &self.shape,
+            dtype,
+            bytes,
+        })
+    }
+
     /// `[rows, cols]` of a matrix-shaped tensor (leading dimensions folded into rows).
     pub(crate) fn rows_cols(&self, op: &'static str) -> Result<(usize, usize)> {
         match self.shape.as_slice() {
@@ -289,6 +314,14 @@ fn checked_len(shape: &[usize]) -> Option<usize> {
     (n <= isize::MAX as usize / 4).then_some(n)
 }
 
+/// The bytes of a slice of plain numbers (`u16`, `f32`), in memory order.
+fn as_bytes<T: Copy>(v: &[T]) -> &[u8] {
+    // SAFETY: `T` is `u16` or `f32` here: no padding, every byte initialised; the slice
+    // covers exactly `size_of_val(v)` bytes of `v`'s allocation, borrowed for `v`'s
+    // lifetime, and u8 has alignment 1.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
 #[cfg(test)]
 mod alloc_tests {
     use super::*;
@@ -313,3 +346,4 @@ mod alloc_tests {
         assert!(t.to_f32_vec().is_empty());
     }
 }
+

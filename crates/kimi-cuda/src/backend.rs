@@ -8,7 +8,7 @@ use cudarc::cublas::sys::cudaDataType;
 use kimi_core::config::{Activation, KdaGate};
 use kimi_core::DType;
 use kimi_ops::{
-    check_paged, check_segments, Backend, Error, ExpertBank, HostTensor, KdaMode, KdaStepInputs,
+    check_paged, check_segments, Backend, Error, ExpertView, HostTensor, KdaMode, KdaStepInputs,
     KdaStepWeights, MlaDims, MlaMode, MlpWeights, MoeRoutes, MoeRouting, MoeWeights, PagedSeq,
     Result, RowSampling, Segment, TokenPenalty,
 };
@@ -954,10 +954,10 @@ impl Backend for CudaBackend {
         &self,
         x: &CudaTensor,
         routes: &MoeRoutes<CudaTensor>,
-        bank: &ExpertBank<CudaTensor>,
+        experts: &ExpertView<'_, CudaTensor>,
         act: Activation,
     ) -> Result<CudaTensor> {
-        self.run_routed_experts(x, routes, bank, act)
+        self.run_routed_experts(x, routes, experts, act)
     }
 
     fn mlp(&self, x: &CudaTensor, w: &MlpWeights<CudaTensor>) -> Result<CudaTensor> {

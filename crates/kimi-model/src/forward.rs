@@ -1,6 +1,7 @@
 //! What every model's forward pass takes and returns, and the [`CausalLm`] trait that lets
 //! the engine drive any architecture.
 
+use kimi_ops::offload::{OffloadCounts, Placement};
 use kimi_ops::{Backend, KdaMode, MlaMode, RowSampling, Segment, TokenPenalty};
 
 use crate::cache::{CachePool, LayerSpec, SeqCache};
@@ -127,6 +128,18 @@ pub trait CausalLm<B: Backend>: Send + Sync {
             SINGLE_BLOCK_SIZE,
         )
     }
+
+    /// Where each MoE layer's experts are (layer index, placement), for layers whose
+    /// experts are in tiers; empty when every expert is in the backend's memory.
+    fn expert_placement(&self) -> Vec<(usize, Placement)> {
+        Vec::new()
+    }
+
+    /// Hits, fills, cold experts and bytes moved of the expert tiers so far, summed over
+    /// the layers; `None` without tiers.
+    fn offload_counts(&self) -> Option<OffloadCounts> {
+        None
+    }
 }
 
 /// Block size of [`CausalLm::single_cache`] pools.
@@ -156,6 +169,12 @@ impl<B: Backend, M: CausalLm<B> + ?Sized> CausalLm<B> for Box<M> {
         opts: ForwardOptions,
     ) -> Result<ForwardOutput> {
         (**self).forward(batch, pool, seqs, opts)
+    }
+    fn expert_placement(&self) -> Vec<(usize, Placement)> {
+        (**self).expert_placement()
+    }
+    fn offload_counts(&self) -> Option<OffloadCounts> {
+        (**self).offload_counts()
     }
 }
 

@@ -22,17 +22,19 @@ use std::collections::HashSet;
 
 use kimi_core::config::{Ffn, Mixer};
 use kimi_core::ModelConfig;
+use kimi_ops::offload::{OffloadCounts, Placement};
 use kimi_ops::{Backend, Segment};
 use kimi_weights::Checkpoint;
 
 use crate::cache::{pick_mut, CachePool, LayerPool, LayerSpec, SeqCache};
+use crate::ffn::FfnLayer;
 use crate::forward::{
     check_batch, input, pick_tokens, Batch, CausalLm, ForwardOptions, ForwardOutput,
 };
-use crate::layers::{FfnLayer, KdaLayer, Loader, MlaLayer};
+use crate::layers::{KdaLayer, Loader, MlaLayer};
 use crate::native_names::CheckpointSource;
 use crate::source::WeightSource;
-use crate::Result;
+use crate::{LoadOptions, Result};
 
 enum MixerLayer<T> {
     Kda(KdaLayer<T>),
@@ -80,20 +82,66 @@ impl<B: Backend> KimiLinear<B> {
     /// checkpoints holding tensors the model does not use. Checkpoints as transformers'
     /// `save_pretrained` writes them load too ([`CheckpointSource`]).
     pub fn load(backend: B, ckpt: &Checkpoint) -> Result<Self> {
+        Self::load_checkpoint_with(backend, ckpt, &LoadOptions::default())
+    }
+
+    /// [`KimiLinear::load`] with options.
+    pub fn load_checkpoint_with(
+        backend: B,
+        ckpt: &Checkpoint,
+        options: &LoadOptions,
+    ) -> Result<Self> {
         let source = CheckpointSource::new(ckpt)?;
-        Self::load_from(backend, ckpt.config().clone(), &source)
+        Self::load_with(backend, ckpt.config().clone(), &source, options)
     }
 
     /// Loads a llama.cpp Kimi Linear GGUF (`general.architecture = kimi-linear`): the config
     /// from its metadata, the weights through [`crate::gguf_kimi::KimiGguf`].
     pub fn load_gguf(backend: B, file: &kimi_gguf::GgufFile) -> Result<Self> {
+        Self::load_gguf_with(backend, file, &LoadOptions::default())
+    }
+
+    /// [`KimiLinear::load_gguf`] with options.
+    pub fn load_gguf_with(
+        backend: B,
+        file: &kimi_gguf::GgufFile,
+        options: &LoadOptions,
+    ) -> Result<Self> {
         let config = crate::gguf_kimi::config_from_gguf(file)?;
         let source = crate::gguf_kimi::KimiGguf::new(file, &config);
-        Self::load_from(backend, config, &source)
+        Self::load_with(backend, config, &source, options)
+    }
+
+    /// Where each MoE layer's experts are, for layers whose experts are in tiers.
+    pub fn expert_placement(&self) -> Vec<(usize, Placement)> {
+        self.layers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| l.ffn.tiered().map(|t| (i, t.placement())))
+            .collect()
+    }
+
+    /// The offload counters summed over the layers, if any layer's experts are in tiers.
+    pub fn offload_counts(&self) -> Option<OffloadCounts> {
+        let mut total: Option<OffloadCounts> = None;
+        for t in self.layers.iter().filter_map(|l| l.ffn.tiered()) {
+            *total.get_or_insert_with(OffloadCounts::default) += t.counts();
+        }
+        total
     }
 
     /// Builds the model of `config` from any weight source (e.g. [`crate::RandomWeights`]).
     pub fn load_from(backend: B, config: ModelConfig, source: &dyn WeightSource) -> Result<Self> {
+        Self::load_with(backend, config, source, &LoadOptions::default())
+    }
+
+    /// [`KimiLinear::load_from`] with options (experts in tiers).
+    pub fn load_with(
+        backend: B,
+        config: ModelConfig,
+        source: &dyn WeightSource,
+        options: &LoadOptions,
+    ) -> Result<Self> {
         let hidden = config.hidden_size;
         let (act, eps) = (config.activation, config.rms_norm_eps);
         let mut ld = Loader {
@@ -101,6 +149,8 @@ impl<B: Backend> KimiLinear<B> {
             source,
             used: HashSet::new(),
             prefix: config.tensor_prefix(),
+            offload: options.offload.clone(),
+            moe_layers: config.layers.iter().filter(|l| l.ffn == Ffn::Moe).count(),
         };
         let embed = ld.get("model.embed_tokens.weight", &[config.vocab_size, hidden])?;
         let mut layers = Vec::with_capacity(config.layers.len());
@@ -401,6 +451,12 @@ fn mix_weight<B: Backend>(ld: &mut Loader<'_, B>, p: &str, d: usize) -> Result<B
 impl<B: Backend> CausalLm<B> for KimiLinear<B> {
     fn backend(&self) -> &B {
         &self.backend
+    }
+    fn expert_placement(&self) -> Vec<(usize, Placement)> {
+        KimiLinear::expert_placement(self)
+    }
+    fn offload_counts(&self) -> Option<OffloadCounts> {
+        KimiLinear::offload_counts(self)
     }
     fn vocab_size(&self) -> usize {
         self.config.vocab_size

@@ -7,11 +7,12 @@
 
 use std::collections::HashSet;
 
-use kimi_core::config::{ExpertFormat, KdaConfig, KdaOutputGate, MlaConfig, MoeConfig};
+use kimi_core::config::{KdaConfig, KdaOutputGate, MlaConfig};
 use kimi_core::DType;
+use kimi_ops::offload::ExpertOffload;
 use kimi_ops::{
-    Activation, Backend, ExpertBank, HostTensor, KdaMode, KdaStepInputs, KdaStepWeights, MlaDims,
-    MlaMode, MlpWeights, MoeRouting, MoeWeights, PagedSeq, Segment,
+    Backend, HostTensor, KdaMode, KdaStepInputs, KdaStepWeights, MlaDims, MlaMode, MlpWeights,
+    PagedSeq, Segment,
 };
 
 use crate::source::{quantized_to_bf16, WeightSource};
@@ -29,6 +30,28 @@ pub(crate) struct Loader<'a, B: Backend> {
     pub used: HashSet<String>,
     /// Put before every name asked for (`language_model.` for Kimi K3's wrapper).
     pub prefix: &'static str,
+    /// Where routed experts go when they do not all stay in the backend's memory.
+    pub offload: Option<ExpertOffload>,
+    /// MoE layers of the model (the offload's byte budgets are spread over them).
+    pub moe_layers: usize,
+}
+
+/// A matrix read into host memory as the backend's upload takes it (for the host tier of
+/// offloaded experts).
+pub(crate) struct HostMatrix {
+    pub shape: [usize; 2],
+    pub dtype: DType,
+    pub bytes: Vec<u8>,
+}
+
+impl HostMatrix {
+    pub fn tensor(&self) -> HostTensor<'_> {
+        HostTensor {
+            shape: &self.shape,
+            dtype: self.dtype,
+            bytes: &self.bytes,
+        }
+    }
 }
 
 impl<B: Backend> Loader<'_, B> {
@@ -58,10 +81,47 @@ impl<B: Backend> Loader<'_, B> {
         self.upload(&full, shape, dtype, &bytes)
     }
 
+    /// `name` `[rows, cols]` in host memory, as [`Loader::get`] would upload it (widened to
+    /// bf16 where the backend does not store its block type).
+    pub fn host_matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<HostMatrix> {
+        let (full, dtype, bytes) = self.load(name, &[rows, cols])?;
+        self.host_stored(&full, [rows, cols], dtype, bytes)
+    }
+
+    fn host_stored(
+        &self,
+        name: &str,
+        shape: [usize; 2],
+        dtype: DType,
+        bytes: Vec<u8>,
+    ) -> Result<HostMatrix> {
+        if (self.backend.stores(dtype) && !widen_everywhere()) || !dtype.is_quantized() {
+            return Ok(HostMatrix {
+                shape,
+                dtype,
+                bytes,
+            });
+        }
+        let widened = quantized_to_bf16(dtype, &bytes, shape[0] * shape[1]).map_err(|e| {
+            crate::ModelError::Input(format!("cannot widen {name} to bf16 for this backend: {e}"))
+        })?;
+        Ok(HostMatrix {
+            shape,
+            dtype: DType::BF16,
+            bytes: widened,
+        })
+    }
+
     /// Uploads a weight as stored, or widened to bf16 where the backend has no kernels for
     /// its block-quantized type ([`Backend::stores`]): a GGUF file on CUDA. `KIMI_WIDEN_QUANT=1`
     /// widens on every backend, so that a CPU run sees the weights a CUDA run does.
-    fn upload(&self, name: &str, shape: &[usize], dtype: DType, bytes: &[u8]) -> Result<B::Tensor> {
+    pub fn upload(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+        bytes: &[u8],
+    ) -> Result<B::Tensor> {
         if (self.backend.stores(dtype) && !widen_everywhere()) || !dtype.is_quantized() {
             return Ok(self.backend.upload(HostTensor {
                 shape,
@@ -139,6 +199,12 @@ impl<B: Backend> Loader<'_, B> {
     /// `[rows, cols/2]`) and `{name}.weight_scale` (U8 or F8_E8M0 `[rows, cols/32]`),
     /// repacked into ggml MXFP4 blocks (4.25 bits per weight, values unchanged).
     pub fn mxfp4(&mut self, name: &str, rows: usize, cols: usize) -> Result<B::Tensor> {
+        let m = self.host_mxfp4(name, rows, cols)?;
+        self.upload(&self.full(name), &m.shape, m.dtype, &m.bytes)
+    }
+
+    /// [`Loader::mxfp4`]'s blocks in host memory.
+    pub fn host_mxfp4(&mut self, name: &str, rows: usize, cols: usize) -> Result<HostMatrix> {
         let bad = |what: String| crate::ModelError::Input(what);
         if !cols.is_multiple_of(32) {
             return Err(bad(format!(
@@ -176,7 +242,7 @@ impl<B: Backend> Loader<'_, B> {
         {
             kimi_gguf::mxfp4::from_planes(c, s, out);
         }
-        self.upload(&codes_name, &[rows, cols], DType::MXFP4, &blocks)
+        self.host_stored(&codes_name, [rows, cols], DType::MXFP4, blocks)
     }
 
     /// The matrices `names` (each `[rows_i, cols]`) stacked by rows into one
@@ -501,201 +567,4 @@ impl<T> MlaLayer<T> {
         }
         Ok(be.matmul(&o, &self.o)?)
     }
-}
-
-/// The feed-forward block of a layer.
-pub(crate) enum FfnLayer<T> {
-    Dense(MlpWeights<T>, Activation),
-    /// A plain SwiGLU MoE layer (Kimi Linear): the backend's fused step.
-    Moe(MoeWeights<T>, MoeRouting),
-    /// Routing, routed experts and shared experts as separate ops, for SiTU and LatentMoE
-    /// (Kimi K3).
-    Composed(Box<ComposedMoe<T>>),
-}
-
-/// LatentMoE's projections around the routed experts.
-pub(crate) struct LatentProj<T> {
-    /// `routed_expert_down_proj [latent, hidden]`.
-    down: T,
-    /// `routed_expert_norm [latent]`, on the weighted expert sum.
-    norm: Option<T>,
-    /// `routed_expert_up_proj [hidden, latent]`.
-    up: T,
-}
-
-/// A MoE layer whose steps the model composes itself (Kimi K3 spec §3.4–§3.5):
-///
-/// ```text
-/// routes = route(x)                          router on the full-width x
-/// z      = latent.down(x)                    (x itself without a latent)
-/// u      = Σ_k w_k · expert_k(z)             SiTU-GLU experts, MXFP4 or dense
-/// y      = latent.up(RMSNorm(u)) + shared(x) shared experts on the unprojected x
-/// ```
-pub(crate) struct ComposedMoe<T> {
-    router: T,
-    correction_bias: Option<T>,
-    routing: MoeRouting,
-    bank: ExpertBank<T>,
-    latent: Option<LatentProj<T>>,
-    shared: Option<MlpWeights<T>>,
-    act: Activation,
-    eps: f32,
-}
-
-impl<T> FfnLayer<T> {
-    pub fn load_dense<B: Backend<Tensor = T>>(
-        ld: &mut Loader<'_, B>,
-        p: &str,
-        hidden: usize,
-        width: usize,
-        act: Activation,
-    ) -> Result<Self> {
-        Ok(Self::Dense(
-            ld.mlp(
-                &format!("{p}.mlp"),
-                ["gate_proj", "up_proj", "down_proj"],
-                hidden,
-                width,
-            )?,
-            act,
-        ))
-    }
-
-    pub fn load_moe<B: Backend<Tensor = T>>(
-        ld: &mut Loader<'_, B>,
-        p: &str,
-        hidden: usize,
-        c: &MoeConfig,
-        act: Activation,
-        eps: f32,
-    ) -> Result<Self> {
-        let p = format!("{p}.block_sparse_moe");
-        let e = c.num_experts;
-        let router = ld.get_f32(&format!("{p}.gate.weight"), &[e, hidden])?;
-        let bias_name = format!("{p}.gate.e_score_correction_bias");
-        let correction_bias = if ld.contains(&bias_name) {
-            Some(ld.get(&bias_name, &[e])?)
-        } else {
-            None
-        };
-        let expert_in = c.latent.map_or(hidden, |l| l.width);
-        let experts = (0..e)
-            .map(|i| load_expert(ld, &format!("{p}.experts.{i}"), expert_in, c))
-            .collect::<Result<Vec<_>>>()?;
-        let shared = match c.num_shared_experts {
-            0 => None,
-            n => Some(ld.mlp(
-                &format!("{p}.shared_experts"),
-                ["gate_proj", "up_proj", "down_proj"],
-                hidden,
-                n * c.expert_intermediate_size,
-            )?),
-        };
-        let routing = MoeRouting {
-            top_k: c.top_k,
-            num_groups: c.num_expert_groups,
-            topk_group: c.topk_group,
-            renormalize: c.renormalize,
-            scaling: c.routed_scaling_factor,
-            weights_use_bias: c.weights_use_correction_bias,
-        };
-        if act == Activation::Silu && c.latent.is_none() {
-            return Ok(Self::Moe(
-                MoeWeights {
-                    router,
-                    correction_bias,
-                    experts,
-                    shared,
-                },
-                routing,
-            ));
-        }
-        let latent = match c.latent {
-            None => None,
-            Some(l) => Some(LatentProj {
-                down: ld.get(
-                    &format!("{p}.routed_expert_down_proj.weight"),
-                    &[l.width, hidden],
-                )?,
-                norm: match l.norm {
-                    true => Some(ld.get(&format!("{p}.routed_expert_norm.weight"), &[l.width])?),
-                    false => None,
-                },
-                up: ld.get(
-                    &format!("{p}.routed_expert_up_proj.weight"),
-                    &[hidden, l.width],
-                )?,
-            }),
-        };
-        Ok(Self::Composed(Box::new(ComposedMoe {
-            router,
-            correction_bias,
-            routing,
-            bank: ExpertBank::resident(experts),
-            latent,
-            shared,
-            act,
-            eps,
-        })))
-    }
-
-    /// Returns the output and, for MoE, the chosen experts (read with
-    /// [`Backend::expert_ids`]).
-    pub fn forward<B: Backend<Tensor = T>>(&self, be: &B, x: &T) -> Result<(T, Option<T>)> {
-        match self {
-            Self::Dense(w, act) => Ok((be.ffn(x, w, *act)?, None)),
-            Self::Moe(w, r) => {
-                let (y, chosen) = be.moe(x, w, r)?;
-                Ok((y, Some(chosen)))
-            }
-            Self::Composed(m) => {
-                let routes = be.moe_route(x, &m.router, m.correction_bias.as_ref(), &m.routing)?;
-                let mut y = match &m.latent {
-                    None => be.moe_experts(x, &routes, &m.bank, m.act)?,
-                    Some(l) => {
-                        let z = be.matmul(x, &l.down)?;
-                        let mut u = be.moe_experts(&z, &routes, &m.bank, m.act)?;
-                        if let Some(norm) = &l.norm {
-                            u = be.rms_norm(&u, norm, m.eps)?;
-                        }
-                        be.matmul(&u, &l.up)?
-                    }
-                };
-                if let Some(shared) = &m.shared {
-                    be.add_assign(&mut y, &be.ffn(x, shared, m.act)?)?;
-                }
-                Ok((y, Some(routes.experts)))
-            }
-        }
-    }
-}
-
-/// One routed expert: `w1` (gate), `w3` (up), `w2` (down), each MXFP4 planes
-/// (`weight_packed` + `weight_scale`) or a plain `weight`, as the checkpoint stores it.
-fn load_expert<B: Backend>(
-    ld: &mut Loader<'_, B>,
-    p: &str,
-    expert_in: usize,
-    c: &MoeConfig,
-) -> Result<MlpWeights<B::Tensor>> {
-    let width = c.expert_intermediate_size;
-    let mut matrix = |name: &str, rows: usize, cols: usize| -> Result<B::Tensor> {
-        let base = format!("{p}.{name}");
-        let (packed, plain) = (format!("{base}.weight_packed"), format!("{base}.weight"));
-        // The config says which form to expect; the other is taken where only it exists.
-        let mxfp4 = match c.expert_format {
-            ExpertFormat::Mxfp4 => ld.contains(&packed) || !ld.contains(&plain),
-            ExpertFormat::Dense => !ld.contains(&plain) && ld.contains(&packed),
-        };
-        if mxfp4 {
-            ld.mxfp4(&base, rows, cols)
-        } else {
-            ld.get(&plain, &[rows, cols])
-        }
-    };
-    Ok(MlpWeights {
-        gate: matrix("w1", width, expert_in)?,
-        up: matrix("w3", width, expert_in)?,
-        down: matrix("w2", expert_in, width)?,
-    })
 }

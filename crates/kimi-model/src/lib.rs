@@ -11,6 +11,7 @@
 #![deny(missing_docs)]
 
 mod cache;
+mod ffn;
 mod forward;
 pub mod gguf_kimi;
 mod kimi_linear;
@@ -27,6 +28,7 @@ use std::path::PathBuf;
 pub use cache::{CachePool, LayerPool, LayerSpec, SeqCache};
 pub use forward::{Batch, CausalLm, ForwardOptions, ForwardOutput, RowPicks, SINGLE_BLOCK_SIZE};
 pub use kimi_linear::KimiLinear;
+pub use kimi_ops::offload::{ExpertOffload, OffloadAmount, OffloadCounts, Placement};
 pub use llama::{Llama, LlamaConfig};
 pub use native_names::{CheckpointLayout, CheckpointSource};
 pub use registry::{Architecture, LoadedModel};
@@ -75,3 +77,11 @@ pub enum ModelError {
 
 /// Result alias of this crate.
 pub type Result<T> = std::result::Result<T, ModelError>;
+
+/// How a model is loaded beyond its files.
+#[derive(Clone, Debug, Default)]
+pub struct LoadOptions {
+    /// Routed experts in tiers (host memory, device cache slots); `None`: all in the
+    /// backend's memory.
+    pub offload: Option<ExpertOffload>,
+}

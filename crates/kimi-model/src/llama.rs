@@ -246,6 +246,8 @@ impl<B: Backend> Llama<B> {
             source,
             used: HashSet::new(),
             prefix: "",
+            offload: None,
+            moe_layers: 0,
         };
         let embed = ld.get("token_embd.weight", &[c.vocab_size, hidden])?;
         let mut layers = Vec::with_capacity(c.num_layers);

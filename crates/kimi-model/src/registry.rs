@@ -8,7 +8,7 @@ use kimi_gguf::GgufFile;
 use kimi_ops::Backend;
 use kimi_weights::Checkpoint;
 
-use crate::{CausalLm, KimiLinear, Llama, Result, WeightSource};
+use crate::{CausalLm, KimiLinear, Llama, LoadOptions, ModelError, Result, WeightSource};
 
 /// The architectures kimi-infer runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,9 +69,18 @@ pub fn load_checkpoint<B: Backend + 'static>(
     backend: B,
     ckpt: &Checkpoint,
 ) -> Result<LoadedModel<B>> {
+    load_checkpoint_with(backend, ckpt, &LoadOptions::default())
+}
+
+/// [`load_checkpoint`] with options.
+pub fn load_checkpoint_with<B: Backend + 'static>(
+    backend: B,
+    ckpt: &Checkpoint,
+    options: &LoadOptions,
+) -> Result<LoadedModel<B>> {
     let architecture = Architecture::of_config(ckpt.config());
     // Both Kimi architectures are the one definition; the config picks the variants.
-    let model = KimiLinear::load(backend, ckpt)?;
+    let model = KimiLinear::load_checkpoint_with(backend, ckpt, options)?;
     Ok(LoadedModel {
         architecture,
         config: Some(model.config().clone()),
@@ -87,8 +96,18 @@ pub fn load_config<B: Backend + 'static>(
     config: ModelConfig,
     source: &dyn WeightSource,
 ) -> Result<LoadedModel<B>> {
+    load_config_with(backend, config, source, &LoadOptions::default())
+}
+
+/// [`load_config`] with options.
+pub fn load_config_with<B: Backend + 'static>(
+    backend: B,
+    config: ModelConfig,
+    source: &dyn WeightSource,
+    options: &LoadOptions,
+) -> Result<LoadedModel<B>> {
     let architecture = Architecture::of_config(&config);
-    let model = KimiLinear::load_from(backend, config, source)?;
+    let model = KimiLinear::load_with(backend, config, source, options)?;
     Ok(LoadedModel {
         architecture,
         config: Some(model.config().clone()),
@@ -99,7 +118,21 @@ pub fn load_config<B: Backend + 'static>(
 
 /// Loads a GGUF file's model onto `backend`.
 pub fn load_gguf<B: Backend + 'static>(backend: B, file: &GgufFile) -> Result<LoadedModel<B>> {
+    load_gguf_with(backend, file, &LoadOptions::default())
+}
+
+/// [`load_gguf`] with options.
+pub fn load_gguf_with<B: Backend + 'static>(
+    backend: B,
+    file: &GgufFile,
+    options: &LoadOptions,
+) -> Result<LoadedModel<B>> {
     match Architecture::of_gguf(file) {
+        Architecture::Llama if options.offload.is_some() => Err(ModelError::Input(
+            "expert offload applies to mixture-of-experts models; this llama-family GGUF has \
+             no routed experts"
+                .into(),
+        )),
         Architecture::Llama => Ok(LoadedModel {
             model: Box::new(Llama::load(backend, file)?),
             architecture: Architecture::Llama,
@@ -107,7 +140,7 @@ pub fn load_gguf<B: Backend + 'static>(backend: B, file: &GgufFile) -> Result<Lo
             ignored_vision_tensors: 0,
         }),
         architecture => {
-            let model = KimiLinear::load_gguf(backend, file)?;
+            let model = KimiLinear::load_gguf_with(backend, file, options)?;
             Ok(LoadedModel {
                 architecture,
                 config: Some(model.config().clone()),

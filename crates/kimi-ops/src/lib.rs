@@ -16,7 +16,10 @@ pub use kimi_core::config::Activation;
 use kimi_core::config::KdaGate;
 use kimi_core::DType;
 
+pub mod experts;
+pub mod offload;
 pub mod sampling;
+pub use experts::{ExpertBank, ExpertView};
 pub use sampling::{RowSampling, TokenPenalty};
 
 /// Errors raised by backends.
@@ -361,41 +364,6 @@ pub struct MoeRoutes<T> {
     pub top_k: usize,
 }
 
-/// One layer's routed experts, the input of [`Backend::moe_experts`]. The bank owns its
-/// experts' weights: each matrix keeps its stored format (bf16, ggml blocks, MXFP4) in the
-/// backend's memory. Experts that live elsewhere (host memory or disk behind a GPU, other
-/// ranks) are future variants of this type, so that the layer code does not change.
-pub struct ExpertBank<T> {
-    experts: Vec<MlpWeights<T>>,
-}
-
-impl<T> ExpertBank<T> {
-    /// A bank whose experts all live in the backend's memory, expert `e` at index `e`.
-    pub fn resident(experts: Vec<MlpWeights<T>>) -> Self {
-        Self { experts }
-    }
-
-    /// Number of experts.
-    pub fn len(&self) -> usize {
-        self.experts.len()
-    }
-
-    /// Whether the bank has no experts.
-    pub fn is_empty(&self) -> bool {
-        self.experts.is_empty()
-    }
-
-    /// Expert `e`'s weights, where they are resident.
-    pub fn expert(&self, e: usize) -> Option<&MlpWeights<T>> {
-        self.experts.get(e)
-    }
-
-    /// Every expert, in id order.
-    pub fn experts(&self) -> &[MlpWeights<T>] {
-        &self.experts
-    }
-}
-
 /// Routing hyper-parameters of a MoE block.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MoeRouting {
@@ -427,6 +395,20 @@ pub trait Backend: Send + Sync {
 
     /// Copies a checkpoint tensor to the device. Matrices may keep their stored dtype.
     fn upload(&self, host: HostTensor<'_>) -> Result<Self::Tensor>;
+    /// Replaces the contents of `dst` (an earlier [`Backend::upload`] of the same shape and
+    /// dtype: an expert cache slot) with `host`. Backends that can copy into the existing
+    /// buffer do; the default uploads a new tensor in its place.
+    fn upload_into(&self, dst: &mut Self::Tensor, host: HostTensor<'_>) -> Result<()> {
+        *dst = self.upload(host)?;
+        Ok(())
+    }
+    /// The stored bytes of a weight that lives in host memory, as [`Backend::upload`] took
+    /// them, so that a host-side expert store can feed device slots without a second copy.
+    /// Default: `None` (device memory).
+    fn host_view<'a>(&self, t: &'a Self::Tensor) -> Option<HostTensor<'a>> {
+        let _ = t;
+        None
+    }
     /// Whether [`Backend::upload`] takes weights of `dtype` as stored. Where it does not
     /// (block-quantized GGUF weights on a backend without kernels for them), model loaders
     /// widen them to bf16 on the host first.
@@ -644,15 +626,17 @@ pub trait Backend: Send + Sync {
     }
     /// The routed experts of a layer on `x [n, d]` (the hidden state, or the LatentMoE
     /// latent): for each token `Σ_k weight_k · expert_k(x)` over its `routes`, each expert
-    /// a gated MLP with `act`. Returns `[n, d]`. Default: unsupported.
+    /// a gated MLP with `act` whose weights `experts` lends by id (all in this backend's
+    /// memory; see [`ExpertBank::run`] for banks with experts elsewhere). Returns `[n, d]`.
+    /// Default: unsupported.
     fn moe_experts(
         &self,
         x: &Self::Tensor,
         routes: &MoeRoutes<Self::Tensor>,
-        bank: &ExpertBank<Self::Tensor>,
+        experts: &ExpertView<'_, Self::Tensor>,
         act: Activation,
     ) -> Result<Self::Tensor> {
-        let _ = (x, routes, bank, act);
+        let _ = (x, routes, experts, act);
         Err(Error::Unsupported("moe_experts".into()))
     }
     /// Routed experts plus shared experts on `x [n, hidden]` → `[n, hidden]`, SwiGLU

@@ -9,7 +9,7 @@ use std::io::Write;
 
 use kimi_core::DType;
 use kimi_cuda::{CudaBackend, CudaTensor};
-use kimi_ops::{Backend, ExpertBank, HostTensor, MlpWeights, MoeRouting};
+use kimi_ops::{Backend, ExpertView, HostTensor, MlpWeights, MoeRouting};
 
 use super::k3_cases::{mxfp4_blocks, SITU};
 use super::op_cases::{self, Rng};
@@ -33,7 +33,7 @@ struct Layer {
     norm: CudaTensor,
     up: CudaTensor,
     shared: MlpWeights<CudaTensor>,
-    bank: ExpertBank<CudaTensor>,
+    bank: Vec<MlpWeights<CudaTensor>>,
     routing: MoeRouting,
 }
 
@@ -86,7 +86,7 @@ impl Layer {
                 up: bf16(r, SHARED_WIDTH, HIDDEN)?,
                 down: bf16(r, HIDDEN, SHARED_WIDTH)?,
             },
-            bank: ExpertBank::resident(experts),
+            bank: experts,
             routing: MoeRouting {
                 top_k: TOP_K,
                 num_groups: 1,
@@ -102,7 +102,7 @@ impl Layer {
     fn forward(&self, be: &CudaBackend, x: &CudaTensor) -> kimi_ops::Result<CudaTensor> {
         let routes = be.moe_route(x, &self.router, Some(&self.bias), &self.routing)?;
         let z = be.matmul(x, &self.down)?;
-        let u = be.moe_experts(&z, &routes, &self.bank, SITU)?;
+        let u = be.moe_experts(&z, &routes, &ExpertView::new(&self.bank), SITU)?;
         let u = be.rms_norm(&u, &self.norm, 1e-5)?;
         let mut y = be.matmul(&u, &self.up)?;
         be.add_assign(&mut y, &be.ffn(x, &self.shared, SITU)?)?;
@@ -176,7 +176,7 @@ pub fn k3_moe_bench() -> Res<()> {
         let experts_only = time_calls(&be, 2, 5, || {
             be.replayable(Some(key), || -> kimi_ops::Result<()> {
                 for (z, routes) in &prepared {
-                    drop(be.moe_experts(z, routes, &layer.bank, SITU)?);
+                    drop(be.moe_experts(z, routes, &ExpertView::new(&layer.bank), SITU)?);
                 }
                 Ok(())
             })?
@@ -212,12 +212,14 @@ fn prefill(be: &CudaBackend, layer: &Layer, r: &mut Rng) -> Res<()> {
         let mut line = format!("prefill n={n:<5} routed experts:");
         for prec in [GemmPrecision::Split, GemmPrecision::Half] {
             be.set_gemm_precision(prec);
-            let y = be.to_f32(&be.moe_experts(&z, &routes, &layer.bank, SITU)?)?;
+            let y =
+                be.to_f32(&be.moe_experts(&z, &routes, &ExpertView::new(&layer.bank), SITU)?)?;
             if let Some(bad) = y.iter().find(|v| !v.is_finite()) {
                 return Err(format!("K3 experts n={n}: non-finite output {bad}").into());
             }
             let secs = time_calls(be, 1, 3, || {
-                be.moe_experts(&z, &routes, &layer.bank, SITU).map(drop)
+                be.moe_experts(&z, &routes, &ExpertView::new(&layer.bank), SITU)
+                    .map(drop)
             })?;
             line += &format!(
                 "  {prec:?} {:8.2} ms = {:6.1} TFLOP/s",

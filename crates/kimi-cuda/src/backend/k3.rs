@@ -6,9 +6,10 @@ use std::sync::Arc;
 
 use kimi_core::config::Activation;
 use kimi_core::DType;
-use kimi_ops::{ExpertBank, HostTensor, MlpWeights, MoeRoutes, MoeRouting, Result};
+use kimi_ops::{ExpertView, HostTensor, MlpWeights, MoeRoutes, MoeRouting, Result};
 
 use super::{code, f32_rows, shape_err, CudaBackend};
+use crate::buffer::DevBuf;
 use crate::layout::mxfp4_device_tiles;
 use crate::ops;
 use crate::plan::{plan_expert_bank, BankCall, BankPath, Mxfp4Bank};
@@ -261,7 +262,7 @@ impl CudaBackend {
         &self,
         x: &CudaTensor,
         routes: &MoeRoutes<CudaTensor>,
-        bank: &ExpertBank<CudaTensor>,
+        bank: &ExpertView<'_, CudaTensor>,
         act: Activation,
     ) -> Result<CudaTensor> {
         const OP: &str = "moe_experts";
@@ -301,7 +302,7 @@ impl CudaBackend {
             }
             BankPath::Mxfp4Mma { bank, token_tiles } => (bank.inter, token_tiles),
         };
-        let table = self.bank_table(bank.experts())?;
+        let (table, table_buf) = self.bank_table(bank)?;
         let split = cfg.split();
         let terms = if split { 2 } else { 1 };
         // Activation rows in the kernels' fragment order (bf16 hi, then lo): the tokens'
@@ -359,7 +360,7 @@ impl CudaBackend {
             )?;
         }
         let out = self.weighted_combine(&y, 0, &routes.weights, None, n, d, k)?;
-        drop(lists);
+        drop((lists, table_buf));
         Ok(out)
     }
 
@@ -370,7 +371,7 @@ impl CudaBackend {
         &self,
         x: &CudaTensor,
         lists: &Lists,
-        bank: &ExpertBank<CudaTensor>,
+        bank: &ExpertView<'_, CudaTensor>,
         act: Activation,
         n: usize,
         p: usize,
@@ -411,19 +412,28 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// The device table of a bank's (gate, up, down) addresses, cached by its contents.
-    fn bank_table(&self, experts: &[MlpWeights<CudaTensor>]) -> Result<u64> {
+    /// The device table of a bank's (gate, up, down) addresses: cached by its contents for
+    /// a stable view, uploaded for this call for a per-call one (a tiered bank's slots and
+    /// stand-ins change from step to step).
+    fn bank_table(&self, experts: &ExpertView<'_, CudaTensor>) -> Result<(u64, Option<DevBuf>)> {
         let key: Vec<u64> = experts
+            .experts()
             .iter()
             .flat_map(|x| [x.gate.ptr(), x.up.ptr(), x.down.ptr()])
             .collect();
-        self.address_table(key)
+        if experts.is_stable() {
+            return Ok((self.address_table(key)?, None));
+        }
+        let bytes: Vec<u8> = key.iter().flat_map(|v| v.to_le_bytes()).collect();
+        // Freed in stream order after the kernels that read it.
+        let t = self.dev.upload(&bytes, "moe_experts")?;
+        Ok((Self::slice_ptr(&t), Some(t)))
     }
 }
 
 /// The intermediate width when every expert is MXFP4 with gate/up `[inter, d]` and down
 /// `[d, inter]`, both widths whole blocks.
-fn mxfp4_bank_shape(experts: &[MlpWeights<CudaTensor>], d: usize) -> Option<usize> {
+fn mxfp4_bank_shape(experts: &[&MlpWeights<CudaTensor>], d: usize) -> Option<usize> {
     let inter = *experts.first()?.gate.shape.first()?;
     let ok = inter > 0
         && inter.is_multiple_of(32)

@@ -5,7 +5,7 @@
 
 use kimi_core::config::Activation;
 use kimi_core::DType;
-use kimi_ops::{Backend, ExpertBank, HostTensor, MlpWeights, MoeRouting};
+use kimi_ops::{Backend, ExpertView, HostTensor, MlpWeights, MoeRouting};
 
 use super::op_cases::{weight, Case, Res, Rng, Runner};
 
@@ -169,9 +169,8 @@ pub fn op_moe_experts<B: Backend>(
             down: mat(d, inter)?,
         });
     }
-    let bank = ExpertBank::resident(experts);
     let routes = b.moe_route(&x, &router, None, &routing(top_k))?;
-    let y = b.moe_experts(&x, &routes, &bank, SITU)?;
+    let y = b.moe_experts(&x, &routes, &ExpertView::new(&experts), SITU)?;
     let ids = b.expert_ids(&routes.experts)?;
     Ok(vec![b.to_f32(&y)?, ids.iter().map(|&i| i as f32).collect()])
 }

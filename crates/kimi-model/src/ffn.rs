@@ -1,0 +1,304 @@
+//! A layer's feed-forward block: a dense gated MLP, Kimi Linear's fused MoE step, or the
+//! composed MoE (SiTU, LatentMoE, MXFP4 experts, experts in tiers) of Kimi K3 spec §3.4–§3.5.
+
+use kimi_core::config::{ExpertFormat, MoeConfig};
+use kimi_ops::offload::{ExpertOffload, TieredBank};
+use kimi_ops::{Activation, Backend, ExpertBank, HostTensor, MlpWeights, MoeRouting, MoeWeights};
+
+use crate::layers::{HostMatrix, Loader};
+use crate::Result;
+
+/// The feed-forward block of a layer.
+pub(crate) enum FfnLayer<T> {
+    Dense(MlpWeights<T>, Activation),
+    /// A plain SwiGLU MoE layer (Kimi Linear): the backend's fused step.
+    Moe(MoeWeights<T>, MoeRouting),
+    /// Routing, routed experts and shared experts as separate ops, for SiTU and LatentMoE
+    /// (Kimi K3).
+    Composed(Box<ComposedMoe<T>>),
+}
+
+/// LatentMoE's projections around the routed experts.
+pub(crate) struct LatentProj<T> {
+    /// `routed_expert_down_proj [latent, hidden]`.
+    down: T,
+    /// `routed_expert_norm [latent]`, on the weighted expert sum.
+    norm: Option<T>,
+    /// `routed_expert_up_proj [hidden, latent]`.
+    up: T,
+}
+
+/// A MoE layer whose steps the model composes itself (Kimi K3 spec §3.4–§3.5):
+///
+/// ```text
+/// routes = route(x)                          router on the full-width x
+/// z      = latent.down(x)                    (x itself without a latent)
+/// u      = Σ_k w_k · expert_k(z)             SiTU-GLU experts, MXFP4 or dense
+/// y      = latent.up(RMSNorm(u)) + shared(x) shared experts on the unprojected x
+/// ```
+pub(crate) struct ComposedMoe<T> {
+    router: T,
+    correction_bias: Option<T>,
+    routing: MoeRouting,
+    bank: ExpertBank<T>,
+    latent: Option<LatentProj<T>>,
+    shared: Option<MlpWeights<T>>,
+    act: Activation,
+    eps: f32,
+}
+
+impl<T> FfnLayer<T> {
+    /// The layer's experts in tiers, if they are.
+    pub fn tiered(&self) -> Option<&TieredBank<T>> {
+        match self {
+            Self::Composed(m) => m.bank.tiered(),
+            _ => None,
+        }
+    }
+
+    pub fn load_dense<B: Backend<Tensor = T>>(
+        ld: &mut Loader<'_, B>,
+        p: &str,
+        hidden: usize,
+        width: usize,
+        act: Activation,
+    ) -> Result<Self> {
+        Ok(Self::Dense(
+            ld.mlp(
+                &format!("{p}.mlp"),
+                ["gate_proj", "up_proj", "down_proj"],
+                hidden,
+                width,
+            )?,
+            act,
+        ))
+    }
+
+    pub fn load_moe<B: Backend<Tensor = T>>(
+        ld: &mut Loader<'_, B>,
+        p: &str,
+        hidden: usize,
+        c: &MoeConfig,
+        act: Activation,
+        eps: f32,
+    ) -> Result<Self> {
+        let p = format!("{p}.block_sparse_moe");
+        let e = c.num_experts;
+        let router = ld.get_f32(&format!("{p}.gate.weight"), &[e, hidden])?;
+        let bias_name = format!("{p}.gate.e_score_correction_bias");
+        let correction_bias = if ld.contains(&bias_name) {
+            Some(ld.get(&bias_name, &[e])?)
+        } else {
+            None
+        };
+        let expert_in = c.latent.map_or(hidden, |l| l.width);
+        let shared = match c.num_shared_experts {
+            0 => None,
+            n => Some(ld.mlp(
+                &format!("{p}.shared_experts"),
+                ["gate_proj", "up_proj", "down_proj"],
+                hidden,
+                n * c.expert_intermediate_size,
+            )?),
+        };
+        let routing = MoeRouting {
+            top_k: c.top_k,
+            num_groups: c.num_expert_groups,
+            topk_group: c.topk_group,
+            renormalize: c.renormalize,
+            scaling: c.routed_scaling_factor,
+            weights_use_bias: c.weights_use_correction_bias,
+        };
+        let bank = match ld.offload.clone() {
+            Some(offload) => load_tiered(ld, &p, expert_in, c, &offload)?,
+            None => ExpertBank::resident(
+                (0..e)
+                    .map(|i| load_expert(ld, &format!("{p}.experts.{i}"), expert_in, c))
+                    .collect::<Result<Vec<_>>>()?,
+            ),
+        };
+        let bank = match bank {
+            // Kimi Linear's layers take the backend's fused step while all experts are
+            // resident; experts in tiers need the composed one.
+            ExpertBank::Resident(experts) if act == Activation::Silu && c.latent.is_none() => {
+                return Ok(Self::Moe(
+                    MoeWeights {
+                        router,
+                        correction_bias,
+                        experts,
+                        shared,
+                    },
+                    routing,
+                ));
+            }
+            bank => bank,
+        };
+        let latent = match c.latent {
+            None => None,
+            Some(l) => Some(LatentProj {
+                down: ld.get(
+                    &format!("{p}.routed_expert_down_proj.weight"),
+                    &[l.width, hidden],
+                )?,
+                norm: match l.norm {
+                    true => Some(ld.get(&format!("{p}.routed_expert_norm.weight"), &[l.width])?),
+                    false => None,
+                },
+                up: ld.get(
+                    &format!("{p}.routed_expert_up_proj.weight"),
+                    &[hidden, l.width],
+                )?,
+            }),
+        };
+        Ok(Self::Composed(Box::new(ComposedMoe {
+            router,
+            correction_bias,
+            routing,
+            bank,
+            latent,
+            shared,
+            act,
+            eps,
+        })))
+    }
+
+    /// Returns the output and, for MoE, the chosen experts (read with
+    /// [`Backend::expert_ids`]).
+    pub fn forward<B: Backend<Tensor = T>>(&self, be: &B, x: &T) -> Result<(T, Option<T>)> {
+        match self {
+            Self::Dense(w, act) => Ok((be.ffn(x, w, *act)?, None)),
+            Self::Moe(w, r) => {
+                let (y, chosen) = be.moe(x, w, r)?;
+                Ok((y, Some(chosen)))
+            }
+            Self::Composed(m) => {
+                let routes = be.moe_route(x, &m.router, m.correction_bias.as_ref(), &m.routing)?;
+                let (mut y, chosen) = match &m.latent {
+                    None => m.bank.run(be, x, routes, m.act)?,
+                    Some(l) => {
+                        let z = be.matmul(x, &l.down)?;
+                        let (mut u, chosen) = m.bank.run(be, &z, routes, m.act)?;
+                        if let Some(norm) = &l.norm {
+                            u = be.rms_norm(&u, norm, m.eps)?;
+                        }
+                        (be.matmul(&u, &l.up)?, chosen)
+                    }
+                };
+                if let Some(shared) = &m.shared {
+                    be.add_assign(&mut y, &be.ffn(x, shared, m.act)?)?;
+                }
+                Ok((y, Some(chosen)))
+            }
+        }
+    }
+}
+
+/// One routed expert: `w1` (gate), `w3` (up), `w2` (down), each MXFP4 planes
+/// (`weight_packed` + `weight_scale`) or a plain `weight`, as the checkpoint stores it.
+fn load_expert<B: Backend>(
+    ld: &mut Loader<'_, B>,
+    p: &str,
+    expert_in: usize,
+    c: &MoeConfig,
+) -> Result<MlpWeights<B::Tensor>> {
+    let width = c.expert_intermediate_size;
+    let mut matrix = |name: &str, rows: usize, cols: usize| -> Result<B::Tensor> {
+        let base = format!("{p}.{name}");
+        if is_mxfp4(ld, &base, c) {
+            ld.mxfp4(&base, rows, cols)
+        } else {
+            ld.get(&format!("{base}.weight"), &[rows, cols])
+        }
+    };
+    Ok(MlpWeights {
+        gate: matrix("w1", width, expert_in)?,
+        up: matrix("w3", width, expert_in)?,
+        down: matrix("w2", expert_in, width)?,
+    })
+}
+
+/// The three matrices of one routed expert in host memory, as [`load_expert`] would
+/// upload them.
+fn load_expert_host<B: Backend>(
+    ld: &mut Loader<'_, B>,
+    p: &str,
+    expert_in: usize,
+    c: &MoeConfig,
+) -> Result<MlpWeights<HostMatrix>> {
+    let width = c.expert_intermediate_size;
+    let mut matrix = |name: &str, rows: usize, cols: usize| -> Result<HostMatrix> {
+        let base = format!("{p}.{name}");
+        if is_mxfp4(ld, &base, c) {
+            ld.host_mxfp4(&base, rows, cols)
+        } else {
+            ld.host_matrix(&format!("{base}.weight"), rows, cols)
+        }
+    };
+    Ok(MlpWeights {
+        gate: matrix("w1", width, expert_in)?,
+        up: matrix("w3", width, expert_in)?,
+        down: matrix("w2", expert_in, width)?,
+    })
+}
+
+/// A layer's routed experts placed in tiers by `offload`: the lowest ids in the backend's
+/// memory, the highest in the host store, with device slots caching them.
+fn load_tiered<B: Backend>(
+    ld: &mut Loader<'_, B>,
+    p: &str,
+    expert_in: usize,
+    c: &MoeConfig,
+    offload: &ExpertOffload,
+) -> Result<ExpertBank<B::Tensor>> {
+    let e = c.num_experts;
+    // The first expert's stored size turns the byte budgets into experts per layer.
+    let first = load_expert_host(ld, &format!("{p}.experts.0"), expert_in, c)?;
+    let bytes = [&first.gate, &first.up, &first.down]
+        .iter()
+        .map(|m| m.bytes.len() as u64)
+        .sum();
+    let (host, slots) = offload.per_layer(e, bytes, ld.moe_layers);
+    let first_host = e - host;
+    let mut builder = offload.store.begin_layer(e);
+    let mut resident = Vec::with_capacity(e);
+    let mut first = Some(first);
+    for i in 0..e {
+        let m = match first.take() {
+            Some(m) => m,
+            None => load_expert_host(ld, &format!("{p}.experts.{i}"), expert_in, c)?,
+        };
+        if i < first_host {
+            let name = format!("{p}.experts.{i}");
+            let up = |m: &HostMatrix| ld.upload(&name, &m.shape, m.dtype, &m.bytes);
+            resident.push(Some(MlpWeights {
+                gate: up(&m.gate)?,
+                up: up(&m.up)?,
+                down: up(&m.down)?,
+            }));
+        } else {
+            builder.add(i, host_view(&m))?;
+            resident.push(None);
+        }
+    }
+    let host = builder.finish()?;
+    let bank = TieredBank::new(ld.backend, resident, host, slots, offload.policy)?;
+    Ok(ExpertBank::Tiered(Box::new(bank)))
+}
+
+/// Whether `{base}` is stored as MXFP4 planes: the config says which form to expect; the
+/// other is taken where only it exists.
+fn is_mxfp4<B: Backend>(ld: &Loader<'_, B>, base: &str, c: &MoeConfig) -> bool {
+    let (packed, plain) = (format!("{base}.weight_packed"), format!("{base}.weight"));
+    match c.expert_format {
+        ExpertFormat::Mxfp4 => ld.contains(&packed) || !ld.contains(&plain),
+        ExpertFormat::Dense => !ld.contains(&plain) && ld.contains(&packed),
+    }
+}
+
+fn host_view(m: &MlpWeights<HostMatrix>) -> MlpWeights<HostTensor<'_>> {
+    MlpWeights {
+        gate: m.gate.tensor(),
+        up: m.up.tensor(),
+        down: m.down.tensor(),
+    }
+}

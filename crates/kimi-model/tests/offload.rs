@@ -1,0 +1,179 @@
+//! Experts in tiers against all experts resident, on the CPU backend with tiny forced
+//! caches so that every path runs: misses filling slots, hits, evictions, cold experts
+//! computed by the host store, and banks with no slot at all.
+//!
+//! Without cold experts the tiered model must give the resident model's logits bit for
+//! bit (the same kernels read the same bytes from slots); with cold experts the host's
+//! sum is rounded on its own, so they agree to f32 rounding. Both are also checked against
+//! the fixtures' float64 reference logits.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kimi_cpu::{CpuBackend, QuantMatmul};
+use kimi_model::{
+    Batch, CausalLm, ExpertOffload, ForwardOptions, KimiLinear, LoadOptions, OffloadAmount,
+    OffloadCounts,
+};
+use kimi_ops::offload::{CachePolicy, HostBackend};
+use kimi_ops::Segment;
+use kimi_weights::Checkpoint;
+
+fn fixture(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures")
+        .join(path)
+}
+
+fn backend() -> CpuBackend {
+    CpuBackend::with_quant_matmul(QuantMatmul::F32)
+}
+
+fn load(dir: &Path, offload: Option<(OffloadAmount, OffloadAmount)>) -> KimiLinear<CpuBackend> {
+    let ckpt = Checkpoint::open(dir).unwrap();
+    let options = LoadOptions {
+        offload: offload.map(|(host, cache)| ExpertOffload {
+            host,
+            cache,
+            policy: CachePolicy::default(),
+            store: Arc::new(HostBackend::new(Arc::new(backend()))),
+        }),
+    };
+    KimiLinear::load_checkpoint_with(backend(), &ckpt, &options).unwrap()
+}
+
+fn prompt(dir: &Path) -> Vec<u32> {
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    r["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// Logits of every position, `step` tokens per forward pass.
+fn run(model: &KimiLinear<CpuBackend>, ids: &[u32], step: usize) -> Vec<f32> {
+    let (mut pool, mut cache) = model.single_cache(ids.len()).unwrap();
+    let mut out = Vec::new();
+    for chunk in ids.chunks(step) {
+        let batch = Batch {
+            tokens: chunk.to_vec(),
+            segments: vec![Segment {
+                start: 0,
+                len: chunk.len(),
+            }],
+            logits_rows: (0..chunk.len()).collect(),
+            sampling: None,
+        };
+        let y = model
+            .forward(
+                &batch,
+                &mut pool,
+                &mut [&mut cache],
+                ForwardOptions::default(),
+            )
+            .unwrap();
+        out.extend(y.logits);
+    }
+    out
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (*g as f64 - *w as f64).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|w| (*w as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+use OffloadAmount::Experts;
+
+/// One fixture in every split: (host experts, slots) per layer, and what must have run.
+fn check(dir: &str, experts: usize) {
+    let dir = fixture(dir);
+    let ids = prompt(&dir);
+    let resident = load(&dir, None);
+    assert!(resident.offload_counts().is_none());
+    // Token by token (one route per step: the cache turns over) and in chunks of 16.
+    for step in [1, 16] {
+        let want = run(&resident, &ids, step);
+        let half = experts / 2;
+        for (host, slots) in [
+            (experts, 0),       // every expert on the host, no slot: all cold
+            (experts, 1),       // one slot: constant eviction, most experts cold
+            (half, 2),          // half resident, the rest through two slots
+            (experts, experts), // every expert through a slot: never cold
+        ] {
+            let model = load(&dir, Some((Experts(host), Experts(slots))));
+            let placement = model.expert_placement();
+            assert!(!placement.is_empty());
+            for (_, p) in &placement {
+                assert_eq!((p.resident, p.host, p.slots), (experts - host, host, slots));
+            }
+            let got = run(&model, &ids, step);
+            let c: OffloadCounts = model.offload_counts().unwrap();
+            let label = format!(
+                "{} step {step}, {host} on the host, {slots} slots",
+                dir.display()
+            );
+            eprintln!("{label}: {c:?}");
+            assert!(c.steps > 0, "{label}");
+            if slots == 0 {
+                assert_eq!((c.hits, c.fills, c.device_pairs), (0, 0, 0), "{label}");
+            }
+            if slots < host {
+                assert!(c.cold_pairs > 0, "{label}: no cold pair");
+            }
+            // Token by token the routes move on every step; a chunk of 16 tokens may keep
+            // needing the slot's holder.
+            if slots == 1 && step == 1 {
+                assert!(c.evictions > 0 && c.fills > 0, "{label}: no eviction");
+                assert!(c.bytes_moved > 0, "{label}");
+            }
+            if slots == host {
+                assert_eq!(c.cold_pairs, 0, "{label}");
+                assert!(c.hits > 0, "{label}: no hit");
+                assert_eq!(got, want, "{label}: not the resident bits");
+            } else {
+                let err = rel_err(&got, &want);
+                assert!(err < 1e-5, "{label}: relative error {err:.2e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn kimi_k3_tiers_match_resident_experts() {
+    check("kimi-k3/k3-tiny-7l", 8);
+}
+
+#[test]
+fn kimi_linear_tiers_match_resident_experts() {
+    check("kimi-linear/hub-f32-sharded", 6);
+}
+
+#[test]
+fn byte_budgets_become_whole_experts_per_layer() {
+    let dir = fixture("kimi-k3/k3-tiny-7l");
+    let model = load(&dir, Some((Experts(8), Experts(0))));
+    let (_, p) = model.expert_placement()[0];
+    let per_expert = p.host_bytes / 8;
+    let layers = model.expert_placement().len() as u64;
+    // 2.5 experts' worth of every layer on the host rounds up to 3; 1.5 slots down to 1.
+    let model = load(
+        &dir,
+        Some((
+            OffloadAmount::Bytes(per_expert * layers * 5 / 2),
+            OffloadAmount::Bytes(per_expert * layers * 3 / 2),
+        )),
+    );
+    for (_, p) in model.expert_placement() {
+        assert_eq!((p.resident, p.host, p.slots), (5, 3, 1));
+    }
+}

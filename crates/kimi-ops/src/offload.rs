@@ -1,0 +1,419 @@
+//! Experts beyond the backend's memory: a layer's routed experts split into tiers.
+//!
+//! ```text
+//! expert e ─► resident: the backend's memory, for good
+//!          └► host store (HostExperts): host memory, computed there when cold
+//!               └► cache slot: a device copy, filled after the router has run
+//! ```
+//!
+//! Per MoE step ([`TieredBank::run`]) the routes are read back, the [`ExpertCache`] plans
+//! hits, fills (copies into slots, evicting) and cold experts; the backend computes every
+//! pair whose expert is resident or in a slot, and the host store the cold pairs, whose
+//! sum is added. Without cold experts the result has the bits of the all-resident bank;
+//! with them the host's sum is rounded separately.
+
+mod cache;
+mod host;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+pub use cache::{CachePolicy, CacheStep, ExpertCache, Fill};
+pub use host::{ColdPair, HostBackend, HostExpertStore, HostExperts, HostLayerBuilder};
+
+use crate::experts::ExpertView;
+use crate::{Activation, Backend, Error, MlpWeights, MoeRoutes, Result};
+
+/// An amount of experts per MoE layer, or of bytes over all MoE layers (the flags'
+/// gigabytes), turned into experts per layer by [`ExpertOffload::per_layer`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum OffloadAmount {
+    /// Experts per MoE layer.
+    Experts(usize),
+    /// Bytes of stored expert weights, spread evenly over the MoE layers.
+    Bytes(u64),
+}
+
+/// How a model places its routed experts when they do not all fit the backend's memory
+/// (given at load).
+#[derive(Clone)]
+pub struct ExpertOffload {
+    /// Routed experts kept in host memory instead of the backend's: the highest ids of each
+    /// layer (without routing statistics every expert is as likely). Bytes round up to
+    /// whole experts.
+    pub host: OffloadAmount,
+    /// Device slots that cache host experts. Bytes round down to whole experts.
+    pub cache: OffloadAmount,
+    /// How the slots are chosen.
+    pub policy: CachePolicy,
+    /// Where the host experts live and are computed.
+    pub store: Arc<dyn HostExpertStore>,
+}
+
+impl ExpertOffload {
+    /// `(host experts, cache slots)` of one layer of `num_experts` experts of
+    /// `expert_bytes` each, in a model of `moe_layers` MoE layers.
+    pub fn per_layer(
+        &self,
+        num_experts: usize,
+        expert_bytes: u64,
+        moe_layers: usize,
+    ) -> (usize, usize) {
+        let per_layer = |b: u64| b / moe_layers.max(1) as u64;
+        let host = match self.host {
+            OffloadAmount::Experts(n) => n,
+            OffloadAmount::Bytes(b) => per_layer(b).div_ceil(expert_bytes.max(1)) as usize,
+        };
+        let slots = match self.cache {
+            OffloadAmount::Experts(n) => n,
+            OffloadAmount::Bytes(b) => (per_layer(b) / expert_bytes.max(1)) as usize,
+        };
+        let host = host.min(num_experts);
+        (host, slots.min(host))
+    }
+}
+
+impl std::fmt::Debug for ExpertOffload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExpertOffload")
+            .field("host", &self.host)
+            .field("cache", &self.cache)
+            .field("policy", &self.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Counters of a tiered bank (or of several, summed).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OffloadCounts {
+    /// MoE steps run.
+    pub steps: u64,
+    /// Host experts needed and found in a slot.
+    pub hits: u64,
+    /// Host experts copied into a slot.
+    pub fills: u64,
+    /// Fills that replaced another expert.
+    pub evictions: u64,
+    /// Host experts computed on the host.
+    pub cold_experts: u64,
+    /// Token-expert pairs computed on the host.
+    pub cold_pairs: u64,
+    /// Token-expert pairs computed by the backend.
+    pub device_pairs: u64,
+    /// Bytes copied into slots.
+    pub bytes_moved: u64,
+}
+
+impl OffloadCounts {
+    /// Hits over host experts needed (hits + fills + cold), or `None` before any.
+    pub fn hit_rate(&self) -> Option<f64> {
+        let needed = self.hits + self.fills + self.cold_experts;
+        (needed > 0).then(|| self.hits as f64 / needed as f64)
+    }
+}
+
+impl std::ops::Sub for OffloadCounts {
+    type Output = Self;
+
+    /// The counts since `o` (an earlier reading of the same counters).
+    fn sub(self, o: Self) -> Self {
+        Self {
+            steps: self.steps.saturating_sub(o.steps),
+            hits: self.hits.saturating_sub(o.hits),
+            fills: self.fills.saturating_sub(o.fills),
+            evictions: self.evictions.saturating_sub(o.evictions),
+            cold_experts: self.cold_experts.saturating_sub(o.cold_experts),
+            cold_pairs: self.cold_pairs.saturating_sub(o.cold_pairs),
+            device_pairs: self.device_pairs.saturating_sub(o.device_pairs),
+            bytes_moved: self.bytes_moved.saturating_sub(o.bytes_moved),
+        }
+    }
+}
+
+impl std::ops::AddAssign for OffloadCounts {
+    fn add_assign(&mut self, o: Self) {
+        self.steps += o.steps;
+        self.hits += o.hits;
+        self.fills += o.fills;
+        self.evictions += o.evictions;
+        self.cold_experts += o.cold_experts;
+        self.cold_pairs += o.cold_pairs;
+        self.device_pairs += o.device_pairs;
+        self.bytes_moved += o.bytes_moved;
+    }
+}
+
+#[derive(Default)]
+struct Counters([AtomicU64; 8]);
+
+impl Counters {
+    fn add(&self, c: OffloadCounts) {
+        let v = [
+            c.steps,
+            c.hits,
+            c.fills,
+            c.evictions,
+            c.cold_experts,
+            c.cold_pairs,
+            c.device_pairs,
+            c.bytes_moved,
+        ];
+        for (a, v) in self.0.iter().zip(v) {
+            a.fetch_add(v, Ordering::Relaxed);
+        }
+    }
+
+    fn get(&self) -> OffloadCounts {
+        let v: Vec<u64> = self.0.iter().map(|a| a.load(Ordering::Relaxed)).collect();
+        OffloadCounts {
+            steps: v[0],
+            hits: v[1],
+            fills: v[2],
+            evictions: v[3],
+            cold_experts: v[4],
+            cold_pairs: v[5],
+            device_pairs: v[6],
+            bytes_moved: v[7],
+        }
+    }
+}
+
+/// Where a tiered bank's experts are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// Experts in the backend's memory for good.
+    pub resident: usize,
+    /// Experts in the host store.
+    pub host: usize,
+    /// Device slots caching host experts.
+    pub slots: usize,
+    /// Bytes of the resident experts and of the slots (as stored).
+    pub device_bytes: u64,
+    /// Bytes of the host experts.
+    pub host_bytes: u64,
+}
+
+struct Slots<T> {
+    weights: Vec<MlpWeights<T>>,
+    cache: ExpertCache,
+}
+
+/// A layer's routed experts in tiers: some resident, the rest in a host store with a cache
+/// of device slots in front of it.
+pub struct TieredBank<T> {
+    resident: Vec<Option<MlpWeights<T>>>,
+    host: Arc<dyn HostExperts>,
+    slots: Mutex<Slots<T>>,
+    placement: Placement,
+    counters: Counters,
+}
+
+impl<T> TieredBank<T> {
+    /// A bank of `resident.len()` experts: `Some` ones stay in the backend's memory, the
+    /// `None` ones are `host`'s, cached in up to `slots` device slots (filled at start with
+    /// the lowest-id host experts).
+    pub fn new<B: Backend<Tensor = T>>(
+        be: &B,
+        resident: Vec<Option<MlpWeights<T>>>,
+        host: Arc<dyn HostExperts>,
+        slots: usize,
+        policy: CachePolicy,
+    ) -> Result<Self> {
+        let host_ids: Vec<usize> = (0..resident.len())
+            .filter(|&e| resident[e].is_none())
+            .collect();
+        for &e in &host_ids {
+            if host.matrices(e).is_none() {
+                return Err(Error::Shape {
+                    op: "expert offload",
+                    detail: format!("expert {e} is neither resident nor in the host store"),
+                });
+            }
+        }
+        let slots = slots.min(host_ids.len());
+        let mut cache = ExpertCache::new(resident.len(), slots, policy);
+        let mut weights = Vec::with_capacity(slots);
+        for (slot, &e) in host_ids.iter().take(slots).enumerate() {
+            weights.push(upload_expert(be, host.as_ref(), e)?);
+            cache.place(e, slot);
+        }
+        // Every expert of a layer has the same shapes and format: a host expert's stored
+        // size stands for the resident ones too.
+        let host_bytes: u64 = host_ids.iter().map(|&e| host.bytes(e) as u64).sum();
+        let per_expert = host_ids.first().map_or(0, |&e| host.bytes(e) as u64);
+        let resident_count = resident.iter().flatten().count();
+        let placement = Placement {
+            resident: resident_count,
+            host: host_ids.len(),
+            slots,
+            device_bytes: (resident_count + slots) as u64 * per_expert,
+            host_bytes,
+        };
+        Ok(Self {
+            resident,
+            host,
+            slots: Mutex::new(Slots { weights, cache }),
+            placement,
+            counters: Counters::default(),
+        })
+    }
+
+    /// Number of experts.
+    pub fn len(&self) -> usize {
+        self.resident.len()
+    }
+
+    /// Whether the bank has no experts.
+    pub fn is_empty(&self) -> bool {
+        self.resident.is_empty()
+    }
+
+    /// Where the experts are.
+    pub fn placement(&self) -> Placement {
+        self.placement
+    }
+
+    /// The counters so far.
+    pub fn counts(&self) -> OffloadCounts {
+        self.counters.get()
+    }
+
+    /// See [`crate::ExpertBank::run`].
+    pub fn run<B: Backend<Tensor = T>>(
+        &self,
+        be: &B,
+        x: &T,
+        routes: MoeRoutes<T>,
+        act: Activation,
+    ) -> Result<(T, T)> {
+        const OP: &str = "moe_experts (tiered)";
+        let ids = be.expert_ids(&routes.experts)?;
+        let mut weights = be.to_f32(&routes.weights)?;
+        let k = routes.top_k.max(1);
+        let e_count = self.resident.len();
+        if ids.len() != weights.len() || !ids.len().is_multiple_of(k) {
+            return Err(Error::Shape {
+                op: OP,
+                detail: format!(
+                    "{} expert ids, {} weights, top_k {k}",
+                    ids.len(),
+                    weights.len()
+                ),
+            });
+        }
+        if let Some(bad) = ids.iter().find(|&&e| e as usize >= e_count) {
+            return Err(Error::Shape {
+                op: OP,
+                detail: format!("routes name expert {bad} of {e_count}"),
+            });
+        }
+        let n = ids.len() / k;
+        let mut pairs = vec![0usize; e_count];
+        for &e in &ids {
+            pairs[e as usize] += 1;
+        }
+        let needed: Vec<(usize, usize)> = (0..e_count)
+            .filter(|&e| pairs[e] > 0 && self.resident[e].is_none())
+            .map(|e| (e, pairs[e]))
+            .collect();
+        let mut guard = self
+            .slots
+            .lock()
+            .map_err(|_| Error::Device("expert cache lock poisoned".into()))?;
+        let slots = &mut *guard;
+        let step = slots.cache.step(&needed);
+        let mut counts = OffloadCounts {
+            steps: 1,
+            hits: step.hits.len() as u64,
+            fills: step.fills.len() as u64,
+            evictions: step.fills.iter().filter(|f| f.evicted.is_some()).count() as u64,
+            cold_experts: step.cold.len() as u64,
+            ..OffloadCounts::default()
+        };
+        for f in &step.fills {
+            let m = host_matrices(self.host.as_ref(), f.expert)?;
+            let w = &mut slots.weights[f.slot];
+            be.upload_into(&mut w.gate, m.gate)?;
+            be.upload_into(&mut w.up, m.up)?;
+            be.upload_into(&mut w.down, m.down)?;
+            counts.bytes_moved += self.host.bytes(f.expert) as u64;
+        }
+        let mut is_cold = vec![false; e_count];
+        for &e in &step.cold {
+            is_cold[e] = true;
+        }
+        let mut cold = Vec::new();
+        for (i, &e) in ids.iter().enumerate() {
+            if is_cold[e as usize] {
+                cold.push(ColdPair {
+                    row: i / k,
+                    expert: e as usize,
+                    weight: weights[i],
+                });
+                weights[i] = 0.0;
+            }
+        }
+        counts.cold_pairs = cold.len() as u64;
+        counts.device_pairs = (ids.len() - cold.len()) as u64;
+        let out_width = self.host.out_width();
+        // Any device expert stands in for the cold ones, whose pairs weigh zero on the
+        // device (the backend's kernels need weights behind every id the routes name).
+        let stand_in = self
+            .resident
+            .iter()
+            .flatten()
+            .next()
+            .or(slots.weights.first());
+        let (mut y, experts) = match stand_in {
+            Some(stand_in) => {
+                let view: Vec<&MlpWeights<T>> = (0..e_count)
+                    .map(|e| match (&self.resident[e], slots.cache.slot_of(e)) {
+                        (Some(w), _) => w,
+                        (None, Some(s)) => &slots.weights[s],
+                        (None, None) => stand_in,
+                    })
+                    .collect();
+                let routes = if cold.is_empty() {
+                    routes
+                } else {
+                    MoeRoutes {
+                        weights: be.upload_f32(&[n, k], &weights)?,
+                        ..routes
+                    }
+                };
+                let y = be.moe_experts(x, &routes, &ExpertView::per_call(view), act)?;
+                (y, routes.experts)
+            }
+            None => (be.zeros(&[n, out_width])?, routes.experts),
+        };
+        drop(guard);
+        if !cold.is_empty() {
+            let width = be.shape(x).last().copied().unwrap_or(0);
+            let xs = be.to_f32(x)?;
+            let yc = self.host.compute(&xs, n, width, &cold, act)?;
+            be.add_assign(&mut y, &be.upload_f32(&[n, out_width], &yc)?)?;
+        }
+        self.counters.add(counts);
+        Ok((y, experts))
+    }
+}
+
+fn host_matrices(host: &dyn HostExperts, e: usize) -> Result<MlpWeights<crate::HostTensor<'_>>> {
+    host.matrices(e).ok_or_else(|| Error::Shape {
+        op: "expert offload",
+        detail: format!("expert {e} is not in the host store"),
+    })
+}
+
+fn upload_expert<B: Backend>(
+    be: &B,
+    host: &dyn HostExperts,
+    e: usize,
+) -> Result<MlpWeights<B::Tensor>> {
+    let m = host_matrices(host, e)?;
+    Ok(MlpWeights {
+        gate: be.upload(m.gate)?,
+        up: be.upload(m.up)?,
+        down: be.upload(m.down)?,
+    })
+}

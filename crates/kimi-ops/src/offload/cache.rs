@@ -1,0 +1,262 @@
+//! Which host experts hold a device slot: frequency with decay, the best-scored pinned,
+//! least recently used for the rest. Pure bookkeeping, no tensors.
+
+/// How the slots of a layer's expert cache are chosen.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CachePolicy {
+    /// Each step multiplies every expert's score by this before adding the pairs routed to
+    /// it, so the score is a routing frequency that forgets old traffic (0.95: a step's
+    /// weight halves in about 14 steps).
+    pub decay: f32,
+    /// Fraction of the slots whose holders, the best-scored experts in the cache, are never
+    /// evicted; the rest are replaced least recently used first.
+    pub pinned_fraction: f32,
+}
+
+impl Default for CachePolicy {
+    fn default() -> Self {
+        Self {
+            decay: 0.95,
+            pinned_fraction: 0.5,
+        }
+    }
+}
+
+/// One slot given to an expert for this step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fill {
+    /// The expert copied in.
+    pub expert: usize,
+    /// Its slot.
+    pub slot: usize,
+    /// The expert that held the slot before, if any.
+    pub evicted: Option<usize>,
+}
+
+/// What a step of routing asks of the cache.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CacheStep {
+    /// Needed experts already in a slot.
+    pub hits: Vec<usize>,
+    /// Needed experts copied into a slot now (most pairs first).
+    pub fills: Vec<Fill>,
+    /// Needed experts left where they are, for the host to compute: every slot is held by
+    /// an expert this step needs or by a pinned one.
+    pub cold: Vec<usize>,
+}
+
+/// The slot map of one layer's cache over `num_experts` expert ids.
+#[derive(Clone, Debug)]
+pub struct ExpertCache {
+    policy: CachePolicy,
+    slot_of: Vec<Option<usize>>,
+    holder: Vec<Option<usize>>,
+    last_used: Vec<u64>,
+    score: Vec<f32>,
+    tick: u64,
+}
+
+impl ExpertCache {
+    /// An empty cache of `slots` slots for experts `0..num_experts`.
+    pub fn new(num_experts: usize, slots: usize, policy: CachePolicy) -> Self {
+        Self {
+            policy,
+            slot_of: vec![None; num_experts],
+            holder: vec![None; slots],
+            last_used: vec![0; slots],
+            score: vec![0.0; num_experts],
+            tick: 0,
+        }
+    }
+
+    /// Number of slots.
+    pub fn slots(&self) -> usize {
+        self.holder.len()
+    }
+
+    /// The slot holding `expert`.
+    pub fn slot_of(&self, expert: usize) -> Option<usize> {
+        self.slot_of.get(expert).copied().flatten()
+    }
+
+    /// The expert held by `slot`.
+    pub fn holder(&self, slot: usize) -> Option<usize> {
+        self.holder.get(slot).copied().flatten()
+    }
+
+    /// Records that `slot` holds `expert` (the cache's contents at start).
+    pub fn place(&mut self, expert: usize, slot: usize) {
+        if expert >= self.slot_of.len() || slot >= self.holder.len() {
+            return;
+        }
+        if let Some(old) = self.holder[slot].take() {
+            self.slot_of[old] = None;
+        }
+        if let Some(s) = self.slot_of[expert].take() {
+            self.holder[s] = None;
+        }
+        self.holder[slot] = Some(expert);
+        self.slot_of[expert] = Some(slot);
+    }
+
+    /// Plans one step: `needed` lists the experts the step's routes use (each once, ids
+    /// below `num_experts`) with their pair counts. Hits are touched, misses (most pairs
+    /// first, then lowest id) take a free slot, else the least recently used slot that
+    /// holds neither a needed nor a pinned expert, else stay cold.
+    pub fn step(&mut self, needed: &[(usize, usize)]) -> CacheStep {
+        self.tick += 1;
+        let tick = self.tick;
+        for s in &mut self.score {
+            *s *= self.policy.decay;
+        }
+        let mut is_needed = vec![false; self.slot_of.len()];
+        for &(e, pairs) in needed {
+            if let Some(s) = self.score.get_mut(e) {
+                *s += pairs as f32;
+                is_needed[e] = true;
+            }
+        }
+        let mut step = CacheStep::default();
+        let mut misses = Vec::new();
+        for &(e, pairs) in needed {
+            match self.slot_of(e) {
+                Some(s) => {
+                    self.last_used[s] = tick;
+                    step.hits.push(e);
+                }
+                None if e < self.slot_of.len() => misses.push((e, pairs)),
+                None => {}
+            }
+        }
+        misses.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let pinned = self.pinned();
+        for (e, _) in misses {
+            let free = self.holder.iter().position(Option::is_none);
+            let victim = free.or_else(|| {
+                (0..self.holder.len())
+                    .filter(|&s| {
+                        self.holder[s].is_some_and(|h| !is_needed[h] && !pinned[h])
+                            && self.last_used[s] < tick
+                    })
+                    .min_by_key(|&s| (self.last_used[s], s))
+            });
+            match victim {
+                Some(slot) => {
+                    let evicted = self.holder[slot];
+                    self.place(e, slot);
+                    self.last_used[slot] = tick;
+                    step.fills.push(Fill {
+                        expert: e,
+                        slot,
+                        evicted,
+                    });
+                }
+                None => step.cold.push(e),
+            }
+        }
+        step
+    }
+
+    /// Per expert id: whether it is one of the `pinned_fraction × slots` best-scored
+    /// experts in the cache (ties to the lower id).
+    fn pinned(&self) -> Vec<bool> {
+        let mut cached: Vec<usize> = self.holder.iter().flatten().copied().collect();
+        cached.sort_by(|&a, &b| self.score[b].total_cmp(&self.score[a]).then(a.cmp(&b)));
+        let keep =
+            (self.policy.pinned_fraction.clamp(0.0, 1.0) * self.holder.len() as f32) as usize;
+        let mut pinned = vec![false; self.slot_of.len()];
+        for &e in cached.iter().take(keep) {
+            pinned[e] = true;
+        }
+        pinned
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lru_only() -> CachePolicy {
+        CachePolicy {
+            decay: 0.95,
+            pinned_fraction: 0.0,
+        }
+    }
+
+    #[test]
+    fn misses_fill_free_slots_then_hit() {
+        let mut c = ExpertCache::new(8, 2, lru_only());
+        let s = c.step(&[(3, 1), (5, 2)]);
+        assert!(s.hits.is_empty() && s.cold.is_empty());
+        // Most pairs first.
+        assert_eq!(s.fills[0].expert, 5);
+        assert_eq!(s.fills[1].expert, 3);
+        let s = c.step(&[(3, 1), (5, 1)]);
+        assert_eq!(s.hits, vec![3, 5]);
+        assert!(s.fills.is_empty());
+    }
+
+    #[test]
+    fn least_recently_used_is_evicted_and_needed_ones_never() {
+        let mut c = ExpertCache::new(8, 2, lru_only());
+        c.step(&[(1, 1)]);
+        c.step(&[(2, 1)]);
+        c.step(&[(1, 1)]);
+        // 2 is the least recently used.
+        let s = c.step(&[(4, 1)]);
+        assert_eq!(
+            s.fills,
+            vec![Fill {
+                expert: 4,
+                slot: c.slot_of(4).unwrap(),
+                evicted: Some(2)
+            }]
+        );
+        assert_eq!(c.slot_of(2), None);
+        // Three needed experts, two slots both needed: the third is cold.
+        let s = c.step(&[(1, 3), (4, 2), (6, 1)]);
+        assert_eq!(s.hits, vec![1, 4]);
+        assert_eq!(s.cold, vec![6]);
+    }
+
+    #[test]
+    fn a_slot_filled_this_step_is_not_taken_again_in_it() {
+        let mut c = ExpertCache::new(8, 1, lru_only());
+        let s = c.step(&[(0, 2), (1, 1)]);
+        assert_eq!(s.fills.len(), 1);
+        assert_eq!(s.fills[0].expert, 0);
+        assert_eq!(s.cold, vec![1]);
+    }
+
+    #[test]
+    fn pinned_experts_survive_a_scan() {
+        let mut c = ExpertCache::new(16, 2, CachePolicy::default());
+        for _ in 0..10 {
+            c.step(&[(7, 4)]);
+        }
+        // A scan of one-off experts evicts only the unpinned slot.
+        for e in 8..14 {
+            let s = c.step(&[(e, 1)]);
+            assert_eq!(s.fills.len(), 1);
+            assert_ne!(s.fills[0].evicted, Some(7));
+        }
+        assert!(c.slot_of(7).is_some());
+    }
+
+    #[test]
+    fn no_slots_means_everything_is_cold() {
+        let mut c = ExpertCache::new(4, 0, CachePolicy::default());
+        let s = c.step(&[(0, 1), (3, 1)]);
+        assert_eq!(s.cold, vec![0, 3]);
+    }
+
+    #[test]
+    fn place_moves_an_expert() {
+        let mut c = ExpertCache::new(4, 2, CachePolicy::default());
+        c.place(1, 0);
+        c.place(1, 1);
+        assert_eq!((c.holder(0), c.holder(1)), (None, Some(1)));
+        c.place(2, 1);
+        assert_eq!((c.slot_of(1), c.slot_of(2)), (None, Some(1)));
+    }
+}
