@@ -346,4 +346,3 @@ mod alloc_tests {
         assert!(t.to_f32_vec().is_empty());
     }
 }
-
