@@ -1,7 +1,9 @@
 //! Resolving `--model` and loading checkpoint, model and tokenizer.
 //!
 //! `--model` is a checkpoint directory (config.json + safetensors: Kimi Linear or Kimi K3) or
-//! a `.gguf` file; `kimi_model::registry` decides which model definition loads it. Without it, the real demo model
+//! a `.gguf` file, or a hub repository `org/name[@revision]` that `crate::hub` resolves to
+//! its snapshot in the Hugging Face cache; `kimi_model::registry` decides which model
+//! definition loads it. Without it, the real demo model
 //! `models/SmolLM2-135M-Instruct.Q4_1.gguf` is used when `scripts/fetch_demo_model.sh` has
 //! fetched it, else the tiny random Kimi Linear compiled into the binary.
 
@@ -139,10 +141,11 @@ impl<B: Backend> Loaded<B> {
     }
 }
 
-/// The model `--model` names, or the default demo model.
+/// The model `--model` names (a path, or a hub repository resolved through the cache), or
+/// the default demo model.
 pub fn model_path(args: &ModelArgs) -> anyhow::Result<PathBuf> {
     match &args.model {
-        Some(path) => Ok(path.clone()),
+        Some(path) => crate::hub::resolve_model(path, args.download),
         None if Path::new(DEMO_GGUF).is_file() => {
             eprintln!(
                 "note: no --model given; using the demo model {DEMO_GGUF} (SmolLM2-135M-Instruct)"

@@ -7,6 +7,7 @@ mod bench;
 mod cache_plan;
 mod convert;
 mod demo;
+mod hub;
 mod inspect;
 mod kld;
 mod load;
@@ -45,6 +46,7 @@ fn main() {
         Command::Bench(a) => bench::bench(a),
         Command::Serve(a) => serve::serve(a),
         Command::Convert(a) => convert::convert(a),
+        Command::Download(a) => hub::download(a),
     };
     if let Err(e) = result {
         eprintln!("error: {}", report(&e));

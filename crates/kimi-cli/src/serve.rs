@@ -112,6 +112,10 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
     };
     let name = a.served_model_name.clone().unwrap_or_else(|| {
         match a.model.model.as_ref().or(a.random_config.as_ref()) {
+            // A hub model is served under its repository id, as vLLM does.
+            Some(path) if crate::hub::repo_name(path).is_some() => {
+                crate::hub::repo_name(path).unwrap_or_default()
+            }
             Some(dir) => dir
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())

@@ -562,7 +562,7 @@ impl HubClient {
                     repo,
                     endpoint: self.endpoint.clone(),
                     hint: if self.token.is_some() {
-                        " (or it is private and HF_TOKEN's account cannot read it)"
+                        " (or it is private and the token's account cannot read it)"
                     } else {
                         " (or it is private or gated: set HF_TOKEN to a token that can read it)"
                     },
@@ -586,12 +586,12 @@ impl HubClient {
                                       `hf auth login`)"
                     }
                     (true, true) => {
-                        "the repository is gated and HF_TOKEN's account has not been \
+                        "the repository is gated and the token's account has not been \
                                      granted access (accept its terms on its page on the hub), \
                                      or the token lacks read permission"
                     }
                     (false, false) => "no token was sent: set HF_TOKEN to a token that can read it",
-                    (false, true) => "HF_TOKEN was refused or cannot read this repository",
+                    (false, true) => "the token was refused or cannot read this repository",
                 };
                 let reason = match message {
                     Some(m) => format!("{why} (the hub says: {m})"),

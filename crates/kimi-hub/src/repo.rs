@@ -30,13 +30,13 @@ impl RepoId {
             return Err(bad("`--` and `..` are not allowed"));
         }
         let parts: Vec<&str> = id.split('/').collect();
+        if parts.iter().any(|p| p.is_empty()) {
+            return Err(bad("a name is empty"));
+        }
         if parts.len() > 2 {
             return Err(bad("it has more than one `/`"));
         }
         for part in &parts {
-            if part.is_empty() {
-                return Err(bad("a name is empty"));
-            }
             if !part
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
