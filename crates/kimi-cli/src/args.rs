@@ -198,7 +198,8 @@ pub struct ServeArgs {
     /// shapes without a checkpoint); needs --tokenizer.
     #[arg(long, conflicts_with = "model", requires = "tokenizer")]
     pub random_config: Option<PathBuf>,
-    /// Tokenizer directory (tiktoken.model or tokenizer.json) instead of the model's own.
+    /// Tokenizer directory (tiktoken.model or tokenizer.json) instead of the model's own,
+    /// or a cached hub repository `org/name[@revision]`.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
     /// Seconds a connection may take to send a complete request head, counted from when

@@ -100,6 +100,11 @@ fn files_count(n: usize) -> String {
 /// resolved to its snapshot in the Hugging Face cache (offline), downloaded first when
 /// `download` allows it; anything else as given, for the loader to report.
 pub fn resolve_model(arg: &Path, download: bool) -> anyhow::Result<PathBuf> {
+    resolve_path("--model", arg, download)
+}
+
+/// [`resolve_model`] for another flag that takes a model folder (`--tokenizer`).
+pub fn resolve_path(flag: &str, arg: &Path, download: bool) -> anyhow::Result<PathBuf> {
     if arg.exists() {
         return Ok(arg.to_path_buf());
     }
@@ -133,14 +138,14 @@ pub fn resolve_model(arg: &Path, download: bool) -> anyhow::Result<PathBuf> {
                 "run `kimi-infer download REPO_ID` first, or add --download"
             };
             anyhow::bail!(
-                "--model {}: no such file or folder, and {e}: {how}",
+                "{flag} {}: no such file or folder, and {e}: {how}",
                 arg.display()
             );
         }
         Err(e) => return Err(e.into()),
     };
     let chosen = pick_model_file(&path, &model)?;
-    eprintln!("note: --model {model} is {}", chosen.display());
+    eprintln!("note: {flag} {model} is {}", chosen.display());
     Ok(chosen)
 }
 

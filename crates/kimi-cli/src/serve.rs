@@ -45,6 +45,7 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
         None => crate::load::load(backend, &a.model, a.tokenizer.is_none())?,
     };
     if let Some(dir) = &a.tokenizer {
+        let dir = &crate::hub::resolve_path("--tokenizer", dir, a.model.download)?;
         loaded.tokenizer = Some(
             kimi_tokenizer::Tokenizer::from_dir(dir)
                 .with_context(|| format!("cannot load the tokenizer in {}", dir.display()))?,

@@ -191,19 +191,24 @@ fn a_corrupted_download_fails_and_leaves_nothing_to_load() {
     assert_eq!(out.status.code(), Some(1), "a corrupted snapshot resolved");
 }
 
-/// The pinned `huggingface_hub`'s Python, or `None` (the test is skipped with a warning)
-/// when scripts/setup_hub_venv.sh could not install it (no PyPI).
+/// The pinned `huggingface_hub`'s Python (target/hub-venv, or KIMI_HUB_PYTHON), or `None`
+/// when scripts/setup_hub_venv.sh could not install it because PyPI was unreachable: the
+/// test is then skipped with a warning (the script fails on any other problem).
 fn hf_python() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("KIMI_HUB_PYTHON") {
-        return Some(PathBuf::from(p));
-    }
-    let venv = workspace().join("target/hub-venv/bin/python");
-    if venv.is_file() {
-        return Some(venv);
+    let python = std::env::var_os("KIMI_HUB_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join("target/hub-venv/bin/python"));
+    let works = Command::new(&python)
+        .args(["-c", "import huggingface_hub"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if works {
+        return Some(python);
     }
     eprintln!(
-        "WARNING: huggingface_hub is not installed (scripts/setup_hub_venv.sh): the \
-         compatibility test with it is skipped"
+        "WARNING: huggingface_hub is not installed in {} (scripts/setup_hub_venv.sh): the \
+         compatibility test with it is skipped",
+        python.display()
     );
     None
 }
@@ -338,4 +343,60 @@ fn huggingface_hub_and_kimi_infer_share_the_cache() {
         .filter(|l| l.method == "GET" && (l.server == "cdn" || l.uri.contains("/resolve/")))
         .collect();
     assert!(bodies.is_empty(), "{bodies:?}");
+}
+
+#[test]
+fn a_killed_download_resumes_where_it_stopped() {
+    let hub = LocalHub::start(vec![demo_repo()]);
+    hub.set_faults(Faults {
+        only: Some("model.safetensors".into()),
+        chunk_delay: Some(std::time::Duration::from_millis(40)),
+        ..Faults::default()
+    });
+    let cache = tempfile::tempdir().unwrap();
+    let weights = std::fs::read(workspace().join("assets/demo-model/model.safetensors")).unwrap();
+    let partial = cache
+        .path()
+        .join("models--kimi-test--demo-model/blobs")
+        .join(format!("{}.incomplete", kimi_hub::sha256_hex(&weights)));
+    let mut child = bin(&hub, cache.path())
+        .args(["download", REPO])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while std::fs::metadata(&partial).map_or(0, |m| m.len()) < 200_000 {
+        assert!(
+            start.elapsed().as_secs() < 60,
+            "the download never got going"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let kept = std::fs::metadata(&partial).unwrap().len();
+    assert!(kept < weights.len() as u64);
+
+    hub.set_faults(Faults::default());
+    hub.clear_log();
+    let out = run({
+        let mut c = bin(&hub, cache.path());
+        c.args(["download", REPO]);
+        c
+    });
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let snapshot = PathBuf::from(text(&out.stdout).trim());
+    assert_eq!(
+        std::fs::read(snapshot.join("model.safetensors")).unwrap(),
+        weights
+    );
+    let ranges: Vec<_> = hub
+        .log()
+        .into_iter()
+        .filter(|l| l.server == "cdn")
+        .map(|l| l.range)
+        .collect();
+    assert_eq!(ranges, vec![Some(format!("bytes={kept}-"))]);
+    assert!(!partial.exists());
 }

@@ -11,6 +11,7 @@
 //! request is logged with its `Range` and `Authorization` headers.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -143,6 +144,26 @@ struct Shared {
     cdn: String,
     faults: Mutex<Faults>,
     log: Mutex<Vec<Logged>>,
+    /// File bodies being sent now, and the most at once.
+    bodies: AtomicUsize,
+    most_bodies: AtomicUsize,
+}
+
+/// Counts a body in flight until it is dropped (sent, cut or abandoned).
+struct InFlight(Arc<Shared>);
+
+impl InFlight {
+    fn new(s: &Arc<Shared>) -> Self {
+        let now = s.bodies.fetch_add(1, Ordering::SeqCst) + 1;
+        s.most_bodies.fetch_max(now, Ordering::SeqCst);
+        Self(s.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.bodies.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// The running servers; stopped when dropped.
@@ -171,6 +192,8 @@ impl LocalHub {
             cdn: format!("http://{}", addr(&cdn)),
             faults: Mutex::new(Faults::default()),
             log: Mutex::new(Vec::new()),
+            bodies: AtomicUsize::new(0),
+            most_bodies: AtomicUsize::new(0),
         });
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let state = shared.clone();
@@ -221,9 +244,15 @@ impl LocalHub {
         lock(&self.shared.log).clone()
     }
 
-    /// Forgets the requests so far.
+    /// Forgets the requests so far (and the most bodies sent at once).
     pub fn clear_log(&self) {
         lock(&self.shared.log).clear();
+        self.shared.most_bodies.store(0, Ordering::SeqCst);
+    }
+
+    /// The most file bodies that were being sent at the same time.
+    pub fn most_concurrent_transfers(&self) -> usize {
+        self.shared.most_bodies.load(Ordering::SeqCst)
     }
 }
 
@@ -542,7 +571,7 @@ fn take_unavailable(s: &Shared, path: &str) -> bool {
 }
 
 /// A file body: the `Range` asked for (or all), with the faults that apply.
-fn body(s: &Shared, file: &HostedFile, method: &Method, headers: &HeaderMap) -> Response {
+fn body(s: &Arc<Shared>, file: &HostedFile, method: &Method, headers: &HeaderMap) -> Response {
     let total = file.bytes.len() as u64;
     let mut faults = lock(&s.faults);
     let applies = faults.only.as_deref().is_none_or(|o| o == file.path);
@@ -574,6 +603,7 @@ fn body(s: &Shared, file: &HostedFile, method: &Method, headers: &HeaderMap) -> 
         None => (StatusCode::OK, 0, total),
     };
     let mut plan = BodyPlan {
+        _in_flight: (method == Method::GET).then(|| InFlight::new(s)),
         bytes: file.bytes.clone(),
         pos: start,
         end,
@@ -655,6 +685,7 @@ fn body(s: &Shared, file: &HostedFile, method: &Method, headers: &HeaderMap) -> 
 }
 
 struct BodyPlan {
+    _in_flight: Option<InFlight>,
     bytes: Arc<Vec<u8>>,
     pos: u64,
     end: u64,

@@ -564,3 +564,30 @@ async fn a_download_larger_than_the_disk_is_refused_before_it_starts() {
     assert!(text.contains("short by"), "{text}");
     assert!(file_requests(&hub).is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_are_transferred_a_few_at_a_time() {
+    let hub = LocalHub::start(vec![demo_repo()]);
+    // Slow enough that transfers overlap when they may.
+    hub.set_faults(Faults {
+        chunk_delay: Some(Duration::from_millis(20)),
+        ..Faults::default()
+    });
+    let cache = tempfile::tempdir().unwrap();
+    let mut opts = options(cache.path());
+    opts.max_workers = 1;
+    download(&client(&hub), &repo_id(), &opts, &Quiet)
+        .await
+        .unwrap();
+    assert_eq!(hub.most_concurrent_transfers(), 1);
+
+    hub.clear_log();
+    let cache = tempfile::tempdir().unwrap();
+    let mut opts = options(cache.path());
+    opts.max_workers = 3;
+    download(&client(&hub), &repo_id(), &opts, &Quiet)
+        .await
+        .unwrap();
+    let most = hub.most_concurrent_transfers();
+    assert!((2..=3).contains(&most), "{most} transfers at once");
+}
