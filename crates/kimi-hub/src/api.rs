@@ -19,7 +19,9 @@ use reqwest::header::{HeaderMap, AUTHORIZATION, LINK, LOCATION, RANGE, RETRY_AFT
 use reqwest::{Method, Response, StatusCode, Url};
 use serde::Deserialize;
 
-use crate::hash::{is_hex, Checksum};
+use crate::hash::is_hex;
+use crate::listing::{tree_file, TreeEntry};
+pub use crate::listing::{LfsInfo, RepoFile};
 use crate::repo::{quote, RepoId};
 use crate::HubError;
 
@@ -29,50 +31,6 @@ const MAX_JSON_BYTES: usize = 64 << 20;
 const MAX_REDIRECTS: usize = 10;
 /// Most pages of a tree listing (1000 files each on the public hub).
 const MAX_PAGES: usize = 10_000;
-
-/// A file of a repository at a commit, with what the hub says its bytes are.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RepoFile {
-    /// `/`-separated path in the repository.
-    pub path: String,
-    /// Bytes of the file (of the LFS object, for LFS files).
-    pub size: u64,
-    /// The git blob id: of the content for a regular file, of the pointer for an LFS file.
-    pub blob_id: String,
-    /// For files stored in LFS: the object's sha256 and size.
-    pub lfs: Option<LfsInfo>,
-    /// The Xet content hash, where the hub gives one (kept for the tree cache only).
-    pub xet_hash: Option<String>,
-}
-
-/// An LFS object's id and size.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LfsInfo {
-    /// sha256 of the content, 64 hex digits.
-    pub sha256: String,
-    pub size: u64,
-}
-
-impl RepoFile {
-    /// The name of the file's blob in the cache: the sha256 for an LFS file, else the git
-    /// blob id (what the hub sends as `X-Linked-Etag` or `ETag`).
-    pub fn etag(&self) -> &str {
-        match &self.lfs {
-            Some(lfs) => &lfs.sha256,
-            None => &self.blob_id,
-        }
-    }
-
-    /// What the file's bytes must hash to: the LFS sha256, else the git blob sha1 when the
-    /// hub's id is one.
-    pub fn checksum(&self) -> Option<Checksum> {
-        match &self.lfs {
-            Some(lfs) => Some(Checksum::Sha256(lfs.sha256.clone())),
-            None if is_hex(&self.blob_id, 40) => Some(Checksum::GitSha1(self.blob_id.clone())),
-            None => None,
-        }
-    }
-}
 
 /// How often and how patiently transient failures (connection errors, timeouts, cut
 /// transfers, 408/429/5xx) are retried.
@@ -207,27 +165,6 @@ struct RevisionInfo {
 #[derive(Deserialize)]
 struct Sibling {
     rfilename: String,
-}
-
-#[derive(Deserialize)]
-struct TreeEntry {
-    #[serde(rename = "type")]
-    kind: String,
-    path: String,
-    #[serde(default)]
-    size: Option<u64>,
-    #[serde(default)]
-    oid: Option<String>,
-    #[serde(default)]
-    lfs: Option<TreeLfs>,
-    #[serde(default, rename = "xetHash")]
-    xet_hash: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct TreeLfs {
-    oid: String,
-    size: u64,
 }
 
 impl HubClient {
@@ -394,6 +331,9 @@ impl HubClient {
                 what: what.to_string(),
             };
             let etag = headers.etag.ok_or_else(|| bad("no ETag for the file"))?;
+            if !crate::listing::is_safe_etag(&etag) {
+                return Err(bad(&format!("ETag `{etag}` cannot name a file")));
+            }
             let size = headers.size.ok_or_else(|| bad("no size for the file"))?;
             let lfs = is_hex(&etag, 64).then(|| LfsInfo {
                 sha256: etag.clone(),
@@ -639,48 +579,6 @@ impl HubClient {
     }
 }
 
-/// A listing entry as a file (`None` for folders), checked.
-fn tree_file(entry: TreeEntry, url: &str) -> Result<Option<RepoFile>, HubError> {
-    if entry.kind != "file" {
-        return Ok(None);
-    }
-    let bad = |what: String| HubError::BadResponse {
-        url: url.to_string(),
-        what,
-    };
-    let lfs = match entry.lfs {
-        Some(lfs) => {
-            let sha256 = lfs.oid.to_ascii_lowercase();
-            if !is_hex(&sha256, 64) {
-                return Err(bad(format!(
-                    "`{}` has lfs.oid `{}`, not a sha256",
-                    entry.path, lfs.oid
-                )));
-            }
-            Some(LfsInfo {
-                sha256,
-                size: lfs.size,
-            })
-        }
-        None => None,
-    };
-    let size = match (&lfs, entry.size) {
-        (Some(lfs), _) => lfs.size,
-        (None, Some(size)) => size,
-        (None, None) => return Err(bad(format!("`{}` has no size", entry.path))),
-    };
-    let blob_id = entry
-        .oid
-        .ok_or_else(|| bad(format!("`{}` has no oid", entry.path)))?;
-    Ok(Some(RepoFile {
-        path: entry.path,
-        size,
-        blob_id,
-        lfs,
-        xet_hash: entry.xet_hash,
-    }))
-}
-
 /// The `rel="next"` target of a `Link` header.
 fn next_link(link: &str) -> Option<String> {
     link.split(',').find_map(|part| {
@@ -779,26 +677,5 @@ mod tests {
             p.delay(1, Some(Duration::from_secs(60))),
             Duration::from_secs(1)
         );
-    }
-
-    #[test]
-    fn tree_entries_become_files() {
-        let json = format!(
-            r#"{{"type":"file","oid":"e3b0c44298fc1c149afbf4c8996fb92427ae41e4","size":5,
-                "path":"m.safetensors","lfs":{{"oid":"{}","size":5,"pointerSize":130}}}}"#,
-            "AB".repeat(32)
-        );
-        let lfs: TreeEntry = serde_json::from_str(&json).unwrap();
-        let f = tree_file(lfs, "u").unwrap().unwrap();
-        assert_eq!(f.etag(), "ab".repeat(32));
-        assert!(matches!(f.checksum(), Some(Checksum::Sha256(_))));
-        let dir: TreeEntry =
-            serde_json::from_str(r#"{"type":"directory","oid":"x","size":0,"path":"d"}"#).unwrap();
-        assert!(tree_file(dir, "u").unwrap().is_none());
-        let bad: TreeEntry = serde_json::from_str(
-            r#"{"type":"file","oid":"x","size":1,"path":"p","lfs":{"oid":"nothex","size":1}}"#,
-        )
-        .unwrap();
-        assert!(tree_file(bad, "u").is_err());
     }
 }

@@ -17,6 +17,7 @@ pub mod download;
 mod error;
 pub mod glob;
 mod hash;
+mod listing;
 mod lock;
 pub mod repo;
 mod space;
