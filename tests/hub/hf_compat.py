@@ -5,7 +5,8 @@ the hub's API (kimi_hub::testing::LocalHub). Each subcommand prints one JSON obj
 
   fetch CACHE REPO          huggingface_hub downloads REPO into CACHE (for kimi-infer to load)
   find CACHE REPO           huggingface_hub finds what `kimi-infer download` put in CACHE,
-                            offline, and checks every file against the hub's checksums
+                            offline, checks every file against the hub's checksums, and
+                            scans the cache as `hf cache scan` does
   refresh CACHE REPO        online snapshot_download over kimi-infer's cache (must fetch nothing)
   local-dir DIR REPO        online snapshot_download(local_dir=DIR) over kimi-infer's
                             --local-dir download (must fetch nothing)
@@ -16,7 +17,7 @@ import os
 import sys
 
 import huggingface_hub
-from huggingface_hub import HfApi, hf_hub_download, snapshot_download, try_to_load_from_cache
+from huggingface_hub import HfApi, hf_hub_download, scan_cache_dir, snapshot_download, try_to_load_from_cache
 
 
 def main() -> None:
@@ -34,6 +35,9 @@ def main() -> None:
         out["checked"] = check.checked_count
         out["mismatches"] = check.mismatches
         out["missing"] = check.missing_paths
+        scan = scan_cache_dir(target)
+        out["scan_repos"] = [(r.repo_id, r.nb_files, r.size_on_disk) for r in scan.repos]
+        out["scan_warnings"] = [str(w) for w in scan.warnings]
     elif command == "refresh":
         out["path"] = snapshot_download(repo, cache_dir=target)
     elif command == "local-dir":

@@ -303,6 +303,9 @@ fn huggingface_hub_and_kimi_infer_share_the_cache() {
     assert_eq!(found["checked"], 6, "{found}");
     assert_eq!(found["mismatches"], serde_json::json!([]), "{found}");
     assert_eq!(found["missing"], serde_json::json!([]), "{found}");
+    assert_eq!(found["scan_warnings"], serde_json::json!([]), "{found}");
+    assert_eq!(found["scan_repos"][0][0], REPO, "{found}");
+    assert_eq!(found["scan_repos"][0][1], 6, "{found}");
 
     // Online, huggingface_hub reuses our blobs and transfers no file.
     hub.clear_log();
