@@ -172,19 +172,22 @@ impl HubClient {
     /// sending `token` as `Authorization: Bearer` to that origin only.
     pub fn new(endpoint: &str, token: Option<String>) -> Result<Self, HubError> {
         let endpoint = endpoint.trim_end_matches('/').to_string();
-        Url::parse(&endpoint).map_err(|e| HubError::BadResponse {
+        let url = Url::parse(&endpoint).map_err(|e| HubError::BadResponse {
             url: endpoint.clone(),
             what: format!("HF_ENDPOINT is not a URL: {e}"),
         })?;
-        let http = reqwest::Client::builder()
+        let mut builder = reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(Duration::from_secs(20))
-            .user_agent(concat!("kimi-infer/", env!("CARGO_PKG_VERSION")))
-            .build()
-            .map_err(|e| HubError::Transport {
-                url: endpoint.clone(),
-                what: format!("cannot build the HTTP client: {e}"),
-            })?;
+            .user_agent(concat!("kimi-infer/", env!("CARGO_PKG_VERSION")));
+        // A mirror on this machine is never reached through an HTTP(S)_PROXY.
+        if matches!(url.host_str(), Some("localhost" | "127.0.0.1" | "[::1]")) {
+            builder = builder.no_proxy();
+        }
+        let http = builder.build().map_err(|e| HubError::Transport {
+            url: endpoint.clone(),
+            what: format!("cannot build the HTTP client: {e}"),
+        })?;
         Ok(Self {
             http,
             endpoint,
