@@ -80,6 +80,19 @@ impl<B: Backend> ModelRunner<B> {
         self.model.backend().samples_on_device()
     }
 
+    /// The expert tiers' placement and counters, when some experts live off the device.
+    pub(crate) fn expert_offload(&self) -> Option<crate::ExpertOffloadMetrics> {
+        let counts = self.model.offload_counts()?;
+        let placement = self.model.expert_placement().into_iter().fold(
+            kimi_model::Placement::default(),
+            |mut sum, (_, p)| {
+                sum += p;
+                sum
+            },
+        );
+        Some(crate::ExpertOffloadMetrics { placement, counts })
+    }
+
     /// Bytes the cache pool occupies.
     pub(crate) fn cache_bytes(&self) -> usize {
         self.pool.size_bytes(self.model.backend())
