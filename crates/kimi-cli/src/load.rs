@@ -205,18 +205,13 @@ pub fn load<B: Backend + 'static>(
     need_tokenizer: bool,
 ) -> anyhow::Result<Loaded<B>> {
     let path = model_path(args)?;
+    let options = args.offload.load_options()?;
     if is_gguf(&path) {
-        return load_gguf(
-            backend,
-            &path,
-            need_tokenizer,
-            &args.offload.load_options()?,
-        );
+        return load_gguf(backend, &path, need_tokenizer, &options);
     }
     let mut ckpt = Checkpoint::open(&path)
         .with_context(|| format!("cannot open the model in {}", path.display()))?;
     let bar = crate::progress::watch_checkpoint(&mut ckpt);
-    let options = args.offload.load_options()?;
     let loaded = registry::load_checkpoint_with(backend, &ckpt, &options);
     if let Some(bar) = bar {
         bar.finish_and_clear();
@@ -224,7 +219,7 @@ pub fn load<B: Backend + 'static>(
     let loaded =
         loaded.with_context(|| format!("cannot load the weights in {}", path.display()))?;
     note_skipped_vision(&loaded);
-    crate::offload::report_placement(loaded.model.as_ref());
+    crate::offload::report_placement(loaded.model.as_ref(), &options);
     let tokenizer = if need_tokenizer {
         Some(
             Tokenizer::from_dir(&path)
@@ -288,7 +283,7 @@ fn load_gguf<B: Backend + 'static>(
     }
     let loaded =
         loaded.with_context(|| format!("cannot load the weights in {}", path.display()))?;
-    crate::offload::report_placement(loaded.model.as_ref());
+    crate::offload::report_placement(loaded.model.as_ref(), options);
     let tokenizer = if need_tokenizer {
         let kimi = loaded.architecture != kimi_model::Architecture::Llama;
         if kimi && file.get("tokenizer.ggml.model").is_none() {
@@ -369,7 +364,7 @@ pub fn load_random<B: Backend + 'static>(
     }
     let source = kimi_model::RandomWeights { dtype, seed: 0 };
     let loaded = registry::load_config_with(backend, cfg.clone(), &source, options)?;
-    crate::offload::report_placement(loaded.model.as_ref());
+    crate::offload::report_placement(loaded.model.as_ref(), options);
     Ok(Loaded {
         engine: Engine::new(loaded.model),
         tokenizer: None,

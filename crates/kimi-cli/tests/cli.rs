@@ -467,13 +467,26 @@ fn offloaded_experts_give_the_resident_logits() {
         (read_npy(&path).1, stderr(&o))
     };
     let (want, _) = logits("resident.npy", &[]);
-    for extra in [
-        &["--offload-experts", "8", "--expert-cache-slots", "1"][..],
-        &["--cpu-offload-gb", "1", "--expert-cache-gb", "0"][..],
+    let folder = tempfile::tempdir().unwrap();
+    let folder = folder.path().to_str().unwrap();
+    for (extra, tier) in [
+        (
+            &["--offload-experts", "8", "--expert-cache-slots", "1"][..],
+            "host RAM".to_string(),
+        ),
+        (
+            &["--cpu-offload-gb", "1", "--expert-cache-gb", "0"][..],
+            "host RAM".to_string(),
+        ),
+        (
+            &["--offload-experts", "8", "--offload-folder", folder][..],
+            format!("memory-mapped files in {folder}"),
+        ),
     ] {
         let (got, log) = logits("tiered.npy", extra);
         assert!(
-            log.contains("experts: per MoE layer 0 on cpu") && log.contains(" and 8 in host RAM"),
+            log.contains("experts: per MoE layer 0 on cpu")
+                && log.contains(&format!(" and 8 in {tier} with")),
             "{extra:?}: {log}"
         );
         let num: f64 = got.iter().zip(&want).map(|(g, w)| (g - w).powi(2)).sum();
@@ -493,6 +506,19 @@ fn offload_flags_refuse_bad_values_naming_the_flag() {
         (
             &["--expert-cache-slots", "2"][..],
             "give --cpu-offload-gb or --offload-experts",
+        ),
+        (
+            &["--offload-folder", "/tmp"][..],
+            "give --cpu-offload-gb or --offload-experts",
+        ),
+        (
+            &[
+                "--offload-experts",
+                "2",
+                "--offload-folder",
+                "/nonexistent/dir",
+            ][..],
+            "--offload-folder: the offload folder /nonexistent/dir: cannot create a file there",
         ),
     ] {
         let out = tempfile::tempdir().unwrap();

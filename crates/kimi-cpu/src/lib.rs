@@ -32,10 +32,12 @@ mod quant;
 pub mod simd;
 mod team;
 mod tensor;
+mod weight_file;
 
 pub use arena::WeightBuf;
 pub use matmul::{QuantMatmul, INT8_MAX_TOKENS};
 pub use tensor::{CpuTensor, Storage};
+pub use weight_file::{free_bytes, WeightFile};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -52,6 +54,8 @@ use kimi_ops::{
 #[derive(Clone, Debug, Default)]
 pub struct CpuBackend {
     quant_matmul: QuantMatmul,
+    /// Where uploaded weights go instead of memory (the disk tier of offloaded experts).
+    weight_file: Option<std::sync::Arc<WeightFile>>,
 }
 
 impl CpuBackend {
@@ -63,7 +67,22 @@ impl CpuBackend {
 
     /// A backend that multiplies block-quantized weights as `mode` says.
     pub fn with_quant_matmul(mode: QuantMatmul) -> Self {
-        Self { quant_matmul: mode }
+        Self {
+            quant_matmul: mode,
+            weight_file: None,
+        }
+    }
+
+    /// This backend with every weight it uploads from now on kept in `file`'s directory on
+    /// disk (memory-mapped) instead of in memory.
+    pub fn keeping_weights_in(mut self, file: std::sync::Arc<WeightFile>) -> Self {
+        self.weight_file = Some(file);
+        self
+    }
+
+    /// Where this backend keeps the weights it uploads, if not in memory.
+    pub fn weight_file(&self) -> Option<&WeightFile> {
+        self.weight_file.as_deref()
     }
 
     /// How this backend multiplies block-quantized weights.
@@ -79,7 +98,11 @@ impl Backend for CpuBackend {
         format!("cpu ({} threads)", num_threads())
     }
     fn upload(&self, host: HostTensor<'_>) -> Result<CpuTensor> {
-        CpuTensor::from_host_with(host, self.quant_matmul == QuantMatmul::Int8)
+        CpuTensor::from_host_in(
+            host,
+            self.quant_matmul == QuantMatmul::Int8,
+            self.weight_file.as_deref(),
+        )
     }
     fn run_pass<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         flushing(f)
