@@ -16,9 +16,11 @@ pub use kimi_core::config::Activation;
 use kimi_core::config::KdaGate;
 use kimi_core::DType;
 
+pub mod collective;
 pub mod experts;
 pub mod offload;
 pub mod sampling;
+pub use collective::{Collective, ThreadComm, ThreadGroup};
 pub use experts::{ExpertBank, ExpertView};
 pub use sampling::{RowSampling, TokenPenalty};
 
