@@ -87,6 +87,7 @@ impl OffloadArgs {
                 policy: CachePolicy::default(),
                 store: Arc::new(store),
             }),
+            ..LoadOptions::default()
         })
     }
 }

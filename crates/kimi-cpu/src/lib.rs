@@ -240,6 +240,26 @@ impl Backend for CpuBackend {
                 weights: w.to_vec(),
             })
             .collect();
+        // Pairs of experts held by other ranks (expert parallelism) count nothing here.
+        let routes: Vec<moe::Route> = match experts.has_absent() {
+            false => routes,
+            true => routes
+                .into_iter()
+                .map(|r| {
+                    let (e, w) = r
+                        .experts
+                        .iter()
+                        .zip(&r.weights)
+                        .filter(|(&e, _)| experts.is_present(e))
+                        .map(|(&e, &w)| (e, w))
+                        .unzip();
+                    moe::Route {
+                        experts: e,
+                        weights: w,
+                    }
+                })
+                .collect(),
+        };
         flushing(|| moe::run_experts(x, &routes, experts.experts(), None, act, self.quant_matmul))
     }
     fn moe(

@@ -60,9 +60,9 @@ impl<B: Backend> ModelRunner<B> {
         let Some(num_tokens) = self.seqs.get(&parent).map(|s| s.num_tokens) else {
             return Err(format!("request {} has no cache to fork", parent.0));
         };
-        let backend = self.model.backend();
+        let (model, pool) = (&self.model, &mut self.pool);
         catch_unwind(AssertUnwindSafe(|| {
-            self.pool.fork_state(backend, copy.slots, copy.block)
+            model.fork_state(pool, copy.slots, copy.block)
         }))
         .map_err(|p| panic_message(&*p))?
         .map_err(|e| e.to_string())?;

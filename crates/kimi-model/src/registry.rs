@@ -133,6 +133,9 @@ pub fn load_gguf_with<B: Backend + 'static>(
              no routed experts"
                 .into(),
         )),
+        Architecture::Llama if options.shard.is_split() => Err(ModelError::Input(
+            "tensor parallelism is not implemented for llama-family GGUF models yet".into(),
+        )),
         Architecture::Llama => Ok(LoadedModel {
             model: Box::new(Llama::load(backend, file)?),
             architecture: Architecture::Llama,

@@ -38,6 +38,7 @@ fn load(dir: &Path, offload: Option<(OffloadAmount, OffloadAmount)>) -> KimiLine
             policy: CachePolicy::default(),
             store: Arc::new(HostBackend::new(Arc::new(backend()))),
         }),
+        ..LoadOptions::default()
     };
     KimiLinear::load_checkpoint_with(backend(), &ckpt, &options).unwrap()
 }
@@ -178,6 +179,7 @@ fn experts_in_an_offload_folder_match_resident_experts() {
                 policy: CachePolicy::default(),
                 store: Arc::new(store),
             }),
+            ..LoadOptions::default()
         };
         let model = KimiLinear::load_checkpoint_with(backend(), &ckpt, &options).unwrap();
         let host_bytes: u64 = model

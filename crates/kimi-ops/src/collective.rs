@@ -92,6 +92,17 @@ impl ThreadGroup {
         })
     }
 
+    /// Clears a failure and any half-done operation, so the group can run again. Only
+    /// while no rank is inside a collective (every rank has returned from the step that
+    /// failed).
+    pub fn reset(&self) {
+        let mut st = self.lock();
+        st.failed = None;
+        st.deposits.iter_mut().for_each(|d| *d = None);
+        st.taken = 0;
+        st.generation += 1;
+    }
+
     /// Rank `rank`'s handle.
     pub fn comm(self: &Arc<Self>, rank: usize) -> ThreadComm {
         ThreadComm {
@@ -282,7 +293,7 @@ impl<B: Backend> Collective<B> for ThreadComm {
             }
             Ok((rows, out))
         })?;
-        let cols = if rows == 0 { 0 } else { out.len() / rows };
+        let cols = out.len().checked_div(rows).unwrap_or(0);
         be.upload_f32(&[rows, cols], &out)
     }
 
@@ -307,7 +318,7 @@ impl<B: Backend> Collective<B> for ThreadComm {
                     .collect::<Vec<f32>>(),
             ))
         })?;
-        let rows = if cols == 0 { 0 } else { out.len() / cols };
+        let rows = out.len().checked_div(cols).unwrap_or(0);
         be.upload_f32(&[rows, cols], &out)
     }
 

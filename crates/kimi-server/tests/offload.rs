@@ -22,6 +22,7 @@ async fn metrics_report_the_expert_tiers() {
             policy: CachePolicy::default(),
             store: Arc::new(HostBackend::new(Arc::new(CpuBackend::new()))),
         }),
+        ..LoadOptions::default()
     };
     let model = KimiLinear::load_checkpoint_with(CpuBackend::new(), &ckpt, &options)
         .expect("demo model loads with its experts in host memory");
