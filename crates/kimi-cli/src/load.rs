@@ -206,13 +206,33 @@ pub fn load<B: Backend + 'static>(
 ) -> anyhow::Result<Loaded<B>> {
     let path = model_path(args)?;
     let options = args.offload.load_options()?;
+    let split = args.parallel.split()?;
     if is_gguf(&path) {
+        anyhow::ensure!(
+            split.is_none(),
+            "--tensor-parallel-size applies to checkpoint directories for now, not GGUF files"
+        );
         return load_gguf(backend, &path, need_tokenizer, &options);
     }
     let mut ckpt = Checkpoint::open(&path)
         .with_context(|| format!("cannot open the model in {}", path.display()))?;
     let bar = crate::progress::watch_checkpoint(&mut ckpt);
-    let loaded = registry::load_checkpoint_with(backend, &ckpt, &options);
+    let loaded = match split {
+        None => registry::load_checkpoint_with(backend, &ckpt, &options),
+        Some((world, experts, timeout)) => {
+            kimi_model::CheckpointSource::new(&ckpt).and_then(|source| {
+                registry::load_split(
+                    backend,
+                    ckpt.config().clone(),
+                    &source,
+                    &options,
+                    world,
+                    experts,
+                    timeout,
+                )
+            })
+        }
+    };
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
@@ -314,8 +334,10 @@ pub fn load_random<B: Backend + 'static>(
     backend: B,
     config: &Path,
     dtype: kimi_core::DType,
-    options: &kimi_model::LoadOptions,
+    args: &ModelArgs,
 ) -> anyhow::Result<Loaded<B>> {
+    let options = &args.offload.load_options()?;
+    let split = args.parallel.split()?;
     let cfg = read_config(config)?;
     // Refuse up front what cannot fit, rather than dying half-way through filling it.
     // Dense matrices take `dtype`; routed experts that the config stores as MXFP4 stay at
@@ -363,7 +385,18 @@ pub fn load_random<B: Backend + 'static>(
         );
     }
     let source = kimi_model::RandomWeights { dtype, seed: 0 };
-    let loaded = registry::load_config_with(backend, cfg.clone(), &source, options)?;
+    let loaded = match split {
+        None => registry::load_config_with(backend, cfg.clone(), &source, options)?,
+        Some((world, experts, timeout)) => registry::load_split(
+            backend,
+            cfg.clone(),
+            &source,
+            options,
+            world,
+            experts,
+            timeout,
+        )?,
+    };
     crate::offload::report_placement(loaded.model.as_ref(), options);
     Ok(Loaded {
         engine: Engine::new(loaded.model),

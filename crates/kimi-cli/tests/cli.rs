@@ -495,6 +495,83 @@ fn offloaded_experts_give_the_resident_logits() {
     }
 }
 
+/// `--tensor-parallel-size 2` (experts split inside, or whole experts per rank with
+/// `--enable-expert-parallel`) gives the logits of one rank to f32 rounding, token by token
+/// and in one pass.
+#[test]
+fn a_model_split_over_two_ranks_gives_the_logits_of_one() {
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/kimi-k3/k3-tiny-7l");
+    let out = tempfile::tempdir().unwrap();
+    let logits = |extra: &[&str], step: &str| -> Vec<f64> {
+        let path = out.path().join("l.npy");
+        let mut args = vec!["logits", "--model", dir.to_str().unwrap()];
+        args.extend(["--ids", "1,5,9,2,7,3,11", "--step", step]);
+        args.extend(["--out", path.to_str().unwrap()]);
+        args.extend(extra);
+        let o = run(&args);
+        assert!(o.status.success(), "{extra:?}: {}", stderr(&o));
+        read_npy(&path).1
+    };
+    for step in ["1", "7"] {
+        let want = logits(&[], step);
+        for extra in [
+            &["--tensor-parallel-size", "2"][..],
+            &["--tensor-parallel-size", "2", "--enable-expert-parallel"][..],
+        ] {
+            let got = logits(extra, step);
+            let num: f64 = got.iter().zip(&want).map(|(g, w)| (g - w).powi(2)).sum();
+            let den: f64 = want.iter().map(|w| w * w).sum();
+            let err = (num / den).sqrt();
+            assert!(
+                err < 1e-5,
+                "{extra:?}, step {step}: relative error {err:.2e}"
+            );
+            assert!(err > 0.0, "{extra:?}: the same bits, so no split ran");
+        }
+    }
+}
+
+#[test]
+fn parallel_flags_refuse_what_cannot_split_naming_it() {
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let k3 = fixtures.join("kimi-k3/k3-tiny-7l");
+    let three_heads = fixtures.join("kimi-linear/hub-f32-sharded");
+    for (model, extra, says) in [
+        (
+            &three_heads,
+            &["--tensor-parallel-size", "2"][..],
+            "the MLA heads (3) does not split over 2 ranks",
+        ),
+        (
+            &k3,
+            &["--tensor-parallel-size", "3"][..],
+            "the KDA heads (2) does not split over 3 ranks",
+        ),
+        (
+            &k3,
+            &["--enable-expert-parallel"][..],
+            "--enable-expert-parallel spreads experts over the ranks",
+        ),
+        (
+            &k3,
+            &["--tensor-parallel-size", "0"][..],
+            "--tensor-parallel-size must be at least 1",
+        ),
+    ] {
+        let out = tempfile::tempdir().unwrap();
+        let out = out.path().join("x.npy");
+        let mut args = vec!["logits", "--model", model.to_str().unwrap(), "--ids", "1,2"];
+        args.extend(["--out", out.to_str().unwrap()]);
+        args.extend(extra);
+        let o = run(&args);
+        assert!(!o.status.success(), "{extra:?}");
+        let err = stderr(&o);
+        assert!(err.contains(says), "{extra:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
 #[test]
 fn offload_flags_refuse_bad_values_naming_the_flag() {
     let dir =

@@ -97,6 +97,10 @@ impl Backend for CpuBackend {
     fn name(&self) -> String {
         format!("cpu ({} threads)", num_threads())
     }
+    fn rank_backend(&self, _rank: usize) -> Result<Self> {
+        // Ranks in threads share the CPU and its worker team.
+        Ok(self.clone())
+    }
     fn upload(&self, host: HostTensor<'_>) -> Result<CpuTensor> {
         CpuTensor::from_host_in(
             host,
