@@ -205,8 +205,11 @@ pub fn load<B: Backend + 'static>(
     need_tokenizer: bool,
 ) -> anyhow::Result<Loaded<B>> {
     let path = model_path(args)?;
-    let options = args.offload.load_options()?;
+    let mut options = args.offload.load_options()?;
     let split = args.parallel.split()?;
+    if let Some((world, ..)) = split {
+        options.expert_placement = crate::parallel::placement(&args.parallel, world)?;
+    }
     if is_gguf(&path) {
         anyhow::ensure!(
             split.is_none(),
@@ -336,8 +339,12 @@ pub fn load_random<B: Backend + 'static>(
     dtype: kimi_core::DType,
     args: &ModelArgs,
 ) -> anyhow::Result<Loaded<B>> {
-    let options = &args.offload.load_options()?;
+    let mut options = args.offload.load_options()?;
     let split = args.parallel.split()?;
+    if let Some((world, ..)) = split {
+        options.expert_placement = crate::parallel::placement(&args.parallel, world)?;
+    }
+    let options = &options;
     let cfg = read_config(config)?;
     // Refuse up front what cannot fit, rather than dying half-way through filling it.
     // Dense matrices take `dtype`; routed experts that the config stores as MXFP4 stay at

@@ -25,6 +25,12 @@ pub struct ParallelArgs {
     /// Seconds a rank waits for the others in one collective before the step fails.
     #[arg(long, value_name = "SECS", default_value_t = 600)]
     pub collective_timeout: u64,
+    /// With `--enable-expert-parallel`, place the experts so that each rank's receive about
+    /// the same number of tokens, by the counts in FILE: a saved `/metrics` of `kimi-infer
+    /// serve` (its `kimi:moe_expert_tokens_total` lines). Every rank still holds as many
+    /// experts.
+    #[arg(long, value_name = "FILE", requires = "enable_expert_parallel")]
+    pub expert_load: Option<std::path::PathBuf>,
 }
 
 impl Default for ParallelArgs {
@@ -33,6 +39,7 @@ impl Default for ParallelArgs {
             tensor_parallel_size: 1,
             enable_expert_parallel: false,
             collective_timeout: 600,
+            expert_load: None,
         }
     }
 }
@@ -66,4 +73,42 @@ impl ParallelArgs {
             std::time::Duration::from_secs(self.collective_timeout),
         )))
     }
+}
+
+/// The expert placement `--expert-load` asks for over `world` ranks, said once with the
+/// balance it buys (largest rank's tokens over the mean, averaged over the layers).
+pub fn placement(
+    args: &ParallelArgs,
+    world: usize,
+) -> anyhow::Result<Option<std::sync::Arc<kimi_model::parallel::ExpertPlacement>>> {
+    use anyhow::Context;
+    use kimi_model::parallel::{loads_from_metrics, ExpertPlacement};
+    let Some(path) = &args.expert_load else {
+        return Ok(None);
+    };
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("--expert-load: cannot read {}", path.display()))?;
+    let loads =
+        loads_from_metrics(&text).with_context(|| format!("--expert-load {}", path.display()))?;
+    anyhow::ensure!(
+        !loads.is_empty(),
+        "--expert-load {}: no kimi:moe_expert_tokens_total lines",
+        path.display()
+    );
+    let placement = ExpertPlacement::balanced(&loads, world)
+        .with_context(|| format!("--expert-load {}", path.display()))?;
+    let mean = |m: std::collections::BTreeMap<usize, f64>| m.values().sum::<f64>() / m.len() as f64;
+    let before = mean(
+        ExpertPlacement::default()
+            .with_world(world)
+            .imbalance(&loads),
+    );
+    let after = mean(placement.imbalance(&loads));
+    eprintln!(
+        "experts: placed over {world} ranks by the counts in {}: largest rank's tokens over \
+         the mean {before:.2} in id order, {after:.2} placed ({} layers)",
+        path.display(),
+        loads.len()
+    );
+    Ok(Some(std::sync::Arc::new(placement)))
 }

@@ -513,11 +513,53 @@ fn a_model_split_over_two_ranks_gives_the_logits_of_one() {
         assert!(o.status.success(), "{extra:?}: {}", stderr(&o));
         read_npy(&path).1
     };
+    // Measured counts with the hot experts in the first half of the ids: placed by load,
+    // each rank gets a scattered set.
+    let metrics = out.path().join("metrics.txt");
+    let mut text = String::from("# TYPE kimi:moe_expert_tokens_total counter\n");
+    for layer in 1..7 {
+        for e in 0..8 {
+            let n = if e < 4 { 100 - e } else { 1 };
+            text += &format!(
+                "kimi:moe_expert_tokens_total{{model_name=\"m\",layer=\"{layer}\",expert=\"{e}\"}} {n}\n"
+            );
+        }
+    }
+    std::fs::write(&metrics, text).unwrap();
+    let metrics = metrics.to_str().unwrap();
+    let path = out.path().join("placed.npy");
+    let o = run(&[
+        "logits",
+        "--model",
+        dir.to_str().unwrap(),
+        "--ids",
+        "1,2",
+        "--out",
+        path.to_str().unwrap(),
+        "--tensor-parallel-size",
+        "2",
+        "--enable-expert-parallel",
+        "--expert-load",
+        metrics,
+    ]);
+    // 394 of 398 tokens on rank 0 in id order; 199 each when placed by load.
+    assert!(
+        stderr(&o).contains("mean 1.98 in id order, 1.00 placed (6 layers)"),
+        "{}",
+        stderr(&o)
+    );
     for step in ["1", "7"] {
         let want = logits(&[], step);
         for extra in [
             &["--tensor-parallel-size", "2"][..],
             &["--tensor-parallel-size", "2", "--enable-expert-parallel"][..],
+            &[
+                "--tensor-parallel-size",
+                "2",
+                "--enable-expert-parallel",
+                "--expert-load",
+                metrics,
+            ][..],
         ] {
             let got = logits(extra, step);
             let num: f64 = got.iter().zip(&want).map(|(g, w)| (g - w).powi(2)).sum();

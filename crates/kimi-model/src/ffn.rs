@@ -76,15 +76,16 @@ impl<T> FfnLayer<T> {
         ))
     }
 
+    /// Decoder layer `layer`'s MoE block.
     pub fn load_moe<B: Backend<Tensor = T>>(
         ld: &mut Loader<'_, B>,
-        p: &str,
+        layer: usize,
         hidden: usize,
         c: &MoeConfig,
         act: Activation,
         eps: f32,
     ) -> Result<Self> {
-        let p = format!("{p}.block_sparse_moe");
+        let p = format!("model.layers.{layer}.block_sparse_moe");
         let e = c.num_experts;
         let router = ld.get_f32(&format!("{p}.gate.weight"), &[e, hidden])?;
         let bias_name = format!("{p}.gate.e_score_correction_bias");
@@ -113,7 +114,7 @@ impl<T> FfnLayer<T> {
             scaling: c.routed_scaling_factor,
             weights_use_bias: c.weights_use_correction_bias,
         };
-        let local = ld.shard.local_experts(e);
+        let local = ld.shard.local_experts(ld.placement.as_deref(), layer, e);
         let bank = match ld.offload.clone() {
             Some(_) if local.len() < e => {
                 return Err(crate::ModelError::Input(
@@ -123,12 +124,12 @@ impl<T> FfnLayer<T> {
             Some(offload) => load_tiered(ld, &p, expert_in, c, &offload)?,
             None => {
                 let experts = local
-                    .clone()
+                    .iter()
                     .map(|i| load_expert(ld, &format!("{p}.experts.{i}"), expert_in, c))
                     .collect::<Result<Vec<_>>>()?;
                 match local.len() < e {
                     true => ExpertBank::Partition {
-                        first: local.start,
+                        ids: local,
                         local: experts,
                         total: e,
                     },

@@ -155,7 +155,8 @@ impl<B: Backend> KimiLinear<B> {
         let shard = options.shard;
         let rank_config = rank_config(&config, shard)?;
         let num_experts = config.moe.as_ref().map_or(0, |m| m.num_experts);
-        let sharded = ShardedSource::new(source, shard, num_experts);
+        let placement = options.expert_placement.clone();
+        let sharded = ShardedSource::new(source, shard, num_experts, placement.clone());
         let source: &dyn WeightSource = match shard.is_split() {
             true => &sharded,
             false => source,
@@ -168,6 +169,7 @@ impl<B: Backend> KimiLinear<B> {
             offload: options.offload.clone(),
             moe_layers: config.layers.iter().filter(|l| l.ffn == Ffn::Moe).count(),
             shard,
+            placement,
         };
         let embed = ld.get("model.embed_tokens.weight", &[config.vocab_size, hidden])?;
         let mut layers = Vec::with_capacity(config.layers.len());
@@ -208,7 +210,7 @@ impl<B: Backend> KimiLinear<B> {
                         .moe
                         .as_ref()
                         .ok_or_else(|| input("MoE layer without MoE configuration"))?;
-                    FfnLayer::load_moe(&mut ld, &p, hidden, c, act, eps)?
+                    FfnLayer::load_moe(&mut ld, i, hidden, c, act, eps)?
                 }
             };
             let res = match config.attn_res_block_size {

@@ -88,4 +88,7 @@ pub struct LoadOptions {
     /// This rank's part of a model split over several ranks ([`parallel`]); the default is
     /// the whole model.
     pub shard: parallel::Shard,
+    /// Which rank holds which experts under expert parallelism (`None`: contiguous runs of
+    /// ids).
+    pub expert_placement: Option<std::sync::Arc<parallel::ExpertPlacement>>,
 }

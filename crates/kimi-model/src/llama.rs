@@ -249,6 +249,7 @@ impl<B: Backend> Llama<B> {
             offload: None,
             moe_layers: 0,
             shard: crate::parallel::Shard::SINGLE,
+            placement: None,
         };
         let embed = ld.get("token_embd.weight", &[c.vocab_size, hidden])?;
         let mut layers = Vec::with_capacity(c.num_layers);

@@ -9,6 +9,7 @@
 //! heads cover 4 ranks.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use kimi_core::{DType, ModelConfig};
@@ -271,6 +272,50 @@ fn kimi_k3_layout_over_four_ranks() {
     };
     for experts in [ExpertSplit::Tensor, ExpertSplit::Experts] {
         check("K3, random", &config, &source, 4, experts);
+    }
+}
+
+/// Whole experts placed by skewed routing counts (each rank a scattered set of ids) give
+/// the logits of one rank too.
+#[test]
+fn experts_placed_by_measured_load_give_the_same_logits() {
+    use kimi_model::parallel::{ExpertLoads, ExpertPlacement};
+    let (config, ckpt) = fixture_model("kimi-k3/k3-tiny-7l");
+    let source = CheckpointSource::new(&ckpt).unwrap();
+    // Every MoE layer: expert e got (e * 37) % 11 + e tokens.
+    let loads: ExpertLoads = (1..config.layers.len())
+        .map(|l| (l, (0..8u64).map(|e| (e * 37) % 11 + e + l as u64).collect()))
+        .collect();
+    let placement = Arc::new(ExpertPlacement::balanced(&loads, 2).unwrap());
+    assert!(
+        placement.local(1, 0, 8) != vec![0, 1, 2, 3],
+        "the test needs a scattered placement"
+    );
+    let whole = load(&config, &source, Shard::SINGLE);
+    let parts = (0..2)
+        .map(|rank| {
+            let options = LoadOptions {
+                shard: Shard {
+                    rank,
+                    world: 2,
+                    experts: ExpertSplit::Experts,
+                },
+                expert_placement: Some(placement.clone()),
+                ..LoadOptions::default()
+            };
+            KimiLinear::load_with(backend(), config.clone(), &source, &options).unwrap()
+        })
+        .collect();
+    let split = TensorParallel::new(parts, Duration::from_secs(60)).unwrap();
+    let ids: Vec<u32> = (0..11)
+        .map(|i| ((i * 37 + 5) % config.vocab_size) as u32)
+        .collect();
+    for step in [11, 1] {
+        let err = rel_err(&run(&split, &ids, step), &run(&whole, &ids, step));
+        assert!(
+            err < 1e-5,
+            "{step} tokens per pass: relative error {err:.2e}"
+        );
     }
 }
 

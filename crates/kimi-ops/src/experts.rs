@@ -14,13 +14,13 @@ pub enum ExpertBank<T> {
     Resident(Vec<MlpWeights<T>>),
     /// Experts placed in tiers.
     Tiered(Box<TieredBank<T>>),
-    /// This rank's share of the experts under expert parallelism: ids
-    /// `first..first + local.len()` of `total`; the other ranks hold the rest, and their
-    /// pairs count nothing here (the ranks' outputs are summed).
+    /// This rank's share of the experts under expert parallelism: experts `ids` of
+    /// `total`; the other ranks hold the rest, and their pairs count nothing here (the
+    /// ranks' outputs are summed).
     Partition {
-        /// The first local expert id.
-        first: usize,
-        /// Experts `first..`, in id order.
+        /// The local experts' ids, in order.
+        ids: Vec<usize>,
+        /// Their weights, `local[i]` for expert `ids[i]`.
         local: Vec<MlpWeights<T>>,
         /// Experts over all ranks.
         total: usize,
@@ -79,24 +79,18 @@ impl<T> ExpertBank<T> {
                 Ok((y, routes.experts))
             }
             Self::Tiered(t) => t.run(be, x, routes, act),
-            Self::Partition {
-                first,
-                local,
-                total,
-            } => {
+            Self::Partition { ids, local, total } => {
                 let stand_in = local.first().ok_or_else(|| crate::Error::Shape {
                     op: "moe_experts (expert parallel)",
                     detail: "a rank without experts".into(),
                 })?;
-                let local_ids = *first..*first + local.len();
-                let view = ExpertView::partial(
-                    (0..*total)
-                        .map(|e| match local_ids.contains(&e) {
-                            true => (&local[e - first], true),
-                            false => (stand_in, false),
-                        })
-                        .collect(),
-                );
+                let mut view: Vec<(&MlpWeights<T>, bool)> = vec![(stand_in, false); *total];
+                for (&e, w) in ids.iter().zip(local) {
+                    if let Some(slot) = view.get_mut(e) {
+                        *slot = (w, true);
+                    }
+                }
+                let view = ExpertView::partial(view);
                 let y = be.moe_experts(x, &routes, &view, act)?;
                 Ok((y, routes.experts))
             }

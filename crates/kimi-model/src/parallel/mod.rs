@@ -20,9 +20,11 @@
 //! [`TensorParallel`] runs the ranks of one process as threads behind one [`crate::CausalLm`].
 
 mod group;
+mod placement;
 mod source;
 
 pub use group::TensorParallel;
+pub use placement::{loads_from_metrics, ExpertLoads, ExpertPlacement};
 pub use source::ShardedSource;
 
 /// How a rank's routed experts are split.
@@ -78,13 +80,19 @@ impl Shard {
         Ok(n / self.world)
     }
 
-    /// This rank's expert ids under expert parallelism (all of them otherwise).
-    pub fn local_experts(&self, num_experts: usize) -> std::ops::Range<usize> {
-        match self.experts {
-            ExpertSplit::Tensor => 0..num_experts,
-            ExpertSplit::Experts => {
-                let per = num_experts / self.world;
-                self.rank * per..(self.rank + 1) * per
+    /// This rank's expert ids of decoder layer `layer` (in id order): all of them unless
+    /// whole experts are spread, then `placement`'s share or, without one, a contiguous run.
+    pub fn local_experts(
+        &self,
+        placement: Option<&ExpertPlacement>,
+        layer: usize,
+        num_experts: usize,
+    ) -> Vec<usize> {
+        match (self.experts, placement) {
+            (ExpertSplit::Tensor, _) => (0..num_experts).collect(),
+            (ExpertSplit::Experts, Some(p)) => p.local(layer, self.rank, num_experts),
+            (ExpertSplit::Experts, None) => {
+                placement::contiguous(self.rank, self.world, num_experts)
             }
         }
     }

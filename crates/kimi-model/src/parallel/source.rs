@@ -5,7 +5,7 @@ use std::collections::HashSet;
 
 use kimi_core::DType;
 
-use super::{ExpertSplit, Shard};
+use super::{ExpertPlacement, ExpertSplit, Shard};
 use crate::source::WeightSource;
 use crate::{ModelError, Result};
 
@@ -75,10 +75,14 @@ fn split_of(name: &str, experts: ExpertSplit) -> Split {
     }
 }
 
-/// The routed expert id in a tensor name (`….experts.{id}.…`).
-fn expert_id(name: &str) -> Option<usize> {
-    let rest = &name[name.find(".experts.")? + ".experts.".len()..];
-    rest.split('.').next()?.parse().ok()
+/// The decoder layer and routed expert id in a tensor name
+/// (`…layers.{layer}.….experts.{id}.…`).
+fn expert_id(name: &str) -> Option<(usize, usize)> {
+    let after = |key: &str| -> Option<usize> {
+        let rest = &name[name.find(key)? + key.len()..];
+        rest.split('.').next()?.parse().ok()
+    };
+    Some((after("layers.")?, after(".experts.")?))
 }
 
 /// One rank's view of a weight source: asked for a tensor at this rank's shape, it loads
@@ -86,18 +90,26 @@ fn expert_id(name: &str) -> Option<usize> {
 pub struct ShardedSource<'a> {
     inner: &'a dyn WeightSource,
     shard: Shard,
-    /// Routed experts per layer (to tell which experts other ranks hold).
+    /// Routed experts per layer and their placement (to tell which experts other ranks
+    /// hold).
     num_experts: usize,
+    placement: Option<std::sync::Arc<ExpertPlacement>>,
 }
 
 impl<'a> ShardedSource<'a> {
     /// Rank `shard.rank`'s slices of `inner`'s tensors; `num_experts` routed experts per
     /// MoE layer (0 for a dense model).
-    pub fn new(inner: &'a dyn WeightSource, shard: Shard, num_experts: usize) -> Self {
+    pub fn new(
+        inner: &'a dyn WeightSource,
+        shard: Shard,
+        num_experts: usize,
+        placement: Option<std::sync::Arc<ExpertPlacement>>,
+    ) -> Self {
         Self {
             inner,
             shard,
             num_experts,
+            placement,
         }
     }
 
@@ -204,11 +216,15 @@ impl WeightSource for ShardedSource<'_> {
             return self.inner.check_all_used(used);
         }
         // Other ranks' experts are theirs: count them used here.
-        let local = self.shard.local_experts(self.num_experts);
         let mut used = used.clone();
         for name in self.inner.names() {
-            if expert_id(&name).is_some_and(|e| !local.contains(&e)) {
-                used.insert(name);
+            if let Some((layer, e)) = expert_id(&name) {
+                let local =
+                    self.shard
+                        .local_experts(self.placement.as_deref(), layer, self.num_experts);
+                if !local.contains(&e) {
+                    used.insert(name);
+                }
             }
         }
         self.inner.check_all_used(&used)
@@ -279,7 +295,7 @@ mod tests {
         );
         assert_eq!(
             expert_id("model.layers.1.block_sparse_moe.experts.12.w1.weight"),
-            Some(12)
+            Some((1, 12))
         );
         assert_eq!(expert_id("model.layers.1.mlp.gate_proj.weight"), None);
     }
