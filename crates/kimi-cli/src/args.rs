@@ -268,6 +268,9 @@ pub struct ModelArgs {
     /// Routed experts beyond the device's memory.
     #[command(flatten)]
     pub offload: crate::offload::OffloadArgs,
+    /// The model split over several ranks.
+    #[command(flatten)]
+    pub parallel: crate::parallel::ParallelArgs,
 }
 
 /// Where the model runs.

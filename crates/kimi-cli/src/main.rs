@@ -16,6 +16,7 @@ mod logits;
 mod memory;
 mod npy;
 mod offload;
+mod parallel;
 mod perplexity;
 mod plan;
 mod progress;

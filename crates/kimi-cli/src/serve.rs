@@ -36,12 +36,9 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
     };
     shape.validate()?;
     let mut loaded = match &a.random_config {
-        Some(config) => crate::load::load_random(
-            backend,
-            config,
-            kimi_core::DType::BF16,
-            &a.model.offload.load_options()?,
-        )?,
+        Some(config) => {
+            crate::load::load_random(backend, config, kimi_core::DType::BF16, &a.model)?
+        }
         None => crate::load::load(backend, &a.model, a.tokenizer.is_none())?,
     };
     if let Some(dir) = &a.tokenizer {
