@@ -134,37 +134,41 @@ pub struct CorsArgs {
     /// (`'["https://app.example.com"]'`), or comma-separated; `*` for any. Without it, no
     /// CORS headers are sent.
     #[arg(long, value_parser = parse_list)]
-    pub allowed_origins: Option<Vec<String>>,
+    pub allowed_origins: Option<List>,
     /// Methods allowed from other origins (JSON list or comma-separated; default any).
     #[arg(long, value_parser = parse_list, requires = "allowed_origins")]
-    pub allowed_methods: Option<Vec<String>>,
+    pub allowed_methods: Option<List>,
     /// Request headers allowed from other origins (JSON list or comma-separated; default
     /// any).
     #[arg(long, value_parser = parse_list, requires = "allowed_origins")]
-    pub allowed_headers: Option<Vec<String>>,
+    pub allowed_headers: Option<List>,
     /// Let browsers send credentials (cookies, HTTP auth) with cross-origin requests.
     #[arg(long, requires = "allowed_origins")]
     pub allow_credentials: bool,
 }
 
-fn parse_list(text: &str) -> Result<Vec<String>, String> {
-    kimi_server::parse_cors_list(text)
+/// A list flag's values (one flag value: a JSON list or comma-separated).
+#[derive(Clone, Debug)]
+pub struct List(pub Vec<String>);
+
+fn parse_list(text: &str) -> Result<List, String> {
+    kimi_server::parse_cors_list(text).map(List)
 }
 
 impl CorsArgs {
     pub fn config(&self) -> Option<CorsConfig> {
-        let origins = self.allowed_origins.clone()?;
+        let origins = self.allowed_origins.clone()?.0;
         let defaults = CorsConfig::default();
         Some(CorsConfig {
             allowed_origins: origins,
             allowed_methods: self
                 .allowed_methods
                 .clone()
-                .unwrap_or(defaults.allowed_methods),
+                .map_or(defaults.allowed_methods, |l| l.0),
             allowed_headers: self
                 .allowed_headers
                 .clone()
-                .unwrap_or(defaults.allowed_headers),
+                .map_or(defaults.allowed_headers, |l| l.0),
             allow_credentials: self.allow_credentials,
         })
     }

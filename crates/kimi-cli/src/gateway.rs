@@ -38,6 +38,10 @@ pub struct GatewayArgs {
     /// passed on when the gateway checks no keys itself.
     #[arg(long, env = "KIMI_UPSTREAM_API_KEY", hide_env_values = true)]
     pub upstream_api_key: Option<String>,
+    /// PEM file of certificates to trust for https:// upstreams besides the public roots
+    /// (a private CA, or a replica's self-signed certificate).
+    #[arg(long)]
+    pub upstream_ca_file: Option<std::path::PathBuf>,
     /// Seconds between health probes of each upstream (GET /health, then /v1/models).
     #[arg(long, default_value_t = 5.0, value_parser = parse_positive_secs)]
     pub health_interval: f64,
@@ -116,6 +120,13 @@ fn parse_positive_secs(text: &str) -> Result<f64, String> {
 
 pub fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
     let named = a.keys.named_keys()?;
+    let upstream_ca_pem = match &a.upstream_ca_file {
+        Some(path) => Some(
+            std::fs::read(path)
+                .with_context(|| format!("--upstream-ca-file {}", path.display()))?,
+        ),
+        None => None,
+    };
     let tls = a.tls.load()?;
     anyhow::ensure!(
         a.response_cache != Some(CacheStore::Redis) || a.keys.redis_url.is_some(),
@@ -150,6 +161,7 @@ pub fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
             port: a.port,
             upstreams: a.upstreams.clone(),
             upstream_api_key: a.upstream_api_key.clone().filter(|k| !k.is_empty()),
+            upstream_ca_pem,
             health: HealthConfig {
                 interval: Duration::from_secs_f64(a.health_interval),
                 timeout: Duration::from_secs_f64(a.health_timeout),

@@ -45,6 +45,9 @@ pub struct GatewayConfig {
     /// The key the gateway sends upstream (`Authorization: Bearer`); `None`: a client's own
     /// `Authorization` is passed on when the gateway has no keys of its own.
     pub upstream_api_key: Option<String>,
+    /// PEM certificates trusted for `https://` upstreams besides the public roots (a
+    /// private CA, a self-signed replica).
+    pub upstream_ca_pem: Option<Vec<u8>>,
     /// Health checks.
     pub health: HealthConfig,
     /// Longest wait to connect to an upstream.
@@ -94,6 +97,7 @@ impl Default for GatewayConfig {
             port: 8080,
             upstreams: Vec::new(),
             upstream_api_key: None,
+            upstream_ca_pem: None,
             health: HealthConfig::default(),
             connect_timeout: Duration::from_secs(3),
             upstream_timeout: Some(Duration::from_secs(600)),

@@ -150,7 +150,21 @@ impl Gateway {
             Some(cors) => Some(cors.layer().map_err(GatewayError::Config)?),
             None => None,
         };
-        let client = reqwest::Client::builder()
+        let mut client = reqwest::Client::builder();
+        if let Some(pem) = &config.upstream_ca_pem {
+            let certs = reqwest::Certificate::from_pem_bundle(pem).map_err(|e| {
+                GatewayError::Config(format!("--upstream-ca-file: not PEM certificates: {e}"))
+            })?;
+            if certs.is_empty() {
+                return Err(GatewayError::Config(
+                    "--upstream-ca-file: no PEM certificate in the file".into(),
+                ));
+            }
+            for cert in certs {
+                client = client.add_root_certificate(cert);
+            }
+        }
+        let client = client
             .connect_timeout(config.connect_timeout)
             // Below the 5 s keep-alive of `serve`, so that a pooled connection is not reused
             // just as the upstream closes it.
