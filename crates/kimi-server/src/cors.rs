@@ -157,9 +157,12 @@ mod tests {
             allow_credentials: true,
             ..CorsConfig::default()
         };
-        // tower-http panics when a wildcard meets credentials; the request's values are
-        // echoed instead.
-        let _ = config.layer().expect("layer");
+        // tower-http panics when a wildcard meets credentials (as the layer is applied);
+        // the request's values are echoed instead.
+        let layer = config.layer().expect("layer");
+        let _app: axum::Router = axum::Router::new()
+            .route("/", axum::routing::get(|| async { "ok" }))
+            .layer(layer);
         let bad = CorsConfig {
             allowed_origins: vec!["https://ok.example".into(), "bad\norigin".into()],
             ..CorsConfig::default()
