@@ -169,6 +169,19 @@ async fn two_replicas_behind_one_address() {
     assert!(metric(&text, "kimi:gateway_affinity_total{result=\"hit\"}").unwrap_or(0.0) >= 7.0);
     assert!(text.contains("kimi:gateway_upstream_request_seconds_bucket{upstream="));
     assert!(text.contains(",status=\"200\"} "));
+    // Other paths go to an upstream as they are; a wrong method is OpenAI's 405.
+    let tokens = post(
+        &c,
+        &format!("{base}/tokenize"),
+        &json!({"prompt": "hello"}),
+        &[],
+    )
+    .await;
+    assert_eq!(tokens.status, 200, "{}", tokens.text);
+    assert!(tokens.json()["tokens"].is_array(), "{}", tokens.text);
+    let wrong = get(&c, &chat_url).await;
+    assert_eq!(wrong.status, 405);
+    assert_eq!(wrong.json()["error"]["type"], "invalid_request_error");
     let health = get(&c, &format!("{base}/health")).await;
     assert_eq!(health.status, 200);
     assert_eq!(health.json()["healthy_upstreams"], 2);

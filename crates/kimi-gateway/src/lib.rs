@@ -227,7 +227,8 @@ impl Gateway {
             .route("/v1/models/{model}", get(endpoints::get_model))
             .route("/health", get(endpoints::health))
             .route("/metrics", get(endpoints::metrics))
-            .fallback(any(proxy::pass_through));
+            .fallback(any(proxy::pass_through))
+            .method_not_allowed_fallback(method_not_allowed);
         let app = match &self.shared.cors {
             Some(cors) => app.layer(cors.clone()),
             None => app,
@@ -238,6 +239,10 @@ impl Gateway {
         ))
         .with_state(self.clone())
     }
+}
+
+async fn method_not_allowed() -> kimi_server::ApiError {
+    kimi_server::ApiError::method_not_allowed()
 }
 
 fn kimi_server_unix_now() -> u64 {
