@@ -9,7 +9,8 @@
 //!                                the in-flight slot freed
 //! ```
 //!
-//! Minutes are fixed windows (Unix time / 60), as Redis `INCR` + `EXPIRE` counters are:
+//! Minutes are fixed windows (Unix time / 60, by each process's clock: processes sharing a
+//! Redis should keep their clocks in sync), as Redis `INCR` + `EXPIRE` counters are:
 //! a refusal's `Retry-After` is the time left in the window (1 s for the in-flight cap).
 //! Tokens are known only when a request ends, so a request is admitted while the minute's
 //! tokens are under the limit and its own tokens are charged at its end.
