@@ -28,6 +28,12 @@
 //! `--tool-call-parser` (`tool_format`: hermes, llama3_json, mistral, generic), parsed by
 //! `json_tool_parser` and forced by `json_tool_grammar`.
 //!
+//! Who may call: API keys with names ([`keys`]: `--api-key`, a key file, `KIMI_API_KEYS`),
+//! per-key limits on the generation routes ([`limits`]: requests and tokens per minute,
+//! requests in flight; in memory or Redis; 429 with `Retry-After`), TLS ([`load_tls`]) and
+//! CORS ([`CorsConfig`]). The listener ([`serve_app`]), keys, limits, CORS and the
+//! Prometheus helpers ([`prometheus`]) are shared with the gateway (`kimi-gateway`).
+//!
 //! [`serve`] binds and runs; [`router`] gives the `axum::Router` for tests.
 //!
 //! ```no_run
