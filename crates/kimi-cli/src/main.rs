@@ -1,12 +1,14 @@
 //! `kimi-infer`: run, chat with, inspect, plan and benchmark Kimi models.
 #![forbid(unsafe_code)]
 
+mod access_args;
 mod args;
 mod beam_run;
 mod bench;
 mod cache_plan;
 mod convert;
 mod demo;
+mod gateway;
 mod hub;
 mod inspect;
 mod kld;
@@ -29,7 +31,7 @@ use args::{Cli, Command};
 
 fn main() {
     let cli = Cli::parse();
-    let serving = matches!(cli.command, Command::Serve(_));
+    let serving = matches!(cli.command, Command::Serve(_) | Command::Gateway(_));
     logging::init(cli.log_format, logging::default_filter(serving));
     if let Some(threads) = cli.threads {
         if let Err(e) = cpu_threads(threads) {
@@ -46,6 +48,7 @@ fn main() {
         Command::Plan(a) => plan::plan(a),
         Command::Bench(a) => bench::bench(a),
         Command::Serve(a) => serve::serve(a),
+        Command::Gateway(a) => gateway::gateway(a),
         Command::Convert(a) => convert::convert(a),
         Command::Download(a) => hub::download(a),
     };

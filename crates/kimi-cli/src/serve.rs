@@ -35,6 +35,9 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
         values_per_slot: 0,
     };
     shape.validate()?;
+    let named_keys = a.keys.named_keys()?;
+    let tls = a.tls.load()?;
+    let cors = a.cors.config();
     let mut loaded = match &a.random_config {
         Some(config) => {
             crate::load::load_random(backend, config, kimi_core::DType::BF16, &a.model)?
@@ -121,16 +124,14 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
             None => "kimi-demo".into(),
         }
     });
-    let config = ServerConfig {
+    let mut config = ServerConfig {
         host: a.host.clone(),
         port: a.port,
         served_model_name: name,
-        api_keys: a
-            .api_keys
-            .iter()
-            .filter(|k| !k.is_empty())
-            .cloned()
-            .collect(),
+        api_keys: a.keys.unnamed_keys(),
+        keys: named_keys,
+        tls,
+        cors,
         chat_template,
         tool_call_parser: a.tool_call_parser,
         max_model_len: Some(max_model_len),
@@ -160,6 +161,10 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
     let result = runtime.block_on(async {
         let addr = format!("{}:{}", config.host, config.port);
         let signals = Signals::new()?;
+        let lease_ttl = config
+            .request_timeout
+            .unwrap_or(std::time::Duration::from_secs(3600));
+        config.limiter = a.keys.limiter(&config.keys, lease_ttl).await?;
         let state = AppState::new(config, Arc::new(engine.clone()), tokenizer)?;
         let listener = TcpListener::bind(&addr)
             .await
@@ -266,13 +271,23 @@ impl Banner {
             secs(config.request_timeout),
             secs(config.shutdown_timeout)
         );
-        let keys = config.api_keys.len();
-        let auth = match keys {
-            0 => "none: every client is served".to_string(),
-            1 => "1 API key".to_string(),
-            n => format!("{n} API keys"),
+        let keys = config.api_keys.len() + config.keys.len();
+        let scheme = if config.tls.is_some() {
+            "https"
+        } else {
+            "http"
         };
-        tracing::info!("auth    {auth}");
+        let url = addr.map_or_else(
+            || format!("{scheme}://{}:{}", config.host, config.port),
+            |a| format!("{scheme}://{a}"),
+        );
+        crate::access_args::log_access(
+            keys,
+            config.limiter.as_deref(),
+            config.tls.is_some(),
+            config.cors.as_ref(),
+            &url,
+        );
         if keys == 0 && !is_loopback(&config.host) {
             tracing::warn!(
                 "listening on {} without --api-key: anyone who can reach this address can \
@@ -280,10 +295,6 @@ impl Banner {
                 config.host
             );
         }
-        let url = addr.map_or_else(
-            || format!("http://{}:{}", config.host, config.port),
-            |a| format!("http://{a}"),
-        );
         tracing::info!(
             model = %config.served_model_name,
             "serving `{}` on {url}",
@@ -293,7 +304,7 @@ impl Banner {
 }
 
 /// Whether `host` only accepts connections from this machine.
-fn is_loopback(host: &str) -> bool {
+pub fn is_loopback(host: &str) -> bool {
     let host = host.trim_start_matches('[').trim_end_matches(']');
     host.eq_ignore_ascii_case("localhost")
         || host
@@ -302,13 +313,13 @@ fn is_loopback(host: &str) -> bool {
 }
 
 /// A flag's seconds, 0 meaning "no limit".
-fn secs(s: f64) -> Option<std::time::Duration> {
+pub fn secs(s: f64) -> Option<std::time::Duration> {
     (s > 0.0).then(|| std::time::Duration::from_secs_f64(s))
 }
 
 /// `--max-connections`, or 1024 lowered to leave room under the open-file limit for the
 /// model's files and the refusals past the cap.
-fn max_connections(flag: Option<usize>) -> anyhow::Result<usize> {
+pub fn max_connections(flag: Option<usize>) -> anyhow::Result<usize> {
     const RESERVED: u64 = 128;
     let soft = open_file_limit();
     match flag {
@@ -336,7 +347,7 @@ fn open_file_limit() -> Option<u64> {
 }
 
 /// Resolves on the first Ctrl-C or SIGTERM; a second one exits the process at once.
-async fn shutdown_signal(mut signals: Signals, drain_secs: f64) {
+pub async fn shutdown_signal(mut signals: Signals, drain_secs: f64) {
     signals.next().await;
     let deadline = if drain_secs > 0.0 {
         format!("up to {drain_secs}s")
@@ -356,13 +367,13 @@ async fn shutdown_signal(mut signals: Signals, drain_secs: f64) {
 /// SIGINT (Ctrl-C) and SIGTERM as one stream. The handlers are installed when this is
 /// made (inside the runtime), before the server says it is up: a signal sent as soon as
 /// the banner appears must not find the default action, which kills the process.
-struct Signals {
+pub struct Signals {
     #[cfg(unix)]
     handlers: Vec<tokio::signal::unix::Signal>,
 }
 
 impl Signals {
-    fn new() -> anyhow::Result<Self> {
+    pub fn new() -> anyhow::Result<Self> {
         #[cfg(unix)]
         {
             use tokio::signal::unix::{signal, SignalKind};

@@ -4,10 +4,13 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use kimi_engine::serving::{EngineMetrics, ExpertOffloadMetrics};
+
+use crate::listener::ConnectionCounters;
+use crate::prometheus::{escape, header, Histogram};
 
 /// vLLM's buckets for time to first token.
 const TTFT_BUCKETS: &[f64] = &[
@@ -29,88 +32,6 @@ const TOKEN_BUCKETS: &[f64] = &[
     1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0,
     50000.0, 100000.0, 200000.0, 500000.0, 1000000.0,
 ];
-
-#[derive(Debug, Default)]
-struct HistogramData {
-    /// Count per bucket (not cumulative), plus one for `+Inf`.
-    counts: Vec<u64>,
-    sum: f64,
-    count: u64,
-}
-
-/// A fixed-bucket histogram.
-#[derive(Debug)]
-struct Histogram {
-    name: &'static str,
-    help: &'static str,
-    buckets: &'static [f64],
-    data: Mutex<HistogramData>,
-}
-
-impl Histogram {
-    const fn new(name: &'static str, help: &'static str, buckets: &'static [f64]) -> Self {
-        Histogram {
-            name,
-            help,
-            buckets,
-            data: Mutex::new(HistogramData {
-                counts: Vec::new(),
-                sum: 0.0,
-                count: 0,
-            }),
-        }
-    }
-
-    fn observe(&self, value: f64) {
-        if !value.is_finite() {
-            return;
-        }
-        let mut data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
-        data.counts.resize(self.buckets.len() + 1, 0);
-        let slot = self
-            .buckets
-            .iter()
-            .position(|&le| value <= le)
-            .unwrap_or(self.buckets.len());
-        data.counts[slot] += 1;
-        data.sum += value;
-        data.count += 1;
-    }
-
-    fn render(&self, out: &mut String, labels: &str) {
-        let data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
-        header(out, self.name, self.help, "histogram");
-        let mut cumulative = 0;
-        for (i, le) in self.buckets.iter().enumerate() {
-            cumulative += data.counts.get(i).copied().unwrap_or(0);
-            let _ = writeln!(
-                out,
-                "{}_bucket{{{labels},le=\"{le:?}\"}} {cumulative}",
-                self.name
-            );
-        }
-        let _ = writeln!(
-            out,
-            "{}_bucket{{{labels},le=\"+Inf\"}} {}",
-            self.name, data.count
-        );
-        let _ = writeln!(out, "{}_sum{{{labels}}} {}", self.name, data.sum);
-        let _ = writeln!(out, "{}_count{{{labels}}} {}", self.name, data.count);
-    }
-}
-
-fn header(out: &mut String, name: &str, help: &str, kind: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}");
-    let _ = writeln!(out, "# TYPE {name} {kind}");
-}
-
-/// Escapes a label value (backslash, quote, newline).
-fn escape(value: &str) -> String {
-    value
-        .replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
 
 /// What one finished sequence reports.
 #[derive(Clone, Copy, Debug)]
@@ -143,10 +64,8 @@ pub(crate) struct Metrics {
     generation_tokens: Histogram,
     finished: Mutex<BTreeMap<&'static str, u64>>,
     http_errors: Mutex<BTreeMap<u16, u64>>,
-    /// HTTP connections being served now.
-    pub connections_open: AtomicUsize,
-    /// Connections refused at the cap (`max_connections`).
-    pub connections_refused: AtomicU64,
+    /// Open and refused connections (the listener counts them).
+    pub connections: Arc<ConnectionCounters>,
 }
 
 impl Metrics {
@@ -185,8 +104,7 @@ impl Metrics {
             ),
             finished: Mutex::new(BTreeMap::new()),
             http_errors: Mutex::new(BTreeMap::new()),
-            connections_open: AtomicUsize::new(0),
-            connections_refused: AtomicU64::new(0),
+            connections: Arc::new(ConnectionCounters::default()),
         }
     }
 
@@ -307,13 +225,13 @@ impl Metrics {
             "kimi:http_connections_open",
             "HTTP connections being served.",
             "gauge",
-            self.connections_open.load(Ordering::Relaxed).to_string(),
+            self.connections.open.load(Ordering::Relaxed).to_string(),
         );
         single(
             "kimi:http_connections_refused_total",
             "Connections refused with 503 because max_connections were open.",
             "counter",
-            self.connections_refused.load(Ordering::Relaxed).to_string(),
+            self.connections.refused.load(Ordering::Relaxed).to_string(),
         );
         for histogram in [
             &self.ttft,
