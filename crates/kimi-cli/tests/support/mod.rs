@@ -88,6 +88,19 @@ impl Proc {
         self.log.lock().expect("lock").clone()
     }
 
+    /// The log once it holds every one of `needles` (stderr is read by another thread, so
+    /// the lines of a request just answered may not be in yet), or as it is after 10 s.
+    pub fn log_with(&self, needles: &[&str]) -> String {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let log = self.log();
+            if needles.iter().all(|n| log.contains(n)) || Instant::now() > deadline {
+                return log;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Sends a signal (`KILL`, `STOP`, `CONT`, `TERM`).
     pub fn signal(&self, name: &str) {
         let status = Command::new("kill")
@@ -373,5 +386,16 @@ impl Stream {
                 _ => return None,
             }
         }
+    }
+}
+
+/// Limits count fixed minutes of the wall clock, so a test that must see several requests
+/// in one minute waits out the last seconds of a minute first.
+pub fn clear_of_minute_end() {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    if secs % 60 >= 45 {
+        std::thread::sleep(std::time::Duration::from_secs(61 - secs % 60));
     }
 }
