@@ -32,6 +32,7 @@ mod quant;
 pub mod simd;
 mod team;
 mod tensor;
+mod zquant;
 
 pub use arena::WeightBuf;
 pub use matmul::{QuantMatmul, INT8_MAX_TOKENS};

@@ -19,6 +19,7 @@ mod layers;
 mod llama;
 mod native_names;
 pub mod plan;
+pub mod quantized;
 pub mod registry;
 mod source;
 mod summary;
