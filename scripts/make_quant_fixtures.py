@@ -11,8 +11,9 @@ re-initialisation rules; every Linear input width a multiple of 32) is quantized
   - ct-fp8:         FP8 E4M3 float-quantized, per-channel scales (FP8_DYNAMIC preset; activation
                     quantization is dynamic, so nothing is stored for it);
 * AutoAWQ's own GEMM packing (`awq.modules.linear.gemm.WQLinear_GEMM.from_linear`) -> awq-gemm;
-* GPTQ's packing as AutoGPTQ / GPTQModel write it (v1 format: zero points minus one), with an
-  activation-order `g_idx` -> gptq-4bit-actorder and gptq-8bit-sym;
+* AutoGPTQ's own packing (`QuantLinear.pack`, v1 format: zero points minus one) of
+  round-to-nearest GPTQ codes, with an activation-order `g_idx` -> gptq-4bit-actorder, and
+  8-bit symmetric per channel -> gptq-8bit-sym;
 * transformers' fine-grained FP8 (`quant_method: fp8`, 128 x 128 blocks, `weight_scale_inv`) as
   Kimi K2 and DeepSeek V3 ship it -> fp8-block.
 
@@ -25,7 +26,7 @@ Run on a CPU (no GPU needed):
 
     python3 -m venv .venv && .venv/bin/pip install llmcompressor==0.14.0.1 \
         compressed-tensors==0.19.0 transformers==5.17.0 torch==2.14.0 && \
-        .venv/bin/pip install --no-deps autoawq==0.2.9
+        .venv/bin/pip install --no-deps autoawq==0.2.9 auto-gptq==0.7.1
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/make_quant_fixtures.py --out fixtures/quantized
 """
 
@@ -247,10 +248,32 @@ def awq_fixture(base_dir, hub, cfg_json, out, group=32):
 
 
 # ---------------------------------------------------------------------------- GPTQ
+def gptq_quant_linear():
+    """AutoGPTQ's QuantLinear (`auto_gptq/nn_modules/qlinear/qlinear_cuda.py`, its packing and
+    its torch dequantization), loaded from its file: the package's __init__ imports
+    transformers 4 names that transformers 5 no longer has. Its CUDA kernels are absent here,
+    and its forward then dequantizes in torch."""
+    import importlib.util
+    import site
+
+    for root in site.getsitepackages():
+        path = os.path.join(root, "auto_gptq", "nn_modules", "qlinear", "qlinear_cuda.py")
+        if os.path.exists(path):
+            spec = importlib.util.spec_from_file_location("auto_gptq_qlinear_cuda", path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            return mod.QuantLinear
+    raise RuntimeError("auto-gptq is not installed (pip install --no-deps auto-gptq==0.7.1)")
+
+
 def gptq_pack(w, bits, group, act_order, sym, seed):
-    """GPTQ's RTN quantization and packing as AutoGPTQ's QuantLinear.pack writes the v1 format:
-    qweight [in*bits/32, out] packed along the input, qzeros [groups, out*bits/32] holding
-    zero - 1, scales [groups, out] f16, g_idx [in]."""
+    """GPTQ's round-to-nearest codes (its Quantizer.find_params min-max rule; the Hessian-based
+    error compensation needs calibration data and does not change the layout), packed by
+    AutoGPTQ's QuantLinear.pack into the v1 format: qweight [in*bits/32, out] packed along
+    the input, qzeros [groups, out*bits/32] holding zero - 1, scales [groups, out] f16,
+    g_idx [in]. The reference weight is QuantLinear's own dequantization (its forward on the
+    identity), with the scales widened to f32."""
+    QuantLinear = gptq_quant_linear()
     rows, cols = w.shape
     group = cols if group < 0 else group  # -1: one group per row
     maxq = (1 << bits) - 1
@@ -261,32 +284,28 @@ def gptq_pack(w, bits, group, act_order, sym, seed):
     else:
         g_idx = (torch.arange(cols) // group).to(torch.int32)
     groups = cols // group
-    scales = torch.empty(groups, rows)
-    zeros = torch.empty(groups, rows)
+    scales = torch.empty(rows, groups)
+    zeros = torch.empty(rows, groups)
     for g in range(groups):
         wg = w[:, g_idx == g].to(torch.float32)
         mx, mn = wg.amax(1).clamp(min=0), wg.amin(1).clamp(max=0)
         if sym:
             mx = torch.maximum(mn.abs(), mx)
             mn = -mx
-        s = ((mx - mn).clamp(min=1e-8) / maxq).to(torch.float16).to(torch.float32)
-        z = torch.full_like(s, (maxq + 1) / 2) if sym else torch.round(-mn / s)
-        scales[g], zeros[g] = s, z
-    sc, zc = scales[g_idx.long()].T, zeros[g_idx.long()].T  # [rows, cols]
-    codes = torch.clamp(torch.round(w / sc) + zc, 0, maxq).to(torch.int64)
-    deq = (codes - zc) * sc
-    per = 32 // bits
-    intw = codes.T.contiguous()  # [cols, rows]
-    qweight = torch.zeros(cols // per, rows, dtype=torch.int64)
-    for j in range(per):
-        qweight |= intw[j::per] << (bits * j)
-    zint = (zeros.to(torch.int64) - 1) & maxq  # v1: zero - 1
-    qzeros = torch.zeros(groups, rows // per, dtype=torch.int64)
-    for j in range(per):
-        qzeros |= zint[:, j::per] << (bits * j)
-    as_i32 = lambda t: t.to(torch.uint32).view(torch.int32) if hasattr(torch, "uint32") else t.to(torch.int32)
-    return (as_i32(qweight & 0xFFFFFFFF), as_i32(qzeros & 0xFFFFFFFF), scales.to(torch.float16),
-            g_idx, deq.to(torch.float32))
+        sc = ((mx - mn).clamp(min=1e-8) / maxq).to(torch.float16).to(torch.float32)
+        z = torch.full_like(sc, (maxq + 1) / 2) if sym else torch.round(-mn / sc)
+        scales[:, g], zeros[:, g] = sc, z
+    sc, zc = scales[:, g_idx.long()], zeros[:, g_idx.long()]
+    fake = (torch.clamp(torch.round(w / sc) + zc, 0, maxq) - zc) * sc
+    lin = torch.nn.Linear(cols, rows, bias=False).to(torch.float16)
+    lin.weight.data = fake.to(torch.float16)
+    q = QuantLinear(bits, group, cols, rows, False, weight_dtype=torch.float16)
+    q.pack(lin, scales.to(torch.float16), zeros.to(torch.float16), g_idx)
+    q.scales = q.scales.to(torch.float32)
+    with torch.no_grad():
+        deq = q(torch.eye(cols, dtype=torch.float32)).T.contiguous()
+    return (q.qweight.contiguous(), q.qzeros.contiguous(), q.scales.to(torch.float16).contiguous(),
+            q.g_idx.to(torch.int32).contiguous(), deq.to(torch.float32))
 
 
 def gptq_fixture(name, hub, cfg_json, out, bits, group, act_order, sym):
@@ -295,7 +314,9 @@ def gptq_fixture(name, hub, cfg_json, out, bits, group, act_order, sym):
     os.makedirs(d)
     tensors, deq = {}, {}
     for i, (k, w) in enumerate(sorted(hub.items())):
-        if not quantizable(k, w) or w.shape[0] % (32 // bits):
+        # QuantLinear.pack sizes qzeros as out // 32 * bits words: matrices whose rows are
+        # not a multiple of 32 (b_proj, kv_a) stay f32.
+        if not quantizable(k, w) or w.shape[0] % 32:
             tensors[k] = w
             deq[k] = w
             continue
@@ -309,7 +330,7 @@ def gptq_fixture(name, hub, cfg_json, out, bits, group, act_order, sym):
                                   "desc_act": act_order, "sym": sym, "checkpoint_format": "gptq",
                                   "true_sequential": True, "damp_percent": 0.01}
     write(d, tensors, cfg)
-    return d, deq, {"tool": "GPTQ v1 packing (AutoGPTQ QuantLinear.pack's layout), RTN codes",
+    return d, deq, {"tool": "AutoGPTQ 0.7.1 QuantLinear.pack (qlinear_cuda.py) on round-to-nearest GPTQ codes",
                     "covers": [f"GPTQ {bits}-bit, group {group}, {'act-order g_idx' if act_order else 'ordered g_idx'}, "
                                f"{'symmetric' if sym else 'asymmetric'}", "v1 zero points (stored minus one)"]}
 

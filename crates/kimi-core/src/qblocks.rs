@@ -140,8 +140,8 @@ mod tests {
         write_q4z(&codes, 0.5, 3.0, &mut b);
         let mut out = [0f32; 32];
         assert!(dequantize(DType::Q4Z, &b, &mut out));
-        for i in 0..32 {
-            assert_eq!(out[i], ((i % 16) as f32 - 3.0) * 0.5);
+        for (i, v) in out.iter().enumerate() {
+            assert_eq!(*v, ((i % 16) as f32 - 3.0) * 0.5);
         }
         let codes: [u8; 32] = std::array::from_fn(|i| (i * 7) as u8);
         let mut b = [0u8; 40];

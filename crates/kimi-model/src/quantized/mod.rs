@@ -249,7 +249,7 @@ impl QuantScheme {
         let base = weight.strip_suffix(".weight")?;
         match self.method {
             QuantMethod::CompressedTensors => {
-                if let Some(shape) = ckpt.get(&format!("{base}.weight_shape")).ok() {
+                if let Ok(shape) = ckpt.get(&format!("{base}.weight_shape")) {
                     return ints(&shape).map(|v| v.into_iter().map(|x| x as usize).collect());
                 }
                 ckpt.shape(weight).map(<[usize]>::to_vec)
