@@ -44,6 +44,36 @@ fn pow2(e: i32) -> f32 {
     f32::from_bits(((e + 127) as u32) << 23)
 }
 
+/// The E4M3 byte nearest to `x` (ties to the even code), saturating at ±448; NaN gives
+/// `0x7f`. The value `e4m3_to_f32` gives back is `x` rounded to E4M3.
+pub fn f32_to_e4m3(x: f32) -> u8 {
+    if x.is_nan() {
+        return 0x7f;
+    }
+    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+    let a = x.abs();
+    // The 127 finite non-negative codes 0x00..=0x7e increase with their values.
+    let (mut lo, mut hi) = (0u8, 0x7eu8);
+    if a >= e4m3_to_f32(hi) {
+        return sign | hi;
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if e4m3_to_f32(mid) <= a {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let (dl, dh) = (a - e4m3_to_f32(lo), e4m3_to_f32(hi) - a);
+    let code = if dl < dh || (dl == dh && lo % 2 == 0) {
+        lo
+    } else {
+        hi
+    };
+    sign | code
+}
+
 /// Every E4M3 byte's value, indexed by the byte.
 pub fn e4m3_table() -> [f32; 256] {
     std::array::from_fn(|b| e4m3_to_f32(b as u8))
@@ -131,6 +161,21 @@ mod tests {
         assert_eq!(e4m3_to_f32(0xc0), -2.0);
         assert!(e4m3_to_f32(0x7f).is_nan() && e4m3_to_f32(0xff).is_nan());
         assert!(e4m3_to_f32(0x78).is_finite()); // 256: no infinities
+    }
+
+    #[test]
+    fn rounding_to_e4m3_is_to_nearest_even() {
+        for b in (0..=0x7eu8).chain(0x80..=0xfe) {
+            let v = e4m3_to_f32(b);
+            // -0 rounds to itself; every finite value round-trips.
+            assert_eq!(f32_to_e4m3(v), b, "{b:#04x}");
+        }
+        assert_eq!(f32_to_e4m3(1.0 + 1.0 / 16.0), 0x38); // tie between 1 and 1.125: even
+        assert_eq!(f32_to_e4m3(1.0 + 3.0 / 16.0), 0x3a); // tie between 1.125 and 1.25: even
+        assert_eq!(f32_to_e4m3(1000.0), 0x7e);
+        assert_eq!(f32_to_e4m3(-1e9), 0xfe);
+        assert_eq!(f32_to_e4m3(f32::NAN), 0x7f);
+        assert_eq!(f32_to_e4m3(2f32.powi(-11)), 0x00); // below half the smallest subnormal
     }
 
     #[test]

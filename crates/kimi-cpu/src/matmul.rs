@@ -384,7 +384,10 @@ impl<'a> Product<'a> {
             Storage::F16(v) if n == 1 => {
                 dot_rows_16bit::<true>(&v[row0 * k..(row0 + rows) * k], k, xs, chunk)
             }
-            Storage::Quant { .. } | Storage::Bf16(_) | Storage::F16(_) => {
+            Storage::Quant { .. }
+            | Storage::Bf16(_)
+            | Storage::F16(_)
+            | Storage::Fp8Rows { .. } => {
                 // Whole groups of four rows, so that `multiply_rows` can use its 4×4 kernel
                 // (a tile of 3 rows at k = 2048 ran every row through the 1×4 one: 2.5×
                 // slower prefill).
@@ -447,7 +450,7 @@ fn multiply_wide(storage: &Storage, row0: usize, xs: &[f32], k: usize, n: usize,
         Storage::F32(v) => tiles_over_tokens(TileRows::F32(&v[at..end]), rows, k, xs, n, out),
         Storage::F16(v) => tiles_over_tokens(TileRows::F16(&v[at..end]), rows, k, xs, n, out),
         Storage::Bf16(v) => tiles_over_tokens(TileRows::Bf16(&v[at..end]), rows, k, xs, n, out),
-        Storage::Quant { .. } => {
+        Storage::Quant { .. } | Storage::Fp8Rows { .. } => {
             let tile = (WIDE_QUANT_TILE_BYTES / (4 * k.max(1))).max(2);
             widened_rows(storage, row0, k, n, tile, out, |w, num, out| {
                 tiles_over_tokens(TileRows::F32(w), num, k, xs, n, out)
