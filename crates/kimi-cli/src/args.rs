@@ -52,6 +52,34 @@ pub enum Command {
     /// Convert a Kimi Linear checkpoint (or a config with random weights) to a llama.cpp GGUF
     /// (architecture `kimi-linear`).
     Convert(ConvertArgs),
+    /// Quantize a float checkpoint (round to nearest) into a compressed-tensors
+    /// `pack-quantized` checkpoint, as llm-compressor writes one.
+    Quantize(QuantizeArgs),
+}
+
+/// `kimi-infer quantize`.
+#[derive(Args, Debug)]
+pub struct QuantizeArgs {
+    /// Checkpoint directory (config.json + safetensors) with float weights.
+    #[arg(long, short = 'm')]
+    pub model: PathBuf,
+    /// Quantization method: `rtn` (round to nearest, compressed-tensors' min-max rules).
+    #[arg(long, default_value = "rtn")]
+    pub method: String,
+    /// Bits per weight: 4 (asymmetric, with zero points, unless --symmetric) or 8
+    /// (symmetric).
+    #[arg(long, default_value_t = 4)]
+    pub bits: u32,
+    /// Input columns per scale; -1 for one scale per row. Matrices whose width it does not
+    /// divide stay as they are (and are listed in the config's `ignore`).
+    #[arg(long, default_value_t = 128, allow_negative_numbers = true)]
+    pub group_size: i64,
+    /// Symmetric 4-bit codes (no zero points).
+    #[arg(long)]
+    pub symmetric: bool,
+    /// Output directory (created; must be empty).
+    #[arg(long, short = 'o')]
+    pub out: PathBuf,
 }
 
 /// `kimi-infer convert`.

@@ -18,6 +18,7 @@ mod offload;
 mod perplexity;
 mod plan;
 mod progress;
+mod quantize;
 mod run;
 mod serve;
 
@@ -45,6 +46,7 @@ fn main() {
         Command::Bench(a) => bench::bench(a),
         Command::Serve(a) => serve::serve(a),
         Command::Convert(a) => convert::convert(a),
+        Command::Quantize(a) => quantize::quantize(a),
     };
     if let Err(e) = result {
         eprintln!("error: {}", report(&e));

@@ -20,6 +20,7 @@
 //! refused with the tensor, the file and the field named.
 
 mod repack;
+pub mod rtn;
 
 use std::path::{Path, PathBuf};
 
@@ -35,7 +36,11 @@ pub(crate) use repack::{Fp8Matrix, IntMatrix};
 pub enum QuantMethod {
     /// llm-compressor's compressed-tensors (`pack-quantized`, `int-quantized`,
     /// `float-quantized`, `mxfp4-pack-quantized`); the stored tensors say which.
-    CompressedTensors,
+    CompressedTensors {
+        /// The `num_bits` of the config groups' integer weights (a packed row's width
+        /// alone can fit two: 16 values are two words at 3 bits and at 4).
+        int_bits: Vec<u32>,
+    },
     /// AutoAWQ's GEMM layout, 4-bit.
     Awq {
         /// Input columns per scale (`group_size`; `-1`: the whole row).
@@ -126,7 +131,19 @@ impl QuantScheme {
                         )));
                     }
                 }
-                QuantMethod::CompressedTensors
+                let mut int_bits: Vec<u32> = q
+                    .get("config_groups")
+                    .and_then(Value::as_object)
+                    .into_iter()
+                    .flat_map(|g| g.values())
+                    .filter_map(|g| g.get("weights"))
+                    .filter(|w| w.get("type").and_then(Value::as_str) == Some("int"))
+                    .filter_map(|w| w.get("num_bits").and_then(Value::as_u64))
+                    .map(|b| b as u32)
+                    .collect();
+                int_bits.sort_unstable();
+                int_bits.dedup();
+                QuantMethod::CompressedTensors { int_bits }
             }
             "awq" => {
                 let version = text("version").unwrap_or("gemm").to_ascii_lowercase();
@@ -233,7 +250,7 @@ impl QuantScheme {
             return false;
         };
         match self.method {
-            QuantMethod::CompressedTensors => {
+            QuantMethod::CompressedTensors { .. } => {
                 ckpt.contains(&format!("{base}.weight_packed"))
                     || (ckpt.contains(weight) && ckpt.contains(&format!("{base}.weight_scale")))
             }
@@ -248,7 +265,7 @@ impl QuantScheme {
     pub(crate) fn shape(&self, ckpt: &Checkpoint, weight: &str) -> Option<Vec<usize>> {
         let base = weight.strip_suffix(".weight")?;
         match self.method {
-            QuantMethod::CompressedTensors => {
+            QuantMethod::CompressedTensors { .. } => {
                 if let Ok(shape) = ckpt.get(&format!("{base}.weight_shape")) {
                     return ints(&shape).map(|v| v.into_iter().map(|x| x as usize).collect());
                 }
@@ -289,7 +306,9 @@ impl QuantScheme {
             parts: Vec::new(),
         };
         let (dtype, bytes) = match &self.method {
-            QuantMethod::CompressedTensors => compressed(&mut planes, rows, cols)?,
+            QuantMethod::CompressedTensors { int_bits } => {
+                compressed(&mut planes, rows, cols, int_bits)?
+            }
             QuantMethod::Awq { group_size } => awq(&mut planes, rows, cols, *group_size)?,
             QuantMethod::Gptq {
                 bits,
@@ -431,7 +450,12 @@ fn plain_groups(cols: usize, groups: usize) -> Option<(usize, Vec<u32>)> {
 }
 
 /// compressed-tensors: the format is told by the tensors stored for the weight.
-fn compressed(p: &mut Planes<'_>, rows: usize, cols: usize) -> Result<(DType, Vec<u8>)> {
+fn compressed(
+    p: &mut Planes<'_>,
+    rows: usize,
+    cols: usize,
+    int_bits: &[u32],
+) -> Result<(DType, Vec<u8>)> {
     if p.has("weight_packed") {
         let packed = p.get("weight_packed", &[DType::I32, DType::U8])?;
         if packed.dtype == DType::U8 {
@@ -448,8 +472,12 @@ fn compressed(p: &mut Planes<'_>, rows: usize, cols: usize) -> Result<(DType, Ve
             }
         }
         let words = packed.shape.get(1).copied().unwrap_or(0);
-        let bits = (1..=8u32)
-            .find(|&b| (cols * b as usize).div_ceil(32) == words)
+        // The config's widths first, then the common ones.
+        let bits = int_bits
+            .iter()
+            .copied()
+            .chain([4, 8, 2, 3, 5, 6, 7, 1])
+            .find(|&b| (1..=8).contains(&b) && (cols * b as usize).div_ceil(32) == words)
             .filter(|_| packed.shape.first() == Some(&rows));
         let Some(bits) = bits else {
             return Err(p.error(
