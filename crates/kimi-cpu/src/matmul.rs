@@ -13,6 +13,7 @@ use crate::qdot::{self, Kind, Q8Acts};
 use crate::simd::{dot, dot4, dot4x4, dot_rows_16bit, tile_products, TileRows};
 use crate::team::Team;
 use crate::tensor::{row_to_f32, shape_err, CpuTensor, Storage};
+use kimi_core::DType;
 use kimi_ops::{Activation, Result};
 
 /// How block-quantized weights multiply f32 activations.
@@ -383,6 +384,16 @@ impl<'a> Product<'a> {
             }
             Storage::F16(v) if n == 1 => {
                 dot_rows_16bit::<true>(&v[row0 * k..(row0 + rows) * k], k, xs, chunk)
+            }
+            // Decode on repacked AWQ / GPTQ / compressed-tensors / FP8 rows: widened in
+            // registers, equal to the tile path's rounding.
+            Storage::Quant {
+                dtype: dtype @ (DType::Q4Z | DType::Q8Z | DType::F8S),
+                bytes,
+                grouped: None,
+            } if n == 1 => {
+                let rb = k / 32 * dtype.block_bytes();
+                crate::zquant::dot_rows(*dtype, &bytes[row0 * rb..(row0 + rows) * rb], k, xs, chunk)
             }
             Storage::Quant { .. }
             | Storage::Bf16(_)

@@ -42,9 +42,50 @@ fn f32_at(b: &[u8], at: usize) -> f32 {
     f32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
 }
 
+/// The block types as const-generic tags of the kernels.
+const Q4Z: u8 = 0;
+const Q8Z: u8 = 1;
+const F8S: u8 = 2;
+
+/// Bytes per block of a tag.
+const fn block_bytes(tag: u8) -> usize {
+    match tag {
+        Q4Z => 24,
+        Q8Z => 40,
+        _ => 36,
+    }
+}
+
 /// Every E4M3 byte's f32 value (gathered by the x86 kernels, read per lane on NEON).
 static E4M3: std::sync::LazyLock<[f32; 256]> =
     std::sync::LazyLock::new(kimi_core::qblocks::e4m3_table);
+
+/// `out[r] = w[r] · x` for the rows of `k` values (whole blocks of `dtype`) in `w`: the
+/// decode product (one token), with the weights widened in registers. Equal bit for bit to
+/// widening each row with [`dequantize`] and multiplying it by `crate::simd::dot` (the same
+/// values, the same accumulators in the same order), so the f32 path's results do not
+/// depend on the batch size; four rows go together so that four weight streams are in
+/// flight.
+pub(crate) fn dot_rows(dtype: DType, w: &[u8], k: usize, x: &[f32], out: &mut [f32]) {
+    let row_bytes = k / 32 * dtype.block_bytes();
+    let (w, x) = (&w[..out.len() * row_bytes], &x[..k]);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::simd::has_avx512() {
+            // SAFETY: AVX-512F was detected just above (the test `simd::dot` dispatches on).
+            return unsafe { avx512::dot_rows(dtype, w, k, x, out) };
+        }
+        if crate::simd::has_avx2_fma() {
+            // SAFETY: AVX2 and FMA were detected just above (as for `simd::dot`).
+            return unsafe { avx2::dot_rows(dtype, w, k, x, out) };
+        }
+    }
+    let mut row = vec![0f32; k];
+    for (o, wr) in out.iter_mut().zip(w.chunks_exact(row_bytes.max(1))) {
+        dequantize(dtype, wr, &mut row);
+        *o = crate::simd::dot(&row, x);
+    }
+}
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
@@ -97,6 +138,102 @@ mod avx2 {
             }
         }
     }
+
+    /// A block's 32 values widened: four vectors of 8, the same roundings as `dequantize`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `b` points at a whole block of `D`.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn widen<const D: u8>(b: *const u8, table: *const f32) -> [__m256; 4] {
+        // SAFETY: every load reads inside the block (the caller's promise).
+        unsafe {
+            let d = _mm256_set1_ps(b.cast::<f32>().read_unaligned());
+            if D == F8S {
+                return [0, 8, 16, 24].map(|v0| {
+                    let q = _mm_loadl_epi64(b.add(4 + v0).cast());
+                    _mm256_mul_ps(_mm256_i32gather_ps::<4>(table, _mm256_cvtepu8_epi32(q)), d)
+                });
+            }
+            let z = _mm256_set1_ps(b.add(4).cast::<f32>().read_unaligned());
+            let qs = if D == Q4Z {
+                let qs = _mm_loadu_si128(b.add(8).cast());
+                let low = _mm_set1_epi8(0x0F);
+                let (lo, hi) = (
+                    _mm_and_si128(qs, low),
+                    _mm_and_si128(_mm_srli_epi16::<4>(qs), low),
+                );
+                [lo, _mm_srli_si128::<8>(lo), hi, _mm_srli_si128::<8>(hi)]
+            } else {
+                [0, 8, 16, 24].map(|v0| _mm_loadl_epi64(b.add(8 + v0).cast()))
+            };
+            qs.map(|q| {
+                let v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+                _mm256_mul_ps(_mm256_sub_ps(v, z), d)
+            })
+        }
+    }
+
+    fn hsum(v: __m256) -> f32 {
+        // SAFETY: plain SSE/AVX register arithmetic (AVX2 machines only reach here).
+        unsafe {
+            let hi = _mm256_extractf128_ps(v, 1);
+            let lo = _mm256_castps256_ps128(v);
+            let s = _mm_add_ps(hi, lo);
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+            _mm_cvtss_f32(s)
+        }
+    }
+
+    /// See `super::dot_rows`: `simd::avx2::dot`'s two 8-lane accumulators per row.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; `w` holds `out.len()` rows of `k / 32` blocks and
+    /// `x` `k` values.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_rows(dtype: DType, w: &[u8], k: usize, x: &[f32], out: &mut [f32]) {
+        // SAFETY: forwarded (the same promise).
+        unsafe {
+            match dtype {
+                DType::Q4Z => rows::<Q4Z>(w, k, x, out),
+                DType::Q8Z => rows::<Q8Z>(w, k, x, out),
+                _ => rows::<F8S>(w, k, x, out),
+            }
+        }
+    }
+
+    /// # Safety
+    /// As [`dot_rows`].
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn rows<const D: u8>(w: &[u8], k: usize, x: &[f32], out: &mut [f32]) {
+        let (bb, nb) = (block_bytes(D), k / 32);
+        let table = E4M3.as_ptr();
+        for (r0, outs) in out.chunks_mut(4).enumerate() {
+            let mut s0 = [_mm256_setzero_ps(); 4];
+            let mut s1 = [_mm256_setzero_ps(); 4];
+            let base = w.as_ptr().wrapping_add(4 * r0 * nb * bb);
+            for blk in 0..nb {
+                // SAFETY: block `blk` of rows 4·r0 + j < out.len() lies inside `w`, and
+                // values 32·blk .. 32·blk + 32 inside `x` (the caller's promise).
+                unsafe {
+                    let xp = x.as_ptr().add(32 * blk);
+                    let xv = [0, 8, 16, 24].map(|o| _mm256_loadu_ps(xp.add(o)));
+                    for j in 0..outs.len() {
+                        let v = widen::<D>(base.add((j * nb + blk) * bb), table);
+                        // `simd::avx2::dot`'s order: s0 takes values 0..8 of each 16, s1 8..16.
+                        s0[j] = _mm256_fmadd_ps(v[0], xv[0], s0[j]);
+                        s1[j] = _mm256_fmadd_ps(v[1], xv[1], s1[j]);
+                        s0[j] = _mm256_fmadd_ps(v[2], xv[2], s0[j]);
+                        s1[j] = _mm256_fmadd_ps(v[3], xv[3], s1[j]);
+                    }
+                }
+            }
+            for (j, o) in outs.iter_mut().enumerate() {
+                *o = hsum(_mm256_add_ps(s0[j], s1[j]));
+            }
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -144,6 +281,92 @@ mod avx512 {
                     };
                     _mm512_storeu_ps(op.add(16 * i), v);
                 }
+            }
+        }
+    }
+
+    /// A block's 32 values widened: two vectors of 16, `(q − z)·d` or `e4m3(q)·d`, the same
+    /// roundings as `dequantize`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F; `b` points at a whole block of `D`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn widen<const D: u8>(b: *const u8, table: *const f32) -> [__m512; 2] {
+        // SAFETY: every load reads inside the block (the caller's promise).
+        unsafe {
+            let d = _mm512_set1_ps(b.cast::<f32>().read_unaligned());
+            if D == F8S {
+                let q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(b.add(4).cast()));
+                let q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(b.add(20).cast()));
+                return [
+                    _mm512_mul_ps(_mm512_i32gather_ps::<4>(q0, table.cast()), d),
+                    _mm512_mul_ps(_mm512_i32gather_ps::<4>(q1, table.cast()), d),
+                ];
+            }
+            let z = _mm512_set1_ps(b.add(4).cast::<f32>().read_unaligned());
+            let (q0, q1) = if D == Q4Z {
+                let qs = _mm_loadu_si128(b.add(8).cast());
+                let low = _mm_set1_epi8(0x0F);
+                (
+                    _mm_and_si128(qs, low),
+                    _mm_and_si128(_mm_srli_epi16::<4>(qs), low),
+                )
+            } else {
+                (
+                    _mm_loadu_si128(b.add(8).cast()),
+                    _mm_loadu_si128(b.add(24).cast()),
+                )
+            };
+            let f = |q: __m128i| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
+            [
+                _mm512_mul_ps(_mm512_sub_ps(f(q0), z), d),
+                _mm512_mul_ps(_mm512_sub_ps(f(q1), z), d),
+            ]
+        }
+    }
+
+    /// See `super::dot_rows`: `simd::avx512::dot`'s one 16-lane accumulator per row.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F; `w` holds `out.len()` rows of `k / 32` blocks and `x`
+    /// `k` values.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot_rows(dtype: DType, w: &[u8], k: usize, x: &[f32], out: &mut [f32]) {
+        // SAFETY: forwarded (the same promise).
+        unsafe {
+            match dtype {
+                DType::Q4Z => rows::<Q4Z>(w, k, x, out),
+                DType::Q8Z => rows::<Q8Z>(w, k, x, out),
+                _ => rows::<F8S>(w, k, x, out),
+            }
+        }
+    }
+
+    /// # Safety
+    /// As [`dot_rows`].
+    #[target_feature(enable = "avx512f")]
+    unsafe fn rows<const D: u8>(w: &[u8], k: usize, x: &[f32], out: &mut [f32]) {
+        let (bb, nb) = (block_bytes(D), k / 32);
+        let table = E4M3.as_ptr();
+        for (r0, outs) in out.chunks_mut(4).enumerate() {
+            let mut acc = [_mm512_setzero_ps(); 4];
+            let base = w.as_ptr().wrapping_add(4 * r0 * nb * bb);
+            for blk in 0..nb {
+                // SAFETY: block `blk` of rows 4·r0 + j < out.len() lies inside `w`, and
+                // values 32·blk .. 32·blk + 32 inside `x` (the caller's promise).
+                unsafe {
+                    let xp = x.as_ptr().add(32 * blk);
+                    let (x0, x1) = (_mm512_loadu_ps(xp), _mm512_loadu_ps(xp.add(16)));
+                    for (j, a) in acc.iter_mut().enumerate().take(outs.len()) {
+                        let [w0, w1] = widen::<D>(base.add((j * nb + blk) * bb), table);
+                        *a = _mm512_fmadd_ps(w0, x0, *a);
+                        *a = _mm512_fmadd_ps(w1, x1, *a);
+                    }
+                }
+            }
+            for (o, a) in outs.iter_mut().zip(acc) {
+                *o = _mm512_reduce_add_ps(a);
             }
         }
     }
@@ -235,6 +458,45 @@ mod tests {
             .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
     }
 
+    /// The fused decode product equals widening the rows and `simd::dot`, bit for bit,
+    /// for every row count (four-row passes and the rest).
+    #[test]
+    fn fused_rows_equal_widened_rows() {
+        for dtype in [DType::Q4Z, DType::Q8Z, DType::F8S] {
+            let (rows, k) = (7, 96);
+            let bytes = blocks(dtype, rows * k / 32);
+            let x: Vec<f32> = (0..k)
+                .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)
+                .collect();
+            let mut got = vec![0f32; rows];
+            dot_rows(dtype, &bytes, k, &x, &mut got);
+            let row_bytes = k / 32 * dtype.block_bytes();
+            let mut row = vec![0f32; k];
+            for (r, g) in got.iter().enumerate() {
+                dequantize(dtype, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut row);
+                // Scales of any magnitude: compare bits, NaN with NaN.
+                let want = crate::simd::dot(&row, &x);
+                assert!(
+                    g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                    "{dtype} row {r}: {g} vs {want}"
+                );
+            }
+            // The AVX2 kernel against AVX2's dot, where this CPU dispatches to AVX-512.
+            #[cfg(target_arch = "x86_64")]
+            if crate::simd::has_avx2_fma() {
+                // SAFETY: AVX2 and FMA were detected just above.
+                unsafe { avx2::dot_rows(dtype, &bytes, k, &x, &mut got) };
+                for (r, g) in got.iter().enumerate() {
+                    dequantize_scalar(dtype, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut row);
+                    // SAFETY: as above.
+                    let want = unsafe { crate::simd::avx2::dot(&row, &x) };
+                    let same = g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan());
+                    assert!(same, "{dtype} avx2 row {r}: {g} vs {want}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn every_kernel_equals_the_reference() {
         for dtype in [DType::Q4Z, DType::Q8Z, DType::F8S] {
@@ -260,5 +522,46 @@ mod tests {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod speed {
+    use super::*;
+
+    /// Decode throughput of the fused rows against bf16 rows (`cargo test -p kimi-cpu
+    /// --release -- --ignored --nocapture fused_decode_speed`).
+    #[test]
+    #[ignore]
+    fn fused_decode_speed() {
+        let (rows, k) = (4096, 4096);
+        let x: Vec<f32> = (0..k).map(|i| (i % 13) as f32 * 0.1).collect();
+        let mut out = vec![0f32; rows];
+        for dtype in [DType::Q4Z, DType::Q8Z, DType::F8S] {
+            let bytes = vec![0x11u8; rows * k / 32 * dtype.block_bytes()];
+            let t = std::time::Instant::now();
+            for _ in 0..20 {
+                dot_rows(dtype, &bytes, k, &x, &mut out);
+            }
+            let s = t.elapsed().as_secs_f64() / 20.0;
+            eprintln!(
+                "{dtype}: {:.2} ms, {:.2} GB/s of weights, {:.2} Gvalues/s",
+                s * 1e3,
+                bytes.len() as f64 / s / 1e9,
+                (rows * k) as f64 / s / 1e9
+            );
+        }
+        let w = vec![0x3f80u16; rows * k];
+        let t = std::time::Instant::now();
+        for _ in 0..20 {
+            crate::simd::dot_rows_16bit::<false>(&w, k, &x, &mut out);
+        }
+        let s = t.elapsed().as_secs_f64() / 20.0;
+        eprintln!(
+            "bf16: {:.2} ms, {:.2} GB/s, {:.2} Gvalues/s",
+            s * 1e3,
+            w.len() as f64 * 2.0 / s / 1e9,
+            (rows * k) as f64 / s / 1e9
+        );
     }
 }
