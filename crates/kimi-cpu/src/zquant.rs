@@ -43,11 +43,15 @@ fn f32_at(b: &[u8], at: usize) -> f32 {
 }
 
 /// The block types as const-generic tags of the kernels.
+#[cfg(target_arch = "x86_64")]
 const Q4Z: u8 = 0;
+#[cfg(target_arch = "x86_64")]
 const Q8Z: u8 = 1;
+#[cfg(target_arch = "x86_64")]
 const F8S: u8 = 2;
 
 /// Bytes per block of a tag.
+#[cfg(target_arch = "x86_64")]
 const fn block_bytes(tag: u8) -> usize {
     match tag {
         Q4Z => 24,
@@ -57,6 +61,7 @@ const fn block_bytes(tag: u8) -> usize {
 }
 
 /// Every E4M3 byte's f32 value (gathered by the x86 kernels, read per lane on NEON).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 static E4M3: std::sync::LazyLock<[f32; 256]> =
     std::sync::LazyLock::new(kimi_core::qblocks::e4m3_table);
 
