@@ -82,7 +82,10 @@ pub fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
         let (rows, cols) = (view.shape[0], *view.shape.last().unwrap_or(&0));
         let fits =
             linear && opts.groups(cols).is_some() && (cols * opts.bits as usize).is_multiple_of(32);
-        if linear && !fits {
+        // Linear modules left in float, the MoE routers included, are named for loaders
+        // that match `targets: ["Linear"]` by module type (vLLM).
+        let router = view.shape.len() == 2 && name.ends_with(".gate.weight");
+        if (linear && !fits) || router {
             ignore.push(name.trim_end_matches(".weight").to_string());
         }
         let st = st_dtype(view.dtype)?;
