@@ -11,6 +11,15 @@ scripts/fetch_demo_model.sh
 scripts/fetch_corpus.sh || echo "WARNING: the perplexity corpus could not be fetched; its tests will be skipped" >&2
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+# The official huggingface_hub (pinned; PyPI once) for the test that shares the hub cache with
+# it (crates/kimi-cli/tests/hub.rs). Without PyPI that test is skipped with a warning.
+hub_status=0
+scripts/setup_hub_venv.sh || hub_status=$?
+if [ "$hub_status" = 2 ]; then
+  echo "WARNING: PyPI unreachable, huggingface_hub not installed: the hub cache compatibility test is skipped" >&2
+elif [ "$hub_status" != 0 ]; then
+  exit "$hub_status"
+fi
 cargo test --workspace
 # Kimi Linear GGUFs from `kimi-infer convert`, checked by llama.cpp's gguf-py (pinned; PyPI once).
 scripts/check_gguf_kimi.sh

@@ -55,6 +55,9 @@ pub enum Command {
     /// Quantize a float checkpoint (round to nearest) into a compressed-tensors
     /// `pack-quantized` checkpoint, as llm-compressor writes one.
     Quantize(QuantizeArgs),
+    /// Download a model repository from the Hugging Face hub (or HF_ENDPOINT) into the hub's
+    /// cache, checksummed and resumable; prints the folder that `--model` then opens.
+    Download(DownloadArgs),
 }
 
 /// `kimi-infer quantize`.
@@ -82,10 +85,44 @@ pub struct QuantizeArgs {
     pub out: PathBuf,
 }
 
+/// `kimi-infer download`.
+#[derive(Args, Debug)]
+pub struct DownloadArgs {
+    /// Repository id, `org/name` (e.g. moonshotai/Kimi-Linear-48B-A3B-Instruct).
+    pub repo_id: String,
+    /// Only these files (exact names in the repository; same as --include).
+    pub files: Vec<String>,
+    /// Branch, tag or commit.
+    #[arg(long, default_value = kimi_hub::DEFAULT_REVISION)]
+    pub revision: String,
+    /// Only files matching these patterns (repeatable; `*` also matches `/`, a trailing `/`
+    /// takes a whole folder), as huggingface_hub's allow_patterns.
+    #[arg(long, num_args = 1.., value_name = "GLOB")]
+    pub include: Vec<String>,
+    /// Skip files matching these patterns (repeatable), as huggingface_hub's ignore_patterns.
+    #[arg(long, num_args = 1.., value_name = "GLOB")]
+    pub exclude: Vec<String>,
+    /// Write plain files into this folder instead of the cache (huggingface_hub's local_dir).
+    #[arg(long)]
+    pub local_dir: Option<PathBuf>,
+    /// The hub cache [default: HF_HUB_CACHE, else $HF_HOME/hub, else
+    /// ~/.cache/huggingface/hub].
+    #[arg(long)]
+    pub cache_dir: Option<PathBuf>,
+    /// Token for gated or private repositories [default: HF_TOKEN, else the token
+    /// `hf auth login` saved].
+    #[arg(long)]
+    pub token: Option<String>,
+    /// Files transferred at once.
+    #[arg(long, default_value_t = 8)]
+    pub max_workers: usize,
+}
+
 /// `kimi-infer convert`.
 #[derive(Args, Debug)]
 pub struct ConvertArgs {
-    /// Checkpoint directory (config.json + safetensors).
+    /// Checkpoint directory (config.json + safetensors), or a cached hub repository
+    /// `org/name[@revision]`.
     #[arg(long, short = 'm', required_unless_present = "random_config")]
     pub model: Option<PathBuf>,
     /// Convert a config.json with deterministic random bf16 weights (those of `bench
@@ -189,7 +226,8 @@ pub struct ServeArgs {
     /// shapes without a checkpoint); needs --tokenizer.
     #[arg(long, conflicts_with = "model", requires = "tokenizer")]
     pub random_config: Option<PathBuf>,
-    /// Tokenizer directory (tiktoken.model or tokenizer.json) instead of the model's own.
+    /// Tokenizer directory (tiktoken.model or tokenizer.json) instead of the model's own,
+    /// or a cached hub repository `org/name[@revision]`.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
     /// Seconds a connection may take to send a complete request head, counted from when
@@ -230,10 +268,15 @@ fn parse_secs(text: &str) -> Result<f64, String> {
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
     /// Checkpoint directory (config.json + safetensors) or GGUF file (llama-family or
-    /// kimi-linear). Without it, the built-in demo model (tiny, random weights: its text is
-    /// gibberish) is used.
+    /// kimi-linear), or a Hugging Face repository `org/name[@revision][/file.gguf]` found in
+    /// the hub's cache (see `kimi-infer download`). Without it, the built-in demo model
+    /// (tiny, random weights: its text is gibberish) is used.
     #[arg(long, short = 'm')]
     pub model: Option<PathBuf>,
+    /// When --model names a repository that is not in the cache, download it (all its
+    /// files, or the one file named) from the hub instead of failing.
+    #[arg(long)]
+    pub download: bool,
     /// Multiply block-quantized weights (GGUF types, and Kimi K3's MXFP4 experts) against
     /// activations quantized to int8 per 32 values (as llama.cpp does): decode batches of up
     /// to 8 tokens, and every batch on x86 CPUs with AVX2 or AVX-512 VNNI (weights interleaved
@@ -258,6 +301,9 @@ pub struct ModelArgs {
     /// Routed experts beyond the device's memory.
     #[command(flatten)]
     pub offload: crate::offload::OffloadArgs,
+    /// The model split over several ranks.
+    #[command(flatten)]
+    pub parallel: crate::parallel::ParallelArgs,
 }
 
 /// Where the model runs.
@@ -467,7 +513,8 @@ pub struct InspectArgs {
 /// RAM and 235 GiB of free disk.
 #[derive(Args, Debug)]
 pub struct PlanArgs {
-    /// Checkpoint directory or config.json (only the config is read).
+    /// Checkpoint directory or config.json (only the config is read), or a cached hub
+    /// repository `org/name[@revision]`.
     #[arg(long, short = 'm')]
     pub model: PathBuf,
     /// GPUs, tensor parallel for the non-expert weights and expert parallel for the routed

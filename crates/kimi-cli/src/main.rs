@@ -7,6 +7,7 @@ mod bench;
 mod cache_plan;
 mod convert;
 mod demo;
+mod hub;
 mod inspect;
 mod kld;
 mod load;
@@ -15,6 +16,7 @@ mod logits;
 mod memory;
 mod npy;
 mod offload;
+mod parallel;
 mod perplexity;
 mod plan;
 mod progress;
@@ -47,6 +49,7 @@ fn main() {
         Command::Serve(a) => serve::serve(a),
         Command::Convert(a) => convert::convert(a),
         Command::Quantize(a) => quantize::quantize(a),
+        Command::Download(a) => hub::download(a),
     };
     if let Err(e) = result {
         eprintln!("error: {}", report(&e));

@@ -36,15 +36,13 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
     };
     shape.validate()?;
     let mut loaded = match &a.random_config {
-        Some(config) => crate::load::load_random(
-            backend,
-            config,
-            kimi_core::DType::BF16,
-            &a.model.offload.load_options()?,
-        )?,
+        Some(config) => {
+            crate::load::load_random(backend, config, kimi_core::DType::BF16, &a.model)?
+        }
         None => crate::load::load(backend, &a.model, a.tokenizer.is_none())?,
     };
     if let Some(dir) = &a.tokenizer {
+        let dir = &crate::hub::resolve_path("--tokenizer", dir, a.model.download)?;
         loaded.tokenizer = Some(
             kimi_tokenizer::Tokenizer::from_dir(dir)
                 .with_context(|| format!("cannot load the tokenizer in {}", dir.display()))?,
@@ -122,6 +120,10 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
     };
     let name = a.served_model_name.clone().unwrap_or_else(|| {
         match a.model.model.as_ref().or(a.random_config.as_ref()) {
+            // A hub model is served under its repository id, as vLLM does.
+            Some(path) if crate::hub::repo_name(path).is_some() => {
+                crate::hub::repo_name(path).unwrap_or_default()
+            }
             Some(dir) => dir
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
