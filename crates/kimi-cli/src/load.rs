@@ -53,11 +53,15 @@ macro_rules! with_backend {
                     kimi_cpu::QuantMatmul::Int8
                 } else {
                     kimi_cpu::QuantMatmul::F32
-                });
+                })
+                .with_kv_cache_dtype($args.kv_cache_dtype);
                 $body
             }
             #[cfg(feature = "cuda")]
             $crate::args::Device::Cuda(ordinal) => {
+                if $args.kv_cache_dtype != kimi_ops::KvCacheDtype::Auto {
+                    anyhow::bail!("--kv-cache-dtype fp8 applies to --device cpu only for now");
+                }
                 // The kernel choices: the `KIMI_CUDA_*` variables, then the flags.
                 let mut config = kimi_cuda::KernelConfig::from_env();
                 if bf16_activations {

@@ -22,6 +22,7 @@ mod parallel;
 mod perplexity;
 mod plan;
 mod progress;
+mod quantize;
 mod run;
 mod serve;
 
@@ -50,6 +51,7 @@ fn main() {
         Command::Serve(a) => serve::serve(a),
         Command::Gateway(a) => gateway::gateway(a),
         Command::Convert(a) => convert::convert(a),
+        Command::Quantize(a) => quantize::quantize(a),
         Command::Download(a) => hub::download(a),
     };
     if let Err(e) = result {

@@ -67,7 +67,17 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
     // state slot over the KDA layers.
     let specs = loaded.engine.model().cache_specs();
     shape.max_model_len = max_model_len;
-    shape.values_per_token = specs.iter().map(|s| s.values_per_token() as u64).sum();
+    shape.values_per_token = specs
+        .iter()
+        .map(|s| match (s, a.model.kv_cache_dtype) {
+            // An FP8 latent row is a byte per value and two f32 scales: in f32 values,
+            // rounded up.
+            (kimi_model::LayerSpec::Mla { width }, kimi_ops::KvCacheDtype::Fp8) => {
+                (width + 8).div_ceil(4) as u64
+            }
+            _ => s.values_per_token() as u64,
+        })
+        .sum();
     shape.values_per_slot = specs.iter().map(|s| s.values_per_slot() as u64).sum();
     let device = loaded.engine.model().backend().memory_info();
     let host = HostMemory::read();

@@ -14,6 +14,7 @@ pub use validate::MAX_PARAMS;
 
 mod fields;
 mod k3;
+pub use k3::QUANT_METHODS;
 mod parse;
 mod schedule;
 #[cfg(test)]

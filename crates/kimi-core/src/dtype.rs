@@ -42,6 +42,27 @@ pub enum DType {
     U8,
     /// E8M0 scale bytes (`F8_E8M0` in safetensors, as some quantizers write MXFP4 scales).
     E8M0,
+    /// Signed bytes (`I8` in safetensors): unpacked integer codes or zero points.
+    I8,
+    /// Little-endian `i32` (`I32`): packed integer codes, zero points, GPTQ's `g_idx`.
+    I32,
+    /// Little-endian `i64` (`I64`): compressed-tensors' `weight_shape`.
+    I64,
+    /// FP8 E4M3 (`F8_E4M3` in safetensors, the OCP "fn" variant: no infinities, NaN only at
+    /// `S.1111.111`): FP8 weights before their scales are applied.
+    F8E4M3,
+    /// 4-bit integer codes with an f32 scale and zero point per 32 values
+    /// ([`crate::qblocks`]): `d:f32 | z:f32 | qs[16]`, nibbles in ggml's order (value `j`
+    /// in the low nibble of byte `j`, value `j + 16` in the high one), `x = (q − z) · d`.
+    /// The loader repacks AWQ, GPTQ and compressed-tensors INT4 weights of any group size
+    /// that is a multiple of 32 into it, values unchanged.
+    Q4Z,
+    /// 8-bit integer codes with an f32 scale and zero point per 32 values:
+    /// `d:f32 | z:f32 | qs:u8[32]`, `x = (q − z) · d` (INT8 weights of those formats).
+    Q8Z,
+    /// FP8 E4M3 codes with an f32 scale per 32 values: `d:f32 | q:e4m3[32]`,
+    /// `x = e4m3(q) · d` (per-tensor, per-channel and 128 × 128 block-scaled FP8 weights).
+    F8S,
 }
 
 impl DType {
@@ -59,7 +80,12 @@ impl DType {
             DType::Q5_K => (256, 4 + 12 + 32 + 128),
             DType::Q6_K => (256, 128 + 64 + 16 + 2),
             DType::MXFP4 => (32, 1 + 16),
-            DType::U8 | DType::E8M0 => (1, 1),
+            DType::U8 | DType::E8M0 | DType::I8 | DType::F8E4M3 => (1, 1),
+            DType::I32 => (1, 4),
+            DType::I64 => (1, 8),
+            DType::Q4Z => (32, 8 + 16),
+            DType::Q8Z => (32, 8 + 32),
+            DType::F8S => (32, 4 + 32),
         }
     }
 
@@ -114,6 +140,13 @@ impl fmt::Display for DType {
             DType::MXFP4 => "mxfp4",
             DType::U8 => "u8",
             DType::E8M0 => "e8m0",
+            DType::I8 => "i8",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::F8E4M3 => "f8_e4m3",
+            DType::Q4Z => "q4z",
+            DType::Q8Z => "q8z",
+            DType::F8S => "f8s",
         })
     }
 }

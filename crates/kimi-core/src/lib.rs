@@ -8,6 +8,7 @@
 
 pub mod config;
 mod dtype;
+pub mod qblocks;
 
 pub use config::{ConfigError, ModelConfig};
 pub use dtype::DType;

@@ -19,6 +19,7 @@
 mod arena;
 mod attention;
 mod attn_res;
+mod fp8_cache;
 mod kda;
 mod kda_step;
 mod matmul;
@@ -33,6 +34,7 @@ pub mod simd;
 mod team;
 mod tensor;
 mod weight_file;
+mod zquant;
 
 pub use arena::WeightBuf;
 pub use matmul::{QuantMatmul, INT8_MAX_TOKENS};
@@ -45,15 +47,17 @@ use std::sync::OnceLock;
 use kimi_core::config::KdaGate;
 use kimi_ops::{
     Activation, AttentionDims, Backend, Error, ExpertView, HostTensor, KdaMode, KdaStepInputs,
-    KdaStepWeights, MlaDims, MlaMode, MlpWeights, MoeRoutes, MoeRouting, MoeWeights, PagedSeq,
-    Result, RopeStyle, Segment,
+    KdaStepWeights, KvCacheDtype, MlaDims, MlaMode, MlpWeights, MoeRoutes, MoeRouting, MoeWeights,
+    PagedSeq, Result, RopeStyle, Segment,
 };
 
 /// The CPU backend. Cheap to construct; holds no state besides how it multiplies
-/// block-quantized weights (its threads are shared by the process).
+/// block-quantized weights and how it stores MLA latent caches (its threads are shared by
+/// the process).
 #[derive(Clone, Debug, Default)]
 pub struct CpuBackend {
     quant_matmul: QuantMatmul,
+    kv_cache: KvCacheDtype,
     /// Where uploaded weights go instead of memory (the disk tier of offloaded experts).
     weight_file: Option<std::sync::Arc<WeightFile>>,
 }
@@ -69,8 +73,15 @@ impl CpuBackend {
     pub fn with_quant_matmul(mode: QuantMatmul) -> Self {
         Self {
             quant_matmul: mode,
+            kv_cache: KvCacheDtype::Auto,
             weight_file: None,
         }
+    }
+
+    /// This backend with MLA latent caches stored as `dtype` says.
+    pub fn with_kv_cache_dtype(mut self, dtype: KvCacheDtype) -> Self {
+        self.kv_cache = dtype;
+        self
     }
 
     /// This backend with every weight it uploads from now on kept in `file`'s directory on
@@ -127,6 +138,12 @@ impl Backend for CpuBackend {
         match self.quant_matmul {
             QuantMatmul::Int8 => CpuTensor::try_f16_zeros(shape),
             QuantMatmul::F32 => self.zeros(shape),
+        }
+    }
+    fn latent_zeros(&self, shape: &[usize]) -> Result<CpuTensor> {
+        match self.kv_cache {
+            KvCacheDtype::Auto => self.zeros(shape),
+            KvCacheDtype::Fp8 => fp8_cache::zeros(shape),
         }
     }
     fn to_f32(&self, t: &CpuTensor) -> Result<Vec<f32>> {
@@ -372,6 +389,12 @@ impl Backend for CpuBackend {
         match &mut pool.storage {
             Storage::F32(v) => v.copy_within(from..from + block, to),
             Storage::F16(v) => v.copy_within(from..from + block, to),
+            Storage::Fp8Rows { bytes, .. } => {
+                let width = pool.shape.last().copied().unwrap_or(0);
+                let (rows, row) = (block / width.max(1), 8 + width);
+                let (from, to) = (src * rows * row, dst * rows * row);
+                bytes.copy_within(from..from + rows * row, to)
+            }
             _ => {
                 return Err(Error::Shape {
                     op: "copy_block",

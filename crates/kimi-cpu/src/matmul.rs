@@ -13,6 +13,7 @@ use crate::qdot::{self, Kind, Q8Acts};
 use crate::simd::{dot, dot4, dot4x4, dot_rows_16bit, tile_products, TileRows};
 use crate::team::Team;
 use crate::tensor::{row_to_f32, shape_err, CpuTensor, Storage};
+use kimi_core::DType;
 use kimi_ops::{Activation, Result};
 
 /// How block-quantized weights multiply f32 activations.
@@ -384,7 +385,20 @@ impl<'a> Product<'a> {
             Storage::F16(v) if n == 1 => {
                 dot_rows_16bit::<true>(&v[row0 * k..(row0 + rows) * k], k, xs, chunk)
             }
-            Storage::Quant { .. } | Storage::Bf16(_) | Storage::F16(_) => {
+            // Decode on repacked AWQ / GPTQ / compressed-tensors / FP8 rows: widened in
+            // registers, equal to the tile path's rounding.
+            Storage::Quant {
+                dtype: dtype @ (DType::Q4Z | DType::Q8Z | DType::F8S),
+                bytes,
+                grouped: None,
+            } if n == 1 => {
+                let rb = k / 32 * dtype.block_bytes();
+                crate::zquant::dot_rows(*dtype, &bytes[row0 * rb..(row0 + rows) * rb], k, xs, chunk)
+            }
+            Storage::Quant { .. }
+            | Storage::Bf16(_)
+            | Storage::F16(_)
+            | Storage::Fp8Rows { .. } => {
                 // Whole groups of four rows, so that `multiply_rows` can use its 4×4 kernel
                 // (a tile of 3 rows at k = 2048 ran every row through the 1×4 one: 2.5×
                 // slower prefill).
@@ -447,7 +461,7 @@ fn multiply_wide(storage: &Storage, row0: usize, xs: &[f32], k: usize, n: usize,
         Storage::F32(v) => tiles_over_tokens(TileRows::F32(&v[at..end]), rows, k, xs, n, out),
         Storage::F16(v) => tiles_over_tokens(TileRows::F16(&v[at..end]), rows, k, xs, n, out),
         Storage::Bf16(v) => tiles_over_tokens(TileRows::Bf16(&v[at..end]), rows, k, xs, n, out),
-        Storage::Quant { .. } => {
+        Storage::Quant { .. } | Storage::Fp8Rows { .. } => {
             let tile = (WIDE_QUANT_TILE_BYTES / (4 * k.max(1))).max(2);
             widened_rows(storage, row0, k, n, tile, out, |w, num, out| {
                 tiles_over_tokens(TileRows::F32(w), num, k, xs, n, out)

@@ -6,6 +6,7 @@
 //! nothing is rotated.
 
 use crate::attention::CacheValue;
+use crate::fp8_cache;
 use crate::paged::{write_rows, PagedRows};
 use crate::simd::{add_scaled, dot};
 use crate::tensor::{shape_err, CpuTensor, Storage};
@@ -51,12 +52,25 @@ pub fn mla(
     // The absorbed form reads kv_b row by row as f32; the expanded one multiplies it as stored.
     let mut kvb = None;
     let (qs, ls) = (q.as_f32("mla")?, latent.as_f32("mla")?);
-    let pool_rows = pool.as_f32_mut("mla")?;
-    for (seg, seq) in segments.iter().zip(seqs) {
-        let new_rows = &ls[seg.start * lw..(seg.start + seg.len) * lw];
-        write_rows(pool_rows, seq, block_size, lw, new_rows, |v| v);
+    // An FP8 pool (`--kv-cache-dtype fp8`) scales the latent and the rope key apart.
+    if let Storage::Fp8Rows { split, .. } = &mut pool.storage {
+        *split = r;
     }
-    let pool_rows: &[f32] = pool_rows;
+    match &mut pool.storage {
+        Storage::Fp8Rows { bytes, split } => {
+            for (seg, seq) in segments.iter().zip(seqs) {
+                let new_rows = &ls[seg.start * lw..(seg.start + seg.len) * lw];
+                fp8_cache::write_rows(bytes, seq, block_size, lw, *split, new_rows);
+            }
+        }
+        _ => {
+            let pool_rows = pool.as_f32_mut("mla")?;
+            for (seg, seq) in segments.iter().zip(seqs) {
+                let new_rows = &ls[seg.start * lw..(seg.start + seg.len) * lw];
+                write_rows(pool_rows, seq, block_size, lw, new_rows, |v| v);
+            }
+        }
+    }
     let mut out = vec![0f32; n * h * dv];
     for (seg, seq) in segments.iter().zip(seqs) {
         if seg.len == 0 {
@@ -67,7 +81,22 @@ pub fn mla(
             MlaMode::Absorbed => true,
             MlaMode::Expanded => false,
         };
-        let rows = PagedRows::new(pool_rows, seq, block_size, lw);
+        // FP8 rows are widened once per call into one contiguous block.
+        let visible = seq.num_cached + seg.len;
+        let (gathered, one_block);
+        let (rows_pool, rows_seq, rows_block) = match &pool.storage {
+            Storage::Fp8Rows { bytes, split } => {
+                gathered = fp8_cache::gather(bytes, seq, block_size, lw, *split, visible);
+                one_block = [0u32];
+                let flat = PagedSeq {
+                    block_table: &one_block,
+                    num_cached: seq.num_cached,
+                };
+                (&gathered[..], flat, visible.max(1))
+            }
+            _ => (pool.as_f32("mla")?, *seq, block_size),
+        };
+        let rows = PagedRows::new(rows_pool, &rows_seq, rows_block, lw);
         let seg_q = &qs[seg.start * qw..(seg.start + seg.len) * qw];
         let (past, new) = (seq.num_cached, seg.len);
         let seg_out = if absorbed {

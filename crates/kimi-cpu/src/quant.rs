@@ -23,9 +23,12 @@ fn ggml_type(dtype: DType) -> Option<GgmlType> {
     })
 }
 
-/// Whether quantized storage of `dtype` can be dequantized here.
+/// Whether quantized storage of `dtype` can be dequantized here: the ggml types and the
+/// blocks quantized Hugging Face checkpoints are repacked into (`kimi_core::qblocks`).
 pub(crate) fn supported(dtype: DType) -> bool {
-    dtype.is_quantized() && ggml_type(dtype).is_some_and(GgmlType::can_dequantize)
+    dtype.is_quantized()
+        && (ggml_type(dtype).is_some_and(GgmlType::can_dequantize)
+            || kimi_core::qblocks::block_bytes(dtype).is_some())
 }
 
 /// Dequantizes whole blocks: `bytes` holds `out.len() / dtype.block_size()` blocks.
@@ -35,6 +38,7 @@ pub(crate) fn dequantize(dtype: DType, bytes: &[u8], out: &mut [f32]) {
         DType::Q4_0 => crate::simd::dequantize_legacy(Legacy::Q4_0, bytes, out),
         DType::Q4_1 => crate::simd::dequantize_legacy(Legacy::Q4_1, bytes, out),
         DType::MXFP4 => crate::mxfp4::dequantize(bytes, out),
+        DType::Q4Z | DType::Q8Z | DType::F8S => crate::zquant::dequantize(dtype, bytes, out),
         other => {
             // Upload checked the type and that rows are whole blocks, so this cannot fail;
             // NaNs make a broken invariant visible instead of silently zero weights.

@@ -546,7 +546,7 @@ mod fp_mode {
 }
 
 #[cfg(target_arch = "x86_64")]
-fn has_avx2_fma() -> bool {
+pub(crate) fn has_avx2_fma() -> bool {
     std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
 }
 
@@ -556,7 +556,7 @@ fn has_avx2_fma_f16c() -> bool {
 }
 
 #[cfg(target_arch = "x86_64")]
-fn has_avx512() -> bool {
+pub(crate) fn has_avx512() -> bool {
     std::is_x86_feature_detected!("avx512f")
 }
 
@@ -711,7 +711,7 @@ mod avx512 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     use std::arch::x86_64::*;
 
     /// How many rows ahead `rows_16bit` asks for weight lines: the pass after next's four

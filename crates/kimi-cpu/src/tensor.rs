@@ -28,6 +28,16 @@ pub enum Storage {
         /// for the x86 kernels (`crate::qdot::groups`), `None` where they are row-major.
         grouped: Option<usize>,
     },
+    /// A cache pool in FP8 E4M3 (`--kv-cache-dtype fp8`, `crate::fp8_cache`): each row of
+    /// the last dimension is two f32 scales (values `..split` and `split..`) and one E4M3
+    /// byte per value.
+    Fp8Rows {
+        /// `rows × (8 + width)` bytes.
+        bytes: Vec<u8>,
+        /// Where the second scale's values start (MLA: the latent's rank, so that the
+        /// normalised latent and the rope key each get their own).
+        split: usize,
+    },
 }
 
 /// A dense row-major tensor in host memory.
@@ -223,9 +233,15 @@ impl CpuTensor {
             Storage::F32(v) => v.clone(),
             Storage::Bf16(v) => v.iter().map(|&b| bf16::from_bits(b).to_f32()).collect(),
             Storage::F16(v) => v.iter().map(|&b| f16::from_bits(b).to_f32()).collect(),
-            Storage::Quant { .. } => {
+            Storage::Quant { .. } | Storage::Fp8Rows { .. } => {
                 let mut out = vec![0f32; self.len()];
-                row_to_f32(&self.storage, 0, &mut out);
+                let width = self.shape.last().copied().unwrap_or(1);
+                match &self.storage {
+                    Storage::Fp8Rows { bytes, split } => {
+                        crate::fp8_cache::dequantize_rows(bytes, width, *split, &mut out)
+                    }
+                    _ => row_to_f32(&self.storage, 0, &mut out),
+                }
                 out
             }
         }
@@ -246,6 +262,7 @@ impl CpuTensor {
             Storage::F32(v) => v.len() * 4,
             Storage::Bf16(v) | Storage::F16(v) => v.len() * 2,
             Storage::Quant { bytes, .. } => bytes.len(),
+            Storage::Fp8Rows { bytes, .. } => bytes.len(),
         }
     }
 
@@ -265,7 +282,7 @@ impl CpuTensor {
                 bytes,
                 grouped: None,
             } => (*dtype, bytes),
-            Storage::Quant { .. } => return None,
+            Storage::Quant { .. } | Storage::Fp8Rows { .. } => return None,
         };
         Some(HostTensor {
             shape: &self.shape,
@@ -314,6 +331,10 @@ pub(crate) fn row_to_f32(storage: &Storage, offset: usize, out: &mut [f32]) {
             Some(kind) => groups::dequantize(*dtype, kind, bytes, *cols, offset, out),
             None => debug_assert!(false, "invariant: only kernel kinds are interleaved"),
         },
+        Storage::Fp8Rows { .. } => {
+            debug_assert!(false, "invariant: cache pools are not multiplied");
+            out.fill(f32::NAN);
+        }
         Storage::Quant {
             dtype,
             bytes,

@@ -174,7 +174,7 @@ impl<B: Backend> CachePool<B> {
                         LayerPool::Kda { conv, state }
                     }
                     LayerSpec::Mla { width } => LayerPool::Mla {
-                        latent: backend.zeros(&[num_blocks, block_size, width])?,
+                        latent: backend.latent_zeros(&[num_blocks, block_size, width])?,
                     },
                     LayerSpec::Kv { width } => LayerPool::Kv {
                         k: backend.kv_zeros(&[num_blocks, block_size, width])?,

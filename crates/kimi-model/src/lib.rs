@@ -20,6 +20,7 @@ mod llama;
 mod native_names;
 pub mod parallel;
 pub mod plan;
+pub mod quantized;
 pub mod registry;
 mod source;
 mod summary;

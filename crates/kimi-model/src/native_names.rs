@@ -18,10 +18,12 @@
 
 use std::borrow::Cow;
 use std::collections::HashSet;
+use std::sync::Mutex;
 
 use kimi_core::DType;
 use kimi_weights::{Checkpoint, WeightsError};
 
+use crate::quantized::QuantScheme;
 use crate::source::WeightSource;
 use crate::{ModelError, Result};
 
@@ -96,6 +98,11 @@ const RULES: &[Rule] = &[
     rule(SavePretrained, "mlp.gate_proj.weight", "block_sparse_moe.gate_proj.weight", Whole),
     rule(SavePretrained, "mlp.up_proj.weight", "block_sparse_moe.up_proj.weight", Whole),
     rule(SavePretrained, "mlp.down_proj.weight", "block_sparse_moe.down_proj.weight", Whole),
+    // llm-compressor saves MoE experts as it calibrates them, linearized into one module
+    // per expert with Llama's names.
+    rule(SavePretrained, "block_sparse_moe.experts.*.w1.weight", "block_sparse_moe.experts.*.gate_proj.weight", Whole),
+    rule(SavePretrained, "block_sparse_moe.experts.*.w3.weight", "block_sparse_moe.experts.*.up_proj.weight", Whole),
+    rule(SavePretrained, "block_sparse_moe.experts.*.w2.weight", "block_sparse_moe.experts.*.down_proj.weight", Whole),
     rule(InMemory, "block_sparse_moe.experts.*.w1.weight", "mlp.experts.gate_up_proj", rows(true, 2, 0)),
     rule(InMemory, "block_sparse_moe.experts.*.w3.weight", "mlp.experts.gate_up_proj", rows(true, 2, 1)),
     rule(InMemory, "block_sparse_moe.experts.*.w2.weight", "mlp.experts.down_proj", rows(true, 1, 0)),
@@ -154,6 +161,24 @@ pub struct CheckpointSource<'c> {
     layout: CheckpointLayout,
     /// Experts stacked in a fused tensor: the config's count.
     num_experts: Option<usize>,
+    /// The checkpoint's `quantization_config`: weights stored in a tool's quantized
+    /// tensors are answered from them (`crate::quantized`).
+    quant: Option<QuantScheme>,
+    /// Stored tensors read as parts of quantized weights.
+    quant_parts: Mutex<HashSet<String>>,
+}
+
+/// Suffixes of the tensors quantization tools store in place of `.weight`.
+const QUANT_SUFFIXES: [&str; 2] = [".weight_packed", ".qweight"];
+
+/// A stored name as the `.weight` it stands for (for layout detection).
+fn as_weight(name: &str) -> Cow<'_, str> {
+    for suffix in QUANT_SUFFIXES {
+        if let Some(base) = name.strip_suffix(suffix) {
+            return Cow::Owned(format!("{base}.weight"));
+        }
+    }
+    Cow::Borrowed(name)
 }
 
 impl<'c> CheckpointSource<'c> {
@@ -162,13 +187,14 @@ impl<'c> CheckpointSource<'c> {
     /// names of both of its layouts are present.
     pub fn new(ckpt: &'c Checkpoint) -> Result<Self> {
         let mut seen: Vec<(CheckpointLayout, &str)> = Vec::new();
-        for name in ckpt.tensor_names() {
-            let Some((_, rest)) = split_layer(name) else {
+        for stored in ckpt.tensor_names() {
+            let name = as_weight(stored);
+            let Some((_, rest)) = split_layer(&name) else {
                 continue;
             };
-            if let Some(r) = RULES.iter().find(|r| r.stored == rest) {
+            if let Some(r) = RULES.iter().find(|r| matches(r.stored, rest).is_some()) {
                 if !seen.iter().any(|(l, _)| *l == r.layout) {
-                    seen.push((r.layout, name));
+                    seen.push((r.layout, stored));
                 }
             }
         }
@@ -184,11 +210,29 @@ impl<'c> CheckpointSource<'c> {
                 })
             }
         };
+        let quant = QuantScheme::from_config(ckpt.config_json(), &ckpt.dir().join("config.json"))?;
         Ok(Self {
             ckpt,
             layout,
             num_experts: ckpt.config().moe.as_ref().map(|m| m.num_experts),
+            quant,
+            quant_parts: Mutex::new(HashSet::new()),
         })
+    }
+
+    /// The checkpoint's quantization scheme, if it has one.
+    pub fn quant_scheme(&self) -> Option<&QuantScheme> {
+        self.quant.as_ref()
+    }
+
+    /// The scheme, where `stored` is held in its quantized tensors.
+    fn quantized(&self, stored: &str) -> Option<&QuantScheme> {
+        self.quant.as_ref().filter(|q| q.holds(self.ckpt, stored))
+    }
+
+    /// Whether `stored` is stored, as itself or as quantized tensors.
+    fn stores(&self, stored: &str) -> bool {
+        self.ckpt.contains(stored) || self.quantized(stored).is_some()
     }
 
     /// The layout found.
@@ -205,7 +249,7 @@ impl<'c> CheckpointSource<'c> {
             expert: 0,
             renamed: false,
         };
-        if self.layout == CheckpointLayout::Hub || self.ckpt.contains(hub) {
+        if self.layout == CheckpointLayout::Hub || self.stores(hub) {
             return same();
         }
         let Some((head, rest)) = split_layer(hub) else {
@@ -216,7 +260,7 @@ impl<'c> CheckpointSource<'c> {
             .filter(|r| r.layout == self.layout)
             .find_map(|r| {
                 matches(r.hub, rest).map(|expert| Place {
-                    stored: format!("{head}{}", r.stored),
+                    stored: format!("{head}{}", r.stored.replace('*', &expert.to_string())),
                     part: r.part,
                     expert,
                     renamed: true,
@@ -258,11 +302,29 @@ impl<'c> CheckpointSource<'c> {
 
 impl WeightSource for CheckpointSource<'_> {
     fn contains(&self, name: &str) -> bool {
-        self.ckpt.contains(&self.place(name).stored)
+        self.stores(&self.place(name).stored)
     }
 
     fn load(&self, name: &str, shape: &[usize]) -> Result<(DType, Cow<'_, [u8]>)> {
         let place = self.place(name);
+        if let Some(q) = self.quantized(&place.stored) {
+            if !matches!(place.part, Whole) {
+                return Err(ModelError::Format {
+                    path: q.config_path().to_path_buf(),
+                    reason: format!(
+                        "`{name}` is part of the quantized `{}`; quantized fused tensors are \
+                         not supported",
+                        place.stored
+                    ),
+                });
+            }
+            let decoded = q.decode(self.ckpt, &place.stored, shape)?;
+            self.quant_parts
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .extend(decoded.parts);
+            return Ok((decoded.dtype, Cow::Owned(decoded.bytes)));
+        }
         let view = self
             .ckpt
             .get(&place.stored)
@@ -296,12 +358,22 @@ impl WeightSource for CheckpointSource<'_> {
     }
 
     fn check_all_used(&self, used: &HashSet<String>) -> Result<()> {
-        let stored: HashSet<String> = used.iter().map(|hub| self.place(hub).stored).collect();
+        let mut stored: HashSet<String> = used.iter().map(|hub| self.place(hub).stored).collect();
+        stored.extend(
+            self.quant_parts
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .iter()
+                .cloned(),
+        );
         Ok(self.ckpt.check_all_used(&stored)?)
     }
 
     fn shape(&self, name: &str) -> Option<Vec<usize>> {
         let place = self.place(name);
+        if let Some(q) = self.quantized(&place.stored) {
+            return q.shape(self.ckpt, &place.stored);
+        }
         let found = self.ckpt.shape(&place.stored)?;
         match place.part {
             Whole => Some(found.to_vec()),

@@ -100,6 +100,27 @@ impl WeightSource for GgufFile {
 pub(crate) fn quantized_to_bf16(dtype: DType, bytes: &[u8], n: usize) -> Result<Vec<u8>> {
     const CHUNK_BLOCKS: usize = 4096;
     let unsupported = || kimi_ops::Error::Unsupported(format!("widening {dtype} to bf16"));
+    if let Some(block_bytes) = kimi_core::qblocks::block_bytes(dtype) {
+        // The blocks of quantized Hugging Face checkpoints (AWQ, GPTQ, compressed-tensors).
+        if !n.is_multiple_of(32) || bytes.len() != n / 32 * block_bytes {
+            return Err(kimi_ops::Error::Unsupported(format!(
+                "{n} values of {dtype} in {} bytes",
+                bytes.len()
+            ))
+            .into());
+        }
+        let mut out = Vec::with_capacity(2 * n);
+        let mut chunk = vec![0f32; CHUNK_BLOCKS * 32];
+        for blocks in bytes.chunks(CHUNK_BLOCKS * block_bytes) {
+            let part = &mut chunk[..blocks.len() / block_bytes * 32];
+            kimi_core::qblocks::dequantize(dtype, blocks, part);
+            out.extend(
+                part.iter()
+                    .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()),
+            );
+        }
+        return Ok(out);
+    }
     let ty = GgmlType::all()
         .find(|t| gguf_dtype(*t) == Some(dtype) && t.is_quantized())
         .ok_or_else(unsupported)?;

@@ -152,6 +152,16 @@ pub struct PagedSeq<'a> {
     pub num_cached: usize,
 }
 
+/// How a backend stores MLA latent caches (`--kv-cache-dtype`, after vLLM's flag).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvCacheDtype {
+    /// The backend's own type (f32 on the CPU and on CUDA).
+    #[default]
+    Auto,
+    /// FP8 E4M3, each cached row with its own f32 scales (no calibration, no overflow).
+    Fp8,
+}
+
 /// Checks a paged cache: `pool` is `[num_blocks, block_size, width]`, there is one
 /// [`PagedSeq`] per segment, and every table covers its sequence's tokens after the
 /// segment with blocks inside the pool. Returns `block_size`.
@@ -440,6 +450,12 @@ pub trait Backend: Send + Sync {
     /// [`Backend::attention`]; the backend picks its element type (by default f32, as
     /// [`Backend::zeros`]).
     fn kv_zeros(&self, shape: &[usize]) -> Result<Self::Tensor> {
+        self.zeros(shape)
+    }
+    /// Creates a zeroed MLA latent cache pool `[num_blocks, block_size, width]` for
+    /// [`Backend::mla`]; the backend picks its storage (f32 by default; FP8 E4M3 with
+    /// per-row scales on the CPU under [`KvCacheDtype::Fp8`]).
+    fn latent_zeros(&self, shape: &[usize]) -> Result<Self::Tensor> {
         self.zeros(shape)
     }
     /// Copies a tensor back to the host as f32.

@@ -233,6 +233,12 @@ fn kimi_dtype(name: &str) -> Option<DType> {
         // Packed planes (MXFP4 codes and E8M0 scales); only the expert loader asks for them.
         "U8" => Some(DType::U8),
         "F8_E8M0" => Some(DType::E8M0),
+        // Planes of quantized checkpoints (AWQ, GPTQ, compressed-tensors, FP8); only the
+        // quantized-weight decoder asks for them.
+        "I8" => Some(DType::I8),
+        "I32" => Some(DType::I32),
+        "I64" => Some(DType::I64),
+        "F8_E4M3" => Some(DType::F8E4M3),
         _ => None,
     }
 }

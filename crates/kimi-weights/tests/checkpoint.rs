@@ -435,6 +435,8 @@ fn other_dtypes_open_but_get_says_unsupported() {
     ));
     tensors.push(("q.weight", Dtype::I8, vec![3], vec![1, 2, 3]));
     tensors.push(("fp8.weight", Dtype::F8_E4M3, vec![2], vec![1, 2]));
+    tensors.push(("h.weight", Dtype::I16, vec![1], vec![1, 2]));
+    tensors.push(("d.weight", Dtype::F64, vec![1], vec![0; 8]));
     fs::write(&path, safetensors_bytes(&tensors)).unwrap();
     let ckpt = Checkpoint::open(dir.path()).unwrap();
     check_sample_values_except_total(&ckpt);
@@ -443,7 +445,11 @@ fn other_dtypes_open_but_get_says_unsupported() {
     assert_eq!((packed.dtype, packed.bytes), (DType::U8, &[7u8; 8][..]));
     let scale = ckpt.get("experts.w1.weight_scale").unwrap();
     assert_eq!((scale.dtype, scale.bytes), (DType::E8M0, &[127u8; 2][..]));
-    for (name, dtype) in [("q.weight", "I8"), ("fp8.weight", "F8_E4M3")] {
+    // So are the planes of AWQ, GPTQ, compressed-tensors and FP8 checkpoints.
+    let q = ckpt.get("q.weight").unwrap();
+    assert_eq!((q.dtype, q.bytes), (DType::I8, &[1u8, 2, 3][..]));
+    assert_eq!(ckpt.get("fp8.weight").unwrap().dtype, DType::F8E4M3);
+    for (name, dtype) in [("h.weight", "I16"), ("d.weight", "F64")] {
         let err = ckpt.get(name).unwrap_err();
         let WeightsError::UnsupportedDType { dtype: found, .. } = &err else {
             panic!("{err:?}")

@@ -40,8 +40,22 @@ pub(super) fn text_config<'a>(
     }
 }
 
+/// The `quant_method`s of `quantization_config` that kimi-infer reads (see kimi-model's
+/// `quantized` module).
+pub const QUANT_METHODS: [&str; 4] = ["compressed-tensors", "awq", "gptq", "fp8"];
+
+/// The compressed-tensors `format`s kimi-infer reads.
+const COMPRESSED_FORMATS: [&str; 5] = [
+    "pack-quantized",
+    "int-quantized",
+    "float-quantized",
+    "naive-quantized",
+    "mxfp4-pack-quantized",
+];
+
 /// The routed experts' storage named by a `quantization_config` (in `text_config`, or at the
-/// top level where a tool hoisted it, as vLLM does). Only K3's MXFP4 experts are supported.
+/// top level where a tool hoisted it, as vLLM does): K3's MXFP4 experts, or `Dense` for
+/// every other method kimi-infer reads, whose matrices the weight decoder answers one by one.
 pub(super) fn expert_format(
     text: Fields<'_>,
     wrapper: Option<Fields<'_>>,
@@ -67,12 +81,23 @@ pub(super) fn expert_format(
     let text_of = |key: &str| q.get(key).and_then(Value::as_str);
     let method = text_of("quant_method").unwrap_or("(absent)");
     let format = text_of("format").unwrap_or("(absent)");
-    if method != "compressed-tensors" || format != "mxfp4-pack-quantized" {
+    if !QUANT_METHODS.contains(&method) {
         return Err(ConfigError::Unsupported(format!(
-            "{field}: quant_method {method:?} with format {format:?}; kimi-infer reads \
-             quantized checkpoints in Kimi K3's MXFP4 expert format only (compressed-tensors, \
-             \"mxfp4-pack-quantized\")"
+            "{field}.quant_method {method:?}: kimi-infer reads quantized checkpoints of {}",
+            QUANT_METHODS.join(", ")
         )));
+    }
+    if method == "compressed-tensors" && !COMPRESSED_FORMATS.contains(&format) {
+        return Err(ConfigError::Unsupported(format!(
+            "{field}.format {format:?}: kimi-infer reads the compressed-tensors formats \
+             pack-quantized (INT4/INT8), int-quantized (INT8), float-quantized (FP8 E4M3), \
+             naive-quantized and mxfp4-pack-quantized (MXFP4)"
+        )));
+    }
+    if method != "compressed-tensors" || format != "mxfp4-pack-quantized" {
+        // Every matrix answers for itself by name: kimi-model's weight decoder reads the
+        // format's tensors (and refuses what it cannot read, naming the tensor and field).
+        return Ok(ExpertFormat::Dense);
     }
     if let Some(status) = text_of("quantization_status") {
         if status != "compressed" {

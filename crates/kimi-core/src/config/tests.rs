@@ -792,8 +792,11 @@ fn malformed_configs_give_errors() {
         ),
         (
             "quantized",
-            set("quantization_config", json!({"quant_method": "fp8"})),
-            "fp8",
+            set(
+                "quantization_config",
+                json!({"quant_method": "bitsandbytes"}),
+            ),
+            "bitsandbytes",
         ),
     ];
     for (what, edit, needle) in cases {
