@@ -52,6 +52,9 @@ pub enum Command {
     /// Convert a Kimi Linear checkpoint (or a config with random weights) to a llama.cpp GGUF
     /// (architecture `kimi-linear`).
     Convert(ConvertArgs),
+    /// Agents: tools (shell, REST, MCP, code) run in a loop around a model, served as
+    /// OpenAI's Responses API (`agent serve`) or for one task (`agent run`).
+    Agent(crate::agent::args::AgentArgs),
 }
 
 /// `kimi-infer convert`.
@@ -186,12 +189,12 @@ pub struct ServeArgs {
     pub shutdown_timeout: f64,
 }
 
-fn parse_tool_call_parser(name: &str) -> Result<kimi_server::ToolCallParser, String> {
+pub(crate) fn parse_tool_call_parser(name: &str) -> Result<kimi_server::ToolCallParser, String> {
     name.parse()
 }
 
 /// Seconds: a finite number, at least 0.
-fn parse_secs(text: &str) -> Result<f64, String> {
+pub(crate) fn parse_secs(text: &str) -> Result<f64, String> {
     match text.trim().parse::<f64>() {
         Ok(s) if (0.0..1e9).contains(&s) => Ok(s),
         _ => Err(format!("`{text}` is not a number of seconds (0 or more)")),

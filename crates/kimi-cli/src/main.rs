@@ -1,6 +1,7 @@
 //! `kimi-infer`: run, chat with, inspect, plan and benchmark Kimi models.
 #![forbid(unsafe_code)]
 
+mod agent;
 mod args;
 mod beam_run;
 mod bench;
@@ -28,7 +29,8 @@ use args::{Cli, Command};
 fn main() {
     let cli = Cli::parse();
     let serving = matches!(cli.command, Command::Serve(_));
-    logging::init(cli.log_format, logging::default_filter(serving));
+    let filter = agent::log_filter(&cli.command).unwrap_or(logging::default_filter(serving));
+    logging::init(cli.log_format, filter);
     if let Some(threads) = cli.threads {
         if let Err(e) = cpu_threads(threads) {
             eprintln!("error: {}", report(&e));
@@ -45,6 +47,7 @@ fn main() {
         Command::Bench(a) => bench::bench(a),
         Command::Serve(a) => serve::serve(a),
         Command::Convert(a) => convert::convert(a),
+        Command::Agent(a) => agent::agent(a),
     };
     if let Err(e) = result {
         eprintln!("error: {}", report(&e));

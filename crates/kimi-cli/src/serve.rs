@@ -15,16 +15,38 @@ use crate::load::ModelInfo;
 use crate::memory::HostMemory;
 
 pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    let prepared = prepare(&a)?;
+    run(prepared, &a)
+}
+
+/// A loaded model with its engine thread, ready to be served: `serve` runs it on its
+/// own port; `agent --model` serves it in-process on a loopback port.
+pub struct Prepared {
+    pub config: ServerConfig,
+    pub engine: EngineHandle,
+    pub tokenizer: Arc<kimi_tokenizer::Tokenizer>,
+    banner: Banner,
+}
+
+impl Prepared {
+    /// The model, described for a log line.
+    pub fn model_description(&self) -> &str {
+        &self.banner.model
+    }
+}
+
+/// Loads the model and starts its engine from `serve`'s flags.
+pub fn prepare(a: &ServeArgs) -> anyhow::Result<Prepared> {
     if let Some(u) = a.gpu_memory_utilization {
         anyhow::ensure!(
             u > 0.0 && u <= 1.0,
             "--gpu-memory-utilization must be in (0, 1], got {u}"
         );
     }
-    crate::load::with_backend!(a.model, |backend| serve_on(backend, a))
+    crate::load::with_backend!(a.model, |backend| prepare_on(backend, a))
 }
 
-fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()> {
+fn prepare_on<B: Backend + 'static>(backend: B, a: &ServeArgs) -> anyhow::Result<Prepared> {
     // Flags first: a bad one should not wait for the weights to load.
     let mut shape = Shape {
         block_size: a.block_size,
@@ -84,7 +106,7 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
                     free,
                     total,
                     utilization: a.gpu_memory_utilization.unwrap_or(DEFAULT_GPU_UTILIZATION),
-                    workspace: step_workspace(loaded.engine.model(), &a, max_model_len)?,
+                    workspace: step_workspace(loaded.engine.model(), a, max_model_len)?,
                 },
                 None => Budget::Host {
                     memory: host,
@@ -154,6 +176,21 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
         },
     };
     let engine = EngineHandle::spawn(loaded.engine.into_model(), serving)?;
+    Ok(Prepared {
+        config,
+        engine,
+        tokenizer,
+        banner,
+    })
+}
+
+fn run(prepared: Prepared, a: &ServeArgs) -> anyhow::Result<()> {
+    let Prepared {
+        config,
+        engine,
+        tokenizer,
+        banner,
+    } = prepared;
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     let result = runtime.block_on(async {
         let addr = format!("{}:{}", config.host, config.port);
@@ -291,7 +328,7 @@ impl Banner {
 }
 
 /// Whether `host` only accepts connections from this machine.
-fn is_loopback(host: &str) -> bool {
+pub(crate) fn is_loopback(host: &str) -> bool {
     let host = host.trim_start_matches('[').trim_end_matches(']');
     host.eq_ignore_ascii_case("localhost")
         || host
@@ -334,7 +371,7 @@ fn open_file_limit() -> Option<u64> {
 }
 
 /// Resolves on the first Ctrl-C or SIGTERM; a second one exits the process at once.
-async fn shutdown_signal(mut signals: Signals, drain_secs: f64) {
+pub(crate) async fn shutdown_signal(mut signals: Signals, drain_secs: f64) {
     signals.next().await;
     let deadline = if drain_secs > 0.0 {
         format!("up to {drain_secs}s")
@@ -354,13 +391,13 @@ async fn shutdown_signal(mut signals: Signals, drain_secs: f64) {
 /// SIGINT (Ctrl-C) and SIGTERM as one stream. The handlers are installed when this is
 /// made (inside the runtime), before the server says it is up: a signal sent as soon as
 /// the banner appears must not find the default action, which kills the process.
-struct Signals {
+pub(crate) struct Signals {
     #[cfg(unix)]
     handlers: Vec<tokio::signal::unix::Signal>,
 }
 
 impl Signals {
-    fn new() -> anyhow::Result<Self> {
+    pub(crate) fn new() -> anyhow::Result<Self> {
         #[cfg(unix)]
         {
             use tokio::signal::unix::{signal, SignalKind};

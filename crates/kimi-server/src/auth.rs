@@ -31,6 +31,22 @@ fn matching_key(keys: &[String], presented: &[u8]) -> Option<usize> {
     })
 }
 
+/// The index of the key in `keys` that `headers` present as `Authorization: Bearer <key>`,
+/// compared in constant time against every key; `None` when none matches. Shared with
+/// the agent server (`kimi-agent`), which guards its routes the same way.
+pub fn presented_key(keys: &[String], headers: &axum::http::HeaderMap) -> Option<usize> {
+    let presented = headers
+        .get(header::AUTHORIZATION)
+        .map(|v| v.as_bytes())
+        .and_then(|v| {
+            let scheme = v.get(..7)?;
+            scheme
+                .eq_ignore_ascii_case(b"bearer ")
+                .then(|| v[7..].trim_ascii())
+        });
+    presented.and_then(|key| matching_key(keys, key))
+}
+
 /// Rejects requests without a valid key (when keys are configured).
 pub(crate) async fn require_api_key(
     State(state): State<AppState>,
@@ -41,17 +57,7 @@ pub(crate) async fn require_api_key(
     if keys.is_empty() {
         return next.run(request).await;
     }
-    let presented = request
-        .headers()
-        .get(header::AUTHORIZATION)
-        .map(|v| v.as_bytes())
-        .and_then(|v| {
-            let scheme = v.get(..7)?;
-            scheme
-                .eq_ignore_ascii_case(b"bearer ")
-                .then(|| v[7..].trim_ascii())
-        });
-    match presented.and_then(|key| matching_key(keys, key)) {
+    match presented_key(keys, request.headers()) {
         Some(index) => {
             // The access log names the key by its position, never by its text.
             if let Some(record) = request.extensions().get::<Arc<RequestRecord>>() {

@@ -88,6 +88,7 @@ use axum::Router;
 use kimi_tokenizer::Tokenizer;
 use tokio::net::TcpListener;
 
+pub use auth::presented_key;
 pub use config::ServerConfig;
 pub use error::{ApiError, ServerError};
 pub use generator::Generator;
