@@ -491,8 +491,8 @@ mod tests {
         assert_eq!(turn.tool_calls[0].id, "c1");
         assert_eq!(turn.finish_reason.as_deref(), Some("tool_calls"));
         assert_eq!(turn.usage.completion_tokens, 7);
-        assert_eq!(deltas.len(), 4);
         let bad = json!({"choices": [{"delta": {"tool_calls": [{"index": 5}]}}]});
         assert!(apply_chunk(&bad, &mut turn, &mut sink).is_err());
+        assert_eq!(deltas.len(), 4);
     }
 }

@@ -70,6 +70,11 @@ async fn shell_tools_run_confined() {
     assert!(out.is_error, "{}", out.text);
     assert!(out.text.contains("ermission denied") || out.text.contains("not found"), "{}", out.text);
 
+    // A prompt-injected program outside the allowlist is refused inside the sandbox too.
+    let code = r#"{"code": "import subprocess\nsubprocess.run(['ls', '/'])"}"#;
+    let out = r.call("run_python", code, &c).await;
+    assert!(out.is_error && out.text.contains("PermissionError"), "{}", out.text);
+
     // Hangs are killed at the wall-clock limit.
     let start = std::time::Instant::now();
     let out = r.call("sh", r#"{"script": "while :; do :; done"}"#, &c).await;

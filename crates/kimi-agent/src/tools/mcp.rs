@@ -179,7 +179,7 @@ impl McpServer {
     async fn peer_with_generation(&self) -> Result<(Peer<RoleClient>, u64), String> {
         let mut slot = self.connection.lock().await;
         if let Some(c) = slot.as_ref() {
-            if !c.service.is_closed() {
+            if !c.service.is_closed() && !c.service.peer().is_transport_closed() {
                 return Ok((c.service.peer().clone(), c.generation));
             }
         }
@@ -290,6 +290,14 @@ impl McpTool {
             let result = tokio::time::timeout(server.timeout, peer.call_tool(params)).await;
             match result {
                 Err(_) => {
+                    if peer.is_transport_closed() {
+                        // It went away mid-call (it may have done the work): not retried.
+                        server.drop_connection(generation).await;
+                        return ToolOutput::error(format!(
+                            "the MCP server `{}` closed the connection during the call",
+                            server.name
+                        ));
+                    }
                     return ToolOutput::error(format!(
                         "the MCP server `{}` did not answer within {:.0} s",
                         server.name,
