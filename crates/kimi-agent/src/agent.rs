@@ -310,12 +310,9 @@ impl Agent {
         let mut specs = self.registry.function_specs();
         specs.extend(request.client_tools.iter().cloned());
         let tools_tokens = self.context.tools_tokens(&specs);
-        let instructions = request
-            .instructions
-            .as_ref()
-            .map(|text| Message::System {
-                content: text.clone(),
-            });
+        let instructions = request.instructions.as_ref().map(|text| Message::System {
+            content: text.clone(),
+        });
         let mut steps = 0;
         let stop = loop {
             if steps >= max_steps {
@@ -378,7 +375,11 @@ impl Agent {
             };
             let model_start = Instant::now();
             let turn = self
-                .model_turn(&chat, deadline.saturating_duration_since(model_start), &mut out)
+                .model_turn(
+                    &chat,
+                    deadline.saturating_duration_since(model_start),
+                    &mut out,
+                )
                 .await;
             let model_time = model_start.elapsed();
             let (turn, message_index) = match turn {
@@ -431,13 +432,20 @@ impl Agent {
                 .filter(|c| !client_names.contains(&c.name) || self.registry.get(&c.name).is_some())
                 .collect();
             let results = self
-                .run_tools(&ours, &mut tool_calls_run, request.max_tool_calls, deadline, ctx)
+                .run_tools(
+                    &ours,
+                    &mut tool_calls_run,
+                    request.max_tool_calls,
+                    deadline,
+                    ctx,
+                )
                 .await;
             let outputs = self
                 .fit_outputs(&ours, results, &messages, fixed, &chat.messages, &mut log)
                 .await;
             for (call, (output, elapsed)) in ours.iter().zip(outputs) {
-                log.tools.push((call.name.clone(), output.is_error, elapsed));
+                log.tools
+                    .push((call.name.clone(), output.is_error, elapsed));
                 let item = Item::FunctionCallOutput {
                     id: format!("fco_{}", random_id()),
                     call_id: call.id.clone(),
@@ -615,8 +623,12 @@ impl Agent {
             message_index = Some(index);
         }
         for (i, &index) in call_indices.iter().enumerate() {
-            if let (Item::FunctionCall { arguments, name, .. }, Some(call)) =
-                (&mut out.items[index], turn.tool_calls.get(i))
+            if let (
+                Item::FunctionCall {
+                    arguments, name, ..
+                },
+                Some(call),
+            ) = (&mut out.items[index], turn.tool_calls.get(i))
             {
                 // The accumulated call is authoritative (names can arrive late).
                 arguments.clone_from(&call.arguments);
@@ -744,9 +756,7 @@ impl Agent {
                         .into(),
                 },
                 Message::User {
-                    content: format!(
-                        "Task: {task}\n\nOutput of the tool `{tool}`:\n{input}"
-                    ),
+                    content: format!("Task: {task}\n\nOutput of the tool `{tool}`:\n{input}"),
                 },
             ],
             max_tokens: Some(budget.max(16) as u64),

@@ -297,6 +297,11 @@ pub struct McpConfig {
     /// Put in front of each tool name (default: none).
     #[serde(default)]
     pub prefix: String,
+    /// Close the server's argument schemas (`additionalProperties: false` where an object
+    /// schema does not say), as OpenAI's strict mode does: constrained decoding then
+    /// cannot add keys the tool does not know, which small models otherwise do.
+    #[serde(default)]
+    pub strict: bool,
     /// Seconds a call may take.
     #[serde(default = "defaults::mcp_timeout")]
     pub timeout_seconds: f64,
@@ -458,7 +463,10 @@ mod tests {
         let text = "[[tool]]\ntype = \"shell\"\nname = \"x\"\ncommand = [\"ls\"]\ntimeout = 3\n";
         let err = ToolsFile::parse(text, Path::new("tools.toml")).unwrap_err();
         let msg = err.to_string();
-        assert!(msg.contains("tools.toml") && msg.contains("timeout"), "{msg}");
+        assert!(
+            msg.contains("tools.toml") && msg.contains("timeout"),
+            "{msg}"
+        );
         let err = ToolsFile::parse("[[tool]]\ntype = \"ftp\"\n", Path::new("t.toml"))
             .unwrap_err()
             .to_string();

@@ -90,7 +90,8 @@ impl TokenCounter {
         }
         let head_bytes = keep_bytes.div_ceil(2);
         let head = crate::sandbox::trim_partial_end(&bytes[..head_bytes]);
-        let tail = crate::sandbox::trim_partial_start(&bytes[bytes.len() - (keep_bytes - head_bytes)..]);
+        let tail =
+            crate::sandbox::trim_partial_start(&bytes[bytes.len() - (keep_bytes - head_bytes)..]);
         let elided = estimate(text).saturating_sub(keep);
         (
             String::from_utf8_lossy(head).into_owned(),
@@ -215,26 +216,27 @@ impl ContextManager {
     /// # Errors
     ///
     /// [`ContextExceeded`] when even the protected messages do not fit.
-    pub fn fit(&self, messages: &mut Vec<Message>, fixed: usize) -> Result<Vec<String>, ContextExceeded> {
+    pub fn fit(
+        &self,
+        messages: &mut Vec<Message>,
+        fixed: usize,
+    ) -> Result<Vec<String>, ContextExceeded> {
         let mut notes = Vec::new();
         let mut total = self.conversation_tokens(messages) + fixed;
         if total <= self.window {
             return Ok(notes);
         }
         // The last unit (the latest assistant turn and its tool results) is kept whole.
-        let last_user = messages
-            .iter()
-            .rposition(|m| matches!(m, Message::User { .. }));
         let last_assistant = messages
             .iter()
             .rposition(|m| matches!(m, Message::Assistant { .. }));
         let protected_from = last_assistant.unwrap_or(messages.len());
         // 1. Older tool outputs cut short, oldest first.
-        for i in 0..protected_from {
+        for message in messages.iter_mut().take(protected_from) {
             if total <= self.window {
                 break;
             }
-            if let Message::Tool { content, .. } = &mut messages[i] {
+            if let Message::Tool { content, .. } = message {
                 let before = MESSAGE_OVERHEAD + self.counter.count(content);
                 let (cut, elided) = self.truncate(content, SHRUNK_OUTPUT_TOKENS);
                 if elided > 0 {
@@ -257,7 +259,9 @@ impl ContextManager {
             let last_assistant = messages
                 .iter()
                 .rposition(|m| matches!(m, Message::Assistant { .. }));
-            let Some(start) = messages.iter().position(|m| !matches!(m, Message::System { .. }))
+            let Some(start) = messages
+                .iter()
+                .position(|m| !matches!(m, Message::System { .. }))
             else {
                 break;
             };
@@ -304,7 +308,6 @@ impl ContextManager {
             total = total.saturating_sub(removed);
             dropped += unit_end - start;
         }
-        let _ = last_user;
         if dropped > 0 {
             notes.push(format!("{dropped} older messages were dropped"));
         }
@@ -346,12 +349,18 @@ mod tests {
     #[test]
     fn truncation_keeps_head_and_tail() {
         let c = cm(1000);
-        let text: String = (0..3000).map(|i| char::from(b'a' + (i % 26) as u8)).collect();
+        let text: String = (0..3000)
+            .map(|i| char::from(b'a' + (i % 26) as u8))
+            .collect();
         let (cut, elided) = c.truncate(&text, 100);
         assert!(elided > 0);
         assert!(cut.starts_with("abc") && cut.ends_with(&text[text.len() - 10..]));
         assert!(cut.contains("tokens of tool output elided"));
-        assert!(c.counter.count(&cut) <= 100 + 30, "{}", c.counter.count(&cut));
+        assert!(
+            c.counter.count(&cut) <= 100 + 30,
+            "{}",
+            c.counter.count(&cut)
+        );
         assert_eq!(c.truncate("short", 100), ("short".to_string(), 0));
     }
 
@@ -367,23 +376,52 @@ mod tests {
     fn system_prompt_and_latest_turns_survive() {
         let big = "x".repeat(3000);
         let mut messages = vec![
-            Message::System { content: "sys".into() },
-            Message::User { content: big.clone() },
+            Message::System {
+                content: "sys".into(),
+            },
+            Message::User {
+                content: big.clone(),
+            },
             assistant_call("a"),
-            Message::Tool { call_id: "a".into(), content: big.clone() },
-            Message::User { content: "latest".into() },
+            Message::Tool {
+                call_id: "a".into(),
+                content: big.clone(),
+            },
+            Message::User {
+                content: "latest".into(),
+            },
             assistant_call("b"),
-            Message::Tool { call_id: "b".into(), content: "small".into() },
+            Message::Tool {
+                call_id: "b".into(),
+                content: "small".into(),
+            },
         ];
         let notes = cm(200).fit(&mut messages, 50).unwrap();
         assert!(!notes.is_empty());
-        assert_eq!(messages[0], Message::System { content: "sys".into() });
-        assert!(messages.contains(&Message::User { content: "latest".into() }));
-        assert_eq!(messages.last(), Some(&Message::Tool { call_id: "b".into(), content: "small".into() }));
+        assert_eq!(
+            messages[0],
+            Message::System {
+                content: "sys".into()
+            }
+        );
+        assert!(messages.contains(&Message::User {
+            content: "latest".into()
+        }));
+        assert_eq!(
+            messages.last(),
+            Some(&Message::Tool {
+                call_id: "b".into(),
+                content: "small".into()
+            })
+        );
         // Nothing left to drop: an error, not a silent loss.
         let mut messages = vec![
-            Message::System { content: big.clone() },
-            Message::User { content: "q".into() },
+            Message::System {
+                content: big.clone(),
+            },
+            Message::User {
+                content: "q".into(),
+            },
         ];
         let err = cm(200).fit(&mut messages, 50).unwrap_err();
         assert_eq!(err.window, 200);

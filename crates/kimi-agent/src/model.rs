@@ -293,7 +293,10 @@ impl ChatModel {
 /// The first complete SSE event in `buffer` and what follows it.
 fn split_event(buffer: &[u8]) -> Option<(&[u8], &[u8])> {
     let lf = buffer.windows(2).position(|w| w == b"\n\n").map(|p| (p, 2));
-    let crlf = buffer.windows(4).position(|w| w == b"\r\n\r\n").map(|p| (p, 4));
+    let crlf = buffer
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|p| (p, 4));
     let (at, len) = match (lf, crlf) {
         (Some(a), Some(b)) => {
             if a.0 <= b.0 {

@@ -114,9 +114,12 @@ mod tests {
     fn bad_schemas_and_arguments() {
         assert!(ArgsSchema::new(json!({"type": "string"})).is_err());
         assert!(ArgsSchema::new(json!([1])).is_err());
-        assert!(ArgsSchema::new(json!({"type": "object", "properties": {"a": {"type": 5}}}))
-            .is_err());
+        assert!(
+            ArgsSchema::new(json!({"type": "object", "properties": {"a": {"type": 5}}})).is_err()
+        );
         assert_eq!(parse_arguments("").unwrap(), json!({}));
-        assert!(parse_arguments("{oops").unwrap_err().contains("not valid JSON"));
+        assert!(parse_arguments("{oops")
+            .unwrap_err()
+            .contains("not valid JSON"));
     }
 }

@@ -159,18 +159,35 @@ prefix = "api_"
     let r = registry_in(dir.path(), &toml).await.unwrap();
     let c = ctx(dir.path());
 
-    let out = r.call("weather", r#"{"city": "Paris/../x", "units": "metric"}"#, &c).await;
+    let out = r
+        .call(
+            "weather",
+            r#"{"city": "Paris/../x", "units": "metric"}"#,
+            &c,
+        )
+        .await;
     let v: Value = serde_json::from_str(&out.text).unwrap();
     assert_eq!(v["city"], "Paris/../x");
     assert_eq!(v["units"], "metric");
     let out = r.call("echo", r#"{"msg": "hi"}"#, &c).await;
-    assert_eq!(serde_json::from_str::<Value>(&out.text).unwrap(), json!({"msg": "hi"}));
+    assert_eq!(
+        serde_json::from_str::<Value>(&out.text).unwrap(),
+        json!({"msg": "hi"})
+    );
 
     let out = r.call("big", "{}", &c).await;
-    assert!(out.text.len() < 1200 && out.text.contains("longer than 1000 bytes"), "{}", out.text);
+    assert!(
+        out.text.len() < 1200 && out.text.contains("longer than 1000 bytes"),
+        "{}",
+        out.text
+    );
     let start = Instant::now();
     let out = r.call("slow", "{}", &c).await;
-    assert!(out.is_error && out.text.contains("timed out"), "{}", out.text);
+    assert!(
+        out.is_error && out.text.contains("timed out"),
+        "{}",
+        out.text
+    );
     assert!(start.elapsed() < Duration::from_secs(5));
     assert_eq!(r.call("secret", "{}", &c).await.text, "welcome");
     let out = r.call("no_secret", "{}", &c).await;
@@ -178,26 +195,79 @@ prefix = "api_"
 
     // OpenAPI operations: path and query parameters, a JSON body, enums from $ref.
     let tool = r.get("api_getWeather").unwrap();
-    assert_eq!(tool.parameters()["properties"]["units"]["enum"], json!(["metric", "imperial"]));
-    let out = r.call("api_getWeather", r#"{"city": "Oslo", "units": "imperial"}"#, &c).await;
-    assert_eq!(serde_json::from_str::<Value>(&out.text).unwrap()["units"], "imperial");
-    let out = r.call("api_getWeather", r#"{"city": "Oslo", "units": "kelvin"}"#, &c).await;
+    assert_eq!(
+        tool.parameters()["properties"]["units"]["enum"],
+        json!(["metric", "imperial"])
+    );
+    let out = r
+        .call(
+            "api_getWeather",
+            r#"{"city": "Oslo", "units": "imperial"}"#,
+            &c,
+        )
+        .await;
+    assert_eq!(
+        serde_json::from_str::<Value>(&out.text).unwrap()["units"],
+        "imperial"
+    );
+    let out = r
+        .call(
+            "api_getWeather",
+            r#"{"city": "Oslo", "units": "kelvin"}"#,
+            &c,
+        )
+        .await;
     assert!(out.is_error && out.text.contains("schema"), "{}", out.text);
-    let out = r.call("api_echo", r#"{"body": {"msg": "via openapi"}}"#, &c).await;
-    assert_eq!(serde_json::from_str::<Value>(&out.text).unwrap()["msg"], "via openapi");
+    let out = r
+        .call("api_echo", r#"{"body": {"msg": "via openapi"}}"#, &c)
+        .await;
+    assert_eq!(
+        serde_json::from_str::<Value>(&out.text).unwrap()["msg"],
+        "via openapi"
+    );
     let out = r.call("api_echo", r#"{}"#, &c).await;
     assert!(out.is_error && out.text.contains("body"), "{}", out.text);
 
     // fetch: allowed host, invalid UTF-8, refused hosts and redirects.
-    let out = r.call("fetch", &json!({"url": format!("http://{addr}/weather/Rome")}).to_string(), &c).await;
+    let out = r
+        .call(
+            "fetch",
+            &json!({"url": format!("http://{addr}/weather/Rome")}).to_string(),
+            &c,
+        )
+        .await;
     assert!(!out.is_error && out.text.contains("Rome"), "{}", out.text);
-    let out = r.call("fetch", &json!({"url": format!("http://{addr}/bytes")}).to_string(), &c).await;
+    let out = r
+        .call(
+            "fetch",
+            &json!({"url": format!("http://{addr}/bytes")}).to_string(),
+            &c,
+        )
+        .await;
     assert!(out.text.contains("not valid UTF-8"), "{}", out.text);
-    let out = r.call("fetch", r#"{"url": "http://example.com/"}"#, &c).await;
-    assert!(out.is_error && out.text.contains("not an allowed host"), "{}", out.text);
-    let out = r.call("fetch", &json!({"url": format!("http://{addr}/away")}).to_string(), &c).await;
-    assert!(out.is_error && out.text.contains("not an allowed host"), "{}", out.text);
-    let out = r.call("fetch", r#"{"url": "file:///etc/passwd"}"#, &c).await;
+    let out = r
+        .call("fetch", r#"{"url": "http://example.com/"}"#, &c)
+        .await;
+    assert!(
+        out.is_error && out.text.contains("not an allowed host"),
+        "{}",
+        out.text
+    );
+    let out = r
+        .call(
+            "fetch",
+            &json!({"url": format!("http://{addr}/away")}).to_string(),
+            &c,
+        )
+        .await;
+    assert!(
+        out.is_error && out.text.contains("not an allowed host"),
+        "{}",
+        out.text
+    );
+    let out = r
+        .call("fetch", r#"{"url": "file:///etc/passwd"}"#, &c)
+        .await;
     assert!(out.is_error, "{}", out.text);
 }
 
@@ -226,7 +296,10 @@ async fn bad_tool_files_are_named() {
     ];
     for (toml, expected) in cases {
         let err = registry_in(dir.path(), toml).await.unwrap_err();
-        assert!(err.contains(expected) && err.contains("tools.toml"), "{toml}: {err}");
+        assert!(
+            err.contains(expected) && err.contains("tools.toml"),
+            "{toml}: {err}"
+        );
     }
 }
 
@@ -274,9 +347,17 @@ async fn check_mcp_tools(r: &Registry, prefix: &str, c: &CallContext) {
     let out = r.call(&name("add"), r#"{"a": "two", "b": 40}"#, c).await;
     assert!(out.is_error && out.text.contains("schema"), "{}", out.text);
     let out = r.call(&name("fail"), r#"{"reason": "testing"}"#, c).await;
-    assert!(out.is_error && out.text.contains("failed on purpose: testing"), "{}", out.text);
+    assert!(
+        out.is_error && out.text.contains("failed on purpose: testing"),
+        "{}",
+        out.text
+    );
     let out = r.call(&name("nap"), r#"{"seconds": 30}"#, c).await;
-    assert!(out.is_error && out.text.contains("did not answer"), "{}", out.text);
+    assert!(
+        out.is_error && out.text.contains("did not answer"),
+        "{}",
+        out.text
+    );
 }
 
 #[tokio::test]
@@ -294,8 +375,14 @@ async fn mcp_servers_over_stdio_and_http() {
         .unwrap();
     // Wait for the HTTP server to listen.
     let deadline = Instant::now() + Duration::from_secs(30);
-    while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
-        assert!(Instant::now() < deadline, "the MCP HTTP server did not start");
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_err()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the MCP HTTP server did not start"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -319,7 +406,10 @@ timeout_seconds = 3
     let r = registry_in(dir.path(), &toml).await.unwrap();
     let c = ctx(dir.path());
     assert!(r.get("add").is_some() && r.get("remote_add").is_some());
-    assert!(r.get("remote_crash").is_none(), "the `tools` filter applies");
+    assert!(
+        r.get("remote_crash").is_none(),
+        "the `tools` filter applies"
+    );
     assert_eq!(r.get("add").unwrap().kind(), "mcp:local");
     check_mcp_tools(&r, "", &c).await;
     check_mcp_tools(&r, "remote_", &c).await;

@@ -93,7 +93,14 @@ pub struct ResponseHead {
 impl ResponseHead {
     /// The response object, `in_progress` with no output.
     pub fn in_progress(&self) -> Value {
-        self.object("in_progress", Value::Null, Value::Null, json!([]), Value::Null, None)
+        self.object(
+            "in_progress",
+            Value::Null,
+            Value::Null,
+            json!([]),
+            Value::Null,
+            None,
+        )
     }
 
     /// The finished response object.

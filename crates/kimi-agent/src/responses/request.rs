@@ -118,11 +118,20 @@ pub fn parse(body: &Value, model_name: &str) -> Result<ParsedRequest, ApiError> 
     }
     for (key, what) in [
         ("background", "background responses"),
-        ("conversation", "conversation objects (use previous_response_id)"),
+        (
+            "conversation",
+            "conversation objects (use previous_response_id)",
+        ),
         ("prompt", "prompt templates"),
     ] {
-        if body.get(key).is_some_and(|v| !v.is_null() && v != &Value::Bool(false)) {
-            return Err(invalid(format!("{what} are not supported by this server"), key));
+        if body
+            .get(key)
+            .is_some_and(|v| !v.is_null() && v != &Value::Bool(false))
+        {
+            return Err(invalid(
+                format!("{what} are not supported by this server"),
+                key,
+            ));
         }
     }
     if let Some(format) = body.get("text").and_then(|t| t.get("format")) {
@@ -181,7 +190,10 @@ pub fn parse(body: &Value, model_name: &str) -> Result<ParsedRequest, ApiError> 
     }
     let echo = Echo {
         instructions: body.get("instructions").cloned().unwrap_or(Value::Null),
-        max_output_tokens: body.get("max_output_tokens").cloned().unwrap_or(Value::Null),
+        max_output_tokens: body
+            .get("max_output_tokens")
+            .cloned()
+            .unwrap_or(Value::Null),
         max_tool_calls: body.get("max_tool_calls").cloned().unwrap_or(Value::Null),
         metadata: body.get("metadata").cloned().unwrap_or(json!({})),
         parallel_tool_calls: parallel,
@@ -227,8 +239,7 @@ fn content_text(content: &Value, param: &str) -> Result<String, ApiError> {
             for part in parts {
                 let kind = part.get("type").and_then(Value::as_str).unwrap_or("");
                 match kind {
-                    "input_text" | "output_text" | "text" | "summary_text"
-                    | "reasoning_text" => {
+                    "input_text" | "output_text" | "text" | "summary_text" | "reasoning_text" => {
                         text.push_str(part.get("text").and_then(Value::as_str).unwrap_or(""))
                     }
                     "refusal" => {
@@ -244,7 +255,10 @@ fn content_text(content: &Value, param: &str) -> Result<String, ApiError> {
             }
             Ok(text)
         }
-        _ => Err(invalid("`content` must be a string or a list of parts", param)),
+        _ => Err(invalid(
+            "`content` must be a string or a list of parts",
+            param,
+        )),
     }
 }
 
@@ -252,7 +266,10 @@ fn input_items(items: &[Value]) -> Result<Vec<Message>, ApiError> {
     let mut messages: Vec<Message> = Vec::new();
     for (i, item) in items.iter().enumerate() {
         let param = format!("input[{i}]");
-        let kind = item.get("type").and_then(Value::as_str).unwrap_or("message");
+        let kind = item
+            .get("type")
+            .and_then(Value::as_str)
+            .unwrap_or("message");
         match kind {
             "message" => {
                 let role = item.get("role").and_then(Value::as_str).unwrap_or("");
@@ -435,7 +452,9 @@ mod tests {
         });
         let p = parse(&body, "m").unwrap();
         assert_eq!(p.run.messages.len(), 4);
-        assert!(matches!(&p.run.messages[1], Message::Assistant { tool_calls, .. } if tool_calls[0].id == "c1"));
+        assert!(
+            matches!(&p.run.messages[1], Message::Assistant { tool_calls, .. } if tool_calls[0].id == "c1")
+        );
         assert_eq!(p.run.client_tools[0]["function"]["name"], "f");
         assert_eq!(p.run.tool_choice.unwrap()["function"]["name"], "f");
         assert_eq!(p.run.max_steps, Some(3));
@@ -449,12 +468,27 @@ mod tests {
             (json!({"input": "x", "model": "other"}), "model"),
             (json!({"input": 5}), "input"),
             (json!({}), "input"),
-            (json!({"input": "x", "tools": [{"type": "web_search"}]}), "tools[0]"),
-            (json!({"input": "x", "tool_choice": "sometimes"}), "tool_choice"),
-            (json!({"input": "x", "max_output_tokens": 0}), "max_output_tokens"),
-            (json!({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}), "input[0]"),
+            (
+                json!({"input": "x", "tools": [{"type": "web_search"}]}),
+                "tools[0]",
+            ),
+            (
+                json!({"input": "x", "tool_choice": "sometimes"}),
+                "tool_choice",
+            ),
+            (
+                json!({"input": "x", "max_output_tokens": 0}),
+                "max_output_tokens",
+            ),
+            (
+                json!({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}),
+                "input[0]",
+            ),
             (json!({"input": "x", "background": true}), "background"),
-            (json!({"input": "x", "text": {"format": {"type": "json_schema"}}}), "text.format"),
+            (
+                json!({"input": "x", "text": {"format": {"type": "json_schema"}}}),
+                "text.format",
+            ),
         ];
         for (body, param) in cases {
             let err = parse(&body, "m").unwrap_err();

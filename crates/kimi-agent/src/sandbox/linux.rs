@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
 use landlock::{
-    path_beneath_rules, Access, AccessFs, AccessNet, CompatLevel, Compatible, Ruleset,
-    RulesetAttr, RulesetCreated, RulesetCreatedAttr, RulesetStatus, Scope, ABI,
+    path_beneath_rules, Access, AccessFs, AccessNet, CompatLevel, Compatible, Ruleset, RulesetAttr,
+    RulesetCreated, RulesetCreatedAttr, RulesetStatus, Scope, ABI,
 };
 use nix::sys::resource::{setrlimit, Resource};
 use seccompiler::{
@@ -31,10 +31,22 @@ pub(super) fn confine(
     let mut ruleset = Some(ruleset(sandbox, workdir, limits.network)?);
     let filter = seccomp_filter(limits.network)?;
     let rlimits = [
-        (Resource::RLIMIT_CPU, limits.cpu_seconds, limits.cpu_seconds + 1),
-        (Resource::RLIMIT_AS, limits.memory_bytes, limits.memory_bytes),
+        (
+            Resource::RLIMIT_CPU,
+            limits.cpu_seconds,
+            limits.cpu_seconds + 1,
+        ),
+        (
+            Resource::RLIMIT_AS,
+            limits.memory_bytes,
+            limits.memory_bytes,
+        ),
         (Resource::RLIMIT_FSIZE, limits.file_bytes, limits.file_bytes),
-        (Resource::RLIMIT_NOFILE, limits.open_files, limits.open_files),
+        (
+            Resource::RLIMIT_NOFILE,
+            limits.open_files,
+            limits.open_files,
+        ),
         (Resource::RLIMIT_CORE, 0, 0),
     ];
     let child_setup = move || -> std::io::Result<()> {

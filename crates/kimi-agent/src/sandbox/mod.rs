@@ -723,7 +723,10 @@ mod tests {
         c.push(b"XYZ");
         assert_eq!(c.total(), 19);
         let (text, note) = c.text();
-        assert!(text.starts_with("01234\n[... 9 bytes elided ...]\n"), "{text}");
+        assert!(
+            text.starts_with("01234\n[... 9 bytes elided ...]\n"),
+            "{text}"
+        );
         assert!(text.ends_with("efXYZ"), "{text}");
         assert!(note.unwrap().contains("19 bytes"));
         let mut short = Capture::new(10);

@@ -44,7 +44,10 @@ impl CodeTool {
             })?
             .to_owned();
         if c.extension.is_empty() || !c.extension.bytes().all(|b| b.is_ascii_alphanumeric()) {
-            return Err(format!("`extension` must be letters and digits, got `{}`", c.extension));
+            return Err(format!(
+                "`extension` must be letters and digits, got `{}`",
+                c.extension
+            ));
         }
         let limits = Limits::new(sandbox_config, &c.sandbox)?;
         let description = c.description.clone().unwrap_or_else(|| {
@@ -197,7 +200,9 @@ impl FetchTool {
                 attempt.follow()
             } else {
                 let to = attempt.url().host_str().unwrap_or("?").to_string();
-                attempt.error(format!("a redirect to `{to}`, which is not an allowed host"))
+                attempt.error(format!(
+                    "a redirect to `{to}`, which is not an allowed host"
+                ))
             }
         });
         let client = crate::http::client_builder()

@@ -137,7 +137,10 @@ impl McpServer {
                     continue;
                 }
             }
-            let schema = Value::Object((*remote.input_schema).clone());
+            let mut schema = Value::Object((*remote.input_schema).clone());
+            if config.strict {
+                close_objects(&mut schema);
+            }
             let args = match ArgsSchema::new(schema) {
                 Ok(args) => args,
                 Err(e) => {
@@ -186,7 +189,12 @@ impl McpServer {
         let generation = slot.as_ref().map_or(0, |c| c.generation + 1);
         let service = tokio::time::timeout(self.timeout, self.connect())
             .await
-            .map_err(|_| format!("connecting timed out after {:.0} s", self.timeout.as_secs_f64()))??;
+            .map_err(|_| {
+                format!(
+                    "connecting timed out after {:.0} s",
+                    self.timeout.as_secs_f64()
+                )
+            })??;
         let peer = service.peer().clone();
         *slot = Some(Connection {
             service,
@@ -302,7 +310,7 @@ impl McpTool {
                         "the MCP server `{}` did not answer within {:.0} s",
                         server.name,
                         server.timeout.as_secs_f64()
-                    ))
+                    ));
                 }
                 Ok(Ok(result)) => {
                     let json = serde_json::to_value(&result).unwrap_or(Value::Null);
@@ -333,6 +341,30 @@ impl McpTool {
     }
 }
 
+/// Sets `additionalProperties: false` on every object schema that has `properties` and
+/// does not say otherwise, walking only the keywords that hold schemas.
+fn close_objects(schema: &mut Value) {
+    let Value::Object(map) = schema else { return };
+    if map.contains_key("properties") && !map.contains_key("additionalProperties") {
+        map.insert("additionalProperties".into(), Value::Bool(false));
+    }
+    for key in ["properties", "$defs", "definitions"] {
+        if let Some(Value::Object(children)) = map.get_mut(key) {
+            children.values_mut().for_each(close_objects);
+        }
+    }
+    for key in ["anyOf", "oneOf", "allOf", "prefixItems"] {
+        if let Some(Value::Array(children)) = map.get_mut(key) {
+            children.iter_mut().for_each(close_objects);
+        }
+    }
+    for key in ["items", "additionalProperties", "not"] {
+        if let Some(child) = map.get_mut(key) {
+            close_objects(child);
+        }
+    }
+}
+
 /// A `CallToolResult` (as JSON, so that new content kinds need no code here) as text.
 fn render_result(result: &Value, max_bytes: usize) -> ToolOutput {
     let mut parts: Vec<String> = Vec::new();
@@ -352,7 +384,10 @@ fn render_result(result: &Value, max_bytes: usize) -> ToolOutput {
             "image" | "audio" => format!(
                 "[{kind}: {}, {} bytes of base64, not shown]",
                 block.get("mimeType").and_then(Value::as_str).unwrap_or("?"),
-                block.get("data").and_then(Value::as_str).map_or(0, str::len)
+                block
+                    .get("data")
+                    .and_then(Value::as_str)
+                    .map_or(0, str::len)
             ),
             "resource" => match block.pointer("/resource/text").and_then(Value::as_str) {
                 Some(text) => text.to_string(),
@@ -402,14 +437,32 @@ mod tests {
     use serde_json::json;
 
     #[test]
+    fn strict_closes_object_schemas() {
+        let mut s = json!({"type": "object", "properties": {"a": {"type": "object",
+            "properties": {}}, "b": {"type": "object", "properties": {},
+            "additionalProperties": true}, "properties": {"type": "string"}}});
+        close_objects(&mut s);
+        assert_eq!(s["additionalProperties"], false);
+        assert_eq!(s["properties"]["a"]["additionalProperties"], false);
+        assert_eq!(s["properties"]["b"]["additionalProperties"], true);
+        assert!(s["properties"].get("additionalProperties").is_none());
+    }
+
+    #[test]
     fn results_become_text() {
         let r = json!({"content": [{"type": "text", "text": "a"},
             {"type": "image", "mimeType": "image/png", "data": "AAAA"}], "isError": false});
         let out = render_result(&r, 100);
         assert!(!out.is_error);
-        assert_eq!(out.text, "a\n[image: image/png, 4 bytes of base64, not shown]");
-        let out = render_result(&json!({"content": [{"type": "text", "text": "bad"}],
-            "isError": true}), 100);
+        assert_eq!(
+            out.text,
+            "a\n[image: image/png, 4 bytes of base64, not shown]"
+        );
+        let out = render_result(
+            &json!({"content": [{"type": "text", "text": "bad"}],
+            "isError": true}),
+            100,
+        );
         assert!(out.is_error && out.text == "error: bad");
         let out = render_result(&json!({"content": [], "structuredContent": {"x": 1}}), 100);
         assert_eq!(out.text, "{\"x\":1}");

@@ -198,7 +198,8 @@ impl Registry {
         }
         for api in &file.openapi {
             let what = format!("[[openapi]] {}", api.spec.display());
-            let tools = openapi::tools(api, base_dir, &http).map_err(|m| invalid(what.clone(), m))?;
+            let tools =
+                openapi::tools(api, base_dir, &http).map_err(|m| invalid(what.clone(), m))?;
             for tool in tools {
                 let what = format!("{what}: operation `{}`", tool.name);
                 registry.add(tool).map_err(|m| invalid(what, m))?;
@@ -364,7 +365,9 @@ pub(crate) fn seconds(value: f64, field: &str) -> Result<Duration, String> {
     if value > 0.0 && value < 1e7 {
         Ok(Duration::from_secs_f64(value))
     } else {
-        Err(format!("{field} must be a positive number of seconds, got {value}"))
+        Err(format!(
+            "{field} must be a positive number of seconds, got {value}"
+        ))
     }
 }
 

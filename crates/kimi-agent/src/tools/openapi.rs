@@ -1,7 +1,8 @@
 //! REST tools from an OpenAPI 3 document (JSON): one tool per operation with an
 //! `operationId`. Path, query and header parameters become properties of the tool's
 //! arguments; a JSON request body becomes the property `body`. Local `$ref`s
-//! (`#/components/...`) are inlined; remote ones are refused.
+//! (`#/components/...`) are inlined; remote ones are refused. The arguments' schema is
+//! closed (`additionalProperties: false`).
 
 use std::path::Path;
 
@@ -70,7 +71,8 @@ pub fn tools(
                 }
             }
             let what = format!("operation `{id}` ({} {route})", method.to_uppercase());
-            let op = Operation::read(&doc, op, &shared_params).map_err(|e| format!("{what}: {e}"))?;
+            let op =
+                Operation::read(&doc, op, &shared_params).map_err(|e| format!("{what}: {e}"))?;
             let rest = RestTool::new(RestParts {
                 client: client.clone(),
                 method: parse_method(method)?,
@@ -108,7 +110,10 @@ pub fn tools(
     }
     if let Some(wanted) = &config.operations {
         for w in wanted {
-            if !tools.iter().any(|t| t.name == format!("{}{w}", config.prefix)) {
+            if !tools
+                .iter()
+                .any(|t| t.name == format!("{}{w}", config.prefix))
+            {
                 return Err(format!("the document has no operation `{w}`"));
             }
         }
@@ -137,11 +142,12 @@ impl Operation {
         let mut properties = Map::new();
         let mut required = Vec::new();
         let (mut path, mut query, mut header) = (Vec::new(), Vec::new(), Vec::new());
-        let params = shared
-            .as_array()
-            .into_iter()
-            .flatten()
-            .chain(op.get("parameters").and_then(Value::as_array).into_iter().flatten());
+        let params = shared.as_array().into_iter().flatten().chain(
+            op.get("parameters")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten(),
+        );
         for param in params {
             let param = inline(doc, param, 0)?;
             let name = param
@@ -183,7 +189,10 @@ impl Operation {
             }
             properties.insert("body".into(), schema);
         }
-        let mut schema = json!({"type": "object", "properties": properties});
+        // Closed: extra arguments would go nowhere, and a closed schema keeps constrained
+        // decoding from inventing them.
+        let mut schema =
+            json!({"type": "object", "properties": properties, "additionalProperties": false});
         if !required.is_empty() {
             schema["required"] = Value::Array(required);
         }

@@ -228,8 +228,10 @@ pub struct RestParts {
 pub(crate) fn parse_method(text: &str) -> Result<Method, String> {
     let upper = text.to_ascii_uppercase();
     match upper.as_str() {
-        "GET" | "POST" | "PUT" | "PATCH" | "DELETE" | "HEAD" => Method::from_bytes(upper.as_bytes())
-            .map_err(|_| format!("`{text}` is not an HTTP method")),
+        "GET" | "POST" | "PUT" | "PATCH" | "DELETE" | "HEAD" => {
+            Method::from_bytes(upper.as_bytes())
+                .map_err(|_| format!("`{text}` is not an HTTP method"))
+        }
         _ => Err(format!(
             "`{text}` is not a supported method (GET, POST, PUT, PATCH, DELETE, HEAD)"
         )),
@@ -324,10 +326,7 @@ mod tests {
         assert_eq!(percent_encode("../etc/passwd"), "..%2Fetc%2Fpasswd");
         assert_eq!(percent_encode("a b?c"), "a%20b%3Fc");
         assert_eq!(percent_encode("é"), "%C3%A9");
-        assert_eq!(
-            url_placeholders("http://h/{a}/x/{b}").unwrap(),
-            ["a", "b"]
-        );
+        assert_eq!(url_placeholders("http://h/{a}/x/{b}").unwrap(), ["a", "b"]);
         assert!(url_placeholders("http://h/{a").is_err());
     }
 

@@ -35,7 +35,12 @@ pub struct AgentCommon {
     #[arg(long, conflicts_with = "model")]
     pub endpoint: Option<String>,
     /// API key of --endpoint (also KIMI_ENDPOINT_API_KEY).
-    #[arg(long, env = "KIMI_ENDPOINT_API_KEY", hide_env_values = true, requires = "endpoint")]
+    #[arg(
+        long,
+        env = "KIMI_ENDPOINT_API_KEY",
+        hide_env_values = true,
+        requires = "endpoint"
+    )]
     pub endpoint_api_key: Option<String>,
     /// The model to ask for at --endpoint (default: the first one its /v1/models lists).
     #[arg(long, requires = "endpoint")]

@@ -139,8 +139,9 @@ async fn connect(
             None => anyhow::bail!("{endpoint}/models lists no model; give --endpoint-model"),
         },
         (None, Err(e)) => {
-            return Err(anyhow::Error::new(e)
-                .context(format!("cannot list the models at {endpoint} (--endpoint-model skips this)")))
+            return Err(anyhow::Error::new(e).context(format!(
+                "cannot list the models at {endpoint} (--endpoint-model skips this)"
+            )))
         }
     };
     let counter = match &common.tokenizer {
@@ -184,8 +185,14 @@ async fn build_agent(common: &AgentCommon, setup: &ModelSetup) -> anyhow::Result
         None => Registry::empty(),
     };
     anyhow::ensure!(common.max_steps >= 1, "--max-steps must be at least 1");
-    anyhow::ensure!(common.time_budget > 0.0, "--time-budget must be more than 0");
-    anyhow::ensure!(common.step_max_tokens >= 1, "--step-max-tokens must be at least 1");
+    anyhow::ensure!(
+        common.time_budget > 0.0,
+        "--time-budget must be more than 0"
+    );
+    anyhow::ensure!(
+        common.step_max_tokens >= 1,
+        "--step-max-tokens must be at least 1"
+    );
     anyhow::ensure!(
         (common.step_max_tokens as usize) < setup.window,
         "--step-max-tokens {} leaves no room for the prompt in a context window of {} tokens",
@@ -231,7 +238,12 @@ fn serve(a: AgentServeArgs) -> anyhow::Result<()> {
             .served_model_name
             .clone()
             .unwrap_or_else(|| setup.model.model.clone());
-        let keys: Vec<String> = a.api_keys.iter().filter(|k| !k.is_empty()).cloned().collect();
+        let keys: Vec<String> = a
+            .api_keys
+            .iter()
+            .filter(|k| !k.is_empty())
+            .cloned()
+            .collect();
         let addr = format!("{}:{}", a.host, a.port);
         let listener = TcpListener::bind(&addr)
             .await
@@ -349,7 +361,10 @@ fn run(a: AgentRunArgs) -> anyhow::Result<()> {
                 store: false,
                 echo: Default::default(),
             };
-            println!("{}", serde_json::to_string_pretty(&head.finished(&outcome))?);
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&head.finished(&outcome))?
+            );
         }
         match outcome.stop {
             Stop::Completed | Stop::AwaitingClient => Ok(()),
