@@ -426,3 +426,29 @@ def test_k3_xtml_tool_calls_in_the_loop(rest_server):
         validate(WEATHER, args)
         assert json.loads(output)["city"] == args["city"]
     shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_summarize_policy_condenses_what_does_not_fit(tmp_path):
+    """`--overflow summarize`: an output over its share of a small window is replaced by
+    the model's summary (or, if that fails, cut to its head and tail)."""
+    (tmp_path / "tools.json").write_text(json.dumps({
+        "sandbox": {"programs": ["python3"]},
+        "tools": [{"type": "shell", "name": "report", "description": "Print the report.",
+                   "command": ["python3", "-c",
+                               "for i in range(2000): print(f'item {{i}}: all systems nominal')"]}],
+    }))
+    args = ["--tools", str(tmp_path / "tools.json"), "--model", str(GGUF), "--int8-matmul",
+            "--overflow", "summarize", "--context-window", "700", "--max-model-len", "2048",
+            "--step-max-tokens", "48"]
+    with _agent_server(args, tmp_path / "agent.log") as base:
+        c = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        name = c.models.list().data[0].id
+        r = c.responses.create(model=name, input="Is everything nominal?",
+                               tool_choice=_named("report"), extra_body={"max_steps": 1})
+        _, _, output = _call_and_output(r, "report")
+    log = (tmp_path / "agent.log").read_text()
+    assert len(output) < 4000, len(output)
+    if output.startswith("[summary by the model of "):
+        assert "was summarised by the model" in log, log
+    else:
+        assert "tokens of tool output elided" in output and "summarising" in log, log
