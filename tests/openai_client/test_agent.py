@@ -5,9 +5,11 @@ kind against real parts: a local REST server started here (also through an OpenA
 document and the fetch tool), the `mcp` package's FastMCP server (tests/agent/mcp_server.py)
 over stdio and streamable HTTP, shell and code tools in the sandbox.
 
-The model is the demo model (SmolLM2-135M-Instruct GGUF) in the agent's process; named
+The model is the demo model (SmolLM2-135M-Instruct GGUF), behind `kimi-infer serve` for
+the main agent (`--endpoint`) and in the agent's own process for the summarize test; named
 tool choices are decoded under llguidance grammars, so even this small model's calls
-match their schemas. A K3-format checkpoint (fixtures/kimi-k3) checks the XTML path.
+match their schemas. A K3-format checkpoint (fixtures/kimi-k3) in the agent's process
+checks the XTML path.
 
 Run through scripts/test_openai.sh (which also runs scripts/agent_test_deps.sh for the
 MCP server's Python package).
@@ -195,12 +197,33 @@ def _agent_server(args, log_path: Path, deadline=300):
 
 
 @pytest.fixture(scope="module")
-def agent(rest_server, mcp_http):
+def model_server():
+    """`kimi-infer serve` on the demo model: the endpoint the main agent drives."""
+    directory = Path(tempfile.mkdtemp(prefix="kimi-agent-model-"))
+    port = _free_port()
+    cmd = [str(CLI), "serve", "--model", str(GGUF), "--int8-matmul", "--max-model-len", "4096",
+           "--port", str(port), "--api-key", "model-key"]
+    log = directory / "model.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            _wait_port(port, proc, "kimi-infer serve", deadline=300)
+            yield f"http://127.0.0.1:{port}/v1"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def agent(rest_server, mcp_http, model_server):
+    """The agent in front of the model server (`--endpoint`); the in-process model is
+    checked by the K3 and summarize tests."""
     directory = Path(tempfile.mkdtemp(prefix="kimi-agent-"))
     tools = _tools_file(directory, rest_server, mcp_http)
-    args = ["--tools", str(tools), "--model", str(GGUF), "--int8-matmul",
-            "--max-steps", "4", "--step-max-tokens", "48", "--time-budget", "120",
-            "--context-window", "4096", "--max-model-len", "4096"]
+    args = ["--tools", str(tools), "--endpoint", model_server, "--endpoint-api-key",
+            "model-key", "--tokenizer", str(GGUF), "--max-steps", "4",
+            "--step-max-tokens", "48", "--time-budget", "120"]
     with _agent_server(args, directory / "agent.log") as base:
         yield base
     shutil.rmtree(directory, ignore_errors=True)
@@ -234,7 +257,9 @@ def _call_and_output(response, name):
 
 
 def test_models_and_keys(agent, client, model):
-    assert model in [m.id for m in client.models.list().data]
+    listed = client.models.list().data
+    assert model in [m.id for m in listed]
+    assert model == "SmolLM2-135M-Instruct.Q4_1.gguf"  # the endpoint's model
     stranger = openai.OpenAI(base_url=agent + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         stranger.responses.create(model=model, input="hi")

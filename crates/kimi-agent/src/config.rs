@@ -152,7 +152,7 @@ pub struct ShellToolConfig {
     /// optional argument is absent; an element with text around a placeholder disappears
     /// when any of its arguments is absent. No shell is involved.
     pub command: Vec<String>,
-    /// JSON schema of the arguments (an object schema).
+    /// JSON schema of the arguments (an object schema; default: no arguments).
     #[serde(default = "defaults::empty_object")]
     pub parameters: Value,
     /// Whether argument values may start with `-` where a placeholder is a whole argv
@@ -343,8 +343,10 @@ mod defaults {
     pub fn get() -> String {
         "GET".into()
     }
+    /// No arguments, and no room for invented ones (constrained decoding would otherwise
+    /// let a small model write keys until its token limit).
     pub fn empty_object() -> Value {
-        json!({"type": "object", "properties": {}})
+        json!({"type": "object", "properties": {}, "additionalProperties": false})
     }
     pub fn code_name() -> String {
         "run_python".into()
