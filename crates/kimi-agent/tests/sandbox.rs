@@ -73,23 +73,29 @@ async fn shell_tools_run_confined() {
         out.text
     );
 
+    // Landlock's rules (execute allowlist, filesystem) need a kernel that has it.
+    let landlock = kimi_agent::sandbox::Sandbox::landlock_enforced();
+    if !landlock {
+        eprintln!("WARNING: this kernel does not enforce Landlock: its checks are skipped");
+    }
+
     // A program outside the allowlist cannot be executed from inside the sandbox either.
     let out = r.call("sh", r#"{"script": "ls /"}"#, &c).await;
-    assert!(out.is_error, "{}", out.text);
-    assert!(
-        out.text.contains("ermission denied") || out.text.contains("not found"),
-        "{}",
-        out.text
-    );
+    if landlock {
+        assert!(out.is_error, "{}", out.text);
+        assert!(out.text.contains("ermission denied"), "{}", out.text);
+    }
 
     // A prompt-injected program outside the allowlist is refused inside the sandbox too.
     let code = r#"{"code": "import subprocess\nsubprocess.run(['ls', '/'])"}"#;
     let out = r.call("run_python", code, &c).await;
-    assert!(
-        out.is_error && out.text.contains("PermissionError"),
-        "{}",
-        out.text
-    );
+    if landlock {
+        assert!(
+            out.is_error && out.text.contains("PermissionError"),
+            "{}",
+            out.text
+        );
+    }
 
     // Hangs are killed at the wall-clock limit.
     let start = std::time::Instant::now();
@@ -188,11 +194,13 @@ async fn shell_tools_run_confined() {
     std::fs::write(secret.path(), "secret").unwrap();
     let args = serde_json::json!({"path": secret.path()}).to_string();
     let out = r.call("cat", &args, &c).await;
-    assert!(
-        out.is_error && out.text.contains("ermission denied"),
-        "{}",
-        out.text
-    );
+    if landlock {
+        assert!(
+            out.is_error && out.text.contains("ermission denied"),
+            "{}",
+            out.text
+        );
+    }
     // Values that look like options are refused.
     let out = r.call("cat", r#"{"path": "--version"}"#, &c).await;
     assert!(

@@ -194,35 +194,39 @@ fn build_filter(network: bool) -> Result<Arc<BpfProgram>, String> {
     Ok(Arc::new(program))
 }
 
-/// What this kernel enforces: restricts a short-lived thread with the same kind of
-/// ruleset and reports Landlock's answer.
+/// What Landlock enforces on this kernel, found once by restricting a short-lived thread
+/// with the same kind of ruleset.
+pub(super) fn landlock_status() -> &'static RulesetStatus {
+    static STATUS: OnceLock<RulesetStatus> = OnceLock::new();
+    STATUS.get_or_init(|| {
+        let probe = std::thread::spawn(|| {
+            let abi = ABI_WANTED;
+            Ruleset::default()
+                .handle_access(AccessFs::from_all(abi))
+                .and_then(|r| r.handle_access(AccessNet::BindTcp | AccessNet::ConnectTcp))
+                .and_then(|r| r.scope(Scope::from_all(abi)))
+                .and_then(|r| r.create())
+                .and_then(|r| r.restrict_self())
+                .map_or(RulesetStatus::NotEnforced, |s| s.ruleset)
+        });
+        probe.join().unwrap_or(RulesetStatus::NotEnforced)
+    })
+}
+
+/// What this kernel enforces, in words.
 pub(super) fn status() -> String {
-    let probe = std::thread::spawn(|| {
-        let abi = ABI_WANTED;
-        let ruleset = Ruleset::default()
-            .handle_access(AccessFs::from_all(abi))
-            .and_then(|r| r.handle_access(AccessNet::BindTcp | AccessNet::ConnectTcp))
-            .and_then(|r| r.scope(Scope::from_all(abi)))
-            .and_then(|r| r.create())
-            .and_then(|r| r.restrict_self());
-        match ruleset {
-            Ok(status) => match status.ruleset {
-                RulesetStatus::FullyEnforced => {
-                    "landlock (filesystem, TCP, signal and abstract-socket scopes)".to_string()
-                }
-                RulesetStatus::PartiallyEnforced => {
-                    "landlock, partly (this kernel has an older Landlock ABI)".to_string()
-                }
-                RulesetStatus::NotEnforced => "NO landlock on this kernel: filesystem access \
-                     and the execute allowlist are not enforced"
-                    .to_string(),
-            },
-            Err(e) => format!("NO landlock ({e})"),
+    let landlock = match landlock_status() {
+        RulesetStatus::FullyEnforced => {
+            "landlock (filesystem, TCP, signal and abstract-socket scopes)"
         }
-    });
-    let landlock = probe
-        .join()
-        .unwrap_or_else(|_| "NO landlock (the probe failed)".into());
+        RulesetStatus::PartiallyEnforced => {
+            "landlock, partly (this kernel has an older Landlock ABI)"
+        }
+        RulesetStatus::NotEnforced => {
+            "NO landlock on this kernel: filesystem access and the execute allowlist are not \
+             enforced"
+        }
+    };
     format!(
         "{landlock}; seccomp (no inet sockets without network, no io_uring, ptrace, mount, \
          namespaces); rlimits (CPU, address space, file size, open files)"

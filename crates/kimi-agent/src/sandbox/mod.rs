@@ -354,6 +354,21 @@ impl Sandbox {
         }
     }
 
+    /// Whether Landlock's filesystem and execute rules are enforced on this kernel.
+    pub fn landlock_enforced() -> bool {
+        #[cfg(target_os = "linux")]
+        {
+            !matches!(
+                linux::landlock_status(),
+                &landlock::RulesetStatus::NotEnforced
+            )
+        }
+        #[cfg(not(target_os = "linux"))]
+        {
+            false
+        }
+    }
+
     /// Runs `program` (an allowlisted file) with `args` in `workdir` under `limits`, its
     /// standard input /dev/null.
     pub async fn run(
