@@ -477,3 +477,15 @@ def test_summarize_policy_condenses_what_does_not_fit(tmp_path):
         assert "was summarised by the model" in log, log
     else:
         assert "tokens of tool output elided" in output and "summarising" in log, log
+
+
+def test_an_unreachable_model_is_a_clear_502(tmp_path):
+    port = _free_port()  # nothing listens there
+    args = ["--endpoint", f"http://127.0.0.1:{port}/v1", "--endpoint-model", "absent",
+            "--context-window", "4096"]
+    with _agent_server(args, tmp_path / "agent.log", deadline=60) as base:
+        c = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        with pytest.raises(openai.APIStatusError) as err:
+            c.responses.create(model="absent", input="hello")
+        assert err.value.status_code == 502
+        assert "cannot reach the model" in str(err.value), err.value

@@ -515,6 +515,7 @@ impl Agent {
         time_left: Duration,
         out: &mut Emitter<'_>,
     ) -> Result<(crate::model::ChatTurn, Option<usize>), Stop> {
+        let first_item = out.items.len();
         let mut reasoning_index: Option<usize> = None;
         let mut message_index: Option<usize> = None;
         let mut call_indices: Vec<usize> = Vec::new();
@@ -572,8 +573,8 @@ impl Agent {
         let mut turn = match result {
             Ok(turn) => turn,
             Err(e) => {
-                // Items begun before the failure end as they are.
-                for index in 0..out.items.len() {
+                // Items this call began end as they are.
+                for index in first_item..out.items.len() {
                     let item = out.items[index].clone();
                     out.send(Event::ItemDone { index, item });
                 }
