@@ -18,8 +18,24 @@ if [ "$agent_deps" = 2 ]; then
 elif [ "$agent_deps" != 0 ]; then
   exit "$agent_deps"
 fi
+# Debian's redis-server for the tests of limits and caches shared through Redis: required
+# (KIMI_REQUIRE_REDIS) once installed, skipped with a warning only when it cannot be.
+if scripts/setup_redis.sh; then
+  export KIMI_REQUIRE_REDIS=1
+else
+  echo "WARNING: redis-server could not be installed: the Redis tests will be skipped" >&2
+fi
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+# The official huggingface_hub (pinned; PyPI once) for the test that shares the hub cache with
+# it (crates/kimi-cli/tests/hub.rs). Without PyPI that test is skipped with a warning.
+hub_status=0
+scripts/setup_hub_venv.sh || hub_status=$?
+if [ "$hub_status" = 2 ]; then
+  echo "WARNING: PyPI unreachable, huggingface_hub not installed: the hub cache compatibility test is skipped" >&2
+elif [ "$hub_status" != 0 ]; then
+  exit "$hub_status"
+fi
 cargo test --workspace
 # Kimi Linear GGUFs from `kimi-infer convert`, checked by llama.cpp's gguf-py (pinned; PyPI once).
 scripts/check_gguf_kimi.sh

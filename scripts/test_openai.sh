@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs tests/openai_client/test_openai.py: the official `openai` Python client against a
-# real server on the demo model. Needs python3 (with venv) and PyPI access; the venv lives
+# Runs tests/openai_client/: the official `openai` Python client against a real server on
+# the demo model, and against `kimi-infer gateway` over two of them. Needs python3 (with venv) and PyPI access; the venv lives
 # in target/ (gitignored).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,4 +45,5 @@ fi
 
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/openai_client/test_openai.py \
   tests/openai_client/test_k3.py tests/openai_client/test_tools_any_model.py \
-  tests/openai_client/test_beam.py tests/openai_client/test_agent.py "$@"
+  tests/openai_client/test_beam.py tests/openai_client/test_gateway.py \
+  tests/openai_client/test_agent.py "$@"

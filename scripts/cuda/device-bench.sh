@@ -3,7 +3,7 @@
 # side by side on the same GPU. Build here first: scripts/cuda/build-check.sh; fetch the
 # Python wheels (fla-core, flash-linear-attention, einops, openai) into .whl/ with
 # scripts/cuda/fetch-wheels.sh. Then on the device, from the repository root:
-#   scripts/cuda/device-bench.sh OUT_DIR [check] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack]
+#   scripts/cuda/device-bench.sh OUT_DIR [check] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack] [offload]
 # (no stage names = all). Each stage writes OUT_DIR/<stage>.txt (+ JSON where it has one).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -144,6 +144,22 @@ PY
       --prompt-len "${K3_PROMPTS:-8192}" --gen-len 8 --repeats 1 \
       --decode-batch "${K3_BATCHES:-1,16,64,256}" --context "${CONTEXT:-1024}" --decode-steps 8 \
       --json "$OUT/k3-stack-$n.json" 2>&1 | tee "$OUT/k3-stack-$n.txt"
+  done
+fi
+# Experts beyond GPU memory: the 48B model's routed experts partly in host RAM (computed on
+# the CPU when cold) behind device cache slots; all on the GPU first, for the ratio.
+# OFFLOAD_HOST: experts per layer (of 256) kept in host RAM; OFFLOAD_SLOTS: device slots.
+if want offload; then
+  for host in ${OFFLOAD_HOST:-0 128}; do
+    for slots in ${OFFLOAD_SLOTS:-0 64}; do
+      [ "$host" = 0 ] && [ "$slots" != 0 ] && continue
+      flags=""
+      [ "$host" != 0 ] && flags="--offload-experts $host --expert-cache-slots $slots"
+      timeout ${OFFLOAD_TIMEOUT:-300} .device-bin/kimi-infer bench --device cuda --random-config "$CONFIG" \
+        --prompt-len 256 --gen-len 8 --repeats 1 --decode-batch "${OFFLOAD_BATCHES:-1,16}" \
+        --context 256 --decode-steps 16 $flags \
+        --json "$OUT/offload-$host-$slots.json" 2>&1 | tee "$OUT/offload-$host-$slots.txt"
+    done
   done
 fi
 echo "# done: $STAGES" | tee -a "$OUT/env.txt"

@@ -247,13 +247,13 @@ def _items(response, kind):
     return [i for i in response.output if i.type == kind]
 
 
-def _call_and_output(response, name):
+def _call_and_output(response, name, parse=True):
     calls = [i for i in _items(response, "function_call") if i.name == name]
     assert calls, response.output
     call = calls[0]
     outputs = [i for i in _items(response, "function_call_output") if i.call_id == call.call_id]
     assert len(outputs) == 1, response.output
-    return call, json.loads(call.arguments), outputs[0].output
+    return call, json.loads(call.arguments) if parse else None, outputs[0].output
 
 
 def test_models_and_keys(agent, client, model):
@@ -361,11 +361,13 @@ def test_shell_and_openapi_tools(client, model):
 
 
 def test_code_and_fetch_tools_answer_whatever_they_are_given(client, model):
+    # Free-text arguments may run past the step's token limit: the tool then answers that
+    # they are not valid JSON, which is an answer too.
     r = _forced(client, model, "run_python", "Compute 2 + 2 in Python.")
-    _, args, output = _call_and_output(r, "run_python")
-    assert isinstance(args["code"], str) and output
+    _, _, output = _call_and_output(r, "run_python", parse=False)
+    assert output
     r = _forced(client, model, "fetch", "Fetch the home page.")
-    _, args, output = _call_and_output(r, "fetch")
+    _, _, output = _call_and_output(r, "fetch", parse=False)
     # Whatever URL the model wrote: fetched from the allowed host, or refused in words.
     assert output.startswith("HTTP ") or output.startswith("error:"), output
 

@@ -29,6 +29,8 @@ pub enum LogFormat {
 }
 
 /// The subcommands.
+// Parsed once per process: the size of the largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Generate a completion for a prompt and stream it to stdout.
@@ -49,18 +51,58 @@ pub enum Command {
     Bench(BenchArgs),
     /// Serve the model over an OpenAI-compatible HTTP API with continuous batching.
     Serve(ServeArgs),
+    /// One OpenAI-compatible front door for several servers: health checks, least-loaded
+    /// routing with conversation affinity, API keys and limits, a response cache.
+    Gateway(crate::gateway::GatewayArgs),
     /// Convert a Kimi Linear checkpoint (or a config with random weights) to a llama.cpp GGUF
     /// (architecture `kimi-linear`).
     Convert(ConvertArgs),
     /// Agents: tools (shell, REST, MCP, code) run in a loop around a model, served as
     /// OpenAI's Responses API (`agent serve`) or for one task (`agent run`).
     Agent(crate::agent::args::AgentArgs),
+    /// Download a model repository from the Hugging Face hub (or HF_ENDPOINT) into the hub's
+    /// cache, checksummed and resumable; prints the folder that `--model` then opens.
+    Download(DownloadArgs),
+}
+
+/// `kimi-infer download`.
+#[derive(Args, Debug)]
+pub struct DownloadArgs {
+    /// Repository id, `org/name` (e.g. moonshotai/Kimi-Linear-48B-A3B-Instruct).
+    pub repo_id: String,
+    /// Only these files (exact names in the repository; same as --include).
+    pub files: Vec<String>,
+    /// Branch, tag or commit.
+    #[arg(long, default_value = kimi_hub::DEFAULT_REVISION)]
+    pub revision: String,
+    /// Only files matching these patterns (repeatable; `*` also matches `/`, a trailing `/`
+    /// takes a whole folder), as huggingface_hub's allow_patterns.
+    #[arg(long, num_args = 1.., value_name = "GLOB")]
+    pub include: Vec<String>,
+    /// Skip files matching these patterns (repeatable), as huggingface_hub's ignore_patterns.
+    #[arg(long, num_args = 1.., value_name = "GLOB")]
+    pub exclude: Vec<String>,
+    /// Write plain files into this folder instead of the cache (huggingface_hub's local_dir).
+    #[arg(long)]
+    pub local_dir: Option<PathBuf>,
+    /// The hub cache [default: HF_HUB_CACHE, else $HF_HOME/hub, else
+    /// ~/.cache/huggingface/hub].
+    #[arg(long)]
+    pub cache_dir: Option<PathBuf>,
+    /// Token for gated or private repositories [default: HF_TOKEN, else the token
+    /// `hf auth login` saved].
+    #[arg(long)]
+    pub token: Option<String>,
+    /// Files transferred at once.
+    #[arg(long, default_value_t = 8)]
+    pub max_workers: usize,
 }
 
 /// `kimi-infer convert`.
 #[derive(Args, Debug)]
 pub struct ConvertArgs {
-    /// Checkpoint directory (config.json + safetensors).
+    /// Checkpoint directory (config.json + safetensors), or a cached hub repository
+    /// `org/name[@revision]`.
     #[arg(long, short = 'm', required_unless_present = "random_config")]
     pub model: Option<PathBuf>,
     /// Convert a config.json with deterministic random bf16 weights (those of `bench
@@ -145,14 +187,12 @@ pub struct ServeArgs {
     /// larger than the memory left).
     #[arg(long)]
     pub num_gpu_blocks_override: Option<usize>,
-    /// Accepted API key (repeatable; also KIMI_API_KEY, comma-separated). None: no auth.
-    #[arg(
-        long = "api-key",
-        env = "KIMI_API_KEY",
-        value_delimiter = ',',
-        hide_env_values = true
-    )]
-    pub api_keys: Vec<String>,
+    #[command(flatten)]
+    pub keys: crate::access_args::KeyArgs,
+    #[command(flatten)]
+    pub tls: crate::access_args::TlsArgs,
+    #[command(flatten)]
+    pub cors: crate::access_args::CorsArgs,
     /// Chat template file (Jinja) replacing the tokenizer's.
     #[arg(long)]
     pub chat_template: Option<PathBuf>,
@@ -164,7 +204,8 @@ pub struct ServeArgs {
     /// shapes without a checkpoint); needs --tokenizer.
     #[arg(long, conflicts_with = "model", requires = "tokenizer")]
     pub random_config: Option<PathBuf>,
-    /// Tokenizer directory (tiktoken.model or tokenizer.json) instead of the model's own.
+    /// Tokenizer directory (tiktoken.model or tokenizer.json) instead of the model's own,
+    /// or a cached hub repository `org/name[@revision]`.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
     /// Seconds a connection may take to send a complete request head, counted from when
@@ -194,7 +235,7 @@ pub(crate) fn parse_tool_call_parser(name: &str) -> Result<kimi_server::ToolCall
 }
 
 /// Seconds: a finite number, at least 0.
-pub(crate) fn parse_secs(text: &str) -> Result<f64, String> {
+pub fn parse_secs(text: &str) -> Result<f64, String> {
     match text.trim().parse::<f64>() {
         Ok(s) if (0.0..1e9).contains(&s) => Ok(s),
         _ => Err(format!("`{text}` is not a number of seconds (0 or more)")),
@@ -205,10 +246,15 @@ pub(crate) fn parse_secs(text: &str) -> Result<f64, String> {
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
     /// Checkpoint directory (config.json + safetensors) or GGUF file (llama-family or
-    /// kimi-linear). Without it, the built-in demo model (tiny, random weights: its text is
-    /// gibberish) is used.
+    /// kimi-linear), or a Hugging Face repository `org/name[@revision][/file.gguf]` found in
+    /// the hub's cache (see `kimi-infer download`). Without it, the built-in demo model
+    /// (tiny, random weights: its text is gibberish) is used.
     #[arg(long, short = 'm')]
     pub model: Option<PathBuf>,
+    /// When --model names a repository that is not in the cache, download it (all its
+    /// files, or the one file named) from the hub instead of failing.
+    #[arg(long)]
+    pub download: bool,
     /// Multiply block-quantized weights (GGUF types, and Kimi K3's MXFP4 experts) against
     /// activations quantized to int8 per 32 values (as llama.cpp does): decode batches of up
     /// to 8 tokens, and every batch on x86 CPUs with AVX2 or AVX-512 VNNI (weights interleaved
@@ -228,6 +274,9 @@ pub struct ModelArgs {
     /// Routed experts beyond the device's memory.
     #[command(flatten)]
     pub offload: crate::offload::OffloadArgs,
+    /// The model split over several ranks.
+    #[command(flatten)]
+    pub parallel: crate::parallel::ParallelArgs,
 }
 
 /// Where the model runs.
@@ -437,7 +486,8 @@ pub struct InspectArgs {
 /// RAM and 235 GiB of free disk.
 #[derive(Args, Debug)]
 pub struct PlanArgs {
-    /// Checkpoint directory or config.json (only the config is read).
+    /// Checkpoint directory or config.json (only the config is read), or a cached hub
+    /// repository `org/name[@revision]`.
     #[arg(long, short = 'm')]
     pub model: PathBuf,
     /// GPUs, tensor parallel for the non-expert weights and expert parallel for the routed

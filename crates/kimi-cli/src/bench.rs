@@ -37,7 +37,7 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
                 RandomDType::F32 => kimi_core::DType::F32,
             };
             (
-                crate::load::load_random(backend, cfg, dtype, &a.model.offload.load_options()?)?,
+                crate::load::load_random(backend, cfg, dtype, &a.model)?,
                 Some(dtype.size_bytes() as f64),
             )
         }

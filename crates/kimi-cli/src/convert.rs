@@ -52,13 +52,19 @@ pub fn convert(args: ConvertArgs) -> anyhow::Result<()> {
                 &config_path.display().to_string(),
             )
         }
-        (Some(dir), None) => {
+        (Some(model), None) => {
+            let dir = &crate::hub::resolve_model(model, false)?;
             let ckpt = Checkpoint::open(dir)
                 .with_context(|| format!("cannot open the checkpoint in {}", dir.display()))?;
-            let name = dir
-                .canonicalize()
-                .ok()
-                .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+            // A hub model's snapshot folder is named by its commit: use the repository's name.
+            let hub_name =
+                crate::hub::repo_name(model).and_then(|r| r.rsplit('/').next().map(str::to_string));
+            let name = hub_name
+                .or_else(|| {
+                    dir.canonicalize()
+                        .ok()
+                        .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+                })
                 .unwrap_or_else(|| "kimi-linear".into());
             let extra_metadata = tokenizer_metadata(dir, ckpt.config().vocab_size);
             let opts = ExportOptions {

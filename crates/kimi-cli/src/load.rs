@@ -1,7 +1,9 @@
 //! Resolving `--model` and loading checkpoint, model and tokenizer.
 //!
 //! `--model` is a checkpoint directory (config.json + safetensors: Kimi Linear or Kimi K3) or
-//! a `.gguf` file; `kimi_model::registry` decides which model definition loads it. Without it, the real demo model
+//! a `.gguf` file, or a hub repository `org/name[@revision]` that `crate::hub` resolves to
+//! its snapshot in the Hugging Face cache; `kimi_model::registry` decides which model
+//! definition loads it. Without it, the real demo model
 //! `models/SmolLM2-135M-Instruct.Q4_1.gguf` is used when `scripts/fetch_demo_model.sh` has
 //! fetched it, else the tiny random Kimi Linear compiled into the binary.
 
@@ -139,10 +141,11 @@ impl<B: Backend> Loaded<B> {
     }
 }
 
-/// The model `--model` names, or the default demo model.
+/// The model `--model` names (a path, or a hub repository resolved through the cache), or
+/// the default demo model.
 pub fn model_path(args: &ModelArgs) -> anyhow::Result<PathBuf> {
     match &args.model {
-        Some(path) => Ok(path.clone()),
+        Some(path) => crate::hub::resolve_model(path, args.download),
         None if Path::new(DEMO_GGUF).is_file() => {
             eprintln!(
                 "note: no --model given; using the demo model {DEMO_GGUF} (SmolLM2-135M-Instruct)"
@@ -205,26 +208,44 @@ pub fn load<B: Backend + 'static>(
     need_tokenizer: bool,
 ) -> anyhow::Result<Loaded<B>> {
     let path = model_path(args)?;
+    let mut options = args.offload.load_options()?;
+    let split = args.parallel.split()?;
+    if let Some((world, ..)) = split {
+        options.expert_placement = crate::parallel::placement(&args.parallel, world)?;
+    }
     if is_gguf(&path) {
-        return load_gguf(
-            backend,
-            &path,
-            need_tokenizer,
-            &args.offload.load_options()?,
+        anyhow::ensure!(
+            split.is_none(),
+            "--tensor-parallel-size applies to checkpoint directories for now, not GGUF files"
         );
+        return load_gguf(backend, &path, need_tokenizer, &options);
     }
     let mut ckpt = Checkpoint::open(&path)
         .with_context(|| format!("cannot open the model in {}", path.display()))?;
     let bar = crate::progress::watch_checkpoint(&mut ckpt);
-    let options = args.offload.load_options()?;
-    let loaded = registry::load_checkpoint_with(backend, &ckpt, &options);
+    let loaded = match split {
+        None => registry::load_checkpoint_with(backend, &ckpt, &options),
+        Some((world, experts, timeout)) => {
+            kimi_model::CheckpointSource::new(&ckpt).and_then(|source| {
+                registry::load_split(
+                    backend,
+                    ckpt.config().clone(),
+                    &source,
+                    &options,
+                    world,
+                    experts,
+                    timeout,
+                )
+            })
+        }
+    };
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
     let loaded =
         loaded.with_context(|| format!("cannot load the weights in {}", path.display()))?;
     note_skipped_vision(&loaded);
-    crate::offload::report_placement(loaded.model.as_ref());
+    crate::offload::report_placement(loaded.model.as_ref(), &options);
     let tokenizer = if need_tokenizer {
         Some(
             Tokenizer::from_dir(&path)
@@ -288,7 +309,7 @@ fn load_gguf<B: Backend + 'static>(
     }
     let loaded =
         loaded.with_context(|| format!("cannot load the weights in {}", path.display()))?;
-    crate::offload::report_placement(loaded.model.as_ref());
+    crate::offload::report_placement(loaded.model.as_ref(), options);
     let tokenizer = if need_tokenizer {
         let kimi = loaded.architecture != kimi_model::Architecture::Llama;
         if kimi && file.get("tokenizer.ggml.model").is_none() {
@@ -319,8 +340,14 @@ pub fn load_random<B: Backend + 'static>(
     backend: B,
     config: &Path,
     dtype: kimi_core::DType,
-    options: &kimi_model::LoadOptions,
+    args: &ModelArgs,
 ) -> anyhow::Result<Loaded<B>> {
+    let mut options = args.offload.load_options()?;
+    let split = args.parallel.split()?;
+    if let Some((world, ..)) = split {
+        options.expert_placement = crate::parallel::placement(&args.parallel, world)?;
+    }
+    let options = &options;
     let cfg = read_config(config)?;
     // Refuse up front what cannot fit, rather than dying half-way through filling it.
     // Dense matrices take `dtype`; routed experts that the config stores as MXFP4 stay at
@@ -368,8 +395,19 @@ pub fn load_random<B: Backend + 'static>(
         );
     }
     let source = kimi_model::RandomWeights { dtype, seed: 0 };
-    let loaded = registry::load_config_with(backend, cfg.clone(), &source, options)?;
-    crate::offload::report_placement(loaded.model.as_ref());
+    let loaded = match split {
+        None => registry::load_config_with(backend, cfg.clone(), &source, options)?,
+        Some((world, experts, timeout)) => registry::load_split(
+            backend,
+            cfg.clone(),
+            &source,
+            options,
+            world,
+            experts,
+            timeout,
+        )?,
+    };
+    crate::offload::report_placement(loaded.model.as_ref(), options);
     Ok(Loaded {
         engine: Engine::new(loaded.model),
         tokenizer: None,

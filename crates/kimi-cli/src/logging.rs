@@ -1,8 +1,8 @@
 //! Logs on stderr: `text` (colours only when stderr is a terminal, so that files and
 //! journald get plain lines) or `json` (one object per line: timestamp, level, target,
 //! message, and the event's fields). `KIMI_LOG` sets the filter (`info`,
-//! `kimi_server::access=warn`, ...); the default shows warnings, and for `serve` also the
-//! start banner and the access log.
+//! `kimi_server::access=warn`, ...); the default shows warnings, and for `serve` and
+//! `gateway` also the start banner and the access log.
 
 use std::fmt;
 use std::io::IsTerminal;
@@ -20,7 +20,7 @@ use crate::args::LogFormat;
 /// The filter when `KIMI_LOG` is not set.
 pub fn default_filter(serving: bool) -> &'static str {
     if serving {
-        "warn,kimi_server=info,kimi_infer=info"
+        "warn,kimi_server=info,kimi_gateway=info,kimi_infer=info"
     } else {
         "warn"
     }

@@ -1,6 +1,7 @@
 //! `kimi-infer`: run, chat with, inspect, plan and benchmark Kimi models.
 #![forbid(unsafe_code)]
 
+mod access_args;
 mod agent;
 mod args;
 mod beam_run;
@@ -8,6 +9,8 @@ mod bench;
 mod cache_plan;
 mod convert;
 mod demo;
+mod gateway;
+mod hub;
 mod inspect;
 mod kld;
 mod load;
@@ -16,6 +19,7 @@ mod logits;
 mod memory;
 mod npy;
 mod offload;
+mod parallel;
 mod perplexity;
 mod plan;
 mod progress;
@@ -28,7 +32,7 @@ use args::{Cli, Command};
 
 fn main() {
     let cli = Cli::parse();
-    let serving = matches!(cli.command, Command::Serve(_));
+    let serving = matches!(cli.command, Command::Serve(_) | Command::Gateway(_));
     let filter = agent::log_filter(&cli.command).unwrap_or(logging::default_filter(serving));
     logging::init(cli.log_format, filter);
     if let Some(threads) = cli.threads {
@@ -46,7 +50,9 @@ fn main() {
         Command::Plan(a) => plan::plan(a),
         Command::Bench(a) => bench::bench(a),
         Command::Serve(a) => serve::serve(a),
+        Command::Gateway(a) => gateway::gateway(a),
         Command::Convert(a) => convert::convert(a),
+        Command::Download(a) => hub::download(a),
         Command::Agent(a) => agent::agent(a),
     };
     if let Err(e) = result {

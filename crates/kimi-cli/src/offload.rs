@@ -26,6 +26,13 @@ pub struct OffloadArgs {
     /// Device slots per MoE layer for host experts (instead of `--expert-cache-gb`).
     #[arg(long, value_name = "N", conflicts_with = "expert_cache_gb")]
     pub expert_cache_slots: Option<usize>,
+    /// Keep the experts that `--cpu-offload-gb` / `--offload-experts` move off the device
+    /// in memory-mapped files in DIR (unnamed: nothing is left there when the process
+    /// ends) instead of anonymous RAM, as transformers' `offload_folder`: the page cache
+    /// keeps what fits in RAM and reads the rest from disk when it is needed. DIR's disk
+    /// must have room for them (reserved as they load).
+    #[arg(long, value_name = "DIR")]
+    pub offload_folder: Option<std::path::PathBuf>,
 }
 
 impl OffloadArgs {
@@ -54,13 +61,25 @@ impl OffloadArgs {
                 "--expert-cache-gb / --expert-cache-slots cache experts kept in host RAM: give \
                  --cpu-offload-gb or --offload-experts too"
             );
+            anyhow::ensure!(
+                self.offload_folder.is_none(),
+                "--offload-folder keeps the experts moved off the device: give \
+                 --cpu-offload-gb or --offload-experts too"
+            );
             return Ok(LoadOptions::default());
         };
         // The host store: a CPU backend with f32 products (its tensors keep the stored
         // layout, which the device slots are filled from).
-        let store = HostBackend::new(Arc::new(kimi_cpu::CpuBackend::with_quant_matmul(
-            kimi_cpu::QuantMatmul::F32,
-        )));
+        let cpu = kimi_cpu::CpuBackend::with_quant_matmul(kimi_cpu::QuantMatmul::F32);
+        let store = match &self.offload_folder {
+            Some(dir) => {
+                let file = kimi_cpu::WeightFile::new(dir)
+                    .map_err(|e| anyhow::anyhow!("--offload-folder: {e}"))?;
+                let tier = format!("memory-mapped files in {}", dir.display());
+                HostBackend::new(Arc::new(cpu.keeping_weights_in(Arc::new(file)))).in_tier(tier)
+            }
+            None => HostBackend::new(Arc::new(cpu)),
+        };
         Ok(LoadOptions {
             offload: Some(ExpertOffload {
                 host,
@@ -68,22 +87,27 @@ impl OffloadArgs {
                 policy: CachePolicy::default(),
                 store: Arc::new(store),
             }),
+            ..LoadOptions::default()
         })
     }
 }
 
 /// Says once where the experts went, when some are off the device.
-pub fn report_placement<B: Backend>(model: &dyn CausalLm<B>) {
+pub fn report_placement<B: Backend>(model: &dyn CausalLm<B>, options: &LoadOptions) {
     let layers = model.expert_placement();
     let Some((_, first)) = layers.first() else {
         return;
     };
+    let tier = options
+        .offload
+        .as_ref()
+        .map_or_else(|| "host RAM".to_string(), |o| o.store.tier());
     let (device, host): (u64, u64) = layers.iter().fold((0, 0), |(d, h), (_, p)| {
         (d + p.device_bytes, h + p.host_bytes)
     });
     eprintln!(
-        "experts: per MoE layer {} on {} and {} in host RAM with {} cache slots ({} layers: {} \
-         on the device, {} in host RAM); cold experts computed on the CPU",
+        "experts: per MoE layer {} on {} and {} in {tier} with {} cache slots ({} layers: {} \
+         on the device, {} in {tier}); cold experts computed on the CPU",
         first.resident,
         model.backend().name(),
         first.host,

@@ -50,7 +50,7 @@ fn report(a: PlanArgs) -> anyhow::Result<()> {
         );
     }
     anyhow::ensure!(a.batch >= 1, "--batch must be at least 1");
-    let cfg = crate::load::config_of(&a.model)?;
+    let cfg = crate::load::config_of(&crate::hub::resolve_model(&a.model, false)?)?;
     let summary = ModelSummary::new(&cfg);
     let machine = Machine {
         gpus: a.gpus,

@@ -14,6 +14,13 @@ pub fn bytes_bar(total: u64, what: &str) -> Option<ProgressBar> {
     )
 }
 
+/// The style of a bar of bytes (for bars made elsewhere, such as a download's per-file bars).
+pub fn bytes_style() -> ProgressStyle {
+    ProgressStyle::with_template("{msg} [{bar:32}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ")
+}
+
 /// A bar of `total` items labelled `what`, or `None` when stderr is not a terminal.
 pub fn count_bar(total: u64, what: &str) -> Option<ProgressBar> {
     bar(total, what, "{prefix} [{bar:32}] {pos}/{len} {msg}")

@@ -57,16 +57,17 @@ fn prepare_on<B: Backend + 'static>(backend: B, a: &ServeArgs) -> anyhow::Result
         values_per_slot: 0,
     };
     shape.validate()?;
+    let named_keys = a.keys.named_keys()?;
+    let tls = a.tls.load()?;
+    let cors = a.cors.config();
     let mut loaded = match &a.random_config {
-        Some(config) => crate::load::load_random(
-            backend,
-            config,
-            kimi_core::DType::BF16,
-            &a.model.offload.load_options()?,
-        )?,
+        Some(config) => {
+            crate::load::load_random(backend, config, kimi_core::DType::BF16, &a.model)?
+        }
         None => crate::load::load(backend, &a.model, a.tokenizer.is_none())?,
     };
     if let Some(dir) = &a.tokenizer {
+        let dir = &crate::hub::resolve_path("--tokenizer", dir, a.model.download)?;
         loaded.tokenizer = Some(
             kimi_tokenizer::Tokenizer::from_dir(dir)
                 .with_context(|| format!("cannot load the tokenizer in {}", dir.display()))?,
@@ -134,6 +135,10 @@ fn prepare_on<B: Backend + 'static>(backend: B, a: &ServeArgs) -> anyhow::Result
     };
     let name = a.served_model_name.clone().unwrap_or_else(|| {
         match a.model.model.as_ref().or(a.random_config.as_ref()) {
+            // A hub model is served under its repository id, as vLLM does.
+            Some(path) if crate::hub::repo_name(path).is_some() => {
+                crate::hub::repo_name(path).unwrap_or_default()
+            }
             Some(dir) => dir
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
@@ -145,12 +150,10 @@ fn prepare_on<B: Backend + 'static>(backend: B, a: &ServeArgs) -> anyhow::Result
         host: a.host.clone(),
         port: a.port,
         served_model_name: name,
-        api_keys: a
-            .api_keys
-            .iter()
-            .filter(|k| !k.is_empty())
-            .cloned()
-            .collect(),
+        api_keys: a.keys.unnamed_keys(),
+        keys: named_keys,
+        tls,
+        cors,
         chat_template,
         tool_call_parser: a.tool_call_parser,
         max_model_len: Some(max_model_len),
@@ -186,7 +189,7 @@ fn prepare_on<B: Backend + 'static>(backend: B, a: &ServeArgs) -> anyhow::Result
 
 fn run(prepared: Prepared, a: &ServeArgs) -> anyhow::Result<()> {
     let Prepared {
-        config,
+        mut config,
         engine,
         tokenizer,
         banner,
@@ -195,6 +198,10 @@ fn run(prepared: Prepared, a: &ServeArgs) -> anyhow::Result<()> {
     let result = runtime.block_on(async {
         let addr = format!("{}:{}", config.host, config.port);
         let signals = Signals::new()?;
+        let lease_ttl = config
+            .request_timeout
+            .unwrap_or(std::time::Duration::from_secs(3600));
+        config.limiter = a.keys.limiter(&config.keys, lease_ttl).await?;
         let state = AppState::new(config, Arc::new(engine.clone()), tokenizer)?;
         let listener = TcpListener::bind(&addr)
             .await
@@ -301,13 +308,23 @@ impl Banner {
             secs(config.request_timeout),
             secs(config.shutdown_timeout)
         );
-        let keys = config.api_keys.len();
-        let auth = match keys {
-            0 => "none: every client is served".to_string(),
-            1 => "1 API key".to_string(),
-            n => format!("{n} API keys"),
+        let keys = config.api_keys.len() + config.keys.len();
+        let scheme = if config.tls.is_some() {
+            "https"
+        } else {
+            "http"
         };
-        tracing::info!("auth    {auth}");
+        let url = addr.map_or_else(
+            || format!("{scheme}://{}:{}", config.host, config.port),
+            |a| format!("{scheme}://{a}"),
+        );
+        crate::access_args::log_access(
+            keys,
+            config.limiter.as_deref(),
+            config.tls.is_some(),
+            config.cors.as_ref(),
+            &url,
+        );
         if keys == 0 && !is_loopback(&config.host) {
             tracing::warn!(
                 "listening on {} without --api-key: anyone who can reach this address can \
@@ -315,10 +332,6 @@ impl Banner {
                 config.host
             );
         }
-        let url = addr.map_or_else(
-            || format!("http://{}:{}", config.host, config.port),
-            |a| format!("http://{a}"),
-        );
         tracing::info!(
             model = %config.served_model_name,
             "serving `{}` on {url}",
@@ -328,7 +341,7 @@ impl Banner {
 }
 
 /// Whether `host` only accepts connections from this machine.
-pub(crate) fn is_loopback(host: &str) -> bool {
+pub fn is_loopback(host: &str) -> bool {
     let host = host.trim_start_matches('[').trim_end_matches(']');
     host.eq_ignore_ascii_case("localhost")
         || host
@@ -337,13 +350,13 @@ pub(crate) fn is_loopback(host: &str) -> bool {
 }
 
 /// A flag's seconds, 0 meaning "no limit".
-fn secs(s: f64) -> Option<std::time::Duration> {
+pub fn secs(s: f64) -> Option<std::time::Duration> {
     (s > 0.0).then(|| std::time::Duration::from_secs_f64(s))
 }
 
 /// `--max-connections`, or 1024 lowered to leave room under the open-file limit for the
 /// model's files and the refusals past the cap.
-fn max_connections(flag: Option<usize>) -> anyhow::Result<usize> {
+pub fn max_connections(flag: Option<usize>) -> anyhow::Result<usize> {
     const RESERVED: u64 = 128;
     let soft = open_file_limit();
     match flag {
@@ -371,7 +384,7 @@ fn open_file_limit() -> Option<u64> {
 }
 
 /// Resolves on the first Ctrl-C or SIGTERM; a second one exits the process at once.
-pub(crate) async fn shutdown_signal(mut signals: Signals, drain_secs: f64) {
+pub async fn shutdown_signal(mut signals: Signals, drain_secs: f64) {
     signals.next().await;
     let deadline = if drain_secs > 0.0 {
         format!("up to {drain_secs}s")
@@ -391,13 +404,13 @@ pub(crate) async fn shutdown_signal(mut signals: Signals, drain_secs: f64) {
 /// SIGINT (Ctrl-C) and SIGTERM as one stream. The handlers are installed when this is
 /// made (inside the runtime), before the server says it is up: a signal sent as soon as
 /// the banner appears must not find the default action, which kills the process.
-pub(crate) struct Signals {
+pub struct Signals {
     #[cfg(unix)]
     handlers: Vec<tokio::signal::unix::Signal>,
 }
 
 impl Signals {
-    pub(crate) fn new() -> anyhow::Result<Self> {
+    pub fn new() -> anyhow::Result<Self> {
         #[cfg(unix)]
         {
             use tokio::signal::unix::{signal, SignalKind};

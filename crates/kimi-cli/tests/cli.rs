@@ -467,18 +467,150 @@ fn offloaded_experts_give_the_resident_logits() {
         (read_npy(&path).1, stderr(&o))
     };
     let (want, _) = logits("resident.npy", &[]);
-    for extra in [
-        &["--offload-experts", "8", "--expert-cache-slots", "1"][..],
-        &["--cpu-offload-gb", "1", "--expert-cache-gb", "0"][..],
+    let folder = tempfile::tempdir().unwrap();
+    let folder = folder.path().to_str().unwrap();
+    for (extra, tier) in [
+        (
+            &["--offload-experts", "8", "--expert-cache-slots", "1"][..],
+            "host RAM".to_string(),
+        ),
+        (
+            &["--cpu-offload-gb", "1", "--expert-cache-gb", "0"][..],
+            "host RAM".to_string(),
+        ),
+        (
+            &["--offload-experts", "8", "--offload-folder", folder][..],
+            format!("memory-mapped files in {folder}"),
+        ),
     ] {
         let (got, log) = logits("tiered.npy", extra);
         assert!(
-            log.contains("experts: per MoE layer 0 on cpu") && log.contains(" and 8 in host RAM"),
+            log.contains("experts: per MoE layer 0 on cpu")
+                && log.contains(&format!(" and 8 in {tier} with")),
             "{extra:?}: {log}"
         );
         let num: f64 = got.iter().zip(&want).map(|(g, w)| (g - w).powi(2)).sum();
         let den: f64 = want.iter().map(|w| w * w).sum();
         assert!((num / den).sqrt() < 1e-5, "{extra:?}");
+    }
+}
+
+/// `--tensor-parallel-size 2` (experts split inside, or whole experts per rank with
+/// `--enable-expert-parallel`) gives the logits of one rank to f32 rounding, token by token
+/// and in one pass.
+#[test]
+fn a_model_split_over_two_ranks_gives_the_logits_of_one() {
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/kimi-k3/k3-tiny-7l");
+    let out = tempfile::tempdir().unwrap();
+    let logits = |extra: &[&str], step: &str| -> Vec<f64> {
+        let path = out.path().join("l.npy");
+        let mut args = vec!["logits", "--model", dir.to_str().unwrap()];
+        args.extend(["--ids", "1,5,9,2,7,3,11", "--step", step]);
+        args.extend(["--out", path.to_str().unwrap()]);
+        args.extend(extra);
+        let o = run(&args);
+        assert!(o.status.success(), "{extra:?}: {}", stderr(&o));
+        read_npy(&path).1
+    };
+    // Measured counts with the hot experts in the first half of the ids: placed by load,
+    // each rank gets a scattered set.
+    let metrics = out.path().join("metrics.txt");
+    let mut text = String::from("# TYPE kimi:moe_expert_tokens_total counter\n");
+    for layer in 1..7 {
+        for e in 0..8 {
+            let n = if e < 4 { 100 - e } else { 1 };
+            text += &format!(
+                "kimi:moe_expert_tokens_total{{model_name=\"m\",layer=\"{layer}\",expert=\"{e}\"}} {n}\n"
+            );
+        }
+    }
+    std::fs::write(&metrics, text).unwrap();
+    let metrics = metrics.to_str().unwrap();
+    let path = out.path().join("placed.npy");
+    let o = run(&[
+        "logits",
+        "--model",
+        dir.to_str().unwrap(),
+        "--ids",
+        "1,2",
+        "--out",
+        path.to_str().unwrap(),
+        "--tensor-parallel-size",
+        "2",
+        "--enable-expert-parallel",
+        "--expert-load",
+        metrics,
+    ]);
+    // 394 of 398 tokens on rank 0 in id order; 199 each when placed by load.
+    assert!(
+        stderr(&o).contains("mean 1.98 in id order, 1.00 placed (6 layers)"),
+        "{}",
+        stderr(&o)
+    );
+    for step in ["1", "7"] {
+        let want = logits(&[], step);
+        for extra in [
+            &["--tensor-parallel-size", "2"][..],
+            &["--tensor-parallel-size", "2", "--enable-expert-parallel"][..],
+            &[
+                "--tensor-parallel-size",
+                "2",
+                "--enable-expert-parallel",
+                "--expert-load",
+                metrics,
+            ][..],
+        ] {
+            let got = logits(extra, step);
+            let num: f64 = got.iter().zip(&want).map(|(g, w)| (g - w).powi(2)).sum();
+            let den: f64 = want.iter().map(|w| w * w).sum();
+            let err = (num / den).sqrt();
+            assert!(
+                err < 1e-5,
+                "{extra:?}, step {step}: relative error {err:.2e}"
+            );
+            assert!(err > 0.0, "{extra:?}: the same bits, so no split ran");
+        }
+    }
+}
+
+#[test]
+fn parallel_flags_refuse_what_cannot_split_naming_it() {
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let k3 = fixtures.join("kimi-k3/k3-tiny-7l");
+    let three_heads = fixtures.join("kimi-linear/hub-f32-sharded");
+    for (model, extra, says) in [
+        (
+            &three_heads,
+            &["--tensor-parallel-size", "2"][..],
+            "the MLA heads (3) does not split over 2 ranks",
+        ),
+        (
+            &k3,
+            &["--tensor-parallel-size", "3"][..],
+            "the KDA heads (2) does not split over 3 ranks",
+        ),
+        (
+            &k3,
+            &["--enable-expert-parallel"][..],
+            "--enable-expert-parallel spreads experts over the ranks",
+        ),
+        (
+            &k3,
+            &["--tensor-parallel-size", "0"][..],
+            "--tensor-parallel-size must be at least 1",
+        ),
+    ] {
+        let out = tempfile::tempdir().unwrap();
+        let out = out.path().join("x.npy");
+        let mut args = vec!["logits", "--model", model.to_str().unwrap(), "--ids", "1,2"];
+        args.extend(["--out", out.to_str().unwrap()]);
+        args.extend(extra);
+        let o = run(&args);
+        assert!(!o.status.success(), "{extra:?}");
+        let err = stderr(&o);
+        assert!(err.contains(says), "{extra:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
     }
 }
 
@@ -493,6 +625,19 @@ fn offload_flags_refuse_bad_values_naming_the_flag() {
         (
             &["--expert-cache-slots", "2"][..],
             "give --cpu-offload-gb or --offload-experts",
+        ),
+        (
+            &["--offload-folder", "/tmp"][..],
+            "give --cpu-offload-gb or --offload-experts",
+        ),
+        (
+            &[
+                "--offload-experts",
+                "2",
+                "--offload-folder",
+                "/nonexistent/dir",
+            ][..],
+            "--offload-folder: the offload folder /nonexistent/dir: cannot create a file there",
         ),
     ] {
         let out = tempfile::tempdir().unwrap();
@@ -1093,5 +1238,13 @@ fn k3_bad_checkpoints_name_the_file_and_tensor() {
         cfg["text_config"]["moe_intermediate_size"] = Value::from(96);
         std::fs::write(&path, serde_json::to_string(&cfg).unwrap()).unwrap();
     });
-    assert!(err.contains("weight_packed") && err.contains("96"), "{err}");
+    // The first MoE tensor read (the shared experts, 2 x 96 rows, or a routed expert's
+    // `weight_packed`) is the one named.
+    assert!(
+        err.contains("block_sparse_moe.")
+            && err.contains("expected shape")
+            && err.contains("found")
+            && (err.contains("weight_packed") || err.contains("[192, 48]")),
+        "{err}"
+    );
 }

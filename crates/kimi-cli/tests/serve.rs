@@ -356,6 +356,33 @@ fn a_config_error_is_said_once() {
     }
 }
 
+/// A K3 model split over two ranks serves: greedy completions equal the one-rank server's.
+#[test]
+fn a_server_split_over_two_ranks_answers_as_one_rank_does() {
+    let k3 = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/kimi-k3/k3-tiny-7l");
+    let model = k3.to_str().expect("utf-8");
+    let body =
+        r#"{"model":"m","prompt":[1,5,9,2,7],"max_tokens":8,"temperature":0,"ignore_eos":true}"#;
+    let mut answers = Vec::new();
+    for extra in [&[][..], &["--tensor-parallel-size", "2"][..]] {
+        let mut args = vec!["--model", model, "--served-model-name", "m"];
+        args.extend(extra);
+        let server = Server::start(&args);
+        let (status, response) = http(
+            server.addr,
+            "POST",
+            "/v1/completions",
+            &["Content-Type: application/json"],
+            body,
+        );
+        assert_eq!(status, 200, "{extra:?}: {response}\n{}", server.log());
+        let json = response.split("\r\n\r\n").nth(1).expect("body");
+        let v: serde_json::Value = serde_json::from_str(json).expect("json");
+        answers.push(v["choices"][0]["text"].as_str().expect("text").to_string());
+    }
+    assert_eq!(answers[0], answers[1]);
+}
+
 #[test]
 fn bench_counts_the_parameters_of_a_gguf_model() {
     let demo =

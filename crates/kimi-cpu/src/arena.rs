@@ -92,6 +92,31 @@ impl<T: Plain> WeightBuf<T> {
     }
 }
 
+impl<T: Plain> WeightBuf<T> {
+    /// `values` (exactly `len` of them expected; zeros after they end) in `file` where one
+    /// is given, else as [`Self::from_values`].
+    pub(crate) fn try_from_values_in(
+        len: usize,
+        values: impl Iterator<Item = T>,
+        file: Option<&crate::weight_file::WeightFile>,
+    ) -> kimi_ops::Result<Self> {
+        let Some(file) = file else {
+            return Ok(Self::from_values(len, values));
+        };
+        let bytes = len.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| {
+            kimi_ops::Error::out_of_memory("a weight in the offload folder", None, 1)
+        })?;
+        #[cfg(target_os = "linux")]
+        let mut buf = Self(file.carve(bytes)?.into_repr(len));
+        #[cfg(not(target_os = "linux"))]
+        let mut buf: Self = match file.carve(bytes)? {};
+        for (dst, v) in buf.iter_mut().zip(values) {
+            *dst = v;
+        }
+        Ok(buf)
+    }
+}
+
 impl<T> WeightBuf<T> {
     /// True where the values lie in a huge-page mapping.
     pub(crate) fn is_mapped(&self) -> bool {
@@ -154,6 +179,29 @@ impl<T> fmt::Debug for WeightBuf<T> {
     }
 }
 
+/// A range carved out of a mapping for one buffer: its start and the mapping it keeps alive.
+#[cfg(target_os = "linux")]
+pub(crate) struct Carved {
+    pub(crate) ptr: std::ptr::NonNull<u8>,
+    pub(crate) map: std::sync::Arc<map::Mapping>,
+}
+
+#[cfg(target_os = "linux")]
+impl Carved {
+    /// The buffer of `len` `T`s at the range's start (the carver made it large enough and
+    /// `ALIGN`-aligned, and no other buffer covers it).
+    fn into_repr<T>(self, len: usize) -> Repr<T> {
+        Repr::Mapped {
+            ptr: self.ptr.cast(),
+            len,
+            _map: self.map,
+        }
+    }
+}
+
+#[cfg(target_os = "linux")]
+pub(crate) use map::{Mapping, ALIGN};
+
 #[cfg(target_os = "linux")]
 mod map {
     use std::ptr::NonNull;
@@ -162,7 +210,7 @@ mod map {
     /// A huge page: mappings start on one and are whole numbers of them.
     pub(super) const HUGE: usize = 2 << 20;
     /// Alignment of every buffer inside a mapping (a cache line, and AVX-512 loads).
-    pub(super) const ALIGN: usize = 64;
+    pub(crate) const ALIGN: usize = 64;
     /// Size of a shared mapping. Pages never touched cost nothing, so a half-used last one
     /// wastes at most the rest of one huge page of memory.
     pub(super) const CHUNK: usize = 32 * HUGE;
@@ -215,6 +263,45 @@ mod map {
                 ptr: NonNull::new(start)?,
                 len,
             })
+        }
+    }
+
+    impl Mapping {
+        /// The first `len` bytes of the file `fd`, mapped shared and read-write: stores go to
+        /// the file (through the page cache), and the kernel may drop clean pages and read
+        /// them back. The caller keeps `fd` only as long as it likes; the mapping keeps the
+        /// file alive.
+        pub(crate) fn shared_file(fd: std::os::fd::BorrowedFd<'_>, len: usize) -> Option<Self> {
+            use std::os::fd::AsRawFd;
+            // SAFETY: a fresh shared mapping of a file this process opened read-write; no
+            // existing memory is affected.
+            let base = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    fd.as_raw_fd(),
+                    0,
+                )
+            };
+            if base == libc::MAP_FAILED {
+                return None;
+            }
+            Some(Self {
+                ptr: NonNull::new(base.cast())?,
+                len,
+            })
+        }
+
+        /// Start of the mapping.
+        pub(crate) fn ptr(&self) -> NonNull<u8> {
+            self.ptr
+        }
+
+        /// Length in bytes.
+        pub(crate) fn len(&self) -> usize {
+            self.len
         }
     }
 

@@ -32,10 +32,12 @@ mod quant;
 pub mod simd;
 mod team;
 mod tensor;
+mod weight_file;
 
 pub use arena::WeightBuf;
 pub use matmul::{QuantMatmul, INT8_MAX_TOKENS};
 pub use tensor::{CpuTensor, Storage};
+pub use weight_file::{free_bytes, WeightFile};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -52,6 +54,8 @@ use kimi_ops::{
 #[derive(Clone, Debug, Default)]
 pub struct CpuBackend {
     quant_matmul: QuantMatmul,
+    /// Where uploaded weights go instead of memory (the disk tier of offloaded experts).
+    weight_file: Option<std::sync::Arc<WeightFile>>,
 }
 
 impl CpuBackend {
@@ -63,7 +67,22 @@ impl CpuBackend {
 
     /// A backend that multiplies block-quantized weights as `mode` says.
     pub fn with_quant_matmul(mode: QuantMatmul) -> Self {
-        Self { quant_matmul: mode }
+        Self {
+            quant_matmul: mode,
+            weight_file: None,
+        }
+    }
+
+    /// This backend with every weight it uploads from now on kept in `file`'s directory on
+    /// disk (memory-mapped) instead of in memory.
+    pub fn keeping_weights_in(mut self, file: std::sync::Arc<WeightFile>) -> Self {
+        self.weight_file = Some(file);
+        self
+    }
+
+    /// Where this backend keeps the weights it uploads, if not in memory.
+    pub fn weight_file(&self) -> Option<&WeightFile> {
+        self.weight_file.as_deref()
     }
 
     /// How this backend multiplies block-quantized weights.
@@ -78,8 +97,16 @@ impl Backend for CpuBackend {
     fn name(&self) -> String {
         format!("cpu ({} threads)", num_threads())
     }
+    fn rank_backend(&self, _rank: usize) -> Result<Self> {
+        // Ranks in threads share the CPU and its worker team.
+        Ok(self.clone())
+    }
     fn upload(&self, host: HostTensor<'_>) -> Result<CpuTensor> {
-        CpuTensor::from_host_with(host, self.quant_matmul == QuantMatmul::Int8)
+        CpuTensor::from_host_in(
+            host,
+            self.quant_matmul == QuantMatmul::Int8,
+            self.weight_file.as_deref(),
+        )
     }
     fn run_pass<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         flushing(f)
@@ -217,6 +244,26 @@ impl Backend for CpuBackend {
                 weights: w.to_vec(),
             })
             .collect();
+        // Pairs of experts held by other ranks (expert parallelism) count nothing here.
+        let routes: Vec<moe::Route> = match experts.has_absent() {
+            false => routes,
+            true => routes
+                .into_iter()
+                .map(|r| {
+                    let (e, w) = r
+                        .experts
+                        .iter()
+                        .zip(&r.weights)
+                        .filter(|(&e, _)| experts.is_present(e))
+                        .map(|(&e, &w)| (e, w))
+                        .unzip();
+                    moe::Route {
+                        experts: e,
+                        weights: w,
+                    }
+                })
+                .collect(),
+        };
         flushing(|| moe::run_experts(x, &routes, experts.experts(), None, act, self.quant_matmul))
     }
     fn moe(

@@ -96,6 +96,16 @@ impl CpuTensor {
     /// where `interleave` says (a backend that multiplies dequantized f32 weights keeps
     /// them row-major: it would only widen them back).
     pub fn from_host_with(host: HostTensor<'_>, interleave: bool) -> Result<Self> {
+        Self::from_host_in(host, interleave, None)
+    }
+
+    /// [`Self::from_host_with`], with bf16/f16 and block-quantized values in `file` where one
+    /// is given (f32 values stay in memory: only test checkpoints store experts in f32).
+    pub(crate) fn from_host_in(
+        host: HostTensor<'_>,
+        interleave: bool,
+        file: Option<&crate::weight_file::WeightFile>,
+    ) -> Result<Self> {
         let n: usize = host.shape.iter().product();
         let cols = host.shape.last().copied().unwrap_or(1);
         if !cols.is_multiple_of(host.dtype.block_size()) {
@@ -121,12 +131,12 @@ impl CpuTensor {
                 ),
             });
         }
-        let halves = || -> WeightBuf<u16> {
+        let halves = || -> Result<WeightBuf<u16>> {
             let values = host
                 .bytes
                 .chunks_exact(2)
                 .map(|b| u16::from_le_bytes([b[0], b[1]]));
-            WeightBuf::from_values(host.bytes.len() / 2, values)
+            WeightBuf::try_from_values_in(host.bytes.len() / 2, values, file)
         };
         let storage = match host.dtype {
             DType::F32 => Storage::F32(
@@ -135,19 +145,33 @@ impl CpuTensor {
                     .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                     .collect(),
             ),
-            DType::BF16 => Storage::Bf16(halves()),
-            DType::F16 => Storage::F16(halves()),
+            DType::BF16 => Storage::Bf16(halves()?),
+            DType::F16 => Storage::F16(halves()?),
             q if crate::quant::supported(q) => {
                 let rows = n.checked_div(cols).unwrap_or(0);
                 match Kind::of(q).filter(|&kind| interleave && groups::wanted(kind, rows)) {
-                    Some(kind) => Storage::Quant {
-                        dtype: q,
-                        bytes: groups::interleave(kind, host.bytes, cols),
-                        grouped: Some(cols),
-                    },
+                    Some(kind) => {
+                        let mut bytes = groups::interleave(kind, host.bytes, cols);
+                        if file.is_some() {
+                            bytes = WeightBuf::try_from_values_in(
+                                bytes.len(),
+                                bytes.iter().copied(),
+                                file,
+                            )?;
+                        }
+                        Storage::Quant {
+                            dtype: q,
+                            bytes,
+                            grouped: Some(cols),
+                        }
+                    }
                     None => Storage::Quant {
                         dtype: q,
-                        bytes: WeightBuf::from_values(host.bytes.len(), host.bytes.iter().copied()),
+                        bytes: WeightBuf::try_from_values_in(
+                            host.bytes.len(),
+                            host.bytes.iter().copied(),
+                            file,
+                        )?,
                         grouped: None,
                     },
                 }

@@ -957,6 +957,11 @@ impl Backend for CudaBackend {
         experts: &ExpertView<'_, CudaTensor>,
         act: Activation,
     ) -> Result<CudaTensor> {
+        if experts.has_absent() {
+            return Err(Error::Unsupported(
+                "expert parallelism (experts held by other ranks) on CUDA".into(),
+            ));
+        }
         self.run_routed_experts(x, routes, experts, act)
     }
 

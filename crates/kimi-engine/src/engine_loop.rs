@@ -122,6 +122,7 @@ impl<B: Backend> EngineLoop<B> {
         let runner = ModelRunner::new(model, pool);
         let totals = EngineMetrics {
             cache_bytes: runner.cache_bytes(),
+            expert_offload: runner.expert_offload(),
             ..EngineMetrics::default()
         };
         Ok(Self {
@@ -140,6 +141,8 @@ impl<B: Backend> EngineLoop<B> {
 
     /// Runs until shut down (or, once every handle is gone, until the last request ends).
     pub(crate) fn run(mut self) {
+        // The pool's size and the expert placement are known before the first request.
+        self.publish_metrics();
         while self.receive_commands().is_continue() {
             if self.scheduler.is_idle() {
                 if self.draining {
@@ -467,6 +470,7 @@ impl<B: Backend> EngineLoop<B> {
         m.num_waiting = self.scheduler.num_waiting();
         m.cache_usage = self.scheduler.cache_usage();
         m.num_preemptions_total = self.scheduler.num_preemptions();
+        m.expert_offload = self.runner.expert_offload();
         self.shared
             .num_waiting
             .store(m.num_waiting, Ordering::Relaxed);

@@ -22,9 +22,10 @@ pub mod serving;
 pub mod stop;
 
 pub use generate::{Engine, FinishReason, Generation};
+pub use kimi_model::{OffloadCounts, Placement};
 pub use serving::{
-    EngineHandle, EngineMetrics, Event, LogitsProcessor, Request, RequestId, ServingConfig,
-    SubmitError,
+    EngineHandle, EngineMetrics, Event, ExpertOffloadMetrics, LogitsProcessor, Request, RequestId,
+    ServingConfig, SubmitError,
 };
 
 /// Errors of the engine.

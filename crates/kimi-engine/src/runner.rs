@@ -60,9 +60,9 @@ impl<B: Backend> ModelRunner<B> {
         let Some(num_tokens) = self.seqs.get(&parent).map(|s| s.num_tokens) else {
             return Err(format!("request {} has no cache to fork", parent.0));
         };
-        let backend = self.model.backend();
+        let (model, pool) = (&self.model, &mut self.pool);
         catch_unwind(AssertUnwindSafe(|| {
-            self.pool.fork_state(backend, copy.slots, copy.block)
+            model.fork_state(pool, copy.slots, copy.block)
         }))
         .map_err(|p| panic_message(&*p))?
         .map_err(|e| e.to_string())?;
@@ -78,6 +78,19 @@ impl<B: Backend> ModelRunner<B> {
     /// Whether the backend samples where the logits are ([`Backend::samples_on_device`]).
     pub(crate) fn samples_on_device(&self) -> bool {
         self.model.backend().samples_on_device()
+    }
+
+    /// The expert tiers' placement and counters, when some experts live off the device.
+    pub(crate) fn expert_offload(&self) -> Option<crate::ExpertOffloadMetrics> {
+        let counts = self.model.offload_counts()?;
+        let placement = self.model.expert_placement().into_iter().fold(
+            kimi_model::Placement::default(),
+            |mut sum, (_, p)| {
+                sum += p;
+                sum
+            },
+        );
+        Some(crate::ExpertOffloadMetrics { placement, counts })
     }
 
     /// Bytes the cache pool occupies.

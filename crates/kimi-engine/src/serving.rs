@@ -137,6 +137,18 @@ pub struct EngineMetrics {
     pub step_seconds_total: f64,
     /// For each layer, how many times each expert was chosen since start (empty for dense layers).
     pub expert_counts: Vec<Vec<u64>>,
+    /// Where the routed experts are and what their tiers did since start, when some live
+    /// off the device (`--cpu-offload-gb`); `None` when every expert is resident.
+    pub expert_offload: Option<ExpertOffloadMetrics>,
+}
+
+/// The expert tiers of a model whose routed experts do not all live on the device.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ExpertOffloadMetrics {
+    /// Where the experts are, summed over the MoE layers.
+    pub placement: kimi_model::Placement,
+    /// Hits, fills, cold pairs and bytes moved since start, summed over the MoE layers.
+    pub counts: kimi_model::OffloadCounts,
 }
 
 /// Why a [`ServingConfig`] cannot run `model`, if it cannot.

@@ -559,3 +559,59 @@ fn impossible_beam_searches_are_refused_with_the_reason() {
     assert_eq!(collect(&mut rx).0.len(), 2);
     engine.shutdown(true);
 }
+
+/// Beams of a model split over two ranks (threads): forks copy the KDA state and the
+/// partial block in every rank's pool, so the beams equal those of the whole model.
+#[test]
+fn beams_of_a_model_split_over_ranks_equal_the_whole_models() {
+    use kimi_model::parallel::{ExpertSplit, Shard, TensorParallel};
+    use kimi_model::{CheckpointSource, LoadOptions};
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/kimi-k3/k3-tiny-7l");
+    let ckpt = Checkpoint::open(&dir).expect("fixture opens");
+    let source = CheckpointSource::new(&ckpt).expect("source");
+    let part = |shard: Shard| {
+        let options = LoadOptions {
+            shard,
+            ..LoadOptions::default()
+        };
+        KimiLinear::load_with(CpuBackend::new(), ckpt.config().clone(), &source, &options)
+            .expect("part loads")
+    };
+    let parts = (0..2)
+        .map(|rank| {
+            part(Shard {
+                rank,
+                world: 2,
+                experts: ExpertSplit::Tensor,
+            })
+        })
+        .collect();
+    let split = TensorParallel::new(parts, Duration::from_secs(60)).expect("ranks start");
+    let whole = EngineHandle::spawn(part(Shard::SINGLE), config()).expect("engine starts");
+    let split = EngineHandle::spawn(split, config()).expect("engine starts");
+    let eos = ckpt.config().eos_token_ids.clone();
+    for (seed, beam) in [(1, beams(3, 2, 1.0, false)), (2, beams(4, 4, 0.5, true))] {
+        let request = |eos: &[u32]| Request {
+            prompt: prompt(seed, 9),
+            params: params(beam.clone(), 6, Vec::new()),
+            eos_ids: eos.to_vec(),
+            logits_processor: None,
+        };
+        let (_, mut rx) = whole.submit(request(&eos)).expect("accepted");
+        let (want, ..) = collect(&mut rx);
+        let (_, mut rx) = split.submit(request(&eos)).expect("accepted");
+        let (got, ..) = collect(&mut rx);
+        assert_eq!(got.len(), want.len(), "seed {seed}");
+        for (g, w) in got.iter().zip(&want) {
+            let tokens = |b: &BeamOutput| b.tokens.iter().map(|t| t.token).collect::<Vec<_>>();
+            assert_eq!(tokens(g), tokens(w), "seed {seed}");
+            assert!((g.score - w.score).abs() <= SCORE_TOLERANCE, "seed {seed}");
+        }
+    }
+    assert!(
+        split.metrics().cache_usage == 0.0,
+        "every beam's blocks came back"
+    );
+    whole.shutdown(true);
+    split.shutdown(true);
+}

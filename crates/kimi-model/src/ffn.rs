@@ -3,7 +3,9 @@
 
 use kimi_core::config::{ExpertFormat, MoeConfig};
 use kimi_ops::offload::{ExpertOffload, TieredBank};
-use kimi_ops::{Activation, Backend, ExpertBank, HostTensor, MlpWeights, MoeRouting, MoeWeights};
+use kimi_ops::{
+    Activation, Backend, Collective, ExpertBank, HostTensor, MlpWeights, MoeRouting, MoeWeights,
+};
 
 use crate::layers::{HostMatrix, Loader};
 use crate::Result;
@@ -74,15 +76,16 @@ impl<T> FfnLayer<T> {
         ))
     }
 
+    /// Decoder layer `layer`'s MoE block.
     pub fn load_moe<B: Backend<Tensor = T>>(
         ld: &mut Loader<'_, B>,
-        p: &str,
+        layer: usize,
         hidden: usize,
         c: &MoeConfig,
         act: Activation,
         eps: f32,
     ) -> Result<Self> {
-        let p = format!("{p}.block_sparse_moe");
+        let p = format!("model.layers.{layer}.block_sparse_moe");
         let e = c.num_experts;
         let router = ld.get_f32(&format!("{p}.gate.weight"), &[e, hidden])?;
         let bias_name = format!("{p}.gate.e_score_correction_bias");
@@ -92,13 +95,15 @@ impl<T> FfnLayer<T> {
             None
         };
         let expert_in = c.latent.map_or(hidden, |l| l.width);
+        // Split over ranks, the shared experts are one MLP of this rank's share of their
+        // width (the source cuts each tensor to it).
         let shared = match c.num_shared_experts {
             0 => None,
             n => Some(ld.mlp(
                 &format!("{p}.shared_experts"),
                 ["gate_proj", "up_proj", "down_proj"],
                 hidden,
-                n * c.expert_intermediate_size,
+                n * c.expert_intermediate_size / ld.shard.world,
             )?),
         };
         let routing = MoeRouting {
@@ -109,13 +114,28 @@ impl<T> FfnLayer<T> {
             scaling: c.routed_scaling_factor,
             weights_use_bias: c.weights_use_correction_bias,
         };
+        let local = ld.shard.local_experts(ld.placement.as_deref(), layer, e);
         let bank = match ld.offload.clone() {
+            Some(_) if local.len() < e => {
+                return Err(crate::ModelError::Input(
+                    "expert offload and expert parallelism together are not supported yet".into(),
+                ))
+            }
             Some(offload) => load_tiered(ld, &p, expert_in, c, &offload)?,
-            None => ExpertBank::resident(
-                (0..e)
+            None => {
+                let experts = local
+                    .iter()
                     .map(|i| load_expert(ld, &format!("{p}.experts.{i}"), expert_in, c))
-                    .collect::<Result<Vec<_>>>()?,
-            ),
+                    .collect::<Result<Vec<_>>>()?;
+                match local.len() < e {
+                    true => ExpertBank::Partition {
+                        ids: local,
+                        local: experts,
+                        total: e,
+                    },
+                    false => ExpertBank::resident(experts),
+                }
+            }
         };
         let bank = match bank {
             // Kimi Linear's layers take the backend's fused step while all experts are
@@ -163,33 +183,75 @@ impl<T> FfnLayer<T> {
     }
 
     /// Returns the output and, for MoE, the chosen experts (read with
-    /// [`Backend::expert_ids`]).
-    pub fn forward<B: Backend<Tensor = T>>(&self, be: &B, x: &T) -> Result<(T, Option<T>)> {
+    /// [`Backend::expert_ids`]). On a rank of a split model (`group`) the output is the
+    /// whole one: this rank's partial sums are summed over the ranks here.
+    pub fn forward<B: Backend<Tensor = T>>(
+        &self,
+        be: &B,
+        x: &T,
+        group: Option<&dyn Collective<B>>,
+    ) -> Result<(T, Option<T>)> {
+        let reduce = |y: &mut T| -> Result<()> {
+            if let Some(g) = group {
+                g.all_reduce_sum(be, y)?;
+            }
+            Ok(())
+        };
         match self {
-            Self::Dense(w, act) => Ok((be.ffn(x, w, *act)?, None)),
+            Self::Dense(w, act) => {
+                let mut y = be.ffn(x, w, *act)?;
+                reduce(&mut y)?;
+                Ok((y, None))
+            }
             Self::Moe(w, r) => {
-                let (y, chosen) = be.moe(x, w, r)?;
+                let (mut y, chosen) = be.moe(x, w, r)?;
+                reduce(&mut y)?;
                 Ok((y, Some(chosen)))
             }
             Self::Composed(m) => {
                 let routes = be.moe_route(x, &m.router, m.correction_bias.as_ref(), &m.routing)?;
-                let (mut y, chosen) = match &m.latent {
-                    None => m.bank.run(be, x, routes, m.act)?,
+                let shared = match &m.shared {
+                    Some(shared) => Some(be.ffn(x, shared, m.act)?),
+                    None => None,
+                };
+                let (y, chosen) = match &m.latent {
+                    None => {
+                        // Routed and shared partial sums complete together.
+                        let (mut y, chosen) = m.bank.run(be, x, routes, m.act)?;
+                        if let Some(s) = &shared {
+                            be.add_assign(&mut y, s)?;
+                        }
+                        reduce(&mut y)?;
+                        (y, chosen)
+                    }
                     Some(l) => {
                         let z = be.matmul(x, &l.down)?;
                         let (mut u, chosen) = m.bank.run(be, &z, routes, m.act)?;
+                        // The latent norm reads the whole expert sum.
+                        reduce(&mut u)?;
                         if let Some(norm) = &l.norm {
                             u = be.rms_norm(&u, norm, m.eps)?;
                         }
-                        (be.matmul(&u, &l.up)?, chosen)
+                        let mut y = be.matmul(&u, &l.up)?;
+                        if let Some(mut s) = shared {
+                            reduce(&mut s)?;
+                            be.add_assign(&mut y, &s)?;
+                        }
+                        (y, chosen)
                     }
                 };
-                if let Some(shared) = &m.shared {
-                    be.add_assign(&mut y, &be.ffn(x, shared, m.act)?)?;
-                }
                 Ok((y, Some(chosen)))
             }
         }
+    }
+}
+
+/// A routed expert's intermediate width on this rank: its share where the experts are
+/// split inside (tensor parallelism), all of it where whole experts are spread.
+fn expert_width<B: Backend>(ld: &Loader<'_, B>, c: &MoeConfig) -> usize {
+    match ld.shard.experts {
+        crate::parallel::ExpertSplit::Tensor => c.expert_intermediate_size / ld.shard.world,
+        crate::parallel::ExpertSplit::Experts => c.expert_intermediate_size,
     }
 }
 
@@ -201,7 +263,7 @@ fn load_expert<B: Backend>(
     expert_in: usize,
     c: &MoeConfig,
 ) -> Result<MlpWeights<B::Tensor>> {
-    let width = c.expert_intermediate_size;
+    let width = expert_width(ld, c);
     let mut matrix = |name: &str, rows: usize, cols: usize| -> Result<B::Tensor> {
         let base = format!("{p}.{name}");
         if is_mxfp4(ld, &base, c) {
@@ -225,7 +287,7 @@ fn load_expert_host<B: Backend>(
     expert_in: usize,
     c: &MoeConfig,
 ) -> Result<MlpWeights<HostMatrix>> {
-    let width = c.expert_intermediate_size;
+    let width = expert_width(ld, c);
     let mut matrix = |name: &str, rows: usize, cols: usize| -> Result<HostMatrix> {
         let base = format!("{p}.{name}");
         if is_mxfp4(ld, &base, c) {

@@ -129,6 +129,18 @@ pub trait CausalLm<B: Backend>: Send + Sync {
         )
     }
 
+    /// Gives state slot `slots.1` a copy of slot `slots.0` and, with `block`, block
+    /// `block.1` a copy of block `block.0` ([`CachePool::fork_state`]; a model split over
+    /// ranks does it in every rank's pool).
+    fn fork_state(
+        &self,
+        pool: &mut CachePool<B>,
+        slots: (u32, u32),
+        block: Option<(u32, u32)>,
+    ) -> Result<()> {
+        pool.fork_state(self.backend(), slots, block)
+    }
+
     /// Where each MoE layer's experts are (layer index, placement), for layers whose
     /// experts are in tiers; empty when every expert is in the backend's memory.
     fn expert_placement(&self) -> Vec<(usize, Placement)> {
@@ -169,6 +181,25 @@ impl<B: Backend, M: CausalLm<B> + ?Sized> CausalLm<B> for Box<M> {
         opts: ForwardOptions,
     ) -> Result<ForwardOutput> {
         (**self).forward(batch, pool, seqs, opts)
+    }
+    fn new_pool(
+        &self,
+        num_blocks: usize,
+        block_size: usize,
+        num_slots: usize,
+    ) -> Result<CachePool<B>> {
+        (**self).new_pool(num_blocks, block_size, num_slots)
+    }
+    fn single_cache(&self, max_tokens: usize) -> Result<(CachePool<B>, SeqCache)> {
+        (**self).single_cache(max_tokens)
+    }
+    fn fork_state(
+        &self,
+        pool: &mut CachePool<B>,
+        slots: (u32, u32),
+        block: Option<(u32, u32)>,
+    ) -> Result<()> {
+        (**self).fork_state(pool, slots, block)
     }
     fn expert_placement(&self) -> Vec<(usize, Placement)> {
         (**self).expert_placement()

@@ -19,11 +19,12 @@
 //! ```
 
 use std::collections::HashSet;
+use std::sync::Arc;
 
 use kimi_core::config::{Ffn, Mixer};
 use kimi_core::ModelConfig;
 use kimi_ops::offload::{OffloadCounts, Placement};
-use kimi_ops::{Backend, Segment};
+use kimi_ops::{Backend, Collective, Segment};
 use kimi_weights::Checkpoint;
 
 use crate::cache::{pick_mut, CachePool, LayerPool, LayerSpec, SeqCache};
@@ -33,6 +34,7 @@ use crate::forward::{
 };
 use crate::layers::{KdaLayer, Loader, MlaLayer};
 use crate::native_names::CheckpointSource;
+use crate::parallel::{Shard, ShardedSource};
 use crate::source::WeightSource;
 use crate::{LoadOptions, Result};
 
@@ -68,6 +70,12 @@ const VISION_PREFIXES: [&str; 4] = [
 pub struct KimiLinear<B: Backend> {
     backend: B,
     config: ModelConfig,
+    /// The config of this rank's part (heads and dense widths divided over the ranks);
+    /// `config` itself where the model is whole.
+    rank_config: ModelConfig,
+    shard: Shard,
+    /// How this rank meets the others, where the model is split.
+    collective: Option<Arc<dyn Collective<B>>>,
     embed: B::Tensor,
     layers: Vec<DecoderLayer<B::Tensor>>,
     norm: B::Tensor,
@@ -144,6 +152,15 @@ impl<B: Backend> KimiLinear<B> {
     ) -> Result<Self> {
         let hidden = config.hidden_size;
         let (act, eps) = (config.activation, config.rms_norm_eps);
+        let shard = options.shard;
+        let rank_config = rank_config(&config, shard)?;
+        let num_experts = config.moe.as_ref().map_or(0, |m| m.num_experts);
+        let placement = options.expert_placement.clone();
+        let sharded = ShardedSource::new(source, shard, num_experts, placement.clone());
+        let source: &dyn WeightSource = match shard.is_split() {
+            true => &sharded,
+            false => source,
+        };
         let mut ld = Loader {
             backend: &backend,
             source,
@@ -151,6 +168,8 @@ impl<B: Backend> KimiLinear<B> {
             prefix: config.tensor_prefix(),
             offload: options.offload.clone(),
             moe_layers: config.layers.iter().filter(|l| l.ffn == Ffn::Moe).count(),
+            shard,
+            placement,
         };
         let embed = ld.get("model.embed_tokens.weight", &[config.vocab_size, hidden])?;
         let mut layers = Vec::with_capacity(config.layers.len());
@@ -158,7 +177,7 @@ impl<B: Backend> KimiLinear<B> {
             let p = format!("model.layers.{i}");
             let mixer = match spec.mixer {
                 Mixer::Kda => {
-                    let c = config
+                    let c = rank_config
                         .kda
                         .as_ref()
                         .ok_or_else(|| input("KDA layer without KDA dimensions"))?;
@@ -170,7 +189,7 @@ impl<B: Backend> KimiLinear<B> {
                     )?)
                 }
                 Mixer::Mla => {
-                    let c = config
+                    let c = rank_config
                         .mla
                         .as_ref()
                         .ok_or_else(|| input("MLA layer without MLA dimensions"))?;
@@ -184,14 +203,14 @@ impl<B: Backend> KimiLinear<B> {
             };
             let ffn = match spec.ffn {
                 Ffn::Dense => {
-                    FfnLayer::load_dense(&mut ld, &p, hidden, config.intermediate_size, act)?
+                    FfnLayer::load_dense(&mut ld, &p, hidden, rank_config.intermediate_size, act)?
                 }
                 Ffn::Moe => {
                     let c = config
                         .moe
                         .as_ref()
                         .ok_or_else(|| input("MoE layer without MoE configuration"))?;
-                    FfnLayer::load_moe(&mut ld, &p, hidden, c, act, eps)?
+                    FfnLayer::load_moe(&mut ld, i, hidden, c, act, eps)?
                 }
             };
             let res = match config.attn_res_block_size {
@@ -233,9 +252,12 @@ impl<B: Backend> KimiLinear<B> {
         }
         source.check_all_used(&ld.used)?;
         Ok(Self {
-            cache_specs: LayerSpec::of_config(&config)?,
+            cache_specs: LayerSpec::of_config(&rank_config)?,
             backend,
             config,
+            rank_config,
+            shard,
+            collective: None,
             embed,
             layers,
             norm,
@@ -248,6 +270,39 @@ impl<B: Backend> KimiLinear<B> {
     /// The model's configuration.
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// Which part of the model this is.
+    pub fn shard(&self) -> Shard {
+        self.shard
+    }
+
+    /// Joins this rank's part to the others': every sublayer's partial output is summed
+    /// over them. A split model runs only with one.
+    pub fn set_collective(&mut self, collective: Arc<dyn Collective<B>>) -> Result<()> {
+        if (collective.rank(), collective.world()) != (self.shard.rank, self.shard.world) {
+            return Err(input(&format!(
+                "a collective of rank {} of {} for the part of rank {} of {}",
+                collective.rank(),
+                collective.world(),
+                self.shard.rank,
+                self.shard.world
+            )));
+        }
+        self.collective = Some(collective);
+        Ok(())
+    }
+
+    /// The collective of a split model (`None` for a whole one).
+    fn group(&self) -> Result<Option<&dyn Collective<B>>> {
+        match (&self.collective, self.shard.is_split()) {
+            (Some(c), _) => Ok(Some(c.as_ref())),
+            (None, false) => Ok(None),
+            (None, true) => Err(input(&format!(
+                "rank {} of a model split over {} ranks runs only with its collective",
+                self.shard.rank, self.shard.world
+            ))),
+        }
     }
 
     /// How many tensors of a vision encoder the checkpoint held and the text model skipped
@@ -317,6 +372,7 @@ impl<B: Backend> KimiLinear<B> {
             return self.queue_pass_attn_res(res, batch, pool, seqs, opts);
         }
         let be = &self.backend;
+        let group = self.group()?;
         let segs = &batch.segments;
         let eps = self.config.rms_norm_eps;
         let mut x = be.embedding(&self.embed, &batch.tokens)?;
@@ -328,9 +384,13 @@ impl<B: Backend> KimiLinear<B> {
                 Some(y) => be.add_rms_norm(&mut x, &y, &layer.input_norm, eps)?,
                 None => be.rms_norm(&x, &layer.input_norm, eps)?,
             };
-            let mixed = self.run_mixer(layer, &normed, segs, &mut pool.layers[i], seqs, opts)?;
+            let mut mixed =
+                self.run_mixer(layer, &normed, segs, &mut pool.layers[i], seqs, opts)?;
+            if let Some(group) = group {
+                group.all_reduce_sum(be, &mut mixed)?;
+            }
             let normed = be.add_rms_norm(&mut x, &mixed, &layer.post_norm, eps)?;
-            let (ffn_out, chosen) = layer.ffn.forward(be, &normed)?;
+            let (ffn_out, chosen) = layer.ffn.forward(be, &normed, group)?;
             pending = Some(ffn_out);
             chosen_per_layer.push(chosen);
         }
@@ -354,6 +414,7 @@ impl<B: Backend> KimiLinear<B> {
         opts: ForwardOptions,
     ) -> Result<(B::Tensor, Vec<Option<B::Tensor>>)> {
         let be = &self.backend;
+        let group = self.group()?;
         let segs = &batch.segments;
         let eps = self.config.rms_norm_eps;
         let no_mix = || input("AttnRes layer without its mix weights");
@@ -364,7 +425,11 @@ impl<B: Backend> KimiLinear<B> {
             let [attn_mix, mlp_mix] = layer.res.as_ref().ok_or_else(no_mix)?;
             let h = be.attn_res_mix(&blocks.iter().collect::<Vec<_>>(), &partial, attn_mix, eps)?;
             let normed = be.rms_norm(&h, &layer.input_norm, eps)?;
-            let mixed = self.run_mixer(layer, &normed, segs, &mut pool.layers[i], seqs, opts)?;
+            let mut mixed =
+                self.run_mixer(layer, &normed, segs, &mut pool.layers[i], seqs, opts)?;
+            if let Some(group) = group {
+                group.all_reduce_sum(be, &mut mixed)?;
+            }
             // A block starts here: the sum so far is stored and the new partial sum begins
             // with this mixer's output (layer 0 stores the embedding as block 0).
             if i % res.block_size == 0 {
@@ -374,7 +439,7 @@ impl<B: Backend> KimiLinear<B> {
             }
             let h = be.attn_res_mix(&blocks.iter().collect::<Vec<_>>(), &partial, mlp_mix, eps)?;
             let normed = be.rms_norm(&h, &layer.post_norm, eps)?;
-            let (ffn_out, chosen) = layer.ffn.forward(be, &normed)?;
+            let (ffn_out, chosen) = layer.ffn.forward(be, &normed, group)?;
             be.add_assign(&mut partial, &ffn_out)?;
             chosen_per_layer.push(chosen);
         }
@@ -405,7 +470,7 @@ impl<B: Backend> KimiLinear<B> {
         match (&layer.mixer, pool) {
             (MixerLayer::Kda(m), LayerPool::Kda { conv, state }) => {
                 let c = self
-                    .config
+                    .rank_config
                     .kda
                     .as_ref()
                     .ok_or_else(|| input("KDA layer without KDA dimensions"))?;
@@ -426,7 +491,7 @@ impl<B: Backend> KimiLinear<B> {
             }
             (MixerLayer::Mla(m), LayerPool::Mla { latent }) => {
                 let c = self
-                    .config
+                    .rank_config
                     .mla
                     .as_ref()
                     .ok_or_else(|| input("MLA layer without MLA dimensions"))?;
@@ -436,6 +501,40 @@ impl<B: Backend> KimiLinear<B> {
             _ => Err(mismatch()),
         }
     }
+}
+
+/// The config of rank `shard.rank`'s part: KDA and MLA heads and the dense MLP's width
+/// divided over the ranks (routed and shared experts are divided where they load), or an
+/// error naming what does not divide.
+fn rank_config(config: &ModelConfig, shard: Shard) -> Result<ModelConfig> {
+    let mut c = config.clone();
+    if !shard.is_split() {
+        return Ok(c);
+    }
+    if let Some(kda) = &mut c.kda {
+        kda.num_heads = shard.part(kda.num_heads, "the KDA heads")?;
+    }
+    if let Some(mla) = &mut c.mla {
+        mla.num_heads = shard.part(mla.num_heads, "the MLA heads")?;
+    }
+    if c.layers.iter().any(|l| l.ffn == Ffn::Dense) {
+        c.intermediate_size = shard.part(c.intermediate_size, "the dense MLP's width")?;
+    }
+    if let Some(moe) = &c.moe {
+        match shard.experts {
+            crate::parallel::ExpertSplit::Tensor => {
+                shard.part(moe.expert_intermediate_size, "the experts' width")?;
+            }
+            crate::parallel::ExpertSplit::Experts => {
+                shard.part(moe.num_experts, "the routed experts")?;
+            }
+        }
+        shard.part(
+            moe.num_shared_experts * moe.expert_intermediate_size,
+            "the shared experts' width",
+        )?;
+    }
+    Ok(c)
 }
 
 /// One AttnRes mix's `w_eff = norm ⊙ proj` in f32 (spec §3.6): the RMS-normalisation's

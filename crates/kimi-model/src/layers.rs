@@ -34,6 +34,10 @@ pub(crate) struct Loader<'a, B: Backend> {
     pub offload: Option<ExpertOffload>,
     /// MoE layers of the model (the offload's byte budgets are spread over them).
     pub moe_layers: usize,
+    /// This rank's part of a split model (the source already cuts each tensor to it).
+    pub shard: crate::parallel::Shard,
+    /// Which rank holds which experts under expert parallelism.
+    pub placement: Option<std::sync::Arc<crate::parallel::ExpertPlacement>>,
 }
 
 /// A matrix read into host memory as the backend's upload takes it (for the host tier of

@@ -18,6 +18,7 @@ mod kimi_linear;
 mod layers;
 mod llama;
 mod native_names;
+pub mod parallel;
 pub mod plan;
 pub mod registry;
 mod source;
@@ -84,4 +85,10 @@ pub struct LoadOptions {
     /// Routed experts in tiers (host memory, device cache slots); `None`: all in the
     /// backend's memory.
     pub offload: Option<ExpertOffload>,
+    /// This rank's part of a model split over several ranks ([`parallel`]); the default is
+    /// the whole model.
+    pub shard: parallel::Shard,
+    /// Which rank holds which experts under expert parallelism (`None`: contiguous runs of
+    /// ids).
+    pub expert_placement: Option<std::sync::Arc<parallel::ExpertPlacement>>,
 }

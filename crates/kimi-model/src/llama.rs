@@ -248,6 +248,8 @@ impl<B: Backend> Llama<B> {
             prefix: "",
             offload: None,
             moe_layers: 0,
+            shard: crate::parallel::Shard::SINGLE,
+            placement: None,
         };
         let embed = ld.get("token_embd.weight", &[c.vocab_size, hidden])?;
         let mut layers = Vec::with_capacity(c.num_layers);

@@ -89,6 +89,48 @@ pub fn load_checkpoint_with<B: Backend + 'static>(
     })
 }
 
+/// A Kimi model split over `world` ranks of this process ([`crate::parallel`]): rank `r`
+/// runs on `backend.rank_backend(r)`, `experts` says how the routed experts split, and
+/// `timeout` bounds each collective. `source` gives the weights (`None`: the checkpoint's).
+pub fn load_split<B>(
+    backend: B,
+    config: ModelConfig,
+    source: &dyn WeightSource,
+    options: &LoadOptions,
+    world: usize,
+    experts: crate::parallel::ExpertSplit,
+    timeout: std::time::Duration,
+) -> Result<LoadedModel<B>>
+where
+    B: Backend + 'static,
+    B::Tensor: 'static,
+{
+    let architecture = Architecture::of_config(&config);
+    let others = (1..world)
+        .map(|r| backend.rank_backend(r))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let mut parts = Vec::with_capacity(world);
+    for (rank, be) in std::iter::once(backend).chain(others).enumerate() {
+        let options = LoadOptions {
+            shard: crate::parallel::Shard {
+                rank,
+                world,
+                experts,
+            },
+            ..options.clone()
+        };
+        parts.push(KimiLinear::load_with(be, config.clone(), source, &options)?);
+    }
+    let ignored_vision_tensors = parts.first().map_or(0, |p| p.ignored_vision_tensors());
+    let model = crate::parallel::TensorParallel::new(parts, timeout)?;
+    Ok(LoadedModel {
+        architecture,
+        config: Some(config),
+        ignored_vision_tensors,
+        model: Box::new(model),
+    })
+}
+
 /// Builds the model a config describes from any weight source (random weights for
 /// benchmarks of full-size shapes).
 pub fn load_config<B: Backend + 'static>(
@@ -132,6 +174,9 @@ pub fn load_gguf_with<B: Backend + 'static>(
             "expert offload applies to mixture-of-experts models; this llama-family GGUF has \
              no routed experts"
                 .into(),
+        )),
+        Architecture::Llama if options.shard.is_split() => Err(ModelError::Input(
+            "tensor parallelism is not implemented for llama-family GGUF models yet".into(),
         )),
         Architecture::Llama => Ok(LoadedModel {
             model: Box::new(Llama::load(backend, file)?),

@@ -38,6 +38,7 @@ fn load(dir: &Path, offload: Option<(OffloadAmount, OffloadAmount)>) -> KimiLine
             policy: CachePolicy::default(),
             store: Arc::new(HostBackend::new(Arc::new(backend()))),
         }),
+        ..LoadOptions::default()
     };
     KimiLinear::load_checkpoint_with(backend(), &ckpt, &options).unwrap()
 }
@@ -156,6 +157,50 @@ fn kimi_k3_tiers_match_resident_experts() {
 #[test]
 fn kimi_linear_tiers_match_resident_experts() {
     check("kimi-linear/hub-f32-sharded", 6);
+}
+
+/// Host experts in memory-mapped files (`--offload-folder`) instead of RAM: the same bits
+/// where no expert is cold, f32 rounding where some are, and every host expert's bytes in
+/// the folder's files.
+#[test]
+fn experts_in_an_offload_folder_match_resident_experts() {
+    let dir = fixture("kimi-k3/k3-tiny-7l");
+    let ids = prompt(&dir);
+    let want = run(&load(&dir, None), &ids, 1);
+    let folder = tempfile::tempdir().unwrap();
+    for (host, slots) in [(8, 8), (8, 1), (4, 2)] {
+        let file = Arc::new(kimi_cpu::WeightFile::new(folder.path()).unwrap());
+        let store = HostBackend::new(Arc::new(backend().keeping_weights_in(file.clone())));
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let options = LoadOptions {
+            offload: Some(ExpertOffload {
+                host: Experts(host),
+                cache: Experts(slots),
+                policy: CachePolicy::default(),
+                store: Arc::new(store),
+            }),
+            ..LoadOptions::default()
+        };
+        let model = KimiLinear::load_checkpoint_with(backend(), &ckpt, &options).unwrap();
+        let host_bytes: u64 = model
+            .expert_placement()
+            .iter()
+            .map(|(_, p)| p.host_bytes)
+            .sum();
+        assert!(host_bytes > 0);
+        assert_eq!(file.bytes(), host_bytes, "{host} host experts");
+        let got = run(&model, &ids, 1);
+        let label = format!("{host} host experts, {slots} slots");
+        if slots == host {
+            assert_eq!(got, want, "{label}");
+        } else {
+            let err = rel_err(&got, &want);
+            assert!(err < 1e-5, "{label}: relative error {err:.2e}");
+            assert!(model.offload_counts().unwrap().cold_pairs > 0, "{label}");
+        }
+    }
+    // Unnamed files: the folder stays empty.
+    assert_eq!(std::fs::read_dir(folder.path()).unwrap().count(), 0);
 }
 
 #[test]

@@ -14,6 +14,17 @@ pub enum ExpertBank<T> {
     Resident(Vec<MlpWeights<T>>),
     /// Experts placed in tiers.
     Tiered(Box<TieredBank<T>>),
+    /// This rank's share of the experts under expert parallelism: experts `ids` of
+    /// `total`; the other ranks hold the rest, and their pairs count nothing here (the
+    /// ranks' outputs are summed).
+    Partition {
+        /// The local experts' ids, in order.
+        ids: Vec<usize>,
+        /// Their weights, `local[i]` for expert `ids[i]`.
+        local: Vec<MlpWeights<T>>,
+        /// Experts over all ranks.
+        total: usize,
+    },
 }
 
 impl<T> ExpertBank<T> {
@@ -27,6 +38,7 @@ impl<T> ExpertBank<T> {
         match self {
             Self::Resident(e) => e.len(),
             Self::Tiered(t) => t.len(),
+            Self::Partition { total, .. } => *total,
         }
     }
 
@@ -39,15 +51,15 @@ impl<T> ExpertBank<T> {
     pub fn view(&self) -> Option<ExpertView<'_, T>> {
         match self {
             Self::Resident(e) => Some(ExpertView::new(e)),
-            Self::Tiered(_) => None,
+            Self::Tiered(_) | Self::Partition { .. } => None,
         }
     }
 
     /// The tiered bank, if this is one.
     pub fn tiered(&self) -> Option<&TieredBank<T>> {
         match self {
-            Self::Resident(_) => None,
             Self::Tiered(t) => Some(t),
+            Self::Resident(_) | Self::Partition { .. } => None,
         }
     }
 
@@ -67,6 +79,21 @@ impl<T> ExpertBank<T> {
                 Ok((y, routes.experts))
             }
             Self::Tiered(t) => t.run(be, x, routes, act),
+            Self::Partition { ids, local, total } => {
+                let stand_in = local.first().ok_or_else(|| crate::Error::Shape {
+                    op: "moe_experts (expert parallel)",
+                    detail: "a rank without experts".into(),
+                })?;
+                let mut view: Vec<(&MlpWeights<T>, bool)> = vec![(stand_in, false); *total];
+                for (&e, w) in ids.iter().zip(local) {
+                    if let Some(slot) = view.get_mut(e) {
+                        *slot = (w, true);
+                    }
+                }
+                let view = ExpertView::partial(view);
+                let y = be.moe_experts(x, &routes, &view, act)?;
+                Ok((y, routes.experts))
+            }
         }
     }
 }
@@ -79,6 +106,9 @@ impl<T> ExpertBank<T> {
 pub struct ExpertView<'a, T> {
     experts: Vec<&'a MlpWeights<T>>,
     stable: bool,
+    /// Per id, whether the expert is here (empty: all are). Pairs routed to an absent
+    /// expert contribute nothing; its entry in `experts` is only a stand-in.
+    present: Vec<bool>,
 }
 
 impl<'a, T> ExpertView<'a, T> {
@@ -87,6 +117,7 @@ impl<'a, T> ExpertView<'a, T> {
         Self {
             experts: experts.iter().collect(),
             stable: true,
+            present: Vec::new(),
         }
     }
 
@@ -95,7 +126,34 @@ impl<'a, T> ExpertView<'a, T> {
         Self {
             experts,
             stable: false,
+            present: Vec::new(),
         }
+    }
+
+    /// A view made for one call in which some experts are absent (held by other ranks):
+    /// `(weights, present)` per id, the weights of an absent one only a stand-in. A backend
+    /// must skip the pairs of absent experts, or refuse the view
+    /// ([`ExpertView::has_absent`]).
+    pub fn partial(experts: Vec<(&'a MlpWeights<T>, bool)>) -> Self {
+        let (experts, present) = experts.into_iter().unzip();
+        Self {
+            experts,
+            stable: false,
+            present,
+        }
+    }
+
+    /// Whether expert `e` is here (its pairs are computed).
+    pub fn is_present(&self, e: usize) -> bool {
+        self.present
+            .get(e)
+            .copied()
+            .unwrap_or(e < self.experts.len())
+    }
+
+    /// Whether some experts are absent.
+    pub fn has_absent(&self) -> bool {
+        self.present.iter().any(|p| !p)
     }
 
     /// Number of experts.

@@ -16,9 +16,11 @@ pub use kimi_core::config::Activation;
 use kimi_core::config::KdaGate;
 use kimi_core::DType;
 
+pub mod collective;
 pub mod experts;
 pub mod offload;
 pub mod sampling;
+pub use collective::{Collective, ThreadComm, ThreadGroup};
 pub use experts::{ExpertBank, ExpertView};
 pub use sampling::{RowSampling, TokenPenalty};
 
@@ -392,6 +394,20 @@ pub trait Backend: Send + Sync {
 
     /// Short name for logs (`cpu`, `cuda:0`).
     fn name(&self) -> String;
+
+    /// A backend of the same kind and settings for rank `rank` of a model split over
+    /// several ranks of this process (the same CPU; on GPUs, the rank's device). Default:
+    /// [`Error::Unsupported`].
+    fn rank_backend(&self, rank: usize) -> Result<Self>
+    where
+        Self: Sized,
+    {
+        let _ = rank;
+        Err(Error::Unsupported(format!(
+            "splitting a model over ranks on {}",
+            self.name()
+        )))
+    }
 
     /// Copies a checkpoint tensor to the device. Matrices may keep their stored dtype.
     fn upload(&self, host: HostTensor<'_>) -> Result<Self::Tensor>;

@@ -178,8 +178,8 @@ impl Counters {
     }
 }
 
-/// Where a tiered bank's experts are.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Where a tiered bank's experts are (or, summed, a model's).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Placement {
     /// Experts in the backend's memory for good.
     pub resident: usize,
@@ -191,6 +191,16 @@ pub struct Placement {
     pub device_bytes: u64,
     /// Bytes of the host experts.
     pub host_bytes: u64,
+}
+
+impl std::ops::AddAssign for Placement {
+    fn add_assign(&mut self, o: Self) {
+        self.resident += o.resident;
+        self.host += o.host;
+        self.slots += o.slots;
+        self.device_bytes += o.device_bytes;
+        self.host_bytes += o.host_bytes;
+    }
 }
 
 struct Slots<T> {

@@ -1,15 +1,15 @@
 //! One access-log event per request (target `kimi_server::access`), written when the
 //! response body ends, so a stream's line carries its final token counts and duration:
-//! method, path, status, latency, prompt and completion tokens, request id, API key id
-//! (its position among the configured keys, never the key), client address, and for an
-//! error its message. Requests get an `x-request-id` (the client's, if it sent a sane one)
+//! method, path, status, latency, prompt and completion tokens, request id, API key name
+//! (`key-N` for the N-th `--api-key`, else the name from the key file; never the key),
+//! client address, and for an error its message. Requests get an `x-request-id` (the client's, if it sent a sane one)
 //! echoed in the response. 2xx–4xx log at info, 5xx at warn; `/health` and `/metrics`
 //! (probes and scrapes) at debug.
 
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Instant;
 
@@ -30,13 +30,13 @@ const REQUEST_ID: &str = "x-request-id";
 pub(crate) struct RequestRecord {
     pub prompt_tokens: AtomicUsize,
     pub completion_tokens: AtomicUsize,
-    /// 1 + the index of the API key that authenticated the request; 0 for none.
-    pub key: AtomicUsize,
+    /// The name of the API key that authenticated the request.
+    pub key: OnceLock<String>,
 }
 
 /// An error response's message, left in the response's extensions for the log.
 #[derive(Clone, Debug)]
-pub(crate) struct ErrorMessage(pub String);
+pub struct ErrorMessage(pub String);
 
 /// A client-sent request id, if it is short printable ASCII (it goes into logs as is).
 fn client_request_id(value: Option<&HeaderValue>) -> Option<String> {
@@ -79,7 +79,7 @@ pub(crate) async fn access_log(
         client,
         record,
         error: response.extensions().get::<ErrorMessage>().cloned(),
-        num_keys: state.inner.config.api_keys.len(),
+        num_keys: state.inner.keys.len(),
     };
     response.map(|body| {
         Body::new(LoggedBody {
@@ -107,10 +107,10 @@ impl Entry {
     fn write(self, complete: bool) {
         // Tenths of a millisecond: a number in JSON logs, short in text ones.
         let latency_ms = (self.started.elapsed().as_secs_f64() * 1e4).round() / 10.0;
-        let key = match self.record.key.load(Ordering::Relaxed) {
-            0 if self.num_keys == 0 => "none".to_string(),
-            0 => "-".to_string(),
-            n => format!("key-{n}"),
+        let key = match self.record.key.get() {
+            Some(name) => name.as_str(),
+            None if self.num_keys == 0 => "none",
+            None => "-",
         };
         let client = self.client.map_or_else(|| "-".into(), |c| c.to_string());
         let error = self.error.map(|e| e.0).unwrap_or_default();

@@ -1,86 +1,127 @@
-//! API keys: `Authorization: Bearer <key>`, compared in constant time against every key.
+//! API keys: `Authorization: Bearer <key>`, compared in constant time against every key
+//! ([`crate::keys::KeySet`]); then the per-key limits of the generation routes.
 
-use std::sync::atomic::Ordering;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
+use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
-use axum::http::header;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use http_body::Frame;
 
 use crate::access_log::RequestRecord;
 use crate::error::ApiError;
+use crate::keys::{ApiKey, KeyLimits};
+use crate::limits::Lease;
 use crate::state::AppState;
 
-/// Equality whose time depends only on the lengths, not on where the bytes differ.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    let mut diff = (a.len() ^ b.len()) as u64;
-    for i in 0..a.len().max(b.len()) {
-        let x = a.get(i).copied().unwrap_or(0);
-        let y = b.get(i).copied().unwrap_or(0);
-        diff |= u64::from(x ^ y);
-    }
-    diff == 0
-}
-
-/// The index of the key `presented` matches; every key is compared, match or not.
-fn matching_key(keys: &[String], presented: &[u8]) -> Option<usize> {
-    keys.iter().enumerate().fold(None, |found, (i, key)| {
-        let equal = constant_time_eq(key.as_bytes(), presented);
-        found.or(equal.then_some(i))
-    })
-}
-
-/// The index of the key in `keys` that `headers` present as `Authorization: Bearer <key>`,
-/// compared in constant time against every key; `None` when none matches. Shared with
-/// the agent server (`kimi-agent`), which guards its routes the same way.
-pub fn presented_key(keys: &[String], headers: &axum::http::HeaderMap) -> Option<usize> {
-    let presented = headers
-        .get(header::AUTHORIZATION)
-        .map(|v| v.as_bytes())
-        .and_then(|v| {
-            let scheme = v.get(..7)?;
-            scheme
-                .eq_ignore_ascii_case(b"bearer ")
-                .then(|| v[7..].trim_ascii())
-        });
-    presented.and_then(|key| matching_key(keys, key))
-}
+/// The key that authenticated a request, in its extensions.
+#[derive(Clone, Debug)]
+pub(crate) struct AuthenticatedKey(pub ApiKey);
 
 /// Rejects requests without a valid key (when keys are configured).
 pub(crate) async fn require_api_key(
     State(state): State<AppState>,
-    request: Request,
+    mut request: Request,
     next: Next,
 ) -> Response {
-    let keys = &state.inner.config.api_keys;
+    let keys = &state.inner.keys;
     if keys.is_empty() {
         return next.run(request).await;
     }
-    match presented_key(keys, request.headers()) {
-        Some(index) => {
-            // The access log names the key by its position, never by its text.
+    match keys.authenticate(request.headers()) {
+        Some(key) => {
+            // The access log names the key, never shows its text.
             if let Some(record) = request.extensions().get::<Arc<RequestRecord>>() {
-                record.key.store(index + 1, Ordering::Relaxed);
+                let _ = record.key.set(key.name.clone());
             }
+            let key = AuthenticatedKey(key.clone());
+            request.extensions_mut().insert(key);
             next.run(request).await
         }
         None => ApiError::unauthorized().into_response(),
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// Applies the per-key limits (`config.limiter`): a refused request gets 429 with
+/// `Retry-After`; an admitted one holds its lease until its response body ends, when its
+/// prompt and completion tokens are charged.
+pub(crate) async fn limit_requests(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let Some(limiter) = &state.inner.config.limiter else {
+        return next.run(request).await;
+    };
+    let (name, own) = match request.extensions().get::<AuthenticatedKey>() {
+        Some(AuthenticatedKey(key)) => (key.name.clone(), key.limits),
+        None => ("anonymous".to_string(), KeyLimits::default()),
+    };
+    let lease = match limiter.admit(&name, own).await {
+        Ok(lease) => lease,
+        Err(refusal) => return refusal.into_response(),
+    };
+    let record = request.extensions().get::<Arc<RequestRecord>>().cloned();
+    let response = next.run(request).await;
+    response.map(|inner| {
+        Body::new(LeasedBody {
+            inner,
+            lease: Some(lease),
+            record,
+        })
+    })
+}
 
-    #[test]
-    fn keys_compare_exactly() {
-        let keys = vec!["alpha".to_string(), "beta-key".to_string()];
-        assert_eq!(matching_key(&keys, b"alpha"), Some(0));
-        assert_eq!(matching_key(&keys, b"beta-key"), Some(1));
-        assert_eq!(matching_key(&keys, b"alph"), None);
-        assert_eq!(matching_key(&keys, b"alphaa"), None);
-        assert_eq!(matching_key(&keys, b""), None);
-        assert_eq!(matching_key(&[], b"alpha"), None);
+/// A response body that ends its lease (charging the request's tokens) when it ends or is
+/// dropped.
+struct LeasedBody {
+    inner: Body,
+    lease: Option<Lease>,
+    record: Option<Arc<RequestRecord>>,
+}
+
+impl LeasedBody {
+    fn finish(&mut self) {
+        if let Some(mut lease) = self.lease.take() {
+            if let Some(record) = &self.record {
+                use std::sync::atomic::Ordering::Relaxed;
+                let tokens =
+                    record.prompt_tokens.load(Relaxed) + record.completion_tokens.load(Relaxed);
+                lease.add_tokens(tokens as u64);
+            }
+        }
+    }
+}
+
+impl http_body::Body for LeasedBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(None) = polled {
+            self.finish();
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for LeasedBody {
+    fn drop(&mut self) {
+        self.finish();
     }
 }

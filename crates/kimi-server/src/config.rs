@@ -1,7 +1,11 @@
 //! [`ServerConfig`]: what `kimi-infer serve` flags set.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use crate::cors::CorsConfig;
+use crate::keys::ApiKey;
+use crate::limits::Limiter;
 use crate::tool_format::ToolCallParser;
 
 /// Settings of the HTTP server (the engine has its own, `ServingConfig`).
@@ -13,8 +17,18 @@ pub struct ServerConfig {
     pub port: u16,
     /// The model name clients must send (and `/v1/models` lists).
     pub served_model_name: String,
-    /// Accepted API keys; empty means no authentication.
+    /// Accepted API keys, named `key-1`, `key-2`, ... by position; with `keys` empty too,
+    /// no authentication.
     pub api_keys: Vec<String>,
+    /// Named API keys with their own limits (a key file, `KIMI_API_KEYS`).
+    pub keys: Vec<ApiKey>,
+    /// Per-key limits on `/v1/chat/completions` and `/v1/completions`; `None`: none.
+    /// Without keys every client counts as the key `anonymous`.
+    pub limiter: Option<Arc<Limiter>>,
+    /// TLS (see [`crate::load_tls`]); `None`: plain HTTP.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// CORS headers for other origins; `None`: none (same-origin only).
+    pub cors: Option<CorsConfig>,
     /// A chat template (Jinja source) overriding the tokenizer's.
     pub chat_template: Option<String>,
     /// The tool-call format of a template-based model (`auto`: detected from the tokenizer
@@ -49,6 +63,10 @@ impl Default for ServerConfig {
             port: 8000,
             served_model_name: "kimi".into(),
             api_keys: Vec::new(),
+            keys: Vec::new(),
+            limiter: None,
+            tls: None,
+            cors: None,
             chat_template: None,
             tool_call_parser: ToolCallParser::Auto,
             max_model_len: None,

@@ -109,6 +109,12 @@ impl ApiError {
             .code("rate_limit_exceeded")
     }
 
+    /// 429: a per-key rate limit refused the request.
+    pub fn rate_limited(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
+            .code("rate_limit_exceeded")
+    }
+
     /// 408: the request ran past the server's request timeout.
     pub fn timeout(secs: f64) -> Self {
         let message = format!("The request did not finish within the server's timeout of {secs}s");

@@ -28,6 +28,12 @@
 //! `--tool-call-parser` (`tool_format`: hermes, llama3_json, mistral, generic), parsed by
 //! `json_tool_parser` and forced by `json_tool_grammar`.
 //!
+//! Who may call: API keys with names ([`keys`]: `--api-key`, a key file, `KIMI_API_KEYS`),
+//! per-key limits on the generation routes ([`limits`]: requests and tokens per minute,
+//! requests in flight; in memory or Redis; 429 with `Retry-After`), TLS ([`load_tls`]) and
+//! CORS ([`CorsConfig`]). The listener ([`serve_app`]), keys, limits, CORS and the
+//! Prometheus helpers ([`prometheus`]) are shared with the gateway (`kimi-gateway`).
+//!
 //! [`serve`] binds and runs; [`router`] gives the `axum::Router` for tests.
 //!
 //! ```no_run
@@ -52,6 +58,7 @@ mod chat_request;
 mod completions;
 mod config;
 mod constraint;
+mod cors;
 mod decode;
 mod engine_adapter;
 mod error;
@@ -61,13 +68,17 @@ mod generator;
 mod json_call;
 mod json_tool_grammar;
 mod json_tool_parser;
+pub mod keys;
+pub mod limits;
 mod listener;
 mod metrics;
 mod misc;
 mod params;
+pub mod prometheus;
 mod request_body;
 mod response;
 mod state;
+mod tls;
 mod tool_format;
 mod tool_parser;
 mod web;
@@ -88,11 +99,14 @@ use axum::Router;
 use kimi_tokenizer::Tokenizer;
 use tokio::net::TcpListener;
 
-pub use auth::presented_key;
+pub use access_log::ErrorMessage;
 pub use config::ServerConfig;
+pub use cors::{parse_list as parse_cors_list, CorsConfig};
 pub use error::{ApiError, ServerError};
 pub use generator::Generator;
+pub use listener::{serve_app, ConnectionCounters, ListenConfig};
 pub use state::AppState;
+pub use tls::load_tls;
 pub use tool_format::ToolCallParser;
 
 use fields::Body;
@@ -100,24 +114,36 @@ use state::Inner;
 
 /// The application: every route with auth, error counting and the body limit.
 pub fn router(state: AppState) -> Router {
-    let protected = Router::new()
+    // Generation: limits checked before the body is read, so a refused client's body is not.
+    let generation = Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(completions::completions))
-        .route("/v1/models", get(misc::list_models))
-        .route("/v1/models/{model}", get(misc::get_model))
-        .route("/tokenize", post(misc::tokenize))
-        .route("/detokenize", post(misc::detokenize))
-        // Authentication first (the outer layer), so anonymous bodies are never read.
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             request_body::read_body,
         ))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
+            auth::limit_requests,
+        ));
+    let other = Router::new()
+        .route("/v1/models", get(misc::list_models))
+        .route("/v1/models/{model}", get(misc::get_model))
+        .route("/tokenize", post(misc::tokenize))
+        .route("/detokenize", post(misc::detokenize))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            request_body::read_body,
+        ));
+    // Authentication first (the outer layer), so anonymous bodies are never read.
+    let protected = generation
+        .merge(other)
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
             auth::require_api_key,
         ));
     let max_body_bytes = state.inner.config.max_body_bytes;
-    Router::new()
+    let app = Router::new()
         .merge(protected)
         .route("/health", get(misc::health))
         .route("/metrics", get(misc::metrics))
@@ -126,12 +152,18 @@ pub fn router(state: AppState) -> Router {
         .route("/assets/app.css", get(web::app_css))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(DefaultBodyLimit::max(max_body_bytes))
-        .layer(middleware::from_fn_with_state(
-            state.clone(),
-            access_log::access_log,
-        ))
-        .with_state(state)
+        .layer(DefaultBodyLimit::max(max_body_bytes));
+    // CORS inside the access log, so preflights are logged; outside the routes, so a
+    // preflight needs no key.
+    let app = match &state.inner.cors {
+        Some(cors) => app.layer(cors.clone()),
+        None => app,
+    };
+    app.layer(middleware::from_fn_with_state(
+        state.clone(),
+        access_log::access_log,
+    ))
+    .with_state(state)
 }
 
 /// Serves `engine` on `config.host:config.port` until `shutdown` completes, then lets open
@@ -169,7 +201,16 @@ pub async fn serve_listener(
     if let Ok(addr) = listener.local_addr() {
         tracing::debug!("kimi-server listening on http://{addr}");
     }
-    listener::run(listener, state, shutdown).await
+    let config = &state.inner.config;
+    let listen = ListenConfig {
+        max_connections: config.max_connections,
+        keep_alive_timeout: config.keep_alive_timeout,
+        shutdown_timeout: config.shutdown_timeout,
+        tls: config.tls.clone(),
+    };
+    let counters = Arc::clone(&state.inner.metrics.connections);
+    let app = router(state);
+    serve_app(listener, app, listen, counters, shutdown).await
 }
 
 async fn not_found(uri: Uri) -> ApiError {

@@ -1,11 +1,12 @@
-//! The accept loop: HTTP/1.1 connections with a deadline for each request head (which also
-//! closes idle keep-alive connections), a cap on open connections, and a graceful shutdown
-//! with a deadline.
+//! The accept loop: HTTP/1.1 connections (plain or TLS) with a deadline for each request
+//! head (which also closes idle keep-alive connections), a cap on open connections, and a
+//! graceful shutdown with a deadline. `serve` and the gateway both run on it.
 //!
 //! ```text
-//! accept ─► open < max_connections ─► hyper HTTP/1.1 (head within keep_alive_timeout) ─► router
+//! accept ─► open < max_connections ─► [TLS handshake ≤ HANDSHAKE_TIMEOUT] ─► hyper HTTP/1.1
+//!        │                             (head within keep_alive_timeout) ─► router
 //!        └► at the cap ─► refusal task (≤ OVERFLOW_TASKS): GET /health → 200, else 503
-//!                     └► none free ─► 503 written at once, closed
+//!                     └► none free, or TLS ─► 503 written at once (TLS: closed), closed
 //! shutdown ─► stop accepting ─► connections finish their response and close
 //!          └► shutdown_timeout passed ─► the rest are cut (their requests cancelled)
 //! ```
@@ -13,7 +14,7 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::pin;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,15 +24,41 @@ use axum::http::Request;
 use axum::Router;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
+use tokio_rustls::TlsAcceptor;
 use tower_service::Service;
 
 use crate::error::ServerError;
-use crate::metrics::Metrics;
-use crate::state::AppState;
+
+/// How long a TLS client has to finish its handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Open and refused connections, for `/metrics`.
+#[derive(Debug, Default)]
+pub struct ConnectionCounters {
+    /// HTTP connections being served now.
+    pub open: AtomicUsize,
+    /// Connections refused at the cap (`max_connections`).
+    pub refused: AtomicU64,
+}
+
+/// How a listener serves its connections.
+#[derive(Clone, Debug)]
+pub struct ListenConfig {
+    /// Most connections open at once; past it, connections get a 503 (a `/health` probe
+    /// still gets its 200; over TLS they are closed).
+    pub max_connections: usize,
+    /// A connection must send a complete request head within this of opening or of its
+    /// previous response. `None` waits forever.
+    pub keep_alive_timeout: Option<Duration>,
+    /// After the shutdown signal, how long open requests may run. `None` waits for them.
+    pub shutdown_timeout: Option<Duration>,
+    /// TLS (rustls), when set: every connection must complete a handshake first.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
+}
 
 /// Connections past the cap that are read for a `/health` probe at the same time; more
 /// get their 503 without being read.
@@ -45,26 +72,30 @@ retry-after: 1\r\nconnection: close\r\ncontent-length: 163\r\n\r\n\
 Retry later.\",\"type\":\"server_error\",\"param\":null,\"code\":\"too_many_connections\"}}";
 const HEALTHY: &[u8] = b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 0\r\n\r\n";
 
-/// Serves `listener` until `shutdown` resolves, then drains (see the module docs).
-pub(crate) async fn run(
+/// Serves `app` on `listener` until `shutdown` resolves, then drains (see the module docs).
+///
+/// # Errors
+///
+/// [`ServerError::Config`] for a zero `max_connections`.
+pub async fn serve_app(
     listener: TcpListener,
-    state: AppState,
+    app: Router,
+    config: ListenConfig,
+    counters: Arc<ConnectionCounters>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
-    let config = &state.inner.config;
     if config.max_connections == 0 {
         return Err(ServerError::Config(
             "max_connections must be at least 1".into(),
         ));
     }
-    let metrics = &state.inner.metrics;
     let open = Arc::new(Semaphore::new(config.max_connections));
     let overflow = Arc::new(Semaphore::new(OVERFLOW_TASKS));
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(config.keep_alive_timeout)
         .keep_alive(true);
-    let app = crate::router(state.clone());
+    let tls = config.tls.clone().map(TlsAcceptor::from);
     let (closing_tx, closing) = watch::channel(false);
     let mut connections = JoinSet::new();
     let mut shutdown = pin!(shutdown);
@@ -89,13 +120,18 @@ pub(crate) async fn run(
                         let connection = Connection {
                             app: app.clone(),
                             http: http.clone(),
-                            state: state.clone(),
+                            counters: Arc::clone(&counters),
                             closing: closing.clone(),
                             _permit: permit,
                         };
-                        connections.spawn(connection.serve(tcp, peer));
+                        connections.spawn(connection.serve(tcp, peer, tls.clone()));
                     }
-                    Err(_) => refuse(tcp, peer, &overflow, metrics),
+                    // A TLS client cannot read a plain-text 503: it is closed.
+                    Err(_) if tls.is_some() => {
+                        counters.refused.fetch_add(1, Ordering::Relaxed);
+                        drop(tcp);
+                    }
+                    Err(_) => refuse(tcp, peer, &overflow, &counters),
                 }
             }
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
@@ -153,22 +189,37 @@ async fn accept_failed(e: &std::io::Error) {
 struct Connection {
     app: Router,
     http: hyper::server::conn::http1::Builder,
-    state: AppState,
+    counters: Arc<ConnectionCounters>,
     closing: watch::Receiver<bool>,
     _permit: OwnedSemaphorePermit,
 }
 
 impl Connection {
-    async fn serve(mut self, tcp: TcpStream, peer: SocketAddr) {
-        let metrics = &self.state.inner.metrics;
-        metrics.connections_open.fetch_add(1, Ordering::Relaxed);
+    async fn serve(self, tcp: TcpStream, peer: SocketAddr, tls: Option<TlsAcceptor>) {
+        let Some(tls) = tls else {
+            return self.serve_io(tcp, peer).await;
+        };
+        match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(tcp)).await {
+            Ok(Ok(stream)) => self.serve_io(stream, peer).await,
+            // A scanner, a client that does not trust the certificate, a plain-HTTP request.
+            Ok(Err(e)) => tracing::debug!("TLS handshake with {peer} failed: {e}"),
+            Err(_) => tracing::debug!("TLS handshake with {peer} timed out"),
+        }
+    }
+
+    async fn serve_io<S>(mut self, io: S, peer: SocketAddr)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let counters = Arc::clone(&self.counters);
+        counters.open.fetch_add(1, Ordering::Relaxed);
         let app = self.app.clone();
         let service = hyper::service::service_fn(move |request: Request<Incoming>| {
             let mut request = request.map(Body::new);
             request.extensions_mut().insert(ConnectInfo(peer));
             app.clone().call(request)
         });
-        let mut conn = pin!(self.http.serve_connection(TokioIo::new(tcp), service));
+        let mut conn = pin!(self.http.serve_connection(TokioIo::new(io), service));
         let result = tokio::select! {
             result = conn.as_mut() => result,
             () = closed(&mut self.closing) => {
@@ -181,7 +232,7 @@ impl Connection {
             // Timeouts, resets and malformed requests: the client's doing, not ours.
             tracing::debug!("connection from {peer}: {e}");
         }
-        metrics.connections_open.fetch_sub(1, Ordering::Relaxed);
+        counters.open.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -192,15 +243,20 @@ async fn closed(closing: &mut watch::Receiver<bool>) {
 
 /// Answers a connection past the cap: a `/health` probe gets 200 (while refusal tasks are
 /// free), anything else a 503 with `Retry-After`.
-fn refuse(tcp: TcpStream, peer: SocketAddr, overflow: &Arc<Semaphore>, metrics: &Metrics) {
+fn refuse(
+    tcp: TcpStream,
+    peer: SocketAddr,
+    overflow: &Arc<Semaphore>,
+    counters: &ConnectionCounters,
+) {
     let Ok(permit) = Arc::clone(overflow).try_acquire_owned() else {
-        metrics.connections_refused.fetch_add(1, Ordering::Relaxed);
+        counters.refused.fetch_add(1, Ordering::Relaxed);
         let _ = tcp.try_write(BUSY);
         return;
     };
     let refused = probe_is_health(tcp, peer, permit);
     // Counted up front: the answer may well be a 503.
-    metrics.connections_refused.fetch_add(1, Ordering::Relaxed);
+    counters.refused.fetch_add(1, Ordering::Relaxed);
     tokio::spawn(refused);
 }
 

@@ -4,10 +4,13 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, PoisonError};
 
-use kimi_engine::serving::EngineMetrics;
+use kimi_engine::serving::{EngineMetrics, ExpertOffloadMetrics};
+
+use crate::listener::ConnectionCounters;
+use crate::prometheus::{escape, header, Histogram};
 
 /// vLLM's buckets for time to first token.
 const TTFT_BUCKETS: &[f64] = &[
@@ -29,88 +32,6 @@ const TOKEN_BUCKETS: &[f64] = &[
     1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0,
     50000.0, 100000.0, 200000.0, 500000.0, 1000000.0,
 ];
-
-#[derive(Debug, Default)]
-struct HistogramData {
-    /// Count per bucket (not cumulative), plus one for `+Inf`.
-    counts: Vec<u64>,
-    sum: f64,
-    count: u64,
-}
-
-/// A fixed-bucket histogram.
-#[derive(Debug)]
-struct Histogram {
-    name: &'static str,
-    help: &'static str,
-    buckets: &'static [f64],
-    data: Mutex<HistogramData>,
-}
-
-impl Histogram {
-    const fn new(name: &'static str, help: &'static str, buckets: &'static [f64]) -> Self {
-        Histogram {
-            name,
-            help,
-            buckets,
-            data: Mutex::new(HistogramData {
-                counts: Vec::new(),
-                sum: 0.0,
-                count: 0,
-            }),
-        }
-    }
-
-    fn observe(&self, value: f64) {
-        if !value.is_finite() {
-            return;
-        }
-        let mut data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
-        data.counts.resize(self.buckets.len() + 1, 0);
-        let slot = self
-            .buckets
-            .iter()
-            .position(|&le| value <= le)
-            .unwrap_or(self.buckets.len());
-        data.counts[slot] += 1;
-        data.sum += value;
-        data.count += 1;
-    }
-
-    fn render(&self, out: &mut String, labels: &str) {
-        let data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
-        header(out, self.name, self.help, "histogram");
-        let mut cumulative = 0;
-        for (i, le) in self.buckets.iter().enumerate() {
-            cumulative += data.counts.get(i).copied().unwrap_or(0);
-            let _ = writeln!(
-                out,
-                "{}_bucket{{{labels},le=\"{le:?}\"}} {cumulative}",
-                self.name
-            );
-        }
-        let _ = writeln!(
-            out,
-            "{}_bucket{{{labels},le=\"+Inf\"}} {}",
-            self.name, data.count
-        );
-        let _ = writeln!(out, "{}_sum{{{labels}}} {}", self.name, data.sum);
-        let _ = writeln!(out, "{}_count{{{labels}}} {}", self.name, data.count);
-    }
-}
-
-fn header(out: &mut String, name: &str, help: &str, kind: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}");
-    let _ = writeln!(out, "# TYPE {name} {kind}");
-}
-
-/// Escapes a label value (backslash, quote, newline).
-fn escape(value: &str) -> String {
-    value
-        .replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
 
 /// What one finished sequence reports.
 #[derive(Clone, Copy, Debug)]
@@ -143,10 +64,8 @@ pub(crate) struct Metrics {
     generation_tokens: Histogram,
     finished: Mutex<BTreeMap<&'static str, u64>>,
     http_errors: Mutex<BTreeMap<u16, u64>>,
-    /// HTTP connections being served now.
-    pub connections_open: AtomicUsize,
-    /// Connections refused at the cap (`max_connections`).
-    pub connections_refused: AtomicU64,
+    /// Open and refused connections (the listener counts them).
+    pub connections: Arc<ConnectionCounters>,
 }
 
 impl Metrics {
@@ -185,8 +104,7 @@ impl Metrics {
             ),
             finished: Mutex::new(BTreeMap::new()),
             http_errors: Mutex::new(BTreeMap::new()),
-            connections_open: AtomicUsize::new(0),
-            connections_refused: AtomicU64::new(0),
+            connections: Arc::new(ConnectionCounters::default()),
         }
     }
 
@@ -307,13 +225,13 @@ impl Metrics {
             "kimi:http_connections_open",
             "HTTP connections being served.",
             "gauge",
-            self.connections_open.load(Ordering::Relaxed).to_string(),
+            self.connections.open.load(Ordering::Relaxed).to_string(),
         );
         single(
             "kimi:http_connections_refused_total",
             "Connections refused with 503 because max_connections were open.",
             "counter",
-            self.connections_refused.load(Ordering::Relaxed).to_string(),
+            self.connections.refused.load(Ordering::Relaxed).to_string(),
         );
         for histogram in [
             &self.ttft,
@@ -326,7 +244,111 @@ impl Metrics {
             histogram.render(&mut out, labels);
         }
         self.render_counters(&mut out, engine);
+        if let Some(offload) = &engine.expert_offload {
+            self.render_expert_offload(&mut out, engine, offload);
+        }
         out
+    }
+
+    /// The expert tiers (`--cpu-offload-gb`): where the experts are, and what the device
+    /// slots and the host did, summed over the MoE layers.
+    fn render_expert_offload(
+        &self,
+        out: &mut String,
+        engine: &EngineMetrics,
+        offload: &ExpertOffloadMetrics,
+    ) {
+        let labels = self.model_label.as_str();
+        let (p, c) = (&offload.placement, &offload.counts);
+        header(
+            out,
+            "kimi:expert_offload_experts",
+            "Routed experts by tier, summed over MoE layers: resident on the device, in host \
+             memory, and device slots caching host experts.",
+            "gauge",
+        );
+        for (tier, n) in [
+            ("device", p.resident),
+            ("host", p.host),
+            ("cache_slot", p.slots),
+        ] {
+            let _ = writeln!(
+                out,
+                "kimi:expert_offload_experts{{{labels},tier=\"{tier}\"}} {n}"
+            );
+        }
+        header(
+            out,
+            "kimi:expert_offload_bytes",
+            "Stored bytes of routed experts by tier (device: resident experts and cache slots).",
+            "gauge",
+        );
+        for (tier, n) in [("device", p.device_bytes), ("host", p.host_bytes)] {
+            let _ = writeln!(
+                out,
+                "kimi:expert_offload_bytes{{{labels},tier=\"{tier}\"}} {n}"
+            );
+        }
+        let mut single = |name: &str, help: &str, kind: &str, value: String| {
+            header(out, name, help, kind);
+            let _ = writeln!(out, "{name}{{{labels}}} {value}");
+        };
+        for (name, help, value) in [
+            (
+                "kimi:expert_cache_hits_total",
+                "Host experts a step needed and found in a device slot.",
+                c.hits,
+            ),
+            (
+                "kimi:expert_cache_fills_total",
+                "Host experts copied into a device slot.",
+                c.fills,
+            ),
+            (
+                "kimi:expert_cache_evictions_total",
+                "Slot fills that replaced another expert.",
+                c.evictions,
+            ),
+            (
+                "kimi:expert_cache_bytes_moved_total",
+                "Bytes copied from host memory into device slots.",
+                c.bytes_moved,
+            ),
+            (
+                "kimi:expert_cold_experts_total",
+                "Host experts computed on the host (no slot free for them).",
+                c.cold_experts,
+            ),
+            (
+                "kimi:expert_cold_pairs_total",
+                "Token-expert pairs computed on the host.",
+                c.cold_pairs,
+            ),
+            (
+                "kimi:expert_device_pairs_total",
+                "Token-expert pairs of tiered layers computed on the device.",
+                c.device_pairs,
+            ),
+        ] {
+            single(name, help, "counter", value.to_string());
+        }
+        single(
+            "kimi:expert_cache_hit_ratio",
+            "Hits over host experts needed (hits + fills + cold) since start; NaN before any.",
+            "gauge",
+            c.hit_rate().unwrap_or(f64::NAN).to_string(),
+        );
+        let tokens = engine.step_tokens_total;
+        single(
+            "kimi:expert_bytes_moved_per_token",
+            "Bytes copied into device slots per token fed to the model since start.",
+            "gauge",
+            if tokens == 0 {
+                "0".to_string()
+            } else {
+                (c.bytes_moved as f64 / tokens as f64).to_string()
+            },
+        );
     }
 
     fn render_counters(&self, out: &mut String, engine: &EngineMetrics) {
@@ -410,6 +432,10 @@ mod tests {
             ..EngineMetrics::default()
         };
         let text = m.render(&engine, 3);
+        assert!(
+            !text.contains("kimi:expert_cache"),
+            "no tiers, no tier metrics"
+        );
         assert!(text.contains("vllm:num_requests_running{model_name=\"demo \\\"x\\\"\"} 2\n"));
         assert!(text.contains("vllm:time_to_first_token_seconds_bucket{model_name=\"demo \\\"x\\\"\",le=\"0.005\"} 1\n"));
         assert!(text.contains("le=\"0.001\"} 0\n"));
@@ -419,5 +445,47 @@ mod tests {
         assert!(text
             .contains("kimi:http_errors_total{model_name=\"demo \\\"x\\\"\",status=\"400\"} 1\n"));
         assert!(text.contains("# TYPE vllm:e2e_request_latency_seconds histogram\n"));
+    }
+
+    #[test]
+    fn renders_the_expert_tiers() {
+        let m = Metrics::new("k3");
+        let engine = EngineMetrics {
+            step_tokens_total: 10,
+            expert_offload: Some(ExpertOffloadMetrics {
+                placement: kimi_engine::Placement {
+                    resident: 4,
+                    host: 12,
+                    slots: 2,
+                    device_bytes: 600,
+                    host_bytes: 1200,
+                },
+                counts: kimi_engine::OffloadCounts {
+                    steps: 5,
+                    hits: 3,
+                    fills: 1,
+                    evictions: 1,
+                    cold_experts: 4,
+                    cold_pairs: 6,
+                    device_pairs: 20,
+                    bytes_moved: 100,
+                },
+            }),
+            ..EngineMetrics::default()
+        };
+        let text = m.render(&engine, 0);
+        for line in [
+            "kimi:expert_offload_experts{model_name=\"k3\",tier=\"host\"} 12\n",
+            "kimi:expert_offload_experts{model_name=\"k3\",tier=\"cache_slot\"} 2\n",
+            "kimi:expert_offload_bytes{model_name=\"k3\",tier=\"device\"} 600\n",
+            "# TYPE kimi:expert_cache_hits_total counter\n",
+            "kimi:expert_cache_hits_total{model_name=\"k3\"} 3\n",
+            "kimi:expert_cache_evictions_total{model_name=\"k3\"} 1\n",
+            "kimi:expert_cold_pairs_total{model_name=\"k3\"} 6\n",
+            "kimi:expert_cache_hit_ratio{model_name=\"k3\"} 0.375\n",
+            "kimi:expert_bytes_moved_per_token{model_name=\"k3\"} 10\n",
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
     }
 }

@@ -58,9 +58,12 @@ pub(crate) async fn health() -> StatusCode {
 pub(crate) async fn metrics(State(state): State<AppState>) -> Response {
     let inner = &state.inner;
     let engine = inner.generator.metrics();
-    let text = inner
+    let mut text = inner
         .metrics
         .render(&engine, inner.num_pending.load(Ordering::Acquire));
+    if let Some(limiter) = &inner.config.limiter {
+        limiter.render_metrics(&mut text);
+    }
     (
         [(
             header::CONTENT_TYPE,

@@ -9,6 +9,7 @@ use crate::config::ServerConfig;
 use crate::constraint::Constraints;
 use crate::error::{ApiError, ServerError};
 use crate::generator::Generator;
+use crate::keys::KeySet;
 use crate::metrics::Metrics;
 use crate::tool_format::{ToolCallParser, ToolFormat};
 use crate::xtml_output::XtmlTokens;
@@ -56,6 +57,10 @@ impl std::fmt::Debug for AppState {
 
 pub(crate) struct Inner {
     pub config: ServerConfig,
+    /// `config.api_keys` and `config.keys`.
+    pub keys: KeySet,
+    /// `config.cors`, built.
+    pub cors: Option<tower_http::cors::CorsLayer>,
     pub generator: Arc<dyn Generator>,
     pub tokenizer: Arc<Tokenizer>,
     /// `config.chat_template`, compiled.
@@ -102,6 +107,11 @@ impl AppState {
                 "max_pending_requests must be at least 1".into(),
             ));
         }
+        let keys = KeySet::build(&config.api_keys, &config.keys).map_err(ServerError::Config)?;
+        let cors = match &config.cors {
+            Some(cors) => Some(cors.layer().map_err(ServerError::Config)?),
+            None => None,
+        };
         let token_text = |id: Option<u32>| {
             id.and_then(|id| tokenizer.token_bytes(id))
                 .map(|b| String::from_utf8_lossy(&b).into_owned())
@@ -159,6 +169,8 @@ impl AppState {
         Ok(AppState {
             inner: Arc::new(Inner {
                 config,
+                keys,
+                cors,
                 generator,
                 tokenizer,
                 chat_template_override,

@@ -28,7 +28,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::Stream;
-use kimi_server::ApiError;
+use kimi_server::keys::KeySet;
+use kimi_server::{ApiError, ConnectionCounters, ListenConfig};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
@@ -41,8 +42,10 @@ pub use store::ResponseStore;
 /// Settings of the agent server.
 #[derive(Debug, Clone)]
 pub struct ServerSettings {
-    /// Accepted API keys (empty: no authentication).
-    pub api_keys: Vec<String>,
+    /// Accepted API keys (none: no authentication), as `serve` takes them.
+    pub keys: Arc<KeySet>,
+    /// Connections, header timeouts and TLS (kimi-server's listener).
+    pub listen: ListenConfig,
     /// The model name clients send and `/v1/models` lists.
     pub model_name: String,
     /// Runs at once; more get 429.
@@ -58,7 +61,13 @@ pub struct ServerSettings {
 impl Default for ServerSettings {
     fn default() -> Self {
         ServerSettings {
-            api_keys: Vec::new(),
+            keys: Arc::new(KeySet::default()),
+            listen: ListenConfig {
+                max_connections: 1024,
+                keep_alive_timeout: Some(std::time::Duration::from_secs(5)),
+                shutdown_timeout: Some(std::time::Duration::from_secs(30)),
+                tls: None,
+            },
             model_name: "kimi-agent".into(),
             max_concurrent_runs: 64,
             max_body_bytes: 32 << 20,
@@ -114,25 +123,26 @@ impl AgentServer {
             .with_state(self.clone())
     }
 
-    /// Serves on `listener` until `shutdown` resolves, then lets open requests finish.
+    /// Serves on `listener` (kimi-server's listener: connection cap, header timeouts,
+    /// TLS) until `shutdown` resolves, then lets open requests finish.
     ///
     /// # Errors
     ///
-    /// The I/O error that stopped serving.
+    /// What stopped serving.
     pub async fn serve(
         &self,
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
-    ) -> std::io::Result<()> {
-        axum::serve(listener, self.router())
-            .with_graceful_shutdown(shutdown)
-            .await
+    ) -> Result<(), kimi_server::ServerError> {
+        let listen = self.shared.settings.listen.clone();
+        let counters = Arc::new(ConnectionCounters::default());
+        kimi_server::serve_app(listener, self.router(), listen, counters, shutdown).await
     }
 }
 
 async fn require_key(State(server): State<AgentServer>, request: Request, next: Next) -> Response {
-    let keys = &server.shared.settings.api_keys;
-    if keys.is_empty() || kimi_server::presented_key(keys, request.headers()).is_some() {
+    let keys = &server.shared.settings.keys;
+    if keys.is_empty() || keys.authenticate(request.headers()).is_some() {
         next.run(request).await
     } else {
         ApiError::unauthorized().into_response()

@@ -98,7 +98,9 @@ pub struct AgentServeArgs {
     /// Port to listen on (0 picks a free one).
     #[arg(long, default_value_t = 8100)]
     pub port: u16,
-    /// Accepted API key (repeatable; also KIMI_API_KEY, comma-separated). None: no auth.
+    /// Accepted API key (repeatable; also KIMI_API_KEY, comma-separated), named key-1,
+    /// key-2, ... in logs. With no key at all (nor --api-key-file, nor
+    /// KIMI_API_KEYS=name=key,name=key), every client is served.
     #[arg(
         long = "api-key",
         env = "KIMI_API_KEY",
@@ -106,6 +108,12 @@ pub struct AgentServeArgs {
         hide_env_values = true
     )]
     pub api_keys: Vec<String>,
+    /// File of named API keys, one per line: `NAME KEY` (as for `serve`; per-key limits in
+    /// it are not applied by the agent server).
+    #[arg(long, env = "KIMI_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub tls: crate::access_args::TlsArgs,
     /// Model name clients send and /v1/models lists (default: the model's name).
     #[arg(long)]
     pub served_model_name: Option<String>,

@@ -73,7 +73,7 @@ fn load_in_process(common: &AgentCommon) -> anyhow::Result<Option<crate::serve::
     serve.host = "127.0.0.1".into();
     serve.port = 0;
     // Requests come from this process only; a one-time key keeps other local users out.
-    serve.api_keys = vec![kimi_agent::message::random_id()];
+    serve.keys.api_keys = vec![kimi_agent::message::random_id()];
     // The agent's own budget bounds a task; the loopback server does not add one.
     serve.request_timeout = 0.0;
     Ok(Some(crate::serve::prepare(&serve)?))
@@ -228,6 +228,9 @@ fn describe_tools(registry: &Registry) -> String {
 }
 
 fn serve(a: AgentServeArgs) -> anyhow::Result<()> {
+    // Flags first: a bad key file should not wait for the weights to load.
+    let keys = api_keys(&a)?;
+    let tls = a.tls.load()?;
     let prepared = load_in_process(&a.common)?;
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     let result = runtime.block_on(async {
@@ -238,12 +241,6 @@ fn serve(a: AgentServeArgs) -> anyhow::Result<()> {
             .served_model_name
             .clone()
             .unwrap_or_else(|| setup.model.model.clone());
-        let keys: Vec<String> = a
-            .api_keys
-            .iter()
-            .filter(|k| !k.is_empty())
-            .cloned()
-            .collect();
         let addr = format!("{}:{}", a.host, a.port);
         let listener = TcpListener::bind(&addr)
             .await
@@ -272,11 +269,19 @@ fn serve(a: AgentServeArgs) -> anyhow::Result<()> {
         let url = listener
             .local_addr()
             .map_or(addr.clone(), |a| a.to_string());
-        tracing::info!(model = %name, "serving the Responses API on http://{url}/v1/responses");
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        tracing::info!(
+            model = %name,
+            "serving the Responses API on {scheme}://{url}/v1/responses"
+        );
         let server = AgentServer::new(
             Arc::clone(&agent),
             ServerSettings {
-                api_keys: keys,
+                keys: Arc::new(keys),
+                listen: kimi_server::ListenConfig {
+                    tls,
+                    ..ServerSettings::default().listen
+                },
                 model_name: name,
                 max_concurrent_runs: a.max_concurrent_runs,
                 ..ServerSettings::default()
@@ -294,6 +299,28 @@ fn serve(a: AgentServeArgs) -> anyhow::Result<()> {
     });
     runtime.shutdown_timeout(Duration::from_secs(1));
     result
+}
+
+/// The keys of `--api-key`, `--api-key-file` and KIMI_API_KEYS, as `serve` reads them.
+fn api_keys(a: &AgentServeArgs) -> anyhow::Result<kimi_server::keys::KeySet> {
+    use kimi_server::keys::{ApiKey, KeySet};
+    let mut named = match &a.api_key_file {
+        Some(path) => ApiKey::read_file(path)?,
+        None => Vec::new(),
+    };
+    if let Ok(list) = std::env::var("KIMI_API_KEYS") {
+        named.extend(ApiKey::parse_list(&list, "KIMI_API_KEYS")?);
+    }
+    if named.iter().any(|k| !k.limits.is_unlimited()) {
+        tracing::warn!("per-key limits in the key file are not applied by agent serve");
+    }
+    let unnamed: Vec<String> = a
+        .api_keys
+        .iter()
+        .filter(|k| !k.is_empty())
+        .cloned()
+        .collect();
+    KeySet::build(&unnamed, &named).map_err(anyhow::Error::msg)
 }
 
 fn tool_choice(text: &str, registry: &Registry) -> anyhow::Result<Option<Value>> {

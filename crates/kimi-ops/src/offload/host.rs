@@ -44,6 +44,10 @@ pub trait HostExpertStore: Send + Sync {
     fn begin_layer(&self, num_experts: usize) -> Box<dyn HostLayerBuilder>;
     /// Short name for logs (the backend computing cold experts).
     fn name(&self) -> String;
+    /// Where the experts are kept, for logs: "host RAM" unless the store says otherwise.
+    fn tier(&self) -> String {
+        "host RAM".into()
+    }
 }
 
 /// Takes a layer's host experts one by one as the loader reads them.
@@ -56,12 +60,25 @@ pub trait HostLayerBuilder {
 
 /// A host store on any backend whose tensors live in host memory
 /// ([`Backend::host_view`]): the CPU backend, which also computes the cold experts.
-pub struct HostBackend<H>(Arc<H>);
+pub struct HostBackend<H> {
+    be: Arc<H>,
+    tier: Option<String>,
+}
 
 impl<H> HostBackend<H> {
     /// A store on `backend`.
     pub fn new(backend: Arc<H>) -> Self {
-        Self(backend)
+        Self {
+            be: backend,
+            tier: None,
+        }
+    }
+
+    /// This store, described in logs as keeping its experts in `tier` (where the backend
+    /// keeps its weights somewhere other than RAM, e.g. memory-mapped files on disk).
+    pub fn in_tier(mut self, tier: impl Into<String>) -> Self {
+        self.tier = Some(tier.into());
+        self
     }
 }
 
@@ -71,13 +88,17 @@ where
 {
     fn begin_layer(&self, num_experts: usize) -> Box<dyn HostLayerBuilder> {
         Box::new(HostLayer {
-            be: self.0.clone(),
+            be: self.be.clone(),
             experts: (0..num_experts).map(|_| None).collect(),
         })
     }
 
     fn name(&self) -> String {
-        self.0.name()
+        self.be.name()
+    }
+
+    fn tier(&self) -> String {
+        self.tier.clone().unwrap_or_else(|| "host RAM".into())
     }
 }
 

@@ -120,6 +120,16 @@ pub async fn start_in(
 ) -> TestServer {
     let ckpt = Checkpoint::open(dir.path()).expect("demo checkpoint opens");
     let model = KimiLinear::load(CpuBackend::new(), &ckpt).expect("demo model loads");
+    start_model(dir, model, config, serving).await
+}
+
+/// A server on `model`, loaded from `dir` (which also holds the tokenizer).
+pub async fn start_model(
+    dir: tempfile::TempDir,
+    model: KimiLinear<CpuBackend>,
+    config: ServerConfig,
+    serving: ServingConfig,
+) -> TestServer {
     let engine = EngineHandle::spawn(model, serving).expect("engine starts");
     let tokenizer = Arc::new(Tokenizer::from_dir(dir.path()).expect("demo tokenizer loads"));
     let state = AppState::new(config, Arc::new(engine.clone()), Arc::clone(&tokenizer))
