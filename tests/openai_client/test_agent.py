@@ -9,7 +9,8 @@ The model is the demo model (SmolLM2-135M-Instruct GGUF), behind `kimi-infer ser
 the main agent (`--endpoint`) and in the agent's own process for the summarize test; named
 tool choices are decoded under llguidance grammars, so even this small model's calls
 match their schemas. A K3-format checkpoint (fixtures/kimi-k3) in the agent's process
-checks the XTML path.
+checks the XTML path. Parallel calls in one turn (one breaking its schema) come from a
+local endpoint of fixed answers (`_ScriptedModel`), since a small model rarely makes two.
 
 Run through scripts/test_openai.sh (which also runs scripts/agent_test_deps.sh for the
 MCP server's Python package).
@@ -494,3 +495,82 @@ def test_an_unreachable_model_is_a_clear_502(tmp_path):
             c.responses.create(model="absent", input="hello")
         assert err.value.status_code == 502
         assert "cannot reach the model" in str(err.value), err.value
+
+
+class _ScriptedModel(http.server.BaseHTTPRequestHandler):
+    """An OpenAI-compatible endpoint whose answers are fixed: two tool calls in one turn
+    (one with arguments that break the tool's schema), then, once tool results are in the
+    conversation, a final answer. Streams as the chat-completions API does."""
+
+    requests: list = []
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self._json({"object": "list", "data": [{"id": "scripted", "object": "model"}]})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).requests.append(body)
+        if any(m.get("role") == "tool" for m in body["messages"]):
+            deltas = [{"role": "assistant", "content": "Both tools "}, {"content": "answered."}]
+            finish = "stop"
+        else:
+            calls = [("call_a", "get_weather", {"city": "Berlin", "days": 9}),
+                     ("call_b", "echo_text", {"text": "hello world"})]
+            deltas = [{"role": "assistant", "tool_calls": [
+                {"index": i, "id": cid, "type": "function",
+                 "function": {"name": name, "arguments": json.dumps(args)}}]}
+                for i, (cid, name, args) in enumerate(calls)]
+            finish = "tool_calls"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        chunks = [{"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+        chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+        chunks.append({"choices": [], "usage": {"prompt_tokens": 20, "completion_tokens": 10,
+                                                "total_tokens": 30}})
+        for c in chunks:
+            c.update(id="chatcmpl-1", object="chat.completion.chunk", created=0, model="scripted")
+            self.wfile.write(f"data: {json.dumps(c)}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def _json(self, value):
+        data = json.dumps(value).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_parallel_calls_and_a_schema_violation_in_one_turn(tmp_path, rest_server):
+    """Two calls in one model turn, one breaking its tool's schema: the valid one runs, the
+    other is answered with the schema error without running, both results go back to the
+    model, and the loop ends with its answer."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ScriptedModel)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _ScriptedModel.requests = []
+    tools = _tools_file(tmp_path, rest_server, None)
+    args = ["--tools", str(tools), "--endpoint", f"http://127.0.0.1:{server.server_port}/v1",
+            "--endpoint-model", "scripted", "--context-window", "4096", "--max-steps", "3"]
+    try:
+        with _agent_server(args, tmp_path / "agent.log", deadline=60) as base:
+            c = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+            r = c.responses.create(model="scripted", input="Weather in Berlin, and echo.")
+    finally:
+        server.shutdown()
+    kinds = [i.type for i in r.output]
+    assert kinds == ["function_call", "function_call", "function_call_output",
+                     "function_call_output", "message"], kinds
+    assert r.status == "completed" and r.output_text == "Both tools answered."
+    _, args, refused = _call_and_output(r, "get_weather")
+    assert args == {"city": "Berlin", "days": 9}
+    assert refused.startswith("error:") and "schema" in refused, refused
+    _, _, echoed = _call_and_output(r, "echo_text")
+    assert echoed == "hello world\n", echoed
+    # The second model call saw both results, in the order of the calls.
+    assert len(_ScriptedModel.requests) == 2
+    tool_msgs = [m for m in _ScriptedModel.requests[1]["messages"] if m["role"] == "tool"]
+    assert [m["content"] for m in tool_msgs] == [refused, echoed], tool_msgs
