@@ -3,7 +3,7 @@
 # side by side on the same GPU. Build here first: scripts/cuda/build-check.sh; fetch the
 # Python wheels (fla-core, flash-linear-attention, einops, openai) into .whl/ with
 # scripts/cuda/fetch-wheels.sh. Then on the device, from the repository root:
-#   scripts/cuda/device-bench.sh OUT_DIR [check] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack] [offload]
+#   scripts/cuda/device-bench.sh OUT_DIR [check] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack] [k3-big] [offload]
 # (no stage names = all). Each stage writes OUT_DIR/<stage>.txt (+ JSON where it has one).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -45,7 +45,7 @@ if want check; then
   timeout 240 .device-bin/check ops fixtures 2>&1 | tee "$OUT/check.txt"
 fi
 if want kernels; then
-  timeout 150 .device-bin/check kda-bench mla-bench 2>&1 | tee "$OUT/kernels.txt"
+  timeout ${KERNELS_TIMEOUT:-240} .device-bin/check kda-bench mla-bench 2>&1 | tee "$OUT/kernels.txt"
 fi
 if want profile; then
   timeout 300 .device-bin/check profile 2>&1 | tee "$OUT/profile.txt"
@@ -63,7 +63,9 @@ if want ncu; then
   gzip -f "$OUT/ncu-b1.csv"; rm -f "$OUT/ncu-p8k.csv" "$OUT/ncu-b1-half.csv"
 fi
 if want peers; then
-  timeout 400 python3 bench/fla_kda.py --out "$OUT/fla_kda.json" 2>&1 | grep -v "^[ {}\[\]\"]" | tee "$OUT/peers.txt"
+  # Kimi Linear's shapes, then Kimi K3's KDA (96 heads, safe gate computed in the kernel).
+  timeout 400 python3 bench/fla_kda.py --decode-batch 1,64,256 --k3-heads 96 \
+    --out "$OUT/fla_kda.json" 2>&1 | grep -v "^[ {}\[\]\"]" | tee "$OUT/peers.txt"
 fi
 if want bench; then
   timeout 420 .device-bin/kimi-infer bench --device cuda --random-config "$CONFIG" \
@@ -145,6 +147,11 @@ PY
       --decode-batch "${K3_BATCHES:-1,16,64,256}" --context "${CONTEXT:-1024}" --decode-steps 8 \
       --json "$OUT/k3-stack-$n.json" 2>&1 | tee "$OUT/k3-stack-$n.txt"
   done
+fi
+# Kimi K3 at full width cut to K3_BIG_LAYERS (default 4: KKKM) layers: decode graphs against
+# op by op, 1,000 greedy tokens with every logit checked finite, 1K and 8K prefills.
+if want k3-big; then
+  timeout ${K3_BIG_TIMEOUT:-540} .device-bin/check k3-big "${K3_BIG_TOKENS:-1000}" 2>&1 | tee "$OUT/k3-big.txt"
 fi
 # Experts beyond GPU memory: the 48B model's routed experts partly in host RAM (computed on
 # the CPU when cold) behind device cache slots; all on the GPU first, for the ratio.

@@ -15,7 +15,12 @@
 //!    sequences, with the implied latent-read bandwidth.
 //! 6. With `kda-bench` (only when named): chunked KDA at T=8192 (H=32/64/96, D=128; the
 //!    tensor-core kernels with hi + lo and with bf16 operands, and the f32 kernels) and the
-//!    KDA decode step per layer (fused and composed, B=1 and 64), synchronised wall time.
+//!    KDA decode step per layer (fused and composed, B=1 and 64), synchronised wall time;
+//!    then Kimi K3's: 96 heads with the safe gate, chunked at T=8192 (gate + rule) and the
+//!    decode step at B=1, 64 and 256 (`bench/fla_kda.py --k3-heads 96` is the peer).
+//! 12. With `k3-big [N_TOKENS]` (only when named; default 1000): Kimi K3 at full
+//!     width cut to `K3_BIG_LAYERS` layers (default 4): part 3's graph check, N greedy
+//!     tokens with all logits finite, 1K and 8K prefills.
 //!
 //! 11. With `k3-moe-bench` (only when named): one Kimi K3 LatentMoE layer at full width
 //!     (896 MXFP4 experts top-16), decode batches against the HBM roofline
@@ -38,7 +43,7 @@
 //! op by op, and requires the logits to be bit-identical.
 //!
 //! Usage: `check [ops] [kda-ops] [fixtures] [big N_TOKENS] [profile] [mla-bench] [kda-bench]
-//! [tune] [gemv-bench] [ncu-step] [moe-bench] [sample-bench] [k3-ops] [k3-moe-bench]`
+//! [tune] [gemv-bench] [ncu-step] [moe-bench] [sample-bench] [k3-ops] [k3-moe-bench] [k3-big N_TOKENS]`
 //! (default: 1-3, 1000 tokens).
 
 use std::collections::HashSet;
@@ -73,12 +78,14 @@ use op_cases::{rel_err, CpuRun, CudaRun};
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let all = args.is_empty();
-    let big_tokens = args
-        .iter()
-        .position(|a| a == "big")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(1000usize);
+    let tokens_after = |stage: &str| {
+        args.iter()
+            .position(|a| a == stage)
+            .and_then(|i| args.get(i + 1))
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(1000usize)
+    };
+    let (big_tokens, k3_big_tokens) = (tokens_after("big"), tokens_after("k3-big"));
     // (name, runs by default, what it runs), in order.
     type Stage<'a> = (&'static str, bool, Box<dyn Fn() -> Res<()> + 'a>);
     let stages: Vec<Stage> = vec![
@@ -124,6 +131,7 @@ fn main() {
         ),
         ("fixtures", true, Box::new(check_fixtures)),
         ("big", true, Box::new(|| check_big(big_tokens))),
+        ("k3-big", false, Box::new(|| check_k3_big(k3_big_tokens))),
     ];
     let mut failed = false;
     for (name, default, run) in &stages {
@@ -1156,6 +1164,71 @@ fn check_big(num_tokens: usize) -> Res<()> {
     Ok(())
 }
 
+/// Kimi K3 at full width (hidden 7168, 96 KDA heads, gated MLA, 896 MXFP4 experts top-16 in
+/// the 3584 latent, AttnRes), random weights, cut to `K3_BIG_LAYERS` layers (default 4: three
+/// KDA and one MLA): decode graphs against op-by-op, `num_tokens` greedy tokens with every
+/// logit checked finite, and 1K / 8K prefills.
+fn check_k3_big(num_tokens: usize) -> Res<()> {
+    let layers: usize = std::env::var("K3_BIG_LAYERS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(4);
+    println!("== 3b. Kimi K3 at full width, {layers} layers, random weights");
+    let text = std::fs::read_to_string("crates/kimi-core/tests/data/kimi-k3-trimmed.config.json")?;
+    let mut json: serde_json::Value = serde_json::from_str(&text)?;
+    let t = json.get_mut("text_config").ok_or("no text_config")?;
+    t["num_hidden_layers"] = layers.into();
+    for key in ["kda_layers", "full_attn_layers"] {
+        let list = &mut t["linear_attn_config"][key];
+        let kept: Vec<u64> = list
+            .as_array()
+            .ok_or("layer list")?
+            .iter()
+            .filter_map(|v| v.as_u64())
+            .filter(|&i| i as usize <= layers)
+            .collect();
+        *list = kept.into();
+    }
+    let config = ModelConfig::from_json_str(&json.to_string())?;
+    let t0 = Instant::now();
+    let model = KimiLinear::load_from(
+        CudaBackend::new(0)?,
+        config,
+        &RandomWeights {
+            dtype: DType::BF16,
+            seed: 0,
+        },
+    )?;
+    let be = model.backend();
+    be.synchronize()?;
+    let (free, total) = be.mem_info()?;
+    println!(
+        "loaded in {:.1} s; device memory used {:.1} GiB of {:.1} GiB",
+        t0.elapsed().as_secs_f64(),
+        (total - free) as f64 / (1u64 << 30) as f64,
+        total as f64 / (1u64 << 30) as f64
+    );
+    let _ = std::io::stdout().flush();
+    let vocab = model.config().vocab_size;
+    check_graphs(&model, &[1, 8, 64])?;
+    generate(&model, num_tokens, vocab)?;
+    for len in [1024usize, 8192] {
+        let toks: Vec<u32> = (0..len).map(|i| (i * 7919 % vocab) as u32).collect();
+        let (mut pool, mut c) = model.single_cache(len)?;
+        be.synchronize()?;
+        let ts = Instant::now();
+        let logits = forward_last(&model, &mut pool, &mut c, &toks)?;
+        be.synchronize()?;
+        let (_, f) = argmax(&logits);
+        println!(
+            "prefill {len} tokens: {:.3} s (finite {f})",
+            ts.elapsed().as_secs_f64()
+        );
+        let _ = std::io::stdout().flush();
+    }
+    Ok(())
+}
+
 // ---------------------------------------------------------------- per-op profile
 
 /// Delegates to [`CudaBackend`], synchronising around every op to charge its device time.
@@ -1869,23 +1942,88 @@ fn kda_bench() -> Res<()> {
         );
         let _ = std::io::stdout().flush();
     }
-    let h = 32usize;
+    kda_bench_k3_chunk(&be, &mut r)?;
+    // Kimi Linear's decode (32 heads, softplus gate), then Kimi K3's (96 heads, safe gate).
+    for (h, gate, batches) in [
+        (32usize, KdaGate::Softplus, &[1usize, 64][..]),
+        (96, KdaGate::LowerBound(-5.0), &[1, 64, 256][..]),
+    ] {
+        kda_bench_decode(&be, &mut r, h, gate, batches)?;
+    }
+    Ok(())
+}
+
+/// Kimi K3's chunked KDA at T=8192: 96 heads, the safe gate computed from the raw gate input
+/// (`kda_gate`) and the chunked rule, timed together (as fla's `chunk_kda` with
+/// `use_gate_in_kernel` and `safe_gate` does both).
+fn kda_bench_k3_chunk(be: &CudaBackend, r: &mut op_cases::Rng) -> Res<()> {
+    let (t, h, d) = (8192usize, 96usize, 128usize);
+    let w = h * d;
+    let q = be.upload_f32(&[t, w], &r.vec(t * w, 1.0))?;
+    let k = be.upload_f32(&[t, w], &r.vec(t * w, 1.0))?;
+    let v = be.upload_f32(&[t, w], &r.vec(t * w, 1.0))?;
+    let f = be.upload_f32(&[t, w], &r.vec(t * w, 1.0))?;
+    let a_log = op_cases::weight(be, &[1, 1, h, 1], &r.vec(h, 0.5), DType::F32)?;
+    let dt_bias = op_cases::weight(be, &[w], &r.vec(w, 0.1), DType::F32)?;
+    let beta: Vec<f32> = r.vec(t * h, 1.0).iter().map(|x| 0.5 + 0.4 * x).collect();
+    let beta = be.upload_f32(&[t, h], &beta)?;
+    let mut state = be.zeros(&[h, d, d])?;
+    let segs = [Segment { start: 0, len: t }];
+    let gate = KdaGate::LowerBound(-5.0);
+    let gate_only = time_calls(be, 2, 10, || {
+        be.kda_gate(&f, &a_log, &dt_bias, h, gate).map(drop)
+    })?;
+    let both = time_calls(be, 2, 10, || {
+        let g = be.kda_gate(&f, &a_log, &dt_bias, h, gate)?;
+        be.kda(
+            &q,
+            &k,
+            &v,
+            &g,
+            &beta,
+            h,
+            &segs,
+            &mut [&mut state],
+            KdaMode::Chunked,
+        )
+        .map(drop)
+    })?;
+    let tflops = (t * h) as f64 * 117_760.0 / both / 1e12;
+    println!(
+        "kda k3 chunked safe gate T={t} H={h} D={d}: {:8.3} ms  ({tflops:.1} model TFLOP/s) [gate {:.3} ms]",
+        both * 1e3,
+        gate_only * 1e3
+    );
+    let _ = std::io::stdout().flush();
+    Ok(())
+}
+
+/// One fused KDA decode step per layer (convolutions, gate, rule, gated norm) against the
+/// composed ops, at each batch size.
+fn kda_bench_decode(
+    be: &CudaBackend,
+    r: &mut op_cases::Rng,
+    h: usize,
+    gate: KdaGate,
+    batches: &[usize],
+) -> Res<()> {
+    let d = 128usize;
     let width = h * d;
     let conv: Vec<_> = (0..3)
-        .map(|_| op_cases::weight(&be, &[width, 1, 4], &r.vec(width * 4, 0.5), DType::BF16))
+        .map(|_| op_cases::weight(be, &[width, 1, 4], &r.vec(width * 4, 0.5), DType::BF16))
         .collect::<Res<_>>()?;
-    let a_log = op_cases::weight(&be, &[1, 1, h, 1], &r.vec(h, 1.0), DType::F32)?;
-    let dt_bias = op_cases::weight(&be, &[width], &r.vec(width, 0.5), DType::F32)?;
-    let o_norm = op_cases::weight(&be, &[d], &r.vec(d, 1.0), DType::BF16)?;
+    let a_log = op_cases::weight(be, &[1, 1, h, 1], &r.vec(h, 1.0), DType::F32)?;
+    let dt_bias = op_cases::weight(be, &[width], &r.vec(width, 0.5), DType::F32)?;
+    let o_norm = op_cases::weight(be, &[d], &r.vec(d, 1.0), DType::BF16)?;
     let weights = KdaStepWeights {
         conv: [&conv[0], &conv[1], &conv[2]],
         a_log: &a_log,
         dt_bias: &dt_bias,
         o_norm: &o_norm,
-        gate: KdaGate::Softplus,
+        gate,
         eps: 1e-5,
     };
-    for batch in [1usize, 64] {
+    for &batch in batches {
         let pre: Vec<_> = (0..3)
             .map(|_| be.upload_f32(&[batch, width], &r.vec(batch * width, 1.0)))
             .collect::<Result<_, _>>()?;
@@ -1911,12 +2049,12 @@ fn kda_bench() -> Res<()> {
         }
         let segs: Vec<Segment> = (0..batch).map(|s| Segment { start: s, len: 1 }).collect();
         for fused in [true, false] {
-            let s = time_calls(&be, 5, 200, || {
+            let s = time_calls(be, 5, 200, || {
                 let mut refs: Vec<_> = caches.iter_mut().map(|(c, s)| (c, s)).collect();
                 let y = if fused {
                     be.kda_decode(&inputs, &weights, h, &segs, &mut refs)?
                 } else {
-                    kimi_ops::kda_decode_composed(&be, &inputs, &weights, h, &segs, &mut refs)?
+                    kimi_ops::kda_decode_composed(be, &inputs, &weights, h, &segs, &mut refs)?
                 };
                 drop(y);
                 Ok(())
