@@ -154,18 +154,25 @@ if want k3-big; then
   timeout ${K3_BIG_TIMEOUT:-540} .device-bin/check k3-big "${K3_BIG_TOKENS:-1000}" 2>&1 | tee "$OUT/k3-big.txt"
 fi
 # Experts beyond GPU memory: the 48B model's routed experts partly in host RAM (computed on
-# the CPU when cold) behind device cache slots; all on the GPU first, for the ratio.
+# the CPU when cold) behind device cache slots; all on the GPU first, for the ratio. With
+# slots, page-locked fills (the default) and staged ones (KIMI_CUDA_PIN_HOST_EXPERTS=0).
 # OFFLOAD_HOST: experts per layer (of 256) kept in host RAM; OFFLOAD_SLOTS: device slots.
+# First the fixtures in tiers against all resident on the device (`check offload`).
 if want offload; then
+  timeout 240 .device-bin/check offload 2>&1 | tee "$OUT/offload-check.txt"
   for host in ${OFFLOAD_HOST:-0 128}; do
     for slots in ${OFFLOAD_SLOTS:-0 64}; do
       [ "$host" = 0 ] && [ "$slots" != 0 ] && continue
-      flags=""
-      [ "$host" != 0 ] && flags="--offload-experts $host --expert-cache-slots $slots"
-      timeout ${OFFLOAD_TIMEOUT:-300} .device-bin/kimi-infer bench --device cuda --random-config "$CONFIG" \
-        --prompt-len 256 --gen-len 8 --repeats 1 --decode-batch "${OFFLOAD_BATCHES:-1,16}" \
-        --context 256 --decode-steps 16 $flags \
-        --json "$OUT/offload-$host-$slots.json" 2>&1 | tee "$OUT/offload-$host-$slots.txt"
+      for pin in 1 0; do
+        [ "$slots" = 0 ] && [ "$pin" = 0 ] && continue
+        flags=""
+        [ "$host" != 0 ] && flags="--offload-experts $host --expert-cache-slots $slots"
+        KIMI_CUDA_PIN_HOST_EXPERTS=$pin timeout ${OFFLOAD_TIMEOUT:-300} .device-bin/kimi-infer bench \
+          --device cuda --random-config "$CONFIG" \
+          --prompt-len 256 --gen-len 8 --repeats 1 --decode-batch "${OFFLOAD_BATCHES:-1,16}" \
+          --context 256 --decode-steps 16 $flags \
+          --json "$OUT/offload-$host-$slots-pin$pin.json" 2>&1 | tee "$OUT/offload-$host-$slots-pin$pin.txt"
+      done
     done
   done
 fi

@@ -34,7 +34,7 @@ enum Repr<T> {
         ptr: std::ptr::NonNull<T>,
         len: usize,
         // Keeps the mapping alive; no other buffer covers `ptr..ptr + len`.
-        _map: std::sync::Arc<map::Mapping>,
+        map: std::sync::Arc<map::Mapping>,
     },
 }
 
@@ -76,7 +76,7 @@ impl<T: Plain> WeightBuf<T> {
             return Some(Self(Repr::Mapped {
                 ptr: ptr.cast(),
                 len,
-                _map: map,
+                map,
             }));
         }
         try_zeroed_vec(len).map(|v| Self(Repr::Heap(v)))
@@ -122,6 +122,20 @@ impl<T> WeightBuf<T> {
     pub(crate) fn is_mapped(&self) -> bool {
         !matches!(self.0, Repr::Heap(_))
     }
+
+    /// The whole anonymous mapping this buffer was carved from, as `(start, len)`: memory a
+    /// device backend may page-lock as one region so that copies out of any buffer in it
+    /// run by DMA. `None` for heap buffers (their pages are shared with unrelated data) and
+    /// for file mappings (locking them would read the whole file into RAM).
+    pub(crate) fn lockable_region(&self) -> Option<(usize, usize)> {
+        match &self.0 {
+            Repr::Heap(_) => None,
+            #[cfg(target_os = "linux")]
+            Repr::Mapped { map, .. } => {
+                (!map.is_file()).then(|| (map.ptr().as_ptr() as usize, map.len()))
+            }
+        }
+    }
 }
 
 impl<T> From<Vec<T>> for WeightBuf<T> {
@@ -142,7 +156,7 @@ impl<T> Deref for WeightBuf<T> {
         match &self.0 {
             Repr::Heap(v) => v,
             // SAFETY: `ptr` points at `len` initialized values owned by this buffer, kept
-            // mapped by `_map`.
+            // mapped by `map`.
             #[cfg(target_os = "linux")]
             Repr::Mapped { ptr, len, .. } => unsafe {
                 std::slice::from_raw_parts(ptr.as_ptr(), *len)
@@ -194,7 +208,7 @@ impl Carved {
         Repr::Mapped {
             ptr: self.ptr.cast(),
             len,
-            _map: self.map,
+            map: self.map,
         }
     }
 }
@@ -219,6 +233,8 @@ mod map {
     pub(crate) struct Mapping {
         ptr: NonNull<u8>,
         len: usize,
+        /// A shared mapping of a file (the disk tier), not anonymous memory.
+        file: bool,
     }
 
     // SAFETY: only an address range; the buffers carved from it do the reading and writing.
@@ -262,6 +278,7 @@ mod map {
             Some(Self {
                 ptr: NonNull::new(start)?,
                 len,
+                file: false,
             })
         }
     }
@@ -291,7 +308,13 @@ mod map {
             Some(Self {
                 ptr: NonNull::new(base.cast())?,
                 len,
+                file: true,
             })
+        }
+
+        /// Whether this maps a file (see [`Mapping::shared_file`]).
+        pub(crate) fn is_file(&self) -> bool {
+            self.file
         }
 
         /// Start of the mapping.

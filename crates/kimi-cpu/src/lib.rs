@@ -125,6 +125,10 @@ impl Backend for CpuBackend {
     fn host_view<'a>(&self, t: &'a CpuTensor) -> Option<HostTensor<'a>> {
         t.stored()
     }
+    fn host_region(&self, t: &CpuTensor) -> Option<kimi_ops::HostRegion> {
+        t.lockable_region()
+            .map(|(start, len)| kimi_ops::HostRegion { start, len })
+    }
     fn upload_f32(&self, shape: &[usize], data: &[f32]) -> Result<CpuTensor> {
         CpuTensor::f32(shape, data.to_vec())
     }

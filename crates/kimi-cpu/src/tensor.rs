@@ -291,6 +291,17 @@ impl CpuTensor {
         })
     }
 
+    /// The whole anonymous mapping this tensor's stored bytes were carved from, as
+    /// `(start, len)` ([`crate::arena::WeightBuf::lockable_region`]); `None` for f32 and heap
+    /// storage and for the disk tier's files.
+    pub fn lockable_region(&self) -> Option<(usize, usize)> {
+        match &self.storage {
+            Storage::Bf16(v) | Storage::F16(v) => v.lockable_region(),
+            Storage::Quant { bytes, .. } => bytes.lockable_region(),
+            Storage::F32(_) | Storage::Fp8Rows { .. } => None,
+        }
+    }
+
     /// `[rows, cols]` of a matrix-shaped tensor (leading dimensions folded into rows).
     pub(crate) fn rows_cols(&self, op: &'static str) -> Result<(usize, usize)> {
         match self.shape.as_slice() {

@@ -21,6 +21,9 @@
 //! 12. With `k3-big [N_TOKENS]` (only when named; default 1000): Kimi K3 at full
 //!     width cut to `K3_BIG_LAYERS` layers (default 4): part 3's graph check, N greedy
 //!     tokens with all logits finite, 1K and 8K prefills.
+//! 13. With `offload` (only when named): every fixture with its experts in tiers (host
+//!     RAM, device slots, cold ones on the CPU), page-locked and staged fills, against the
+//!     same model all resident (`check_parts/offload.rs`).
 //!
 //! 11. With `k3-moe-bench` (only when named): one Kimi K3 LatentMoE layer at full width
 //!     (896 MXFP4 experts top-16), decode batches against the HBM roofline
@@ -43,7 +46,7 @@
 //! op by op, and requires the logits to be bit-identical.
 //!
 //! Usage: `check [ops] [kda-ops] [fixtures] [big N_TOKENS] [profile] [mla-bench] [kda-bench]
-//! [tune] [gemv-bench] [ncu-step] [moe-bench] [sample-bench] [k3-ops] [k3-moe-bench] [k3-big N_TOKENS]`
+//! [tune] [gemv-bench] [ncu-step] [moe-bench] [sample-bench] [k3-ops] [k3-moe-bench] [k3-big N_TOKENS] [offload]`
 //! (default: 1-3, 1000 tokens).
 
 use std::collections::HashSet;
@@ -71,6 +74,8 @@ type Res<T> = std::result::Result<T, Box<dyn Error>>;
 mod k3_cases;
 #[path = "check_parts/k3_layer.rs"]
 mod k3_layer;
+#[path = "check_parts/offload.rs"]
+mod offload;
 #[path = "../tests/common/op_cases.rs"]
 mod op_cases;
 use op_cases::{rel_err, CpuRun, CudaRun};
@@ -132,6 +137,7 @@ fn main() {
         ("fixtures", true, Box::new(check_fixtures)),
         ("big", true, Box::new(|| check_big(big_tokens))),
         ("k3-big", false, Box::new(|| check_k3_big(k3_big_tokens))),
+        ("offload", false, Box::new(offload::check_offload)),
     ];
     let mut failed = false;
     for (name, default, run) in &stages {

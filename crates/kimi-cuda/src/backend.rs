@@ -526,6 +526,42 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn upload_into(&self, dst: &mut CudaTensor, host: HostTensor<'_>) -> Result<()> {
+        // In place where the buffer is this tensor's alone and takes the bytes as they are
+        // (MXFP4 is re-laid out on upload); otherwise, or with `pin_host_experts` off, a
+        // new upload.
+        let in_place = self.kernel_config().pin_host_experts
+            && host.dtype != DType::MXFP4
+            && dst.dtype == host.dtype
+            && dst.shape == host.shape
+            && dst.offset == 0
+            && dst.len_bytes() == host.bytes.len()
+            && Arc::strong_count(&dst.buf) == 1;
+        if !in_place {
+            *dst = self.upload(host)?;
+            return Ok(());
+        }
+        // SAFETY: `dst` owns `len_bytes()` == `host.bytes.len()` bytes of device memory; the
+        // stream orders the copy after the kernels that read the old contents. A source in
+        // a region locked through `lock_host_region` stays unwritten while locked (its
+        // contract), so the copy may finish after this returns.
+        unsafe {
+            self.dev
+                .copy_from_host(dst.ptr(), host.bytes, "expert slot fill")
+        }
+    }
+
+    fn lock_host_region(
+        &self,
+        region: kimi_ops::HostRegion,
+        owner: Arc<dyn Send + Sync>,
+    ) -> Result<Option<kimi_ops::LockedRegion>> {
+        if !self.kernel_config().pin_host_experts {
+            return Ok(None);
+        }
+        crate::device::lock_host(&self.dev.ctx, region, owner)
+    }
+
     fn upload_f32(&self, shape: &[usize], data: &[f32]) -> Result<CudaTensor> {
         let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
         self.upload(HostTensor {

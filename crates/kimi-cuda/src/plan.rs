@@ -222,6 +222,10 @@ pub struct KernelConfig {
     /// MiB of the CUDA graphs' pass arena, made at the first recorded pass (a 64-sequence
     /// decode step of the 48B model peaks near 100 MB; `KIMI_CUDA_GRAPH_ARENA_MB`).
     pub graph_arena_mb: usize,
+    /// Host memory that expert cache slots are filled from is page-locked, and fills are
+    /// queued as asynchronous copies that run by DMA (`KIMI_CUDA_PIN_HOST_EXPERTS`). Off:
+    /// each fill goes through the driver's staging buffer, one after another.
+    pub pin_host_experts: bool,
 }
 
 impl Default for KernelConfig {
@@ -247,6 +251,7 @@ impl Default for KernelConfig {
             pdl: true,
             pool_keeps_memory: true,
             graph_arena_mb: 512,
+            pin_host_experts: true,
         }
     }
 }

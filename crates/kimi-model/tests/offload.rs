@@ -222,3 +222,60 @@ fn byte_budgets_become_whole_experts_per_layer() {
         assert_eq!((p.resident, p.host, p.slots), (5, 3, 1));
     }
 }
+
+/// A host store in RAM reports the mappings its experts lie in (each once, covering every
+/// expert's bytes) for a device backend to page-lock for its slot fills; the disk tier's
+/// files are never reported (locking them would read the files into RAM).
+#[test]
+fn host_experts_report_lockable_regions_in_ram_and_none_on_disk() {
+    use kimi_core::DType;
+    use kimi_ops::offload::HostExpertStore;
+    use kimi_ops::{HostTensor, MlpWeights};
+    let (rows, cols) = (32usize, 64usize);
+    let bytes: Vec<u8> = (0..rows * cols * 2).map(|i| (i % 97) as u8).collect();
+    let matrix = |shape: &'static [usize]| HostTensor {
+        shape,
+        dtype: DType::BF16,
+        bytes: &bytes,
+    };
+    let folder = tempfile::tempdir().unwrap();
+    for on_disk in [false, true] {
+        let be = if on_disk {
+            let file = kimi_cpu::WeightFile::new(folder.path()).unwrap();
+            backend().keeping_weights_in(Arc::new(file))
+        } else {
+            backend()
+        };
+        let mut layer = HostBackend::new(Arc::new(be)).begin_layer(4);
+        for e in 0..4 {
+            let w = MlpWeights {
+                gate: matrix(&[32, 64]),
+                up: matrix(&[32, 64]),
+                down: matrix(&[64, 32]),
+            };
+            layer.add(e, w).unwrap();
+        }
+        let experts = layer.finish().unwrap();
+        let regions = experts.regions();
+        if on_disk {
+            assert!(regions.is_empty(), "{regions:?}");
+            continue;
+        }
+        assert!(!regions.is_empty());
+        for pair in regions.windows(2) {
+            assert!(pair[0].start + pair[0].len <= pair[1].start, "{regions:?}");
+        }
+        for e in 0..4 {
+            let m = experts.matrices(e).unwrap();
+            for t in [m.gate, m.up, m.down] {
+                let (a, n) = (t.bytes.as_ptr() as usize, t.bytes.len());
+                assert!(
+                    regions
+                        .iter()
+                        .any(|r| r.start <= a && a + n <= r.start + r.len),
+                    "expert {e}'s bytes at {a:#x} are in no region of {regions:?}"
+                );
+            }
+        }
+    }
+}

@@ -84,6 +84,20 @@ pub struct HostTensor<'a> {
     pub bytes: &'a [u8],
 }
 
+/// A range of host memory by address: a whole region a host-memory backend keeps weights
+/// in ([`Backend::host_region`]), which a device backend may page-lock
+/// ([`Backend::lock_host_region`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HostRegion {
+    /// First byte's address.
+    pub start: usize,
+    /// Length in bytes.
+    pub len: usize,
+}
+
+/// Keeps a [`HostRegion`] page-locked; dropping it unlocks the region.
+pub type LockedRegion = Box<dyn Send + Sync>;
+
 /// The index of the largest value of `row`, as greedy sampling picks it: NaN counts as
 /// `-inf`, `+inf` as the largest finite value, ties go to the lowest index, and a row with
 /// nothing above `-inf` gives 0.
@@ -423,7 +437,9 @@ pub trait Backend: Send + Sync {
     fn upload(&self, host: HostTensor<'_>) -> Result<Self::Tensor>;
     /// Replaces the contents of `dst` (an earlier [`Backend::upload`] of the same shape and
     /// dtype: an expert cache slot) with `host`. Backends that can copy into the existing
-    /// buffer do; the default uploads a new tensor in its place.
+    /// buffer do, in order with the work queued before and after it; the default uploads a
+    /// new tensor in its place. `host` must stay unchanged while a copy from a region locked
+    /// by [`Backend::lock_host_region`] may still be running (weights never change).
     fn upload_into(&self, dst: &mut Self::Tensor, host: HostTensor<'_>) -> Result<()> {
         *dst = self.upload(host)?;
         Ok(())
@@ -434,6 +450,28 @@ pub trait Backend: Send + Sync {
     fn host_view<'a>(&self, t: &'a Self::Tensor) -> Option<HostTensor<'a>> {
         let _ = t;
         None
+    }
+    /// The whole region of host memory `t`'s stored bytes lie in, where this backend keeps
+    /// weights in regions that may be page-locked as units (anonymous mappings shared by
+    /// many weights; never files, whose locking would read them into RAM). Default: `None`.
+    fn host_region(&self, t: &Self::Tensor) -> Option<HostRegion> {
+        let _ = t;
+        None
+    }
+    /// Page-locks `region` so that copies from it into this backend's memory run by DMA
+    /// ([`Backend::upload_into`] then returns before its copy is done). `owner` keeps the
+    /// region mapped, and its bytes unwritten, while it lives: the lock holds it. Returns
+    /// what keeps the region locked, or `None` where the backend gains nothing (the
+    /// default) or could not lock it (copies then stage through pageable memory as before;
+    /// the backend says why in its log). A region already locked is shared, not locked
+    /// twice.
+    fn lock_host_region(
+        &self,
+        region: HostRegion,
+        owner: std::sync::Arc<dyn Send + Sync>,
+    ) -> Result<Option<LockedRegion>> {
+        let _ = (region, owner);
+        Ok(None)
     }
     /// Whether [`Backend::upload`] takes weights of `dtype` as stored. Where it does not
     /// (block-quantized GGUF weights on a backend without kernels for them), model loaders

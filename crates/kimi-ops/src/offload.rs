@@ -22,7 +22,7 @@ pub use cache::{CachePolicy, CacheStep, ExpertCache, Fill};
 pub use host::{ColdPair, HostBackend, HostExpertStore, HostExperts, HostLayerBuilder};
 
 use crate::experts::ExpertView;
-use crate::{Activation, Backend, Error, MlpWeights, MoeRoutes, Result};
+use crate::{Activation, Backend, Error, LockedRegion, MlpWeights, MoeRoutes, Result};
 
 /// An amount of experts per MoE layer, or of bytes over all MoE layers (the flags'
 /// gigabytes), turned into experts per layer by [`ExpertOffload::per_layer`].
@@ -212,6 +212,9 @@ struct Slots<T> {
 /// of device slots in front of it.
 pub struct TieredBank<T> {
     resident: Vec<Option<MlpWeights<T>>>,
+    /// The host store's memory, page-locked by the backend for its slot fills (each lock
+    /// keeps the store alive); unlocked when the bank goes.
+    _locked: Vec<LockedRegion>,
     host: Arc<dyn HostExperts>,
     slots: Mutex<Slots<T>>,
     placement: Placement,
@@ -241,6 +244,16 @@ impl<T> TieredBank<T> {
             }
         }
         let slots = slots.min(host_ids.len());
+        let mut locked = Vec::new();
+        if slots > 0 {
+            // The store keeps its regions mapped and unwritten while it lives.
+            let owner: Arc<dyn Send + Sync> = Arc::new(host.clone());
+            for region in host.regions() {
+                if let Some(l) = be.lock_host_region(region, owner.clone())? {
+                    locked.push(l);
+                }
+            }
+        }
         let mut cache = ExpertCache::new(resident.len(), slots, policy);
         let mut weights = Vec::with_capacity(slots);
         for (slot, &e) in host_ids.iter().take(slots).enumerate() {
@@ -261,6 +274,7 @@ impl<T> TieredBank<T> {
         };
         Ok(Self {
             resident,
+            _locked: locked,
             host,
             slots: Mutex::new(Slots { weights, cache }),
             placement,

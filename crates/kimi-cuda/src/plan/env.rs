@@ -27,9 +27,10 @@ const PDL: &str = "KIMI_CUDA_PDL";
 const POOL_RELEASE: &str = "KIMI_CUDA_POOL_RELEASE";
 const GRAPH_ARENA_MB: &str = "KIMI_CUDA_GRAPH_ARENA_MB";
 const MXFP4_TOKEN_TILES: &str = "KIMI_CUDA_MXFP4_TOKEN_TILES";
+const PIN_HOST_EXPERTS: &str = "KIMI_CUDA_PIN_HOST_EXPERTS";
 
 /// Every variable [`KernelConfig::from_env`] reads.
-const VARS: [&str; 11] = [
+const VARS: [&str; 12] = [
     MLA_PREFILL,
     KDA_CHUNK,
     MOE_LAYER,
@@ -41,6 +42,7 @@ const VARS: [&str; 11] = [
     POOL_RELEASE,
     GRAPH_ARENA_MB,
     MXFP4_TOKEN_TILES,
+    PIN_HOST_EXPERTS,
 ];
 
 impl KernelConfig {
@@ -86,6 +88,7 @@ impl KernelConfig {
     /// | `KIMI_CUDA_POOL_RELEASE` | `1`: freed memory goes back to the driver; `0` |
     /// | `KIMI_CUDA_GRAPH_ARENA_MB` | MiB |
     /// | `KIMI_CUDA_MXFP4_TOKEN_TILES` | `1`, `2` or `4`; `auto` |
+    /// | `KIMI_CUDA_PIN_HOST_EXPERTS` | `0`: expert slots fill from pageable memory; `1` |
     pub fn from_vars<'a>(
         vars: impl IntoIterator<Item = (&'a str, &'a str)>,
     ) -> (Self, Vec<EnvVarError>) {
@@ -153,6 +156,9 @@ impl KernelConfig {
             }
             GRAPHS => self.cuda_graphs = flag(value).ok_or_else(|| invalid("`0` or `1`"))?,
             PDL => self.pdl = flag(value).ok_or_else(|| invalid("`0` or `1`"))?,
+            PIN_HOST_EXPERTS => {
+                self.pin_host_experts = flag(value).ok_or_else(|| invalid("`0` or `1`"))?
+            }
             POOL_RELEASE => {
                 self.pool_keeps_memory = !flag(value).ok_or_else(|| invalid("`0` or `1`"))?
             }

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use crate::{Activation, Backend, Error, HostTensor, MlpWeights, Result};
+use crate::{Activation, Backend, Error, HostRegion, HostTensor, MlpWeights, Result};
 
 /// One token-expert pair computed on the host: `weight · expert(x[row])`.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -25,6 +25,12 @@ pub trait HostExperts: Send + Sync {
     fn bytes(&self, e: usize) -> usize;
     /// Width of an expert's output.
     fn out_width(&self) -> usize;
+    /// The whole regions of host memory the experts' bytes lie in that a device backend
+    /// may page-lock ([`Backend::host_region`]), each once; they stay mapped and unwritten
+    /// while the store lives. Default: none.
+    fn regions(&self) -> Vec<HostRegion> {
+        Vec::new()
+    }
     /// `Σ weight · expert(x[row])` over `pairs`, for `x` row-major `[rows, width]` f32;
     /// returns `[rows, out_width]` (rows without pairs zero). Experts are summed in id
     /// order.
@@ -163,6 +169,19 @@ impl<H: Backend> HostExperts for HostLayer<H> {
             .next()
             .and_then(|w| self.be.shape(&w.down).first().copied())
             .unwrap_or(0)
+    }
+
+    fn regions(&self) -> Vec<HostRegion> {
+        let mut regions: Vec<HostRegion> = self
+            .experts
+            .iter()
+            .flatten()
+            .flat_map(|w| [&w.gate, &w.up, &w.down])
+            .filter_map(|t| self.be.host_region(t))
+            .collect();
+        regions.sort_by_key(|r| (r.start, r.len));
+        regions.dedup();
+        regions
     }
 
     fn compute(

@@ -1,0 +1,116 @@
+//! `offload`: experts beyond GPU memory on the device. Each fixture runs with its routed
+//! experts all resident, then split into tiers (some in host RAM behind device cache slots,
+//! cold ones computed on the CPU), with the host store page-locked and slots filled by
+//! asynchronous copies (`pin_host_experts`, the default) and without. Where no expert is
+//! cold the logits must be the resident bits; where some are, the host's sum is rounded on
+//! its own (f32 rounding against the resident logits).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use kimi_cpu::{CpuBackend, QuantMatmul};
+use kimi_cuda::CudaBackend;
+use kimi_model::{ExpertOffload, ForwardOptions, KimiLinear, LoadOptions, OffloadAmount};
+use kimi_ops::offload::{CachePolicy, HostBackend};
+
+use super::{run_model, Res};
+
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    if got.len() != want.len() {
+        return f64::INFINITY;
+    }
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (*g as f64 - *w as f64).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|w| (*w as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+pub fn check_offload() -> Res<()> {
+    println!(
+        "== offload: fixtures with experts in tiers (host RAM + device slots + cold on the CPU) \
+         against all resident, page-locked fills and staged ones"
+    );
+    let mut dirs: Vec<PathBuf> = ["fixtures/kimi-linear", "fixtures/kimi-k3"]
+        .iter()
+        .filter_map(|root| std::fs::read_dir(root).ok())
+        .flatten()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("reference.json").exists())
+        .collect();
+    dirs.sort();
+    let mut failures = 0;
+    for dir in dirs {
+        let name = dir
+            .file_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let ckpt = kimi_weights::Checkpoint::open(&dir)?;
+        let resident = KimiLinear::load(CudaBackend::new(0)?, &ckpt)?;
+        let Some(experts) = resident.config().moe.as_ref().map(|m| m.num_experts) else {
+            continue;
+        };
+        let reference: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json"))?)?;
+        let prompt: Vec<u32> = reference["prompt_ids"]
+            .as_array()
+            .ok_or("prompt_ids")?
+            .iter()
+            .filter_map(|x| x.as_u64().map(|v| v as u32))
+            .collect();
+        for step in [1, 16] {
+            let want = run_model(&resident, &prompt, step, ForwardOptions::default())?;
+            for (host, slots) in [(experts, experts), (experts / 2, 2), (experts, 1)] {
+                for pinned in [true, false] {
+                    let be = CudaBackend::new(0)?;
+                    be.update_kernel_config(|c| c.pin_host_experts = pinned)?;
+                    let store =
+                        HostBackend::new(Arc::new(CpuBackend::with_quant_matmul(QuantMatmul::F32)));
+                    let options = LoadOptions {
+                        offload: Some(ExpertOffload {
+                            host: OffloadAmount::Experts(host),
+                            cache: OffloadAmount::Experts(slots),
+                            policy: CachePolicy::default(),
+                            store: Arc::new(store),
+                        }),
+                        ..LoadOptions::default()
+                    };
+                    let model = KimiLinear::load_checkpoint_with(be, &ckpt, &options)?;
+                    let got = run_model(&model, &prompt, step, ForwardOptions::default())?;
+                    let c = model.offload_counts().ok_or("no offload counts")?;
+                    let err = rel_err(&got, &want);
+                    let verdict = if c.cold_pairs == 0 {
+                        if got == want {
+                            "resident bits"
+                        } else {
+                            failures += 1;
+                            "FAIL: not the resident bits"
+                        }
+                    } else if err < 1e-5 {
+                        "ok"
+                    } else {
+                        failures += 1;
+                        "FAIL"
+                    };
+                    println!(
+                        "{name:<28} step {step:<2} host {host:>2} slots {slots:>2} {}: rel err \
+                         {err:.2e} ({verdict}); fills {} hits {} cold pairs {} moved {} B",
+                        if pinned { "locked" } else { "staged" },
+                        c.fills,
+                        c.hits,
+                        c.cold_pairs,
+                        c.bytes_moved
+                    );
+                    let _ = std::io::stdout().flush();
+                }
+            }
+        }
+    }
+    if failures > 0 {
+        return Err(format!("{failures} offload cases failed").into());
+    }
+    Ok(())
+}
