@@ -197,12 +197,6 @@ pub struct ServeArgs {
     /// Tokens per forward pass; longer prompts are prefilled in chunks.
     #[arg(long, default_value_t = 2048)]
     pub max_num_batched_tokens: usize,
-    /// Fraction of memory the weights and caches may use: of the GPU's memory (default
-    /// 0.9), or on the CPU of the memory this process may still take, the smaller of
-    /// MemAvailable and the cgroup's limit less its use (default 0.5). The cache pool is
-    /// never larger than --max-num-seqs sequences of --max-model-len tokens.
-    #[arg(long)]
-    pub gpu_memory_utilization: Option<f64>,
     /// Bytes for the cache pool instead of a share of memory (vLLM's flag; units as in
     /// 4GiB, 500MB; a plain number is bytes); still capped at what --max-num-seqs
     /// sequences of --max-model-len tokens use.
@@ -304,6 +298,14 @@ pub struct ModelArgs {
     /// keeps products near f32 accuracy at twice the tensor-core work.
     #[arg(long)]
     pub bf16_activations: bool,
+    /// Fraction of memory the weights and caches may use: of the GPU's memory (default
+    /// 0.9), or on the CPU of the memory this process may still take, the smaller of
+    /// MemAvailable and the cgroup's limit less its use (default 0.5). The cache pool is
+    /// never larger than --max-num-seqs sequences of --max-model-len tokens. On a GPU,
+    /// when no offload flag is given and the weights would take more than 85 % of this
+    /// share, routed experts go to host RAM automatically (see --cpu-offload-gb).
+    #[arg(long)]
+    pub gpu_memory_utilization: Option<f64>,
     /// Routed experts beyond the device's memory.
     #[command(flatten)]
     pub offload: crate::offload::OffloadArgs,

@@ -226,6 +226,12 @@ pub fn load<B: Backend + 'static>(
     }
     let mut ckpt = Checkpoint::open(&path)
         .with_context(|| format!("cannot open the model in {}", path.display()))?;
+    if split.is_none() {
+        let device = backend.memory_info();
+        let utilization = args.gpu_memory_utilization;
+        args.offload
+            .auto_offload(&mut options, ckpt.config(), device, utilization)?;
+    }
     let bar = crate::progress::watch_checkpoint(&mut ckpt);
     let loaded = match split {
         None => registry::load_checkpoint_with(backend, &ckpt, &options),
@@ -351,8 +357,13 @@ pub fn load_random<B: Backend + 'static>(
     if let Some((world, ..)) = split {
         options.expert_placement = crate::parallel::placement(&args.parallel, world)?;
     }
-    let options = &options;
     let cfg = read_config(config)?;
+    if split.is_none() {
+        let device = backend.memory_info();
+        args.offload
+            .auto_offload(&mut options, &cfg, device, args.gpu_memory_utilization)?;
+    }
+    let options = &options;
     // Refuse up front what cannot fit, rather than dying half-way through filling it.
     // Dense matrices take `dtype`; routed experts that the config stores as MXFP4 stay at
     // 4.25 bits per value whatever `dtype` is.

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use clap::Args;
 use kimi_model::{CausalLm, ExpertOffload, LoadOptions, OffloadAmount};
-use kimi_ops::offload::{CachePolicy, HostBackend};
+use kimi_ops::offload::{CachePolicy, HostBackend, HostExpertStore};
 use kimi_ops::Backend;
 
 /// Flags of [`crate::args::ModelArgs`] for experts beyond the device's memory.
@@ -68,28 +68,144 @@ impl OffloadArgs {
             );
             return Ok(LoadOptions::default());
         };
-        // The host store: a CPU backend with f32 products (its tensors keep the stored
-        // layout, which the device slots are filled from).
-        let cpu = kimi_cpu::CpuBackend::with_quant_matmul(kimi_cpu::QuantMatmul::F32);
-        let store = match &self.offload_folder {
-            Some(dir) => {
-                let file = kimi_cpu::WeightFile::new(dir)
-                    .map_err(|e| anyhow::anyhow!("--offload-folder: {e}"))?;
-                let tier = format!("memory-mapped files in {}", dir.display());
-                HostBackend::new(Arc::new(cpu.keeping_weights_in(Arc::new(file)))).in_tier(tier)
-            }
-            None => HostBackend::new(Arc::new(cpu)),
-        };
         Ok(LoadOptions {
             offload: Some(ExpertOffload {
                 host,
                 cache: cache.unwrap_or(OffloadAmount::Experts(0)),
                 policy: CachePolicy::default(),
-                store: Arc::new(store),
+                store: self.store()?,
             }),
             ..LoadOptions::default()
         })
     }
+
+    /// The host store: a CPU backend with f32 products (its tensors keep the stored layout,
+    /// which the device slots are filled from), in RAM or in `--offload-folder`'s files.
+    fn store(&self) -> anyhow::Result<Arc<dyn HostExpertStore>> {
+        let cpu = kimi_cpu::CpuBackend::with_quant_matmul(kimi_cpu::QuantMatmul::F32);
+        Ok(match &self.offload_folder {
+            Some(dir) => {
+                let file = kimi_cpu::WeightFile::new(dir)
+                    .map_err(|e| anyhow::anyhow!("--offload-folder: {e}"))?;
+                let tier = format!("memory-mapped files in {}", dir.display());
+                Arc::new(
+                    HostBackend::new(Arc::new(cpu.keeping_weights_in(Arc::new(file))))
+                        .in_tier(tier),
+                )
+            }
+            None => Arc::new(HostBackend::new(Arc::new(cpu))),
+        })
+    }
+
+    /// Fills `options` with an automatic split when no offload flag was given, the model
+    /// runs on a GPU (`device` = its free and total bytes) and its weights would not fit
+    /// ([`auto_plan`]); says what it chose.
+    pub fn auto_offload(
+        &self,
+        options: &mut LoadOptions,
+        cfg: &kimi_core::ModelConfig,
+        device: Option<(u64, u64)>,
+        utilization: Option<f64>,
+    ) -> anyhow::Result<()> {
+        let (Some((free, total)), None) = (device, &options.offload) else {
+            return Ok(());
+        };
+        let summary = kimi_model::ModelSummary::new(cfg);
+        let utilization = utilization.unwrap_or(crate::cache_plan::DEFAULT_GPU_UTILIZATION);
+        let Some(plan) = auto_plan(&summary, free, total, utilization)? else {
+            return Ok(());
+        };
+        eprintln!(
+            "the weights ({}) do not fit {} of the GPU's memory (85 % of \
+             --gpu-memory-utilization {utilization}, the rest kept for the cache): {} of {} \
+             routed experts per MoE layer go to {} with {} device cache slots (choose with \
+             --cpu-offload-gb / --offload-experts and --expert-cache-slots)",
+            crate::inspect::bytes(summary.total_bytes()),
+            crate::inspect::bytes(plan.weight_room),
+            plan.host,
+            summary.num_experts,
+            self.store()?.tier(),
+            plan.slots,
+        );
+        options.offload = Some(ExpertOffload {
+            host: OffloadAmount::Experts(plan.host),
+            cache: OffloadAmount::Experts(plan.slots),
+            policy: CachePolicy::default(),
+            store: self.store()?,
+        });
+        Ok(())
+    }
+}
+
+/// Share of the GPU budget (`--gpu-memory-utilization` of its memory) the weights may take
+/// when experts are placed automatically; the rest is for the cache pool and activations.
+pub const AUTO_WEIGHT_SHARE: f64 = 0.85;
+
+/// An automatic split of the routed experts: per MoE layer, `host` experts in host RAM
+/// behind `slots` device cache slots, the rest on the GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AutoPlan {
+    /// Experts per MoE layer in host RAM.
+    pub host: usize,
+    /// Device slots per MoE layer caching them.
+    pub slots: usize,
+    /// Bytes of GPU memory the weights may take.
+    pub weight_room: u64,
+}
+
+/// The split that fits the model's weights into [`AUTO_WEIGHT_SHARE`] of `utilization` of a
+/// GPU of `total` bytes with `free` of them free (what others hold is not ours), or `None`
+/// where they fit as they are. Every non-expert weight stays on the GPU; of the room left
+/// for experts, up to `top_k` experts' worth per layer (at most half of it) become cache
+/// slots, the rest hold the lowest expert ids. An error where not even the non-expert
+/// weights fit, or where the model has no routed experts to move.
+pub fn auto_plan(
+    summary: &kimi_model::ModelSummary,
+    free: u64,
+    total: u64,
+    utilization: f64,
+) -> anyhow::Result<Option<AutoPlan>> {
+    anyhow::ensure!(
+        utilization > 0.0 && utilization <= 1.0,
+        "--gpu-memory-utilization must be in (0, 1], got {utilization}"
+    );
+    let used_by_others = total.saturating_sub(free);
+    let budget = ((total as f64 * utilization) as u64).saturating_sub(used_by_others);
+    let weight_room = (budget as f64 * AUTO_WEIGHT_SHARE) as u64;
+    let weights = summary.total_bytes();
+    if weights <= weight_room {
+        return Ok(None);
+    }
+    let experts = summary
+        .component(kimi_model::Component::RoutedExperts)
+        .bytes;
+    let layers = summary.num_moe_layers as u64;
+    let per_expert = summary.bytes_per_expert;
+    let room = |b: u64| crate::inspect::bytes(b);
+    anyhow::ensure!(
+        experts > 0 && layers > 0 && per_expert > 0,
+        "the weights ({}) do not fit {} of the GPU's memory (85 % of --gpu-memory-utilization \
+         {utilization}) and the model has no routed experts to keep in host RAM",
+        room(weights),
+        room(weight_room)
+    );
+    let dense = weights - experts;
+    anyhow::ensure!(
+        dense < weight_room,
+        "the weights other than the routed experts ({}) do not fit {} of the GPU's memory \
+         (85 % of --gpu-memory-utilization {utilization}); raise it or use more GPUs",
+        room(dense),
+        room(weight_room)
+    );
+    let num_experts = summary.num_experts as usize;
+    let fit = (((weight_room - dense) / layers / per_expert) as usize).min(num_experts);
+    let slots = (summary.top_k as usize).min(fit / 2);
+    let host = num_experts - (fit - slots);
+    Ok(Some(AutoPlan {
+        host,
+        slots: slots.min(host),
+        weight_room,
+    }))
 }
 
 /// Says once where the experts went, when some are off the device.
@@ -116,4 +232,83 @@ pub fn report_placement<B: Backend>(model: &dyn CausalLm<B>, options: &LoadOptio
         crate::inspect::bytes(device),
         crate::inspect::bytes(host),
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kimi_model::{Component, ModelSummary};
+
+    const GIB: u64 = 1 << 30;
+
+    fn summary(path: &str) -> ModelSummary {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(path);
+        let cfg =
+            kimi_core::ModelConfig::from_json_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        ModelSummary::new(&cfg)
+    }
+
+    /// Bytes the plan leaves on the GPU: every non-expert weight, the resident experts and
+    /// the slots.
+    fn on_gpu(s: &ModelSummary, p: &AutoPlan) -> u64 {
+        let dense = s.total_bytes() - s.component(Component::RoutedExperts).bytes;
+        let per_layer = s.num_experts as usize - p.host + p.slots;
+        dense + (per_layer as u64) * s.num_moe_layers as u64 * s.bytes_per_expert
+    }
+
+    #[test]
+    fn kimi_k3_keeps_what_fits_on_the_gpu_and_moves_the_rest() {
+        let s = summary("../../configs/kimi-k3.config.json");
+        // One H200: the non-expert weights (114 GB) take the room; every expert is the
+        // host's and computed there (no slot would fit).
+        let p = auto_plan(&s, 140 * GIB, 141 * GIB, 0.9).unwrap().unwrap();
+        assert_eq!(
+            p.weight_room,
+            ((((141 * GIB) as f64 * 0.9) as u64 - GIB) as f64 * AUTO_WEIGHT_SHARE) as u64
+        );
+        assert_eq!((p.host, p.slots), (s.num_experts as usize, 0), "{p:?}");
+        assert!(on_gpu(&s, &p) <= p.weight_room, "{p:?}");
+        // A 288 GiB card: some experts stay, `top_k` slots cache the others; everything
+        // planned onto the GPU fits, and one more resident expert per layer would not.
+        let p = auto_plan(&s, 288 * GIB, 288 * GIB, 0.9).unwrap().unwrap();
+        assert!(p.host > 0 && p.host < s.num_experts as usize, "{p:?}");
+        assert_eq!(p.slots, s.top_k as usize);
+        assert!(on_gpu(&s, &p) <= p.weight_room, "{p:?}");
+        let tighter = AutoPlan {
+            host: p.host - 1,
+            ..p
+        };
+        assert!(on_gpu(&s, &tighter) > p.weight_room, "{p:?}");
+    }
+
+    #[test]
+    fn kimi_linear_48b_fits_an_h200_and_not_a_40_gib_card() {
+        let s = summary("../kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json");
+        assert_eq!(auto_plan(&s, 141 * GIB, 141 * GIB, 0.9).unwrap(), None);
+        let p = auto_plan(&s, 40 * GIB, 40 * GIB, 0.9).unwrap().unwrap();
+        assert!(p.host > 0 && p.slots > 0, "{p:?}");
+        assert!(on_gpu(&s, &p) <= p.weight_room);
+        // A lower utilization moves more experts.
+        let q = auto_plan(&s, 40 * GIB, 40 * GIB, 0.5).unwrap().unwrap();
+        assert!(q.host > p.host, "{q:?} against {p:?}");
+    }
+
+    #[test]
+    fn what_cannot_fit_is_an_error_naming_the_flag() {
+        let s = summary("../../configs/kimi-k3.config.json");
+        let e = auto_plan(&s, 24 * GIB, 24 * GIB, 0.9)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("other than the routed experts") && e.contains("--gpu-memory-utilization"),
+            "{e}"
+        );
+        let e = auto_plan(&s, 24 * GIB, 24 * GIB, 1.5)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--gpu-memory-utilization must be in (0, 1]"),
+            "{e}"
+        );
+    }
 }

@@ -37,7 +37,7 @@ impl Prepared {
 
 /// Loads the model and starts its engine from `serve`'s flags.
 pub fn prepare(a: &ServeArgs) -> anyhow::Result<Prepared> {
-    if let Some(u) = a.gpu_memory_utilization {
+    if let Some(u) = a.model.gpu_memory_utilization {
         anyhow::ensure!(
             u > 0.0 && u <= 1.0,
             "--gpu-memory-utilization must be in (0, 1], got {u}"
@@ -116,12 +116,18 @@ fn prepare_on<B: Backend + 'static>(backend: B, a: &ServeArgs) -> anyhow::Result
                 Some((free, total)) => Budget::Device {
                     free,
                     total,
-                    utilization: a.gpu_memory_utilization.unwrap_or(DEFAULT_GPU_UTILIZATION),
+                    utilization: a
+                        .model
+                        .gpu_memory_utilization
+                        .unwrap_or(DEFAULT_GPU_UTILIZATION),
                     workspace: step_workspace(loaded.engine.model(), a, max_model_len)?,
                 },
                 None => Budget::Host {
                     memory: host,
-                    utilization: a.gpu_memory_utilization.unwrap_or(DEFAULT_CPU_UTILIZATION),
+                    utilization: a
+                        .model
+                        .gpu_memory_utilization
+                        .unwrap_or(DEFAULT_CPU_UTILIZATION),
                     fixed: a.kv_cache_memory_bytes,
                 },
             };
