@@ -559,7 +559,7 @@ impl Backend for CudaBackend {
         if !self.kernel_config().pin_host_experts {
             return Ok(None);
         }
-        crate::device::lock_host(&self.dev.ctx, region, owner)
+        crate::host_lock::lock_host(&self.dev.ctx, region, owner)
     }
 
     fn upload_f32(&self, shape: &[usize], data: &[f32]) -> Result<CudaTensor> {

@@ -49,6 +49,8 @@ mod device;
 #[cfg(feature = "cuda")]
 mod graph;
 #[cfg(feature = "cuda")]
+mod host_lock;
+#[cfg(feature = "cuda")]
 mod ops;
 // Without the `cuda` feature only the tests call the planners.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code, unused_imports))]
