@@ -80,6 +80,8 @@ pub struct KimiLinear<B: Backend> {
     layers: Vec<DecoderLayer<B::Tensor>>,
     norm: B::Tensor,
     lm_head: Option<B::Tensor>,
+    /// `lm_head` holds this rank's share of the vocabulary rows; the logits are gathered.
+    head_split: bool,
     attn_res: Option<AttnRes<B::Tensor>>,
     cache_specs: Vec<LayerSpec>,
     ignored_vision_tensors: usize,
@@ -156,7 +158,13 @@ impl<B: Backend> KimiLinear<B> {
         let rank_config = rank_config(&config, shard)?;
         let num_experts = config.moe.as_ref().map_or(0, |m| m.num_experts);
         let placement = options.expert_placement.clone();
-        let sharded = ShardedSource::new(source, shard, num_experts, placement.clone());
+        let sharded = ShardedSource::new(
+            source,
+            shard,
+            num_experts,
+            placement.clone(),
+            config.vocab_size,
+        );
         let source: &dyn WeightSource = match shard.is_split() {
             true => &sharded,
             false => source,
@@ -236,10 +244,19 @@ impl<B: Backend> KimiLinear<B> {
             }),
             None => None,
         };
+        // Split by vocabulary rows where it divides over the ranks: each rank reads and
+        // multiplies its share, and the logits are gathered (K3's head is 2.3 GB).
+        let head_split = !config.tie_word_embeddings
+            && shard.is_split()
+            && config.vocab_size.is_multiple_of(shard.world);
+        let head_rows = match head_split {
+            true => config.vocab_size / shard.world,
+            false => config.vocab_size,
+        };
         let lm_head = if config.tie_word_embeddings {
             None
         } else {
-            Some(ld.get("lm_head.weight", &[config.vocab_size, hidden])?)
+            Some(ld.get("lm_head.weight", &[head_rows, hidden])?)
         };
         // A multimodal checkpoint's vision encoder: skipped, and counted so that the
         // front end can say once that images are not supported.
@@ -262,6 +279,7 @@ impl<B: Backend> KimiLinear<B> {
             layers,
             norm,
             lm_head,
+            head_split,
             attn_res,
             ignored_vision_tensors,
         })
@@ -399,7 +417,7 @@ impl<B: Backend> KimiLinear<B> {
         }
         let last = be.select_rows(&x, &batch.logits_rows)?;
         let normed = be.rms_norm(&last, &self.norm, eps)?;
-        let logits = be.matmul(&normed, self.lm_head.as_ref().unwrap_or(&self.embed))?;
+        let logits = self.head(&normed, group)?;
         Ok((logits, chosen_per_layer))
     }
 
@@ -452,8 +470,19 @@ impl<B: Backend> KimiLinear<B> {
         let last = be.select_rows(&partial, rows)?;
         let mixed = be.attn_res_mix(&picked.iter().collect::<Vec<_>>(), &last, &res.output, eps)?;
         let normed = be.rms_norm(&mixed, &self.norm, eps)?;
-        let logits = be.matmul(&normed, self.lm_head.as_ref().unwrap_or(&self.embed))?;
+        let logits = self.head(&normed, group)?;
         Ok((logits, chosen_per_layer))
+    }
+
+    /// The logits of `normed` rows: through this rank's share of the vocabulary and
+    /// gathered where the head is split, else through the whole head.
+    fn head(&self, normed: &B::Tensor, group: Option<&dyn Collective<B>>) -> Result<B::Tensor> {
+        let be = &self.backend;
+        let logits = be.matmul(normed, self.lm_head.as_ref().unwrap_or(&self.embed))?;
+        match (group, self.head_split) {
+            (Some(group), true) => Ok(group.all_gather_cols(be, &logits)?),
+            _ => Ok(logits),
+        }
     }
 
     fn run_mixer(

@@ -259,6 +259,32 @@ fn kimi_linear_layout_over_four_ranks() {
     }
 }
 
+/// A vocabulary that does not divide over the ranks keeps the LM head whole on every rank
+/// (where it divides, every other test splits it by vocabulary rows and gathers logits).
+#[test]
+fn a_vocabulary_that_does_not_divide_keeps_the_head_whole() {
+    let config = four_way(
+        "kimi-linear/hub-f32-sharded",
+        &[
+            ("intermediate_size", 64),
+            ("moe_intermediate_size", 16),
+            ("num_experts", 8),
+            ("vocab_size", 258),
+        ],
+    );
+    let source = RandomWeights {
+        dtype: DType::F32,
+        seed: 11,
+    };
+    check(
+        "vocabulary of 258",
+        &config,
+        &source,
+        4,
+        ExpertSplit::Tensor,
+    );
+}
+
 #[test]
 fn kimi_k3_layout_over_four_ranks() {
     // MXFP4 experts split inside need whole 32-value scale blocks per rank: 128 / 4.

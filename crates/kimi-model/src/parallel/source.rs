@@ -43,6 +43,9 @@ const ROWS: [&str; 15] = [
     ".up_proj.weight",
 ];
 
+/// The LM head's name (after any prefix).
+const LM_HEAD: &str = "lm_head.weight";
+
 /// Tensors split by their input columns: the row-parallel output projections.
 const COLS: [&str; 2] = [".o_proj.weight", ".down_proj.weight"];
 
@@ -60,7 +63,9 @@ const EXPERT_COLS: [&str; 3] = [".w2.weight", ".w2.weight_packed", ".w2.weight_s
 
 fn split_of(name: &str, experts: ExpertSplit) -> Split {
     let ends = |list: &[&str]| list.iter().any(|s| name.ends_with(s));
-    if ends(&ROWS) {
+    // The LM head by vocabulary rows (whole where the vocabulary does not divide over the
+    // ranks: [`ShardedSource::split`]).
+    if name.ends_with(LM_HEAD) || ends(&ROWS) {
         Split::Rows
     } else if ends(&COLS) {
         Split::Cols
@@ -94,22 +99,36 @@ pub struct ShardedSource<'a> {
     /// hold).
     num_experts: usize,
     placement: Option<std::sync::Arc<ExpertPlacement>>,
+    /// Whether the LM head is split by vocabulary rows (the vocabulary divides over the
+    /// ranks), as the model asks for it.
+    split_head: bool,
 }
 
 impl<'a> ShardedSource<'a> {
     /// Rank `shard.rank`'s slices of `inner`'s tensors; `num_experts` routed experts per
-    /// MoE layer (0 for a dense model).
+    /// MoE layer (0 for a dense model); `vocab_size` rows of the LM head, split by rows
+    /// where they divide over the ranks and whole on every rank where they do not.
     pub fn new(
         inner: &'a dyn WeightSource,
         shard: Shard,
         num_experts: usize,
         placement: Option<std::sync::Arc<ExpertPlacement>>,
+        vocab_size: usize,
     ) -> Self {
         Self {
             inner,
             shard,
             num_experts,
             placement,
+            split_head: vocab_size.is_multiple_of(shard.world.max(1)),
+        }
+    }
+
+    /// How `name` splits for this source (the head as the vocabulary allows).
+    fn split(&self, name: &str) -> Split {
+        match split_of(name, self.shard.experts) {
+            Split::Rows if name.ends_with(LM_HEAD) && !self.split_head => Split::Whole,
+            split => split,
         }
     }
 
@@ -167,7 +186,7 @@ impl WeightSource for ShardedSource<'_> {
     }
 
     fn load(&self, name: &str, shape: &[usize]) -> Result<(DType, Cow<'_, [u8]>)> {
-        let split = split_of(name, self.shard.experts);
+        let split = self.split(name);
         if split == Split::Whole || !self.shard.is_split() {
             return self.inner.load(name, shape);
         }
@@ -234,7 +253,7 @@ impl WeightSource for ShardedSource<'_> {
         let stored = self.inner.shape(name)?;
         let w = self.shard.world;
         let mut local = stored.clone();
-        match split_of(name, self.shard.experts) {
+        match self.split(name) {
             _ if !self.shard.is_split() => {}
             Split::Whole => {}
             Split::Rows => local[0] /= w,
@@ -293,6 +312,9 @@ mod tests {
             split_of("m.experts.7.w2.weight_scale", Experts),
             Split::Whole
         );
+        for head in ["lm_head.weight", "language_model.lm_head.weight"] {
+            assert_eq!(split_of(head, Tensor), Split::Rows, "{head}");
+        }
         assert_eq!(
             expert_id("model.layers.1.block_sparse_moe.experts.12.w1.weight"),
             Some((1, 12))
