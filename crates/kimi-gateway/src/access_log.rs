@@ -6,18 +6,14 @@
 //! response. 2xx–4xx log at info, 5xx at warn, `/health` and `/metrics` at debug.
 
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
-use std::task::{Context, Poll};
 use std::time::Instant;
 
-use axum::body::{Body, Bytes};
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::Response;
-use http_body::{Body as _, Frame};
 
 use crate::Gateway;
 
@@ -100,13 +96,7 @@ pub(crate) async fn access_log(
         record,
         keys: !gateway.shared.keys.is_empty(),
     };
-    response.map(|body| {
-        Body::new(LoggedBody {
-            inner: body,
-            entry: Some(entry),
-            complete: false,
-        })
-    })
+    response.map(|body| kimi_server::logged_body(body, entry))
 }
 
 /// What the line says, kept until the body is done.
@@ -120,7 +110,7 @@ struct Entry {
     keys: bool,
 }
 
-impl Entry {
+impl kimi_server::AccessLine for Entry {
     fn write(self, complete: bool) {
         let latency_ms = (self.started.elapsed().as_secs_f64() * 1e4).round() / 10.0;
         let r = &self.record;
@@ -176,49 +166,6 @@ impl Entry {
             line!(debug);
         } else {
             line!(info);
-        }
-    }
-}
-
-/// A response body that writes the access line when it ends or is dropped.
-struct LoggedBody {
-    inner: Body,
-    entry: Option<Entry>,
-    complete: bool,
-}
-
-impl http_body::Body for LoggedBody {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        if let Poll::Ready(None) = polled {
-            self.complete = true;
-            if let Some(entry) = self.entry.take() {
-                entry.write(true);
-            }
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
-    }
-}
-
-impl Drop for LoggedBody {
-    fn drop(&mut self) {
-        if let Some(entry) = self.entry.take() {
-            let complete = self.complete || self.inner.is_end_stream();
-            entry.write(complete);
         }
     }
 }

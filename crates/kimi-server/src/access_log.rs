@@ -81,13 +81,7 @@ pub(crate) async fn access_log(
         error: response.extensions().get::<ErrorMessage>().cloned(),
         num_keys: state.inner.keys.len(),
     };
-    response.map(|body| {
-        Body::new(LoggedBody {
-            inner: body,
-            entry: Some(entry),
-            complete: false,
-        })
-    })
+    response.map(|body| logged_body(body, entry))
 }
 
 /// What the line says, kept until the body is done.
@@ -148,14 +142,35 @@ impl Entry {
     }
 }
 
-/// A response body that writes the access line when it ends or is dropped.
-struct LoggedBody {
+/// An access-log line kept until its response body is done ([`logged_body`]).
+pub trait AccessLine: Send + Unpin + 'static {
+    /// Writes the line; `complete` says whether the whole body was sent.
+    fn write(self, complete: bool);
+}
+
+impl AccessLine for Entry {
+    fn write(self, complete: bool) {
+        Entry::write(self, complete)
+    }
+}
+
+/// `body`, writing `line` when it ends or is dropped (a client that leaves mid-stream
+/// drops it: the line then says the body was not complete).
+pub fn logged_body<L: AccessLine>(body: Body, line: L) -> Body {
+    Body::new(LoggedBody {
+        inner: body,
+        entry: Some(line),
+        complete: false,
+    })
+}
+
+struct LoggedBody<L: AccessLine> {
     inner: Body,
-    entry: Option<Entry>,
+    entry: Option<L>,
     complete: bool,
 }
 
-impl http_body::Body for LoggedBody {
+impl<L: AccessLine> http_body::Body for LoggedBody<L> {
     type Data = Bytes;
     type Error = axum::Error;
 
@@ -182,7 +197,7 @@ impl http_body::Body for LoggedBody {
     }
 }
 
-impl Drop for LoggedBody {
+impl<L: AccessLine> Drop for LoggedBody<L> {
     fn drop(&mut self) {
         if let Some(entry) = self.entry.take() {
             // A body whose end hyper knew from its size is never polled to `None`.

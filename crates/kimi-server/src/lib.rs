@@ -99,7 +99,7 @@ use axum::Router;
 use kimi_tokenizer::Tokenizer;
 use tokio::net::TcpListener;
 
-pub use access_log::ErrorMessage;
+pub use access_log::{logged_body, AccessLine, ErrorMessage};
 pub use config::ServerConfig;
 pub use cors::{parse_list as parse_cors_list, CorsConfig};
 pub use error::{ApiError, ServerError};
