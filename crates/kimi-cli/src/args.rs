@@ -55,9 +55,9 @@ pub enum Command {
     /// routing with conversation affinity, API keys and limits, a response cache.
     Gateway(crate::gateway::GatewayArgs),
     /// Convert a Kimi Linear checkpoint (or a config with random weights) to a llama.cpp GGUF
-    /// (architecture `kimi-linear`).
+    /// (architecture `kimi-linear`), or a llama GGUF to a Hugging Face checkpoint.
     Convert(ConvertArgs),
-    /// Quantize a float checkpoint (round to nearest) into a compressed-tensors
+    /// Quantize a float checkpoint (round to nearest, GPTQ or AWQ) into a compressed-tensors
     /// `pack-quantized` checkpoint, as llm-compressor writes one.
     Quantize(QuantizeArgs),
     /// Agents: tools (shell, REST, MCP, code) run in a loop around a model, served as
@@ -71,11 +71,15 @@ pub enum Command {
 /// `kimi-infer quantize`.
 #[derive(Args, Debug)]
 pub struct QuantizeArgs {
-    /// Checkpoint directory (config.json + safetensors) with float weights.
+    /// Checkpoint directory (config.json + safetensors) with float weights: a Kimi model or
+    /// a `LlamaForCausalLM` (e.g. from `convert --to safetensors`).
     #[arg(long, short = 'm')]
     pub model: PathBuf,
-    /// Quantization method: `rtn` (round to nearest, compressed-tensors' min-max rules).
-    #[arg(long, default_value = "rtn")]
+    /// Quantization method: `rtn` (round to nearest, compressed-tensors' min-max rules),
+    /// `gptq` (rounding errors spread by the inputs' Hessian) or `awq` (activation-aware
+    /// channel scales folded into the preceding norm or matrix, then clipped rounding); the
+    /// last two need --calibration-text.
+    #[arg(long, default_value = "rtn", value_parser = ["rtn", "gptq", "awq"])]
     pub method: String,
     /// Bits per weight: 4 (asymmetric, with zero points, unless --symmetric) or 8
     /// (symmetric).
@@ -88,6 +92,27 @@ pub struct QuantizeArgs {
     /// Symmetric 4-bit codes (no zero points).
     #[arg(long)]
     pub symmetric: bool,
+    /// The text the model reads to learn each matrix's inputs (gptq, awq), e.g.
+    /// models/corpus/lcet10.txt from scripts/fetch_corpus.sh.
+    #[arg(long)]
+    pub calibration_text: Option<PathBuf>,
+    /// Tokens of the calibration text to read (whole windows).
+    #[arg(long, default_value_t = 16384)]
+    pub calibration_tokens: usize,
+    /// Tokens per calibration window.
+    #[arg(long, default_value_t = 512)]
+    pub calibration_ctx: usize,
+    /// GiB of input statistics (k² · 4 bytes per matrix) one pass over the text may hold;
+    /// more layers take more passes.
+    #[arg(long, default_value_t = 8.0)]
+    pub calibration_memory_gb: f64,
+    /// GPTQ's column order: `static` (largest input energy first, groups kept contiguous:
+    /// llm-compressor's `actorder: static`) or `none` (left to right).
+    #[arg(long, default_value = "static", value_parser = ["static", "none"])]
+    pub actorder: String,
+    /// GPTQ's damping of the Hessian's diagonal, relative to its mean.
+    #[arg(long, default_value_t = 0.01)]
+    pub damp: f64,
     /// Output directory (created; must be empty).
     #[arg(long, short = 'o')]
     pub out: PathBuf,
@@ -130,7 +155,7 @@ pub struct DownloadArgs {
 #[derive(Args, Debug)]
 pub struct ConvertArgs {
     /// Checkpoint directory (config.json + safetensors), or a cached hub repository
-    /// `org/name[@revision]`.
+    /// `org/name[@revision]`; with `--to safetensors`, a llama GGUF file.
     #[arg(long, short = 'm', required_unless_present = "random_config")]
     pub model: Option<PathBuf>,
     /// Convert a config.json with deterministic random bf16 weights (those of `bench
@@ -142,19 +167,22 @@ pub struct ConvertArgs {
     #[arg(long, value_enum, default_value_t = ConvertFormat::Gguf)]
     pub to: ConvertFormat,
     /// Tensor types: llama.cpp's converter for f32/f16/bf16/q8_0, llama-quantize's mixture
-    /// for q4_k_m.
+    /// for q4_k_m (`--to safetensors`: f32, f16 or bf16, every tensor).
     #[arg(long, value_enum, default_value_t = QuantArg::F16)]
     pub quant: QuantArg,
-    /// Output file.
+    /// Output file (`--to safetensors`: a new or empty directory).
     #[arg(long, short = 'o')]
     pub out: PathBuf,
 }
 
 /// Formats `convert` writes.
-#[derive(ValueEnum, Clone, Copy, Debug)]
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ConvertFormat {
     /// GGUF with llama.cpp's `kimi-linear` names, shapes and metadata.
     Gguf,
+    /// A Hugging Face `LlamaForCausalLM` checkpoint (config.json, model.safetensors,
+    /// tokenizer.json, tokenizer_config.json) from a llama GGUF, its weights dequantized.
+    Safetensors,
 }
 
 /// Tensor types of a converted GGUF.

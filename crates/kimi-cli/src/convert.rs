@@ -11,9 +11,21 @@ use kimi_model::{CheckpointSource, RandomWeights, WeightSource};
 use kimi_tokenizer::Tokenizer;
 use kimi_weights::Checkpoint;
 
-use crate::args::{ConvertArgs, QuantArg};
+use crate::args::{ConvertArgs, ConvertFormat, QuantArg};
 
 pub fn convert(args: ConvertArgs) -> anyhow::Result<()> {
+    if args.to == ConvertFormat::Safetensors {
+        let Some(model) = &args.model else {
+            anyhow::bail!("--to safetensors converts a llama GGUF file: give it with --model");
+        };
+        let dtype = match args.quant {
+            QuantArg::F32 => DType::F32,
+            QuantArg::F16 => DType::F16,
+            QuantArg::Bf16 => DType::BF16,
+            other => anyhow::bail!("--to safetensors writes f32, f16 or bf16, not {other:?}"),
+        };
+        return crate::convert_hf::gguf_to_checkpoint(model, &args.out, dtype);
+    }
     let quant = match args.quant {
         QuantArg::F32 => GgufQuant::F32,
         QuantArg::F16 => GgufQuant::F16,

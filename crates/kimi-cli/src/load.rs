@@ -27,8 +27,8 @@ pub const DEMO_GGUF: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 pub enum ModelInfo {
     /// Kimi Linear from a Hugging Face checkpoint.
     Kimi(Box<ModelConfig>),
-    /// A llama-family GGUF: parameters (every stored value), weight bytes and KV-cache
-    /// values per token.
+    /// A llama-family model (GGUF file or checkpoint): parameters (every stored value),
+    /// weight bytes and KV-cache values per token.
     Gguf {
         params: u64,
         weight_bytes: u64,
@@ -224,6 +224,16 @@ pub fn load<B: Backend + 'static>(
         );
         return load_gguf(backend, &path, need_tokenizer, &options);
     }
+    if let Ok((json, config_path)) = kimi_model::llama_hf::read_config_json(&path) {
+        if kimi_model::llama_hf::is_llama_config(&json) {
+            anyhow::ensure!(
+                split.is_none() && options.offload.is_none(),
+                "{}: tensor parallelism and expert offload apply to Kimi models",
+                path.display()
+            );
+            return load_llama_dir(backend, &path, &json, &config_path, need_tokenizer);
+        }
+    }
     let mut ckpt = Checkpoint::open(&path)
         .with_context(|| format!("cannot open the model in {}", path.display()))?;
     if split.is_none() {
@@ -269,6 +279,54 @@ pub fn load<B: Backend + 'static>(
         engine: Engine::new(loaded.model),
         tokenizer,
         dir: path,
+    })
+}
+
+/// A `LlamaForCausalLM` checkpoint directory (float, or quantized by a tool or `quantize`).
+fn load_llama_dir<B: Backend + 'static>(
+    backend: B,
+    path: &Path,
+    json: &serde_json::Value,
+    config_path: &Path,
+    need_tokenizer: bool,
+) -> anyhow::Result<Loaded<B>> {
+    let files = kimi_weights::SafetensorsDir::open(path)
+        .with_context(|| format!("cannot open the model in {}", path.display()))?;
+    let spinner = crate::progress::spinner("loading weights");
+    let loaded = registry::load_llama_checkpoint(backend, &files, json, config_path);
+    if let Some(spinner) = spinner {
+        spinner.finish_and_clear();
+    }
+    let loaded =
+        loaded.with_context(|| format!("cannot load the weights in {}", path.display()))?;
+    let tokenizer = match need_tokenizer {
+        true => Some(
+            Tokenizer::from_dir(path)
+                .with_context(|| format!("cannot load the tokenizer in {}", path.display()))?,
+        ),
+        false => None,
+    };
+    let mut info = info_of(&loaded, None);
+    if let ModelInfo::Gguf {
+        params,
+        weight_bytes,
+        ..
+    } = &mut info
+    {
+        // Stored values (a quantized weight counts its packed words).
+        *params = files
+            .tensor_names()
+            .iter()
+            .filter_map(|n| files.shape(n))
+            .map(|s| s.iter().product::<usize>() as u64)
+            .sum();
+        *weight_bytes = files.total_bytes();
+    }
+    Ok(Loaded {
+        info,
+        engine: Engine::new(loaded.model),
+        tokenizer,
+        dir: path.to_path_buf(),
     })
 }
 

@@ -8,6 +8,7 @@ mod beam_run;
 mod bench;
 mod cache_plan;
 mod convert;
+mod convert_hf;
 mod demo;
 mod gateway;
 mod hub;

@@ -219,3 +219,60 @@ fn a_missing_text_is_named() {
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(stderr.contains("/nonexistent/corpus.txt"), "{stderr}");
 }
+
+/// `convert --to safetensors` turns the demo GGUF into a `LlamaForCausalLM` checkpoint (Q/K
+/// rows back in `rotate_half` order, tokenizer.json from the GGUF's vocabulary) whose f32
+/// weights are the GGUF's dequantized values: the checkpoint tokenizes the text to the same
+/// ids and scores it with the same perplexity (f32 products on both), and its bf16 form
+/// within 1 %.
+#[test]
+fn converted_checkpoint_scores_as_the_gguf() {
+    let Some((model, corpus)) = inputs() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let text = slice(&corpus, dir.path(), "alice.txt", 0, 4000);
+    let final_ppl = |out: &str| -> f64 {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("Final estimate"))
+            .unwrap();
+        line.split_whitespace().nth(4).unwrap().parse().unwrap()
+    };
+    let gguf = final_ppl(&ok(&perplexity(&model, &text, &[])));
+    for (quant, tolerance) in [("f32", 1e-4), ("bf16", 1e-2)] {
+        let out = dir.path().join(quant);
+        ok(&bin()
+            .args([
+                "convert",
+                "--to",
+                "safetensors",
+                "--quant",
+                quant,
+                "--model",
+            ])
+            .arg(&model)
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .unwrap());
+        let config = read_json(&out.join("config.json"));
+        assert_eq!(config["model_type"], "llama");
+        assert_eq!(config["tie_word_embeddings"], true);
+        let ours = kimi_tokenizer::Tokenizer::from_dir(&out).unwrap();
+        let theirs =
+            kimi_tokenizer::Tokenizer::from_gguf(&kimi_gguf::GgufFile::open(&model).unwrap())
+                .unwrap();
+        let sample = std::fs::read_to_string(&text).unwrap();
+        assert_eq!(
+            ours.encode(&sample, false).unwrap(),
+            theirs.encode(&sample, false).unwrap()
+        );
+        let converted = final_ppl(&ok(&perplexity(&out, &text, &[])));
+        let rel = (converted - gguf).abs() / gguf;
+        assert!(
+            rel < tolerance,
+            "{quant}: {converted} against the GGUF's {gguf}"
+        );
+    }
+}

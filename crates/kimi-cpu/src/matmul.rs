@@ -341,6 +341,9 @@ impl<'a> Product<'a> {
         mode: QuantMatmul,
         q8: Option<&'a Q8Acts>,
     ) -> Self {
+        if let (Some(tap), Some(stored)) = (kimi_ops::calibrate::tap(), w.stored()) {
+            tap.input(kimi_ops::calibrate::weight_key(&stored), xs, n, k);
+        }
         let int8 = match (&w.storage, int8_kind(w, n, mode), q8) {
             (Storage::Quant { bytes, grouped, .. }, Some(kind), Some(q8)) => {
                 Some((kind, &bytes[..], q8, grouped.is_some()))

@@ -82,7 +82,19 @@ impl<B: Backend> Loader<'_, B> {
         let full = self.full(name);
         let (dtype, bytes) = self.source.load(&full, shape)?;
         self.used.insert(full.clone());
-        self.upload(&full, shape, dtype, &bytes)
+        let t = self.upload(&full, shape, dtype, &bytes)?;
+        if let [rows, _] = shape {
+            self.tap_weight(&t, &[(full, *rows)]);
+        }
+        Ok(t)
+    }
+
+    /// Names a loaded matrix to the calibration tap of this thread, if one is installed
+    /// ([`kimi_ops::calibrate`]).
+    fn tap_weight(&self, t: &B::Tensor, parts: &[(String, usize)]) {
+        if let (Some(tap), Some(stored)) = (kimi_ops::calibrate::tap(), self.backend.host_view(t)) {
+            tap.weight(kimi_ops::calibrate::weight_key(&stored), parts);
+        }
     }
 
     /// `name` `[rows, cols]` in host memory, as [`Loader::get`] would upload it (widened to
@@ -269,11 +281,14 @@ impl<B: Backend> Loader<'_, B> {
             let bytes: Vec<u8> = parts.iter().flat_map(|(_, b)| b.iter().copied()).collect();
             let shape = [rows.iter().sum(), cols];
             let w = self.upload(&names[0].0, &shape, dtype, &bytes)?;
+            self.tap_weight(&w, &names);
             return Ok(Stacked::One(w, rows));
         }
         let mut each = Vec::with_capacity(parts.len());
         for (((dtype, bytes), rows), (name, _)) in parts.iter().zip(&rows).zip(&names) {
-            each.push(self.upload(name, &[*rows, cols], *dtype, bytes)?);
+            let w = self.upload(name, &[*rows, cols], *dtype, bytes)?;
+            self.tap_weight(&w, &[(name.clone(), *rows)]);
+            each.push(w);
         }
         Ok(Stacked::Each(each))
     }

@@ -17,6 +17,7 @@ pub mod gguf_kimi;
 mod kimi_linear;
 mod layers;
 mod llama;
+pub mod llama_hf;
 mod native_names;
 pub mod parallel;
 pub mod plan;

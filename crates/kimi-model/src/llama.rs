@@ -85,12 +85,21 @@ impl LlamaConfig {
         let rope_dim = optional("rope.dimension_count", head_dim)?;
         let value_dim = optional("attention.value_length", head_dim)?;
         check_heads(
-            file,
+            &|reason| format_error(file, reason),
             num_heads,
             num_kv_heads,
             head_dim,
             [rope_dim, value_dim],
         )?;
+        if file.get("llama.rope.scaling.type").is_some() {
+            let kind = file.get_str("llama.rope.scaling.type")?;
+            if kind != "none" {
+                return Err(format_error(
+                    file,
+                    format!("rope scaling `{kind}` is not supported"),
+                ));
+            }
+        }
         let rope_theta = match file.get("llama.rope.freq_base") {
             Some(_) => file.get_f32("llama.rope.freq_base")?,
             None => 10_000.0, // llama.cpp's default for llama
@@ -111,14 +120,19 @@ impl LlamaConfig {
             tie_word_embeddings: file.tensor("output.weight").is_err(),
             eos_token_ids: eos_token_ids(file)?,
         };
-        config.validate(file)?;
+        config.validate(&|reason| format_error(file, reason), "llama.")?;
         Ok(config)
     }
 
     /// Every number in range, so that none shows up later as NaN logits: a NaN or negative
-    /// RoPE base or norm epsilon loads fine and breaks every forward pass.
-    fn validate(&self, file: &GgufFile) -> Result<()> {
-        let bad = |key: &str, reason: String| format_error(file, format!("llama.{key}: {reason}"));
+    /// RoPE base or norm epsilon loads fine and breaks every forward pass. `err` makes the
+    /// error of the file; keys are named with `prefix` (`llama.` in GGUF metadata).
+    pub(crate) fn validate(
+        &self,
+        err: &dyn Fn(String) -> crate::ModelError,
+        prefix: &str,
+    ) -> Result<()> {
+        let bad = |key: &str, reason: String| err(format!("{prefix}{key}: {reason}"));
         let floats = [
             ("rope.freq_base", self.rope_theta, f32::INFINITY),
             ("attention.layer_norm_rms_epsilon", self.rms_norm_eps, 1.0),
@@ -146,12 +160,12 @@ impl LlamaConfig {
             }
         }
         if self.vocab_size == 0 {
-            return Err(format_error(file, "token_embd.weight has no rows".into()));
+            return Err(err("the vocabulary is empty".into()));
         }
         Ok(())
     }
 
-    fn kv_width(&self) -> usize {
+    pub(crate) fn kv_width(&self) -> usize {
         self.num_kv_heads * self.head_dim
     }
 }
@@ -159,36 +173,23 @@ impl LlamaConfig {
 /// Rejects head layouts and RoPE variants this model does not implement: grouped heads
 /// must divide evenly, and rotary covers the whole even-width head (no partial rotary, no
 /// rope scaling, values as wide as keys).
-fn check_heads(
-    file: &GgufFile,
+pub(crate) fn check_heads(
+    err: &dyn Fn(String) -> crate::ModelError,
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
     [rope_dim, value_dim]: [usize; 2],
 ) -> Result<()> {
     if num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) {
-        return Err(format_error(
-            file,
-            format!("{num_heads} query heads cannot share {num_kv_heads} key/value heads"),
-        ));
+        return Err(err(format!(
+            "{num_heads} query heads cannot share {num_kv_heads} key/value heads"
+        )));
     }
     if rope_dim != head_dim || value_dim != head_dim || !head_dim.is_multiple_of(2) {
-        return Err(format_error(
-            file,
-            format!(
-                "heads of {head_dim} (values {value_dim}) with {rope_dim} rotary dimensions \
+        return Err(err(format!(
+            "heads of {head_dim} (values {value_dim}) with {rope_dim} rotary dimensions \
                  are not supported (rotary over the whole, even-width head only)"
-            ),
-        ));
-    }
-    if file.get("llama.rope.scaling.type").is_some() {
-        let kind = file.get_str("llama.rope.scaling.type")?;
-        if kind != "none" {
-            return Err(format_error(
-                file,
-                format!("rope scaling `{kind}` is not supported"),
-            ));
-        }
+        )));
     }
     Ok(())
 }

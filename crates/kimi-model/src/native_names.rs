@@ -366,7 +366,7 @@ impl WeightSource for CheckpointSource<'_> {
                 .iter()
                 .cloned(),
         );
-        Ok(self.ckpt.check_all_used(&stored)?)
+        Ok(kimi_weights::SafetensorsDir::check_all_used(self.ckpt, &stored)?)
     }
 
     fn shape(&self, name: &str) -> Option<Vec<usize>> {

@@ -18,7 +18,8 @@ pub enum Architecture {
     /// Kimi K3's text model (`kimi_k3` checkpoints), run by the Kimi Linear definition with
     /// K3's variants switched on by its config.
     KimiK3,
-    /// Llama-family GGUF files (the SmolLM2 demo model).
+    /// Llama-family models: GGUF files (the SmolLM2 demo model) and `LlamaForCausalLM`
+    /// checkpoints.
     Llama,
 }
 
@@ -46,7 +47,7 @@ impl Architecture {
         match self {
             Architecture::KimiLinear => "Kimi Linear",
             Architecture::KimiK3 => "Kimi K3",
-            Architecture::Llama => "llama-family GGUF",
+            Architecture::Llama => "Llama-family",
         }
     }
 }
@@ -86,6 +87,24 @@ pub fn load_checkpoint_with<B: Backend + 'static>(
         config: Some(model.config().clone()),
         ignored_vision_tensors: model.ignored_vision_tensors(),
         model: Box::new(model),
+    })
+}
+
+/// Loads a `LlamaForCausalLM` checkpoint directory (float or quantized by a tool) onto
+/// `backend`; `json` is its config.json, read from `config_path`.
+pub fn load_llama_checkpoint<B: Backend + 'static>(
+    backend: B,
+    files: &kimi_weights::SafetensorsDir,
+    json: &serde_json::Value,
+    config_path: &std::path::Path,
+) -> Result<LoadedModel<B>> {
+    let config = crate::LlamaConfig::from_hf_json(json, config_path)?;
+    let source = crate::llama_hf::HfLlamaSource::new(files, json, config_path)?;
+    Ok(LoadedModel {
+        model: Box::new(Llama::load_from(backend, config, &source)?),
+        architecture: Architecture::Llama,
+        config: None,
+        ignored_vision_tensors: 0,
     })
 }
 

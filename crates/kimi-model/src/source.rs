@@ -8,7 +8,7 @@ use std::collections::HashSet;
 use half::bf16;
 use kimi_core::DType;
 use kimi_gguf::{GgmlType, GgufFile};
-use kimi_weights::Checkpoint;
+use kimi_weights::{Checkpoint, SafetensorsDir};
 use rayon::prelude::*;
 
 use crate::{ModelError, Result};
@@ -33,22 +33,40 @@ pub trait WeightSource {
     }
 }
 
-impl WeightSource for Checkpoint {
+impl WeightSource for SafetensorsDir {
     fn contains(&self, name: &str) -> bool {
-        Checkpoint::contains(self, name)
+        SafetensorsDir::contains(self, name)
     }
     fn load(&self, name: &str, shape: &[usize]) -> Result<(DType, Cow<'_, [u8]>)> {
         let view = self.get_shaped(name, shape)?;
         Ok((view.dtype, Cow::Borrowed(view.bytes)))
     }
     fn check_all_used(&self, used: &HashSet<String>) -> Result<()> {
-        Ok(Checkpoint::check_all_used(self, used)?)
+        Ok(SafetensorsDir::check_all_used(self, used)?)
     }
     fn shape(&self, name: &str) -> Option<Vec<usize>> {
-        Checkpoint::shape(self, name).map(<[usize]>::to_vec)
+        SafetensorsDir::shape(self, name).map(<[usize]>::to_vec)
     }
     fn names(&self) -> Vec<String> {
         self.tensor_names().into_iter().map(String::from).collect()
+    }
+}
+
+impl WeightSource for Checkpoint {
+    fn contains(&self, name: &str) -> bool {
+        WeightSource::contains(&**self, name)
+    }
+    fn load(&self, name: &str, shape: &[usize]) -> Result<(DType, Cow<'_, [u8]>)> {
+        WeightSource::load(&**self, name, shape)
+    }
+    fn check_all_used(&self, used: &HashSet<String>) -> Result<()> {
+        WeightSource::check_all_used(&**self, used)
+    }
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        WeightSource::shape(&**self, name)
+    }
+    fn names(&self) -> Vec<String> {
+        WeightSource::names(&**self)
     }
 }
 

@@ -34,6 +34,11 @@ pub(crate) struct HfTokenizer {
 }
 
 impl HfTokenizer {
+    /// The `tokenizers` model itself.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
     pub fn load(path: &Path) -> Result<Self, TokenizerError> {
         let text = crate::config::read_to_string(path)?;
         let json: Value = serde_json::from_str(&text).map_err(|source| TokenizerError::Json {

@@ -294,6 +294,47 @@ impl Tokenizer {
         Some(meta)
     }
 
+    /// This tokenizer as the files of a Hugging Face model directory: `tokenizer.json` and
+    /// `tokenizer_config.json` (BOS/EOS tokens, whether BOS is added, the chat template).
+    /// `None` for Kimi's tiktoken vocabulary, which has no `tokenizer.json` form.
+    pub fn hf_files(&self, add_bos: bool) -> Result<Option<[(String, String); 2]>, TokenizerError> {
+        let Backend::Hf(hf) = &self.backend else {
+            return Ok(None);
+        };
+        let json = hf
+            .inner()
+            .to_string(true)
+            .map_err(|e| TokenizerError::InvalidFile {
+                path: "tokenizer.json".into(),
+                reason: format!("cannot write it: {e}"),
+            })?;
+        let token = |id: Option<u32>| {
+            id.and_then(|id| hf.inner().id_to_token(id))
+                .map_or(serde_json::Value::Null, serde_json::Value::String)
+        };
+        let mut config = serde_json::json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": add_bos,
+            "add_eos_token": false,
+            "bos_token": token(self.bos_id),
+            "eos_token": token(self.eos_ids.first().copied()),
+            "clean_up_tokenization_spaces": false,
+            "model_max_length": 1_000_000_000u64,
+        });
+        if let Some(t) = &self.chat_template {
+            config["chat_template"] = serde_json::Value::String(t.source().into());
+        }
+        let config =
+            serde_json::to_string_pretty(&config).map_err(|e| TokenizerError::InvalidFile {
+                path: "tokenizer_config.json".into(),
+                reason: e.to_string(),
+            })?;
+        Ok(Some([
+            ("tokenizer.json".into(), json),
+            ("tokenizer_config.json".into(), config),
+        ]))
+    }
+
     fn find_eos_ids(&self, eos_token: Option<&str>) -> Vec<u32> {
         let mut ids = Vec::new();
         if let Some(id) = eos_token.and_then(|t| self.token_id(t)) {

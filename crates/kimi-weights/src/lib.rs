@@ -54,11 +54,19 @@ const INDEX_FILE: &str = "model.safetensors.index.json";
 /// File name of the model configuration.
 const CONFIG_FILE: &str = "config.json";
 
-/// An opened checkpoint directory: the parsed config and every tensor of every shard.
+/// An opened checkpoint directory: the parsed config and every tensor of every shard. The
+/// tensors are those of its [`SafetensorsDir`] (`Deref`).
 pub struct Checkpoint {
-    dir: PathBuf,
     config: ModelConfig,
     config_json: Value,
+    files: SafetensorsDir,
+}
+
+/// The safetensors files of a model directory, whatever its config describes: one
+/// `model.safetensors` or the shards `model.safetensors.index.json` lists, memory-mapped,
+/// every header validated.
+pub struct SafetensorsDir {
+    dir: PathBuf,
     shards: Vec<Shard>,
     tensors: HashMap<String, Entry>,
     read_observer: Option<ReadObserver>,
@@ -69,6 +77,13 @@ pub struct Checkpoint {
 pub type ReadObserver = Arc<dyn Fn(u64) + Send + Sync>;
 
 impl std::fmt::Debug for Checkpoint {
+    /// A summary: the directory, the shards and the number of tensors (not every entry).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.files.fmt(f)
+    }
+}
+
+impl std::fmt::Debug for SafetensorsDir {
     /// A summary: the directory, the shards and the number of tensors (not every entry).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Checkpoint")
@@ -110,6 +125,43 @@ impl Checkpoint {
     /// the index and the shards disagree, or a tensor is stored twice.
     pub fn open(dir: &Path) -> Result<Checkpoint, WeightsError> {
         let (config, config_json) = read_config(&dir.join(CONFIG_FILE))?;
+        Ok(Checkpoint {
+            config,
+            config_json,
+            files: SafetensorsDir::open(dir)?,
+        })
+    }
+
+    /// The validated model configuration, parsed from config.json.
+    pub fn config(&self) -> &kimi_core::ModelConfig {
+        &self.config
+    }
+
+    /// config.json as decoded JSON.
+    pub fn config_json(&self) -> &serde_json::Value {
+        &self.config_json
+    }
+}
+
+impl std::ops::Deref for Checkpoint {
+    type Target = SafetensorsDir;
+    fn deref(&self) -> &SafetensorsDir {
+        &self.files
+    }
+}
+
+impl std::ops::DerefMut for Checkpoint {
+    fn deref_mut(&mut self) -> &mut SafetensorsDir {
+        &mut self.files
+    }
+}
+
+impl SafetensorsDir {
+    /// Opens the safetensors files of `dir`: `model.safetensors`, else the shards
+    /// `model.safetensors.index.json` lists (the single file wins where both are present,
+    /// as in transformers). Fails if a shard is truncated or malformed, the index and the
+    /// shards disagree, or a tensor is stored twice.
+    pub fn open(dir: &Path) -> Result<SafetensorsDir, WeightsError> {
         let single = dir.join(SINGLE_FILE);
         let index = dir.join(INDEX_FILE);
         let (shards, tensors) = if single.is_file() {
@@ -124,10 +176,8 @@ impl Checkpoint {
                 dir: dir.to_path_buf(),
             });
         };
-        Ok(Checkpoint {
+        Ok(SafetensorsDir {
             dir: dir.to_path_buf(),
-            config,
-            config_json,
             shards,
             tensors,
             read_observer: None,
@@ -142,16 +192,6 @@ impl Checkpoint {
     /// The checkpoint directory.
     pub fn dir(&self) -> &Path {
         &self.dir
-    }
-
-    /// The validated model configuration, parsed from config.json.
-    pub fn config(&self) -> &kimi_core::ModelConfig {
-        &self.config
-    }
-
-    /// config.json as decoded JSON.
-    pub fn config_json(&self) -> &serde_json::Value {
-        &self.config_json
     }
 
     /// Every tensor name, sorted.

@@ -19,13 +19,15 @@
 //! not whole blocks) is widened to f32, also exactly. Anything else the format stores is
 //! refused with the tensor, the file and the field named.
 
+pub mod awq;
+pub mod gptq;
 mod repack;
 pub mod rtn;
 
 use std::path::{Path, PathBuf};
 
 use kimi_core::DType;
-use kimi_weights::{Checkpoint, TensorView};
+use kimi_weights::{SafetensorsDir, TensorView};
 use serde_json::Value;
 
 use crate::{ModelError, Result};
@@ -245,7 +247,7 @@ impl QuantScheme {
 
     /// Whether the stored weight `weight` (a name ending in `.weight`) is held in this
     /// scheme's quantized tensors rather than as a float matrix.
-    pub(crate) fn holds(&self, ckpt: &Checkpoint, weight: &str) -> bool {
+    pub(crate) fn holds(&self, ckpt: &SafetensorsDir, weight: &str) -> bool {
         let Some(base) = weight.strip_suffix(".weight") else {
             return false;
         };
@@ -262,7 +264,7 @@ impl QuantScheme {
     }
 
     /// The logical shape of a quantized weight, where the stored tensors tell it.
-    pub(crate) fn shape(&self, ckpt: &Checkpoint, weight: &str) -> Option<Vec<usize>> {
+    pub(crate) fn shape(&self, ckpt: &SafetensorsDir, weight: &str) -> Option<Vec<usize>> {
         let base = weight.strip_suffix(".weight")?;
         match self.method {
             QuantMethod::CompressedTensors { .. } => {
@@ -289,7 +291,7 @@ impl QuantScheme {
     /// quantized tensors.
     pub(crate) fn decode(
         &self,
-        ckpt: &Checkpoint,
+        ckpt: &SafetensorsDir,
         weight: &str,
         shape: &[usize],
     ) -> Result<Decoded> {
@@ -347,7 +349,7 @@ fn is_empty(v: &Value) -> bool {
 
 /// The stored tensors of one weight, each recorded as used when read.
 struct Planes<'c> {
-    ckpt: &'c Checkpoint,
+    ckpt: &'c SafetensorsDir,
     base: &'c str,
     parts: Vec<String>,
 }

@@ -54,46 +54,89 @@ pub fn quantize(
 ) -> PackedMatrix {
     let groups = o.groups(cols).unwrap_or(1);
     let size = cols / groups;
-    let (q_min, q_max) = (-(1i32 << (o.bits - 1)), (1i32 << (o.bits - 1)) - 1);
-    let offset = 1i32 << (o.bits - 1);
-    let words = packed_words(cols, o.bits);
-    let mut packed = vec![0u32; rows * words];
-    let mut scales = vec![0f32; rows * groups];
-    let mut zps = vec![0i32; rows * groups];
+    let mut codes = vec![0i32; rows * cols];
+    let mut params = vec![GroupParams::default(); rows * groups];
     for r in 0..rows {
         for g in 0..groups {
             let part = &values[r * cols + g * size..r * cols + (g + 1) * size];
-            // The observer's range always holds zero.
-            let lo = part.iter().fold(0f32, |m, &v| m.min(v));
-            let hi = part.iter().fold(0f32, |m, &v| m.max(v));
-            let (scale, zp) = if o.symmetric {
-                let s = hi.max(-lo) / ((q_max - q_min) as f32 / 2.0);
-                (s, 0)
-            } else {
-                let s = (hi - lo) / (q_max - q_min) as f32;
-                (s, 0)
-            };
-            let mut scale = round_scale(if scale > 0.0 { scale } else { f32::EPSILON });
-            if scale <= 0.0 || !scale.is_finite() {
-                scale = f32::EPSILON;
-            }
-            let zp = if o.symmetric {
-                zp
-            } else {
-                (q_min - (lo / scale).round() as i32).clamp(q_min, q_max)
-            };
-            scales[r * groups + g] = scale;
-            zps[r * groups + g] = zp;
+            let p = GroupParams::of(part, o, &round_scale);
+            params[r * groups + g] = p;
             for (c, &v) in part.iter().enumerate() {
-                let q = ((v / scale).round() as i32 + zp).clamp(q_min, q_max);
-                let col = g * size + c;
-                set_field(
-                    &mut packed[r * words..(r + 1) * words],
-                    col,
-                    o.bits,
-                    (q + offset) as u32,
-                );
+                codes[r * cols + g * size + c] = p.code(v, o);
             }
+        }
+    }
+    pack(&codes, &params, rows, cols, o)
+}
+
+/// The scale and zero point of one group of a row, by compressed-tensors' min-max observer.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct GroupParams {
+    /// The step between codes, as stored.
+    pub scale: f32,
+    /// The code of 0 (0 when symmetric).
+    pub zero: i32,
+}
+
+impl GroupParams {
+    /// The parameters of the values `part` (the observer's range always holds zero).
+    pub fn of(part: &[f32], o: RtnOptions, round_scale: &impl Fn(f32) -> f32) -> Self {
+        let (q_min, q_max) = o.code_range();
+        let lo = part.iter().fold(0f32, |m, &v| m.min(v));
+        let hi = part.iter().fold(0f32, |m, &v| m.max(v));
+        let scale = if o.symmetric {
+            hi.max(-lo) / ((q_max - q_min) as f32 / 2.0)
+        } else {
+            (hi - lo) / (q_max - q_min) as f32
+        };
+        let mut scale = round_scale(if scale > 0.0 { scale } else { f32::EPSILON });
+        if scale <= 0.0 || !scale.is_finite() {
+            scale = f32::EPSILON;
+        }
+        let zero = if o.symmetric {
+            0
+        } else {
+            (q_min - (lo / scale).round() as i32).clamp(q_min, q_max)
+        };
+        Self { scale, zero }
+    }
+
+    /// The signed code of `v`.
+    pub fn code(&self, v: f32, o: RtnOptions) -> i32 {
+        let (q_min, q_max) = o.code_range();
+        ((v / self.scale).round() as i32 + self.zero).clamp(q_min, q_max)
+    }
+
+    /// The value a code stands for.
+    pub fn value(&self, code: i32) -> f32 {
+        (code - self.zero) as f32 * self.scale
+    }
+}
+
+impl RtnOptions {
+    /// The smallest and largest signed code.
+    pub fn code_range(&self) -> (i32, i32) {
+        (-(1i32 << (self.bits - 1)), (1i32 << (self.bits - 1)) - 1)
+    }
+}
+
+/// Packs signed codes `[rows, cols]` and their groups' parameters `[rows, groups]` into
+/// compressed-tensors' planes.
+pub fn pack(
+    codes: &[i32],
+    params: &[GroupParams],
+    rows: usize,
+    cols: usize,
+    o: RtnOptions,
+) -> PackedMatrix {
+    let groups = o.groups(cols).unwrap_or(1);
+    let offset = 1i32 << (o.bits - 1);
+    let words = packed_words(cols, o.bits);
+    let mut packed = vec![0u32; rows * words];
+    for r in 0..rows {
+        let row = &mut packed[r * words..(r + 1) * words];
+        for (c, &q) in codes[r * cols..(r + 1) * cols].iter().enumerate() {
+            set_field(row, c, o.bits, (q + offset) as u32);
         }
     }
     let zeros = (!o.symmetric).then(|| {
@@ -102,7 +145,12 @@ pub fn quantize(
         for g in 0..groups {
             let mut col = vec![0u32; zwords];
             for r in 0..rows {
-                set_field(&mut col, r, o.bits, (zps[r * groups + g] + offset) as u32);
+                set_field(
+                    &mut col,
+                    r,
+                    o.bits,
+                    (params[r * groups + g].zero + offset) as u32,
+                );
             }
             for (w, v) in col.into_iter().enumerate() {
                 z[w * groups + g] = v;
@@ -112,7 +160,7 @@ pub fn quantize(
     });
     PackedMatrix {
         packed: packed.into_iter().map(|w| w as i32).collect(),
-        scales,
+        scales: params.iter().map(|p| p.scale).collect(),
         zeros,
         groups,
     }

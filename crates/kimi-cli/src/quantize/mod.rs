@@ -1,6 +1,8 @@
 //! `kimi-infer quantize`: a float checkpoint to a compressed-tensors `pack-quantized`
-//! checkpoint (round to nearest), as llm-compressor writes one, so vLLM, transformers and
-//! kimi-infer load it.
+//! checkpoint, as llm-compressor writes one, so vLLM, transformers and kimi-infer load it.
+//! Round to nearest (`rtn`), GPTQ (`gptq`, [`kimi_model::quantized::gptq`]) or AWQ (`awq`,
+//! [`awq`]); the last two learn each matrix's inputs from a calibration text first
+//! ([`calibrate`]).
 //!
 //! Every 2-D Linear weight (`*.weight` of a float dtype, not the embeddings, `lm_head`,
 //! norms or the MoE router) whose width the group divides is quantized; the others are
@@ -13,13 +15,21 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
 use anyhow::{bail, Context};
 use kimi_core::DType;
-use kimi_model::quantized::rtn::{self, RtnOptions};
-use kimi_weights::Checkpoint;
+use kimi_model::quantized::gptq;
+use kimi_model::quantized::rtn::{self, PackedMatrix, RtnOptions};
+use kimi_weights::SafetensorsDir;
 use serde_json::{json, Map, Value};
 
 use crate::args::QuantizeArgs;
+
+mod awq;
+mod calibrate;
+use calibrate::InputStats;
 
 /// What becomes of one stored tensor.
 enum Plan {
@@ -35,11 +45,22 @@ struct Entry {
 }
 
 pub fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
-    if args.method != "rtn" {
+    let calibrated = args.method != "rtn";
+    if calibrated && args.calibration_text.is_none() {
         bail!(
-            "--method {}: only `rtn` (round to nearest) is implemented",
+            "--method {} learns from text: give --calibration-text FILE (scripts/fetch_corpus.sh \
+             fetches models/corpus/lcet10.txt)",
             args.method
         );
+    }
+    if calibrated && (args.calibration_ctx < 2 || args.calibration_tokens < args.calibration_ctx) {
+        bail!("--calibration-tokens must hold at least one --calibration-ctx window of 2+ tokens");
+    }
+    if args.calibration_memory_gb.is_nan() || args.calibration_memory_gb <= 0.0 {
+        bail!("--calibration-memory-gb must be positive");
+    }
+    if !(0.0..1.0).contains(&args.damp) || args.damp == 0.0 {
+        bail!("--damp must lie in (0, 1)");
     }
     if ![4, 8].contains(&args.bits) {
         bail!("--bits {}: 4 or 8", args.bits);
@@ -54,9 +75,10 @@ pub fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
         group_size,
         symmetric: args.symmetric || args.bits == 8,
     };
-    let ckpt = Checkpoint::open(&args.model)
+    let (config_json, _) = kimi_model::llama_hf::read_config_json(&args.model)?;
+    let ckpt = SafetensorsDir::open(&args.model)
         .with_context(|| format!("cannot open {}", args.model.display()))?;
-    if ckpt.config_json().get("quantization_config").is_some() {
+    if config_json.get("quantization_config").is_some() {
         bail!(
             "{} is already quantized (config.json has a quantization_config)",
             args.model.display()
@@ -134,6 +156,39 @@ pub fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
         });
     }
 
+    // What calibration learns, and what AWQ changes before rounding.
+    let targets: Vec<(String, usize)> = entries
+        .iter()
+        .filter_map(|e| match e.plan {
+            Plan::Quantize { cols, .. } => Some((e.name.clone(), cols)),
+            Plan::Copy => None,
+        })
+        .collect();
+    let stats: HashMap<String, Arc<InputStats>> = match &args.calibration_text {
+        Some(text) if calibrated => calibrate::calibrate(&calibrate::CalibrationPlan {
+            model: &args.model,
+            text,
+            ctx: args.calibration_ctx,
+            tokens: args.calibration_tokens,
+            targets: &targets,
+            memory_bytes: (args.calibration_memory_gb * (1u64 << 30) as f64) as u64,
+        })?,
+        _ => HashMap::new(),
+    };
+    let overrides = match args.method.as_str() {
+        "awq" => {
+            let dtype = match targets.first() {
+                Some((name, _)) => ckpt.get(name)?.dtype,
+                None => DType::F32,
+            };
+            let names = targets.iter().map(|(n, _)| n.clone()).collect();
+            awq::apply(&ckpt, &config_json, &stats, &names, opts, true, &|s| {
+                round_to(dtype, s)
+            })?
+        }
+        _ => HashMap::new(),
+    };
+
     // The header, from the shapes alone.
     let mut header = Map::new();
     header.insert("__metadata__".into(), json!({"format": "pt"}));
@@ -159,15 +214,40 @@ pub fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
     out.write_all(&header_bytes)?;
 
     let bar = crate::progress::count_bar(entries.len() as u64, "quantizing");
-    let (mut quantized, mut bytes_in) = (0usize, 0usize);
+    let (mut quantized, mut bytes_in, mut uncalibrated) = (0usize, 0usize, Vec::new());
     for e in &entries {
         let view = ckpt.get(&e.name)?;
         bytes_in += view.bytes.len();
         match e.plan {
-            Plan::Copy => out.write_all(view.bytes)?,
+            Plan::Copy => match overrides.get(&e.name) {
+                Some(values) => write_values(&mut out, values, view.dtype)?,
+                None => out.write_all(view.bytes)?,
+            },
             Plan::Quantize { rows, cols } => {
                 let dtype = view.dtype;
-                let m = rtn::quantize(&view.to_f32_vec(), rows, cols, opts, |s| round_to(dtype, s));
+                let round = |s| round_to(dtype, s);
+                let values = match overrides.get(&e.name) {
+                    Some(v) => v.clone(),
+                    None => view.to_f32_vec(),
+                };
+                let m: PackedMatrix = match (args.method.as_str(), stats.get(&e.name)) {
+                    ("gptq", Some(s)) => {
+                        let order = match args.actorder.as_str() {
+                            "none" => gptq::ColumnOrder::Natural,
+                            _ => gptq::ColumnOrder::Static,
+                        };
+                        let (m, _) = gptq::quantize(
+                            &values, rows, cols, &s.hessian, opts, order, args.damp, round,
+                        )
+                        .with_context(|| format!("GPTQ of `{}`", e.name))?;
+                        m
+                    }
+                    (method, None) if method != "rtn" => {
+                        uncalibrated.push(e.name.clone());
+                        rtn::quantize(&values, rows, cols, opts, round)
+                    }
+                    _ => rtn::quantize(&values, rows, cols, opts, round),
+                };
                 write_i32(&mut out, &m.packed)?;
                 for s in &m.scales {
                     match dtype {
@@ -194,8 +274,17 @@ pub fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
     if let Some(b) = bar {
         b.finish_and_clear();
     }
+    if !uncalibrated.is_empty() {
+        eprintln!(
+            "note: {} matrices never multiplied a calibration input (experts no token was \
+             routed to, or weights read other than by a product) and were rounded to nearest, \
+             e.g. {}",
+            uncalibrated.len(),
+            uncalibrated[..uncalibrated.len().min(3)].join(", ")
+        );
+    }
 
-    let mut config = ckpt.config_json().clone();
+    let mut config = config_json.clone();
     let group = json!({
         "targets": ["Linear"],
         "weights": {
@@ -220,7 +309,8 @@ pub fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
     copy_other_files(&args.model, &args.out)?;
     let bytes_out = std::fs::metadata(&path)?.len();
     eprintln!(
-        "quantized {quantized} matrices to {} bits ({}), {:.1} MB -> {:.1} MB: {}",
+        "quantized {quantized} matrices ({}) to {} bits ({}), {:.1} MB -> {:.1} MB: {}",
+        args.method,
         opts.bits,
         opts.group_size
             .map_or("per channel".into(), |g| format!("groups of {g}")),
@@ -253,6 +343,19 @@ fn round_to(dtype: DType, s: f32) -> f32 {
         DType::F16 => half::f16::from_f32(s).to_f32(),
         _ => s,
     }
+}
+
+/// f32 values as a float tensor of `dtype` (a folded norm or a compensated router).
+fn write_values(out: &mut impl Write, values: &[f32], dtype: DType) -> anyhow::Result<()> {
+    for &v in values {
+        match dtype {
+            DType::BF16 => out.write_all(&half::bf16::from_f32(v).to_le_bytes())?,
+            DType::F16 => out.write_all(&half::f16::from_f32(v).to_le_bytes())?,
+            DType::F32 => out.write_all(&v.to_le_bytes())?,
+            other => bail!("cannot write changed values as {other}"),
+        }
+    }
+    Ok(())
 }
 
 fn write_i32(out: &mut impl Write, values: &[i32]) -> std::io::Result<()> {
