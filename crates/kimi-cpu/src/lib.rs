@@ -33,6 +33,7 @@ mod quant;
 pub mod simd;
 mod team;
 mod tensor;
+mod to_ggml;
 mod weight_file;
 mod zquant;
 

@@ -141,6 +141,19 @@ impl CpuTensor {
                 ),
             });
         }
+        // The integer kernels take checkpoints' Q4Z/Q8Z blocks as Q4_1/Q8_0.
+        let converted = match interleave {
+            true => crate::to_ggml::convert(host.dtype, host.bytes),
+            false => None,
+        };
+        let host = match &converted {
+            Some((dtype, bytes)) => HostTensor {
+                shape: host.shape,
+                dtype: *dtype,
+                bytes,
+            },
+            None => host,
+        };
         let halves = || -> Result<WeightBuf<u16>> {
             let values = host
                 .bytes

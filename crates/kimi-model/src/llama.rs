@@ -120,19 +120,22 @@ impl LlamaConfig {
             tie_word_embeddings: file.tensor("output.weight").is_err(),
             eos_token_ids: eos_token_ids(file)?,
         };
-        config.validate(&|reason| format_error(file, reason), "llama.")?;
+        config.validate(&|reason| format_error(file, reason), &|key| {
+            format!("llama.{key}")
+        })?;
         Ok(config)
     }
 
     /// Every number in range, so that none shows up later as NaN logits: a NaN or negative
     /// RoPE base or norm epsilon loads fine and breaks every forward pass. `err` makes the
-    /// error of the file; keys are named with `prefix` (`llama.` in GGUF metadata).
+    /// error of the file; `name` gives the file's name of a GGUF metadata key (after
+    /// `llama.`).
     pub(crate) fn validate(
         &self,
         err: &dyn Fn(String) -> crate::ModelError,
-        prefix: &str,
+        name: &dyn Fn(&str) -> String,
     ) -> Result<()> {
-        let bad = |key: &str, reason: String| err(format!("{prefix}{key}: {reason}"));
+        let bad = |key: &str, reason: String| err(format!("{}: {reason}", name(key)));
         let floats = [
             ("rope.freq_base", self.rope_theta, f32::INFINITY),
             ("attention.layer_norm_rms_epsilon", self.rms_norm_eps, 1.0),

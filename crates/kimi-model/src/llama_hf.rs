@@ -166,8 +166,22 @@ impl LlamaConfig {
                 .unwrap_or(false),
             eos_token_ids,
         };
-        config.validate(&err, "")?;
+        config.validate(&err, &|key| hf_key(key).to_string())?;
         Ok(config)
+    }
+}
+
+/// The config.json field of a `llama.*` GGUF metadata key.
+fn hf_key(gguf: &str) -> &str {
+    match gguf {
+        "rope.freq_base" => "rope_theta",
+        "attention.layer_norm_rms_epsilon" => "rms_norm_eps",
+        "embedding_length" => "hidden_size",
+        "feed_forward_length" => "intermediate_size",
+        "block_count" => "num_hidden_layers",
+        "context_length" => "max_position_embeddings",
+        "attention.key_length" => "head_dim",
+        other => other,
     }
 }
 
@@ -280,6 +294,43 @@ mod tests {
             gguf_name("model.layers.0.self_attn.rotary_emb.inv_freq"),
             None
         );
+    }
+
+    #[test]
+    fn configs_name_what_they_cannot_run() {
+        let base = serde_json::json!({
+            "model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": true,
+            "eos_token_id": [2, 3],
+        });
+        let path = Path::new("config.json");
+        let c = LlamaConfig::from_hf_json(&base, path).unwrap();
+        assert_eq!(
+            (c.head_dim, c.rope_style, c.eos_token_ids.clone()),
+            (4, RopeStyle::HalfSplit, vec![2, 3])
+        );
+        for (key, value, says) in [
+            (
+                "rope_scaling",
+                serde_json::json!({"rope_type": "llama3"}),
+                "rope_scaling",
+            ),
+            ("attention_bias", serde_json::json!(true), "attention_bias"),
+            ("num_key_value_heads", serde_json::json!(3), "cannot share"),
+            ("rms_norm_eps", serde_json::json!(-1.0), "rms_norm_eps"),
+            ("hidden_size", serde_json::json!("wide"), "hidden_size"),
+        ] {
+            let mut bad = base.clone();
+            bad[key] = value;
+            let err = LlamaConfig::from_hf_json(&bad, path)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(says) && err.contains("config.json"),
+                "{key}: {err}"
+            );
+        }
     }
 
     /// llama.cpp's converter permutes head rows `[h, 2, D/2] → [h, D/2, 2]`; un-permuting

@@ -366,7 +366,9 @@ impl WeightSource for CheckpointSource<'_> {
                 .iter()
                 .cloned(),
         );
-        Ok(kimi_weights::SafetensorsDir::check_all_used(self.ckpt, &stored)?)
+        Ok(kimi_weights::SafetensorsDir::check_all_used(
+            self.ckpt, &stored,
+        )?)
     }
 
     fn shape(&self, name: &str) -> Option<Vec<usize>> {
