@@ -113,9 +113,16 @@ pub struct QuantizeArgs {
     /// GPTQ's damping of the Hessian's diagonal, relative to its mean.
     #[arg(long, default_value_t = 0.01)]
     pub damp: f64,
-    /// Output directory (created; must be empty).
+    /// Output directory (created; must be empty, unless --resume).
     #[arg(long, short = 'o')]
     pub out: PathBuf,
+    /// Finish an interrupted run into the same --out with the same arguments: shards already
+    /// written are kept, the rest are redone.
+    #[arg(long)]
+    pub resume: bool,
+    /// GB of tensors per output shard (whole layers; `model-0000N-of-0000M.safetensors`).
+    #[arg(long, default_value_t = 5.0)]
+    pub max_shard_gb: f64,
 }
 
 /// `kimi-infer download`.

@@ -233,3 +233,114 @@ fn calibrated_methods_keep_the_model() {
         );
     }
 }
+
+fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// Small shards (whole layers each, with an index), and an interrupted run finished by
+/// `--resume`: the shards it had written are kept, the rest redone, and the result is the
+/// same bytes as an uninterrupted run. Without `--resume`, or with other arguments, the
+/// directory is refused and left as it was.
+#[test]
+fn interrupted_runs_resume() {
+    let model = with_byte_vocabulary("hub-bf16-released-like");
+    let text = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md");
+    let dir = tempfile::tempdir().unwrap();
+    let args = |extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = [
+            "--method",
+            "gptq",
+            "--group-size",
+            "16",
+            "--max-shard-gb",
+            "0.00003",
+            "--calibration-text",
+            text.to_str().unwrap(),
+            "--calibration-tokens",
+            "256",
+            "--calibration-ctx",
+            "64",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let run = |out: &Path, extra: &[&str]| {
+        let a = args(extra);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        quantize(model.path(), out, &a)
+    };
+    let whole = dir.path().join("whole");
+    let o = run(&whole, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let shards: Vec<String> = files(&whole)
+        .into_iter()
+        .map(|(n, _)| n)
+        .filter(|n| n.ends_with(".safetensors"))
+        .collect();
+    assert!(shards.len() >= 3, "{shards:?}");
+    assert!(whole.join("model.safetensors.index.json").is_file());
+    let model_out = kimi_model::KimiLinear::load(
+        kimi_cpu::CpuBackend::new(),
+        &Checkpoint::open(&whole).unwrap(),
+    );
+    assert!(model_out.is_ok(), "{}", model_out.err().unwrap());
+
+    // An interruption: the last shard half written, no index, no config.
+    let cut = dir.path().join("cut");
+    std::fs::create_dir_all(&cut).unwrap();
+    for (name, bytes) in files(&whole) {
+        if name == "config.json" || name == "model.safetensors.index.json" {
+            continue;
+        }
+        if Some(&name) == shards.last() {
+            std::fs::write(
+                cut.join(format!("{name}.partial")),
+                &bytes[..bytes.len() / 2],
+            )
+            .unwrap();
+        } else {
+            std::fs::write(cut.join(&name), bytes).unwrap();
+        }
+    }
+    let before = files(&cut);
+    let o = run(&cut, &[]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("--resume"));
+    let o = run(&cut, &["--resume", "--damp", "0.05"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("other arguments"));
+    assert_eq!(files(&cut), before, "a refused run changed the directory");
+    let o = run(&cut, &["--resume"]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "{} of {} shards already written",
+            shards.len() - 1,
+            shards.len()
+        )),
+        "{stderr}"
+    );
+    let finished: Vec<(String, Vec<u8>)> = files(&cut)
+        .into_iter()
+        .filter(|(n, _)| !n.ends_with(".partial"))
+        .collect();
+    assert_eq!(
+        finished,
+        files(&whole),
+        "the resumed run differs from the whole one"
+    );
+}

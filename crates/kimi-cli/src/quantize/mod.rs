@@ -6,16 +6,16 @@
 //!
 //! Every 2-D Linear weight (`*.weight` of a float dtype, not the embeddings, `lm_head`,
 //! norms or the MoE router) whose width the group divides is quantized; the others are
-//! copied and named in `quantization_config.ignore`. The output is one `model.safetensors`
-//! written tensor by tensor (the header is computed from the shapes first), plus
-//! `config.json` with the `quantization_config` and the source's other files (tokenizer,
-//! generation config) copied.
+//! copied and named in `quantization_config.ignore`. The output is safetensors shards of
+//! whole layers written tensor by tensor (each header computed from the shapes first;
+//! [`shards`], which also resumes an interrupted run), plus `config.json` with the
+//! `quantization_config` and the source's other files (tokenizer, generation config) copied.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
@@ -23,12 +23,13 @@ use kimi_core::DType;
 use kimi_model::quantized::gptq;
 use kimi_model::quantized::rtn::{self, PackedMatrix, RtnOptions};
 use kimi_weights::SafetensorsDir;
-use serde_json::{json, Map, Value};
+use serde_json::json;
 
 use crate::args::QuantizeArgs;
 
 mod awq;
 mod calibrate;
+mod shards;
 use calibrate::InputStats;
 
 /// What becomes of one stored tensor.
@@ -42,6 +43,13 @@ struct Entry {
     plan: Plan,
     /// `(name, safetensors dtype, shape, bytes)` of each tensor written for it.
     outputs: Vec<(String, &'static str, Vec<usize>, usize)>,
+}
+
+impl Entry {
+    /// Bytes written for it.
+    fn bytes(&self) -> usize {
+        self.outputs.iter().map(|o| o.3).sum()
+    }
 }
 
 pub fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
@@ -58,6 +66,9 @@ pub fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
     }
     if args.calibration_memory_gb.is_nan() || args.calibration_memory_gb <= 0.0 {
         bail!("--calibration-memory-gb must be positive");
+    }
+    if args.max_shard_gb.is_nan() || args.max_shard_gb <= 0.0 {
+        bail!("--max-shard-gb must be positive");
     }
     if !(0.0..1.0).contains(&args.damp) || args.damp == 0.0 {
         bail!("--damp must lie in (0, 1)");
@@ -84,11 +95,6 @@ pub fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
             args.model.display()
         );
     }
-    if args.out.exists() && std::fs::read_dir(&args.out)?.next().is_some() {
-        bail!("--out {} exists and is not empty", args.out.display());
-    }
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("cannot create {}", args.out.display()))?;
 
     let mut entries = Vec::new();
     let mut ignore = Vec::new();
@@ -156,23 +162,57 @@ pub fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
         });
     }
 
-    // What calibration learns, and what AWQ changes before rounding.
+    // The shards, and which of them an interrupted run already wrote.
+    let max_shard = (args.max_shard_gb * 1e9) as usize;
+    let mut shards = shards::plan(&entries, calibrate::layer_of, max_shard);
+    let sizes = shards
+        .iter()
+        .map(|s| shards::header(&entries, &s.entries).map(|(h, d)| 8 + h.len() + d))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let request = json!({
+        "model": args.model.canonicalize().unwrap_or_else(|_| args.model.clone()),
+        "method": args.method, "bits": args.bits, "group_size": args.group_size,
+        "symmetric": opts.symmetric, "actorder": args.actorder, "damp": args.damp,
+        "calibration_text": args.calibration_text, "calibration_tokens": args.calibration_tokens,
+        "calibration_ctx": args.calibration_ctx,
+    });
+    let plan = shards::plan_json(&request, &entries, &shards);
+    shards::prepare(&args.out, &plan, &mut shards, &sizes, args.resume)?;
+    let left: HashSet<usize> = shards
+        .iter()
+        .filter(|s| !s.done)
+        .flat_map(|s| s.entries.iter().copied())
+        .collect();
+    let kept = shards.iter().filter(|s| s.done).count();
+    if kept > 0 {
+        eprintln!(
+            "resuming: {kept} of {} shards already written, {} tensors left",
+            shards.len(),
+            left.len()
+        );
+    }
+
+    // What calibration learns (for the layers left), and what AWQ changes before rounding.
     let targets: Vec<(String, usize)> = entries
         .iter()
-        .filter_map(|e| match e.plan {
+        .enumerate()
+        .filter(|(i, _)| left.contains(i))
+        .filter_map(|(_, e)| match e.plan {
             Plan::Quantize { cols, .. } => Some((e.name.clone(), cols)),
             Plan::Copy => None,
         })
         .collect();
     let stats: HashMap<String, Arc<InputStats>> = match &args.calibration_text {
-        Some(text) if calibrated => calibrate::calibrate(&calibrate::CalibrationPlan {
-            model: &args.model,
-            text,
-            ctx: args.calibration_ctx,
-            tokens: args.calibration_tokens,
-            targets: &targets,
-            memory_bytes: (args.calibration_memory_gb * (1u64 << 30) as f64) as u64,
-        })?,
+        Some(text) if calibrated && !targets.is_empty() => {
+            calibrate::calibrate(&calibrate::CalibrationPlan {
+                model: &args.model,
+                text,
+                ctx: args.calibration_ctx,
+                tokens: args.calibration_tokens,
+                targets: &targets,
+                memory_bytes: (args.calibration_memory_gb * (1u64 << 30) as f64) as u64,
+            })?
+        }
         _ => HashMap::new(),
     };
     let overrides = match args.method.as_str() {
@@ -189,90 +229,88 @@ pub fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
         _ => HashMap::new(),
     };
 
-    // The header, from the shapes alone.
-    let mut header = Map::new();
-    header.insert("__metadata__".into(), json!({"format": "pt"}));
-    let mut offset = 0usize;
-    for e in &entries {
-        for (name, dtype, shape, bytes) in &e.outputs {
-            header.insert(
-                name.clone(),
-                json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + bytes]}),
-            );
-            offset += bytes;
-        }
-    }
-    let mut header_bytes = serde_json::to_vec(&Value::Object(header))?;
-    while header_bytes.len() % 8 != 0 {
-        header_bytes.push(b' ');
-    }
-    let path = args.out.join("model.safetensors");
-    let mut out = BufWriter::new(
-        File::create(&path).with_context(|| format!("cannot create {}", path.display()))?,
-    );
-    out.write_all(&(header_bytes.len() as u64).to_le_bytes())?;
-    out.write_all(&header_bytes)?;
-
-    let bar = crate::progress::count_bar(entries.len() as u64, "quantizing");
+    let bar = crate::progress::count_bar(left.len() as u64, "quantizing");
     let (mut quantized, mut bytes_in, mut uncalibrated) = (0usize, 0usize, Vec::new());
-    for e in &entries {
-        let view = ckpt.get(&e.name)?;
-        bytes_in += view.bytes.len();
-        match e.plan {
-            Plan::Copy => match overrides.get(&e.name) {
-                Some(values) => write_values(&mut out, values, view.dtype)?,
-                None => out.write_all(view.bytes)?,
-            },
-            Plan::Quantize { rows, cols } => {
-                let dtype = view.dtype;
-                let round = |s| round_to(dtype, s);
-                let values = match overrides.get(&e.name) {
-                    Some(v) => v.clone(),
-                    None => view.to_f32_vec(),
-                };
-                let m: PackedMatrix = match (args.method.as_str(), stats.get(&e.name)) {
-                    ("gptq", Some(s)) => {
-                        let order = match args.actorder.as_str() {
-                            "none" => gptq::ColumnOrder::Natural,
-                            _ => gptq::ColumnOrder::Static,
-                        };
-                        let (m, _) = gptq::quantize(
-                            &values, rows, cols, &s.hessian, opts, order, args.damp, round,
-                        )
-                        .with_context(|| format!("GPTQ of `{}`", e.name))?;
-                        m
+    for shard in shards.iter().filter(|s| !s.done) {
+        let partial = args.out.join(format!("{}.partial", shard.file));
+        let mut out = BufWriter::new(
+            File::create(&partial)
+                .with_context(|| format!("cannot create {}", partial.display()))?,
+        );
+        let (header_bytes, _) = shards::header(&entries, &shard.entries)?;
+        out.write_all(&(header_bytes.len() as u64).to_le_bytes())?;
+        out.write_all(&header_bytes)?;
+        for e in shard.entries.iter().map(|&i| &entries[i]) {
+            let view = ckpt.get(&e.name)?;
+            bytes_in += view.bytes.len();
+            match e.plan {
+                Plan::Copy => match overrides.get(&e.name) {
+                    Some(values) => write_values(&mut out, values, view.dtype)?,
+                    None => out.write_all(view.bytes)?,
+                },
+                Plan::Quantize { rows, cols } => {
+                    let dtype = view.dtype;
+                    let round = |s| round_to(dtype, s);
+                    let values = match overrides.get(&e.name) {
+                        Some(v) => v.clone(),
+                        None => view.to_f32_vec(),
+                    };
+                    let m: PackedMatrix = match (args.method.as_str(), stats.get(&e.name)) {
+                        ("gptq", Some(s)) => {
+                            let order = match args.actorder.as_str() {
+                                "none" => gptq::ColumnOrder::Natural,
+                                _ => gptq::ColumnOrder::Static,
+                            };
+                            let (m, _) = gptq::quantize(
+                                &values, rows, cols, &s.hessian, opts, order, args.damp, round,
+                            )
+                            .with_context(|| format!("GPTQ of `{}`", e.name))?;
+                            m
+                        }
+                        (method, None) if method != "rtn" => {
+                            uncalibrated.push(e.name.clone());
+                            rtn::quantize(&values, rows, cols, opts, round)
+                        }
+                        _ => rtn::quantize(&values, rows, cols, opts, round),
+                    };
+                    write_i32(&mut out, &m.packed)?;
+                    for s in &m.scales {
+                        match dtype {
+                            DType::BF16 => {
+                                out.write_all(&half::bf16::from_f32(*s).to_le_bytes())?
+                            }
+                            DType::F16 => out.write_all(&half::f16::from_f32(*s).to_le_bytes())?,
+                            _ => out.write_all(&s.to_le_bytes())?,
+                        }
                     }
-                    (method, None) if method != "rtn" => {
-                        uncalibrated.push(e.name.clone());
-                        rtn::quantize(&values, rows, cols, opts, round)
+                    out.write_all(&(rows as i64).to_le_bytes())?;
+                    out.write_all(&(cols as i64).to_le_bytes())?;
+                    if let Some(z) = &m.zeros {
+                        write_i32(&mut out, z)?;
                     }
-                    _ => rtn::quantize(&values, rows, cols, opts, round),
-                };
-                write_i32(&mut out, &m.packed)?;
-                for s in &m.scales {
-                    match dtype {
-                        DType::BF16 => out.write_all(&half::bf16::from_f32(*s).to_le_bytes())?,
-                        DType::F16 => out.write_all(&half::f16::from_f32(*s).to_le_bytes())?,
-                        _ => out.write_all(&s.to_le_bytes())?,
-                    }
+                    quantized += 1;
                 }
-                out.write_all(&(rows as i64).to_le_bytes())?;
-                out.write_all(&(cols as i64).to_le_bytes())?;
-                if let Some(z) = &m.zeros {
-                    write_i32(&mut out, z)?;
-                }
-                quantized += 1;
+            }
+            if let Some(b) = &bar {
+                b.inc(1);
+            } else if let Plan::Quantize { .. } = e.plan {
+                tracing::debug!(tensor = %e.name, "quantized");
             }
         }
-        if let Some(b) = &bar {
-            b.inc(1);
-        } else if let Plan::Quantize { .. } = e.plan {
-            tracing::debug!(tensor = %e.name, "quantized");
-        }
+        out.flush()?;
+        drop(out);
+        std::fs::rename(&partial, args.out.join(&shard.file))
+            .with_context(|| format!("cannot rename {}", partial.display()))?;
     }
-    out.flush()?;
     if let Some(b) = bar {
         b.finish_and_clear();
+    }
+    if shards.len() > 1 {
+        let total = entries.iter().map(Entry::bytes).sum();
+        std::fs::write(
+            args.out.join("model.safetensors.index.json"),
+            serde_json::to_string_pretty(&shards::index(&entries, &shards, total))?,
+        )?;
     }
     if !uncalibrated.is_empty() {
         eprintln!(
@@ -290,7 +328,8 @@ pub fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
         "weights": {
             "num_bits": opts.bits, "type": "int", "symmetric": opts.symmetric,
             "strategy": if opts.group_size.is_some() { "group" } else { "channel" },
-            "group_size": opts.group_size, "dynamic": false, "actorder": null,
+            "group_size": opts.group_size, "dynamic": false,
+            "actorder": (args.method == "gptq" && args.actorder == "static").then_some("static"),
             "block_structure": null, "observer": "minmax",
         },
         "input_activations": null, "output_activations": null, "format": "pack-quantized",
@@ -307,7 +346,7 @@ pub fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
         serde_json::to_string_pretty(&config)?,
     )?;
     copy_other_files(&args.model, &args.out)?;
-    let bytes_out = std::fs::metadata(&path)?.len();
+    let bytes_out: u64 = sizes.iter().map(|&s| s as u64).sum();
     eprintln!(
         "quantized {quantized} matrices ({}) to {} bits ({}), {:.1} MB -> {:.1} MB: {}",
         args.method,
