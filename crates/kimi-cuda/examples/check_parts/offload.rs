@@ -2,8 +2,11 @@
 //! experts all resident, then split into tiers (some in host RAM behind device cache slots,
 //! cold ones computed on the CPU), with the host store page-locked and slots filled by
 //! asynchronous copies (`pin_host_experts`, the default) and without. Where no expert is
-//! cold the logits must be the resident bits; where some are, the host's sum is rounded on
-//! its own (f32 rounding against the resident logits).
+//! cold and both models run the same kernels (Kimi K3's composed MoE) the logits must be the
+//! resident bits; a resident Kimi Linear layer takes the fused MoE step instead, whose sums
+//! run in another order than the composed one's (on the device; the CPU's agree bit for bit),
+//! so there, and where experts are cold (the host's sum rounded on its own), they must be
+//! within f32 rounding of the resident logits.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -50,9 +53,15 @@ pub fn check_offload() -> Res<()> {
             .unwrap_or_default();
         let ckpt = kimi_weights::Checkpoint::open(&dir)?;
         let resident = KimiLinear::load(CudaBackend::new(0)?, &ckpt)?;
-        let Some(experts) = resident.config().moe.as_ref().map(|m| m.num_experts) else {
+        let Some(moe) = resident.config().moe.as_ref() else {
             continue;
         };
+        let experts = moe.num_experts;
+        // As `FfnLayer::load_moe` decides: resident SwiGLU experts without a latent take the
+        // backend's fused MoE step; experts in tiers always take the composed one.
+        let fused_when_resident = resident.config().activation
+            == kimi_core::config::Activation::Silu
+            && moe.latent.is_none();
         let reference: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json"))?)?;
         let prompt: Vec<u32> = reference["prompt_ids"]
@@ -82,13 +91,11 @@ pub fn check_offload() -> Res<()> {
                     let got = run_model(&model, &prompt, step, ForwardOptions::default())?;
                     let c = model.offload_counts().ok_or("no offload counts")?;
                     let err = rel_err(&got, &want);
-                    let verdict = if c.cold_pairs == 0 {
-                        if got == want {
-                            "resident bits"
-                        } else {
-                            failures += 1;
-                            "FAIL: not the resident bits"
-                        }
+                    let verdict = if got == want {
+                        "resident bits"
+                    } else if c.cold_pairs == 0 && !fused_when_resident {
+                        failures += 1;
+                        "FAIL: not the resident bits"
                     } else if err < 1e-5 {
                         "ok"
                     } else {
