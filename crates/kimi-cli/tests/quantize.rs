@@ -344,3 +344,49 @@ fn interrupted_runs_resume() {
         "the resumed run differs from the whole one"
     );
 }
+
+/// GPTQ on a Kimi K3 fixture (names under `language_model.`, MXFP4 experts kept as they are,
+/// a vision projector the text model never runs, rounded to nearest and named): the
+/// checkpoint loads and runs; AWQ is refused for K3, naming GPTQ.
+#[test]
+fn gptq_on_kimi_k3() {
+    let k3 = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/kimi-k3/k3-tiny-7l");
+    let text = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md");
+    let dir = tempfile::tempdir().unwrap();
+    let calibration = [
+        "--group-size",
+        "16",
+        "--calibration-text",
+        text.to_str().unwrap(),
+        "--calibration-tokens",
+        "256",
+        "--calibration-ctx",
+        "64",
+    ];
+    let out = dir.path().join("gptq");
+    let o = quantize(
+        &k3,
+        &out,
+        &[&["--method", "gptq"][..], &calibration[..]].concat(),
+    );
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(stderr.contains("mm_projector"), "{stderr}");
+    let ckpt = Checkpoint::open(&out).unwrap();
+    assert!(ckpt
+        .tensor_names()
+        .iter()
+        .any(|n| n.starts_with("language_model.") && n.ends_with(".weight_packed")));
+    let backend = kimi_cpu::CpuBackend::with_quant_matmul(kimi_cpu::QuantMatmul::F32);
+    let loaded = kimi_model::registry::load_checkpoint(backend, &ckpt).unwrap();
+    let logits = kimi_engine::Engine::new(loaded.model)
+        .logits(&[1, 2, 3, 4], 4)
+        .unwrap();
+    assert!(logits.iter().all(|v| v.is_finite()));
+    let o = quantize(
+        &k3,
+        &dir.path().join("awq"),
+        &[&["--method", "awq"][..], &calibration[..]].concat(),
+    );
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("gptq"));
+}

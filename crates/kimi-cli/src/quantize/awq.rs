@@ -25,6 +25,17 @@ fn may_clip(name: &str) -> bool {
     !NO_CLIP.iter().any(|p| last.starts_with(p))
 }
 
+/// Refuses the models whose scale groups AWQ does not know, before any calibration.
+pub fn check_supported(config: &Value) -> anyhow::Result<()> {
+    if config.get("model_type").and_then(Value::as_str) == Some("kimi_k3") {
+        bail!(
+            "--method awq does not know where Kimi K3's activations come from (Block Attention \
+             Residuals, LatentMoE); use --method gptq"
+        );
+    }
+    Ok(())
+}
+
 /// The new f32 values of every tensor AWQ changed (scaled, folded, and clipped where `clip`),
 /// by name.
 pub fn apply(
@@ -36,12 +47,6 @@ pub fn apply(
     clip: bool,
     round_scale: &(impl Fn(f32) -> f32 + Sync),
 ) -> anyhow::Result<HashMap<String, Vec<f32>>> {
-    if config.get("model_type").and_then(Value::as_str) == Some("kimi_k3") {
-        bail!(
-            "--method awq does not know where Kimi K3's activations come from (Block Attention \
-             Residuals, LatentMoE); use --method gptq"
-        );
-    }
     let hidden = config
         .get("hidden_size")
         .and_then(Value::as_u64)

@@ -89,6 +89,9 @@ pub fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
     let (config_json, _) = kimi_model::llama_hf::read_config_json(&args.model)?;
     let ckpt = SafetensorsDir::open(&args.model)
         .with_context(|| format!("cannot open {}", args.model.display()))?;
+    if args.method == "awq" {
+        awq::check_supported(&config_json)?;
+    }
     if config_json.get("quantization_config").is_some() {
         bail!(
             "{} is already quantized (config.json has a quantization_config)",
