@@ -110,6 +110,11 @@ pub struct QuantizeArgs {
     /// llm-compressor's `actorder: static`) or `none` (left to right).
     #[arg(long, default_value = "static", value_parser = ["static", "none"])]
     pub actorder: String,
+    /// GPTQ layer by layer: each layer calibrated on the outputs of the layers before it as
+    /// quantized (llm-compressor's sequential pipeline), instead of all layers from the float
+    /// model in one pass; reads the text once per layer.
+    #[arg(long)]
+    pub sequential: bool,
     /// GPTQ's damping of the Hessian's diagonal, relative to its mean.
     #[arg(long, default_value_t = 0.01)]
     pub damp: f64,

@@ -390,3 +390,67 @@ fn gptq_on_kimi_k3() {
     );
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("gptq"));
 }
+
+/// `--sequential`: the first layer sees the float model's inputs in both modes, so its
+/// matrices come out the same; later layers calibrate on the quantized layers before them,
+/// so some of theirs differ. The result loads and runs.
+#[test]
+fn sequential_gptq_calibrates_on_the_quantized_layers() {
+    let model = with_byte_vocabulary("hub-bf16-released-like");
+    let text = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md");
+    let dir = tempfile::tempdir().unwrap();
+    let common = [
+        "--method",
+        "gptq",
+        "--group-size",
+        "16",
+        "--calibration-text",
+        text.to_str().unwrap(),
+        "--calibration-tokens",
+        "512",
+        "--calibration-ctx",
+        "64",
+    ];
+    let (one, seq) = (dir.path().join("one"), dir.path().join("seq"));
+    let o = quantize(model.path(), &one, &common);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = quantize(
+        model.path(),
+        &seq,
+        &[&common[..], &["--sequential"]].concat(),
+    );
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.success() && stderr.contains("layer by layer"),
+        "{stderr}"
+    );
+    let (a, b) = (
+        Checkpoint::open(&one).unwrap(),
+        Checkpoint::open(&seq).unwrap(),
+    );
+    let (mut first_same, mut later_differ) = (0, 0);
+    for name in a.tensor_names() {
+        if !name.ends_with(".weight_packed") {
+            continue;
+        }
+        let same = a.get(name).unwrap().bytes == b.get(name).unwrap().bytes;
+        if name.starts_with("model.layers.0.") {
+            assert!(same, "{name}: layer 0 differs");
+            first_same += 1;
+        } else if !same {
+            later_differ += 1;
+        }
+    }
+    assert!(
+        first_same > 0 && later_differ > 0,
+        "{first_same} {later_differ}"
+    );
+    let backend = kimi_cpu::CpuBackend::new();
+    assert!(kimi_model::registry::load_checkpoint(backend, &b).is_ok());
+    let o = quantize(
+        model.path(),
+        &dir.path().join("x"),
+        &["--method", "rtn", "--sequential"],
+    );
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("--sequential"));
+}

@@ -92,6 +92,9 @@ pub fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
     if args.method == "awq" {
         awq::check_supported(&config_json)?;
     }
+    if args.sequential && args.method != "gptq" {
+        bail!("--sequential applies to --method gptq");
+    }
     if config_json.get("quantization_config").is_some() {
         bail!(
             "{} is already quantized (config.json has a quantization_config)",
@@ -177,7 +180,7 @@ pub fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
         "method": args.method, "bits": args.bits, "group_size": args.group_size,
         "symmetric": opts.symmetric, "actorder": args.actorder, "damp": args.damp,
         "calibration_text": args.calibration_text, "calibration_tokens": args.calibration_tokens,
-        "calibration_ctx": args.calibration_ctx,
+        "calibration_ctx": args.calibration_ctx, "sequential": args.sequential,
     });
     let plan = shards::plan_json(&request, &entries, &shards);
     shards::prepare(&args.out, &plan, &mut shards, &sizes, args.resume)?;
@@ -205,16 +208,55 @@ pub fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
             Plan::Copy => None,
         })
         .collect();
+    let order = match args.actorder.as_str() {
+        "none" => gptq::ColumnOrder::Natural,
+        _ => gptq::ColumnOrder::Static,
+    };
+    let shapes: HashMap<&str, (usize, usize)> = entries
+        .iter()
+        .filter_map(|e| match e.plan {
+            Plan::Quantize { rows, cols } => Some((e.name.as_str(), (rows, cols))),
+            Plan::Copy => None,
+        })
+        .collect();
     let stats: HashMap<String, Arc<InputStats>> = match &args.calibration_text {
         Some(text) if calibrated && !targets.is_empty() => {
-            calibrate::calibrate(&calibrate::CalibrationPlan {
+            let plan = calibrate::CalibrationPlan {
                 model: &args.model,
                 text,
                 ctx: args.calibration_ctx,
                 tokens: args.calibration_tokens,
                 targets: &targets,
                 memory_bytes: (args.calibration_memory_gb * (1u64 << 30) as f64) as u64,
-            })?
+            };
+            match args.sequential {
+                // Each layer's matrices rounded as the writer will round them, so that the
+                // next layer calibrates on what the quantized model computes.
+                true => calibrate::calibrate_sequential(&plan, |layer| {
+                    let mut rounded = HashMap::new();
+                    for (name, s) in layer {
+                        let Some(&(rows, cols)) = shapes.get(name.as_str()) else {
+                            continue;
+                        };
+                        let view = ckpt.get(name)?;
+                        let dtype = view.dtype;
+                        let (_, values, _) = gptq::quantize(
+                            &view.to_f32_vec(),
+                            rows,
+                            cols,
+                            &s.hessian,
+                            opts,
+                            order,
+                            args.damp,
+                            |x| round_to(dtype, x),
+                        )
+                        .with_context(|| format!("GPTQ of `{name}`"))?;
+                        rounded.insert(name.clone(), values);
+                    }
+                    Ok(rounded)
+                })?,
+                false => calibrate::calibrate(&plan)?,
+            }
         }
         _ => HashMap::new(),
     };
@@ -260,11 +302,7 @@ pub fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
                     };
                     let m: PackedMatrix = match (args.method.as_str(), stats.get(&e.name)) {
                         ("gptq", Some(s)) => {
-                            let order = match args.actorder.as_str() {
-                                "none" => gptq::ColumnOrder::Natural,
-                                _ => gptq::ColumnOrder::Static,
-                            };
-                            let (m, _) = gptq::quantize(
+                            let (m, ..) = gptq::quantize(
                                 &values, rows, cols, &s.hessian, opts, order, args.damp, round,
                             )
                             .with_context(|| format!("GPTQ of `{}`", e.name))?;

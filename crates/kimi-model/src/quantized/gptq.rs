@@ -114,7 +114,8 @@ pub enum ColumnOrder {
 
 /// Quantizes `values` `[rows, cols]` with GPTQ against the inputs' Hessian `h` (width
 /// `cols`); `damp` is the relative damping (0.01 in the paper's code); `round_scale` rounds
-/// scales to their stored dtype.
+/// scales to their stored dtype. Returns the planes, the values they stand for (`[rows,
+/// cols]`) and a report.
 #[allow(clippy::too_many_arguments)]
 pub fn quantize(
     values: &[f32],
@@ -125,7 +126,7 @@ pub fn quantize(
     order: ColumnOrder,
     damp: f64,
     round_scale: impl Fn(f32) -> f32 + Sync,
-) -> Result<(PackedMatrix, GptqReport), GptqError> {
+) -> Result<(PackedMatrix, Vec<f32>, GptqReport), GptqError> {
     if h.width() != cols || values.len() != rows * cols {
         return Err(GptqError::Shape(format!(
             "a [{rows}, {cols}] matrix with {} values against a Hessian of width {}",
@@ -195,8 +196,15 @@ pub fn quantize(
                 params,
             );
         });
+    let mut dequantized = vec![0f32; rows * cols];
+    for (r, row) in dequantized.chunks_exact_mut(cols).enumerate() {
+        for (c, v) in row.iter_mut().enumerate() {
+            *v = params[r * groups + c / group].value(codes[r * cols + c]);
+        }
+    }
     Ok((
         pack(&codes, &params, rows, cols, o),
+        dequantized,
         GptqReport {
             dead_inputs: dead.iter().filter(|&&d| d).count(),
             damping: relative,
@@ -425,10 +433,11 @@ mod tests {
             group_size: Some(32),
             symmetric: false,
         };
-        let (g, report) =
+        let (g, values, report) =
             quantize(&w, rows, cols, &h, o, ColumnOrder::Natural, 0.01, |s| s).expect("gptq");
+        assert_eq!(values, dequant(&g, rows, cols, o));
         assert_eq!(report.dead_inputs, 0);
-        let (gs, _) =
+        let (gs, _, _) =
             quantize(&w, rows, cols, &h, o, ColumnOrder::Static, 0.01, |s| s).expect("gptq");
         let r = super::super::rtn::quantize(&w, rows, cols, o, |s| s);
         let out_err = |m: &PackedMatrix| {
