@@ -231,6 +231,9 @@ impl WeightSource for Overlay<'_> {
     fn shape(&self, name: &str) -> Option<Vec<usize>> {
         self.base.shape(name)
     }
+    fn names(&self) -> Vec<String> {
+        self.base.names()
+    }
 }
 
 /// GPTQ's sequential calibration: layer by layer, each calibrated on the outputs of the
