@@ -8,14 +8,13 @@
 use std::borrow::Cow;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
 use kimi_core::DType;
 use kimi_ops::RopeStyle;
 use kimi_weights::SafetensorsDir;
 use serde_json::Value;
 
-use crate::quantized::QuantScheme;
+use crate::quantized::{QuantReader, QuantScheme};
 use crate::source::WeightSource;
 use crate::{LlamaConfig, ModelError, Result};
 
@@ -189,9 +188,7 @@ fn hf_key(gguf: &str) -> &str {
 /// (the formats of [`QuantScheme`]).
 pub struct HfLlamaSource<'a> {
     files: &'a SafetensorsDir,
-    quant: Option<QuantScheme>,
-    /// Stored tensors read as parts of quantized weights.
-    quant_parts: Mutex<HashSet<String>>,
+    quant: QuantReader,
 }
 
 impl<'a> HfLlamaSource<'a> {
@@ -199,8 +196,7 @@ impl<'a> HfLlamaSource<'a> {
     pub fn new(files: &'a SafetensorsDir, json: &Value, config_path: &Path) -> Result<Self> {
         Ok(Self {
             files,
-            quant: QuantScheme::from_config(json, config_path)?,
-            quant_parts: Mutex::new(HashSet::new()),
+            quant: QuantReader::new(QuantScheme::from_config(json, config_path)?),
         })
     }
 
@@ -209,7 +205,7 @@ impl<'a> HfLlamaSource<'a> {
     }
 
     fn quantized(&self, stored: &str) -> Option<&QuantScheme> {
-        self.quant.as_ref().filter(|q| q.holds(self.files, stored))
+        self.quant.holding(self.files, stored)
     }
 }
 
@@ -222,26 +218,17 @@ impl WeightSource for HfLlamaSource<'_> {
     fn load(&self, name: &str, shape: &[usize]) -> Result<(DType, Cow<'_, [u8]>)> {
         let stored = Self::stored(name);
         if let Some(q) = self.quantized(&stored) {
-            let decoded = q.decode(self.files, &stored, shape)?;
-            self.quant_parts
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .extend(decoded.parts);
-            return Ok((decoded.dtype, Cow::Owned(decoded.bytes)));
+            let (dtype, bytes) = self.quant.decode(q, self.files, &stored, shape)?;
+            return Ok((dtype, Cow::Owned(bytes)));
         }
         let view = self.files.get_shaped(&stored, shape)?;
         Ok((view.dtype, Cow::Borrowed(view.bytes)))
     }
 
     fn check_all_used(&self, used: &HashSet<String>) -> Result<()> {
-        let mut stored: HashSet<String> = used.iter().map(|n| Self::stored(n)).collect();
-        stored.extend(
-            self.quant_parts
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .iter()
-                .cloned(),
-        );
+        let stored = self
+            .quant
+            .with_parts(used.iter().map(|n| Self::stored(n)).collect());
         Ok(self.files.check_all_used(&stored)?)
     }
 

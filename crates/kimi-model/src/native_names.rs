@@ -18,12 +18,11 @@
 
 use std::borrow::Cow;
 use std::collections::HashSet;
-use std::sync::Mutex;
 
 use kimi_core::DType;
 use kimi_weights::{Checkpoint, WeightsError};
 
-use crate::quantized::QuantScheme;
+use crate::quantized::{QuantReader, QuantScheme};
 use crate::source::WeightSource;
 use crate::{ModelError, Result};
 
@@ -163,9 +162,7 @@ pub struct CheckpointSource<'c> {
     num_experts: Option<usize>,
     /// The checkpoint's `quantization_config`: weights stored in a tool's quantized
     /// tensors are answered from them (`crate::quantized`).
-    quant: Option<QuantScheme>,
-    /// Stored tensors read as parts of quantized weights.
-    quant_parts: Mutex<HashSet<String>>,
+    quant: QuantReader,
 }
 
 /// Suffixes of the tensors quantization tools store in place of `.weight`.
@@ -215,19 +212,18 @@ impl<'c> CheckpointSource<'c> {
             ckpt,
             layout,
             num_experts: ckpt.config().moe.as_ref().map(|m| m.num_experts),
-            quant,
-            quant_parts: Mutex::new(HashSet::new()),
+            quant: QuantReader::new(quant),
         })
     }
 
     /// The checkpoint's quantization scheme, if it has one.
     pub fn quant_scheme(&self) -> Option<&QuantScheme> {
-        self.quant.as_ref()
+        self.quant.scheme()
     }
 
     /// The scheme, where `stored` is held in its quantized tensors.
     fn quantized(&self, stored: &str) -> Option<&QuantScheme> {
-        self.quant.as_ref().filter(|q| q.holds(self.ckpt, stored))
+        self.quant.holding(self.ckpt, stored)
     }
 
     /// Whether `stored` is stored, as itself or as quantized tensors.
@@ -318,12 +314,8 @@ impl WeightSource for CheckpointSource<'_> {
                     ),
                 });
             }
-            let decoded = q.decode(self.ckpt, &place.stored, shape)?;
-            self.quant_parts
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .extend(decoded.parts);
-            return Ok((decoded.dtype, Cow::Owned(decoded.bytes)));
+            let (dtype, bytes) = self.quant.decode(q, self.ckpt, &place.stored, shape)?;
+            return Ok((dtype, Cow::Owned(bytes)));
         }
         let view = self
             .ckpt
@@ -358,14 +350,8 @@ impl WeightSource for CheckpointSource<'_> {
     }
 
     fn check_all_used(&self, used: &HashSet<String>) -> Result<()> {
-        let mut stored: HashSet<String> = used.iter().map(|hub| self.place(hub).stored).collect();
-        stored.extend(
-            self.quant_parts
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .iter()
-                .cloned(),
-        );
+        let stored = used.iter().map(|hub| self.place(hub).stored).collect();
+        let stored = self.quant.with_parts(stored);
         Ok(kimi_weights::SafetensorsDir::check_all_used(
             self.ckpt, &stored,
         )?)

@@ -84,6 +84,62 @@ pub(crate) struct Decoded {
     pub parts: Vec<String>,
 }
 
+/// A checkpoint's quantization scheme for a weight source: which weights its quantized
+/// tensors hold, their decoding, and the stored tensors read as their parts (so that the
+/// check for unused tensors counts them). Both families' checkpoint sources read through it.
+pub(crate) struct QuantReader {
+    scheme: Option<QuantScheme>,
+    parts: std::sync::Mutex<std::collections::HashSet<String>>,
+}
+
+impl QuantReader {
+    pub fn new(scheme: Option<QuantScheme>) -> Self {
+        Self {
+            scheme,
+            parts: Default::default(),
+        }
+    }
+
+    /// The scheme, if the checkpoint has one.
+    pub fn scheme(&self) -> Option<&QuantScheme> {
+        self.scheme.as_ref()
+    }
+
+    /// The scheme, where the stored weight `stored` is held in its quantized tensors.
+    pub fn holding(&self, files: &SafetensorsDir, stored: &str) -> Option<&QuantScheme> {
+        self.scheme.as_ref().filter(|q| q.holds(files, stored))
+    }
+
+    /// Decodes `stored` (held by `q`, of logical shape `shape`), recording its parts as read.
+    pub fn decode(
+        &self,
+        q: &QuantScheme,
+        files: &SafetensorsDir,
+        stored: &str,
+        shape: &[usize],
+    ) -> Result<(DType, Vec<u8>)> {
+        let decoded = q.decode(files, stored, shape)?;
+        self.parts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .extend(decoded.parts);
+        Ok((decoded.dtype, decoded.bytes))
+    }
+
+    /// `used` with every tensor read as a part added.
+    pub fn with_parts(
+        &self,
+        mut used: std::collections::HashSet<String>,
+    ) -> std::collections::HashSet<String> {
+        let parts = self
+            .parts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        used.extend(parts.iter().cloned());
+        used
+    }
+}
+
 /// Tensors a quantized checkpoint stores beside a weight for activation quantization, which
 /// kimi-infer does not apply (activations stay f32): read as part of the weight.
 const ACTIVATION_PARTS: [&str; 4] = [
