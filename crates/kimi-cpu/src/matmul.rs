@@ -341,8 +341,10 @@ impl<'a> Product<'a> {
         mode: QuantMatmul,
         q8: Option<&'a Q8Acts>,
     ) -> Self {
-        if let (Some(tap), Some(stored)) = (kimi_ops::calibrate::tap(), w.stored()) {
-            tap.input(kimi_ops::calibrate::weight_key(&stored), xs, n, k);
+        if let Some(tap) = kimi_ops::calibrate::tap() {
+            if let Some(stored) = w.stored() {
+                tap.input(kimi_ops::calibrate::weight_key(&stored), xs, n, k);
+            }
         }
         let int8 = match (&w.storage, int8_kind(w, n, mode), q8) {
             (Storage::Quant { bytes, grouped, .. }, Some(kind), Some(q8)) => {

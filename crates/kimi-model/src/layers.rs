@@ -92,8 +92,10 @@ impl<B: Backend> Loader<'_, B> {
     /// Names a loaded matrix to the calibration tap of this thread, if one is installed
     /// ([`kimi_ops::calibrate`]).
     fn tap_weight(&self, t: &B::Tensor, parts: &[(String, usize)]) {
-        if let (Some(tap), Some(stored)) = (kimi_ops::calibrate::tap(), self.backend.host_view(t)) {
-            tap.weight(kimi_ops::calibrate::weight_key(&stored), parts);
+        if let Some(tap) = kimi_ops::calibrate::tap() {
+            if let Some(stored) = self.backend.host_view(t) {
+                tap.weight(kimi_ops::calibrate::weight_key(&stored), parts);
+            }
         }
     }
 
