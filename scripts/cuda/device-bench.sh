@@ -155,23 +155,30 @@ if want k3-big; then
 fi
 # Experts beyond GPU memory: the 48B model's routed experts partly in host RAM (computed on
 # the CPU when cold) behind device cache slots; all on the GPU first, for the ratio. With
-# slots, page-locked fills (the default) and staged ones (KIMI_CUDA_PIN_HOST_EXPERTS=0).
-# OFFLOAD_HOST: experts per layer (of 256) kept in host RAM; OFFLOAD_SLOTS: device slots.
+# slots, page-locked fills (the default) and staged ones (KIMI_CUDA_PIN_HOST_EXPERTS=0), and
+# each miss policy (--offload-miss: auto balances copies against the CPU by measured costs).
+# OFFLOAD_HOST: experts per layer (of 256) kept in host RAM; OFFLOAD_SLOTS: device slots;
+# OFFLOAD_PIN: 1 and/or 0; OFFLOAD_MISS: auto, copy and/or cpu.
 # First the fixtures in tiers against all resident on the device (`check offload`).
 if want offload; then
-  timeout 240 .device-bin/check offload 2>&1 | tee "$OUT/offload-check.txt"
+  [ -n "${OFFLOAD_SKIP_CHECK:-}" ] || timeout 240 .device-bin/check offload 2>&1 | tee "$OUT/offload-check.txt"
   for host in ${OFFLOAD_HOST:-0 128}; do
     for slots in ${OFFLOAD_SLOTS:-0 64}; do
       [ "$host" = 0 ] && [ "$slots" != 0 ] && continue
-      for pin in 1 0; do
+      for pin in ${OFFLOAD_PIN:-1 0}; do
         [ "$slots" = 0 ] && [ "$pin" = 0 ] && continue
-        flags=""
-        [ "$host" != 0 ] && flags="--offload-experts $host --expert-cache-slots $slots"
-        KIMI_CUDA_PIN_HOST_EXPERTS=$pin timeout ${OFFLOAD_TIMEOUT:-300} .device-bin/kimi-infer bench \
-          --device cuda --random-config "$CONFIG" \
-          --prompt-len 256 --gen-len 8 --repeats 1 --decode-batch "${OFFLOAD_BATCHES:-1,16}" \
-          --context 256 --decode-steps 16 $flags \
-          --json "$OUT/offload-$host-$slots-pin$pin.json" 2>&1 | tee "$OUT/offload-$host-$slots-pin$pin.txt"
+        for miss in ${OFFLOAD_MISS:-copy}; do
+          # Without slots every miss is computed on the CPU: one run.
+          [ "$slots" = 0 ] && [ "$miss" != "${OFFLOAD_MISS%% *}" ] && continue
+          flags=""
+          [ "$host" != 0 ] && flags="--offload-experts $host --expert-cache-slots $slots --offload-miss $miss"
+          name="offload-$host-$slots-pin$pin-$miss"
+          KIMI_CUDA_PIN_HOST_EXPERTS=$pin timeout ${OFFLOAD_TIMEOUT:-300} .device-bin/kimi-infer bench \
+            --device cuda --random-config "$CONFIG" \
+            --prompt-len 256 --gen-len 8 --repeats 1 --decode-batch "${OFFLOAD_BATCHES:-1,16}" \
+            --context 256 --decode-steps 16 $flags \
+            --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.txt"
+        done
       done
     done
   done

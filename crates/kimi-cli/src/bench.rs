@@ -122,6 +122,11 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
             "decode_bandwidth_fraction": achieved / bandwidth,
         }));
     }
+    let placement = loaded.engine.model().expert_placement();
+    let miss_costs = placement.first().and_then(|(_, p)| p.miss_costs).map(|c| {
+        json!({"fill_ms": c.fill_s * 1e3, "cpu_first_ms": c.host_first_s * 1e3,
+               "cpu_next_ms": c.host_next_s * 1e3})
+    });
     let mut batches = Vec::new();
     let mut memory_peak = memory_after_load;
     for &batch in &a.decode_batch {
@@ -190,6 +195,7 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
     }
     let result = json!({
         "model": loaded.dir.display().to_string(),
+        "offload_miss_costs": miss_costs,
         "backend": backend_name,
         "threads": kimi_cpu::num_threads(),
         "total_params": total_params, "active_params": active_params,

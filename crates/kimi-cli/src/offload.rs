@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use clap::Args;
 use kimi_model::{CausalLm, ExpertOffload, LoadOptions, OffloadAmount};
-use kimi_ops::offload::{CachePolicy, HostBackend, HostExpertStore};
+use kimi_ops::offload::{CachePolicy, HostBackend, HostExpertStore, MissCosts, MissPolicy};
 use kimi_ops::Backend;
 
 /// Flags of [`crate::args::ModelArgs`] for experts beyond the device's memory.
@@ -33,6 +33,12 @@ pub struct OffloadArgs {
     /// must have room for them (reserved as they load).
     #[arg(long, value_name = "DIR")]
     pub offload_folder: Option<std::path::PathBuf>,
+    /// Where a host expert that a step needs and no slot holds is served: `copy` it into a
+    /// device slot (evicting the least recently used), compute it on the CPU for the
+    /// step's tokens (`cpu`), or `auto`: each miss on the side whose share of the step
+    /// would end sooner, by the copy and CPU costs measured at load (in the start log).
+    #[arg(long, value_name = "auto|copy|cpu", default_value = "auto")]
+    pub offload_miss: MissPolicy,
 }
 
 impl OffloadArgs {
@@ -72,7 +78,10 @@ impl OffloadArgs {
             offload: Some(ExpertOffload {
                 host,
                 cache: cache.unwrap_or(OffloadAmount::Experts(0)),
-                policy: CachePolicy::default(),
+                policy: CachePolicy {
+                    miss: self.offload_miss,
+                    ..CachePolicy::default()
+                },
                 store: self.store()?,
             }),
             ..LoadOptions::default()
@@ -232,6 +241,27 @@ pub fn report_placement<B: Backend>(model: &dyn CausalLm<B>, options: &LoadOptio
         crate::inspect::bytes(device),
         crate::inspect::bytes(host),
     );
+    if let Some(c) = first.miss_costs {
+        eprintln!(
+            "{}",
+            describe_miss_costs(&c, first.host_bytes / first.host.max(1) as u64)
+        );
+    }
+}
+
+/// The start log's line on measured miss costs, for experts of `expert_bytes`.
+pub fn describe_miss_costs(c: &MissCosts, expert_bytes: u64) -> String {
+    let rate = |s: f64| expert_bytes as f64 / s.max(1e-12) / 1e9;
+    format!(
+        "expert misses: copying one into a slot takes {:.3} ms ({:.1} GB/s), the CPU computes \
+         one for a token in {:.3} ms ({:.1} GB/s) and {:.3} ms per further token: each miss \
+         goes where the step ends sooner (--offload-miss auto)",
+        c.fill_s * 1e3,
+        rate(c.fill_s),
+        c.host_first_s * 1e3,
+        rate(c.host_first_s),
+        c.host_next_s * 1e3,
+    )
 }
 
 #[cfg(test)]

@@ -165,6 +165,15 @@ impl Backend for CpuBackend {
     fn embedding(&self, table: &CpuTensor, ids: &[u32]) -> Result<CpuTensor> {
         norm::embedding(table, ids)
     }
+    fn embedding_part(
+        &self,
+        table: &CpuTensor,
+        ids: &[u32],
+        first: usize,
+        vocab: usize,
+    ) -> Result<CpuTensor> {
+        norm::embedding_part(table, ids, first, vocab)
+    }
     fn matmul(&self, x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
         flushing(|| matmul::matmul(x, w, self.quant_matmul))
     }

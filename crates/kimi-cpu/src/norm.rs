@@ -19,6 +19,37 @@ pub fn embedding(table: &CpuTensor, ids: &[u32]) -> Result<CpuTensor> {
     CpuTensor::f32(&[ids.len(), d], out)
 }
 
+/// [`kimi_ops::Backend::embedding_part`]: the rows `first..first + rows` of a vocabulary of
+/// `vocab` split over ranks; other ranks' ids give zero rows.
+pub fn embedding_part(
+    table: &CpuTensor,
+    ids: &[u32],
+    first: usize,
+    vocab: usize,
+) -> Result<CpuTensor> {
+    let (rows, d) = table.rows_cols("embedding")?;
+    if first.checked_add(rows).is_none_or(|end| end > vocab) {
+        return Err(shape_err(
+            "embedding",
+            format!("rows {first}..{first}+{rows} are not inside a vocabulary of {vocab}"),
+        ));
+    }
+    let mut out = vec![0f32; ids.len() * d];
+    for (t, &id) in ids.iter().enumerate() {
+        let id = id as usize;
+        if id >= vocab {
+            return Err(shape_err(
+                "embedding",
+                format!("token id {id} is outside the vocabulary of {vocab}"),
+            ));
+        }
+        if let Some(local) = id.checked_sub(first).filter(|&l| l < rows) {
+            row_to_f32(&table.storage, local * d, &mut out[t * d..(t + 1) * d]);
+        }
+    }
+    CpuTensor::f32(&[ids.len(), d], out)
+}
+
 pub fn rms_norm(x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
     let (n, d) = x.rows_cols("rms_norm")?;
     let w = weight.f32_values();
@@ -113,4 +144,48 @@ pub fn concat_cols(parts: &[&CpuTensor]) -> Result<CpuTensor> {
         }
     }
     CpuTensor::f32(&[n, total], out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two halves of a table give their rows and zeros for the other half's ids; summed
+    /// they are the whole table's lookup; ids past the vocabulary are refused.
+    #[test]
+    fn vocabulary_parts_sum_to_the_whole_lookup() {
+        let (vocab, d) = (6usize, 3usize);
+        let values: Vec<f32> = (0..vocab * d).map(|i| i as f32 * 0.5 - 2.0).collect();
+        let whole = CpuTensor::f32(&[vocab, d], values.clone()).unwrap();
+        let ids = [5u32, 0, 3, 2, 2];
+        let want = embedding(&whole, &ids).unwrap().f32_values().to_vec();
+        let mut sum = vec![0f32; ids.len() * d];
+        for first in [0, 3] {
+            let part =
+                CpuTensor::f32(&[3, d], values[first * d..(first + 3) * d].to_vec()).unwrap();
+            let got = embedding_part(&part, &ids, first, vocab)
+                .unwrap()
+                .f32_values()
+                .to_vec();
+            for (t, &id) in ids.iter().enumerate() {
+                let row = &got[t * d..(t + 1) * d];
+                if (first..first + 3).contains(&(id as usize)) {
+                    assert_eq!(row, &want[t * d..(t + 1) * d]);
+                } else {
+                    assert!(row.iter().all(|&v| v == 0.0));
+                }
+            }
+            sum.iter_mut().zip(&got).for_each(|(s, g)| *s += g);
+        }
+        assert_eq!(sum, want);
+        let part = CpuTensor::f32(&[3, d], values[..3 * d].to_vec()).unwrap();
+        let err = embedding_part(&part, &[6], 0, vocab)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("token id 6 is outside the vocabulary of 6"),
+            "{err}"
+        );
+        assert!(embedding_part(&part, &[0], 4, vocab).is_err());
+    }
 }

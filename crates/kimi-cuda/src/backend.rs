@@ -494,6 +494,10 @@ impl Backend for CudaBackend {
         dtype_code(dtype).is_some() || dtype == DType::MXFP4
     }
 
+    fn synchronize(&self) -> Result<()> {
+        self.dev.synchronize("synchronize")
+    }
+
     fn upload(&self, host: HostTensor<'_>) -> Result<CudaTensor> {
         if host.dtype == DType::MXFP4 {
             return self.upload_mxfp4(&host);

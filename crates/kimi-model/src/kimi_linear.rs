@@ -80,8 +80,9 @@ pub struct KimiLinear<B: Backend> {
     layers: Vec<DecoderLayer<B::Tensor>>,
     norm: B::Tensor,
     lm_head: Option<B::Tensor>,
-    /// `lm_head` holds this rank's share of the vocabulary rows; the logits are gathered.
-    head_split: bool,
+    /// `embed` and `lm_head` hold this rank's share of the vocabulary rows: the embedding
+    /// is summed over the ranks and the logits are gathered.
+    vocab_split: bool,
     attn_res: Option<AttnRes<B::Tensor>>,
     cache_specs: Vec<LayerSpec>,
     ignored_vision_tensors: usize,
@@ -179,7 +180,15 @@ impl<B: Backend> KimiLinear<B> {
             shard,
             placement,
         };
-        let embed = ld.get("model.embed_tokens.weight", &[config.vocab_size, hidden])?;
+        // The embedding and the head split by vocabulary rows where the vocabulary divides
+        // over the ranks (K3's are 2.3 GB each): each rank looks up and multiplies its
+        // share; the embedding rows are summed and the logits gathered.
+        let vocab_split = shard.is_split() && config.vocab_size.is_multiple_of(shard.world);
+        let vocab_rows = match vocab_split {
+            true => config.vocab_size / shard.world,
+            false => config.vocab_size,
+        };
+        let embed = ld.get("model.embed_tokens.weight", &[vocab_rows, hidden])?;
         let mut layers = Vec::with_capacity(config.layers.len());
         for (i, spec) in config.layers.iter().enumerate() {
             let p = format!("model.layers.{i}");
@@ -244,19 +253,10 @@ impl<B: Backend> KimiLinear<B> {
             }),
             None => None,
         };
-        // Split by vocabulary rows where it divides over the ranks: each rank reads and
-        // multiplies its share, and the logits are gathered (K3's head is 2.3 GB).
-        let head_split = !config.tie_word_embeddings
-            && shard.is_split()
-            && config.vocab_size.is_multiple_of(shard.world);
-        let head_rows = match head_split {
-            true => config.vocab_size / shard.world,
-            false => config.vocab_size,
-        };
         let lm_head = if config.tie_word_embeddings {
             None
         } else {
-            Some(ld.get("lm_head.weight", &[head_rows, hidden])?)
+            Some(ld.get("lm_head.weight", &[vocab_rows, hidden])?)
         };
         // A multimodal checkpoint's vision encoder: skipped, and counted so that the
         // front end can say once that images are not supported.
@@ -279,7 +279,7 @@ impl<B: Backend> KimiLinear<B> {
             layers,
             norm,
             lm_head,
-            head_split,
+            vocab_split,
             attn_res,
             ignored_vision_tensors,
         })
@@ -393,7 +393,7 @@ impl<B: Backend> KimiLinear<B> {
         let group = self.group()?;
         let segs = &batch.segments;
         let eps = self.config.rms_norm_eps;
-        let mut x = be.embedding(&self.embed, &batch.tokens)?;
+        let mut x = self.embed(&batch.tokens, group)?;
         let mut chosen_per_layer = Vec::with_capacity(self.layers.len());
         // The last sublayer's output, added to `x` together with the next norm.
         let mut pending: Option<B::Tensor> = None;
@@ -437,7 +437,7 @@ impl<B: Backend> KimiLinear<B> {
         let eps = self.config.rms_norm_eps;
         let no_mix = || input("AttnRes layer without its mix weights");
         let mut blocks: Vec<B::Tensor> = Vec::new();
-        let mut partial = be.embedding(&self.embed, &batch.tokens)?;
+        let mut partial = self.embed(&batch.tokens, group)?;
         let mut chosen_per_layer = Vec::with_capacity(self.layers.len());
         for (i, layer) in self.layers.iter().enumerate() {
             let [attn_mix, mlp_mix] = layer.res.as_ref().ok_or_else(no_mix)?;
@@ -474,12 +474,30 @@ impl<B: Backend> KimiLinear<B> {
         Ok((logits, chosen_per_layer))
     }
 
+    /// The embedding rows of `tokens`: this rank's share of the vocabulary looked up and
+    /// summed over the ranks where it is split (one non-zero term per row: exact), else
+    /// the whole table's.
+    fn embed(&self, tokens: &[u32], group: Option<&dyn Collective<B>>) -> Result<B::Tensor> {
+        let be = &self.backend;
+        match (group, self.vocab_split) {
+            (Some(group), true) => {
+                let rows = self.config.vocab_size / self.shard.world;
+                let first = self.shard.rank * rows;
+                let mut x =
+                    be.embedding_part(&self.embed, tokens, first, self.config.vocab_size)?;
+                group.all_reduce_sum(be, &mut x)?;
+                Ok(x)
+            }
+            _ => Ok(be.embedding(&self.embed, tokens)?),
+        }
+    }
+
     /// The logits of `normed` rows: through this rank's share of the vocabulary and
     /// gathered where the head is split, else through the whole head.
     fn head(&self, normed: &B::Tensor, group: Option<&dyn Collective<B>>) -> Result<B::Tensor> {
         let be = &self.backend;
         let logits = be.matmul(normed, self.lm_head.as_ref().unwrap_or(&self.embed))?;
-        match (group, self.head_split) {
+        match (group, self.vocab_split) {
             (Some(group), true) => Ok(group.all_gather_cols(be, &logits)?),
             _ => Ok(logits),
         }

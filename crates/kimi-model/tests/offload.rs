@@ -203,6 +203,57 @@ fn experts_in_an_offload_folder_match_resident_experts() {
     assert_eq!(std::fs::read_dir(folder.path()).unwrap().count(), 0);
 }
 
+/// `--offload-miss`: `cpu` copies nothing after the start (every miss computed on the
+/// host), `auto` measures both sides when the bank is made and sends each miss one way;
+/// either way the logits are the resident model's to f32 rounding.
+#[test]
+fn miss_policies_serve_misses_on_either_side() {
+    use kimi_ops::offload::MissPolicy;
+    let dir = fixture("kimi-linear/hub-f32-sharded");
+    let ids = prompt(&dir);
+    let want = run(&load(&dir, None), &ids, 1);
+    for miss in [MissPolicy::Host, MissPolicy::Auto] {
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let options = LoadOptions {
+            offload: Some(ExpertOffload {
+                host: Experts(6),
+                cache: Experts(2),
+                policy: CachePolicy {
+                    miss,
+                    ..CachePolicy::default()
+                },
+                store: Arc::new(HostBackend::new(Arc::new(backend()))),
+            }),
+            ..LoadOptions::default()
+        };
+        let model = KimiLinear::load_checkpoint_with(backend(), &ckpt, &options).unwrap();
+        let got = run(&model, &ids, 1);
+        let c = model.offload_counts().unwrap();
+        let label = format!("{miss:?}: {c:?}");
+        let err = rel_err(&got, &want);
+        assert!(err < 1e-5, "{label}: relative error {err:.2e}");
+        let placement = model.expert_placement();
+        match miss {
+            MissPolicy::Host => {
+                assert_eq!((c.fills, c.bytes_moved), (0, 0), "{label}");
+                assert!(c.cold_pairs > 0 && c.hits > 0, "{label}");
+                assert!(placement.iter().all(|(_, p)| p.miss_costs.is_none()));
+            }
+            _ => {
+                // Every bank measured its own costs: positive and finite.
+                for (_, p) in &placement {
+                    let m = p.miss_costs.expect("auto measures the costs");
+                    for v in [m.fill_s, m.host_first_s] {
+                        assert!(v.is_finite() && v > 0.0, "{label}: {m:?}");
+                    }
+                    assert!(m.host_next_s.is_finite() && m.host_next_s >= 0.0);
+                }
+                assert!(c.hits + c.fills + c.cold_experts > 0, "{label}");
+            }
+        }
+    }
+}
+
 #[test]
 fn byte_budgets_become_whole_experts_per_layer() {
     let dir = fixture("kimi-k3/k3-tiny-7l");

@@ -259,8 +259,9 @@ fn kimi_linear_layout_over_four_ranks() {
     }
 }
 
-/// A vocabulary that does not divide over the ranks keeps the LM head whole on every rank
-/// (where it divides, every other test splits it by vocabulary rows and gathers logits).
+/// A vocabulary that does not divide over the ranks keeps the embedding and the LM head
+/// whole on every rank (where it divides, every other test splits both by vocabulary rows,
+/// sums the embedding rows and gathers the logits).
 #[test]
 fn a_vocabulary_that_does_not_divide_keeps_the_head_whole() {
     let config = four_way(

@@ -434,6 +434,11 @@ pub trait Backend: Send + Sync {
         )))
     }
 
+    /// Waits until the work queued so far has run (for timing it). Default: nothing, for
+    /// backends whose calls return when their work is done.
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
     /// Copies a checkpoint tensor to the device. Matrices may keep their stored dtype.
     fn upload(&self, host: HostTensor<'_>) -> Result<Self::Tensor>;
     /// Replaces the contents of `dst` (an earlier [`Backend::upload`] of the same shape and
@@ -593,6 +598,24 @@ pub trait Backend: Send + Sync {
 
     /// Rows of `table` `[vocab, d]` for `ids` → `[ids.len(), d]`.
     fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
+    /// One rank's part of a vocabulary-split embedding: `table` `[rows, d]` holds the
+    /// vocabulary rows `first..first + rows` of a table of `vocab`; ids in that range give
+    /// their row, other ids a zero row (another rank's), so that the ranks' outputs sum to
+    /// the whole table's [`Backend::embedding`]. Ids at or past `vocab` are an error.
+    /// Default: unsupported.
+    fn embedding_part(
+        &self,
+        table: &Self::Tensor,
+        ids: &[u32],
+        first: usize,
+        vocab: usize,
+    ) -> Result<Self::Tensor> {
+        let _ = (table, ids, first, vocab);
+        Err(Error::Unsupported(format!(
+            "a vocabulary-split embedding on {}",
+            self.name()
+        )))
+    }
     /// `x [n, in] · wᵀ` with `w [out, in]` → `[n, out]`.
     fn matmul(&self, x: &Self::Tensor, w: &Self::Tensor) -> Result<Self::Tensor>;
     /// `x · wᵀ` for a `w` stacked by rows from blocks of `rows[i]` rows (fused projections),

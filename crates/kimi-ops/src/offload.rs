@@ -13,12 +13,14 @@
 //! with them the host's sum is rounded separately.
 
 mod cache;
+mod costs;
 mod host;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 pub use cache::{CachePolicy, CacheStep, ExpertCache, Fill};
+pub use costs::{MissCosts, MissPolicy};
 pub use host::{ColdPair, HostBackend, HostExpertStore, HostExperts, HostLayerBuilder};
 
 use crate::experts::ExpertView;
@@ -179,7 +181,7 @@ impl Counters {
 }
 
 /// Where a tiered bank's experts are (or, summed, a model's).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Placement {
     /// Experts in the backend's memory for good.
     pub resident: usize,
@@ -191,6 +193,9 @@ pub struct Placement {
     pub device_bytes: u64,
     /// Bytes of the host experts.
     pub host_bytes: u64,
+    /// What a miss costs on either side, where they choose ([`MissPolicy::Auto`]; summed
+    /// placements keep the first bank's).
+    pub miss_costs: Option<MissCosts>,
 }
 
 impl std::ops::AddAssign for Placement {
@@ -200,6 +205,7 @@ impl std::ops::AddAssign for Placement {
         self.slots += o.slots;
         self.device_bytes += o.device_bytes;
         self.host_bytes += o.host_bytes;
+        self.miss_costs = self.miss_costs.or(o.miss_costs);
     }
 }
 
@@ -218,6 +224,8 @@ pub struct TieredBank<T> {
     host: Arc<dyn HostExperts>,
     slots: Mutex<Slots<T>>,
     placement: Placement,
+    /// Measured costs of a miss on either side, under [`MissPolicy::Auto`] with slots.
+    costs: Option<MissCosts>,
     counters: Counters,
 }
 
@@ -260,6 +268,12 @@ impl<T> TieredBank<T> {
             weights.push(upload_expert(be, host.as_ref(), e)?);
             cache.place(e, slot);
         }
+        let costs = match (policy.miss, weights.first_mut()) {
+            (MissPolicy::Auto, Some(w)) => {
+                Some(MissCosts::measure(be, host.as_ref(), host_ids[0], w)?)
+            }
+            _ => None,
+        };
         // Every expert of a layer has the same shapes and format: a host expert's stored
         // size stands for the resident ones too.
         let host_bytes: u64 = host_ids.iter().map(|&e| host.bytes(e) as u64).sum();
@@ -271,6 +285,7 @@ impl<T> TieredBank<T> {
             slots,
             device_bytes: (resident_count + slots) as u64 * per_expert,
             host_bytes,
+            miss_costs: costs,
         };
         Ok(Self {
             resident,
@@ -278,6 +293,7 @@ impl<T> TieredBank<T> {
             host,
             slots: Mutex::new(Slots { weights, cache }),
             placement,
+            costs,
             counters: Counters::default(),
         })
     }
@@ -295,6 +311,12 @@ impl<T> TieredBank<T> {
     /// Where the experts are.
     pub fn placement(&self) -> Placement {
         self.placement
+    }
+
+    /// The measured costs of a miss on either side, where they choose ([`MissPolicy::Auto`]
+    /// with slots).
+    pub fn miss_costs(&self) -> Option<MissCosts> {
+        self.costs
     }
 
     /// The counters so far.
@@ -345,7 +367,7 @@ impl<T> TieredBank<T> {
             .lock()
             .map_err(|_| Error::Device("expert cache lock poisoned".into()))?;
         let slots = &mut *guard;
-        let step = slots.cache.step(&needed);
+        let step = slots.cache.step(&needed, self.costs.as_ref());
         let mut counts = OffloadCounts {
             steps: 1,
             hits: step.hits.len() as u64,
@@ -353,6 +375,13 @@ impl<T> TieredBank<T> {
             evictions: step.fills.iter().filter(|f| f.evicted.is_some()).count() as u64,
             cold_experts: step.cold.len() as u64,
             ..OffloadCounts::default()
+        };
+        // The input is read back before the device's copies and products are queued, so
+        // that the host computes its share while the device does the rest.
+        let xs = if step.cold.is_empty() {
+            Vec::new()
+        } else {
+            be.to_f32(x)?
         };
         for f in &step.fills {
             let m = host_matrices(self.host.as_ref(), f.expert)?;
@@ -379,6 +408,7 @@ impl<T> TieredBank<T> {
         }
         counts.cold_pairs = cold.len() as u64;
         counts.device_pairs = (ids.len() - cold.len()) as u64;
+
         let out_width = self.host.out_width();
         // Any device expert stands in for the cold ones, whose pairs weigh zero on the
         // device (the backend's kernels need weights behind every id the routes name).
@@ -413,7 +443,6 @@ impl<T> TieredBank<T> {
         drop(guard);
         if !cold.is_empty() {
             let width = be.shape(x).last().copied().unwrap_or(0);
-            let xs = be.to_f32(x)?;
             let yc = self.host.compute(&xs, n, width, &cold, act)?;
             be.add_assign(&mut y, &be.upload_f32(&[n, out_width], &yc)?)?;
         }

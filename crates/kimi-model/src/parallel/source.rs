@@ -43,8 +43,10 @@ const ROWS: [&str; 15] = [
     ".up_proj.weight",
 ];
 
-/// The LM head's name (after any prefix).
+/// The LM head's and the embedding's names (after any prefix): split by vocabulary rows
+/// where the vocabulary divides over the ranks.
 const LM_HEAD: &str = "lm_head.weight";
+const EMBED: &str = "embed_tokens.weight";
 
 /// Tensors split by their input columns: the row-parallel output projections.
 const COLS: [&str; 2] = [".o_proj.weight", ".down_proj.weight"];
@@ -63,9 +65,9 @@ const EXPERT_COLS: [&str; 3] = [".w2.weight", ".w2.weight_packed", ".w2.weight_s
 
 fn split_of(name: &str, experts: ExpertSplit) -> Split {
     let ends = |list: &[&str]| list.iter().any(|s| name.ends_with(s));
-    // The LM head by vocabulary rows (whole where the vocabulary does not divide over the
-    // ranks: [`ShardedSource::split`]).
-    if name.ends_with(LM_HEAD) || ends(&ROWS) {
+    // The LM head and the embedding by vocabulary rows (whole where the vocabulary does not
+    // divide over the ranks: [`ShardedSource::split`]).
+    if name.ends_with(LM_HEAD) || name.ends_with(EMBED) || ends(&ROWS) {
         Split::Rows
     } else if ends(&COLS) {
         Split::Cols
@@ -101,7 +103,7 @@ pub struct ShardedSource<'a> {
     placement: Option<std::sync::Arc<ExpertPlacement>>,
     /// Whether the LM head is split by vocabulary rows (the vocabulary divides over the
     /// ranks), as the model asks for it.
-    split_head: bool,
+    split_vocab: bool,
 }
 
 impl<'a> ShardedSource<'a> {
@@ -120,14 +122,18 @@ impl<'a> ShardedSource<'a> {
             shard,
             num_experts,
             placement,
-            split_head: vocab_size.is_multiple_of(shard.world.max(1)),
+            split_vocab: vocab_size.is_multiple_of(shard.world.max(1)),
         }
     }
 
     /// How `name` splits for this source (the head as the vocabulary allows).
     fn split(&self, name: &str) -> Split {
         match split_of(name, self.shard.experts) {
-            Split::Rows if name.ends_with(LM_HEAD) && !self.split_head => Split::Whole,
+            Split::Rows
+                if (name.ends_with(LM_HEAD) || name.ends_with(EMBED)) && !self.split_vocab =>
+            {
+                Split::Whole
+            }
             split => split,
         }
     }
@@ -312,7 +318,12 @@ mod tests {
             split_of("m.experts.7.w2.weight_scale", Experts),
             Split::Whole
         );
-        for head in ["lm_head.weight", "language_model.lm_head.weight"] {
+        for head in [
+            "lm_head.weight",
+            "language_model.lm_head.weight",
+            "model.embed_tokens.weight",
+            "language_model.model.embed_tokens.weight",
+        ] {
             assert_eq!(split_of(head, Tensor), Split::Rows, "{head}");
         }
         assert_eq!(

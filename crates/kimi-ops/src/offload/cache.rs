@@ -1,6 +1,8 @@
 //! Which host experts hold a device slot: frequency with decay, the best-scored pinned,
 //! least recently used for the rest. Pure bookkeeping, no tensors.
 
+use super::costs::{MissCosts, MissPolicy, MissQueues};
+
 /// How the slots of a layer's expert cache are chosen.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CachePolicy {
@@ -11,6 +13,8 @@ pub struct CachePolicy {
     /// Fraction of the slots whose holders, the best-scored experts in the cache, are never
     /// evicted; the rest are replaced least recently used first.
     pub pinned_fraction: f32,
+    /// Which misses are copied into slots and which the host computes.
+    pub miss: MissPolicy,
 }
 
 impl Default for CachePolicy {
@@ -18,6 +22,7 @@ impl Default for CachePolicy {
         Self {
             decay: 0.95,
             pinned_fraction: 0.5,
+            miss: MissPolicy::Copy,
         }
     }
 }
@@ -101,9 +106,11 @@ impl ExpertCache {
 
     /// Plans one step: `needed` lists the experts the step's routes use (each once, ids
     /// below `num_experts`) with their pair counts. Hits are touched, misses (most pairs
-    /// first, then lowest id) take a free slot, else the least recently used slot that
-    /// holds neither a needed nor a pinned expert, else stay cold.
-    pub fn step(&mut self, needed: &[(usize, usize)]) -> CacheStep {
+    /// first, then the most used, then lowest id) take a free slot, else the least recently
+    /// used slot that holds neither a needed nor a pinned expert, else stay cold. The
+    /// policy's [`MissPolicy`] may leave a miss cold that a slot could take: always
+    /// (`Host`), or where the host's queue, by `costs`, would end sooner (`Auto`).
+    pub fn step(&mut self, needed: &[(usize, usize)], costs: Option<&MissCosts>) -> CacheStep {
         self.tick += 1;
         let tick = self.tick;
         for s in &mut self.score {
@@ -128,9 +135,14 @@ impl ExpertCache {
                 None => {}
             }
         }
-        misses.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        misses.sort_by(|a, b| {
+            b.1.cmp(&a.1)
+                .then(self.score[b.0].total_cmp(&self.score[a.0]))
+                .then(a.0.cmp(&b.0))
+        });
         let pinned = self.pinned();
-        for (e, _) in misses {
+        let mut queues = MissQueues::default();
+        for (e, pairs) in misses {
             let free = self.holder.iter().position(Option::is_none);
             let victim = free.or_else(|| {
                 (0..self.holder.len())
@@ -140,6 +152,15 @@ impl ExpertCache {
                     })
                     .min_by_key(|&s| (self.last_used[s], s))
             });
+            let victim = match victim {
+                Some(slot) => queues
+                    .choose_copy(self.policy.miss, costs, pairs)
+                    .then_some(slot),
+                None => {
+                    queues.book_host(costs, pairs);
+                    None
+                }
+            };
             match victim {
                 Some(slot) => {
                     let evicted = self.holder[slot];
@@ -180,18 +201,54 @@ mod tests {
         CachePolicy {
             decay: 0.95,
             pinned_fraction: 0.0,
+            miss: MissPolicy::Copy,
         }
+    }
+
+    impl ExpertCache {
+        fn step_copying(&mut self, needed: &[(usize, usize)]) -> CacheStep {
+            self.step(needed, None)
+        }
+    }
+
+    #[test]
+    fn auto_leaves_misses_to_the_host_where_it_is_sooner() {
+        let policy = CachePolicy {
+            miss: MissPolicy::Auto,
+            ..lru_only()
+        };
+        let costs = MissCosts {
+            fill_s: 1e-3,
+            host_first_s: 2e-3,
+            host_next_s: 1e-3,
+        };
+        let mut c = ExpertCache::new(16, 8, policy);
+        let s = c.step(&[(1, 1), (2, 1), (3, 1), (4, 1), (5, 3)], Some(&costs));
+        // 5 (three tokens) first: copy (1 ms against 4); 1 copy (2 against 2); 2 host (3
+        // against 2); 3 copy (3 against 4); 4 copy (4 against 4).
+        let filled: Vec<usize> = s.fills.iter().map(|f| f.expert).collect();
+        assert_eq!(filled, [5, 1, 3, 4]);
+        assert_eq!(s.cold, [2]);
+        // A cold expert is not cached: it misses again, the cached ones hit.
+        let s = c.step(&[(2, 1), (5, 1)], Some(&costs));
+        assert_eq!(s.hits, [5]);
+        assert_eq!(s.fills.len(), 1);
+        // Host: no copies at all; slots filled before still hit.
+        c.policy.miss = MissPolicy::Host;
+        let s = c.step(&[(1, 1), (9, 1)], Some(&costs));
+        assert_eq!((s.hits.as_slice(), s.cold.as_slice()), (&[1][..], &[9][..]));
+        assert!(s.fills.is_empty());
     }
 
     #[test]
     fn misses_fill_free_slots_then_hit() {
         let mut c = ExpertCache::new(8, 2, lru_only());
-        let s = c.step(&[(3, 1), (5, 2)]);
+        let s = c.step_copying(&[(3, 1), (5, 2)]);
         assert!(s.hits.is_empty() && s.cold.is_empty());
         // Most pairs first.
         assert_eq!(s.fills[0].expert, 5);
         assert_eq!(s.fills[1].expert, 3);
-        let s = c.step(&[(3, 1), (5, 1)]);
+        let s = c.step_copying(&[(3, 1), (5, 1)]);
         assert_eq!(s.hits, vec![3, 5]);
         assert!(s.fills.is_empty());
     }
@@ -199,11 +256,11 @@ mod tests {
     #[test]
     fn least_recently_used_is_evicted_and_needed_ones_never() {
         let mut c = ExpertCache::new(8, 2, lru_only());
-        c.step(&[(1, 1)]);
-        c.step(&[(2, 1)]);
-        c.step(&[(1, 1)]);
+        c.step_copying(&[(1, 1)]);
+        c.step_copying(&[(2, 1)]);
+        c.step_copying(&[(1, 1)]);
         // 2 is the least recently used.
-        let s = c.step(&[(4, 1)]);
+        let s = c.step_copying(&[(4, 1)]);
         assert_eq!(
             s.fills,
             vec![Fill {
@@ -214,7 +271,7 @@ mod tests {
         );
         assert_eq!(c.slot_of(2), None);
         // Three needed experts, two slots both needed: the third is cold.
-        let s = c.step(&[(1, 3), (4, 2), (6, 1)]);
+        let s = c.step_copying(&[(1, 3), (4, 2), (6, 1)]);
         assert_eq!(s.hits, vec![1, 4]);
         assert_eq!(s.cold, vec![6]);
     }
@@ -222,7 +279,7 @@ mod tests {
     #[test]
     fn a_slot_filled_this_step_is_not_taken_again_in_it() {
         let mut c = ExpertCache::new(8, 1, lru_only());
-        let s = c.step(&[(0, 2), (1, 1)]);
+        let s = c.step_copying(&[(0, 2), (1, 1)]);
         assert_eq!(s.fills.len(), 1);
         assert_eq!(s.fills[0].expert, 0);
         assert_eq!(s.cold, vec![1]);
@@ -232,11 +289,11 @@ mod tests {
     fn pinned_experts_survive_a_scan() {
         let mut c = ExpertCache::new(16, 2, CachePolicy::default());
         for _ in 0..10 {
-            c.step(&[(7, 4)]);
+            c.step_copying(&[(7, 4)]);
         }
         // A scan of one-off experts evicts only the unpinned slot.
         for e in 8..14 {
-            let s = c.step(&[(e, 1)]);
+            let s = c.step_copying(&[(e, 1)]);
             assert_eq!(s.fills.len(), 1);
             assert_ne!(s.fills[0].evicted, Some(7));
         }
@@ -246,7 +303,7 @@ mod tests {
     #[test]
     fn no_slots_means_everything_is_cold() {
         let mut c = ExpertCache::new(4, 0, CachePolicy::default());
-        let s = c.step(&[(0, 1), (3, 1)]);
+        let s = c.step_copying(&[(0, 1), (3, 1)]);
         assert_eq!(s.cold, vec![0, 3]);
     }
 

@@ -1,0 +1,191 @@
+//! Where a host expert's miss is served: copied into a device slot over the host link, or
+//! computed by the host store for the step's few tokens (as KTransformers and llama.cpp's
+//! `-ot exps=CPU` always do). The two run at the same time (the device's copies and
+//! kernels are queued before the host starts on its share), so under [`MissPolicy::Auto`]
+//! each miss goes to the side whose queue would end sooner, by costs measured on this
+//! machine when the bank is made ([`MissCosts::measure`]).
+
+use std::time::{Duration, Instant};
+
+use super::HostExperts;
+use crate::{Activation, Backend, Error, MlpWeights, Result};
+
+use super::host::ColdPair;
+
+/// How misses of host experts are served.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MissPolicy {
+    /// Every miss a slot can take is copied in; the host computes only what no slot takes.
+    #[default]
+    Copy,
+    /// Misses are computed by the host; slots keep the experts they were given at start.
+    Host,
+    /// Each miss goes where the step's work ends sooner, by measured [`MissCosts`].
+    Auto,
+}
+
+impl std::str::FromStr for MissPolicy {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "copy" => Ok(Self::Copy),
+            "cpu" | "host" => Ok(Self::Host),
+            "auto" => Ok(Self::Auto),
+            other => Err(format!("`{other}` is not one of auto, copy, cpu")),
+        }
+    }
+}
+
+/// What serving one miss costs on either side, in seconds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MissCosts {
+    /// Copying one expert (its three matrices) into a device slot.
+    pub fill_s: f64,
+    /// The host computing one expert for one token (reading its weights once).
+    pub host_first_s: f64,
+    /// Each further token of the same expert on the host.
+    pub host_next_s: f64,
+}
+
+impl MissCosts {
+    /// Seconds for the host to compute one expert for `pairs` tokens.
+    pub fn host_s(&self, pairs: usize) -> f64 {
+        self.host_first_s + pairs.saturating_sub(1) as f64 * self.host_next_s
+    }
+
+    /// Measures both sides with host expert `expert` and the device slot `slot` (which
+    /// holds it already, so its contents do not change): the best of three timed copies
+    /// of the expert into the slot (the backend synchronized around them) and of the host
+    /// computing it for one token, and for eight.
+    pub fn measure<B: Backend>(
+        be: &B,
+        host: &dyn HostExperts,
+        expert: usize,
+        slot: &mut MlpWeights<B::Tensor>,
+    ) -> Result<Self> {
+        let m = host.matrices(expert).ok_or_else(|| Error::Shape {
+            op: "expert offload costs",
+            detail: format!("expert {expert} is not in the host store"),
+        })?;
+        let width = m.gate.shape.last().copied().unwrap_or(0);
+        let best = |f: &mut dyn FnMut() -> Result<()>| -> Result<Duration> {
+            let mut best = Duration::MAX;
+            for _ in 0..3 {
+                let t = Instant::now();
+                f()?;
+                best = best.min(t.elapsed());
+            }
+            Ok(best)
+        };
+        be.synchronize()?;
+        let fill = best(&mut || {
+            be.upload_into(&mut slot.gate, m.gate)?;
+            be.upload_into(&mut slot.up, m.up)?;
+            be.upload_into(&mut slot.down, m.down)?;
+            be.synchronize()
+        })?;
+        // Small values: the cost does not depend on them, and nothing overflows.
+        let x = vec![0.01f32; 8 * width];
+        let pairs: Vec<ColdPair> = (0..8)
+            .map(|row| ColdPair {
+                row,
+                expert,
+                weight: 1.0,
+            })
+            .collect();
+        let compute = |n: usize| {
+            best(&mut || {
+                host.compute(&x, 8, width, &pairs[..n], Activation::Silu)
+                    .map(drop)
+            })
+        };
+        compute(1)?; // first touch of the weights and the host's scratch
+        let one = compute(1)?.as_secs_f64();
+        let eight = compute(8)?.as_secs_f64();
+        Ok(Self {
+            fill_s: fill.as_secs_f64(),
+            host_first_s: one,
+            host_next_s: ((eight - one) / 7.0).max(0.0),
+        })
+    }
+}
+
+/// The running ends of the two queues while a step's misses are placed.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct MissQueues {
+    copy_s: f64,
+    host_s: f64,
+}
+
+impl MissQueues {
+    /// Whether a miss of `pairs` tokens should be copied in (a slot being free for it),
+    /// under `policy` with `costs` (`Auto` without costs copies); books it on its side.
+    pub(super) fn choose_copy(
+        &mut self,
+        policy: MissPolicy,
+        costs: Option<&MissCosts>,
+        pairs: usize,
+    ) -> bool {
+        let copy = match (policy, costs) {
+            (MissPolicy::Host, _) => false,
+            (MissPolicy::Copy, _) | (MissPolicy::Auto, None) => true,
+            (MissPolicy::Auto, Some(c)) => self.copy_s + c.fill_s <= self.host_s + c.host_s(pairs),
+        };
+        if let Some(c) = costs {
+            if copy {
+                self.copy_s += c.fill_s;
+            } else {
+                self.host_s += c.host_s(pairs);
+            }
+        }
+        copy
+    }
+
+    /// Books a miss that could not be copied (no slot free) on the host's side.
+    pub(super) fn book_host(&mut self, costs: Option<&MissCosts>, pairs: usize) {
+        if let Some(c) = costs {
+            self.host_s += c.host_s(pairs);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_balances_the_two_queues() {
+        // A copy takes 1 ms, the host 2 ms for an expert's first token.
+        let c = MissCosts {
+            fill_s: 1e-3,
+            host_first_s: 2e-3,
+            host_next_s: 1e-4,
+        };
+        let mut q = MissQueues::default();
+        let picks: Vec<bool> = (0..6)
+            .map(|_| q.choose_copy(MissPolicy::Auto, Some(&c), 1))
+            .collect();
+        // copy 1, copy 2, (copy 3 vs host 2) host, copy 3, (copy 4 vs host 4) copy, host.
+        assert_eq!(picks, [true, true, false, true, true, false]);
+        // Many tokens make the host's share dearer.
+        let mut q = MissQueues::default();
+        assert!(q.choose_copy(MissPolicy::Auto, Some(&c), 1));
+        assert!(q.choose_copy(MissPolicy::Auto, Some(&c), 20));
+    }
+
+    #[test]
+    fn fixed_policies_ignore_costs() {
+        let c = MissCosts {
+            fill_s: 1.0,
+            host_first_s: 1e-6,
+            host_next_s: 0.0,
+        };
+        let mut q = MissQueues::default();
+        assert!(q.choose_copy(MissPolicy::Copy, Some(&c), 1));
+        assert!(!q.choose_copy(MissPolicy::Host, None, 1));
+        assert!(q.choose_copy(MissPolicy::Auto, None, 1));
+        assert_eq!("cpu".parse::<MissPolicy>(), Ok(MissPolicy::Host));
+        assert!("gpu".parse::<MissPolicy>().is_err());
+    }
+}
