@@ -268,9 +268,21 @@ impl<T> TieredBank<T> {
             weights.push(upload_expert(be, host.as_ref(), e)?);
             cache.place(e, slot);
         }
+        // Timed on the host experts no slot took (loaded before the slots' were read
+        // back, so out of the CPU's caches in a real model), else on the slots' own.
         let costs = match (policy.miss, weights.first_mut()) {
             (MissPolicy::Auto, Some(w)) => {
-                Some(MissCosts::measure(be, host.as_ref(), host_ids[0], w)?)
+                let fresh = match &host_ids[slots..] {
+                    [] => &host_ids[..],
+                    rest => rest,
+                };
+                Some(MissCosts::measure(
+                    be,
+                    host.as_ref(),
+                    fresh,
+                    w,
+                    host_ids[0],
+                )?)
             }
             _ => None,
         };

@@ -5,8 +5,10 @@
 //! cold and both models run the same kernels (Kimi K3's composed MoE) the logits must be the
 //! resident bits; a resident Kimi Linear layer takes the fused MoE step instead, whose sums
 //! run in another order than the composed one's (on the device; the CPU's agree bit for bit),
-//! so there, and where experts are cold (the host's sum rounded on its own), they must be
-//! within f32 rounding of the resident logits.
+//! so there they must be within f32 rounding (1e-5) of the resident logits. Where experts are
+//! cold the CPU computes them with f32 products while the device's MXFP4 experts take
+//! split-precision bf16 ones (each 1e-5 from the CPU's at the op level; K3's fixtures 1e-4
+//! from the float64 reference on the device): the bf16 tolerance, 1e-3.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -96,7 +98,7 @@ pub fn check_offload() -> Res<()> {
                     } else if c.cold_pairs == 0 && !fused_when_resident {
                         failures += 1;
                         "FAIL: not the resident bits"
-                    } else if err < 1e-5 {
+                    } else if err < if c.cold_pairs == 0 { 1e-5 } else { 1e-3 } {
                         "ok"
                     } else {
                         failures += 1;

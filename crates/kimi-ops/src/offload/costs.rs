@@ -5,7 +5,7 @@
 //! each miss goes to the side whose queue would end sooner, by costs measured on this
 //! machine when the bank is made ([`MissCosts::measure`]).
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::HostExperts;
 use crate::{Activation, Backend, Error, MlpWeights, Result};
@@ -54,58 +54,86 @@ impl MissCosts {
         self.host_first_s + pairs.saturating_sub(1) as f64 * self.host_next_s
     }
 
-    /// Measures both sides with host expert `expert` and the device slot `slot` (which
-    /// holds it already, so its contents do not change): the best of three timed copies
-    /// of the expert into the slot (the backend synchronized around them) and of the host
-    /// computing it for one token, and for eight.
+    /// Measures both sides on this machine. `fresh` lists host experts not read since they
+    /// were loaded (at least one; up to four are used), so that the host's timings read
+    /// weights from memory, not from a cache, as a step's cold experts do; `slot` is a
+    /// device slot holding host expert `holder`, which gets it back afterwards. A copy is
+    /// the best of the fresh experts' timed copies into the slot (the backend synchronized
+    /// around each); the host's first token the median of computing each fresh expert for
+    /// one token, each further token from computing the last one for eight.
     pub fn measure<B: Backend>(
         be: &B,
         host: &dyn HostExperts,
-        expert: usize,
+        fresh: &[usize],
         slot: &mut MlpWeights<B::Tensor>,
+        holder: usize,
     ) -> Result<Self> {
-        let m = host.matrices(expert).ok_or_else(|| Error::Shape {
-            op: "expert offload costs",
-            detail: format!("expert {expert} is not in the host store"),
-        })?;
-        let width = m.gate.shape.last().copied().unwrap_or(0);
-        let best = |f: &mut dyn FnMut() -> Result<()>| -> Result<Duration> {
-            let mut best = Duration::MAX;
-            for _ in 0..3 {
-                let t = Instant::now();
-                f()?;
-                best = best.min(t.elapsed());
-            }
-            Ok(best)
+        let matrices = |e: usize| {
+            host.matrices(e).ok_or_else(|| Error::Shape {
+                op: "expert offload costs",
+                detail: format!("expert {e} is not in the host store"),
+            })
         };
-        be.synchronize()?;
-        let fill = best(&mut || {
-            be.upload_into(&mut slot.gate, m.gate)?;
-            be.upload_into(&mut slot.up, m.up)?;
-            be.upload_into(&mut slot.down, m.down)?;
-            be.synchronize()
-        })?;
+        let fresh = &fresh[..fresh.len().min(4)];
+        let (&first, &last) = match (fresh.first(), fresh.last()) {
+            (Some(f), Some(l)) => (f, l),
+            _ => {
+                return Err(Error::Shape {
+                    op: "expert offload costs",
+                    detail: "no host expert to time".into(),
+                })
+            }
+        };
+        let width = matrices(first)?.gate.shape.last().copied().unwrap_or(0);
+        let timed = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+            let t = Instant::now();
+            f()?;
+            Ok(t.elapsed().as_secs_f64())
+        };
         // Small values: the cost does not depend on them, and nothing overflows.
         let x = vec![0.01f32; 8 * width];
-        let pairs: Vec<ColdPair> = (0..8)
-            .map(|row| ColdPair {
-                row,
-                expert,
-                weight: 1.0,
-            })
-            .collect();
-        let compute = |n: usize| {
-            best(&mut || {
-                host.compute(&x, 8, width, &pairs[..n], Activation::Silu)
-                    .map(drop)
-            })
+        let pairs = |expert: usize, n: usize| -> Vec<ColdPair> {
+            (0..n)
+                .map(|row| ColdPair {
+                    row,
+                    expert,
+                    weight: 1.0,
+                })
+                .collect()
         };
-        compute(1)?; // first touch of the weights and the host's scratch
-        let one = compute(1)?.as_secs_f64();
-        let eight = compute(8)?.as_secs_f64();
+        // The host first: the copies below read the experts too.
+        let mut ones = Vec::with_capacity(fresh.len());
+        for &e in fresh {
+            let p = pairs(e, 1);
+            ones.push(timed(&mut || {
+                host.compute(&x, 8, width, &p, Activation::Silu).map(drop)
+            })?);
+        }
+        ones.sort_by(f64::total_cmp);
+        let one = ones[ones.len() / 2];
+        let p = pairs(last, 8);
+        let eight = timed(&mut || host.compute(&x, 8, width, &p, Activation::Silu).map(drop))?;
+        be.synchronize()?;
+        let mut fill = f64::MAX;
+        for &e in fresh {
+            let m = matrices(e)?;
+            fill = fill.min(timed(&mut || {
+                be.upload_into(&mut slot.gate, m.gate)?;
+                be.upload_into(&mut slot.up, m.up)?;
+                be.upload_into(&mut slot.down, m.down)?;
+                be.synchronize()
+            })?);
+        }
+        let m = matrices(holder)?;
+        be.upload_into(&mut slot.gate, m.gate)?;
+        be.upload_into(&mut slot.up, m.up)?;
+        be.upload_into(&mut slot.down, m.down)?;
+        be.synchronize()?;
         Ok(Self {
-            fill_s: fill.as_secs_f64(),
+            fill_s: fill,
             host_first_s: one,
+            // The eighth-token timing's expert was read once already (one token): its
+            // weights may be cached now, so this under- rather than overstates the slope.
             host_next_s: ((eight - one) / 7.0).max(0.0),
         })
     }
