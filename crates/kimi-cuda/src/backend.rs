@@ -531,17 +531,40 @@ impl Backend for CudaBackend {
     }
 
     fn upload_into(&self, dst: &mut CudaTensor, host: HostTensor<'_>) -> Result<()> {
-        // In place where the buffer is this tensor's alone and takes the bytes as they are
-        // (MXFP4 is re-laid out on upload); otherwise, or with `pin_host_experts` off, a
-        // new upload.
-        let in_place = self.kernel_config().pin_host_experts
-            && host.dtype != DType::MXFP4
+        // In place where the buffer is this tensor's alone and takes the bytes (MXFP4 laid
+        // out for the device first, here on the host: the copy is then staged by the
+        // driver); otherwise, or with `pin_host_experts` off, a new upload.
+        let mxfp4 = host.dtype == DType::MXFP4;
+        let same = self.kernel_config().pin_host_experts
             && dst.dtype == host.dtype
             && dst.shape == host.shape
             && dst.offset == 0
-            && dst.len_bytes() == host.bytes.len()
             && Arc::strong_count(&dst.buf) == 1;
-        if !in_place {
+        // A stored-as-is tensor of the same shape holds `len_bytes()`; an MXFP4 one the
+        // device layout of its shape (`upload_mxfp4`), which `tiles` is.
+        let fits = |len: usize| same && (mxfp4 || dst.len_bytes() == len);
+        if mxfp4 {
+            let tiles = match host.shape {
+                [rows, cols] => crate::layout::mxfp4_device_tiles(host.bytes, *rows, *cols),
+                _ => None,
+            };
+            return match tiles {
+                Some(tiles) if fits(tiles.len()) => {
+                    // SAFETY: `dst` was uploaded by `upload_mxfp4` at this shape: it owns
+                    // `tiles.len()` bytes of device memory; the stream orders the copy after the kernels that read the old
+                    // contents, and the driver has taken the pageable bytes when it returns.
+                    unsafe {
+                        self.dev
+                            .copy_from_host(dst.ptr(), &tiles, "expert slot fill")
+                    }
+                }
+                _ => {
+                    *dst = self.upload(host)?;
+                    Ok(())
+                }
+            };
+        }
+        if !fits(host.bytes.len()) {
             *dst = self.upload(host)?;
             return Ok(());
         }

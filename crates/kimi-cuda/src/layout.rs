@@ -47,48 +47,82 @@ pub(crate) fn mxfp4_device_bytes(rows: usize, cols: usize) -> usize {
 /// the block's E8M0 exponent as stored.
 ///
 /// `None` when `blocks` is not `rows * cols / 32` blocks.
+/// Row tiles are laid out in parallel (a K3 expert is 17.5 MB: host experts are laid out
+/// again at every slot fill).
 pub(crate) fn mxfp4_device_tiles(blocks: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
+    use rayon::prelude::*;
     let nb = cols / 32;
     if !cols.is_multiple_of(32) || blocks.len() != rows.checked_mul(nb)?.checked_mul(BLOCK_BYTES)? {
         return None;
     }
     let (rt, kt) = mxfp4_tiles(rows, cols);
-    let codes_plane = rt * kt * TILE_CODE_BYTES;
     let mut out = vec![0u8; mxfp4_device_bytes(rows, cols)];
-    for r in 0..rows {
-        let (tr, rr) = (r / TILE_ROWS, r % TILE_ROWS);
-        let (h, g) = (rr / 8, rr % 8);
-        for b in 0..nb {
-            let blk = &blocks[(r * nb + b) * BLOCK_BYTES..][..BLOCK_BYTES];
-            let code = |i: usize| {
-                let byte = blk[1 + (i & 15)];
-                if i < 16 {
-                    byte & 15
-                } else {
-                    byte >> 4
-                }
-            };
-            let (ts, bi) = (b / 4, b % 4);
-            let tile = tr * kt + ts;
-            out[codes_plane + tile * TILE_SCALE_BYTES + rr * 4 + bi] = blk[0];
-            for t in 0..4 {
-                let mut word = 0u32;
-                for (j, bits) in HALF_BITS.iter().enumerate() {
-                    for (half, value) in [8 * j + 2 * t, 8 * j + 2 * t + 1].into_iter().enumerate()
-                    {
-                        let c = code(value) as u32;
-                        let fields = [c >> 3, (c >> 2) & 1, (c >> 1) & 1, c & 1];
-                        for (field, &bit) in fields.iter().zip(bits) {
-                            word |= field << (bit + 16 * half as u32);
-                        }
+    if out.is_empty() {
+        return Some(out);
+    }
+    let (codes, scales) = out.split_at_mut(rt * kt * TILE_CODE_BYTES);
+    codes
+        .par_chunks_mut(kt * TILE_CODE_BYTES)
+        .zip(scales.par_chunks_mut(kt * TILE_SCALE_BYTES))
+        .enumerate()
+        .for_each(|(tr, (tile_codes, tile_scales))| {
+            for rr in 0..TILE_ROWS.min(rows - tr * TILE_ROWS) {
+                let r = tr * TILE_ROWS + rr;
+                let (h, g) = (rr / 8, rr % 8);
+                for b in 0..nb {
+                    let blk = &blocks[(r * nb + b) * BLOCK_BYTES..][..BLOCK_BYTES];
+                    let (ts, bi) = (b / 4, b % 4);
+                    tile_scales[ts * TILE_SCALE_BYTES + rr * 4 + bi] = blk[0];
+                    let q = &blk[1..];
+                    for t in 0..4 {
+                        // Values 8j + 2t + half: bytes 2t + half (j = 0 low nibble, 2 high)
+                        // and 8 + 2t + half (j = 1 low, 3 high).
+                        let word = BYTE_SPREAD[0][q[2 * t] as usize]
+                            | BYTE_SPREAD[1][q[2 * t + 1] as usize]
+                            | BYTE_SPREAD[2][q[8 + 2 * t] as usize]
+                            | BYTE_SPREAD[3][q[9 + 2 * t] as usize];
+                        let at = ts * TILE_CODE_BYTES + h * 512 + (4 * g + t) * 16 + bi * 4;
+                        tile_codes[at..at + 4].copy_from_slice(&word.to_le_bytes());
                     }
                 }
-                let at = tile * TILE_CODE_BYTES + h * 512 + (4 * g + t) * 16 + bi * 4;
-                out[at..at + 4].copy_from_slice(&word.to_le_bytes());
             }
-        }
-    }
+        });
     Some(out)
+}
+
+/// A 4-bit code of pair `j`'s low (`half` 0) or high value placed in the code word as
+/// [`HALF_BITS`] says (its sign, `e1`, `e0`, `m` bits).
+const fn spread(code: u32, j: usize, half: u32) -> u32 {
+    let fields = [code >> 3, (code >> 2) & 1, (code >> 1) & 1, code & 1];
+    let mut word = 0u32;
+    let mut f = 0;
+    while f < 4 {
+        word |= fields[f] << (HALF_BITS[j][f] + 16 * half);
+        f += 1;
+    }
+    word
+}
+
+/// Both codes of one ggml code byte placed at once: `BYTE_SPREAD[k][byte]` for the byte of
+/// value `2t + half` (`k = half`: pairs 0 and 2) or of value `8 + 2t + half` (`k = 2 +
+/// half`: pairs 1 and 3), its low nibble the lower pair's code and its high nibble the
+/// upper's.
+const BYTE_SPREAD: [[u32; 256]; 4] = byte_spread();
+
+const fn byte_spread() -> [[u32; 256]; 4] {
+    let mut table = [[0u32; 256]; 4];
+    let mut k = 0;
+    while k < 4 {
+        let (j_low, half) = (k / 2, (k % 2) as u32);
+        let mut byte = 0u32;
+        while byte < 256 {
+            table[k][byte as usize] =
+                spread(byte & 15, j_low, half) | spread(byte >> 4, j_low + 2, half);
+            byte += 1;
+        }
+        k += 1;
+    }
+    table
 }
 
 #[cfg(test)]
@@ -199,6 +233,75 @@ mod tests {
                 assert_eq!(device_value(&dev, 1, 32, 0, c), want, "code {code} at {c}");
             }
         }
+    }
+
+    /// The layout written out bit by bit, as first specified: the reference for the table-
+    /// driven, parallel [`mxfp4_device_tiles`].
+    fn reference_tiles(blocks: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
+        let nb = cols / 32;
+        if !cols.is_multiple_of(32)
+            || blocks.len() != rows.checked_mul(nb)?.checked_mul(BLOCK_BYTES)?
+        {
+            return None;
+        }
+        let (rt, kt) = mxfp4_tiles(rows, cols);
+        let codes_plane = rt * kt * TILE_CODE_BYTES;
+        let mut out = vec![0u8; mxfp4_device_bytes(rows, cols)];
+        for r in 0..rows {
+            let (tr, rr) = (r / TILE_ROWS, r % TILE_ROWS);
+            let (h, g) = (rr / 8, rr % 8);
+            for b in 0..nb {
+                let blk = &blocks[(r * nb + b) * BLOCK_BYTES..][..BLOCK_BYTES];
+                let code = |i: usize| {
+                    let byte = blk[1 + (i & 15)];
+                    if i < 16 {
+                        byte & 15
+                    } else {
+                        byte >> 4
+                    }
+                };
+                let (ts, bi) = (b / 4, b % 4);
+                let tile = tr * kt + ts;
+                out[codes_plane + tile * TILE_SCALE_BYTES + rr * 4 + bi] = blk[0];
+                for t in 0..4 {
+                    let mut word = 0u32;
+                    for (j, bits) in HALF_BITS.iter().enumerate() {
+                        for (half, value) in
+                            [8 * j + 2 * t, 8 * j + 2 * t + 1].into_iter().enumerate()
+                        {
+                            let c = code(value) as u32;
+                            let fields = [c >> 3, (c >> 2) & 1, (c >> 1) & 1, c & 1];
+                            for (field, &bit) in fields.iter().zip(bits) {
+                                word |= field << (bit + 16 * half as u32);
+                            }
+                        }
+                    }
+                    let at = tile * TILE_CODE_BYTES + h * 512 + (4 * g + t) * 16 + bi * 4;
+                    out[at..at + 4].copy_from_slice(&word.to_le_bytes());
+                }
+            }
+        }
+        Some(out)
+    }
+
+    #[test]
+    fn the_table_driven_layout_is_the_bitwise_one() {
+        for (rows, cols) in [
+            (16, 128),
+            (3, 32),
+            (37, 96),
+            (64, 256),
+            (20, 160),
+            (1, 4096),
+        ] {
+            let blocks = random_blocks(rows, cols, (rows * 7 + cols) as u64);
+            assert_eq!(
+                mxfp4_device_tiles(&blocks, rows, cols),
+                reference_tiles(&blocks, rows, cols),
+                "{rows}x{cols}"
+            );
+        }
+        assert_eq!(mxfp4_device_tiles(&[], 0, 64), Some(Vec::new()));
     }
 
     #[test]
