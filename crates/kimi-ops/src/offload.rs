@@ -212,6 +212,10 @@ impl std::ops::AddAssign for Placement {
 struct Slots<T> {
     weights: Vec<MlpWeights<T>>,
     cache: ExpertCache,
+    /// The host's measured step times over the times its [`MissCosts`] predicted (a moving
+    /// average): cold experts computed beside the device's work, many per step, run slower
+    /// than the lone expert timed at load.
+    host_scale: f64,
 }
 
 /// A layer's routed experts in tiers: some resident, the rest in a host store with a cache
@@ -303,7 +307,11 @@ impl<T> TieredBank<T> {
             resident,
             _locked: locked,
             host,
-            slots: Mutex::new(Slots { weights, cache }),
+            slots: Mutex::new(Slots {
+                weights,
+                cache,
+                host_scale: 1.0,
+            }),
             placement,
             costs,
             counters: Counters::default(),
@@ -379,7 +387,13 @@ impl<T> TieredBank<T> {
             .lock()
             .map_err(|_| Error::Device("expert cache lock poisoned".into()))?;
         let slots = &mut *guard;
-        let step = slots.cache.step(&needed, self.costs.as_ref());
+        let costs = self.costs.map(|c| c.with_host_scaled(slots.host_scale));
+        let step = slots.cache.step(&needed, costs.as_ref());
+        // What the load-time costs say the host's share takes, to correct them by.
+        let predicted: f64 = match &self.costs {
+            Some(c) => step.cold.iter().map(|&e| c.host_s(pairs[e])).sum(),
+            None => 0.0,
+        };
         let mut counts = OffloadCounts {
             steps: 1,
             hits: step.hits.len() as u64,
@@ -455,7 +469,15 @@ impl<T> TieredBank<T> {
         drop(guard);
         if !cold.is_empty() {
             let width = be.shape(x).last().copied().unwrap_or(0);
+            let started = std::time::Instant::now();
             let yc = self.host.compute(&xs, n, width, &cold, act)?;
+            let took = started.elapsed().as_secs_f64();
+            if predicted > 0.0 {
+                if let Ok(mut slots) = self.slots.lock() {
+                    let ratio = (took / predicted).clamp(0.25, 16.0);
+                    slots.host_scale = 0.8 * slots.host_scale + 0.2 * ratio;
+                }
+            }
             be.add_assign(&mut y, &be.upload_f32(&[n, out_width], &yc)?)?;
         }
         self.counters.add(counts);
