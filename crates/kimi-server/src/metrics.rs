@@ -289,6 +289,21 @@ impl Metrics {
                 "kimi:expert_offload_bytes{{{labels},tier=\"{tier}\"}} {n}"
             );
         }
+        if let Some(costs) = &p.miss_costs {
+            header(
+                out,
+                "kimi:expert_miss_cost_seconds",
+                "What serving one host expert's miss costs, measured at load (--offload-miss \
+                 auto): copying it into a device slot, or the CPU computing it for one token.",
+                "gauge",
+            );
+            for (side, v) in [("copy", costs.fill_s), ("cpu", costs.host_first_s)] {
+                let _ = writeln!(
+                    out,
+                    "kimi:expert_miss_cost_seconds{{{labels},side=\"{side}\"}} {v}"
+                );
+            }
+        }
         let mut single = |name: &str, help: &str, kind: &str, value: String| {
             header(out, name, help, kind);
             let _ = writeln!(out, "{name}{{{labels}}} {value}");
@@ -459,6 +474,11 @@ mod tests {
                     slots: 2,
                     device_bytes: 600,
                     host_bytes: 1200,
+                    miss_costs: Some(kimi_ops::offload::MissCosts {
+                        fill_s: 0.25e-3,
+                        host_first_s: 0.5e-3,
+                        host_next_s: 0.1e-3,
+                    }),
                 },
                 counts: kimi_engine::OffloadCounts {
                     steps: 5,
@@ -478,6 +498,8 @@ mod tests {
             "kimi:expert_offload_experts{model_name=\"k3\",tier=\"host\"} 12\n",
             "kimi:expert_offload_experts{model_name=\"k3\",tier=\"cache_slot\"} 2\n",
             "kimi:expert_offload_bytes{model_name=\"k3\",tier=\"device\"} 600\n",
+            "kimi:expert_miss_cost_seconds{model_name=\"k3\",side=\"copy\"} 0.00025\n",
+            "kimi:expert_miss_cost_seconds{model_name=\"k3\",side=\"cpu\"} 0.0005\n",
             "# TYPE kimi:expert_cache_hits_total counter\n",
             "kimi:expert_cache_hits_total{model_name=\"k3\"} 3\n",
             "kimi:expert_cache_evictions_total{model_name=\"k3\"} 1\n",
