@@ -400,6 +400,16 @@ impl<'a> Product<'a> {
                 let rb = k / 32 * dtype.block_bytes();
                 crate::zquant::dot_rows(*dtype, &bytes[row0 * rb..(row0 + rows) * rb], k, xs, chunk)
             }
+            // Decode on MXFP4 rows (K3's experts; cold experts of a device's host tier):
+            // widened in registers, equal to the tile path's rounding.
+            Storage::Quant {
+                dtype: DType::MXFP4,
+                bytes,
+                grouped: None,
+            } if n == 1 => {
+                let rb = k / 32 * DType::MXFP4.block_bytes();
+                crate::mxfp4::dot_rows(&bytes[row0 * rb..(row0 + rows) * rb], k, xs, chunk)
+            }
             Storage::Quant { .. }
             | Storage::Bf16(_)
             | Storage::F16(_)

@@ -32,6 +32,28 @@ pub(crate) fn dequantize(bytes: &[u8], out: &mut [f32]) {
     dequantize_scalar(bytes, out)
 }
 
+/// `out[r] = w[r] · x` for `out.len()` rows of `k / 32` blocks: the decode product (one
+/// token) with the weights widened in registers. Equal bit for bit to widening each row with
+/// [`dequantize`] and multiplying it by `crate::simd::dot` (the same values, the same
+/// accumulator in the same order), so the f32 path's results do not depend on the batch
+/// size; four rows go together so that four weight streams are in flight.
+pub(crate) fn dot_rows(w: &[u8], k: usize, x: &[f32], out: &mut [f32]) {
+    let row_bytes = k / 32 * BLOCK_BYTES;
+    let (w, x) = (&w[..out.len() * row_bytes], &x[..k]);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::simd::has_avx512() {
+            // SAFETY: AVX-512F was detected just above (the test `simd::dot` dispatches on).
+            return unsafe { avx512::dot_rows(w, k, x, out) };
+        }
+    }
+    let mut row = vec![0f32; k];
+    for (o, wr) in out.iter_mut().zip(w.chunks_exact(row_bytes.max(1))) {
+        dequantize(wr, &mut row);
+        *o = crate::simd::dot(&row, x);
+    }
+}
+
 /// The portable reference: `x = E2M1[code] · 2^(e − 127)`.
 pub(crate) fn dequantize_scalar(bytes: &[u8], out: &mut [f32]) {
     for (b, o) in bytes
@@ -116,6 +138,46 @@ mod avx512 {
             }
         }
     }
+
+    /// See `super::dot_rows`: `simd::avx512::dot`'s one 16-lane accumulator per row, fed
+    /// with the values `dequantize` writes (the same table lookup and scale product).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F; `w` holds `out.len()` rows of `k / 32` blocks and `x`
+    /// `k` values.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot_rows(w: &[u8], k: usize, x: &[f32], out: &mut [f32]) {
+        let nb = k / 32;
+        // SAFETY: E2M1 is 16 f32 values, one 512-bit load.
+        let table = unsafe { _mm512_loadu_ps(E2M1.as_ptr()) };
+        let low = _mm_set1_epi8(0x0F);
+        for (r0, outs) in out.chunks_mut(4).enumerate() {
+            let mut acc = [_mm512_setzero_ps(); 4];
+            let base = w.as_ptr().wrapping_add(4 * r0 * nb * BLOCK_BYTES);
+            for blk in 0..nb {
+                // SAFETY: block `blk` of rows 4·r0 + j < out.len() lies inside `w`, and
+                // values 32·blk .. 32·blk + 32 inside `x` (the caller's promise).
+                unsafe {
+                    let xp = x.as_ptr().add(32 * blk);
+                    let (x0, x1) = (_mm512_loadu_ps(xp), _mm512_loadu_ps(xp.add(16)));
+                    for (j, a) in acc.iter_mut().enumerate().take(outs.len()) {
+                        let b = base.add((j * nb + blk) * BLOCK_BYTES);
+                        let d = _mm512_set1_ps(e8m0_to_f32(*b));
+                        let qs = _mm_loadu_si128(b.add(1).cast());
+                        let lo = _mm512_cvtepu8_epi32(_mm_and_si128(qs, low));
+                        let hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16::<4>(qs), low));
+                        let w0 = _mm512_mul_ps(_mm512_permutexvar_ps(lo, table), d);
+                        let w1 = _mm512_mul_ps(_mm512_permutexvar_ps(hi, table), d);
+                        *a = _mm512_fmadd_ps(w0, x0, *a);
+                        *a = _mm512_fmadd_ps(w1, x1, *a);
+                    }
+                }
+            }
+            for (o, a) in outs.iter_mut().zip(acc) {
+                *o = _mm512_reduce_add_ps(a);
+            }
+        }
+    }
 }
 
 #[cfg(target_arch = "aarch64")]
@@ -184,6 +246,32 @@ mod tests {
             }
         }
         bytes
+    }
+
+    /// The decode product with the weights widened in registers gives the bits of widening
+    /// each row and taking `simd::dot`, for row counts around the four-row groups.
+    #[test]
+    fn decode_rows_equal_widened_rows_times_dot() {
+        for (rows, k) in [(1usize, 32usize), (3, 64), (4, 96), (9, 3584), (6, 2048)] {
+            let bytes = blocks(rows * k / 32);
+            let x: Vec<f32> = (0..k)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
+                .collect();
+            let mut got = vec![0f32; rows];
+            dot_rows(&bytes, k, &x, &mut got);
+            let mut row = vec![0f32; k];
+            for (r, g) in got.iter().enumerate() {
+                dequantize(
+                    &bytes[r * k / 32 * BLOCK_BYTES..(r + 1) * k / 32 * BLOCK_BYTES],
+                    &mut row,
+                );
+                assert_eq!(
+                    g.to_bits(),
+                    crate::simd::dot(&row, &x).to_bits(),
+                    "{rows}x{k} row {r}"
+                );
+            }
+        }
     }
 
     #[test]
