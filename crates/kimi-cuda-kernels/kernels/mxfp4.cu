@@ -326,3 +326,48 @@ extern "C" __global__ void mxfp4_to_f32(const uint8_t* w, float* out, int rows, 
     out[i] = bits & 0x8000u ? -val : val;
   }
 }
+
+// The device layout of an MXFP4 `[rows, cols]` matrix written into `w` (which already holds
+// the layout of a matrix of this shape: its padding is zero) from ggml `block_mxfp4` blocks
+// copied to the device as stored (an expert's slot fill: the blocks cross the host link at its
+// speed and are laid out here). One thread per (row, 32-value block); the placement is
+// `layout.rs`'s `mxfp4_device_tiles`: the scale byte at `codes_plane + tile * 64 + rr * 4 +
+// blk`, and for each t = 0..3 the word of values 8j + 2t + half (j = 0..3) at `tile * 1024 +
+// (rr / 8) * 512 + (4 * (rr % 8) + t) * 16 + blk * 4`, each code's sign, e1, e0 and m bits at
+// HALF_BITS[j] (+ 16 for the high value of the pair).
+__device__ __forceinline__ uint32_t mx_spread(uint32_t code, int j, int half) {
+  constexpr int HALF_BITS[4][4] = {{15, 8, 7, 6}, {9, 2, 1, 0}, {12, 5, 4, 3}, {13, 14, 11, 10}};
+  const int sh = 16 * half;
+  return ((code >> 3) << (HALF_BITS[j][0] + sh)) | (((code >> 2) & 1u) << (HALF_BITS[j][1] + sh)) |
+         (((code >> 1) & 1u) << (HALF_BITS[j][2] + sh)) | ((code & 1u) << (HALF_BITS[j][3] + sh));
+}
+
+extern "C" __global__ void mxfp4_from_blocks(const uint8_t* blocks, uint8_t* w, int rows, int cols) {
+  pdl_enter();
+  const int nb = cols >> 5, tiles_r = (rows + 15) >> 4, kt = (cols + 127) >> 7;
+  const size_t codes_plane = (size_t)tiles_r * kt * mx::TILE_CODE_BYTES;
+  const size_t total = (size_t)rows * nb;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const int r = (int)(i / nb), b = (int)(i - (size_t)r * nb);
+    const uint8_t* blk = blocks + i * 17;
+    const int rr = r & 15, h = rr >> 3, g = rr & 7, bi = b & 3;
+    const size_t tile = (size_t)(r >> 4) * kt + (b >> 2);
+    w[codes_plane + tile * mx::TILE_SCALE_BYTES + rr * 4 + bi] = blk[0];
+    const uint8_t* q = blk + 1;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t lo = q[2 * t + half], hi = q[8 + 2 * t + half];
+        // Value 8j + 2t + half: byte 2t + half (j = 0 low nibble, j = 2 high) or byte
+        // 8 + 2t + half (j = 1 low, j = 3 high).
+        word |= mx_spread(lo & 15u, 0, half) | mx_spread(lo >> 4, 2, half) |
+                mx_spread(hi & 15u, 1, half) | mx_spread(hi >> 4, 3, half);
+      }
+      *reinterpret_cast<uint32_t*>(w + tile * mx::TILE_CODE_BYTES + h * 512 + (4 * g + t) * 16 +
+                                   bi * 4) = word;
+    }
+  }
+}

@@ -532,30 +532,38 @@ impl Backend for CudaBackend {
 
     fn upload_into(&self, dst: &mut CudaTensor, host: HostTensor<'_>) -> Result<()> {
         // In place where the buffer is this tensor's alone and takes the bytes (MXFP4 laid
-        // out for the device first, here on the host: the copy is then staged by the
-        // driver); otherwise, or with `pin_host_experts` off, a new upload.
+        // out for the device by a kernel after the copy); otherwise, or with
+        // `pin_host_experts` off, a new upload.
         let mxfp4 = host.dtype == DType::MXFP4;
         let same = self.kernel_config().pin_host_experts
             && dst.dtype == host.dtype
             && dst.shape == host.shape
             && dst.offset == 0
             && Arc::strong_count(&dst.buf) == 1;
-        // A stored-as-is tensor of the same shape holds `len_bytes()`; an MXFP4 one the
-        // device layout of its shape (`upload_mxfp4`), which `tiles` is.
-        let fits = |len: usize| same && (mxfp4 || dst.len_bytes() == len);
+        let fits = |len: usize| same && dst.len_bytes() == len;
         if mxfp4 {
-            let tiles = match host.shape {
-                [rows, cols] => crate::layout::mxfp4_device_tiles(host.bytes, *rows, *cols),
+            // The stored blocks cross the link as they are (by DMA from a locked host
+            // store) and are laid out for the device on it.
+            let shape = match host.shape {
+                [rows, cols]
+                    if cols.is_multiple_of(32)
+                        && DType::MXFP4.storage_bytes(rows * cols) == Some(host.bytes.len()) =>
+                {
+                    Some((*rows, *cols))
+                }
                 _ => None,
             };
-            return match tiles {
-                Some(tiles) if fits(tiles.len()) => {
-                    // SAFETY: `dst` was uploaded by `upload_mxfp4` at this shape: it owns
-                    // `tiles.len()` bytes of device memory; the stream orders the copy after the kernels that read the old
-                    // contents, and the driver has taken the pageable bytes when it returns.
+            return match shape {
+                Some((rows, cols)) if same => {
+                    let staging = self.raw(host.bytes.len(), "expert slot fill")?;
+                    // SAFETY: `staging` holds `host.bytes.len()` bytes, freed in stream
+                    // order after the kernel below has read them; `dst` was uploaded by
+                    // `upload_mxfp4` at this shape, so it holds its device layout (padding
+                    // zero); a locked source stays unwritten while locked.
                     unsafe {
                         self.dev
-                            .copy_from_host(dst.ptr(), &tiles, "expert slot fill")
+                            .copy_from_host(staging.ptr(), host.bytes, "expert slot fill")?;
+                        ops::mxfp4::from_blocks(&self.dev, staging.ptr(), dst.ptr(), rows, cols)
                     }
                 }
                 _ => {

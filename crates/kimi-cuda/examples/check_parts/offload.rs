@@ -19,7 +19,54 @@ use kimi_cuda::CudaBackend;
 use kimi_model::{ExpertOffload, ForwardOptions, KimiLinear, LoadOptions, OffloadAmount};
 use kimi_ops::offload::{CachePolicy, HostBackend};
 
+use super::k3_cases::mxfp4_blocks;
+use super::op_cases::Rng;
 use super::{run_model, Res};
+
+/// A slot fill of MXFP4 blocks laid out by the device (`upload_into`: the stored blocks
+/// copied, then `mxfp4_from_blocks`) must widen to the CPU's values of the new blocks bit
+/// for bit, the tiles' padding included (37 x 96 pads rows and columns). Returns failures.
+fn check_mxfp4_fills() -> Res<usize> {
+    use kimi_core::DType;
+    use kimi_ops::{Backend, HostTensor};
+    let be = CudaBackend::new(0)?;
+    let mut rng = Rng(7);
+    let mut failures = 0;
+    for (rows, cols) in [(37usize, 96usize), (64, 256), (3072, 3584)] {
+        let (old, new) = (
+            mxfp4_blocks(&mut rng, rows, cols, false),
+            mxfp4_blocks(&mut rng, rows, cols, true),
+        );
+        let shape = [rows, cols];
+        let tensor = |bytes| HostTensor {
+            shape: &shape,
+            dtype: DType::MXFP4,
+            bytes,
+        };
+        let mut slot = be.upload(tensor(&old))?;
+        be.upload_into(&mut slot, tensor(&new))?;
+        let got = be.to_f32(&slot)?;
+        let cpu = CpuBackend::with_quant_matmul(QuantMatmul::F32);
+        let want = cpu.to_f32(&cpu.upload(tensor(&new))?)?;
+        let same = got.len() == want.len()
+            && got
+                .iter()
+                .zip(&want)
+                .all(|(g, w)| g.to_bits() == w.to_bits());
+        if !same {
+            failures += 1;
+        }
+        println!(
+            "MXFP4 slot fill {rows} x {cols}: {}",
+            if same {
+                "the CPU's values (ok)"
+            } else {
+                "FAIL: not the CPU's values"
+            }
+        );
+    }
+    Ok(failures)
+}
 
 fn rel_err(got: &[f32], want: &[f32]) -> f64 {
     if got.len() != want.len() {
@@ -47,7 +94,7 @@ pub fn check_offload() -> Res<()> {
         .filter(|p| p.join("reference.json").exists())
         .collect();
     dirs.sort();
-    let mut failures = 0;
+    let mut failures = check_mxfp4_fills()?;
     for dir in dirs {
         let name = dir
             .file_name()

@@ -172,3 +172,26 @@ pub(crate) unsafe fn to_f32(
     unsafe { b.launch(flat(rows * cols)) }.op("to_f32")?;
     Ok(())
 }
+
+/// Lays out an MXFP4 `[rows, cols]` matrix for the device from ggml `block_mxfp4` bytes
+/// already on the device (`blocks`), into `w`, which holds the device layout of a matrix of
+/// this shape (its zero padding is kept): a slot fill whose blocks crossed the host link as
+/// stored. The same bytes as `layout::mxfp4_device_tiles`.
+///
+/// # Safety
+/// `blocks` holds `rows * cols / 32` blocks of 17 bytes (`cols % 32 == 0`) and `w`
+/// `layout::mxfp4_device_bytes(rows, cols)` bytes; the two do not overlap.
+pub(crate) unsafe fn from_blocks(
+    dev: &Device,
+    blocks: u64,
+    w: u64,
+    rows: usize,
+    cols: usize,
+) -> Result<()> {
+    let (ri, ci) = (int(rows, "rows")?, int(cols, "width")?);
+    let mut b = dev.kernel("from_blocks", "mxfp4_from_blocks")?;
+    b.arg(&blocks).arg(&w).arg(&ri).arg(&ci);
+    // SAFETY: see the function's contract.
+    unsafe { b.launch(flat(rows * (cols / 32))) }.op("from_blocks")?;
+    Ok(())
+}
