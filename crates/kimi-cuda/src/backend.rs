@@ -532,8 +532,8 @@ impl Backend for CudaBackend {
 
     fn upload_into(&self, dst: &mut CudaTensor, host: HostTensor<'_>) -> Result<()> {
         // In place where the buffer is this tensor's alone and takes the bytes (MXFP4 laid
-        // out for the device by a kernel after the copy); otherwise, or with
-        // `pin_host_experts` off, a new upload.
+        // out for the device first: on the host, or with `mxfp4_device_fills` by a kernel
+        // after the copy); otherwise, or with `pin_host_experts` off, a new upload.
         let mxfp4 = host.dtype == DType::MXFP4;
         let same = self.kernel_config().pin_host_experts
             && dst.dtype == host.dtype
@@ -541,7 +541,7 @@ impl Backend for CudaBackend {
             && dst.offset == 0
             && Arc::strong_count(&dst.buf) == 1;
         let fits = |len: usize| same && dst.len_bytes() == len;
-        if mxfp4 {
+        if mxfp4 && self.kernel_config().mxfp4_device_fills {
             // The stored blocks cross the link as they are (by DMA from a locked host
             // store) and are laid out for the device on it.
             let shape = match host.shape {
@@ -564,6 +564,29 @@ impl Backend for CudaBackend {
                         self.dev
                             .copy_from_host(staging.ptr(), host.bytes, "expert slot fill")?;
                         ops::mxfp4::from_blocks(&self.dev, staging.ptr(), dst.ptr(), rows, cols)
+                    }
+                }
+                _ => {
+                    *dst = self.upload(host)?;
+                    Ok(())
+                }
+            };
+        }
+        if mxfp4 {
+            // Laid out for the device on the host, then a copy the driver stages.
+            let tiles = match host.shape {
+                [rows, cols] => crate::layout::mxfp4_device_tiles(host.bytes, *rows, *cols),
+                _ => None,
+            };
+            return match tiles {
+                Some(tiles) if same => {
+                    // SAFETY: `dst` was uploaded by `upload_mxfp4` at this shape: it owns
+                    // `tiles.len()` bytes of device memory; the stream orders the copy after
+                    // the kernels that read the old contents, and the driver has taken the
+                    // pageable bytes when it returns.
+                    unsafe {
+                        self.dev
+                            .copy_from_host(dst.ptr(), &tiles, "expert slot fill")
                     }
                 }
                 _ => {

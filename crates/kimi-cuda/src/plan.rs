@@ -226,6 +226,11 @@ pub struct KernelConfig {
     /// queued as asynchronous copies that run by DMA (`KIMI_CUDA_PIN_HOST_EXPERTS`). Off:
     /// each fill goes through the driver's staging buffer, one after another.
     pub pin_host_experts: bool,
+    /// MXFP4 expert slots fill by copying the stored blocks and laying them out on the GPU
+    /// (`mxfp4_from_blocks`) instead of on the host before the copy
+    /// (`KIMI_CUDA_MXFP4_DEVICE_FILLS`). Off until `check offload` has passed with it on a
+    /// device: the kernel has not run on one yet.
+    pub mxfp4_device_fills: bool,
 }
 
 impl Default for KernelConfig {
@@ -252,6 +257,7 @@ impl Default for KernelConfig {
             pool_keeps_memory: true,
             graph_arena_mb: 512,
             pin_host_experts: true,
+            mxfp4_device_fills: false,
         }
     }
 }

@@ -29,13 +29,17 @@ use super::{run_model, Res};
 fn check_mxfp4_fills() -> Res<usize> {
     use kimi_core::DType;
     use kimi_ops::{Backend, HostTensor};
-    let be = CudaBackend::new(0)?;
     let mut rng = Rng(7);
     let mut failures = 0;
-    for (rows, cols) in [(37usize, 96usize), (64, 256), (3072, 3584)] {
+    for ((rows, cols), on_device) in [(37usize, 96usize), (64, 256), (3072, 3584)]
+        .into_iter()
+        .flat_map(|s| [(s, false), (s, true)])
+    {
+        let be = CudaBackend::new(0)?;
+        be.update_kernel_config(|c| c.mxfp4_device_fills = on_device)?;
         let (old, new) = (
             mxfp4_blocks(&mut rng, rows, cols, false),
-            mxfp4_blocks(&mut rng, rows, cols, true),
+            mxfp4_blocks(&mut rng, rows, cols, false),
         );
         let shape = [rows, cols];
         let tensor = |bytes| HostTensor {
@@ -57,7 +61,8 @@ fn check_mxfp4_fills() -> Res<usize> {
             failures += 1;
         }
         println!(
-            "MXFP4 slot fill {rows} x {cols}: {}",
+            "MXFP4 slot fill {rows} x {cols}, laid out on the {}: {}",
+            if on_device { "GPU" } else { "host" },
             if same {
                 "the CPU's values (ok)"
             } else {
@@ -124,7 +129,12 @@ pub fn check_offload() -> Res<()> {
             for (host, slots) in [(experts, experts), (experts / 2, 2), (experts, 1)] {
                 for pinned in [true, false] {
                     let be = CudaBackend::new(0)?;
-                    be.update_kernel_config(|c| c.pin_host_experts = pinned)?;
+                    // Page-locked fills lay MXFP4 experts out on the GPU, staged ones anew
+                    // on the host.
+                    be.update_kernel_config(|c| {
+                        c.pin_host_experts = pinned;
+                        c.mxfp4_device_fills = pinned;
+                    })?;
                     let store =
                         HostBackend::new(Arc::new(CpuBackend::with_quant_matmul(QuantMatmul::F32)));
                     let options = LoadOptions {

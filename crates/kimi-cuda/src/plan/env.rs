@@ -28,9 +28,10 @@ const POOL_RELEASE: &str = "KIMI_CUDA_POOL_RELEASE";
 const GRAPH_ARENA_MB: &str = "KIMI_CUDA_GRAPH_ARENA_MB";
 const MXFP4_TOKEN_TILES: &str = "KIMI_CUDA_MXFP4_TOKEN_TILES";
 const PIN_HOST_EXPERTS: &str = "KIMI_CUDA_PIN_HOST_EXPERTS";
+const MXFP4_DEVICE_FILLS: &str = "KIMI_CUDA_MXFP4_DEVICE_FILLS";
 
 /// Every variable [`KernelConfig::from_env`] reads.
-const VARS: [&str; 12] = [
+const VARS: [&str; 13] = [
     MLA_PREFILL,
     KDA_CHUNK,
     MOE_LAYER,
@@ -43,6 +44,7 @@ const VARS: [&str; 12] = [
     GRAPH_ARENA_MB,
     MXFP4_TOKEN_TILES,
     PIN_HOST_EXPERTS,
+    MXFP4_DEVICE_FILLS,
 ];
 
 impl KernelConfig {
@@ -89,6 +91,7 @@ impl KernelConfig {
     /// | `KIMI_CUDA_GRAPH_ARENA_MB` | MiB |
     /// | `KIMI_CUDA_MXFP4_TOKEN_TILES` | `1`, `2` or `4`; `auto` |
     /// | `KIMI_CUDA_PIN_HOST_EXPERTS` | `0`: expert slots fill from pageable memory; `1` |
+    /// | `KIMI_CUDA_MXFP4_DEVICE_FILLS` | `1`: MXFP4 slot fills laid out on the GPU; `0` |
     pub fn from_vars<'a>(
         vars: impl IntoIterator<Item = (&'a str, &'a str)>,
     ) -> (Self, Vec<EnvVarError>) {
@@ -158,6 +161,9 @@ impl KernelConfig {
             PDL => self.pdl = flag(value).ok_or_else(|| invalid("`0` or `1`"))?,
             PIN_HOST_EXPERTS => {
                 self.pin_host_experts = flag(value).ok_or_else(|| invalid("`0` or `1`"))?
+            }
+            MXFP4_DEVICE_FILLS => {
+                self.mxfp4_device_fills = flag(value).ok_or_else(|| invalid("`0` or `1`"))?
             }
             POOL_RELEASE => {
                 self.pool_keeps_memory = !flag(value).ok_or_else(|| invalid("`0` or `1`"))?
