@@ -272,8 +272,10 @@ impl<T> TieredBank<T> {
             weights.push(upload_expert(be, host.as_ref(), e)?);
             cache.place(e, slot);
         }
-        // Timed on the host experts no slot took (loaded before the slots' were read
-        // back, so out of the CPU's caches in a real model), else on the slots' own.
+        // Timed on host experts that no slot took: the slots' uploads have read other
+        // experts since they were loaded, so in a real model these are out of the CPU's
+        // caches, as a step's cold experts are. A bank whose host experts all have slots
+        // times those.
         let costs = match (policy.miss, weights.first_mut()) {
             (MissPolicy::Auto, Some(w)) => {
                 let fresh = match &host_ids[slots..] {
