@@ -259,6 +259,26 @@ fn kimi_linear_layout_over_four_ranks() {
     }
 }
 
+/// Tied embeddings split by vocabulary rows serve both ends: each rank looks up its rows
+/// and multiplies the final states by the same rows, whose logits are gathered.
+#[test]
+fn tied_embeddings_split_by_vocabulary_rows() {
+    let mut config = four_way(
+        "kimi-linear/hub-f32-sharded",
+        &[
+            ("intermediate_size", 64),
+            ("moe_intermediate_size", 16),
+            ("num_experts", 8),
+        ],
+    );
+    config.tie_word_embeddings = true;
+    let source = RandomWeights {
+        dtype: DType::F32,
+        seed: 5,
+    };
+    check("tied embeddings", &config, &source, 4, ExpertSplit::Tensor);
+}
+
 /// A vocabulary that does not divide over the ranks keeps the embedding and the LM head
 /// whole on every rank (where it divides, every other test splits both by vocabulary rows,
 /// sums the embedding rows and gathers the logits).
