@@ -3,7 +3,7 @@
 # side by side on the same GPU. Build here first: scripts/cuda/build-check.sh; fetch the
 # Python wheels (fla-core, flash-linear-attention, einops, openai) into .whl/ with
 # scripts/cuda/fetch-wheels.sh. Then on the device, from the repository root:
-#   scripts/cuda/device-bench.sh OUT_DIR [check] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack] [k3-big] [offload]
+#   scripts/cuda/device-bench.sh OUT_DIR [check] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack] [k3-big] [k3-offload] [offload]
 # (no stage names = all). Each stage writes OUT_DIR/<stage>.txt (+ JSON where it has one).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -146,6 +146,26 @@ PY
       --prompt-len "${K3_PROMPTS:-8192}" --gen-len 8 --repeats 1 \
       --decode-batch "${K3_BATCHES:-1,16,64,256}" --context "${CONTEXT:-1024}" --decode-steps 8 \
       --json "$OUT/k3-stack-$n.json" 2>&1 | tee "$OUT/k3-stack-$n.txt"
+  done
+fi
+# Kimi K3's experts in tiers: the full-width config cut to 2 layers (one LatentMoE layer), half
+# of its 896 experts in host RAM behind 64 slots, MXFP4 fills laid out on the host and on the
+# GPU (KIMI_CUDA_MXFP4_DEVICE_FILLS), `--offload-miss auto`.
+if want k3-offload; then
+  python3 - crates/kimi-core/tests/data/kimi-k3-trimmed.config.json /tmp/k3-2.json <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1])); t = c.get("text_config", c)
+t["num_hidden_layers"] = 2
+la = t["linear_attn_config"]
+for k in ("kda_layers", "full_attn_layers"):
+    la[k] = [i for i in la[k] if i <= 2]
+json.dump(c, open(sys.argv[2], "w"), indent=1)
+PY
+  for fills in 0 1; do
+    KIMI_CUDA_MXFP4_DEVICE_FILLS=$fills timeout ${K3_OFFLOAD_TIMEOUT:-150} .device-bin/kimi-infer bench \
+      --device cuda --random-config /tmp/k3-2.json --prompt-len 64 --gen-len 4 --repeats 1 \
+      --decode-batch 1,16 --context 256 --decode-steps 8 --offload-experts 448 --expert-cache-slots 64 \
+      --json "$OUT/k3-offload-fills$fills.json" 2>&1 | tee "$OUT/k3-offload-fills$fills.txt"
   done
 fi
 # Kimi K3 at full width cut to K3_BIG_LAYERS (default 4: KKKM) layers: decode graphs against
