@@ -4,19 +4,9 @@ use crate::tensor::{row_to_f32, shape_err, CpuTensor};
 use kimi_ops::Result;
 
 pub fn embedding(table: &CpuTensor, ids: &[u32]) -> Result<CpuTensor> {
-    let (vocab, d) = table.rows_cols("embedding")?;
-    let mut out = vec![0f32; ids.len() * d];
-    for (t, &id) in ids.iter().enumerate() {
-        let id = id as usize;
-        if id >= vocab {
-            return Err(shape_err(
-                "embedding",
-                format!("token id {id} is outside the vocabulary of {vocab}"),
-            ));
-        }
-        row_to_f32(&table.storage, id * d, &mut out[t * d..(t + 1) * d]);
-    }
-    CpuTensor::f32(&[ids.len(), d], out)
+    // The whole table is the one part of its vocabulary.
+    let (vocab, _) = table.rows_cols("embedding")?;
+    embedding_part(table, ids, 0, vocab)
 }
 
 /// [`kimi_ops::Backend::embedding_part`]: the rows `first..first + rows` of a vocabulary of
