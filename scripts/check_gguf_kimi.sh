@@ -2,6 +2,8 @@
 # Converts every Kimi Linear fixture with `kimi-infer convert` (f16, q8_0, q4_k_m) and checks
 # each file with llama.cpp's own gguf-py (scripts/check_gguf_kimi.py): metadata keys and
 # types, tensor names, ggml shapes, types and values against the safetensors checkpoint.
+# The Kimi K3 fixtures go the same way through scripts/check_gguf_k3.py (llama.cpp's
+# kimi-k3 names and shapes; MXFP4 experts decoded by gguf-py equal to the checkpoint's).
 # gguf-py is pinned and installed once into target/gguf-venv (PyPI); later runs are offline.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,3 +34,11 @@ mkdir -p "$demo"
 cp assets/demo-model/config.json assets/demo-model/model.safetensors assets/demo-tokenizer/* "$demo/"
 target/debug/kimi-infer convert --model "$demo" --quant q8_0 --out "$out/demo-q8_0.gguf" 2>/dev/null
 "$venv/bin/python" scripts/check_gguf_kimi.py "$out/demo-q8_0.gguf" --checkpoint "$demo"
+for dir in fixtures/kimi-k3/*/; do
+    name=$(basename "$dir")
+    for quant in bf16 q8_0 q4_k_m; do
+        file="$out/$name-$quant.gguf"
+        target/debug/kimi-infer convert --model "$dir" --quant "$quant" --out "$file" 2>/dev/null
+        "$venv/bin/python" scripts/check_gguf_k3.py "$file" --checkpoint "$dir"
+    done
+done

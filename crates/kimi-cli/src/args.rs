@@ -179,7 +179,8 @@ pub struct ConvertArgs {
     #[arg(long, value_enum, default_value_t = ConvertFormat::Gguf)]
     pub to: ConvertFormat,
     /// Tensor types: llama.cpp's converter for f32/f16/bf16/q8_0, llama-quantize's mixture
-    /// for q4_k_m (`--to safetensors`: f32, f16 or bf16, every tensor).
+    /// for q4_k_m (`--to safetensors`: f32, f16 or bf16, every tensor). Kimi K3's routed
+    /// experts stay MXFP4 (ggml blocks, the checkpoint's codes unchanged) in every case.
     #[arg(long, value_enum, default_value_t = QuantArg::F16)]
     pub quant: QuantArg,
     /// Output file (`--to safetensors`: a new or empty directory).
@@ -190,7 +191,8 @@ pub struct ConvertArgs {
 /// Formats `convert` writes.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ConvertFormat {
-    /// GGUF with llama.cpp's `kimi-linear` names, shapes and metadata.
+    /// GGUF with llama.cpp's `kimi-linear` (or, for Kimi K3, `kimi-k3`) names, shapes and
+    /// metadata.
     Gguf,
     /// A Hugging Face `LlamaForCausalLM` checkpoint (config.json, model.safetensors,
     /// tokenizer.json, tokenizer_config.json) from a llama GGUF, its weights dequantized.
@@ -307,8 +309,8 @@ pub fn parse_secs(text: &str) -> Result<f64, String> {
 /// Where the model comes from.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// Checkpoint directory (config.json + safetensors) or GGUF file (llama-family or
-    /// kimi-linear), or a Hugging Face repository `org/name[@revision][/file.gguf]` found in
+    /// Checkpoint directory (config.json + safetensors) or GGUF file (llama-family,
+    /// kimi-linear or kimi-k3), or a Hugging Face repository `org/name[@revision][/file.gguf]` found in
     /// the hub's cache (see `kimi-infer download`). Without it, the built-in demo model
     /// (tiny, random weights: its text is gibberish) is used.
     #[arg(long, short = 'm')]

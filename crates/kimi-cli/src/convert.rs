@@ -1,5 +1,5 @@
-//! `kimi-infer convert`: a Kimi Linear checkpoint directory, or a config.json with
-//! deterministic random weights, to a llama.cpp GGUF.
+//! `kimi-infer convert`: a Kimi Linear or Kimi K3 checkpoint directory, or a config.json with
+//! deterministic random weights, to a llama.cpp GGUF (`kimi-linear` or `kimi-k3`).
 
 use std::path::Path;
 use std::time::Instant;
@@ -211,8 +211,10 @@ fn placeholder_vocab(config: &ModelConfig) -> Vec<(String, kimi_gguf::Value)> {
 fn extra_hparams(path: &Path) -> anyhow::Result<ExtraHparams> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let json: serde_json::Value =
+    let outer: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    // Kimi K3's wrapper nests the text model's config.
+    let json = outer.get("text_config").unwrap_or(&outer);
     let rope_theta = json
         .get("rope_theta")
         .or_else(|| {

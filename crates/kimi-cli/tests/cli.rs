@@ -910,6 +910,79 @@ fn convert_to_gguf_and_run_it() {
     );
 }
 
+/// `convert` writes a Kimi K3 checkpoint as a llama.cpp `kimi-k3` GGUF: MXFP4 experts kept,
+/// bf16 elsewhere (exact for this bf16 fixture), the tiktoken vocabulary as gpt2 BPE. The
+/// file's logits match the float64 reference in both feed modes, and it generates the same
+/// greedy text as the checkpoint directory.
+#[test]
+fn convert_k3_to_gguf_and_run_it() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/kimi-k3/k3-tiny-7l");
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = tmp.path().join("k3.gguf");
+    let o = run(&[
+        "convert",
+        "--model",
+        dir.to_str().unwrap(),
+        "--quant",
+        "bf16",
+        "--out",
+        gguf.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let log = stderr(&o);
+    assert!(
+        log.contains("MXFP4") && log.contains("blk.1.ffn_routed_down.weight"),
+        "{log}"
+    );
+    assert!(log.contains("tokenizer: Kimi tiktoken vocabulary"), "{log}");
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let ids: Vec<String> = reference["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap().to_string())
+        .collect();
+    let joined = ids.join(",");
+    let (_, want) = read_npy(&dir.join("logits.npy"));
+    for step in ["1000", "1"] {
+        let out = tmp.path().join("logits.npy");
+        let o = run(&[
+            "logits",
+            "--model",
+            gguf.to_str().unwrap(),
+            "--ids",
+            &joined,
+            "--step",
+            step,
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let (_, got) = read_npy(&out);
+        let num: f64 = got.iter().zip(&want).map(|(g, w)| (g - w).powi(2)).sum();
+        let den: f64 = want.iter().map(|w| w * w).sum();
+        let err = (num / den).sqrt();
+        assert!(err < 1e-4, "step {step}: relative error {err:e}");
+    }
+    let generate = |model: &Path| {
+        let o = run(&[
+            "run",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            "Hello there",
+            "--max-tokens",
+            "8",
+            "--ignore-eos",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+    };
+    assert_eq!(generate(&gguf), generate(&dir));
+}
+
 /// A directory exactly as transformers' save_pretrained wrote it (here its in-memory layout:
 /// fused experts and convolutions) runs and converts like its hub-layout twin.
 #[test]

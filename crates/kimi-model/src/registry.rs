@@ -32,12 +32,13 @@ impl Architecture {
         }
     }
 
-    /// The architecture of a GGUF file, from `general.architecture`: `kimi-linear` is Kimi
-    /// Linear in llama.cpp's layout; anything else goes to the llama-family loader, which
-    /// names the architectures it does not run.
+    /// The architecture of a GGUF file, from `general.architecture`: `kimi-linear` and
+    /// `kimi-k3` are Kimi Linear and Kimi K3 in llama.cpp's layouts; anything else goes to
+    /// the llama-family loader, which names the architectures it does not run.
     pub fn of_gguf(file: &GgufFile) -> Self {
         match file.get_str("general.architecture").ok() {
             Some(crate::gguf_kimi::ARCH) => Architecture::KimiLinear,
+            Some(crate::gguf_kimi::ARCH_K3) => Architecture::KimiK3,
             _ => Architecture::Llama,
         }
     }

@@ -174,6 +174,7 @@ impl WeightSource for Dequantized<'_> {
             kimi_core::DType::Q4_K => GgmlType::Q4_K,
             kimi_core::DType::Q5_K => GgmlType::Q5_K,
             kimi_core::DType::Q6_K => GgmlType::Q6_K,
+            kimi_core::DType::MXFP4 => GgmlType::MXFP4,
             other => panic!("{name}: unexpected {other}"),
         };
         let values = kimi_gguf::dequantize(ty, &bytes, shape.iter().product()).expect("dequantize");
@@ -182,6 +183,9 @@ impl WeightSource for Dequantized<'_> {
     }
     fn check_all_used(&self, used: &std::collections::HashSet<String>) -> kimi_model::Result<()> {
         self.0.check_all_used(used)
+    }
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.0.shape(name)
     }
 }
 
@@ -463,6 +467,203 @@ fn bad_kimi_gguf_metadata_names_the_file_and_key() {
         );
     }
     std::fs::remove_file(&path).ok();
+}
+
+fn k3_fixture_dirs() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/kimi-k3");
+    let dirs: Vec<PathBuf> = ["k3-tiny-7l", "k3-tiny-5l-b2"]
+        .iter()
+        .map(|n| root.join(n))
+        .collect();
+    assert!(dirs.iter().all(|d| d.join("logits.npy").exists()));
+    dirs
+}
+
+/// Kimi K3 through llama.cpp's `kimi-k3` layout (names of `src/models/kimi-k3.cpp`): both K3
+/// fixtures are converted at every type and loaded back.
+/// * The routed experts are `MXFP4` tensors whose bytes are the checkpoint's planes
+///   repacked block for block, at every type (the rest follows the type).
+/// * Loading is exact: the GGUF model equals the f32 model of the file's own numbers
+///   (bound 1e-6), so the folded AttnRes scores, `ssm_a` without its padding, the K3 gates
+///   and the latent projections are all undone correctly.
+/// * f32 and bf16 (the fixtures are bf16 with f32 `A_log`/`dt_bias`/convolutions, all kept):
+///   equal to the safetensors model (bound 1e-6) with the same config.
+/// * Against the float64 reference where the routing did not change: bf16 like f32
+///   (1e-4), q8_0 5e-2; q4_k_m falls back to Q5_0/Q5_1/F16 on these 48-wide rows (bound 2e-1).
+#[test]
+fn k3_fixtures_through_gguf_match_the_checkpoint_and_reference() {
+    let quants = [
+        GgufQuant::F32,
+        GgufQuant::Bf16,
+        GgufQuant::Q8_0,
+        GgufQuant::Q4KM,
+    ];
+    let mut failures = Vec::new();
+    for dir in k3_fixture_dirs() {
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let ckpt = Checkpoint::open(&dir).expect("checkpoint");
+        let config = ckpt.config().clone();
+        let moe = config.moe.clone().expect("K3 fixtures have experts");
+        let ids = prompt(&dir);
+        let reference = read_npy_f64(&dir.join("logits.npy"));
+        let direct = KimiLinear::load(exact_backend(), &ckpt).expect("safetensors model");
+        let (direct_logits, direct_experts) = run(&direct, &ids);
+        let direct_logits: Vec<f64> = direct_logits.iter().map(|&x| x as f64).collect();
+        let source = CheckpointSource::new(&ckpt).expect("checkpoint layout");
+        for quant in quants {
+            let path = temp(&format!("{name}-{quant:?}.gguf"));
+            let file = convert(&source, &config, quant, &path);
+            assert_eq!(file.get_str("general.architecture").unwrap(), "kimi-k3");
+            let layer = config
+                .layers
+                .iter()
+                .position(|l| l.ffn == kimi_core::config::Ffn::Moe)
+                .expect("a MoE layer");
+            let experts = file
+                .tensor(&format!("blk.{layer}.ffn_down_exps.weight"))
+                .expect("stacked experts");
+            assert_eq!(experts.info.ggml_type, GgmlType::MXFP4, "{name} {quant:?}");
+            let latent = moe.latent.expect("LatentMoE").width;
+            let (rows, cols) = (latent, moe.expert_intermediate_size);
+            let per_expert = rows * cols / 32 * 17;
+            for e in [0, moe.num_experts - 1] {
+                let base =
+                    format!("language_model.model.layers.{layer}.block_sparse_moe.experts.{e}.w2");
+                let (_, codes) = source
+                    .load(&format!("{base}.weight_packed"), &[rows, cols / 2])
+                    .expect("codes");
+                let (_, scales) = source
+                    .load(&format!("{base}.weight_scale"), &[rows, cols / 32])
+                    .expect("scales");
+                let mut want = vec![0u8; per_expert];
+                for ((out, c), sc) in want
+                    .chunks_exact_mut(cols / 32 * 17)
+                    .zip(codes.chunks_exact(cols / 2))
+                    .zip(scales.chunks_exact(cols / 32))
+                {
+                    kimi_gguf::mxfp4::from_planes(c, sc, out);
+                }
+                assert!(
+                    experts.bytes[e * per_expert..(e + 1) * per_expert] == want[..],
+                    "{name} {quant:?}: expert {e}'s MXFP4 blocks differ from its planes"
+                );
+            }
+            let model = KimiLinear::load_gguf(exact_backend(), &file)
+                .unwrap_or_else(|e| panic!("{name} {quant:?}: {e}"));
+            let (got, experts) = run(&model, &ids);
+            let read = kimi_model::gguf_kimi::config_from_gguf(&file).expect("config");
+            let gguf = kimi_model::gguf_kimi::KimiGguf::new(&file, &read);
+            let exact = KimiLinear::load_from(exact_backend(), read.clone(), &Dequantized(&gguf))
+                .expect("dequantized model");
+            let exact_logits: Vec<f64> = logits(&exact, &ids).iter().map(|&x| x as f64).collect();
+            let err = rel_err(&got, &reference);
+            let vs_direct = rel_err(&got, &direct_logits);
+            let vs_exact = rel_err(&got, &exact_logits);
+            let same_routing = experts == direct_experts;
+            eprintln!(
+                "{name:<14} {quant:<5?} vs reference {err:.2e}  vs safetensors {vs_direct:.2e}  \
+                 vs its own weights in f32 {vs_exact:.2e}{}",
+                if same_routing {
+                    ""
+                } else {
+                    "  (expert choices changed)"
+                }
+            );
+            let bound = match quant {
+                GgufQuant::F32 | GgufQuant::Bf16 => 1e-4,
+                other => bound(other),
+            };
+            if vs_exact > 1e-6 || (same_routing && err > bound) {
+                failures.push(format!("{name} {quant:?}: {err:.3e} / {vs_exact:.3e}"));
+            }
+            if matches!(quant, GgufQuant::F32 | GgufQuant::Bf16) {
+                assert!(
+                    vs_direct <= 1e-6,
+                    "{name} {quant:?}: round trip {vs_direct:.3e}"
+                );
+                let declared = kimi_core::ModelConfig {
+                    dtype: None,
+                    ..config.clone()
+                };
+                assert_eq!(read, declared, "{name}: config round trip");
+            }
+            std::fs::remove_file(&path).ok();
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// A K3 GGUF written again from itself (`convert` of a kimi-k3 file's weights) keeps its
+/// experts' blocks and its logits; missing required K3 keys and tensors fail by name.
+#[test]
+fn k3_gguf_rewrites_itself_and_names_what_is_missing() {
+    use kimi_gguf::Value;
+    let dir = &k3_fixture_dirs()[0];
+    let ckpt = Checkpoint::open(dir).expect("checkpoint");
+    let source = CheckpointSource::new(&ckpt).expect("checkpoint layout");
+    let path = temp("k3-first.gguf");
+    let file = convert(&source, ckpt.config(), GgufQuant::Bf16, &path);
+    let config = kimi_model::gguf_kimi::config_from_gguf(&file).expect("config");
+    let gguf = kimi_model::gguf_kimi::KimiGguf::new(&file, &config);
+    let again_path = temp("k3-again.gguf");
+    let again = convert(&gguf, &config, GgufQuant::Bf16, &again_path);
+    for info in file.tensors() {
+        let a = file.tensor(&info.name).expect("tensor");
+        let b = again.tensor(&info.name).expect("the same tensors");
+        assert_eq!(a.info.ggml_type, b.info.ggml_type, "{}", info.name);
+        if info.ggml_type == GgmlType::MXFP4 || info.name.contains("res_score") {
+            assert!(a.bytes == b.bytes, "{} changed", info.name);
+        }
+    }
+    let ids = prompt(dir);
+    let first = KimiLinear::load_gguf(exact_backend(), &file).expect("first");
+    let second = KimiLinear::load_gguf(exact_backend(), &again).expect("second");
+    let (a, b) = (logits(&first, &ids), logits(&second, &ids));
+    let a64: Vec<f64> = a.iter().map(|&x| x as f64).collect();
+    assert!(rel_err(&b, &a64) <= 1e-6, "{:.3e}", rel_err(&b, &a64));
+
+    let err = |f: &GgufFile| match KimiLinear::load_gguf(CpuBackend::new(), f) {
+        Ok(_) => panic!("a broken file loaded"),
+        Err(e) => e.to_string(),
+    };
+    for key in [
+        "kimi-k3.attn_res.block_size",
+        "kimi-k3.activation.situ_beta",
+        "kimi-k3.activation.situ_linear_beta",
+    ] {
+        let mut w = kimi_gguf::GgufWriter::new();
+        for (k, v) in file.metadata().iter().filter(|(k, _)| k.as_str() != key) {
+            w.add_metadata(k.clone(), v.clone()).expect("metadata");
+        }
+        for info in file.tensors() {
+            let t = file.tensor(&info.name).expect("tensor");
+            w.add_tensor(
+                info.name.clone(),
+                &info.shape_outer_first(),
+                info.ggml_type,
+                t.bytes.to_vec(),
+            )
+            .expect("tensor");
+        }
+        let spoiled = GgufFile::from_vec(w.to_bytes().expect("bytes")).expect("parse");
+        let msg = err(&spoiled);
+        assert!(
+            msg.starts_with("<memory>: ") && msg.contains(key),
+            "{key}: {msg}"
+        );
+    }
+    let nan = with_meta(&file, "kimi-k3.activation.situ_beta", Value::F32(f32::NAN));
+    assert!(err(&nan).contains("situ_beta"), "{}", err(&nan));
+    let missing = rewrite(&file, |n, s| {
+        (n != "blk.1.ffn_routed_up.weight").then_some(s)
+    });
+    let msg = err(&missing);
+    assert!(
+        msg.contains("`blk.1.ffn_routed_up.weight` is missing"),
+        "{msg}"
+    );
+    std::fs::remove_file(&path).ok();
+    std::fs::remove_file(&again_path).ok();
 }
 
 /// Products of the dequantized weights in f32: loading checks compare exact numbers (the

@@ -1,20 +1,24 @@
 //! Kimi Linear hyper-parameters as llama.cpp's GGUF metadata (`kimi-linear.*` keys, written
 //! by `convert_hf_to_gguf.py` `KimiLinearModel.set_gguf_parameters` and read by
-//! `src/models/kimi-linear.cpp`), both ways.
+//! `src/models/kimi-linear.cpp`), both ways; Kimi K3's as `kimi-k3.*` (the same keys plus
+//! `expert_latent_length`, `activation.situ_beta`, `activation.situ_linear_beta` and
+//! `attn_res.block_size`, which llama.cpp's `src/models/kimi-k3.cpp` requires).
 //!
 //! GGUF cannot say everything a `config.json` says; what it lacks is decided here:
 //! * layer kinds: `attention.head_count_kv` per layer, 0 for KDA (llama.cpp's convention);
 //!   dense vs MoE feed-forward from the tensors present (`leading_dense_block_count` alone
 //!   cannot express the fixtures' irregular schedules);
 //! * `kv_a_layernorm` epsilon: no key exists; the reference's 1e-6 (spec §6) is used;
-//! * the remote-code routing flag (`kimi_infer_router_weights_use_bias`): off, as in llama.cpp.
+//! * the remote-code routing flag (`kimi_infer_router_weights_use_bias`): off, as in llama.cpp;
+//! * K3's gate forms (full-rank KDA gate, MLA output gate), the latent norm and the experts'
+//!   MXFP4 storage: from the tensors present, as llama.cpp decides them.
 
 use kimi_core::config::{
-    Activation, ExpertFormat, Family, Ffn, KdaConfig, KdaGate, KdaOutputGate, LayerSpec, Mixer,
-    MlaConfig, MoeConfig,
+    Activation, ExpertFormat, Family, Ffn, KdaConfig, KdaGate, KdaOutputGate, LatentMoe, LayerSpec,
+    Mixer, MlaConfig, MoeConfig,
 };
 use kimi_core::{ConfigError, ModelConfig};
-use kimi_gguf::{Array, GgufFile, Value};
+use kimi_gguf::{Array, GgmlType, GgufFile, Value};
 
 use crate::source::format_error;
 use crate::Result;
@@ -22,14 +26,25 @@ use crate::Result;
 /// `general.architecture` of a Kimi Linear GGUF.
 pub const ARCH: &str = "kimi-linear";
 
+/// `general.architecture` of a Kimi K3 GGUF.
+pub const ARCH_K3: &str = "kimi-k3";
+
+/// The GGUF architecture a model is written as.
+pub(crate) fn arch_of(config: &ModelConfig) -> &'static str {
+    match config.family {
+        Family::KimiLinear => ARCH,
+        Family::KimiK3 => ARCH_K3,
+    }
+}
+
 /// The reference `kv_a_layernorm` epsilon (GGUF has no key for it).
 const LATENT_NORM_EPS: f32 = 1e-6;
 
 /// `ExpertGatingFuncType.SIGMOID` in gguf-py.
 const GATING_SIGMOID: u32 = 2;
 
-fn key(name: &str) -> String {
-    format!("{ARCH}.{name}")
+fn arch_key(arch: &str, name: &str) -> String {
+    format!("{arch}.{name}")
 }
 
 /// What `config.json` holds that [`ModelConfig`] does not, but llama.cpp's converter writes.
@@ -53,10 +68,11 @@ fn per_layer(values: impl Iterator<Item = usize>) -> Value {
     ))
 }
 
-/// The `kimi-linear.*` metadata of `config`, in the converter's order.
+/// The `kimi-linear.*` (or `kimi-k3.*`) metadata of `config`, in the converter's order.
 pub(crate) fn metadata(config: &ModelConfig, extra: &ExtraHparams) -> Vec<(String, Value)> {
+    let arch = arch_of(config);
     let mut m: Vec<(String, Value)> = Vec::new();
-    let mut put = |k: &str, v: Value| m.push((key(k), v));
+    let mut put = |k: &str, v: Value| m.push((arch_key(arch, k), v));
     put("block_count", u32_of(config.layers.len()));
     put("context_length", u32_of(config.max_position_embeddings));
     put("embedding_length", u32_of(config.hidden_size));
@@ -141,6 +157,23 @@ pub(crate) fn metadata(config: &ModelConfig, extra: &ExtraHparams) -> Vec<(Strin
             Value::F32(moe.routed_scaling_factor),
         );
         put("expert_weights_norm", Value::Bool(moe.renormalize));
+        if let Some(l) = moe.latent {
+            put("expert_latent_length", u32_of(l.width));
+        }
+    }
+    if config.family == Family::KimiK3 {
+        // llama.cpp requires these three of every kimi-k3 file; 0 turns a part off there.
+        if let Activation::Situ { beta, linear_beta } = config.activation {
+            put("activation.situ_beta", Value::F32(beta));
+            put(
+                "activation.situ_linear_beta",
+                Value::F32(linear_beta.unwrap_or(0.0)),
+            );
+        }
+        put(
+            "attn_res.block_size",
+            u32_of(config.attn_res_block_size.unwrap_or(0)),
+        );
     }
     m
 }
@@ -155,15 +188,25 @@ pub(crate) fn ffn_schedule_is_leading_dense(config: &ModelConfig) -> bool {
     config.layers[lead..].iter().all(|s| s.ffn == Ffn::Moe)
 }
 
-/// Reads the model configuration of a Kimi Linear GGUF.
+/// Reads the model configuration of a Kimi Linear or Kimi K3 GGUF.
 pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
     let arch = file.get_str("general.architecture")?;
-    if arch != ARCH {
-        return Err(format_error(
-            file,
-            format!("general.architecture is `{arch}`, not `{ARCH}`"),
-        ));
-    }
+    let family = match arch {
+        ARCH => Family::KimiLinear,
+        ARCH_K3 => Family::KimiK3,
+        other => {
+            return Err(format_error(
+                file,
+                format!("general.architecture is `{other}`, not `{ARCH}` or `{ARCH_K3}`"),
+            ))
+        }
+    };
+    let arch: &'static str = if family == Family::KimiK3 {
+        ARCH_K3
+    } else {
+        ARCH
+    };
+    let key = |name: &str| arch_key(arch, name);
     let n = |k: &str| -> Result<usize> { Ok(file.get_u64(&key(k))? as usize) };
     let opt = |k: &str| -> Result<Option<usize>> {
         match file.get(&key(k)) {
@@ -172,8 +215,15 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         }
     };
     let num_layers = n("block_count")?;
-    let kv_heads = per_layer_values(file, "attention.head_count_kv", num_layers)?;
-    let heads = per_layer_values(file, "attention.head_count", num_layers)?;
+    let kv_heads = per_layer_values(file, arch, "attention.head_count_kv", num_layers)?;
+    let heads = per_layer_values(file, arch, "attention.head_count", num_layers)?;
+    // The first layer of each kind says which of K3's optional tensors the file has.
+    let first_with = |mixer: Mixer| {
+        kv_heads
+            .iter()
+            .position(|&kv| (kv == 0) == (mixer == Mixer::Kda))
+    };
+    let has = |name: String| file.tensor(&name).is_ok();
     let mixers: Vec<Mixer> = kv_heads
         .iter()
         .map(|&kv| if kv == 0 { Mixer::Kda } else { Mixer::Mla })
@@ -204,7 +254,10 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
                 Some(_) => KdaGate::LowerBound(file.get_f32(&key("kda.gate_lower_bound"))?),
                 None => KdaGate::Softplus,
             },
-            output_gate: KdaOutputGate::LowRank,
+            output_gate: match first_with(Mixer::Kda) {
+                Some(i) if has(format!("blk.{i}.ssm_g.weight")) => KdaOutputGate::FullRank,
+                _ => KdaOutputGate::LowRank,
+            },
         }),
     };
     let mla = match heads_of(Mixer::Mla)? {
@@ -226,7 +279,8 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
                 qk_rope_head_dim: rope,
                 v_head_dim: n("attention.value_length_mla")?,
                 latent_norm_eps: LATENT_NORM_EPS,
-                output_gate: false,
+                output_gate: first_with(Mixer::Mla)
+                    .is_some_and(|i| has(format!("blk.{i}.attn_gate.weight"))),
             })
         }
     };
@@ -239,10 +293,24 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
             },
         )
         .collect();
-    let moe = if ffns.contains(&Ffn::Moe) {
-        Some(moe_config(file)?)
-    } else {
-        None
+    let moe = match ffns.iter().position(|&f| f == Ffn::Moe) {
+        Some(first) => Some(moe_config(file, arch, first)?),
+        None => None,
+    };
+    let (activation, attn_res_block_size) = match family {
+        Family::KimiLinear => (Activation::Silu, None),
+        Family::KimiK3 => {
+            // Required, as llama.cpp requires them: a default would run a different model.
+            let linear_beta = file.get_f32(&key("activation.situ_linear_beta"))?;
+            let block = n("attn_res.block_size")?;
+            (
+                Activation::Situ {
+                    beta: file.get_f32(&key("activation.situ_beta"))?,
+                    linear_beta: (linear_beta > 0.0).then_some(linear_beta),
+                },
+                (block > 0).then_some(block),
+            )
+        }
     };
     let intermediate_size = if ffns.contains(&Ffn::Dense) {
         n("feed_forward_length")?
@@ -266,10 +334,13 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
             .unwrap_or(0),
     };
     let config = ModelConfig {
-        model_type: "kimi_linear".into(),
-        family: Family::KimiLinear,
-        activation: Activation::Silu,
-        attn_res_block_size: None,
+        model_type: match family {
+            Family::KimiLinear => "kimi_linear".into(),
+            Family::KimiK3 => "kimi_k3".into(),
+        },
+        family,
+        activation,
+        attn_res_block_size,
         vocab_size,
         hidden_size: n("embedding_length")?,
         layers: mixers
@@ -292,7 +363,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
     };
     config.validate().map_err(|e| match e {
         ConfigError::Invalid { field, reason } => {
-            format_error(file, format!("{}: {reason}", gguf_key(&field)))
+            format_error(file, format!("{}: {reason}", gguf_key(arch, &field)))
         }
         other => format_error(file, other.to_string()),
     })?;
@@ -300,7 +371,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
 }
 
 /// The metadata key that holds a config.json field (as `ModelConfig::validate` names it).
-fn gguf_key(field: &str) -> String {
+fn gguf_key(arch: &str, field: &str) -> String {
     let name = match field {
         "rms_norm_eps" => "attention.layer_norm_rms_epsilon",
         "routed_scaling_factor" => "expert_weights_scale",
@@ -320,12 +391,19 @@ fn gguf_key(field: &str) -> String {
         "intermediate_size" => "feed_forward_length",
         "max_position_embeddings" => "context_length",
         "vocab_size" => "vocab_size (or token_embd.weight's rows)",
+        "routed_expert_hidden_size" => "expert_latent_length",
+        "activation_situ_beta" => "activation.situ_beta",
+        "activation_situ_linear_beta" => "activation.situ_linear_beta",
+        "attn_res_block_size" => "attn_res.block_size",
         other => return other.to_string(),
     };
-    key(name)
+    arch_key(arch, name)
 }
 
-fn moe_config(file: &GgufFile) -> Result<MoeConfig> {
+/// The MoE settings; `first` is the first MoE layer, whose tensors say what the metadata
+/// cannot (the latent norm, the experts' storage).
+fn moe_config(file: &GgufFile, arch: &str, first: usize) -> Result<MoeConfig> {
+    let key = |name: &str| arch_key(arch, name);
     let n = |k: &str| -> Result<usize> { Ok(file.get_u64(&key(k))? as usize) };
     let n_or = |k: &str, default: usize| -> Result<usize> {
         match file.get(&key(k)) {
@@ -338,7 +416,7 @@ fn moe_config(file: &GgufFile) -> Result<MoeConfig> {
         if f != GATING_SIGMOID {
             return Err(format_error(
                 file,
-                format!("expert_gating_func {f} is not sigmoid (2), which Kimi Linear uses"),
+                format!("expert_gating_func {f} is not sigmoid (2), which Kimi models use"),
             ));
         }
     }
@@ -359,8 +437,20 @@ fn moe_config(file: &GgufFile) -> Result<MoeConfig> {
         num_expert_groups,
         topk_group: n_or("expert_group_used_count", num_expert_groups)?,
         weights_use_correction_bias: false,
-        latent: None,
-        expert_format: ExpertFormat::Dense,
+        latent: match file.get(&key("expert_latent_length")) {
+            Some(_) => Some(LatentMoe {
+                width: n("expert_latent_length")?,
+                norm: file
+                    .tensor(&format!("blk.{first}.ffn_routed_norm.weight"))
+                    .is_ok(),
+            })
+            .filter(|l| l.width > 0),
+            None => None,
+        },
+        expert_format: match file.tensor(&format!("blk.{first}.ffn_gate_exps.weight")) {
+            Ok(t) if t.info.ggml_type == GgmlType::MXFP4 => ExpertFormat::Mxfp4,
+            _ => ExpertFormat::Dense,
+        },
     })
 }
 
@@ -372,8 +462,13 @@ fn mixer_name(m: Mixer) -> &'static str {
 }
 
 /// A per-layer count: an array of `num_layers` integers, or one integer for every layer.
-fn per_layer_values(file: &GgufFile, name: &str, num_layers: usize) -> Result<Vec<usize>> {
-    let k = key(name);
+fn per_layer_values(
+    file: &GgufFile,
+    arch: &str,
+    name: &str,
+    num_layers: usize,
+) -> Result<Vec<usize>> {
+    let k = arch_key(arch, name);
     let bad = |reason: String| format_error(file, format!("{k}: {reason}"));
     match file.get(&k) {
         Some(Value::Array(a)) => {

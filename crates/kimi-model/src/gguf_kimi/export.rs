@@ -1,13 +1,15 @@
-//! Writing a Kimi Linear model as a llama.cpp GGUF: names, shapes and metadata of
-//! `convert_hf_to_gguf.py` (`KimiLinearModel`), types of [`super::quant_plan`].
+//! Writing a Kimi Linear or Kimi K3 model as a llama.cpp GGUF: names, shapes and metadata of
+//! `convert_hf_to_gguf.py` (`KimiLinearModel`; `kimi-k3` as llama.cpp's K3 graph reads it),
+//! types of [`super::quant_plan`]. K3's MXFP4 experts are copied as ggml `MXFP4` blocks, bit
+//! for bit, whatever the type of the rest.
 
 use std::path::Path;
 
 use kimi_core::config::Mixer;
-use kimi_core::ModelConfig;
+use kimi_core::{DType, ModelConfig};
 use kimi_gguf::{GgmlType, GgufWriter, Value};
 
-use super::config::{ffn_schedule_is_leading_dense, metadata, ExtraHparams, ARCH};
+use super::config::{arch_of, ffn_schedule_is_leading_dense, metadata, ExtraHparams};
 use super::quant_plan::{plan, GgufQuant};
 use super::recipes::{recipes, Layout, Recipe};
 use super::source::ggml_type;
@@ -51,14 +53,20 @@ pub struct ExportPlan {
     pub warnings: Vec<String>,
 }
 
-/// llama.cpp's `kimi-linear` layout has no names for Kimi K3's extensions (the forks that
-/// convert K3 disagree on them, K3 spec §7 item 12), so such a config is refused by name.
-fn refuse_k3_variants(config: &ModelConfig) -> Result<()> {
+/// llama.cpp's `kimi-linear` layout has no names for Kimi K3's extensions, so a Kimi Linear
+/// config that uses them is refused by name (a K3 checkpoint is written as `kimi-k3`); and
+/// `kimi-k3` always runs SiTU, so a K3 config without it is refused too.
+fn refuse_unwritable(config: &ModelConfig) -> Result<()> {
     use kimi_core::config::{Activation, ExpertFormat, Family, KdaOutputGate};
-    let mut found = Vec::new();
     if config.family == Family::KimiK3 {
-        found.push("the Kimi K3 wrapper");
+        if config.activation == Activation::Silu {
+            return Err(crate::ModelError::Input(
+                "llama.cpp's kimi-k3 layout always runs SiTU; this K3 config uses SwiGLU".into(),
+            ));
+        }
+        return Ok(());
     }
+    let mut found = Vec::new();
     if config.activation != Activation::Silu {
         found.push("SiTU");
     }
@@ -87,8 +95,8 @@ fn refuse_k3_variants(config: &ModelConfig) -> Result<()> {
         return Ok(());
     }
     Err(crate::ModelError::Input(format!(
-        "GGUF export writes llama.cpp's kimi-linear layout, which has no tensors for {}; \
-         converting Kimi K3 to GGUF is not supported yet",
+        "GGUF export writes a Kimi Linear checkpoint in llama.cpp's kimi-linear layout, which has \
+         no tensors for {}; only a Kimi K3 checkpoint (model_type kimi_k3) is written as kimi-k3",
         found.join(", ")
     )))
 }
@@ -100,7 +108,7 @@ pub fn plan_export(
     config: &ModelConfig,
     opts: &ExportOptions,
 ) -> Result<ExportPlan> {
-    refuse_k3_variants(config)?;
+    refuse_unwritable(config)?;
     let mut recipes = recipes(config);
     recipes.retain(|r| !r.optional || r.hub.iter().all(|h| source.contains(h)));
     let num_experts = config.moe.as_ref().map_or(0, |m| m.num_experts);
@@ -109,7 +117,7 @@ pub fn plan_export(
     let mut meta = vec![
         (
             "general.architecture".to_string(),
-            Value::String(ARCH.into()),
+            Value::String(arch_of(config).into()),
         ),
         ("general.type".to_string(), Value::String("model".into())),
         ("general.name".to_string(), Value::String(opts.name.clone())),
@@ -203,7 +211,11 @@ impl ExportPlan {
         self.writer.write_streamed(path, |i| -> Result<Vec<u8>> {
             let t = &self.tensors[i];
             progress(i, t);
-            let values = gguf_values(source, &self.recipes[i], &self.config)?;
+            let r = &self.recipes[i];
+            if t.ggml_type == GgmlType::MXFP4 && r.layout == Layout::Stacked {
+                return mxfp4_experts(source, r);
+            }
+            let values = gguf_values(source, r, &self.config)?;
             kimi_gguf::quantize(t.ggml_type, &values).map_err(|e| ModelError::Format {
                 path: path.to_path_buf(),
                 reason: format!("tensor `{}`: {e}", t.name),
@@ -214,14 +226,27 @@ impl ExportPlan {
 
 /// The values of a GGUF tensor, in its memory order, as f32.
 fn gguf_values(source: &dyn WeightSource, r: &Recipe, config: &ModelConfig) -> Result<Vec<f32>> {
+    match r.layout {
+        // f32 products, as the model folds the mix when it loads a checkpoint.
+        Layout::ResScore => {
+            let d = r.hub_shape.iter().product::<usize>();
+            let norm = hub_values(source, &r.hub[0], &r.hub_shape)?;
+            let proj = hub_values(source, &r.hub[1], &[1, d])?;
+            return Ok(norm.iter().zip(&proj).map(|(n, p)| n * p).collect());
+        }
+        Layout::NegExp => {
+            let a_log = a_log_values(source, r)?;
+            // f64 so that the loader's ln(-x) gives A_log back within an ulp.
+            return Ok(a_log.iter().map(|&a| -(a as f64).exp() as f32).collect());
+        }
+        _ => {}
+    }
     let mut out = Vec::new();
     for hub in &r.hub {
         out.extend(hub_values(source, hub, &r.hub_shape)?);
     }
     match r.layout {
-        Layout::Same | Layout::Stacked => Ok(out),
-        // f64 so that the loader's ln(-x) gives A_log back within an ulp.
-        Layout::NegExp => Ok(out.iter().map(|&a| -(a as f64).exp() as f32).collect()),
+        Layout::Same | Layout::Stacked | Layout::ResScore | Layout::NegExp => Ok(out),
         Layout::KvBKeys | Layout::KvBValues => {
             let Some(mla) = &config.mla else {
                 return Ok(out);
@@ -248,6 +273,83 @@ fn split_kv_b(kv_b: &[f32], r: &Recipe, nope: usize, v: usize) -> Vec<f32> {
         }
     }
     out
+}
+
+/// `A_log`'s per-head values: K3 checkpoints store `[N ≥ H]`, the heads first and zero
+/// padding after them (refused if not zero: the padding would be lost silently).
+fn a_log_values(source: &dyn WeightSource, r: &Recipe) -> Result<Vec<f32>> {
+    let heads: usize = r.shape.iter().product();
+    let hub = &r.hub[0];
+    let stored = match source.shape(hub) {
+        Some(s) if s.len() == 1 && s[0] >= heads => s,
+        _ => r.hub_shape.clone(),
+    };
+    let values = hub_values(source, hub, &stored)?;
+    if let Some(i) = (heads..values.len()).find(|&i| values[i] != 0.0) {
+        return Err(ModelError::Input(format!(
+            "`{hub}`: entry {i} is {} but entries {heads}.. of a padded A_log must be zero",
+            values[i]
+        )));
+    }
+    Ok(values[..heads].to_vec())
+}
+
+/// A stacked expert tensor as ggml `MXFP4` blocks: each expert's two checkpoint planes
+/// (`weight_packed` codes, `weight_scale` E8M0) repacked with the values unchanged, or its
+/// stored blocks (a K3 GGUF read back); experts stored in another type are quantized.
+fn mxfp4_experts(source: &dyn WeightSource, r: &Recipe) -> Result<Vec<u8>> {
+    let [rows, cols] = r.hub_shape[..] else {
+        return Err(ModelError::Input(format!("`{}` is not a matrix", r.gguf)));
+    };
+    let blocks = cols / 32;
+    let mut out = Vec::with_capacity(r.hub.len() * rows * blocks * 17);
+    for hub in &r.hub {
+        let base = hub.strip_suffix(".weight").unwrap_or(hub);
+        let packed = format!("{base}.weight_packed");
+        if !source.contains(&packed) {
+            let (dtype, bytes) = source.load(hub, &r.hub_shape)?;
+            if dtype == DType::MXFP4 {
+                out.extend_from_slice(&bytes);
+            } else {
+                out.extend(kimi_gguf::quantize(
+                    GgmlType::MXFP4,
+                    &hub_values(source, hub, &r.hub_shape)?,
+                )?);
+            }
+            continue;
+        }
+        if !cols.is_multiple_of(32) {
+            return Err(ModelError::Input(format!(
+                "`{hub}`: MXFP4 rows of {cols} values are not whole 32-value blocks"
+            )));
+        }
+        let scale = format!("{base}.weight_scale");
+        let (codes_type, codes) = source.load(&packed, &[rows, cols / 2])?;
+        let (scales_type, scales) = source.load(&scale, &[rows, blocks])?;
+        if codes_type != DType::U8 || !matches!(scales_type, DType::U8 | DType::E8M0) {
+            return Err(ModelError::Input(format!(
+                "`{packed}` is {codes_type} and `{scale}` {scales_type}; MXFP4 planes are U8 \
+                 codes and U8 or F8_E8M0 scales"
+            )));
+        }
+        if let Some(i) = scales.iter().position(|&e| e == 255) {
+            return Err(ModelError::Input(format!(
+                "`{scale}`: row {}, block {} holds the E8M0 NaN scale 255",
+                i / blocks,
+                i % blocks
+            )));
+        }
+        let start = out.len();
+        out.resize(start + rows * blocks * 17, 0);
+        for ((row, c), s) in out[start..]
+            .chunks_exact_mut(blocks * 17)
+            .zip(codes.chunks_exact(cols / 2))
+            .zip(scales.chunks_exact(blocks))
+        {
+            kimi_gguf::mxfp4::from_planes(c, s, row);
+        }
+    }
+    Ok(out)
 }
 
 fn hub_values(source: &dyn WeightSource, name: &str, shape: &[usize]) -> Result<Vec<f32>> {

@@ -1,4 +1,5 @@
-//! Kimi Linear in llama.cpp's GGUF layout (`general.architecture = kimi-linear`).
+//! Kimi Linear and Kimi K3 in llama.cpp's GGUF layouts (`general.architecture = kimi-linear`
+//! or `kimi-k3`).
 //!
 //! * [`config_from_gguf`] + [`KimiGguf`]: read a file written by llama.cpp's
 //!   `convert_hf_to_gguf.py` (or by [`plan_export`]) as hub-named tensors, so
@@ -13,7 +14,7 @@ mod quant_plan;
 mod recipes;
 mod source;
 
-pub use config::{config_from_gguf, ExtraHparams, ARCH};
+pub use config::{config_from_gguf, ExtraHparams, ARCH, ARCH_K3};
 pub use export::{plan_export, ExportOptions, ExportPlan, PlannedTensor};
 pub use quant_plan::GgufQuant;
 pub use source::KimiGguf;

@@ -76,7 +76,13 @@ pub(crate) fn plan(
     for i in order {
         let r = &recipes[i];
         let base = convert_type(r, quant);
-        let choice = if quant == GgufQuant::Q4KM && requantizable(r) {
+        let choice = if r.mxfp4 {
+            // K3's experts keep the checkpoint's MXFP4 codes, as llama.cpp stores them.
+            Choice {
+                ggml_type: GgmlType::MXFP4,
+                fallback: None,
+            }
+        } else if quant == GgufQuant::Q4KM && requantizable(r) {
             let ctx = Mixture {
                 tied,
                 num_layers,

@@ -1,9 +1,17 @@
 //! The one table between the hub checkpoint tensors of spec §2 and the tensors of a
 //! llama.cpp Kimi Linear GGUF (`convert_hf_to_gguf.py` `KimiLinearModel`, gguf-py
-//! `constants.py` / `tensor_mapping.py`), with the layout change each tensor undergoes.
-//! The loader reads it backwards, the converter forwards.
+//! `constants.py` / `tensor_mapping.py`) or Kimi K3 GGUF (`kimi-k3`, llama.cpp's
+//! `src/models/kimi-k3.cpp`: the names unsloth's `Kimi-K3-GGUF` files carry), with the
+//! layout change each tensor undergoes. The loader reads it backwards, the converter
+//! forwards.
+//!
+//! Kimi K3's additions: the AttnRes mixes folded into one scoring vector per mix
+//! (`attn_res_score`, `ffn_res_score`, `output_res_score` = norm ⊙ proj), the full-rank KDA
+//! gate `ssm_g`, the MLA output gate `attn_gate`, `ssm_a` as `[heads]` (the checkpoint's
+//! padding dropped), the LatentMoE projections `ffn_routed_{down,norm,up}`, and MXFP4 experts
+//! stored as ggml `MXFP4` blocks (the checkpoint's two planes repacked, values unchanged).
 
-use kimi_core::config::{Ffn, Mixer};
+use kimi_core::config::{ExpertFormat, Family, Ffn, KdaOutputGate, Mixer};
 use kimi_core::ModelConfig;
 
 /// How a GGUF tensor's values relate to its hub tensor(s).
@@ -20,6 +28,10 @@ pub(crate) enum Layout {
     KvBKeys,
     /// The value rows of `kv_b_proj` per head: `[heads, v_head_dim, kv_lora_rank]`.
     KvBValues,
+    /// An AttnRes mix's scoring vector `norm ⊙ proj` (in f32, as the model folds it) from
+    /// `hub = [{mix}_norm.weight [d], {mix}_proj.weight [1, d]]`; read back as the norm, with
+    /// a projection of ones.
+    ResScore,
 }
 
 /// One GGUF tensor and where its values come from.
@@ -36,6 +48,8 @@ pub(crate) struct Recipe {
     pub hub_shape: Vec<usize>,
     /// Absent from some checkpoints (the router's correction bias).
     pub optional: bool,
+    /// Stored as ggml `MXFP4` blocks whatever the file's type (K3's routed experts).
+    pub mxfp4: bool,
 }
 
 impl Recipe {
@@ -47,6 +61,7 @@ impl Recipe {
             hub: vec![hub],
             hub_shape: hub_shape.to_vec(),
             optional: false,
+            mxfp4: false,
         }
     }
 
@@ -64,21 +79,45 @@ impl Recipe {
     }
 }
 
+/// An AttnRes mix's scoring vector `{gguf}` from the hub's `{mix}_norm` and `{mix}_proj`.
+fn res_score(gguf: String, mix: &str, hidden: usize) -> Recipe {
+    Recipe {
+        layout: Layout::ResScore,
+        hub: vec![format!("{mix}_norm.weight"), format!("{mix}_proj.weight")],
+        ..Recipe::plain(gguf, String::new(), &[hidden])
+    }
+}
+
 /// Every tensor of the GGUF for `config`, in the order the converter writes them.
 pub(crate) fn recipes(config: &ModelConfig) -> Vec<Recipe> {
     let hidden = config.hidden_size;
+    // Kimi K3's text model sits under the wrapper's `language_model.`.
+    let pre = config.tensor_prefix();
+    let attn_res = config.attn_res_block_size.is_some();
     let mut out = vec![Recipe::plain(
         "token_embd.weight".into(),
-        "model.embed_tokens.weight".into(),
+        format!("{pre}model.embed_tokens.weight"),
         &[config.vocab_size, hidden],
     )];
     for (i, spec) in config.layers.iter().enumerate() {
-        let (p, b) = (format!("model.layers.{i}"), format!("blk.{i}"));
+        let (p, b) = (format!("{pre}model.layers.{i}"), format!("blk.{i}"));
         out.push(Recipe::plain(
             format!("{b}.attn_norm.weight"),
             format!("{p}.input_layernorm.weight"),
             &[hidden],
         ));
+        if attn_res {
+            out.push(res_score(
+                format!("{b}.attn_res_score.weight"),
+                &format!("{p}.self_attention_res"),
+                hidden,
+            ));
+            out.push(res_score(
+                format!("{b}.ffn_res_score.weight"),
+                &format!("{p}.mlp_res"),
+                hidden,
+            ));
+        }
         match spec.mixer {
             Mixer::Kda => kda(&mut out, config, &p, &b),
             Mixer::Mla => mla(&mut out, config, &p, &b),
@@ -110,13 +149,20 @@ pub(crate) fn recipes(config: &ModelConfig) -> Vec<Recipe> {
     }
     out.push(Recipe::plain(
         "output_norm.weight".into(),
-        "model.norm.weight".into(),
+        format!("{pre}model.norm.weight"),
         &[hidden],
     ));
+    if attn_res {
+        out.push(res_score(
+            "output_res_score.weight".into(),
+            &format!("{pre}model.output_attn_res"),
+            hidden,
+        ));
+    }
     if !config.tie_word_embeddings {
         out.push(Recipe::plain(
             "output.weight".into(),
-            "lm_head.weight".into(),
+            format!("{pre}lm_head.weight"),
             &[config.vocab_size, hidden],
         ));
     }
@@ -147,13 +193,18 @@ fn kda(out: &mut Vec<Recipe>, config: &ModelConfig, p: &str, b: &str) {
             &[width, 1, w],
         ));
     }
-    let low_rank = [
+    let mut low_rank = vec![
         ("ssm_f_a", "f_a_proj", [d, hidden]),
         ("ssm_f_b", "f_b_proj", [width, d]),
         ("ssm_beta", "b_proj", [h, hidden]),
-        ("ssm_g_a", "g_a_proj", [d, hidden]),
-        ("ssm_g_b", "g_b_proj", [width, d]),
     ];
+    match c.output_gate {
+        KdaOutputGate::LowRank => {
+            low_rank.push(("ssm_g_a", "g_a_proj", [d, hidden]));
+            low_rank.push(("ssm_g_b", "g_b_proj", [width, d]));
+        }
+        KdaOutputGate::FullRank => low_rank.push(("ssm_g", "g_proj", [width, hidden])),
+    }
     for (g, hub, shape) in low_rank {
         out.push(Recipe::plain(
             format!("{b}.{g}.weight"),
@@ -161,9 +212,15 @@ fn kda(out: &mut Vec<Recipe>, config: &ModelConfig, p: &str, b: &str) {
             &shape,
         ));
     }
+    // Kimi Linear's converter keeps the hub's `[1, 1, H, 1]`; K3's stores `[H]` (its
+    // checkpoint's `[N ≥ H]` padding dropped, see `gguf_values`).
+    let a_shape: &[usize] = match config.family {
+        Family::KimiLinear => &[1, 1, h, 1],
+        Family::KimiK3 => &[h],
+    };
     out.push(Recipe {
         layout: Layout::NegExp,
-        ..Recipe::plain(format!("{b}.ssm_a"), format!("{a}.A_log"), &[1, 1, h, 1])
+        ..Recipe::plain(format!("{b}.ssm_a"), format!("{a}.A_log"), a_shape)
     });
     out.push(Recipe::plain(
         format!("{b}.ssm_dt.bias"),
@@ -241,6 +298,13 @@ fn mla(out: &mut Vec<Recipe>, config: &ModelConfig, p: &str, b: &str) {
             &kv_b_shape,
         )
     });
+    if c.output_gate {
+        out.push(Recipe::plain(
+            format!("{b}.attn_gate.weight"),
+            format!("{a}.g_proj.weight"),
+            &[h * v, hidden],
+        ));
+    }
     out.push(Recipe::plain(
         format!("{b}.attn_output.weight"),
         format!("{a}.o_proj.weight"),
@@ -293,12 +357,36 @@ fn moe(out: &mut Vec<Recipe>, config: &ModelConfig, p: &str, b: &str) {
             &[e],
         )
     });
+    // LatentMoE: the routed experts read and write the latent, the router the hidden state.
+    let expert_in = match c.latent {
+        None => hidden,
+        Some(l) => {
+            out.push(Recipe::plain(
+                format!("{b}.ffn_routed_down.weight"),
+                format!("{m}.routed_expert_down_proj.weight"),
+                &[l.width, hidden],
+            ));
+            if l.norm {
+                out.push(Recipe::plain(
+                    format!("{b}.ffn_routed_norm.weight"),
+                    format!("{m}.routed_expert_norm.weight"),
+                    &[l.width],
+                ));
+            }
+            out.push(Recipe::plain(
+                format!("{b}.ffn_routed_up.weight"),
+                format!("{m}.routed_expert_up_proj.weight"),
+                &[hidden, l.width],
+            ));
+            l.width
+        }
+    };
     // w1 = gate, w3 = up, w2 = down (spec §2).
     for (g, w) in [("gate", "w1"), ("up", "w3"), ("down", "w2")] {
         let hub_shape = if g == "down" {
-            [hidden, width]
+            [expert_in, width]
         } else {
-            [width, hidden]
+            [width, expert_in]
         };
         out.push(Recipe {
             gguf: format!("{b}.ffn_{g}_exps.weight"),
@@ -309,6 +397,7 @@ fn moe(out: &mut Vec<Recipe>, config: &ModelConfig, p: &str, b: &str) {
                 .collect(),
             hub_shape: hub_shape.to_vec(),
             optional: false,
+            mxfp4: c.expert_format == ExpertFormat::Mxfp4,
         });
     }
     if c.num_shared_experts > 0 {

@@ -1,8 +1,11 @@
-//! [`KimiGguf`]: a llama.cpp Kimi Linear GGUF seen as hub checkpoint tensors, so that
-//! `KimiLinear::load_from` runs unchanged. Layout changes of llama.cpp's converter are
+//! [`KimiGguf`]: a llama.cpp Kimi Linear or Kimi K3 GGUF seen as hub checkpoint tensors, so
+//! that `KimiLinear::load_from` runs unchanged. Layout changes of llama.cpp's converter are
 //! undone here: `ssm_a = -exp(A_log)` back to `A_log`, stacked experts sliced (borrowed,
-//! still quantized), `attn_k_b`/`attn_v_b` re-joined into `kv_b_proj` (as f32, because the
-//! key half is stored transposed), convolutions and `A` reshaped.
+//! still quantized; K3's as `MXFP4` blocks under the plain `.weight` name), `attn_k_b`/
+//! `attn_v_b` re-joined into `kv_b_proj` (as f32, because the key half is stored
+//! transposed), convolutions and `A` reshaped, and K3's folded AttnRes scores served as the
+//! mix's norm with a projection of ones (the model's fold `norm ⊙ proj` gives them back
+//! exactly).
 
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
@@ -23,6 +26,10 @@ enum Target {
     Expert(usize, usize),
     /// `kv_b_proj` from its key and value recipes.
     KvB { keys: usize, values: usize },
+    /// An AttnRes mix's norm: the folded score of recipe `.0`.
+    ResNorm(usize),
+    /// An AttnRes mix's projection: ones, `[1, d]` (recipe `.0` holds the fold).
+    ResProj(usize),
 }
 
 /// A Kimi Linear GGUF as a [`WeightSource`] of hub-named tensors.
@@ -56,6 +63,10 @@ impl<'f> KimiGguf<'f> {
                         by_hub.insert(r.hub[0].clone(), Target::KvB { keys: k, values: i });
                     }
                 }
+                Layout::ResScore => {
+                    by_hub.insert(r.hub[0].clone(), Target::ResNorm(i));
+                    by_hub.insert(r.hub[1].clone(), Target::ResProj(i));
+                }
             }
         }
         KimiGguf {
@@ -67,12 +78,13 @@ impl<'f> KimiGguf<'f> {
 
     fn target(&self, hub: &str) -> Result<(Target, &Recipe)> {
         let target = self.by_hub.get(hub).copied().ok_or_else(|| {
-            format_error(
-                self.file,
-                format!("no tensor of a {} GGUF holds `{hub}`", super::ARCH),
-            )
+            format_error(self.file, format!("no tensor of a Kimi GGUF holds `{hub}`"))
         })?;
-        let (Target::Whole(i) | Target::Expert(i, _) | Target::KvB { keys: i, .. }) = target;
+        let (Target::Whole(i)
+        | Target::Expert(i, _)
+        | Target::KvB { keys: i, .. }
+        | Target::ResNorm(i)
+        | Target::ResProj(i)) = target;
         Ok((target, &self.recipes[i]))
     }
 
@@ -135,14 +147,23 @@ impl WeightSource for KimiGguf<'_> {
         }
     }
 
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        match self.target(name).ok()? {
+            (Target::ResProj(_), r) => Some(vec![1, r.hub_shape.iter().product()]),
+            (_, r) => Some(r.hub_shape.clone()),
+        }
+    }
+
     fn load(&self, name: &str, shape: &[usize]) -> Result<(DType, Cow<'_, [u8]>)> {
         let (target, recipe) = self.target(name)?;
-        if recipe.hub_shape != shape {
+        let expected = self.shape(name).unwrap_or_default();
+        if expected != shape {
             return Err(format_error(
                 self.file,
                 format!(
-                    "`{name}` (GGUF `{}`) has shape {:?} by the metadata, the model needs {shape:?}",
-                    recipe.gguf, recipe.hub_shape
+                    "`{name}` (GGUF `{}`) has shape {expected:?} by the metadata, the model \
+                     needs {shape:?}",
+                    recipe.gguf
                 ),
             ));
         }
@@ -163,10 +184,14 @@ impl WeightSource for KimiGguf<'_> {
                     .collect::<Result<Vec<f32>>>()?;
                 Ok((DType::F32, Cow::Owned(f32_bytes(&a_log))))
             }
-            Target::Whole(i) => {
+            Target::Whole(i) | Target::ResNorm(i) => {
                 let (t, dtype) = self.tensor(i)?;
                 Ok((dtype, Cow::Borrowed(t.bytes)))
             }
+            Target::ResProj(_) => Ok((
+                DType::F32,
+                Cow::Owned(f32_bytes(&vec![1.0; shape.iter().product()])),
+            )),
             Target::Expert(i, e) => {
                 let (t, dtype) = self.tensor(i)?;
                 let [rows, cols] = recipe.hub_shape[..] else {
@@ -213,7 +238,10 @@ impl WeightSource for KimiGguf<'_> {
         let mut wanted = HashSet::new();
         for hub in used {
             match self.target(hub)?.0 {
-                Target::Whole(i) | Target::Expert(i, _) => {
+                Target::Whole(i)
+                | Target::Expert(i, _)
+                | Target::ResNorm(i)
+                | Target::ResProj(i) => {
                     wanted.insert(self.recipes[i].gguf.as_str());
                 }
                 Target::KvB { keys, values } => {
