@@ -216,6 +216,7 @@ pub fn load<B: Backend + 'static>(
     let split = args.parallel.split()?;
     if let Some((world, ..)) = split {
         options.expert_placement = crate::parallel::placement(&args.parallel, world)?;
+        options.expert_dispatch = args.parallel.expert_dispatch.into();
     }
     if is_gguf(&path) {
         anyhow::ensure!(
@@ -414,6 +415,7 @@ pub fn load_random<B: Backend + 'static>(
     let split = args.parallel.split()?;
     if let Some((world, ..)) = split {
         options.expert_placement = crate::parallel::placement(&args.parallel, world)?;
+        options.expert_dispatch = args.parallel.expert_dispatch.into();
     }
     let cfg = read_config(config)?;
     if split.is_none() {

@@ -1,7 +1,27 @@
 //! The flags that split a model over several ranks of this process.
 
-use clap::Args;
-use kimi_model::parallel::ExpertSplit;
+use clap::{Args, ValueEnum};
+use kimi_model::parallel::{ExpertDispatch, ExpertSplit};
+
+/// `--expert-dispatch`: how expert parallelism combines the routed experts' outputs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum DispatchArg {
+    /// Every rank runs the whole batch through its experts; one all-reduce sums them.
+    #[default]
+    AllReduce,
+    /// Each rank sends its share of the tokens to the ranks owning their experts and
+    /// gathers the weighted outputs back (all-to-all, as DeepEP).
+    AllToAll,
+}
+
+impl From<DispatchArg> for ExpertDispatch {
+    fn from(a: DispatchArg) -> Self {
+        match a {
+            DispatchArg::AllReduce => Self::AllReduce,
+            DispatchArg::AllToAll => Self::AllToAll,
+        }
+    }
+}
 
 /// Flags of [`crate::args::ModelArgs`] for tensor and expert parallelism.
 #[derive(Args, Clone, Debug)]
@@ -22,6 +42,12 @@ pub struct ParallelArgs {
     /// layer's) instead of splitting every expert's width (vLLM's flag).
     #[arg(long)]
     pub enable_expert_parallel: bool,
+    /// With `--enable-expert-parallel`, how the experts' outputs meet (vLLM's
+    /// `--all2all-backend`): `all-reduce` runs every token through every rank's experts and
+    /// sums the partial outputs; `all-to-all` sends each token only to the ranks owning its
+    /// experts and gathers the outputs back.
+    #[arg(long, value_enum, value_name = "MODE", default_value_t = DispatchArg::AllReduce)]
+    pub expert_dispatch: DispatchArg,
     /// Seconds a rank waits for the others in one collective before the step fails.
     #[arg(long, value_name = "SECS", default_value_t = 600)]
     pub collective_timeout: u64,
@@ -38,6 +64,7 @@ impl Default for ParallelArgs {
         Self {
             tensor_parallel_size: 1,
             enable_expert_parallel: false,
+            expert_dispatch: DispatchArg::AllReduce,
             collective_timeout: 600,
             expert_load: None,
         }
@@ -54,6 +81,11 @@ impl ParallelArgs {
         anyhow::ensure!(
             self.collective_timeout >= 1,
             "--collective-timeout must be at least 1 second"
+        );
+        anyhow::ensure!(
+            self.expert_dispatch == DispatchArg::AllReduce || self.enable_expert_parallel,
+            "--expert-dispatch all-to-all sends tokens to the ranks that own their experts: \
+             give --enable-expert-parallel (and --tensor-parallel-size N > 1)"
         );
         if self.tensor_parallel_size == 1 {
             anyhow::ensure!(

@@ -496,8 +496,8 @@ fn offloaded_experts_give_the_resident_logits() {
 }
 
 /// `--tensor-parallel-size 2` (experts split inside, or whole experts per rank with
-/// `--enable-expert-parallel`) gives the logits of one rank to f32 rounding, token by token
-/// and in one pass.
+/// `--enable-expert-parallel`, their outputs summed or dispatched by all-to-all) gives the
+/// logits of one rank to f32 rounding, token by token and in one pass.
 #[test]
 fn a_model_split_over_two_ranks_gives_the_logits_of_one() {
     let dir =
@@ -560,6 +560,15 @@ fn a_model_split_over_two_ranks_gives_the_logits_of_one() {
                 "--expert-load",
                 metrics,
             ][..],
+            &[
+                "--tensor-parallel-size",
+                "2",
+                "--enable-expert-parallel",
+                "--expert-dispatch",
+                "all-to-all",
+                "--expert-load",
+                metrics,
+            ][..],
         ] {
             let got = logits(extra, step);
             let num: f64 = got.iter().zip(&want).map(|(g, w)| (g - w).powi(2)).sum();
@@ -594,6 +603,17 @@ fn parallel_flags_refuse_what_cannot_split_naming_it() {
             &k3,
             &["--enable-expert-parallel"][..],
             "--enable-expert-parallel spreads experts over the ranks",
+        ),
+        (
+            &k3,
+            &[
+                "--tensor-parallel-size",
+                "2",
+                "--expert-dispatch",
+                "all-to-all",
+            ][..],
+            "--expert-dispatch all-to-all sends tokens to the ranks that own their experts: \
+             give --enable-expert-parallel",
         ),
         (
             &k3,

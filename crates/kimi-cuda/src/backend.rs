@@ -1132,6 +1132,12 @@ impl Backend for CudaBackend {
         Ok(self.to_f32(chosen)?.into_iter().map(f32::to_bits).collect())
     }
 
+    fn upload_expert_ids(&self, shape: &[usize], ids: &[u32]) -> Result<CudaTensor> {
+        // The layout `moe_route` writes: u32 ids in the f32-typed buffer (bits kept).
+        let bits: Vec<f32> = ids.iter().map(|&e| f32::from_bits(e)).collect();
+        self.upload_f32(shape, &bits)
+    }
+
     fn expert_counts(&self, chosen: &[&CudaTensor], num_experts: usize) -> Result<Vec<Vec<u32>>> {
         const OP: &str = "expert_counts";
         self.dev.enter(OP)?;

@@ -4,8 +4,11 @@
 use kimi_core::config::{ExpertFormat, MoeConfig};
 use kimi_ops::offload::{ExpertOffload, TieredBank};
 use kimi_ops::{
-    Activation, Backend, Collective, ExpertBank, HostTensor, MlpWeights, MoeRouting, MoeWeights,
+    Activation, Backend, Collective, ExpertBank, HostTensor, MlpWeights, MoeRoutes, MoeRouting,
+    MoeWeights,
 };
+
+use crate::parallel::{DispatchTraffic, ExpertDispatch, ExpertSplit, Shard, TokenDispatch};
 
 use crate::layers::{HostMatrix, Loader};
 use crate::Result;
@@ -47,9 +50,20 @@ pub(crate) struct ComposedMoe<T> {
     shared: Option<MlpWeights<T>>,
     act: Activation,
     eps: f32,
+    /// Token dispatch by all-to-all under expert parallelism (`None`: this rank's partial
+    /// sum, completed by an all-reduce).
+    dispatch: Option<TokenDispatch>,
 }
 
 impl<T> FfnLayer<T> {
+    /// The traffic of this layer's token dispatch, if it dispatches.
+    pub fn dispatch_traffic(&self) -> Option<DispatchTraffic> {
+        match self {
+            Self::Composed(m) => m.dispatch.as_ref().map(TokenDispatch::traffic),
+            _ => None,
+        }
+    }
+
     /// The layer's experts in tiers, if they are.
     pub fn tiered(&self) -> Option<&TieredBank<T>> {
         match self {
@@ -115,6 +129,24 @@ impl<T> FfnLayer<T> {
             weights_use_bias: c.weights_use_correction_bias,
         };
         let local = ld.shard.local_experts(ld.placement.as_deref(), layer, e);
+        let dispatch = match ld.dispatch {
+            ExpertDispatch::AllReduce => None,
+            ExpertDispatch::AllToAll => {
+                if !ld.shard.is_split() || ld.shard.experts != ExpertSplit::Experts {
+                    return Err(crate::ModelError::Input(
+                        "all-to-all expert dispatch needs expert parallelism (whole experts \
+                         spread over several ranks)"
+                            .into(),
+                    ));
+                }
+                let owned: Vec<Vec<usize>> = (0..ld.shard.world)
+                    .map(|rank| {
+                        Shard { rank, ..ld.shard }.local_experts(ld.placement.as_deref(), layer, e)
+                    })
+                    .collect();
+                Some(TokenDispatch::new(&owned, e)?)
+            }
+        };
         let bank = match ld.offload.clone() {
             Some(_) if local.len() < e => {
                 return Err(crate::ModelError::Input(
@@ -179,6 +211,7 @@ impl<T> FfnLayer<T> {
             shared,
             act,
             eps,
+            dispatch,
         })))
     }
 
@@ -214,21 +247,46 @@ impl<T> FfnLayer<T> {
                     Some(shared) => Some(be.ffn(x, shared, m.act)?),
                     None => None,
                 };
+                // The routed sum over every rank's experts (`true`: token dispatch has
+                // completed it), or this rank's partial sum (`false`).
+                let routed = |z: &T, routes: MoeRoutes<T>| -> Result<(T, T, bool)> {
+                    match (&m.dispatch, group) {
+                        (Some(d), Some(g)) => {
+                            let y = d.run(be, g, z, &routes, &m.bank, m.act)?;
+                            Ok((y, routes.experts, true))
+                        }
+                        _ => {
+                            let (y, chosen) = m.bank.run(be, z, routes, m.act)?;
+                            Ok((y, chosen, false))
+                        }
+                    }
+                };
                 let (y, chosen) = match &m.latent {
                     None => {
-                        // Routed and shared partial sums complete together.
-                        let (mut y, chosen) = m.bank.run(be, x, routes, m.act)?;
-                        if let Some(s) = &shared {
-                            be.add_assign(&mut y, s)?;
+                        let (mut y, chosen, complete) = routed(x, routes)?;
+                        match (complete, shared) {
+                            // Routed and shared partial sums complete together.
+                            (false, shared) => {
+                                if let Some(s) = &shared {
+                                    be.add_assign(&mut y, s)?;
+                                }
+                                reduce(&mut y)?;
+                            }
+                            (true, Some(mut s)) => {
+                                reduce(&mut s)?;
+                                be.add_assign(&mut y, &s)?;
+                            }
+                            (true, None) => {}
                         }
-                        reduce(&mut y)?;
                         (y, chosen)
                     }
                     Some(l) => {
                         let z = be.matmul(x, &l.down)?;
-                        let (mut u, chosen) = m.bank.run(be, &z, routes, m.act)?;
+                        let (mut u, chosen, complete) = routed(&z, routes)?;
                         // The latent norm reads the whole expert sum.
-                        reduce(&mut u)?;
+                        if !complete {
+                            reduce(&mut u)?;
+                        }
                         if let Some(norm) = &l.norm {
                             u = be.rms_norm(&u, norm, m.eps)?;
                         }
@@ -250,8 +308,8 @@ impl<T> FfnLayer<T> {
 /// split inside (tensor parallelism), all of it where whole experts are spread.
 fn expert_width<B: Backend>(ld: &Loader<'_, B>, c: &MoeConfig) -> usize {
     match ld.shard.experts {
-        crate::parallel::ExpertSplit::Tensor => c.expert_intermediate_size / ld.shard.world,
-        crate::parallel::ExpertSplit::Experts => c.expert_intermediate_size,
+        ExpertSplit::Tensor => c.expert_intermediate_size / ld.shard.world,
+        ExpertSplit::Experts => c.expert_intermediate_size,
     }
 }
 

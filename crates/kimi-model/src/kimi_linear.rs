@@ -132,6 +132,16 @@ impl<B: Backend> KimiLinear<B> {
             .collect()
     }
 
+    /// This rank's all-to-all expert dispatch traffic summed over the layers, if its MoE
+    /// layers dispatch tokens ([`crate::parallel::ExpertDispatch::AllToAll`]).
+    pub fn dispatch_traffic(&self) -> Option<crate::parallel::DispatchTraffic> {
+        let mut total: Option<crate::parallel::DispatchTraffic> = None;
+        for t in self.layers.iter().filter_map(|l| l.ffn.dispatch_traffic()) {
+            *total.get_or_insert_with(Default::default) += t;
+        }
+        total
+    }
+
     /// The offload counters summed over the layers, if any layer's experts are in tiers.
     pub fn offload_counts(&self) -> Option<OffloadCounts> {
         let mut total: Option<OffloadCounts> = None;
@@ -179,6 +189,7 @@ impl<B: Backend> KimiLinear<B> {
             moe_layers: config.layers.iter().filter(|l| l.ffn == Ffn::Moe).count(),
             shard,
             placement,
+            dispatch: options.expert_dispatch,
         };
         // The embedding and the head split by vocabulary rows where the vocabulary divides
         // over the ranks (K3's are 2.3 GB each): each rank looks up and multiplies its

@@ -38,6 +38,8 @@ pub(crate) struct Loader<'a, B: Backend> {
     pub shard: crate::parallel::Shard,
     /// Which rank holds which experts under expert parallelism.
     pub placement: Option<std::sync::Arc<crate::parallel::ExpertPlacement>>,
+    /// How expert parallelism combines the routed experts' outputs.
+    pub dispatch: crate::parallel::ExpertDispatch,
 }
 
 /// A matrix read into host memory as the backend's upload takes it (for the host tier of

@@ -93,4 +93,7 @@ pub struct LoadOptions {
     /// Which rank holds which experts under expert parallelism (`None`: contiguous runs of
     /// ids).
     pub expert_placement: Option<std::sync::Arc<parallel::ExpertPlacement>>,
+    /// How expert parallelism combines the routed experts' outputs (all-reduce, or token
+    /// dispatch by all-to-all).
+    pub expert_dispatch: parallel::ExpertDispatch,
 }

@@ -254,6 +254,7 @@ impl<B: Backend> Llama<B> {
             moe_layers: 0,
             shard: crate::parallel::Shard::SINGLE,
             placement: None,
+            dispatch: crate::parallel::ExpertDispatch::AllReduce,
         };
         let embed = ld.get("token_embd.weight", &[c.vocab_size, hidden])?;
         let mut layers = Vec::with_capacity(c.num_layers);

@@ -1,7 +1,9 @@
 //! A model split over ranks (threads of this process, on the CPU backend) against the whole
 //! model: tensor parallelism over 2 and 4 ranks with the experts split inside, and expert
-//! parallelism over 2 and 4 ranks, in every feed mode (the whole prompt in one pass, chunks,
-//! token by token, and two sequences batched through a shared pool).
+//! parallelism over 2 and 4 ranks (the experts' outputs summed by an all-reduce, or tokens
+//! dispatched to the experts' owners by all-to-all), in every feed mode (the whole prompt
+//! in one pass, chunks, token by token, and two sequences batched through a shared pool;
+//! over 4 ranks a decode step has fewer tokens than ranks).
 //!
 //! The ranks sum partial products in another order than one rank does, so the logits agree
 //! to f32 rounding (relative error below 1e-5, argmax equal), not bit for bit. The real
@@ -14,7 +16,7 @@ use std::time::Duration;
 
 use kimi_core::{DType, ModelConfig};
 use kimi_cpu::{CpuBackend, QuantMatmul};
-use kimi_model::parallel::{ExpertSplit, Shard, TensorParallel};
+use kimi_model::parallel::{ExpertDispatch, ExpertSplit, Shard, TensorParallel};
 use kimi_model::{
     Batch, CausalLm, CheckpointSource, ForwardOptions, KimiLinear, LoadOptions, RandomWeights,
     SeqCache, WeightSource,
@@ -33,24 +35,36 @@ fn backend() -> CpuBackend {
 }
 
 fn load(config: &ModelConfig, source: &dyn WeightSource, shard: Shard) -> KimiLinear<CpuBackend> {
+    load_dispatching(config, source, shard, ExpertDispatch::AllReduce)
+}
+
+fn load_dispatching(
+    config: &ModelConfig,
+    source: &dyn WeightSource,
+    shard: Shard,
+    expert_dispatch: ExpertDispatch,
+) -> KimiLinear<CpuBackend> {
     let options = LoadOptions {
         shard,
+        expert_dispatch,
         ..LoadOptions::default()
     };
     KimiLinear::load_with(backend(), config.clone(), source, &options).unwrap()
 }
 
-/// The whole model and the model split `world` ways with `experts` split so.
+/// The whole model and the model split `world` ways with `experts` split so, their
+/// outputs combined by `dispatch`.
 fn pair(
     config: &ModelConfig,
     source: &dyn WeightSource,
     world: usize,
     experts: ExpertSplit,
+    dispatch: ExpertDispatch,
 ) -> (KimiLinear<CpuBackend>, TensorParallel<CpuBackend>) {
     let whole = load(config, source, Shard::SINGLE);
     let parts = (0..world)
         .map(|rank| {
-            load(
+            load_dispatching(
                 config,
                 source,
                 Shard {
@@ -58,6 +72,7 @@ fn pair(
                     world,
                     experts,
                 },
+                dispatch,
             )
         })
         .collect();
@@ -169,11 +184,30 @@ fn check(
     world: usize,
     experts: ExpertSplit,
 ) {
-    let (whole, split) = pair(config, source, world, experts);
+    check_dispatch(
+        label,
+        config,
+        source,
+        world,
+        experts,
+        ExpertDispatch::AllReduce,
+    );
+}
+
+/// [`check`] with the experts' outputs combined by `dispatch`.
+fn check_dispatch(
+    label: &str,
+    config: &ModelConfig,
+    source: &dyn WeightSource,
+    world: usize,
+    experts: ExpertSplit,
+    dispatch: ExpertDispatch,
+) {
+    let (whole, split) = pair(config, source, world, experts, dispatch);
     let vocab = config.vocab_size;
     let ids: Vec<u32> = (0..13).map(|i| ((i * 37 + 5) % vocab) as u32).collect();
     let other: Vec<u32> = (0..9).map(|i| ((i * 11 + 3) % vocab) as u32).collect();
-    let label = format!("{label}, {world} ranks, experts {experts:?}");
+    let label = format!("{label}, {world} ranks, experts {experts:?}, {dispatch:?}");
     for step in [ids.len(), 5, 1] {
         let want = run(&whole, &ids, step);
         let got = run(&split, &ids, step);
@@ -193,6 +227,31 @@ fn check(
     let got = run_batched(&split, &ids, &other);
     let err = rel_err(&got, &want);
     assert!(err < 1e-5, "{label}, batched: relative error {err:.2e}");
+    let traffic = split.lead().dispatch_traffic();
+    match dispatch {
+        ExpertDispatch::AllReduce => assert_eq!(traffic, None, "{label}"),
+        ExpertDispatch::AllToAll => {
+            let t = traffic.expect("the MoE layers dispatch");
+            eprintln!("{label}: rank 0 dispatch traffic {t:?}");
+            assert!(
+                t.steps > 0 && t.pairs_sent > 0 && t.bytes_sent > 0,
+                "{label}"
+            );
+        }
+    }
+}
+
+/// Expert parallelism with each split `check` runs: outputs summed by an all-reduce and
+/// tokens dispatched by all-to-all.
+fn check_expert_parallel(
+    label: &str,
+    config: &ModelConfig,
+    source: &dyn WeightSource,
+    world: usize,
+) {
+    for dispatch in [ExpertDispatch::AllReduce, ExpertDispatch::AllToAll] {
+        check_dispatch(label, config, source, world, ExpertSplit::Experts, dispatch);
+    }
 }
 
 /// A fixture checkpoint's config and weights.
@@ -205,18 +264,16 @@ fn fixture_model(dir: &str) -> (ModelConfig, Checkpoint) {
 fn kimi_k3_fixture_over_two_ranks() {
     let (config, ckpt) = fixture_model("kimi-k3/k3-tiny-7l");
     let source = CheckpointSource::new(&ckpt).unwrap();
-    for experts in [ExpertSplit::Tensor, ExpertSplit::Experts] {
-        check("k3-tiny-7l", &config, &source, 2, experts);
-    }
+    check("k3-tiny-7l", &config, &source, 2, ExpertSplit::Tensor);
+    check_expert_parallel("k3-tiny-7l", &config, &source, 2);
 }
 
 #[test]
 fn kimi_linear_fixture_over_two_ranks() {
     let (config, ckpt) = fixture_model("kimi-linear/native-f32-short");
     let source = CheckpointSource::new(&ckpt).unwrap();
-    for experts in [ExpertSplit::Tensor, ExpertSplit::Experts] {
-        check("native-f32-short", &config, &source, 2, experts);
-    }
+    check("native-f32-short", &config, &source, 2, ExpertSplit::Tensor);
+    check_expert_parallel("native-f32-short", &config, &source, 2);
 }
 
 /// A fixture's config with 4 KDA and 4 MLA heads and widths that split 4 ways.
@@ -250,12 +307,15 @@ fn kimi_linear_layout_over_four_ranks() {
         dtype: DType::F32,
         seed: 7,
     };
-    for (world, experts) in [
-        (4, ExpertSplit::Tensor),
-        (4, ExpertSplit::Experts),
-        (2, ExpertSplit::Experts),
-    ] {
-        check("Kimi Linear, random", &config, &source, world, experts);
+    check(
+        "Kimi Linear, random",
+        &config,
+        &source,
+        4,
+        ExpertSplit::Tensor,
+    );
+    for world in [4, 2] {
+        check_expert_parallel("Kimi Linear, random", &config, &source, world);
     }
 }
 
@@ -317,13 +377,12 @@ fn kimi_k3_layout_over_four_ranks() {
         dtype: DType::F32,
         seed: 11,
     };
-    for experts in [ExpertSplit::Tensor, ExpertSplit::Experts] {
-        check("K3, random", &config, &source, 4, experts);
-    }
+    check("K3, random", &config, &source, 4, ExpertSplit::Tensor);
+    check_expert_parallel("K3, random", &config, &source, 4);
 }
 
 /// Whole experts placed by skewed routing counts (each rank a scattered set of ids) give
-/// the logits of one rank too.
+/// the logits of one rank too, summed by an all-reduce or dispatched by all-to-all.
 #[test]
 fn experts_placed_by_measured_load_give_the_same_logits() {
     use kimi_model::parallel::{ExpertLoads, ExpertPlacement};
@@ -339,30 +398,58 @@ fn experts_placed_by_measured_load_give_the_same_logits() {
         "the test needs a scattered placement"
     );
     let whole = load(&config, &source, Shard::SINGLE);
-    let parts = (0..2)
-        .map(|rank| {
-            let options = LoadOptions {
-                shard: Shard {
-                    rank,
-                    world: 2,
-                    experts: ExpertSplit::Experts,
-                },
-                expert_placement: Some(placement.clone()),
-                ..LoadOptions::default()
-            };
-            KimiLinear::load_with(backend(), config.clone(), &source, &options).unwrap()
-        })
-        .collect();
-    let split = TensorParallel::new(parts, Duration::from_secs(60)).unwrap();
     let ids: Vec<u32> = (0..11)
         .map(|i| ((i * 37 + 5) % config.vocab_size) as u32)
         .collect();
-    for step in [11, 1] {
-        let err = rel_err(&run(&split, &ids, step), &run(&whole, &ids, step));
-        assert!(
-            err < 1e-5,
-            "{step} tokens per pass: relative error {err:.2e}"
-        );
+    for dispatch in [ExpertDispatch::AllReduce, ExpertDispatch::AllToAll] {
+        let parts = (0..2)
+            .map(|rank| {
+                let options = LoadOptions {
+                    shard: Shard {
+                        rank,
+                        world: 2,
+                        experts: ExpertSplit::Experts,
+                    },
+                    expert_placement: Some(placement.clone()),
+                    expert_dispatch: dispatch,
+                    ..LoadOptions::default()
+                };
+                KimiLinear::load_with(backend(), config.clone(), &source, &options).unwrap()
+            })
+            .collect();
+        let split = TensorParallel::new(parts, Duration::from_secs(60)).unwrap();
+        for step in [11, 1] {
+            let err = rel_err(&run(&split, &ids, step), &run(&whole, &ids, step));
+            assert!(
+                err < 1e-5,
+                "{dispatch:?}, {step} tokens per pass: relative error {err:.2e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn all_to_all_dispatch_without_expert_parallelism_is_refused() {
+    let (config, ckpt) = fixture_model("kimi-k3/k3-tiny-7l");
+    let source = CheckpointSource::new(&ckpt).unwrap();
+    for shard in [
+        Shard::SINGLE,
+        Shard {
+            rank: 0,
+            world: 2,
+            experts: ExpertSplit::Tensor,
+        },
+    ] {
+        let options = LoadOptions {
+            shard,
+            expert_dispatch: ExpertDispatch::AllToAll,
+            ..LoadOptions::default()
+        };
+        let e = KimiLinear::load_with(backend(), config.clone(), &source, &options)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("needs expert parallelism"), "{e}");
     }
 }
 

@@ -98,6 +98,69 @@ impl<T> ExpertBank<T> {
     }
 }
 
+impl<T> ExpertBank<T> {
+    /// `weights[i] · expert(x_i)` for rows that each name one expert of this bank by its
+    /// global id (`experts[i]`): the pairs a rank receives under expert parallelism with
+    /// token dispatch, computed as routes of one expert per row. Returns `[rows, d]`.
+    /// Every id must be held here (a partition's own experts); experts in tiers are not
+    /// supported.
+    pub fn run_pairs<B: Backend<Tensor = T>>(
+        &self,
+        be: &B,
+        x: &T,
+        experts: &[u32],
+        weights: &[f32],
+        act: Activation,
+    ) -> Result<T> {
+        const OP: &str = "moe_experts (dispatched pairs)";
+        let rows = experts.len();
+        if weights.len() != rows || be.shape(x).first() != Some(&rows) {
+            return Err(crate::Error::Shape {
+                op: OP,
+                detail: format!(
+                    "{rows} expert ids and {} weights for rows {:?}",
+                    weights.len(),
+                    be.shape(x)
+                ),
+            });
+        }
+        let (local, view): (Vec<u32>, ExpertView<'_, T>) = match self {
+            Self::Resident(e) => (experts.to_vec(), ExpertView::new(e)),
+            Self::Partition { ids, local, total } => {
+                // Global id → index among this rank's experts.
+                let mut index = vec![u32::MAX; *total];
+                for (i, &e) in ids.iter().enumerate() {
+                    if let Some(slot) = index.get_mut(e) {
+                        *slot = i as u32;
+                    }
+                }
+                let local_ids = experts
+                    .iter()
+                    .map(|&e| match index.get(e as usize) {
+                        Some(&i) if i != u32::MAX => Ok(i),
+                        _ => Err(crate::Error::Shape {
+                            op: OP,
+                            detail: format!("expert {e} is not held by this rank"),
+                        }),
+                    })
+                    .collect::<Result<Vec<u32>>>()?;
+                (local_ids, ExpertView::per_call(local.iter().collect()))
+            }
+            Self::Tiered(_) => {
+                return Err(crate::Error::Unsupported(
+                    "dispatched expert pairs on experts in tiers".into(),
+                ))
+            }
+        };
+        let routes = MoeRoutes {
+            experts: be.upload_expert_ids(&[rows, 1], &local)?,
+            weights: be.upload_f32(&[rows, 1], weights)?,
+            top_k: 1,
+        };
+        be.moe_experts(x, &routes, &view, act)
+    }
+}
+
 /// The weights [`Backend::moe_experts`] may read, by expert id, all in the backend's
 /// memory. A resident bank lends its experts as they are (`stable`: the same addresses on
 /// every call, so a backend may cache tables of them); a tiered bank lends, per call, its

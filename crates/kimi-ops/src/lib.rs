@@ -749,6 +749,14 @@ pub trait Backend: Send + Sync {
     /// The expert ids held by the second tensor [`Backend::moe`] returns (or by
     /// [`MoeRoutes::experts`]).
     fn expert_ids(&self, chosen: &Self::Tensor) -> Result<Vec<u32>>;
+    /// Expert ids `[rows, top_k]` in the layout [`Backend::moe_route`] writes and
+    /// [`Backend::moe_experts`] reads, for routes the caller builds (the pairs one rank
+    /// receives under expert parallelism). Default: the ids as f32 values (exact below
+    /// 2^24), the CPU backend's layout.
+    fn upload_expert_ids(&self, shape: &[usize], ids: &[u32]) -> Result<Self::Tensor> {
+        let values: Vec<f32> = ids.iter().map(|&e| e as f32).collect();
+        self.upload_f32(shape, &values)
+    }
     /// For each tensor [`Backend::moe`] returned (one per MoE layer of a pass), how many
     /// times each of `num_experts` experts was chosen. The CUDA backend counts on the device
     /// and reads every layer's counts back at once (one wait per pass instead of one per

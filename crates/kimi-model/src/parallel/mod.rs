@@ -17,12 +17,19 @@
 //!      parallel); LatentMoE's latent sum is completed before its norm
 //! ```
 //!
+//! Under expert parallelism the routed experts' outputs are summed by an all-reduce, or,
+//! with [`ExpertDispatch::AllToAll`], each rank dispatches its share of the tokens to the
+//! experts' owners and gathers the outputs back (`dispatch.rs`).
+//!
 //! [`TensorParallel`] runs the ranks of one process as threads behind one [`crate::CausalLm`].
 
+mod dispatch;
 mod group;
 mod placement;
 mod source;
 
+pub(crate) use dispatch::TokenDispatch;
+pub use dispatch::{DispatchTraffic, ExpertDispatch};
 pub use group::TensorParallel;
 pub use placement::{loads_from_metrics, ExpertLoads, ExpertPlacement};
 pub use source::ShardedSource;
