@@ -606,6 +606,12 @@ pub struct PlanArgs {
     /// Disk read bandwidth, GB/s (one PCIe 4.0 NVMe drive: 7).
     #[arg(long, default_value_t = 7.0)]
     pub disk_bw: f64,
+    /// A `kimi-infer bench` JSON of a run with experts in host RAM on the machine being
+    /// planned: its measured costs of an expert miss (`offload_miss_costs`: one slot fill,
+    /// the CPU computing one expert) replace the host-to-GPU link bandwidth and give the rate
+    /// at which the CPU computes experts (otherwise host RAM bandwidth, a ceiling).
+    #[arg(long, value_name = "BENCH.json")]
+    pub measured: Option<PathBuf>,
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,

@@ -123,9 +123,16 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
         }));
     }
     let placement = loaded.engine.model().expert_placement();
+    // With the expert's stored bytes, so that `plan --measured` turns the times into rates.
+    let expert_bytes = match &loaded.info {
+        crate::load::ModelInfo::Kimi(cfg) => {
+            Some(kimi_model::ModelSummary::new(cfg).bytes_per_expert)
+        }
+        crate::load::ModelInfo::Gguf { .. } => None,
+    };
     let miss_costs = placement.first().and_then(|(_, p)| p.miss_costs).map(|c| {
         json!({"fill_ms": c.fill_s * 1e3, "cpu_first_ms": c.host_first_s * 1e3,
-               "cpu_next_ms": c.host_next_s * 1e3})
+               "cpu_next_ms": c.host_next_s * 1e3, "expert_bytes": expert_bytes})
     });
     let mut batches = Vec::new();
     let mut memory_peak = memory_after_load;

@@ -14,9 +14,16 @@
 //!   peak on MoE decode (performance-anchors §4).
 //! - Disk: 7 GB/s, one PCIe 4.0 x4 NVMe drive's sequential read. ND H200 v5's striped local
 //!   NVMe reads 55 GB/s (Azure fio results); this project's virtual disks about 1.5.
+//!
+//! `--measured BENCH.json` replaces the link figure, and adds the CPU's expert rate, with
+//! what `bench` measured on the machine (`offload_miss_costs`: the time of one slot fill and
+//! of the CPU computing one expert for one token, over the expert's stored bytes).
 
 use std::io::Write;
 
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
 use kimi_model::plan::{Machine, Plan, Roofline, Tier, Workload};
 use kimi_model::ModelSummary;
 use serde_json::json;
@@ -52,6 +59,7 @@ fn report(a: PlanArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.batch >= 1, "--batch must be at least 1");
     let cfg = crate::load::config_of(&crate::hub::resolve_model(&a.model, false)?)?;
     let summary = ModelSummary::new(&cfg);
+    let measured = a.measured.as_deref().map(Measured::read).transpose()?;
     let machine = Machine {
         gpus: a.gpus,
         gpu_mem: a.gpu_mem,
@@ -60,8 +68,9 @@ fn report(a: PlanArgs) -> anyhow::Result<()> {
         ram_reserve: a.ram_reserve,
         disk: a.disk,
         gpu_bw: a.gpu_bw * GB,
-        pcie_bw: a.pcie_bw * GB,
+        pcie_bw: measured.as_ref().map_or(a.pcie_bw * GB, |m| m.link_bw()),
         ram_bw: a.ram_bw * GB,
+        cpu_expert_bw: measured.as_ref().map(|m| m.cpu_bw()),
         disk_bw: a.disk_bw * GB,
     };
     let workload = Workload {
@@ -81,11 +90,114 @@ fn report(a: PlanArgs) -> anyhow::Result<()> {
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     if a.json {
-        let v = to_json(&a, &cfg, &summary, &plan, &rooflines);
+        let mut v = to_json(&a, &cfg, &summary, &plan, &rooflines);
+        if let Some(m) = &measured {
+            v["measured"] = m.to_json();
+        }
         writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
         return Ok(());
     }
-    write_text(&a, &cfg, &summary, &plan, &rooflines, &mut out)
+    write_text(&a, &cfg, &summary, &plan, &rooflines, &mut out)?;
+    if let Some(m) = &measured {
+        writeln!(out, "measured   {}", m.describe())?;
+    }
+    Ok(())
+}
+
+/// What one `bench` run with experts in host RAM measured (its `offload_miss_costs`).
+struct Measured {
+    file: PathBuf,
+    backend: String,
+    fill_s: f64,
+    cpu_s: f64,
+    expert_bytes: f64,
+}
+
+impl Measured {
+    fn read(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("--measured: cannot read {}", path.display()))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("--measured: {} is not JSON", path.display()))?;
+        let costs = v.get("offload_miss_costs").filter(|c| !c.is_null());
+        let Some(costs) = costs else {
+            anyhow::bail!(
+                "--measured: {} has no offload_miss_costs: it must be the JSON of a `bench` run                  with experts in host RAM (--cpu-offload-gb, --offload-experts)",
+                path.display()
+            );
+        };
+        let field = |name: &str| -> anyhow::Result<f64> {
+            costs
+                .get(name)
+                .and_then(|x| x.as_f64())
+                .filter(|x| x.is_finite() && *x > 0.0)
+                .with_context(|| {
+                    format!(
+                        "--measured: {}: offload_miss_costs.{name} is missing or not a positive \
+                         number",
+                        path.display()
+                    )
+                })
+        };
+        // Runs before `expert_bytes` was written: the expert's size from the config it ran.
+        let expert_bytes = match field("expert_bytes") {
+            Ok(b) => b,
+            Err(_) => {
+                let model = v.get("model").and_then(|m| m.as_str()).unwrap_or_default();
+                match crate::load::config_of(Path::new(model)) {
+                    Ok(cfg) => ModelSummary::new(&cfg).bytes_per_expert as f64,
+                    Err(_) => anyhow::bail!(
+                        "--measured: {} has no offload_miss_costs.expert_bytes (a run older than \
+                         the field) and its model `{model}` cannot be read for the expert's size",
+                        path.display()
+                    ),
+                }
+            }
+        };
+        Ok(Self {
+            file: path.to_path_buf(),
+            backend: v
+                .get("backend")
+                .and_then(|b| b.as_str())
+                .unwrap_or("an unnamed backend")
+                .to_string(),
+            fill_s: field("fill_ms")? / 1e3,
+            cpu_s: field("cpu_first_ms")? / 1e3,
+            expert_bytes,
+        })
+    }
+
+    /// One GPU's host-to-device rate for expert fills, bytes/s.
+    fn link_bw(&self) -> f64 {
+        self.expert_bytes / self.fill_s
+    }
+
+    /// The CPU's rate computing experts, bytes of weights per second.
+    fn cpu_bw(&self) -> f64 {
+        self.expert_bytes / self.cpu_s
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} ({}): a slot fill {:.3} ms and the CPU {:.3} ms per {} expert -> link {:.1} \
+             GB/s per GPU, CPU experts {:.1} GB/s (these replace --pcie-bw and cap --ram-bw for \
+             the CPU's experts)",
+            self.file.display(),
+            self.backend,
+            self.fill_s * 1e3,
+            self.cpu_s * 1e3,
+            si(self.expert_bytes as u64),
+            self.link_bw() / GB,
+            self.cpu_bw() / GB
+        )
+    }
+
+    fn to_json(&self) -> serde_json::Value {
+        json!({"file": self.file.display().to_string(), "backend": self.backend,
+               "fill_seconds": self.fill_s, "cpu_expert_seconds": self.cpu_s,
+               "expert_bytes": self.expert_bytes, "link_bytes_per_s": self.link_bw(),
+               "cpu_expert_bytes_per_s": self.cpu_bw()})
+    }
 }
 
 fn tier_label(t: Tier) -> &'static str {
@@ -289,12 +401,16 @@ fn write_text(
             }
         }
     }
+    let link = match a.measured {
+        Some(_) => format!("{:.1} GB/s each (measured, below)", m.pcie_bw / GB),
+        None => format!("{} GB/s each (5.0 x16, pinned)", a.pcie_bw),
+    };
     writeln!(
         out,
-        "bandwidths GPU {} GB/s each (H200 datasheet), PCIe {} GB/s each (5.0 x16, pinned), \
-         host RAM {} GB/s (2 x 8 x DDR5-4800 peak), disk {} GB/s (one NVMe); --gpu-bw, \
-         --pcie-bw, --ram-bw, --disk-bw change them",
-        a.gpu_bw, a.pcie_bw, a.ram_bw, a.disk_bw
+        "bandwidths GPU {} GB/s each (H200 datasheet), PCIe {link}, host RAM {} GB/s (2 x 8 x \
+         DDR5-4800 peak), disk {} GB/s (one NVMe); --gpu-bw, --pcie-bw, --ram-bw, --disk-bw, \
+         --measured change them",
+        a.gpu_bw, a.ram_bw, a.disk_bw
     )?;
     Ok(())
 }
@@ -348,7 +464,7 @@ fn to_json(
         "experts_per_layer": s.num_experts, "moe_layers": s.num_moe_layers,
         "machine": {"gpus": m.gpus, "gpu_mem_bytes": m.gpu_mem, "gpu_reserve_bytes": m.gpu_reserve,
                     "ram_bytes": m.ram, "ram_reserve_bytes": m.ram_reserve, "disk_bytes": m.disk,
-                    "gpu_bw_gb_s": a.gpu_bw, "pcie_bw_gb_s": a.pcie_bw, "ram_bw_gb_s": a.ram_bw,
+                    "gpu_bw_gb_s": a.gpu_bw, "pcie_bw_gb_s": m.pcie_bw / GB, "ram_bw_gb_s": a.ram_bw,
                     "disk_bw_gb_s": a.disk_bw},
         "workload": {"batch": a.batch, "context": a.context},
         "cache_bytes": p.cache, "cache_bytes_per_sequence": s.cache_bytes_per_seq(a.context),

@@ -425,6 +425,63 @@ fn plan_k3_on_h200_nodes() {
     assert!(text.contains("batch 8 "), "{text}");
 }
 
+/// `plan --measured` takes a real `bench` run's miss costs (the H100 run of 2026-12-05,
+/// a8a5ac9: a 14.2 MB expert filled in 0.270 ms, computed by the CPU in 0.200 ms) as the
+/// link's and the CPU's rates; a file of the newer format carries the expert's bytes itself;
+/// a run without experts in host RAM is refused by name.
+#[test]
+fn plan_takes_measured_miss_costs() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let cfg = k3_config();
+    let real = "device-results/2026-12-05-a8a5ac9-offload-miss-h100/offload-128-64-pin1-auto.json";
+    // Its `model` path is relative to the repository, where the run was made.
+    let o = bin()
+        .current_dir(&root)
+        .args(["plan", "-m", &cfg, "--measured", real, "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let link = v["measured"]["link_bytes_per_s"].as_f64().unwrap();
+    let cpu = v["measured"]["cpu_expert_bytes_per_s"].as_f64().unwrap();
+    assert!((link / 1e9 - 52.4).abs() < 0.1, "{link}");
+    assert!((cpu / 1e9 - 70.7).abs() < 0.1, "{cpu}");
+    assert!((v["machine"]["pcie_bw_gb_s"].as_f64().unwrap() - link / 1e9).abs() < 1e-9);
+    let cpu_link = &v["rooflines"][0]["scenarios"][1]["links"][1];
+    assert_eq!(cpu_link["link"], "host RAM (CPU)");
+    assert!((cpu_link["bandwidth_bytes_per_s"].as_f64().unwrap() - cpu).abs() < 1.0);
+
+    let dir = tempfile::tempdir().unwrap();
+    let newer = dir.path().join("bench.json");
+    std::fs::write(
+        &newer,
+        r#"{"backend": "cuda:0", "offload_miss_costs": {"fill_ms": 0.5, "cpu_first_ms": 2.0,
+            "cpu_next_ms": 0.5, "expert_bytes": 17547264}}"#,
+    )
+    .unwrap();
+    let o = run(&["plan", "-m", &cfg, "--measured", newer.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(
+        text.contains("link 35.1 GB/s per GPU, CPU experts 8.8 GB/s"),
+        "{text}"
+    );
+    assert!(text.contains("at its measured rate"), "{text}");
+
+    let resident = dir.path().join("resident.json");
+    std::fs::write(&resident, r#"{"offload_miss_costs": null}"#).unwrap();
+    let o = run(&["plan", "-m", &cfg, "--measured", resident.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("has no offload_miss_costs"),
+        "{}",
+        stderr(&o)
+    );
+    std::fs::write(&resident, "not json").unwrap();
+    let o = run(&["plan", "-m", &cfg, "--measured", resident.to_str().unwrap()]);
+    assert!(stderr(&o).contains("is not JSON"), "{}", stderr(&o));
+}
+
 #[test]
 fn plan_refuses_bad_input_in_plain_words() {
     let cfg = k3_config();

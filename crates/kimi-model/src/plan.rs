@@ -37,6 +37,10 @@ pub struct Machine {
     pub pcie_bw: f64,
     /// Host memory read bandwidth, all sockets together.
     pub ram_bw: f64,
+    /// The rate at which the CPU computes routed experts, in bytes of expert weights per
+    /// second, where it was measured (`bench`'s `offload_miss_costs`); `None`: host RAM
+    /// bandwidth, the ceiling.
+    pub cpu_expert_bw: Option<f64>,
     /// Disk read bandwidth.
     pub disk_bw: f64,
 }
@@ -257,7 +261,8 @@ impl Plan {
             // Host-resident experts stream to the GPUs over every GPU's link at once, as
             // fast as host memory can feed them.
             let pcie = Link::new("host->GPU PCIe", ram + disk, (n * m.pcie_bw).min(m.ram_bw));
-            let cpu = Link::new("host RAM (CPU)", ram + disk, m.ram_bw);
+            let cpu_bw = m.cpu_expert_bw.map_or(m.ram_bw, |c| c.min(m.ram_bw));
+            let cpu = Link::new("host RAM (CPU)", ram + disk, cpu_bw);
             if ram + disk > 0.0 {
                 scenarios.push(Scenario::new(
                     "gpu_experts",
@@ -267,7 +272,10 @@ impl Plan {
                 ));
                 scenarios.push(Scenario::new(
                     "cpu_experts",
-                    "experts outside HBM computed by the CPU at host-memory bandwidth",
+                    match m.cpu_expert_bw {
+                        None => "experts outside HBM computed by the CPU at host-memory bandwidth",
+                        Some(_) => "experts outside HBM computed by the CPU at its measured rate",
+                    },
                     batch,
                     vec![hbm, cpu, disk_link],
                 ));

@@ -21,6 +21,7 @@ fn h200_node(gpus: u64) -> Machine {
         gpu_bw: 4800.0 * GB,
         pcie_bw: 55.0 * GB,
         ram_bw: 614.0 * GB,
+        cpu_expert_bw: None,
         disk_bw: 7.0 * GB,
     }
 }
