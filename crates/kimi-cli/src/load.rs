@@ -87,11 +87,17 @@ pub struct Loaded<B: Backend> {
     pub tokenizer: Option<Tokenizer>,
     pub dir: PathBuf,
     pub info: ModelInfo,
+    /// Weight bytes a decoded token reads, counted from a Kimi GGUF's stored tensors (their
+    /// types differ from the config's dtype); `None` elsewhere: from the config.
+    pub stored_read_bytes_per_token: Option<u64>,
 }
 
 impl<B: Backend> Loaded<B> {
     /// Bytes of weights one decoded token reads.
     pub fn weight_bytes_per_token(&self, bytes_per_param: f64) -> f64 {
+        if let Some(bytes) = self.stored_read_bytes_per_token {
+            return bytes as f64;
+        }
         match &self.info {
             // MXFP4 experts read 17/32 bytes per value: the summary counts every component
             // in its stored format.
@@ -280,6 +286,7 @@ pub fn load<B: Backend + 'static>(
         engine: Engine::new(loaded.model),
         tokenizer,
         dir: path,
+        stored_read_bytes_per_token: None,
     })
 }
 
@@ -328,6 +335,7 @@ fn load_llama_dir<B: Backend + 'static>(
         engine: Engine::new(loaded.model),
         tokenizer,
         dir: path.to_path_buf(),
+        stored_read_bytes_per_token: None,
     })
 }
 
@@ -397,11 +405,38 @@ fn load_gguf<B: Backend + 'static>(
         None
     };
     Ok(Loaded {
+        stored_read_bytes_per_token: loaded
+            .config
+            .as_ref()
+            .map(|c| kimi_gguf_read_bytes(&file, c)),
         info: info_of(&loaded, Some(&file)),
         engine: Engine::new(loaded.model),
         tokenizer,
         dir: path.to_path_buf(),
     })
+}
+
+/// Weight bytes a decoded token reads from a Kimi GGUF, in the file's own types: every
+/// tensor once, the stacked routed experts `top_k / num_experts` of theirs, one row of the
+/// embedding (all of it when it is also the output head).
+fn kimi_gguf_read_bytes(file: &GgufFile, cfg: &ModelConfig) -> u64 {
+    let untied = file.tensor("output.weight").is_ok();
+    let (top_k, experts) = cfg
+        .moe
+        .as_ref()
+        .map_or((1, 1), |m| (m.top_k as u64, m.num_experts.max(1) as u64));
+    file.tensors()
+        .iter()
+        .map(|t| {
+            if t.name.contains("_exps.") {
+                t.size_bytes * top_k / experts
+            } else if t.name == "token_embd.weight" && untied {
+                t.size_bytes / (cfg.vocab_size.max(1) as u64)
+            } else {
+                t.size_bytes
+            }
+        })
+        .sum()
 }
 
 /// Builds the model of a config.json with deterministic random weights (for benchmarks).
@@ -488,5 +523,6 @@ pub fn load_random<B: Backend + 'static>(
         tokenizer: None,
         dir: config.to_path_buf(),
         info: ModelInfo::Kimi(Box::new(cfg)),
+        stored_read_bytes_per_token: None,
     })
 }

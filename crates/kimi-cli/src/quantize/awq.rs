@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use kimi_model::quantized::awq::{self, Member, Prev};
 use kimi_model::quantized::rtn::RtnOptions;
 use kimi_weights::SafetensorsDir;
@@ -25,17 +25,6 @@ fn may_clip(name: &str) -> bool {
     !NO_CLIP.iter().any(|p| last.starts_with(p))
 }
 
-/// Refuses the models whose scale groups AWQ does not know, before any calibration.
-pub fn check_supported(config: &Value) -> anyhow::Result<()> {
-    if config.get("model_type").and_then(Value::as_str) == Some("kimi_k3") {
-        bail!(
-            "--method awq does not know where Kimi K3's activations come from (Block Attention \
-             Residuals, LatentMoE); use --method gptq"
-        );
-    }
-    Ok(())
-}
-
 /// The new f32 values of every tensor AWQ changed (scaled, folded, and clipped where `clip`),
 /// by name.
 pub fn apply(
@@ -47,16 +36,24 @@ pub fn apply(
     clip: bool,
     round_scale: &(impl Fn(f32) -> f32 + Sync),
 ) -> anyhow::Result<HashMap<String, Vec<f32>>> {
-    let hidden = config
+    // Kimi K3's wrapper nests the text model's config.
+    let text = config.get("text_config").unwrap_or(config);
+    let hidden = text
         .get("hidden_size")
         .and_then(Value::as_u64)
         .context("config.json has no hidden_size")? as usize;
+    // SiTU's up half passes through β₂·tanh(·/β₂): a scale cannot move from it to the down
+    // projection.
+    let up_is_linear = !(text.get("hidden_act").and_then(Value::as_str) == Some("situ")
+        && text
+            .get("activation_situ_linear_beta")
+            .is_some_and(|b| !b.is_null()));
     let shapes: BTreeMap<String, Vec<usize>> = files
         .tensor_names()
         .into_iter()
         .filter_map(|n| files.shape(n).map(|s| (n.to_string(), s.to_vec())))
         .collect();
-    let groups = awq::scale_groups(&shapes, targets, hidden);
+    let groups = awq::scale_groups(&shapes, targets, hidden, up_is_linear);
     let mut values: HashMap<String, Vec<f32>> = HashMap::new();
     let load = |name: &str, values: &mut HashMap<String, Vec<f32>>| -> anyhow::Result<()> {
         if !values.contains_key(name) {

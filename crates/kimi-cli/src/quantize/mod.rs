@@ -89,9 +89,6 @@ pub fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
     let (config_json, _) = kimi_model::llama_hf::read_config_json(&args.model)?;
     let ckpt = SafetensorsDir::open(&args.model)
         .with_context(|| format!("cannot open {}", args.model.display()))?;
-    if args.method == "awq" {
-        awq::check_supported(&config_json)?;
-    }
     if args.sequential && args.method != "gptq" {
         bail!("--sequential applies to --method gptq");
     }

@@ -38,23 +38,33 @@ pub struct ScaleGroup {
     pub compensate: Vec<String>,
 }
 
-/// The scale groups of a llama or Kimi Linear checkpoint in the hub layout, from its
-/// 2-D tensors' shapes: per layer, the input norm's readers (every `self_attn.*` matrix of
-/// width `hidden` except `o_proj`), the post-attention norm's readers (every `mlp.*` or
-/// `block_sparse_moe.*` matrix of width `hidden` except the down projections, the router
-/// compensated), and each gated MLP's up projection before its down projection. Matrices
-/// reached by no group (output projections, KDA's low-rank gates) are only clipped.
+/// The scale groups of a llama, Kimi Linear or Kimi K3 checkpoint in the hub layout (K3's
+/// under `language_model.`), from its 2-D tensors' shapes: per layer, the input norm's
+/// readers (every `self_attn.*` matrix of width `hidden` except `o_proj`), the
+/// post-attention norm's readers (every `mlp.*` or `block_sparse_moe.*` matrix of width
+/// `hidden` except the down projections, the router compensated; K3's latent
+/// down-projection is one), MLA's `q_a_layernorm` before `q_b_proj` and `kv_a_layernorm`
+/// before `kv_b_proj` (as AutoAWQ's DeepSeek-V2 model), LatentMoE's latent norm before its
+/// up-projection, and, where `up_is_linear` (SwiGLU; not K3's SiTU, whose up half passes
+/// through `β₂·tanh(·/β₂)`), each gated MLP's up projection before its down projection.
+/// Matrices reached by no group (output projections, KDA's gates) are only clipped.
+/// K3's AttnRes mixes feed the input norms, which still take the scales.
 pub fn scale_groups(
     shapes: &BTreeMap<String, Vec<usize>>,
     targets: &HashSet<String>,
     hidden: usize,
+    up_is_linear: bool,
 ) -> Vec<ScaleGroup> {
     let layers: std::collections::BTreeSet<String> = shapes
         .keys()
         .filter_map(|n| {
-            let rest = n.strip_prefix("model.layers.")?;
+            let (pre, rest) = match n.strip_prefix("language_model.") {
+                Some(rest) => ("language_model.", rest),
+                None => ("", n.as_str()),
+            };
+            let rest = rest.strip_prefix("model.layers.")?;
             let (i, _) = rest.split_once('.')?;
-            Some(format!("model.layers.{i}."))
+            Some(format!("{pre}model.layers.{i}."))
         })
         .collect();
     let reads_hidden = |name: &str| {
@@ -62,7 +72,12 @@ pub fn scale_groups(
             .get(name)
             .is_some_and(|s| s.len() == 2 && s[1] == hidden && name.ends_with(".weight"))
     };
-    let is_down = |name: &str| name.ends_with(".w2.weight") || name.ends_with("down_proj.weight");
+    // LatentMoE's `routed_expert_down_proj` reads the hidden state: a reader, not a down
+    // projection.
+    let is_down = |name: &str| {
+        name.ends_with(".w2.weight")
+            || (name.ends_with("down_proj.weight") && !name.contains("routed_expert_down_proj"))
+    };
     let mut groups = Vec::new();
     for p in &layers {
         let readers = |prefixes: &[&str], skip: &dyn Fn(&str) -> bool| {
@@ -103,6 +118,33 @@ pub fn scale_groups(
                 linears,
                 compensate,
             });
+        }
+        // A norm before the one matrix that reads it (MLA's low-rank halves, LatentMoE).
+        for (norm, reader) in [
+            (
+                "self_attn.q_a_layernorm.weight",
+                "self_attn.q_b_proj.weight",
+            ),
+            (
+                "self_attn.kv_a_layernorm.weight",
+                "self_attn.kv_b_proj.weight",
+            ),
+            (
+                "block_sparse_moe.routed_expert_norm.weight",
+                "block_sparse_moe.routed_expert_up_proj.weight",
+            ),
+        ] {
+            let (norm, reader) = (format!("{p}{norm}"), format!("{p}{reader}"));
+            if shapes.contains_key(&norm) && targets.contains(&reader) {
+                groups.push(ScaleGroup {
+                    prev: Prev::Norm(norm),
+                    linears: vec![reader],
+                    compensate: Vec::new(),
+                });
+            }
+        }
+        if !up_is_linear {
+            continue;
         }
         for (up, down) in [
             ("mlp.up_proj.weight", "mlp.down_proj.weight"),
@@ -399,7 +441,7 @@ mod tests {
             .filter(|(n, s)| s.len() == 2 && !n.contains(".gate.weight"))
             .map(|(n, _)| n.clone())
             .collect();
-        let g = scale_groups(&shapes, &targets, h);
+        let g = scale_groups(&shapes, &targets, h, true);
         let names = |g: &ScaleGroup| {
             g.linears
                 .iter()
