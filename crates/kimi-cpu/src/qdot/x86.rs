@@ -376,9 +376,13 @@ unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
     let rp: [*const u8; R] = std::array::from_fn(|j| unsafe { w.as_ptr().add((r0 + j) * rb) });
     let qs: [*const i8; N] = std::array::from_fn(|i| unsafe { x.qs.as_ptr().add((t0 + i) * x.k) });
     let xd: [*const f32; N] = std::array::from_fn(|i| unsafe { x.d.as_ptr().add((t0 + i) * nb) });
-    let xs: [*const f32; N] = std::array::from_fn(|i| unsafe { x.sum.as_ptr().add((t0 + i) * nb) });
-    let xs16: [*const f32; N] =
-        std::array::from_fn(|i| unsafe { x.sum_f16.as_ptr().add((t0 + i) * nb) });
+    // Block sums: ggml's f16 Q8_1 sum for Q4_1's min, d·Σq for the other offsets.
+    let sums = if kind == Kind::Q4_1 {
+        &x.sum_f16
+    } else {
+        &x.sum
+    };
+    let xs: [*const f32; N] = std::array::from_fn(|i| unsafe { sums.as_ptr().add((t0 + i) * nb) });
     let mut off = [[0f32; N]; R];
     unsafe {
         let mut acc = [[_mm256_setzero_ps(); N]; R];
@@ -387,8 +391,6 @@ unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
             Kind::Q4_0 | Kind::Q4_1 => {
                 let q4_0 = kind == Kind::Q4_0;
                 let (bb, qo) = if q4_0 { (18, 2) } else { (20, 4) };
-                // Q4_1's min multiplies ggml's f16 Q8_1 sum.
-                let xs = if q4_0 { xs } else { xs16 };
                 for b in 0..nb {
                     let xv: [__m256i; N] =
                         std::array::from_fn(|i| _mm256_loadu_si256(qs[i].add(b * QK).cast()));
