@@ -369,7 +369,7 @@ unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
     let nb = x.blocks();
     // SAFETY (for every pointer offset below): rows r0 + j < rows lie inside `w`; token
     // t0 + i < x.n, so its `k` values and `nb` scales and sums lie inside `x.qs`, `x.d`
-    // and `x.sum`; block `b < nb` of a row lies inside that row (a whole row of `nb`
+    // and `x.sum` or `x.sum_f16` (checked to be as long); block `b < nb` of a row lies inside that row (a whole row of `nb`
     // 32-value blocks, or `nb / 8` super-blocks), and every load below stays within its
     // block (the f16 pair loads read four bytes of a block of at least 18; Q6_K's ends at
     // the block's last byte).
