@@ -12,7 +12,9 @@
 # CPU backend only, static, no curl/OpenSSL, no server/tests/examples. Idempotent: does
 # nothing if the binaries exist and were built with the same configuration.
 #
-# Env: LLAMACPP_DIR (default target/llamacpp), JOBS (default 2), NICE (default 19).
+# Env: LLAMACPP_DIR (default target/llamacpp), JOBS (default 2), NICE (default 19),
+# LLAMACPP_TARGETS (space-separated; default "llama-bench llama-completion llama-quantize",
+# e.g. LLAMACPP_TARGETS=llama-perplexity for BENCHMARKS.md's perplexity comparison).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -24,7 +26,7 @@ SDIST=llama_cpp_python-$PKG_VER.tar.gz
 SDIST_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 LLAMA_COMMIT=0c1e57098   # from CHANGELOG.md of llama-cpp-python 0.3.36 (the sdist has no .git)
 CMAKE_PIP=cmake==3.31.6  # only used when no cmake >= 3.14 is on PATH
-TARGETS=(llama-bench llama-completion llama-quantize)
+read -r -a TARGETS <<< "${LLAMACPP_TARGETS:-llama-bench llama-completion llama-quantize}"
 
 mkdir -p "$ROOT"
 ROOT=$(cd "$ROOT" && pwd)
@@ -90,7 +92,7 @@ STAMP="pkg=$PKG_VER sdist=$SDIST_SHA256 conf=${CONF[*]} targets=${TARGETS[*]}"
 built=1
 for t in "${TARGETS[@]}"; do [ -x "$BIN/$t" ] || built=0; done
 if [ "$built" = 1 ] && [ "$(cat "$ROOT/build.stamp" 2>/dev/null)" = "$STAMP" ]; then
-  log "already built: $BIN ($("$BIN/llama-completion" --version 2>&1 | grep -m1 version))"
+  log "already built: $BIN ($("$BIN/${TARGETS[0]}" --version 2>&1 | grep -m1 version))"
   exit 0
 fi
 
@@ -109,7 +111,7 @@ echo "$STAMP" > "$ROOT/build.stamp"
 {
   echo "llama-cpp-python sdist: $SDIST sha256 $SDIST_SHA256"
   echo "llama.cpp commit (CHANGELOG): $LLAMA_COMMIT"
-  echo "version: $("$BIN/llama-completion" --version 2>&1 | tr '\n' ' ')"
+  echo "version: $("$BIN/${TARGETS[0]}" --version 2>&1 | tr '\n' ' ')"
   echo "cmake: $("$CMAKE" --version | head -1)"
   echo "compiler: $(${CC:-cc} --version | head -1)"
   echo "configure: ${CONF[*]}"

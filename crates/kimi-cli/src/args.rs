@@ -326,9 +326,12 @@ pub struct ModelArgs {
     /// can change. Off by default: products are then those of the dequantized weights in f32.
     #[arg(long)]
     pub int8_matmul: bool,
-    /// Storage of the MLA latent cache: `auto` (f32) or `fp8` (E4M3, each cached row with
-    /// its own scales for the latent and the rope key: 3.9x fewer bytes on Kimi Linear;
-    /// logits move by the FP8 rounding). CPU only. KDA's recurrent state stays f32.
+    /// Storage of the key/value cache. MLA latent caches (Kimi): `auto` (f32) or `fp8`
+    /// (E4M3, each cached row with its own scales for the latent and the rope key: 3.9x
+    /// fewer bytes on Kimi Linear; logits move by the FP8 rounding). Attention caches
+    /// (Llama-family GGUF files and checkpoints): `auto` (f16 with `--int8-matmul`, else
+    /// f32), `f16` (llama.cpp's default `-ctk f16 -ctv f16`: half the bytes of f32) or
+    /// `f32`. CPU only. KDA's recurrent state stays f32.
     #[arg(long, default_value = "auto", value_parser = parse_kv_cache_dtype)]
     pub kv_cache_dtype: kimi_ops::KvCacheDtype,
     /// Device to run on: `cpu`, `cuda` or `cuda:N` (GPU N; needs a build with `--features cuda`).
@@ -542,8 +545,9 @@ pub struct PerplexityArgs {
     /// How many log-probabilities `--save-logits` keeps per token.
     #[arg(long, default_value_t = 32)]
     pub top_k: usize,
-    /// Compare against a file `--save-logits` wrote (same text, tokenizer and --ctx): mean
-    /// KL divergence, its standard error, and how often the top token agrees.
+    /// Compare against a file `--save-logits` wrote, or one of llama.cpp's
+    /// `llama-perplexity --kl-divergence-base` (same text, tokenizer and --ctx): mean KL
+    /// divergence, its standard error, and how often the top token agrees.
     #[arg(long)]
     pub kl_divergence: Option<PathBuf>,
 }
@@ -715,18 +719,42 @@ pub enum RandomDType {
     F32,
 }
 
-/// `--kv-cache-dtype`: `auto` or `fp8` (vLLM's `fp8_e4m3` too).
+/// `--kv-cache-dtype`: `auto`, `fp8` (vLLM's `fp8_e4m3` too), `f16` or `f32` (llama.cpp's
+/// `-ctk`/`-ctv` names; `float16`/`fp16` and `float32`/`fp32` too).
 fn parse_kv_cache_dtype(text: &str) -> Result<kimi_ops::KvCacheDtype, String> {
     match text {
         "auto" => Ok(kimi_ops::KvCacheDtype::Auto),
         "fp8" | "fp8_e4m3" => Ok(kimi_ops::KvCacheDtype::Fp8),
-        other => Err(format!("`{other}` is not a cache dtype (auto, fp8)")),
+        "f16" | "fp16" | "float16" | "half" => Ok(kimi_ops::KvCacheDtype::F16),
+        "f32" | "fp32" | "float32" | "float" => Ok(kimi_ops::KvCacheDtype::F32),
+        other => Err(format!(
+            "`{other}` is not a cache dtype (auto, f16, f32, fp8)"
+        )),
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::parse_size;
+    use super::{parse_kv_cache_dtype, parse_size};
+    use kimi_ops::KvCacheDtype;
+
+    #[test]
+    fn cache_dtypes_take_vllm_and_llama_cpp_names() {
+        for (text, want) in [
+            ("auto", KvCacheDtype::Auto),
+            ("fp8", KvCacheDtype::Fp8),
+            ("fp8_e4m3", KvCacheDtype::Fp8),
+            ("f16", KvCacheDtype::F16),
+            ("float16", KvCacheDtype::F16),
+            ("f32", KvCacheDtype::F32),
+            ("fp32", KvCacheDtype::F32),
+        ] {
+            assert_eq!(parse_kv_cache_dtype(text), Ok(want), "{text}");
+        }
+        assert_eq!(KvCacheDtype::F16.name(), "f16");
+        let err = parse_kv_cache_dtype("q8_0").unwrap_err();
+        assert!(err.contains("q8_0") && err.contains("f16"), "{err}");
+    }
 
     #[test]
     fn sizes_are_gib_unless_they_say_otherwise() {

@@ -13,6 +13,8 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 
 const MAGIC: &[u8; 8] = b"KIMIKLD1";
+/// llama.cpp's `perplexity --kl-divergence-base` file.
+const LLAMA_CPP_MAGIC: &[u8; 8] = b"_logits_";
 
 /// What a saved file must agree on with the run that reads it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -133,25 +135,37 @@ impl KldWriter {
     }
 }
 
-/// Reads a saved file position by position.
+/// Reads a saved file position by position: ours, or llama.cpp's `--kl-divergence-base`
+/// file (every log-probability as u16), whose rows are cut to their top `k` as ours are.
 pub struct KldReader {
     input: BufReader<std::fs::File>,
     path: PathBuf,
     pub header: KldHeader,
+    /// u16 values per row of a llama.cpp file (`None` for ours).
+    llama_cpp_row: Option<usize>,
 }
 
 impl KldReader {
-    pub fn open(path: &Path) -> anyhow::Result<KldReader> {
+    /// Opens `path`; a llama.cpp file's rows are cut to their `top_k` likeliest tokens.
+    pub fn open(path: &Path, top_k: usize) -> anyhow::Result<KldReader> {
         let file =
             std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        let len = file
+            .metadata()
+            .with_context(|| format!("reading {}", path.display()))?
+            .len();
         let mut input = BufReader::new(file);
         let mut magic = [0u8; 8];
         input
             .read_exact(&mut magic)
             .with_context(|| format!("reading {}", path.display()))?;
+        if &magic == LLAMA_CPP_MAGIC {
+            return Self::open_llama_cpp(input, path, len, top_k);
+        }
         anyhow::ensure!(
             &magic == MAGIC,
-            "{} is not a file of `kimi-infer perplexity --save-logits`",
+            "{} is neither a file of `kimi-infer perplexity --save-logits` nor one of \
+             llama.cpp's `llama-perplexity --kl-divergence-base`",
             path.display()
         );
         let mut fields = [0u32; 4];
@@ -174,10 +188,90 @@ impl KldReader {
                 top_k,
                 tokens,
             },
+            llama_cpp_row: None,
         })
     }
 
+    /// llama.cpp's layout (`tools/perplexity/perplexity.cpp`): after the magic, u32 `n_ctx`,
+    /// i32 `n_vocab`, i32 `n_chunk`, the i32 tokens of every window, then per scored token
+    /// `2·⌈n_vocab/2⌉ + 4` u16: f32 `scale` and `min_log_prob`, then each token's
+    /// log-probability as `scale · v + min_log_prob`, 0 for tokens more than 16 below the
+    /// likeliest logit. The size must be exactly that (no allocation from a bad header).
+    fn open_llama_cpp(
+        mut input: BufReader<std::fs::File>,
+        path: &Path,
+        len: u64,
+        top_k: usize,
+    ) -> anyhow::Result<KldReader> {
+        let name = path.display();
+        let [ctx, vocab, chunks] = [(); 3].map(|_| read_u32(&mut input, path));
+        let (ctx, vocab, chunks) = (ctx?, vocab?, chunks?);
+        anyhow::ensure!(
+            ctx >= 2 && (1..1 << 30).contains(&vocab) && chunks >= 1 && vocab as usize >= top_k,
+            "{name}: a llama.cpp log-probability file with n_ctx {ctx}, n_vocab {vocab} and \
+             {chunks} chunks cannot be read (top-k {top_k})"
+        );
+        let row = 2 * (vocab as u64).div_ceil(2) + 4;
+        let scored = u64::from(ctx - 1 - ctx / 2);
+        let want =
+            20 + 4 * u64::from(ctx) * u64::from(chunks) + 2 * row * scored * u64::from(chunks);
+        anyhow::ensure!(
+            len == want,
+            "{name}: {len} bytes, but a llama.cpp log-probability file of {chunks} windows of \
+             {ctx} tokens over {vocab} ids has {want}"
+        );
+        let tokens = (0..ctx as usize * chunks as usize)
+            .map(|_| read_u32(&mut input, path))
+            .collect::<anyhow::Result<Vec<u32>>>()?;
+        Ok(KldReader {
+            input,
+            path: path.to_path_buf(),
+            header: KldHeader {
+                vocab,
+                ctx,
+                chunks,
+                top_k: top_k as u32,
+                tokens,
+            },
+            llama_cpp_row: Some(row as usize),
+        })
+    }
+
+    /// One row of a llama.cpp file as log-probabilities (in f32, as llama.cpp computes
+    /// them), those at or below −16 as impossible (llama.cpp's KL skips them too; the
+    /// floor of a row whose logits span more than 16 lies there), cut to the top `k`.
+    fn next_llama_cpp(&mut self, row: usize) -> anyhow::Result<TopK> {
+        let mut bytes = vec![0u8; 2 * row];
+        self.input
+            .read_exact(&mut bytes)
+            .with_context(|| format!("{} ends early", self.path.display()))?;
+        let f32_at =
+            |i: usize| f32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
+        let (scale, min_log_prob) = (f32_at(0), f32_at(4));
+        let logprobs: Vec<f64> = bytes[8..8 + 2 * self.header.vocab as usize]
+            .chunks_exact(2)
+            .map(|b| {
+                let lp = scale * f32::from(u16::from_le_bytes([b[0], b[1]])) + min_log_prob;
+                if lp > -16.0 {
+                    f64::from(lp)
+                } else {
+                    f64::NEG_INFINITY
+                }
+            })
+            .collect();
+        anyhow::ensure!(
+            logprobs.iter().all(|v| !v.is_nan() && *v <= 1e-3),
+            "{}: a row's log-probabilities are not log-probabilities (scale {scale}, \
+             minimum {min_log_prob})",
+            self.path.display()
+        );
+        Ok(TopK::of(&logprobs, self.header.top_k as usize))
+    }
+
     pub fn next(&mut self) -> anyhow::Result<TopK> {
+        if let Some(row) = self.llama_cpp_row {
+            return self.next_llama_cpp(row);
+        }
         let k = self.header.top_k as usize;
         let mut top = TopK {
             ids: Vec::with_capacity(k),
@@ -239,7 +333,10 @@ impl KldStats {
         let top_ids: Vec<u32> = reference.ids.clone();
         let mut kl = 0.0;
         for (&id, &lp) in reference.ids.iter().zip(&reference.logprobs) {
-            kl += lp.exp() * (lp - logprobs[id as usize]);
+            // 0 · log 0 = 0 (a llama.cpp row's floor tokens are impossible).
+            if lp > f64::NEG_INFINITY {
+                kl += lp.exp() * (lp - logprobs[id as usize]);
+            }
         }
         let p_rest = reference.rest_logprob.exp();
         if p_rest > 0.0 {
@@ -303,6 +400,85 @@ mod tests {
         assert_eq!(top.ids, vec![1, 3]);
         let total: f64 = top.logprobs.iter().map(|v| v.exp()).sum::<f64>() + top.rest_logprob.exp();
         assert!((total - 1.0).abs() < 1e-12, "{total}");
+    }
+
+    /// A llama.cpp `--kl-divergence-base` file of `rows` (one window of `ctx` tokens),
+    /// each row stored as llama.cpp's `log_softmax` stores it.
+    fn llama_cpp_file(dir: &Path, ctx: u32, rows: &[Vec<f32>]) -> PathBuf {
+        let vocab = rows[0].len();
+        let mut bytes = b"_logits_".to_vec();
+        for v in [ctx, vocab as u32, 1] {
+            bytes.extend_from_slice(&v.to_le_bytes());
+        }
+        for t in 0..ctx {
+            bytes.extend_from_slice(&(t % vocab as u32).to_le_bytes());
+        }
+        for logits in rows {
+            let max = logits.iter().cloned().fold(f32::MIN, f32::max);
+            let min = logits
+                .iter()
+                .cloned()
+                .fold(f32::MAX, f32::min)
+                .max(max - 16.0);
+            let sum: f64 = logits.iter().map(|l| f64::from((l - max).exp())).sum();
+            let lse = sum.ln() as f32;
+            let scale = (max - min) / 65535.0;
+            bytes.extend_from_slice(&scale.to_le_bytes());
+            bytes.extend_from_slice(&(min - max - lse).to_le_bytes());
+            let mut q: Vec<u16> = logits
+                .iter()
+                .map(|&l| {
+                    if l > min {
+                        ((l - min) / scale).round() as u16
+                    } else {
+                        0
+                    }
+                })
+                .collect();
+            q.resize(2 * vocab.div_ceil(2), 0);
+            for v in q {
+                bytes.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        let path = dir.join("base.kld");
+        std::fs::write(&path, bytes).unwrap();
+        path
+    }
+
+    #[test]
+    fn llama_cpp_base_files_read_as_top_k_rows() {
+        let dir = std::env::temp_dir().join(format!("kimi-kld-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // ctx 6 scores 6 - 3 - 1 = 2 rows; 5 ids (odd: the row is padded to 6 + 4 u16).
+        let rows = vec![
+            vec![0.5, 3.0, -1.0, 2.5, -30.0],
+            vec![1.0, 1.5, 0.0, -2.0, 4.0],
+        ];
+        let path = llama_cpp_file(&dir, 6, &rows);
+        let mut r = KldReader::open(&path, 2).unwrap();
+        assert_eq!((r.header.vocab, r.header.ctx, r.header.chunks), (5, 6, 1));
+        assert_eq!(r.header.tokens, vec![0, 1, 2, 3, 4, 0]);
+        for logits in &rows {
+            let exact = log_softmax(&logits.iter().map(|&v| f64::from(v)).collect::<Vec<_>>());
+            let top = r.next().unwrap();
+            let want = TopK::of(&exact, 2);
+            assert_eq!(top.ids, want.ids);
+            for (a, b) in top.logprobs.iter().zip(&want.logprobs) {
+                assert!((a - b).abs() < 1e-3, "{a} vs {b}");
+            }
+            // The rest holds the others' mass, the -30 logit (below the floor) excluded.
+            assert!((top.rest_logprob.exp() - want.rest_logprob.exp()).abs() < 1e-3);
+            let mut stats = KldStats::default();
+            stats.push(&top, &exact);
+            assert!(stats.summary().mean.abs() < 1e-3, "{:?}", stats.summary());
+        }
+        assert!(r.next().is_err(), "read past the end");
+        // A file cut short is refused by its size, before anything is allocated from it.
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 2]).unwrap();
+        let err = KldReader::open(&path, 2).err().unwrap().to_string();
+        assert!(err.contains("base.kld") && err.contains("bytes"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

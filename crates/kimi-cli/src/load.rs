@@ -60,7 +60,10 @@ macro_rules! with_backend {
             #[cfg(feature = "cuda")]
             $crate::args::Device::Cuda(ordinal) => {
                 if $args.kv_cache_dtype != kimi_ops::KvCacheDtype::Auto {
-                    anyhow::bail!("--kv-cache-dtype fp8 applies to --device cpu only for now");
+                    anyhow::bail!(
+                        "--kv-cache-dtype {} applies to --device cpu only for now",
+                        $args.kv_cache_dtype.name()
+                    );
                 }
                 // The kernel choices: the `KIMI_CUDA_*` variables, then the flags.
                 let mut config = kimi_cuda::KernelConfig::from_env();

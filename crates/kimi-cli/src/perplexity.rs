@@ -194,7 +194,7 @@ fn perplexity_on<B: Backend + 'static>(
 
 /// Opens a `--save-logits` file and refuses it unless it was made from the same windows.
 fn open_reference(path: &Path, ours: &KldHeader) -> anyhow::Result<KldReader> {
-    let reader = KldReader::open(path)?;
+    let reader = KldReader::open(path, ours.top_k as usize)?;
     let theirs = &reader.header;
     let name = path.display();
     anyhow::ensure!(

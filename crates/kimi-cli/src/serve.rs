@@ -97,6 +97,8 @@ fn prepare_on<B: Backend + 'static>(backend: B, a: &ServeArgs) -> anyhow::Result
             (kimi_model::LayerSpec::Mla { width }, kimi_ops::KvCacheDtype::Fp8) => {
                 (width + 8).div_ceil(4) as u64
             }
+            // f16 keys and values: two values per f32.
+            (kimi_model::LayerSpec::Kv { width }, kimi_ops::KvCacheDtype::F16) => *width as u64,
             _ => s.values_per_token() as u64,
         })
         .sum();

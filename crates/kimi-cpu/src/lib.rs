@@ -136,19 +136,30 @@ impl Backend for CpuBackend {
     fn zeros(&self, shape: &[usize]) -> Result<CpuTensor> {
         CpuTensor::try_f32_zeros(shape)
     }
-    // The int8 mode keeps keys and values in f16, as llama.cpp does by default: decode
+    // By default the int8 mode keeps keys and values in f16, as llama.cpp does: decode
     // attention reads every cached row once per step, and that read bounds it. The f32
-    // mode (golden tests) keeps them exact.
+    // mode (golden tests) keeps them exact. `--kv-cache-dtype f16` or `f32` picks either.
+    // FP8 applies to MLA latents only; attention pools then keep their default.
     fn kv_zeros(&self, shape: &[usize]) -> Result<CpuTensor> {
-        match self.quant_matmul {
-            QuantMatmul::Int8 => CpuTensor::try_f16_zeros(shape),
-            QuantMatmul::F32 => self.zeros(shape),
+        match (self.kv_cache, self.quant_matmul) {
+            (KvCacheDtype::F16, _)
+            | (KvCacheDtype::Auto | KvCacheDtype::Fp8, QuantMatmul::Int8) => {
+                CpuTensor::try_f16_zeros(shape)
+            }
+            (KvCacheDtype::F32, _) | (KvCacheDtype::Auto | KvCacheDtype::Fp8, QuantMatmul::F32) => {
+                self.zeros(shape)
+            }
         }
     }
     fn latent_zeros(&self, shape: &[usize]) -> Result<CpuTensor> {
         match self.kv_cache {
-            KvCacheDtype::Auto => self.zeros(shape),
+            KvCacheDtype::Auto | KvCacheDtype::F32 => self.zeros(shape),
             KvCacheDtype::Fp8 => fp8_cache::zeros(shape),
+            KvCacheDtype::F16 => Err(Error::Unsupported(
+                "an f16 MLA latent cache (--kv-cache-dtype f16 is for attention caches; \
+                 MLA latent caches take auto, f32 or fp8)"
+                    .into(),
+            )),
         }
     }
     fn to_f32(&self, t: &CpuTensor) -> Result<Vec<f32>> {

@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 
 use kimi_cpu::{CpuBackend, QuantMatmul};
 use kimi_gguf::{GgmlType, GgufFile, GgufWriter, Value};
-use kimi_model::{Batch, CausalLm, ForwardOptions, Llama, LlamaConfig, ModelError, SeqCache};
+use kimi_model::{
+    Batch, CausalLm, ForwardOptions, LayerPool, Llama, LlamaConfig, ModelError, SeqCache,
+};
 use kimi_ops::{Backend, HostTensor, Segment};
 use kimi_tokenizer::Tokenizer;
 
@@ -581,6 +583,80 @@ fn tiny_model_prefill_decode_and_batches_agree() {
     check_feed_modes_agree(&model, &[5, 9, 1, 33, 7, 7, 12, 0, 39], &[2, 4, 8], 1e-5);
     let generated = greedy(&model, &[5, 9, 1], 12);
     assert!(!generated.is_empty() && generated.iter().all(|&id| id < 40));
+}
+
+/// Logits of every position of `ids` fed whole, and the bytes of the key/value pools.
+fn prefill_logits_and_pool_bytes(model: &Llama<CpuBackend>, ids: &[u32]) -> (Vec<f32>, usize) {
+    let (mut pool, mut cache) = model.single_cache(ids.len()).unwrap();
+    let mut batch = one_segment(ids);
+    batch.logits_rows = (0..ids.len()).collect();
+    let logits = model
+        .forward(
+            &batch,
+            &mut pool,
+            &mut [&mut cache],
+            ForwardOptions::default(),
+        )
+        .unwrap()
+        .logits;
+    let be = model.backend();
+    let bytes = pool
+        .layers
+        .iter()
+        .map(|l| match l {
+            LayerPool::Kv { k, v } => be.size_bytes(k) + be.size_bytes(v),
+            _ => 0,
+        })
+        .sum();
+    (logits, bytes)
+}
+
+/// Largest logit change (relative to the largest logit) that the f16 key/value cache may
+/// cause on the tiny model. f16 keeps 11 significant bits, so each cached key and value
+/// moves by at most 2^-12 of itself (2.4e-4); through two layers of attention the logits
+/// moved by 1.8e-4 of the largest (measured, AVX-512 VNNI machine); the bound leaves 4x
+/// that.
+const F16_CACHE_LOGIT_TOLERANCE: f32 = 8e-4;
+
+/// `--kv-cache-dtype f16` halves the key/value pools in either matmul mode and moves the
+/// logits by the f16 rounding of the cached rows only; `f32` keeps the exact pools under the
+/// integer kernels too, and `auto` is f32 with f32 products (the golden tests' setting).
+#[test]
+fn f16_kv_cache_halves_the_pools_and_rounds_only_the_cached_rows() {
+    use kimi_ops::KvCacheDtype;
+    let file = tiny_gguf(Spoil::default());
+    let load = |mode, dtype| {
+        Llama::load(
+            CpuBackend::with_quant_matmul(mode).with_kv_cache_dtype(dtype),
+            &file,
+        )
+        .unwrap()
+    };
+    let ids = [5, 9, 1, 33, 7, 7, 12, 0, 39, 2, 4, 8];
+    let (exact, exact_bytes) =
+        prefill_logits_and_pool_bytes(&load(QuantMatmul::F32, KvCacheDtype::Auto), &ids);
+    let (f16, f16_bytes) =
+        prefill_logits_and_pool_bytes(&load(QuantMatmul::F32, KvCacheDtype::F16), &ids);
+    assert_eq!(f16_bytes * 2, exact_bytes);
+    assert_ne!(f16, exact, "the cached rows were not rounded");
+    let scale = exact.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = f16
+        .iter()
+        .zip(&exact)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    eprintln!(
+        "f16 cache: largest logit change {:.2e} of {scale}",
+        worst / scale
+    );
+    assert!(
+        worst <= F16_CACHE_LOGIT_TOLERANCE * scale,
+        "{worst} of {scale}"
+    );
+    let (_, f32_bytes) =
+        prefill_logits_and_pool_bytes(&load(QuantMatmul::Int8, KvCacheDtype::F32), &ids);
+    let (_, auto_int8_bytes) =
+        prefill_logits_and_pool_bytes(&load(QuantMatmul::Int8, KvCacheDtype::Auto), &ids);
+    assert_eq!((f32_bytes, auto_int8_bytes), (exact_bytes, f16_bytes));
 }
 
 #[test]

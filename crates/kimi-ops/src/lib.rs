@@ -167,14 +167,34 @@ pub struct PagedSeq<'a> {
     pub num_cached: usize,
 }
 
-/// How a backend stores MLA latent caches (`--kv-cache-dtype`, after vLLM's flag).
+/// How a backend stores key/value caches (`--kv-cache-dtype`, after vLLM's flag and
+/// llama.cpp's `-ctk`/`-ctv`): MLA latent caches take `Auto` or `Fp8`; attention key/value
+/// pools (Llama-family models) take `Auto`, `F16` or `F32`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum KvCacheDtype {
-    /// The backend's own type (f32 on the CPU and on CUDA).
+    /// The backend's own type (f32 on the CPU and on CUDA; the CPU's attention pools are
+    /// f16 under its integer matmuls, f32 otherwise).
     #[default]
     Auto,
     /// FP8 E4M3, each cached row with its own f32 scales (no calibration, no overflow).
     Fp8,
+    /// IEEE half precision, as llama.cpp's default `-ctk f16 -ctv f16`: keys and values are
+    /// rounded to f16 when written, products and sums run on the widened values in f32.
+    F16,
+    /// f32: the exact cache, as llama.cpp's `-ctk f32 -ctv f32`.
+    F32,
+}
+
+impl KvCacheDtype {
+    /// The flag's spelling of this type.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvCacheDtype::Auto => "auto",
+            KvCacheDtype::Fp8 => "fp8",
+            KvCacheDtype::F16 => "f16",
+            KvCacheDtype::F32 => "f32",
+        }
+    }
 }
 
 /// Checks a paged cache: `pool` is `[num_blocks, block_size, width]`, there is one

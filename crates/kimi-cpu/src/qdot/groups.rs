@@ -271,6 +271,7 @@ pub(crate) fn matmul_groups_with(isa: Isa, kind: Kind, w: &[u8], x: &Q8Acts, out
             && x.qs.len() == x.n * x.k
             && x.d.len() == x.n * x.blocks()
             && x.sum.len() == x.d.len()
+            && x.sum_f16.len() == x.d.len()
             && x.isum.len() == x.d.len()
             && x.isum16.len() == 2 * x.d.len(),
         "qdot groups: inconsistent sizes"

@@ -1,13 +1,15 @@
 //! Integer matrix-vector kernels for block-quantized weights.
 //!
 //! The activation rows of a matmul are quantized once to int8 blocks of 32 values
-//! ([`Q8Acts`], the counterpart of ggml's Q8_1: one f32 scale and the scaled sum per
-//! block); every weight block is then dotted with them in integer arithmetic, straight from
-//! its packed bytes, and only the per-block result is scaled in f32. Decode (a few tokens)
-//! reads each weight block once for all tokens and never writes dequantized weights.
+//! ([`Q8Acts`], ggml's Q8_0/Q8_1 as llama.cpp's x86 build makes them: the block scale
+//! rounded to f16, and Q8_1's scaled sum rounded to f16 for Q4_1's min term); every weight
+//! block is then dotted with them in integer arithmetic, straight from its packed bytes,
+//! and only the per-block result is scaled in f32. Decode (a few tokens) reads each weight
+//! block once for all tokens and never writes dequantized weights.
 //!
 //! The result differs from the f32 product with dequantized weights by the rounding of the
-//! activations (at most half a step, `d / 2`, per value); the tests check that bound.
+//! activations (at most half a step plus the f16 rounding of the scale, per value); the
+//! tests check that bound.
 //!
 //! Variants, chosen once at run time ([`Isa::best`]): portable scalar code (the reference
 //! for the others), AVX2 (`maddubs`/`madd`), AVX-512 VNNI (`vpdpbusd`) and NEON
@@ -117,10 +119,14 @@ pub(crate) struct Q8Acts {
     pub k: usize,
     /// `[n, k]`, each in `-127..=127`.
     pub qs: Vec<i8>,
-    /// `[n, k / QK]` block scales.
+    /// `[n, k / QK]` block scales (f16 values, as ggml stores them).
     pub d: Vec<f32>,
-    /// `[n, k / QK]` block sums `d * Σq`.
+    /// `[n, k / QK]` block sums `d * Σq` (Q4_0's, Q5_0's and the K types' offsets: ggml
+    /// applies those in integers, which this equals to f32 rounding).
     pub sum: Vec<f32>,
+    /// `[n, k / QK]` ggml's Q8_1 sum: the unrounded scale times `Σq`, rounded to f16
+    /// (Q4_1's min term, as ggml's `vec_dot_q4_1_q8_1` reads `block_q8_1::s`).
+    pub sum_f16: Vec<f32>,
     /// `[n, k / QK]` integer block sums `Σq`, for offsets applied before scaling
     /// (the interleaved kernels of [`groups`]).
     pub isum: Vec<i32>,
@@ -129,9 +135,11 @@ pub(crate) struct Q8Acts {
 }
 
 impl Q8Acts {
-    /// Quantizes `xs [n, k]`: per block `d = max|x| / 127` and `q = round(x / d)` (ties to
-    /// even, as the SIMD conversions round). Non-finite inputs give unspecified (but
-    /// memory-safe) results.
+    /// Quantizes `xs [n, k]` as ggml's x86 `quantize_row_q8_1` does (AVX2 branch; its
+    /// `quantize_row_q8_0` makes the same scales and quants): per block, with `m = max|x|`,
+    /// `d = m / 127`, `q = round(x · (127 / m))` (ties to even, as `_mm256_round_ps`),
+    /// stored scale `f16(d)` and Q8_1 sum `f16(d · Σq)`. Non-finite inputs give
+    /// unspecified (but memory-safe) results.
     pub(crate) fn quantize(xs: &[f32], n: usize, k: usize) -> Self {
         debug_assert!(k.is_multiple_of(QK) && xs.len() == n * k);
         let nb = k / QK;
@@ -141,6 +149,7 @@ impl Q8Acts {
             qs: vec![0; n * k],
             d: vec![0.0; n * nb],
             sum: vec![0.0; n * nb],
+            sum_f16: vec![0.0; n * nb],
             isum: vec![0; n * nb],
             isum16: vec![0; 2 * n * nb],
         };
@@ -149,8 +158,11 @@ impl Q8Acts {
             .zip(a.qs.chunks_exact_mut(QK))
             .enumerate()
         {
-            let d = block_amax(x) / 127.0;
-            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let amax = block_amax(x);
+            let d = amax / 127.0;
+            // 127 / m, not 1 / d: the two differ in the last bit for some m, which moves
+            // the quants of values near a half step.
+            let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
             let mut s = 0i32;
             for (q, v) in q.iter_mut().zip(x) {
                 // Adding 1.5·2^23 rounds to nearest even (|v·id| ≤ 127), as
@@ -164,8 +176,10 @@ impl Q8Acts {
                 *q = r as i8;
                 s += r;
             }
-            a.d[b] = d;
-            a.sum[b] = d * s as f32;
+            let d16 = round_f16(d);
+            a.d[b] = d16;
+            a.sum[b] = d16 * s as f32;
+            a.sum_f16[b] = round_f16(d * s as f32);
             a.isum[b] = s;
             for (h, half) in q.chunks_exact(QK / 2).enumerate() {
                 a.isum16[2 * b + h] = half.iter().map(|&v| i32::from(v)).sum();
@@ -178,6 +192,13 @@ impl Q8Acts {
     pub(crate) fn blocks(&self) -> usize {
         self.k / QK
     }
+}
+
+/// `v` rounded to the nearest f16 (ties to even, as F16C's `vcvtps2ph` and ggml's
+/// `GGML_CPU_FP32_TO_FP16`), as f32.
+#[inline(always)]
+pub(crate) fn round_f16(v: f32) -> f32 {
+    half::f16::from_f32(v).to_f32()
 }
 
 /// The largest `|v|` of a block, NaNs ignored, as `fold(0, |m, v| m.max(v.abs()))` but in
@@ -258,6 +279,7 @@ pub(crate) fn matmul_rows_with(isa: Isa, kind: Kind, w: &[u8], x: &Q8Acts, out: 
             && x.qs.len() == x.n * x.k
             && x.d.len() == x.n * x.blocks()
             && x.sum.len() == x.d.len()
+            && x.sum_f16.len() == x.d.len()
             && x.isum.len() == x.d.len(),
         "qdot: inconsistent sizes"
     );
@@ -365,6 +387,7 @@ mod scalar {
         let nb = x.blocks();
         let qs = &x.qs[t * x.k..(t + 1) * x.k];
         let (xd, xs) = (&x.d[t * nb..(t + 1) * nb], &x.sum[t * nb..(t + 1) * nb]);
+        let xs16 = &x.sum_f16[t * nb..(t + 1) * nb];
         let nibble_dot = |nib: &[u8], q: &[i8]| -> i32 {
             (0..16)
                 .map(|j| {
@@ -399,7 +422,7 @@ mod scalar {
                     match kind {
                         Kind::Q4_0 => offset += -8.0 * dw * xs[b],
                         Kind::Q5_0 => offset += -16.0 * dw * xs[b],
-                        Kind::Q4_1 => offset += f16_at(blk, 2) * xs[b],
+                        Kind::Q4_1 => offset += f16_at(blk, 2) * xs16[b],
                         _ => {}
                     }
                 }

@@ -127,7 +127,7 @@ unsafe fn row_dot(kind: Kind, row: &[u8], x: &Q8Acts, t: usize) -> f32 {
                     match kind {
                         Kind::Q4_0 => offset += -8.0 * dw * xs[b],
                         Kind::Q5_0 => offset += -16.0 * dw * xs[b],
-                        Kind::Q4_1 => offset += f16_at(blk, 2) * xs[b],
+                        Kind::Q4_1 => offset += f16_at(blk, 2) * x.sum_f16[t * nb + b],
                         _ => {}
                     }
                 }

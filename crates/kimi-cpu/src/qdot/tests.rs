@@ -62,16 +62,20 @@ fn quantized_activations_are_within_half_a_step() {
     assert_eq!((a.n, a.k, a.blocks()), (n, k, 3));
     for (b, x) in xs.chunks_exact(QK).enumerate() {
         let q = &a.qs[b * QK..(b + 1) * QK];
+        // The step is the unrounded scale; the stored one is its f16 rounding.
+        let step = x.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
         let d = a.d[b];
+        assert_eq!(d, half::f16::from_f32(step).to_f32());
         for (v, &qv) in x.iter().zip(q) {
             assert!((-127..=127).contains(&qv));
             assert!(
-                (v - f32::from(qv) * d).abs() <= d * 0.5 * (1.0 + 1e-6),
+                (v - f32::from(qv) * step).abs() <= step * 0.5 * (1.0 + 1e-6),
                 "{v}"
             );
         }
         let s: i32 = q.iter().map(|&v| i32::from(v)).sum();
         assert_eq!(a.sum[b], d * s as f32);
+        assert_eq!(a.sum_f16[b], half::f16::from_f32(step * s as f32).to_f32());
         // The block's largest value maps to ±127.
         assert!(d == 0.0 || q.iter().any(|v| v.abs() == 127));
     }
@@ -123,6 +127,7 @@ fn exact_case(
         qs: (0..n * k).map(|_| rng.random_range(-4i8..=4)).collect(),
         d: (0..n * nb).map(|_| pow2(rng, -3, -2)).collect(),
         sum: vec![0.0; n * nb],
+        sum_f16: vec![0.0; n * nb],
         isum: vec![0; n * nb],
         isum16: vec![0; 2 * n * nb],
     };
@@ -132,6 +137,8 @@ fn exact_case(
             .map(|&v| i32::from(v))
             .sum();
         x.sum[b] = x.d[b] * s as f32;
+        // Exact in f16 too (|s| ≤ 128, a power-of-two scale).
+        x.sum_f16[b] = x.sum[b];
         x.isum[b] = s;
         for h in 0..2 {
             x.isum16[2 * b + h] = x.qs[b * QK + 16 * h..b * QK + 16 * h + 16]
@@ -242,8 +249,10 @@ fn random_case(
 }
 
 /// The scalar kernel against dequantize-then-f64-dot: the only difference allowed is the
-/// rounding of the activations, at most `d / 2` per value, so
-/// `|error| ≤ Σ |w_i| · d(block of i) / 2`, plus f32 rounding of the sums (1e-5 relative).
+/// rounding of the activations, at most half a step `s = max|x| / 127` plus the f16
+/// rounding of the stored scale `d` per value, so `|error| ≤ Σ |w_i| · (s / 2 + |q_i| ·
+/// |s − d|)`, and for Q4_1 the f16 rounding of ggml's Q8_1 sum that its min multiplies
+/// (`Σ_blocks |m| · |sum_f16 − d·Σq|`), plus f32 rounding of the sums (1e-5 relative).
 #[test]
 fn scalar_equals_dequantized_product_within_the_activation_rounding() {
     let mut rng = ChaCha8Rng::seed_from_u64(3);
@@ -267,13 +276,31 @@ fn scalar_equals_dequantized_product_within_the_activation_rounding() {
                         .zip(xr)
                         .map(|(a, b)| f64::from((a * b).abs()))
                         .sum();
-                    let bound: f64 = wr
+                    let nb = k / QK;
+                    let step = |b: usize| {
+                        let blk = &xr[b * QK..(b + 1) * QK];
+                        f64::from(blk.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0)
+                    };
+                    let mut bound: f64 = wr
                         .iter()
                         .enumerate()
                         .map(|(i, a)| {
-                            f64::from(a.abs()) * f64::from(x.d[t * (k / QK) + i / QK]) / 2.0
+                            let (b, q) = (i / QK, f64::from(x.qs[t * k + i]));
+                            let d = f64::from(x.d[t * nb + b]);
+                            f64::from(a.abs()) * (step(b) / 2.0 + q.abs() * (step(b) - d).abs())
                         })
                         .sum();
+                    if kind == Kind::Q4_1 {
+                        let row = &bytes[r * kind.row_bytes(k)..];
+                        bound += (0..nb)
+                            .map(|b| {
+                                let m = f64::from(f16_at(row, b * 20 + 2)).abs();
+                                let exact =
+                                    f64::from(x.d[t * nb + b]) * f64::from(x.isum[t * nb + b]);
+                                m * (f64::from(x.sum_f16[t * nb + b]) - exact).abs()
+                            })
+                            .sum::<f64>();
+                    }
                     let err = (f64::from(got[r * n + t]) - exact).abs();
                     assert!(
                         err <= bound * (1.0 + 1e-5) + 1e-5 * magnitude,
@@ -310,22 +337,24 @@ fn the_best_variant_is_one_of_the_available_ones() {
 /// zeros, subnormals and non-finite values included.
 #[test]
 fn quantize_equals_the_plain_form() {
-    fn plain(xs: &[f32]) -> (Vec<i8>, Vec<f32>, Vec<f32>) {
-        let (mut qs, mut d, mut sum) = (Vec::new(), Vec::new(), Vec::new());
+    fn plain(xs: &[f32]) -> (Vec<i8>, Vec<f32>, Vec<f32>, Vec<f32>) {
+        let f16 = |v: f32| half::f16::from_f32(v).to_f32();
+        let (mut qs, mut d, mut sum, mut sum16) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for x in xs.chunks_exact(QK) {
             let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
             let db = amax / 127.0;
-            let id = if db > 0.0 { 1.0 / db } else { 0.0 };
+            let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
             let mut s = 0i32;
             for v in x {
                 let r = ((v * id + ROUNDER) - ROUNDER).clamp(-127.0, 127.0) as i8;
                 qs.push(r);
                 s += i32::from(r);
             }
-            d.push(db);
-            sum.push(db * s as f32);
+            d.push(f16(db));
+            sum.push(f16(db) * s as f32);
+            sum16.push(f16(db * s as f32));
         }
-        (qs, d, sum)
+        (qs, d, sum, sum16)
     }
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     let mut rng = ChaCha8Rng::seed_from_u64(7);
@@ -360,10 +389,11 @@ fn quantize_equals_the_plain_form() {
     }
     let xs: Vec<f32> = blocks.concat();
     let a = Q8Acts::quantize(&xs, 1, xs.len());
-    let (qs, d, sum) = plain(&xs);
+    let (qs, d, sum, sum16) = plain(&xs);
     assert_eq!(a.qs, qs);
     assert_eq!(bits(&a.d), bits(&d));
     assert_eq!(bits(&a.sum), bits(&sum));
+    assert_eq!(bits(&a.sum_f16), bits(&sum16));
 }
 
 const GROUPED: [Kind; 6] = [
@@ -494,7 +524,8 @@ fn acts(n: usize, k: usize, qs: Vec<i8>, d: Vec<f32>) -> Q8Acts {
         .chunks_exact(QK / 2)
         .map(|q| q.iter().map(|&v| i32::from(v)).sum())
         .collect();
-    let sum = isum.iter().zip(&d).map(|(&s, &d)| d * s as f32).collect();
+    let sum: Vec<f32> = isum.iter().zip(&d).map(|(&s, &d)| d * s as f32).collect();
+    let sum_f16 = sum.iter().map(|&s| round_f16(s)).collect();
     assert_eq!(d.len(), n * nb);
     Q8Acts {
         n,
@@ -502,6 +533,7 @@ fn acts(n: usize, k: usize, qs: Vec<i8>, d: Vec<f32>) -> Q8Acts {
         qs,
         d,
         sum,
+        sum_f16,
         isum,
         isum16,
     }
@@ -616,4 +648,100 @@ fn mxfp4_kernels_match_scalar_across_the_scale_range() {
             }
         }
     }
+}
+
+/// ggml's `block_q8_1` (`d:f16 | s:f16 | qs:i8[32]`) as bits.
+struct BlockQ8_1 {
+    d: u16,
+    s: u16,
+    qs: [i8; QK],
+}
+
+/// A scalar transcription of the AVX2 branch of ggml's x86 `quantize_row_q8_1`
+/// (`ggml-cpu/arch/x86/quants.c`, llama.cpp 0c1e57098): `max|x|` over the block,
+/// `d = max / 127`, `id = 127 / max` (0 for an all-zero block), `_mm256_round_ps` to nearest
+/// (ties to even), `d` and `s = d · Σq` stored as f16 by F16C (to nearest, ties to even).
+fn ggml_x86_quantize_row_q8_1(x: &[f32]) -> Vec<BlockQ8_1> {
+    x.chunks_exact(QK)
+        .map(|x| {
+            let max_scalar = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = max_scalar / 127.0;
+            let id = if max_scalar != 0.0 {
+                127.0 / max_scalar
+            } else {
+                0.0
+            };
+            let qs: [i8; QK] = std::array::from_fn(|j| (x[j] * id).round_ties_even() as i8);
+            let sum: i32 = qs.iter().map(|&q| i32::from(q)).sum();
+            BlockQ8_1 {
+                d: half::f16::from_f32(d).to_bits(),
+                s: half::f16::from_f32(d * sum as f32).to_bits(),
+                qs,
+            }
+        })
+        .collect()
+}
+
+/// A scalar transcription of ggml's portable `quantize_row_q8_1_ref` (`ggml-quants.c`):
+/// `id = 1 / d` and `roundf` (ties away from zero). The ARM and generic builds use `1 / d`
+/// too; llama.cpp's x86 build (the one this matches) uses `127 / max`.
+fn ggml_quantize_row_q8_1_ref(x: &[f32]) -> Vec<BlockQ8_1> {
+    x.chunks_exact(QK)
+        .map(|x| {
+            let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let qs: [i8; QK] = std::array::from_fn(|j| (x[j] * id).round() as i8);
+            let sum: i32 = qs.iter().map(|&q| i32::from(q)).sum();
+            BlockQ8_1 {
+                d: half::f16::from_f32(d).to_bits(),
+                s: half::f16::from_f32(sum as f32 * d).to_bits(),
+                qs,
+            }
+        })
+        .collect()
+}
+
+/// Activation blocks as llama.cpp's x86 build quantizes them, bit for bit: quants, the
+/// f16 scale (`Q8Acts::d`, Q8_0's and Q8_1's `d`) and Q8_1's f16 sum (`Q8Acts::sum_f16`),
+/// over random magnitudes, exact halves, tiny (f16-subnormal scale) and zero blocks.
+#[test]
+fn quantize_equals_ggml_quantize_row_q8_1_bit_for_bit() {
+    let mut rng = ChaCha8Rng::seed_from_u64(27);
+    let mut xs: Vec<f32> = Vec::new();
+    for _ in 0..2000 {
+        let scale = 2f32.powi(rng.random_range(-24..12));
+        xs.extend((0..QK).map(|_| rng.random_range(-1.0f32..1.0) * scale));
+    }
+    // Halves: with max 127, x · 127 / max = x lands on ties.
+    xs.extend((0..QK).map(|i| if i == 0 { 127.0 } else { i as f32 - 15.5 }));
+    xs.extend([0.0; QK]);
+    let a = Q8Acts::quantize(&xs, 1, xs.len());
+    let ggml = ggml_x86_quantize_row_q8_1(&xs);
+    for (b, g) in ggml.iter().enumerate() {
+        assert_eq!(a.qs[b * QK..(b + 1) * QK], g.qs, "block {b}");
+        assert_eq!(half::f16::from_f32(a.d[b]).to_bits(), g.d, "block {b}");
+        assert_eq!(a.d[b], half::f16::from_bits(g.d).to_f32(), "block {b}");
+        assert_eq!(
+            a.sum_f16[b],
+            half::f16::from_bits(g.s).to_f32(),
+            "block {b}"
+        );
+    }
+    // The portable reference has the same scales; its quants differ only where `1 / d`
+    // and `127 / max` or the two tie rules part, by one, rarely.
+    let reference = ggml_quantize_row_q8_1_ref(&xs);
+    let mut differ = 0;
+    for (g, r) in ggml.iter().zip(&reference) {
+        assert_eq!(g.d, r.d);
+        for (p, q) in g.qs.iter().zip(&r.qs) {
+            assert!((i32::from(*p) - i32::from(*q)).abs() <= 1);
+            differ += usize::from(p != q);
+        }
+    }
+    assert!(
+        differ * 1000 < xs.len(),
+        "{differ} of {} quants differ",
+        xs.len()
+    );
 }

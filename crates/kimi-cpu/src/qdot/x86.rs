@@ -369,14 +369,20 @@ unsafe fn tile<D: I8Dot, const R: usize, const N: usize>(
     let nb = x.blocks();
     // SAFETY (for every pointer offset below): rows r0 + j < rows lie inside `w`; token
     // t0 + i < x.n, so its `k` values and `nb` scales and sums lie inside `x.qs`, `x.d`
-    // and `x.sum`; block `b < nb` of a row lies inside that row (a whole row of `nb`
+    // and `x.sum` or `x.sum_f16` (checked to be as long); block `b < nb` of a row lies inside that row (a whole row of `nb`
     // 32-value blocks, or `nb / 8` super-blocks), and every load below stays within its
     // block (the f16 pair loads read four bytes of a block of at least 18; Q6_K's ends at
     // the block's last byte).
     let rp: [*const u8; R] = std::array::from_fn(|j| unsafe { w.as_ptr().add((r0 + j) * rb) });
     let qs: [*const i8; N] = std::array::from_fn(|i| unsafe { x.qs.as_ptr().add((t0 + i) * x.k) });
     let xd: [*const f32; N] = std::array::from_fn(|i| unsafe { x.d.as_ptr().add((t0 + i) * nb) });
-    let xs: [*const f32; N] = std::array::from_fn(|i| unsafe { x.sum.as_ptr().add((t0 + i) * nb) });
+    // Block sums: ggml's f16 Q8_1 sum for Q4_1's min, d·Σq for the other offsets.
+    let sums = if kind == Kind::Q4_1 {
+        &x.sum_f16
+    } else {
+        &x.sum
+    };
+    let xs: [*const f32; N] = std::array::from_fn(|i| unsafe { sums.as_ptr().add((t0 + i) * nb) });
     let mut off = [[0f32; N]; R];
     unsafe {
         let mut acc = [[_mm256_setzero_ps(); N]; R];

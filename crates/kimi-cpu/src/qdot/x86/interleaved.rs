@@ -152,7 +152,14 @@ unsafe fn group<const N: usize>(
     unsafe {
         let qs: [*const u8; N] = std::array::from_fn(|i| x.qs.as_ptr().add((t0 + i) * x.k).cast());
         let xd: [*const f32; N] = std::array::from_fn(|i| x.d.as_ptr().add((t0 + i) * nb));
-        let xs: [*const f32; N] = std::array::from_fn(|i| x.sum.as_ptr().add((t0 + i) * nb));
+        // Block sums: ggml's f16 Q8_1 sum for Q4_1's min, d·Σq for the K types' mins (one
+        // array either way: the loops keep every pointer in a register).
+        let sums = if kind == Kind::Q4_1 {
+            &x.sum_f16
+        } else {
+            &x.sum
+        };
+        let xs: [*const f32; N] = std::array::from_fn(|i| sums.as_ptr().add((t0 + i) * nb));
         let xi: [*const i32; N] = std::array::from_fn(|i| x.isum.as_ptr().add((t0 + i) * nb));
         // Four activation values of token i, block b, from value `v`, in every lane.
         let word = |i: usize, b: usize, v: usize| {
@@ -497,7 +504,14 @@ unsafe fn half_group<const N: usize>(
     unsafe {
         let qs: [*const u8; N] = std::array::from_fn(|i| x.qs.as_ptr().add((t0 + i) * x.k).cast());
         let xd: [*const f32; N] = std::array::from_fn(|i| x.d.as_ptr().add((t0 + i) * nb));
-        let xs: [*const f32; N] = std::array::from_fn(|i| x.sum.as_ptr().add((t0 + i) * nb));
+        // Block sums: ggml's f16 Q8_1 sum for Q4_1's min, d·Σq for the K types' mins (one
+        // array either way: the loops keep every pointer in a register).
+        let sums = if kind == Kind::Q4_1 {
+            &x.sum_f16
+        } else {
+            &x.sum
+        };
+        let xs: [*const f32; N] = std::array::from_fn(|i| sums.as_ptr().add((t0 + i) * nb));
         let xi: [*const i32; N] = std::array::from_fn(|i| x.isum.as_ptr().add((t0 + i) * nb));
         let word = |i: usize, b: usize, v: usize| {
             _mm256_set1_epi32(std::ptr::read_unaligned(
