@@ -236,32 +236,12 @@ impl<B: Backend> Loader<'_, B> {
             self.load(&format!("{name}.weight_packed"), &[rows, cols / 2])?;
         let (scales_name, scales_type, scales) =
             self.load(&format!("{name}.weight_scale"), &[rows, cols / 32])?;
-        if codes_type != DType::U8 {
-            return Err(bad(format!(
-                "tensor {codes_name} is {codes_type}; MXFP4 codes are U8"
-            )));
-        }
-        if !matches!(scales_type, DType::U8 | DType::E8M0) {
-            return Err(bad(format!(
-                "tensor {scales_name} is {scales_type}; MXFP4 scales are U8 or F8_E8M0"
-            )));
-        }
-        // 255 is NaN in E8M0: refuse it here rather than run a layer into NaNs.
-        if let Some(i) = scales.iter().position(|&e| e == 255) {
-            return Err(bad(format!(
-                "tensor {scales_name}: row {}, block {} holds the E8M0 NaN scale 255",
-                i / (cols / 32),
-                i % (cols / 32)
-            )));
-        }
-        let mut blocks = vec![0u8; rows * cols / 32 * 17];
-        for ((out, c), s) in blocks
-            .chunks_exact_mut(cols / 32 * 17)
-            .zip(codes.chunks_exact(cols / 2))
-            .zip(scales.chunks_exact(cols / 32))
-        {
-            kimi_gguf::mxfp4::from_planes(c, s, out);
-        }
+        let blocks = mxfp4_blocks(
+            (&codes_name, codes_type, &codes),
+            (&scales_name, scales_type, &scales),
+            rows,
+            cols,
+        )?;
         self.host_stored(&codes_name, [rows, cols], DType::MXFP4, blocks)
     }
 
@@ -590,4 +570,44 @@ impl<T> MlaLayer<T> {
         }
         Ok(be.matmul(&o, &self.o)?)
     }
+}
+
+/// ggml MXFP4 blocks `[rows, cols / 32 × 17 bytes]` from a matrix's two checkpoint planes,
+/// each `(name, dtype, bytes)`: U8 codes `[rows, cols / 2]` (column `2i` in the low nibble of
+/// byte `i`) and U8/E8M0 scales `[rows, cols / 32]`. The values are unchanged; E8M0's NaN
+/// (255) is refused with the tensor, row and block named rather than run into NaNs.
+pub(crate) fn mxfp4_blocks(
+    (codes_name, codes_type, codes): (&str, DType, &[u8]),
+    (scales_name, scales_type, scales): (&str, DType, &[u8]),
+    rows: usize,
+    cols: usize,
+) -> Result<Vec<u8>> {
+    let bad = |what: String| crate::ModelError::Input(what);
+    if codes_type != DType::U8 {
+        return Err(bad(format!(
+            "tensor {codes_name} is {codes_type}; MXFP4 codes are U8"
+        )));
+    }
+    if !matches!(scales_type, DType::U8 | DType::E8M0) {
+        return Err(bad(format!(
+            "tensor {scales_name} is {scales_type}; MXFP4 scales are U8 or F8_E8M0"
+        )));
+    }
+    let blocks = cols / 32;
+    if let Some(i) = scales.iter().position(|&e| e == 255) {
+        return Err(bad(format!(
+            "tensor {scales_name}: row {}, block {} holds the E8M0 NaN scale 255",
+            i / blocks,
+            i % blocks
+        )));
+    }
+    let mut out = vec![0u8; rows * blocks * 17];
+    for ((row, c), s) in out
+        .chunks_exact_mut(blocks * 17)
+        .zip(codes.chunks_exact(cols / 2))
+        .zip(scales.chunks_exact(blocks))
+    {
+        kimi_gguf::mxfp4::from_planes(c, s, row);
+    }
+    Ok(out)
 }

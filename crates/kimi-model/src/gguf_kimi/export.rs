@@ -326,28 +326,12 @@ fn mxfp4_experts(source: &dyn WeightSource, r: &Recipe) -> Result<Vec<u8>> {
         let scale = format!("{base}.weight_scale");
         let (codes_type, codes) = source.load(&packed, &[rows, cols / 2])?;
         let (scales_type, scales) = source.load(&scale, &[rows, blocks])?;
-        if codes_type != DType::U8 || !matches!(scales_type, DType::U8 | DType::E8M0) {
-            return Err(ModelError::Input(format!(
-                "`{packed}` is {codes_type} and `{scale}` {scales_type}; MXFP4 planes are U8 \
-                 codes and U8 or F8_E8M0 scales"
-            )));
-        }
-        if let Some(i) = scales.iter().position(|&e| e == 255) {
-            return Err(ModelError::Input(format!(
-                "`{scale}`: row {}, block {} holds the E8M0 NaN scale 255",
-                i / blocks,
-                i % blocks
-            )));
-        }
-        let start = out.len();
-        out.resize(start + rows * blocks * 17, 0);
-        for ((row, c), s) in out[start..]
-            .chunks_exact_mut(blocks * 17)
-            .zip(codes.chunks_exact(cols / 2))
-            .zip(scales.chunks_exact(blocks))
-        {
-            kimi_gguf::mxfp4::from_planes(c, s, row);
-        }
+        out.extend(crate::layers::mxfp4_blocks(
+            (&packed, codes_type, &codes),
+            (&scale, scales_type, &scales),
+            rows,
+            cols,
+        )?);
     }
     Ok(out)
 }
