@@ -178,7 +178,8 @@ fi
 # slots, page-locked fills (the default) and staged ones (KIMI_CUDA_PIN_HOST_EXPERTS=0), and
 # each miss policy (--offload-miss: auto balances copies against the CPU by measured costs).
 # OFFLOAD_HOST: experts per layer (of 256) kept in host RAM; OFFLOAD_SLOTS: device slots;
-# OFFLOAD_PIN: 1 and/or 0; OFFLOAD_MISS: auto, copy and/or cpu.
+# OFFLOAD_PIN: 1 and/or 0; OFFLOAD_MISS: auto, copy and/or cpu; OFFLOAD_SKEW: `bench
+# --routing-skew` values (0: about uniform routing, the worst case for the cache).
 # First the fixtures in tiers against all resident on the device (`check offload`).
 if want offload; then
   [ -n "${OFFLOAD_SKIP_CHECK:-}" ] || timeout 240 .device-bin/check offload 2>&1 | tee "$OUT/offload-check.txt"
@@ -192,12 +193,14 @@ if want offload; then
           [ "$slots" = 0 ] && [ "$miss" != "${OFFLOAD_MISS%% *}" ] && continue
           flags=""
           [ "$host" != 0 ] && flags="--offload-experts $host --expert-cache-slots $slots --offload-miss $miss"
-          name="offload-$host-$slots-pin$pin-$miss"
-          KIMI_CUDA_PIN_HOST_EXPERTS=$pin timeout ${OFFLOAD_TIMEOUT:-300} .device-bin/kimi-infer bench \
-            --device cuda --random-config "$CONFIG" \
-            --prompt-len 256 --gen-len 8 --repeats 1 --decode-batch "${OFFLOAD_BATCHES:-1,16}" \
-            --context 256 --decode-steps 16 $flags \
-            --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.txt"
+          for skew in ${OFFLOAD_SKEW:-0}; do
+            name="offload-$host-$slots-pin$pin-$miss-skew$skew"
+            KIMI_CUDA_PIN_HOST_EXPERTS=$pin timeout ${OFFLOAD_TIMEOUT:-300} .device-bin/kimi-infer bench \
+              --device cuda --random-config "$CONFIG" --routing-skew "$skew" \
+              --prompt-len 256 --gen-len 8 --repeats 1 --decode-batch "${OFFLOAD_BATCHES:-1,16}" \
+              --context 256 --decode-steps "${OFFLOAD_STEPS:-16}" $flags \
+              --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.txt"
+          done
         done
       done
     done

@@ -708,6 +708,19 @@ pub struct BenchArgs {
     /// Stored dtype of the random weights.
     #[arg(long, value_enum, default_value_t = RandomDType::Bf16)]
     pub random_dtype: RandomDType,
+    /// With --random-config: make the random routers prefer some experts, a Zipf-like
+    /// skew (each layer's selection bias lowered by SKEW · ln(rank + 1) over a random
+    /// ranking of its experts); 0 routes about uniformly, the worst case for expert caches.
+    /// The measured concentration is printed with each decode batch.
+    #[arg(long, default_value_t = 0.0, value_parser = parse_skew)]
+    pub routing_skew: f32,
+}
+
+fn parse_skew(text: &str) -> Result<f32, String> {
+    match text.parse::<f32>() {
+        Ok(v) if v.is_finite() && (0.0..=100.0).contains(&v) => Ok(v),
+        _ => Err(format!("`{text}` is not a skew between 0 and 100")),
+    }
 }
 
 /// Weight dtype for `bench --random-config`.

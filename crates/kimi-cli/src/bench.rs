@@ -24,6 +24,10 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         a.decode_batch.iter().all(|&b| b >= 1) && a.decode_steps >= 1 && a.context >= 1,
         "need --decode-batch sizes >= 1, --decode-steps >= 1 and --context >= 1"
     );
+    anyhow::ensure!(
+        a.routing_skew == 0.0 || a.random_config.is_some(),
+        "--routing-skew skews the routers of --random-config weights; a checkpoint routes as trained"
+    );
     crate::load::with_backend!(a.model, |backend| bench_on(backend, a))
 }
 
@@ -37,7 +41,7 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
                 RandomDType::F32 => kimi_core::DType::F32,
             };
             (
-                crate::load::load_random(backend, cfg, dtype, &a.model)?,
+                crate::load::load_random(backend, cfg, dtype, &a.model, a.routing_skew)?,
                 Some(dtype.size_bytes() as f64),
             )
         }
@@ -152,6 +156,15 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
             a.context
         );
         memory_peak = memory_peak.max(r.memory_used);
+        let top10 = routing_concentration(&r.routed, 0.10);
+        let top25 = routing_concentration(&r.routed, 0.25);
+        if let (Some(t10), Some(t25)) = (top10, top25) {
+            println!(
+                "  routing   the most-used 10 % of experts took {:.1} % of routed pairs, 25 % took {:.1} %",
+                t10 * 100.0,
+                t25 * 100.0
+            );
+        }
         let offload = r.offload.map(|c| {
             let tokens = (batch * a.decode_steps).max(1) as f64;
             println!(
@@ -171,6 +184,7 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
         });
         batches.push(json!({
             "offload": offload,
+            "routing_top10_share": top10, "routing_top25_share": top25,
             "batch": batch, "context": a.context, "steps": a.decode_steps,
             "tokens_per_sec": batch as f64 / r.median_step_secs,
             "median_step_ms": r.median_step_secs * 1e3,
@@ -203,6 +217,7 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
     let result = json!({
         "model": loaded.dir.display().to_string(),
         "offload_miss_costs": miss_costs,
+        "routing_skew": a.routing_skew,
         "backend": backend_name,
         "threads": kimi_cpu::num_threads(),
         "total_params": total_params, "active_params": active_params,
@@ -245,6 +260,26 @@ struct BatchTiming {
     memory_used: u64,
     /// The expert tiers' counters over the timed decode steps (with offloaded experts).
     offload: Option<kimi_model::OffloadCounts>,
+    /// Routed pairs per expert of each layer over the timed decode steps.
+    routed: Vec<Vec<u64>>,
+}
+
+/// The share of routed pairs the most-used `fraction` of each MoE layer's experts took,
+/// averaged over the layers (`fraction` itself where routing is uniform); `None` without
+/// routed experts.
+fn routing_concentration(routed: &[Vec<u64>], fraction: f64) -> Option<f64> {
+    let shares: Vec<f64> = routed
+        .iter()
+        .filter(|counts| counts.iter().any(|&c| c > 0))
+        .map(|counts| {
+            let mut sorted = counts.clone();
+            sorted.sort_unstable_by(|a, b| b.cmp(a));
+            let top = ((counts.len() as f64 * fraction).round() as usize).max(1);
+            let total: u64 = sorted.iter().sum();
+            sorted[..top.min(sorted.len())].iter().sum::<u64>() as f64 / total as f64
+        })
+        .collect();
+    (!shares.is_empty()).then(|| shares.iter().sum::<f64>() / shares.len() as f64)
 }
 
 /// Prefills `batch` sequences with `context` tokens each (several sequences per forward pass,
@@ -301,6 +336,7 @@ fn decode_batch<B: Backend>(
     let mut times = Vec::with_capacity(steps);
     let mut memory_used = 0;
     let offload_before = model.offload_counts();
+    let mut routed: Vec<Vec<u64>> = Vec::new();
     for _ in 0..steps {
         let b = Batch {
             tokens: last.clone(),
@@ -312,6 +348,13 @@ fn decode_batch<B: Backend>(
         let t = Instant::now();
         let out = model.forward(&b, &mut pool, &mut refs, opts)?;
         times.push(t.elapsed().as_secs_f64());
+        routed.resize_with(routed.len().max(out.expert_counts.len()), Vec::new);
+        for (sum, counts) in routed.iter_mut().zip(&out.expert_counts) {
+            sum.resize(sum.len().max(counts.len()), 0);
+            for (s, &c) in sum.iter_mut().zip(counts) {
+                *s += u64::from(c);
+            }
+        }
         memory_used = memory_used.max(device_memory_used(model.backend()));
         anyhow::ensure!(out.token_ids.len() == batch, "one token per sequence");
         last.copy_from_slice(&out.token_ids);
@@ -327,6 +370,7 @@ fn decode_batch<B: Backend>(
         prefill_secs,
         memory_used,
         offload,
+        routed,
     })
 }
 

@@ -448,6 +448,7 @@ pub fn load_random<B: Backend + 'static>(
     config: &Path,
     dtype: kimi_core::DType,
     args: &ModelArgs,
+    routing_skew: f32,
 ) -> anyhow::Result<Loaded<B>> {
     let mut options = args.offload.load_options()?;
     let split = args.parallel.split()?;
@@ -507,7 +508,10 @@ pub fn load_random<B: Backend + 'static>(
             crate::cache_plan::gib(room)
         );
     }
-    let source = kimi_model::RandomWeights { dtype, seed: 0 };
+    let source = kimi_model::SkewedRouting {
+        inner: kimi_model::RandomWeights { dtype, seed: 0 },
+        skew: routing_skew,
+    };
     let loaded = match split {
         None => registry::load_config_with(backend, cfg.clone(), &source, options)?,
         Some((world, experts, timeout)) => registry::load_split(

@@ -62,7 +62,7 @@ fn prepare_on<B: Backend + 'static>(backend: B, a: &ServeArgs) -> anyhow::Result
     let cors = a.cors.config();
     let mut loaded = match &a.random_config {
         Some(config) => {
-            crate::load::load_random(backend, config, kimi_core::DType::BF16, &a.model)?
+            crate::load::load_random(backend, config, kimi_core::DType::BF16, &a.model, 0.0)?
         }
         None => crate::load::load(backend, &a.model, a.tokenizer.is_none())?,
     };

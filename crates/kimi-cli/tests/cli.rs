@@ -770,6 +770,51 @@ fn bench_writes_json() {
     assert!(v["peak_rss_bytes"].as_u64().unwrap() > 0);
 }
 
+/// `--routing-skew` makes the random routers prefer some experts: the most-used quarter
+/// of the experts takes a larger share of the routed pairs than without it.
+#[test]
+fn bench_routing_skew_concentrates_the_routed_pairs() {
+    let out = tempfile::tempdir().unwrap();
+    let cfg = fixture("hub-bf16-irregular").join("config.json");
+    let share = |skew: &str| {
+        let json = out.path().join(format!("bench-{skew}.json"));
+        let o = run(&[
+            "bench",
+            "--random-config",
+            cfg.to_str().unwrap(),
+            "--prompt-len",
+            "4",
+            "--gen-len",
+            "2",
+            "--repeats",
+            "1",
+            "--decode-batch",
+            "8",
+            "--context",
+            "4",
+            "--decode-steps",
+            "4",
+            "--routing-skew",
+            skew,
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(stdout(&o).contains("most-used 10 % of experts took"), "{}", stdout(&o));
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+        let top = v["decode_batches"][0]["routing_top25_share"].as_f64().unwrap();
+        assert!(top > 0.0 && top <= 1.0, "{top}");
+        top
+    };
+    let (plain, skewed) = (share("0"), share("3"));
+    assert!(skewed > plain, "skewed {skewed} against {plain}");
+    let o = run(&["bench", "--model", "x", "--routing-skew", "1"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--random-config"), "{}", stderr(&o));
+    let o = run(&["bench", "--random-config", "c.json", "--routing-skew=-1"]);
+    assert!(stderr(&o).contains("not a skew"), "{}", stderr(&o));
+}
+
 #[test]
 fn cuda_device_without_cuda_build_is_a_plain_error() {
     if cfg!(feature = "cuda") {

@@ -35,7 +35,7 @@ pub use kimi_ops::offload::{ExpertOffload, OffloadAmount, OffloadCounts, Placeme
 pub use llama::{Llama, LlamaConfig};
 pub use native_names::{CheckpointLayout, CheckpointSource};
 pub use registry::{Architecture, LoadedModel};
-pub use source::{RandomWeights, WeightSource};
+pub use source::{RandomWeights, SkewedRouting, WeightSource};
 pub use summary::{Component, ComponentSize, ModelSummary, ParamCounts, CACHE_BYTES, STATE_BYTES};
 
 /// Errors from loading or running a model.

@@ -259,6 +259,80 @@ impl WeightSource for RandomWeights {
     }
 }
 
+/// Another source whose routers prefer some experts: each MoE layer's
+/// `e_score_correction_bias` (the selection-only bias of Kimi's sigmoid routers) gets
+/// `−skew · ln(r + 1)` added, `r` the expert's rank in a per-layer permutation drawn from
+/// the tensor's name. Selection then behaves roughly like a Zipf law over that ranking
+/// (a Gumbel-like spread of the scores turns an additive bias into a factor on the odds);
+/// `bench` measures and prints what share of the routed pairs the most-used experts take,
+/// which is the figure to quote. Every other tensor is the inner source's.
+pub struct SkewedRouting<S> {
+    /// The weights before the routers are skewed.
+    pub inner: S,
+    /// Bias per unit of `ln(rank + 1)`; 0 leaves the routers as they are.
+    pub skew: f32,
+}
+
+impl<S: WeightSource> WeightSource for SkewedRouting<S> {
+    fn contains(&self, name: &str) -> bool {
+        self.inner.contains(name)
+    }
+
+    fn load(&self, name: &str, shape: &[usize]) -> Result<(DType, Cow<'_, [u8]>)> {
+        let (dtype, bytes) = self.inner.load(name, shape)?;
+        if self.skew == 0.0 || !name.ends_with("e_score_correction_bias") {
+            return Ok((dtype, bytes));
+        }
+        let mut values: Vec<f32> = match dtype {
+            DType::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            DType::BF16 => bytes
+                .chunks_exact(2)
+                .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            other => {
+                return Err(ModelError::Input(format!(
+                    "{name}: a skewed router needs an f32 or bf16 bias, not {other}"
+                )))
+            }
+        };
+        let seed = fnv(name) ^ 0x5ca1ab1e;
+        let mut order: Vec<(u64, usize)> = (0..values.len())
+            .map(|i| {
+                let mut state = seed ^ (i as u64).wrapping_mul(0xd1b54a32d192ed03);
+                splitmix_unit(&mut state);
+                (state, i)
+            })
+            .collect();
+        order.sort_unstable();
+        for (rank, &(_, i)) in order.iter().enumerate() {
+            values[i] -= self.skew * ((rank + 1) as f32).ln();
+        }
+        let out: Vec<u8> = match dtype {
+            DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            _ => values
+                .iter()
+                .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+                .collect(),
+        };
+        Ok((dtype, Cow::Owned(out)))
+    }
+
+    fn check_all_used(&self, used: &HashSet<String>) -> Result<()> {
+        self.inner.check_all_used(used)
+    }
+
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.inner.shape(name)
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.inner.names()
+    }
+}
+
 /// One plane of a random MXFP4 matrix: uniform codes, or E8M0 scales of 2^-8 .. 2^-5 so that
 /// the values (up to ±6 · scale) keep activations finite through any depth.
 fn random_mxfp4_plane(name: &str, shape: &[usize], n: usize, seed: u64) -> Result<Vec<u8>> {
@@ -354,5 +428,62 @@ mod tests {
             assert!(err.contains(&format!("{n} values of {dtype}")), "{err}");
         }
         assert!(quantized_to_bf16(DType::BF16, &[0, 0], 1).is_err());
+    }
+
+    /// A skewed router's bias is the inner one minus `skew · ln(rank + 1)` over a permutation
+    /// (every rank once), in the inner dtype; other tensors and a skew of 0 are untouched.
+    #[test]
+    fn skewed_routing_ranks_each_layers_experts() {
+        let bias = "model.layers.1.mlp.gate.e_score_correction_bias";
+        let skew = 0.5f32;
+        let load = |dtype, skew| {
+            let source = SkewedRouting {
+                inner: RandomWeights { dtype, seed: 3 },
+                skew,
+            };
+            let (got, bytes) = source.load(bias, &[64]).unwrap();
+            assert_eq!(got, dtype);
+            bytes.into_owned()
+        };
+        let f32s = |b: Vec<u8>| -> Vec<f32> {
+            b.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        };
+        let (before, after) = (f32s(load(DType::F32, 0.0)), f32s(load(DType::F32, skew)));
+        let ranks: Vec<usize> = before
+            .iter()
+            .zip(&after)
+            .map(|(b, a)| (((b - a) / skew).exp() - 1.0).round() as usize)
+            .collect();
+        let mut sorted = ranks.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..64).collect::<Vec<_>>(), "one expert per rank");
+        for ((b, a), r) in before.iter().zip(&after).zip(&ranks) {
+            assert_eq!(*a, b - skew * ((r + 1) as f32).ln());
+        }
+        // bf16: the same ranks, the skewed value rounded once.
+        let plain = load(DType::BF16, 0.0);
+        let want: Vec<u8> = plain
+            .chunks_exact(2)
+            .zip(&ranks)
+            .flat_map(|(c, r)| {
+                let b = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+                bf16::from_f32(b - skew * ((r + 1) as f32).ln()).to_le_bytes()
+            })
+            .collect();
+        assert_eq!(load(DType::BF16, skew), want);
+        let source = SkewedRouting {
+            inner: RandomWeights {
+                dtype: DType::BF16,
+                seed: 3,
+            },
+            skew,
+        };
+        let other = "model.layers.1.mlp.gate.weight";
+        assert_eq!(
+            source.load(other, &[4, 8]).unwrap().1.as_ref(),
+            source.inner.load(other, &[4, 8]).unwrap().1.as_ref()
+        );
     }
 }
