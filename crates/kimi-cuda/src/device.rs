@@ -90,6 +90,7 @@ const KERNELS: &[(&str, &[&str])] = &[
             "moe_mxfp4_mma_4_half",
             "moe_mxfp4_mma_4_split",
             "mxfp4_act_bf16",
+            "mxfp4_from_blocks",
             "mxfp4_to_f32",
         ],
     ),
