@@ -159,10 +159,16 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
         let top10 = routing_concentration(&r.routed, 0.10);
         let top25 = routing_concentration(&r.routed, 0.25);
         if let (Some(t10), Some(t25)) = (top10, top25) {
+            // Few pairs over many experts concentrate by chance: say how many there were.
+            let layers = r.routed.iter().filter(|c| c.iter().any(|&n| n > 0));
+            let (moe_layers, pairs, experts) = layers.fold((0, 0u64, 0), |(l, p, _), c| {
+                (l + 1, p + c.iter().sum::<u64>(), c.len())
+            });
             println!(
-                "  routing   the most-used 10 % of experts took {:.1} % of routed pairs, 25 % took {:.1} %",
+                "  routing   the most-used 10 % of experts took {:.1} % of routed pairs, 25 % took {:.1} % ({} pairs per layer over {experts} experts)",
                 t10 * 100.0,
-                t25 * 100.0
+                t25 * 100.0,
+                pairs / moe_layers.max(1) as u64
             );
         }
         let offload = r.offload.map(|c| {

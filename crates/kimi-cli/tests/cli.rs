@@ -800,9 +800,15 @@ fn bench_routing_skew_concentrates_the_routed_pairs() {
             json.to_str().unwrap(),
         ]);
         assert!(o.status.success(), "{}", stderr(&o));
-        assert!(stdout(&o).contains("most-used 10 % of experts took"), "{}", stdout(&o));
+        assert!(
+            stdout(&o).contains("most-used 10 % of experts took"),
+            "{}",
+            stdout(&o)
+        );
         let v: Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
-        let top = v["decode_batches"][0]["routing_top25_share"].as_f64().unwrap();
+        let top = v["decode_batches"][0]["routing_top25_share"]
+            .as_f64()
+            .unwrap();
         assert!(top > 0.0 && top <= 1.0, "{top}");
         top
     };
