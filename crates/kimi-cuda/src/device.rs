@@ -91,6 +91,7 @@ const KERNELS: &[(&str, &[&str])] = &[
             "moe_mxfp4_mma_4_split",
             "mxfp4_act_bf16",
             "mxfp4_to_f32",
+            "mxfp4_from_blocks",
         ],
     ),
     ("sampling", &["apply_penalties", "sample_rows"]),
