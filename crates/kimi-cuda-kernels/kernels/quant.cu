@@ -1,6 +1,7 @@
 // Integer and FP8 weights kept packed on the device: Q4Z (W4A16: AWQ, GPTQ and
 // compressed-tensors INT4), Q8Z (INT8) and F8S (FP8 E4M3), 32 values per block with an f32
-// scale (and zero point) each. Decode products stream the packed blocks (`quant_gemv_*`);
+// scale (and zero point) each, and ggml's Q4_0, Q4_1, Q8_0 and Q4_K repacked on the host
+// into the same 32-value units (format 3: `q · a − b`, Q4_1 and Q4_K's sub-blocks). Decode products stream the packed blocks (`quant_gemv_*`);
 // prefill widens the matrix to bf16 once per call (`quant_widen`) for cuBLAS.
 //
 // Device layout (made on the host by `quant_layout::device_planes`): the stored blocks of a
@@ -8,14 +9,16 @@
 // codes are whole aligned 16-byte words and a warp's loads are contiguous:
 //   codes:  rows * nb * CB bytes (Q4Z: 16, ggml nibble order: byte j holds value j in its
 //           low nibble and value j + 16 in its high one; Q8Z: 32 u8; F8S: 32 E4M3 bytes),
-//   scales: rows * nb * SB bytes after it (Q4Z, Q8Z: float2 (d, z); F8S: float d),
-// nb = cols / 32. A value is (q - z) * d (Q4Z, Q8Z) or e4m3(q) * d (F8S), as on the CPU.
+//   scales: rows * nb * SB bytes after it (Q4Z, Q8Z: float2 (d, z); F8S: float d;
+//           Q4A: float2 (a, b)),
+// nb = cols / 32. A value is (q - z) * d (Q4Z, Q8Z), e4m3(q) * d (F8S) or q * a - b (Q4A,
+// codes as Q4Z's), as on the CPU.
 #include <cuda_fp8.h>
 
 #include "common.cuh"
 
 namespace qz {
-constexpr int Q4Z = 0, Q8Z = 1, F8S = 2;
+constexpr int Q4Z = 0, Q8Z = 1, F8S = 2, Q4A = 3;
 
 template <int FMT>
 struct Fmt;
@@ -30,6 +33,10 @@ struct Fmt<Q8Z> {
 template <>
 struct Fmt<F8S> {
   static constexpr int CB = 32, SB = 4;
+};
+template <>
+struct Fmt<Q4A> {
+  static constexpr int CB = 16, SB = 8;
 };
 
 // Byte `b` of `w` as an exact float: 0x4B0000qq is 2^23 + q, one PRMT and one FADD instead of
@@ -51,7 +58,7 @@ __device__ __forceinline__ Raw load_block(const uint8_t* codes, const uint8_t* s
   Raw r;
   const uint4* c = reinterpret_cast<const uint4*>(codes + blk * Fmt<FMT>::CB);
   r.c0 = __ldg(c);
-  if constexpr (FMT != Q4Z) r.c1 = __ldg(c + 1);
+  if constexpr (Fmt<FMT>::CB == 32) r.c1 = __ldg(c + 1);
   if constexpr (FMT == F8S) {
     r.d = __ldg(reinterpret_cast<const float*>(scales) + blk);
     r.z = 0.0f;
@@ -68,18 +75,23 @@ __device__ __forceinline__ uint32_t word(const uint4& q, int i) {
 }
 
 // Piece `i` (0..3) of a block: 8 of its values before the scale, q - z (Q4Z, Q8Z) or
-// e4m3(q) (F8S), the first four at offset `xa` of the block and the last four at `xb`.
-// Q4Z: word i's low nibbles are values 4i.., its high nibbles 16 + 4i..; Q8Z, F8S: words
-// 2i and 2i + 1 are values 8i.. in order.
+// e4m3(q) (F8S), or with it, q * a - b (Q4A); the first four at offset `xa` of the block
+// and the last four at `xb`. Q4Z, Q4A: word i's low nibbles are values 4i.., its high
+// nibbles 16 + 4i..; Q8Z, F8S: words 2i and 2i + 1 are values 8i.. in order.
 template <int FMT>
 __device__ __forceinline__ void piece(const Raw& r, int i, float v[8], int& xa, int& xb) {
-  if constexpr (FMT == Q4Z) {
+  if constexpr (Fmt<FMT>::CB == 16) {
     const uint32_t w = word(r.c0, i);
     const uint32_t lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
-      v[b] = byte_f(lo, b) - r.z;
-      v[4 + b] = byte_f(hi, b) - r.z;
+      if constexpr (FMT == Q4A) {
+        v[b] = fmaf(byte_f(lo, b), r.d, -r.z);
+        v[4 + b] = fmaf(byte_f(hi, b), r.d, -r.z);
+      } else {
+        v[b] = byte_f(lo, b) - r.z;
+        v[4 + b] = byte_f(hi, b) - r.z;
+      }
     }
     xa = 4 * i;
     xb = 16 + 4 * i;
@@ -192,7 +204,8 @@ __device__ __forceinline__ void quant_gemv_body(const uint8_t* w, const float* x
 #pragma unroll
     for (int r = 0; r < QGEMV_RW; ++r)
 #pragma unroll
-      for (int g = 0; g < NT; ++g) acc[r][g] = fmaf(cur[r].d, s[r][g], acc[r][g]);
+      for (int g = 0; g < NT; ++g)
+        acc[r][g] = FMT == qz::Q4A ? acc[r][g] + s[r][g] : fmaf(cur[r].d, s[r][g], acc[r][g]);
     if (more) {
 #pragma unroll
       for (int r = 0; r < QGEMV_RW; ++r) cur[r] = nxt[r];
@@ -226,30 +239,39 @@ QUANT_GEMV(quant_gemv_f8s_1, qz::F8S, 1, 8)
 QUANT_GEMV(quant_gemv_f8s_2, qz::F8S, 2, 6)
 QUANT_GEMV(quant_gemv_f8s_4, qz::F8S, 4, 4)
 QUANT_GEMV(quant_gemv_f8s_8, qz::F8S, 8, 4)
+QUANT_GEMV(quant_gemv_q4a_1, qz::Q4A, 1, 8)
+QUANT_GEMV(quant_gemv_q4a_2, qz::Q4A, 2, 6)
+QUANT_GEMV(quant_gemv_q4a_4, qz::Q4A, 4, 4)
+QUANT_GEMV(quant_gemv_q4a_8, qz::Q4A, 8, 4)
 
 // ---------------------------------------------------------------------------------------
-// The packed matrix w [rows, cols] (format `fmt`: 0 = Q4Z, 1 = Q8Z, 2 = F8S) widened to
+// The packed matrix w [rows, cols] (format `fmt`: 0 = Q4Z, 1 = Q8Z, 2 = F8S, 3 = Q4A) widened to
 // `out`: bf16 (`bf16` != 0) for the prefill GEMM, else f32 (reading weights back). Each
 // value is (q - z) * d or e4m3(q) * d in f32, one rounding as on the CPU, then rounded to
 // bf16. One thread per 8 values: its block's codes and scale, and one 16- or 32-byte store.
+// `i` counts 8-value groups of `out`; `blk` is the unit they come from.
 template <int FMT>
 __device__ __forceinline__ void widen8(const uint8_t* w, void* out, int bf16, size_t nblocks,
-                                       size_t i) {
+                                       size_t i, size_t blk) {
   using F = qz::Fmt<FMT>;
-  const size_t blk = i >> 2;
   const int part = (int)(i & 3);
   const qz::Raw r = qz::load_block<FMT>(w, w + nblocks * F::CB, blk);
-  // Values 8·part.. in order: for Q8Z and F8S the GEMV's piece `part`; for Q4Z the low
+  // Values 8·part.. in order: for Q8Z and F8S the GEMV's piece `part`; for Q4Z and Q4A the low
   // (parts 0, 1) or high (2, 3) nibbles of code words 2·(part & 1) and the next.
   float f[8];
-  if constexpr (FMT == qz::Q4Z) {
+  if constexpr (qz::Fmt<FMT>::CB == 16) {
     const uint32_t wd = qz::word(r.c0, 2 * (part & 1)), we = qz::word(r.c0, 2 * (part & 1) + 1);
     const int sh = 4 * (part >> 1);  // values 0..15 (low nibbles) or 16..31 (high)
     const uint32_t a = (wd >> sh) & 0x0F0F0F0Fu, b = (we >> sh) & 0x0F0F0F0Fu;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      f[j] = (qz::byte_f(a, j) - r.z) * r.d;
-      f[4 + j] = (qz::byte_f(b, j) - r.z) * r.d;
+      if constexpr (FMT == qz::Q4A) {
+        f[j] = fmaf(qz::byte_f(a, j), r.d, -r.z);
+        f[4 + j] = fmaf(qz::byte_f(b, j), r.d, -r.z);
+      } else {
+        f[j] = (qz::byte_f(a, j) - r.z) * r.d;
+        f[4 + j] = (qz::byte_f(b, j) - r.z) * r.d;
+      }
     }
   } else {
     float v[8];
@@ -274,17 +296,40 @@ __device__ __forceinline__ void widen8(const uint8_t* w, void* out, int bf16, si
   }
 }
 
+__device__ __forceinline__ void widen_any(const uint8_t* w, int fmt, void* out, int bf16,
+                                          size_t nblocks, size_t i, size_t blk) {
+  if (fmt == qz::Q4Z)
+    widen8<qz::Q4Z>(w, out, bf16, nblocks, i, blk);
+  else if (fmt == qz::Q8Z)
+    widen8<qz::Q8Z>(w, out, bf16, nblocks, i, blk);
+  else if (fmt == qz::Q4A)
+    widen8<qz::Q4A>(w, out, bf16, nblocks, i, blk);
+  else
+    widen8<qz::F8S>(w, out, bf16, nblocks, i, blk);
+}
+
 extern "C" __global__ void quant_widen(const uint8_t* w, int fmt, void* out, int bf16,
                                        int rows, int cols) {
   pdl_enter();
   const size_t nblocks = (size_t)rows * (cols >> 5), total = nblocks * 4;
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
        i += (size_t)gridDim.x * blockDim.x) {
-    if (fmt == qz::Q4Z)
-      widen8<qz::Q4Z>(w, out, bf16, nblocks, i);
-    else if (fmt == qz::Q8Z)
-      widen8<qz::Q8Z>(w, out, bf16, nblocks, i);
-    else
-      widen8<qz::F8S>(w, out, bf16, nblocks, i);
+    widen_any(w, fmt, out, bf16, nblocks, i, i >> 2);
+  }
+}
+
+// Embedding rows of a packed table [vocab, d]: out [n, d] f32 = rows ids[0..n) widened.
+// One thread per 8 values of the output. Ids are checked against the vocabulary on the
+// host.
+extern "C" __global__ void quant_embed(const uint8_t* w, int fmt, const uint32_t* ids,
+                                       float* out, int n, int d, int vocab) {
+  pdl_enter();
+  const int nb = d >> 5;
+  const size_t nblocks = (size_t)vocab * nb, total = (size_t)n * nb * 4;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const size_t t = i / ((size_t)nb * 4);
+    const size_t b = (i >> 2) - t * nb;
+    widen_any(w, fmt, out, 0, nblocks, i, (size_t)ids[t] * nb + b);
   }
 }

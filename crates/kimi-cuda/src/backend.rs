@@ -374,7 +374,7 @@ impl CudaBackend {
             DType::F16 => ("cast_f32_f16", "split_f32_f16", cudaDataType::CUDA_R_16F),
             // Packed weights outside the expert kernels (rare): widened for this product.
             DType::MXFP4 => return self.matmul_blocks(x, &self.widen_mxfp4(w, op)?, rows, op),
-            DType::Q4Z | DType::Q8Z | DType::F8S => return self.matmul_quant(x, w, rows, op),
+            dt if quant::is_planar(dt) => return self.matmul_quant(x, w, rows, op),
             other => return Err(Error::Unsupported(format!("{op} with {other} weights"))),
         };
         if n * k == 0 {
@@ -766,15 +766,31 @@ impl Backend for CudaBackend {
                 format!("token id {bad} is outside the vocabulary of {vocab}"),
             ));
         }
-        // A packed table (rare: quantizers keep embeddings in bf16) is widened per call.
-        let plain = self.plain_copy(table, OP)?;
-        let table = plain.as_ref().unwrap_or(table);
-        let dt = code(table, OP)?;
         let out = self.empty(&[ids.len(), d], DType::F32, OP)?;
         if ids.is_empty() {
             return Ok(out);
         }
         let idx = self.upload_u32(ids, OP)?;
+        if quant::is_planar(table.dtype) {
+            // A packed table (GGUF files): only the rows asked for are widened.
+            // SAFETY: the table is a [vocab, d] matrix in the device planes (its upload
+            // checked d against the block size); ids are below vocab; out holds
+            // ids.len()*d f32.
+            unsafe {
+                ops::quant::embed(
+                    &self.dev,
+                    table.dtype,
+                    table.ptr(),
+                    Self::slice_ptr(&idx),
+                    out.ptr(),
+                    ids.len(),
+                    d,
+                    vocab,
+                )?
+            };
+            return Ok(out);
+        }
+        let dt = code(table, OP)?;
         // SAFETY: ids are below vocab; out holds ids.len()*d f32.
         unsafe {
             ops::elementwise::embedding(

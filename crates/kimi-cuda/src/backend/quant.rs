@@ -1,6 +1,6 @@
-//! Weights kept as Q4Z, Q8Z or F8S blocks on the device (AWQ / GPTQ / compressed-tensors
-//! INT4 and INT8, FP8): their upload into the planes of [`crate::quant_layout`], widening,
-//! and their products. `impl Backend` in `backend.rs` delegates here.
+//! Weights kept packed on the device: Q4Z, Q8Z and F8S (AWQ / GPTQ / compressed-tensors
+//! INT4 and INT8, FP8) and ggml's Q4_0, Q4_1, Q8_0 and Q4_K (GGUF files): their upload
+//! into the planes of [`crate::quant_layout`], widening, and their products. `impl Backend` in `backend.rs` delegates here.
 //!
 //! A product of a few activation rows (decode) streams the packed blocks through
 //! `quant_gemv_*`; more rows (prefill) widen the matrix to a bf16 scratch once per call
@@ -29,11 +29,12 @@ impl CudaBackend {
         let n: usize = host.shape.iter().product();
         let cols = host.shape.last().copied().unwrap_or(0);
         let want = host.dtype.storage_bytes(n);
-        if host.shape.len() != 2 || !cols.is_multiple_of(32) || want != Some(host.bytes.len()) {
+        let block = host.dtype.block_size();
+        if host.shape.len() != 2 || !cols.is_multiple_of(block) || want != Some(host.bytes.len()) {
             return Err(shape_err(
                 "upload",
                 format!(
-                    "{} matrix {:?} (rows of whole 32-value blocks) needs {want:?} bytes, got {}",
+                    "{} matrix {:?} (rows of whole {block}-value blocks) needs {want:?} bytes, got {}",
                     host.dtype,
                     host.shape,
                     host.bytes.len()
@@ -48,7 +49,7 @@ impl CudaBackend {
         })
     }
 
-    /// A Q4Z, Q8Z or F8S weight from its stored blocks, kept packed in the device planes.
+    /// A weight of a type kept packed, from its stored blocks, into the device planes.
     pub(super) fn upload_quant(&self, host: &HostTensor<'_>) -> Result<CudaTensor> {
         let planes = Self::quant_planes(host)?;
         self.dev.enter("upload")?;
@@ -131,7 +132,7 @@ impl CudaBackend {
     }
 
     /// `w` widened to bf16 when it is packed (for the ops whose kernels read plain weights:
-    /// embeddings, MLA's decompression); `None` when it is already plain.
+    /// MLA's decompression); `None` when it is already plain.
     pub(super) fn plain_copy(
         &self,
         w: &CudaTensor,

@@ -1,5 +1,5 @@
-//! Launchers of `kernels/quant.cu`: weights kept as Q4Z, Q8Z or F8S blocks on the device
-//! (in the planes of [`crate::quant_layout`]): the small-batch GEMV that streams them, and
+//! Launchers of `kernels/quant.cu`: weights kept packed on the device (Q4Z, Q8Z, F8S and
+//! ggml's Q4_0, Q4_1, Q8_0, Q4_K, in the planes of [`crate::quant_layout`]): the small-batch GEMV that streams them, and
 //! widening a matrix to bf16 (prefill GEMMs) or f32 (reading it back).
 
 use kimi_core::DType;
@@ -23,7 +23,7 @@ fn fmt(dtype: DType) -> Result<i32> {
     format_code(dtype).ok_or_else(|| Error::Unsupported(format!("quantized kernels for {dtype}")))
 }
 
-/// `y [n, o] = x [n, k] · wᵀ` for a packed `w [o, k]` of `dtype` (Q4Z, Q8Z or F8S), f32
+/// `y [n, o] = x [n, k] · wᵀ` for a packed `w [o, k]` of `dtype` (a type kept packed), f32
 /// activations and products, `1 <= n <= GEMV_MAX_ROWS`.
 ///
 /// # Safety
@@ -53,7 +53,8 @@ pub(crate) unsafe fn gemv(
     let family = match fmt(dtype)? {
         0 => "q4z",
         1 => "q8z",
-        _ => "f8s",
+        2 => "f8s",
+        _ => "q4a",
     };
     let (ni, oi, ki) = (int(n, "rows")?, int(o, "rows")?, int(k, "width")?);
     let mut b = dev.kernel("matmul", &format!("quant_gemv_{family}_{tiles}"))?;
@@ -64,7 +65,7 @@ pub(crate) unsafe fn gemv(
     Ok(())
 }
 
-/// The packed `[rows, cols]` matrix at `w` (`dtype` Q4Z, Q8Z or F8S) widened into `out`:
+/// The packed `[rows, cols]` matrix at `w` (a type kept packed) widened into `out`:
 /// bf16 values when `bf16`, else f32.
 ///
 /// # Safety
@@ -90,5 +91,39 @@ pub(crate) unsafe fn widen(
     b.arg(&w).arg(&f).arg(&out).arg(&bi).arg(&ri).arg(&ci);
     // SAFETY: see the function's contract; one thread per 8 values.
     unsafe { b.launch(flat(rows * cols / 8)) }.op(op)?;
+    Ok(())
+}
+
+/// `out [n, d] f32` = rows `ids` of the packed table `[vocab, d]` at `w`, widened.
+///
+/// # Safety
+/// `w` holds the table in the device planes (`d % 32 == 0`); `ids` holds `n` u32 below
+/// `vocab`; `out` holds `n * d` f32 at a 16-byte aligned address.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn embed(
+    dev: &Device,
+    dtype: DType,
+    w: u64,
+    ids: u64,
+    out: u64,
+    n: usize,
+    d: usize,
+    vocab: usize,
+) -> Result<()> {
+    if n * d == 0 {
+        return Ok(());
+    }
+    let f = fmt(dtype)?;
+    let (ni, di, vi) = (int(n, "rows")?, int(d, "width")?, int(vocab, "rows")?);
+    let mut b = dev.kernel("embedding", "quant_embed")?;
+    b.arg(&w)
+        .arg(&f)
+        .arg(&ids)
+        .arg(&out)
+        .arg(&ni)
+        .arg(&di)
+        .arg(&vi);
+    // SAFETY: see the function's contract; one thread per 8 values.
+    unsafe { b.launch(flat(n * d / 8)) }.op("embedding")?;
     Ok(())
 }
