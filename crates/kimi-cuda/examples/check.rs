@@ -1304,6 +1304,12 @@ impl Backend for Profiled {
     fn name(&self) -> String {
         self.inner.name()
     }
+    fn stores(&self, dtype: DType) -> bool {
+        self.inner.stores(dtype)
+    }
+    fn stores_experts(&self, dtype: DType) -> bool {
+        self.inner.stores_experts(dtype)
+    }
     fn upload(&self, host: HostTensor<'_>) -> kimi_ops::Result<Self::Tensor> {
         self.inner.upload(host)
     }

@@ -499,6 +499,13 @@ impl Backend for CudaBackend {
         dtype_code(dtype).is_some() || dtype == DType::MXFP4 || quant::is_planar(dtype)
     }
 
+    // Packed integer experts (Q4Z, Q8Z, F8S, Q4_0, Q4_1, Q8_0, Q4_K) go through the fused
+    // MoE kernels once those take them; until then they are widened to bf16 as before, so
+    // that routed experts keep the fused and streamed paths rather than the per-expert one.
+    fn stores_experts(&self, dtype: DType) -> bool {
+        matches!(dtype, DType::F32 | DType::BF16 | DType::F16 | DType::MXFP4)
+    }
+
     fn synchronize(&self) -> Result<()> {
         self.dev.synchronize("synchronize")
     }
