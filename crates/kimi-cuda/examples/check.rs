@@ -25,6 +25,11 @@
 //!     RAM, device slots, cold ones on the CPU), page-locked and staged fills, against the
 //!     same model all resident (`check_parts/offload.rs`).
 //!
+//! 14. With `quant-bench` (only when named): the packed-weight GEMV (Q4Z, Q8Z, F8S) at the
+//!     48B model's decode shapes against the bf16 GEMV, GB/s and the fraction of the
+//!     measured HBM read bandwidth (`check_parts/quant_bench.rs`). `quant-ops` runs only
+//!     the packed-weight op cases of 1.
+//!
 //! 11. With `k3-moe-bench` (only when named): one Kimi K3 LatentMoE layer at full width
 //!     (896 MXFP4 experts top-16), decode batches against the HBM roofline
 //!     (`check_parts/k3_layer.rs`). `k3-ops` runs only the K3 op cases of 1.
@@ -46,7 +51,7 @@
 //! op by op, and requires the logits to be bit-identical.
 //!
 //! Usage: `check [ops] [kda-ops] [fixtures] [big N_TOKENS] [profile] [mla-bench] [kda-bench]
-//! [tune] [gemv-bench] [ncu-step] [moe-bench] [sample-bench] [k3-ops] [k3-moe-bench] [k3-big N_TOKENS] [offload]`
+//! [tune] [gemv-bench] [ncu-step] [moe-bench] [sample-bench] [k3-ops] [k3-moe-bench] [k3-big N_TOKENS] [offload] [quant-ops] [quant-bench]`
 //! (default: 1-3, 1000 tokens).
 
 use std::collections::HashSet;
@@ -78,6 +83,10 @@ mod k3_layer;
 mod offload;
 #[path = "../tests/common/op_cases.rs"]
 mod op_cases;
+#[path = "check_parts/quant_bench.rs"]
+mod quant_bench;
+#[path = "../tests/common/quant_cases.rs"]
+mod quant_cases;
 use op_cases::{rel_err, CpuRun, CudaRun};
 
 fn main() {
@@ -121,6 +130,12 @@ fn main() {
             }),
         ),
         ("k3-ops", false, Box::new(|| check_ops(k3_cases::cases()))),
+        (
+            "quant-ops",
+            false,
+            Box::new(|| check_ops(quant_cases::cases())),
+        ),
+        ("quant-bench", false, Box::new(quant_bench::quant_bench)),
         ("k3-moe-bench", false, Box::new(k3_layer::k3_moe_bench)),
         (
             "ops",
@@ -130,6 +145,7 @@ fn main() {
                     op_cases::cases()
                         .into_iter()
                         .chain(k3_cases::cases())
+                        .chain(quant_cases::cases())
                         .collect(),
                 )
             }),
@@ -1287,6 +1303,12 @@ impl Backend for Profiled {
     type Tensor = <CudaBackend as Backend>::Tensor;
     fn name(&self) -> String {
         self.inner.name()
+    }
+    fn stores(&self, dtype: DType) -> bool {
+        self.inner.stores(dtype)
+    }
+    fn stores_experts(&self, dtype: DType) -> bool {
+        self.inner.stores_experts(dtype)
     }
     fn upload(&self, host: HostTensor<'_>) -> kimi_ops::Result<Self::Tensor> {
         self.inner.upload(host)

@@ -23,6 +23,7 @@ use crate::tensor::{dtype_code, CudaTensor};
 mod k3;
 mod kda_decode;
 mod moe;
+mod quant;
 mod sampling;
 
 /// The CUDA backend on one GPU. See the crate documentation for its precision.
@@ -292,6 +293,9 @@ impl CudaBackend {
         if w.dtype == DType::F32 {
             return Ok(None);
         }
+        if quant::is_planar(w.dtype) {
+            return Ok(Some(self.widen_quant(w, DType::F32, op)?));
+        }
         let dt = code(w, op)?;
         let out = self.empty(&w.shape, DType::F32, op)?;
         // SAFETY: `w` holds `len` elements of dtype `dt`; `out` holds `len` f32.
@@ -370,6 +374,7 @@ impl CudaBackend {
             DType::F16 => ("cast_f32_f16", "split_f32_f16", cudaDataType::CUDA_R_16F),
             // Packed weights outside the expert kernels (rare): widened for this product.
             DType::MXFP4 => return self.matmul_blocks(x, &self.widen_mxfp4(w, op)?, rows, op),
+            dt if quant::is_planar(dt) => return self.matmul_quant(x, w, rows, op),
             other => return Err(Error::Unsupported(format!("{op} with {other} weights"))),
         };
         if n * k == 0 {
@@ -491,7 +496,14 @@ impl Backend for CudaBackend {
     }
 
     fn stores(&self, dtype: DType) -> bool {
-        dtype_code(dtype).is_some() || dtype == DType::MXFP4
+        dtype_code(dtype).is_some() || dtype == DType::MXFP4 || quant::is_planar(dtype)
+    }
+
+    // Packed integer experts (Q4Z, Q8Z, F8S, Q4_0, Q4_1, Q8_0, Q4_K) go through the fused
+    // MoE kernels once those take them; until then they are widened to bf16 as before, so
+    // that routed experts keep the fused and streamed paths rather than the per-expert one.
+    fn stores_experts(&self, dtype: DType) -> bool {
+        matches!(dtype, DType::F32 | DType::BF16 | DType::F16 | DType::MXFP4)
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -501,6 +513,9 @@ impl Backend for CudaBackend {
     fn upload(&self, host: HostTensor<'_>) -> Result<CudaTensor> {
         if host.dtype == DType::MXFP4 {
             return self.upload_mxfp4(&host);
+        }
+        if quant::is_planar(host.dtype) {
+            return self.upload_quant(&host);
         }
         let n: usize = host.shape.iter().product();
         if dtype_code(host.dtype).is_none() {
@@ -541,6 +556,22 @@ impl Backend for CudaBackend {
             && dst.offset == 0
             && Arc::strong_count(&dst.buf) == 1;
         let fits = |len: usize| same && dst.len_bytes() == len;
+        if quant::is_planar(host.dtype) {
+            // Laid out in planes on the host, then a copy the driver stages.
+            let planes = Self::quant_planes(&host)?;
+            if !fits(planes.len()) {
+                *dst = self.upload(host)?;
+                return Ok(());
+            }
+            // SAFETY: `dst` was uploaded by `upload_quant` at this shape and dtype: it owns
+            // `planes.len()` bytes of device memory; the stream orders the copy after the
+            // kernels that read the old contents, and the driver has taken the pageable
+            // bytes when it returns.
+            return unsafe {
+                self.dev
+                    .copy_from_host(dst.ptr(), &planes, "expert slot fill")
+            };
+        }
         if mxfp4 && self.kernel_config().mxfp4_device_fills {
             // The stored blocks cross the link as they are (by DMA from a locked host
             // store) and are laid out for the device on it.
@@ -645,6 +676,9 @@ impl Backend for CudaBackend {
         if t.dtype == DType::MXFP4 {
             return self.to_f32(&self.widen_mxfp4(t, "to_f32")?);
         }
+        if quant::is_planar(t.dtype) {
+            return self.to_f32(&self.widen_quant(t, DType::F32, "to_f32")?);
+        }
         let nb = t.len_bytes();
         if t.dtype == DType::F32 {
             // Straight into the result: no byte buffer and no conversion pass (the logits of
@@ -739,12 +773,31 @@ impl Backend for CudaBackend {
                 format!("token id {bad} is outside the vocabulary of {vocab}"),
             ));
         }
-        let dt = code(table, OP)?;
         let out = self.empty(&[ids.len(), d], DType::F32, OP)?;
         if ids.is_empty() {
             return Ok(out);
         }
         let idx = self.upload_u32(ids, OP)?;
+        if quant::is_planar(table.dtype) {
+            // A packed table (GGUF files): only the rows asked for are widened.
+            // SAFETY: the table is a [vocab, d] matrix in the device planes (its upload
+            // checked d against the block size); ids are below vocab; out holds
+            // ids.len()*d f32.
+            unsafe {
+                ops::quant::embed(
+                    &self.dev,
+                    table.dtype,
+                    table.ptr(),
+                    Self::slice_ptr(&idx),
+                    out.ptr(),
+                    ids.len(),
+                    d,
+                    vocab,
+                )?
+            };
+            return Ok(out);
+        }
+        let dt = code(table, OP)?;
         // SAFETY: ids are below vocab; out holds ids.len()*d f32.
         unsafe {
             ops::elementwise::embedding(
@@ -1518,6 +1571,9 @@ impl Backend for CudaBackend {
         if pool.dtype != DType::F32 {
             return Err(shape_err(OP, "the latent pool is not f32".into()));
         }
+        // A packed decompression matrix is widened per call for the MLA kernels.
+        let plain_kv_b = self.plain_copy(kv_b, OP)?;
+        let kv_b = plain_kv_b.as_ref().unwrap_or(kv_b);
         let kdt = code(kv_b, OP)?;
         // Absorbed segments' rows are all written (mla_uv_project covers every head and
         // column of each); zeroed only where rows could be left over.

@@ -39,6 +39,7 @@
 mod error;
 pub use error::Error;
 mod layout;
+mod quant_layout;
 
 #[cfg(feature = "cuda")]
 mod backend;

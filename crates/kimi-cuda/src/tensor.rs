@@ -53,9 +53,13 @@ impl CudaTensor {
         self.len() == 0
     }
 
-    /// Bytes of the elements (not the capacity); for a block-quantized tensor, of its blocks.
+    /// Bytes of the elements (not the capacity); for a block-quantized tensor, of its blocks
+    /// (for the types kept in planes, of their device layout).
     pub(crate) fn len_bytes(&self) -> usize {
         let n = self.len();
+        if let Some(b) = crate::quant_layout::device_bytes(self.dtype, n) {
+            return b;
+        }
         self.dtype
             .storage_bytes(n)
             .unwrap_or(n * self.dtype.size_bytes())

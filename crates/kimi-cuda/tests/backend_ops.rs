@@ -6,6 +6,8 @@
 mod k3_cases;
 #[path = "common/op_cases.rs"]
 mod op_cases;
+#[path = "common/quant_cases.rs"]
+mod quant_cases;
 
 use kimi_cpu::{CpuBackend, QuantMatmul};
 use kimi_cuda::CudaBackend;
@@ -27,7 +29,11 @@ fn every_op_matches_cpu() {
     // (MXFP4, ggml blocks) rounds the activations to int8.
     let cpu = CpuRun(CpuBackend::with_quant_matmul(QuantMatmul::F32));
     let mut failures = vec![];
-    for (name, case) in op_cases::cases().into_iter().chain(k3_cases::cases()) {
+    for (name, case) in op_cases::cases()
+        .into_iter()
+        .chain(k3_cases::cases())
+        .chain(quant_cases::cases())
+    {
         let want = case(&cpu).unwrap_or_else(|e| panic!("{name}: CPU: {e}"));
         let got = match case(&CudaRun(&cuda)) {
             Ok(g) => g,

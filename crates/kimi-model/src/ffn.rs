@@ -327,7 +327,7 @@ fn load_expert<B: Backend>(
         if is_mxfp4(ld, &base, c) {
             ld.mxfp4(&base, rows, cols)
         } else {
-            ld.get(&format!("{base}.weight"), &[rows, cols])
+            ld.get_expert(&format!("{base}.weight"), &[rows, cols])
         }
     };
     Ok(MlpWeights {
@@ -351,7 +351,7 @@ fn load_expert_host<B: Backend>(
         if is_mxfp4(ld, &base, c) {
             ld.host_mxfp4(&base, rows, cols)
         } else {
-            ld.host_matrix(&format!("{base}.weight"), rows, cols)
+            ld.host_expert_matrix(&format!("{base}.weight"), rows, cols)
         }
     };
     Ok(MlpWeights {
@@ -389,7 +389,7 @@ fn load_tiered<B: Backend>(
         };
         if i < first_host {
             let name = format!("{p}.experts.{i}");
-            let up = |m: &HostMatrix| ld.upload(&name, &m.shape, m.dtype, &m.bytes);
+            let up = |m: &HostMatrix| ld.upload_expert(&name, &m.shape, m.dtype, &m.bytes);
             resident.push(Some(MlpWeights {
                 gate: up(&m.gate)?,
                 up: up(&m.up)?,

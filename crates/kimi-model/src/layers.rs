@@ -23,6 +23,16 @@ fn widen_everywhere() -> bool {
     std::env::var("KIMI_WIDEN_QUANT").is_ok_and(|v| v == "1")
 }
 
+/// What a loaded matrix is used as, which decides whether the backend keeps its
+/// block-quantized dtype ([`Backend::stores`] or [`Backend::stores_experts`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Role {
+    /// Any weight but a routed expert's (dense layers, shared experts, projections).
+    Weight,
+    /// A routed expert's matrix, run by the backend's MoE kernels.
+    Expert,
+}
+
 /// Loads tensors by name with shape checks, remembering which names were used.
 pub(crate) struct Loader<'a, B: Backend> {
     pub backend: &'a B,
@@ -81,10 +91,20 @@ impl<B: Backend> Loader<'_, B> {
     }
 
     pub fn get(&mut self, name: &str, shape: &[usize]) -> Result<B::Tensor> {
+        self.get_as(name, shape, Role::Weight)
+    }
+
+    /// A routed expert's matrix, as [`Loader::get`] but kept as the backend keeps routed
+    /// experts ([`Loader::upload_expert`]).
+    pub fn get_expert(&mut self, name: &str, shape: &[usize]) -> Result<B::Tensor> {
+        self.get_as(name, shape, Role::Expert)
+    }
+
+    fn get_as(&mut self, name: &str, shape: &[usize], role: Role) -> Result<B::Tensor> {
         let full = self.full(name);
         let (dtype, bytes) = self.source.load(&full, shape)?;
         self.used.insert(full.clone());
-        let t = self.upload(&full, shape, dtype, &bytes)?;
+        let t = self.upload_as(&full, shape, dtype, &bytes, role)?;
         if let [rows, _] = shape {
             self.tap_weight(&t, &[(full, *rows)]);
         }
@@ -101,11 +121,31 @@ impl<B: Backend> Loader<'_, B> {
         }
     }
 
-    /// `name` `[rows, cols]` in host memory, as [`Loader::get`] would upload it (widened to
-    /// bf16 where the backend does not store its block type).
-    pub fn host_matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<HostMatrix> {
+    /// A routed expert's matrix in host memory, as [`Loader::get_expert`] would upload it
+    /// (widened to bf16 where the backend does not keep routed experts of its type).
+    pub fn host_expert_matrix(
+        &mut self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<HostMatrix> {
         let (full, dtype, bytes) = self.load(name, &[rows, cols])?;
-        self.host_stored(&full, [rows, cols], dtype, bytes)
+        self.host_stored(&full, [rows, cols], dtype, bytes, Role::Expert)
+    }
+
+    /// Whether a weight of `dtype` used as `role` is uploaded as stored rather than widened
+    /// to bf16 on the host.
+    fn keeps(&self, dtype: DType, role: Role) -> bool {
+        if !dtype.is_quantized() {
+            return true;
+        }
+        if widen_everywhere() {
+            return false;
+        }
+        match role {
+            Role::Weight => self.backend.stores(dtype),
+            Role::Expert => self.backend.stores_experts(dtype),
+        }
     }
 
     fn host_stored(
@@ -114,8 +154,9 @@ impl<B: Backend> Loader<'_, B> {
         shape: [usize; 2],
         dtype: DType,
         bytes: Vec<u8>,
+        role: Role,
     ) -> Result<HostMatrix> {
-        if (self.backend.stores(dtype) && !widen_everywhere()) || !dtype.is_quantized() {
+        if self.keeps(dtype, role) {
             return Ok(HostMatrix {
                 shape,
                 dtype,
@@ -142,7 +183,31 @@ impl<B: Backend> Loader<'_, B> {
         dtype: DType,
         bytes: &[u8],
     ) -> Result<B::Tensor> {
-        if (self.backend.stores(dtype) && !widen_everywhere()) || !dtype.is_quantized() {
+        self.upload_as(name, shape, dtype, bytes, Role::Weight)
+    }
+
+    /// Uploads a routed expert's matrix as [`Loader::upload`] does, but widened where the
+    /// backend does not keep routed experts of its type ([`Backend::stores_experts`]: its
+    /// MoE kernels may take fewer types than its matmuls).
+    pub fn upload_expert(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+        bytes: &[u8],
+    ) -> Result<B::Tensor> {
+        self.upload_as(name, shape, dtype, bytes, Role::Expert)
+    }
+
+    fn upload_as(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+        bytes: &[u8],
+        role: Role,
+    ) -> Result<B::Tensor> {
+        if self.keeps(dtype, role) {
             return Ok(self.backend.upload(HostTensor {
                 shape,
                 dtype,
@@ -215,12 +280,14 @@ impl<B: Backend> Loader<'_, B> {
         Ok(self.backend.upload_f32(&[1, 1, heads, 1], &values)?)
     }
 
-    /// An MXFP4 matrix `[rows, cols]` from its two planes `{name}.weight_packed` (U8
-    /// `[rows, cols/2]`) and `{name}.weight_scale` (U8 or F8_E8M0 `[rows, cols/32]`),
-    /// repacked into ggml MXFP4 blocks (4.25 bits per weight, values unchanged).
+    /// A routed expert's MXFP4 matrix `[rows, cols]` from its two planes
+    /// `{name}.weight_packed` (U8 `[rows, cols/2]`) and `{name}.weight_scale` (U8 or
+    /// F8_E8M0 `[rows, cols/32]`), repacked into ggml MXFP4 blocks (4.25 bits per weight,
+    /// values unchanged); kept as the backend keeps routed experts
+    /// ([`Loader::upload_expert`]).
     pub fn mxfp4(&mut self, name: &str, rows: usize, cols: usize) -> Result<B::Tensor> {
         let m = self.host_mxfp4(name, rows, cols)?;
-        self.upload(&self.full(name), &m.shape, m.dtype, &m.bytes)
+        self.upload_expert(&self.full(name), &m.shape, m.dtype, &m.bytes)
     }
 
     /// [`Loader::mxfp4`]'s blocks in host memory.
@@ -242,7 +309,13 @@ impl<B: Backend> Loader<'_, B> {
             rows,
             cols,
         )?;
-        self.host_stored(&codes_name, [rows, cols], DType::MXFP4, blocks)
+        self.host_stored(
+            &codes_name,
+            [rows, cols],
+            DType::MXFP4,
+            blocks,
+            Role::Expert,
+        )
     }
 
     /// The matrices `names` (each `[rows_i, cols]`) stacked by rows into one
@@ -610,4 +683,84 @@ pub(crate) fn mxfp4_blocks(
         kimi_gguf::mxfp4::from_planes(c, s, row);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::borrow::Cow;
+    use std::collections::{HashMap, HashSet};
+
+    use kimi_core::DType;
+    use kimi_cpu::CpuBackend;
+    use kimi_ops::Backend;
+
+    use super::{Loader, Role};
+    use crate::source::WeightSource;
+
+    struct Mem(HashMap<String, (DType, Vec<u8>)>);
+
+    impl WeightSource for Mem {
+        fn contains(&self, name: &str) -> bool {
+            self.0.contains_key(name)
+        }
+        fn load(&self, name: &str, _shape: &[usize]) -> crate::Result<(DType, Cow<'_, [u8]>)> {
+            let (dtype, bytes) = &self.0[name];
+            Ok((*dtype, Cow::Borrowed(bytes)))
+        }
+        fn check_all_used(&self, _used: &HashSet<String>) -> crate::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// One Q8_0 block: scale 0.5 (f16), codes -16..16.
+    fn q8_0_block() -> Vec<u8> {
+        let mut b = half::f16::from_f32(0.5).to_le_bytes().to_vec();
+        b.extend((-16i8..16).map(|v| v as u8));
+        b
+    }
+
+    /// The CPU backend keeps routed experts as it keeps every other weight
+    /// ([`Backend::stores_experts`] defaults to [`Backend::stores`]): packed Q8_0 experts
+    /// load packed, through the device and the host-tier paths alike. (A backend that keeps
+    /// fewer expert types, CUDA's, is checked by its own loads; the test has no such backend.)
+    #[test]
+    fn cpu_keeps_routed_experts_as_it_keeps_other_weights() {
+        if super::widen_everywhere() {
+            return;
+        }
+        let be = CpuBackend::new();
+        let block = q8_0_block();
+        let source = Mem(HashMap::from([
+            ("dense".to_string(), (DType::Q8_0, block.clone())),
+            ("expert".to_string(), (DType::Q8_0, block.clone())),
+        ]));
+        let mut ld = Loader {
+            backend: &be,
+            source: &source,
+            used: HashSet::new(),
+            prefix: "",
+            offload: None,
+            moe_layers: 1,
+            shard: crate::parallel::Shard::SINGLE,
+            placement: None,
+            dispatch: crate::parallel::ExpertDispatch::AllReduce,
+        };
+        for dtype in [DType::Q8_0, DType::Q4_K, DType::MXFP4, DType::BF16] {
+            assert_eq!(be.stores_experts(dtype), be.stores(dtype), "{dtype}");
+            assert!(ld.keeps(dtype, Role::Expert), "{dtype}");
+            assert!(ld.keeps(dtype, Role::Weight), "{dtype}");
+        }
+        let dense = ld.get("dense", &[1, 32]).unwrap();
+        let expert = ld.get_expert("expert", &[1, 32]).unwrap();
+        let host = ld.host_expert_matrix("expert", 1, 32).unwrap();
+        assert_eq!((host.dtype, &host.bytes), (DType::Q8_0, &block));
+        assert_eq!(be.size_bytes(&expert), block.len());
+        assert_eq!(be.size_bytes(&dense), block.len());
+        let want: Vec<f32> = (-16..16).map(|v| v as f32 * 0.5).collect();
+        assert_eq!(be.to_f32(&expert).unwrap(), want);
+        let uploaded = ld
+            .upload_expert("expert", &host.shape, host.dtype, &host.bytes)
+            .unwrap();
+        assert_eq!(be.to_f32(&uploaded).unwrap(), want);
+    }
 }

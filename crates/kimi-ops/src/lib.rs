@@ -506,6 +506,14 @@ pub trait Backend: Send + Sync {
         let _ = dtype;
         true
     }
+    /// Whether routed experts of `dtype` stay as stored ([`Backend::upload`]ed as they are
+    /// and run by [`Backend::moe`] and the expert banks). Where not, model loaders widen
+    /// them to bf16 on the host first, as [`Backend::stores`] does for other weights. A
+    /// backend whose MoE kernels take fewer dtypes than its matmuls says so here; shared
+    /// experts and dense layers follow [`Backend::stores`]. Default: [`Backend::stores`].
+    fn stores_experts(&self, dtype: DType) -> bool {
+        self.stores(dtype)
+    }
     /// Creates an f32 tensor from host data.
     fn upload_f32(&self, shape: &[usize], data: &[f32]) -> Result<Self::Tensor>;
     /// Creates an f32 tensor of zeros.

@@ -10,3 +10,4 @@ pub(crate) mod kda;
 pub(crate) mod mla;
 pub(crate) mod moe;
 pub(crate) mod mxfp4;
+pub(crate) mod quant;

@@ -1,0 +1,335 @@
+// Integer and FP8 weights kept packed on the device: Q4Z (W4A16: AWQ, GPTQ and
+// compressed-tensors INT4), Q8Z (INT8) and F8S (FP8 E4M3), 32 values per block with an f32
+// scale (and zero point) each, and ggml's Q4_0, Q4_1, Q8_0 and Q4_K repacked on the host
+// into the same 32-value units (format 3: `q · a − b`, Q4_1 and Q4_K's sub-blocks). Decode products stream the packed blocks (`quant_gemv_*`);
+// prefill widens the matrix to bf16 once per call (`quant_widen`) for cuBLAS.
+//
+// Device layout (made on the host by `quant_layout::device_planes`): the stored blocks of a
+// [rows, cols] matrix split into two planes, row-major by (row, block), so that a lane's
+// codes are whole aligned 16-byte words and a warp's loads are contiguous:
+//   codes:  rows * nb * CB bytes (Q4Z: 16, ggml nibble order: byte j holds value j in its
+//           low nibble and value j + 16 in its high one; Q8Z: 32 u8; F8S: 32 E4M3 bytes),
+//   scales: rows * nb * SB bytes after it (Q4Z, Q8Z: float2 (d, z); F8S: float d;
+//           Q4A: float2 (a, b)),
+// nb = cols / 32. A value is (q - z) * d (Q4Z, Q8Z), e4m3(q) * d (F8S) or q * a - b (Q4A,
+// codes as Q4Z's), as on the CPU.
+#include <cuda_fp8.h>
+
+#include "common.cuh"
+
+namespace qz {
+constexpr int Q4Z = 0, Q8Z = 1, F8S = 2, Q4A = 3;
+
+template <int FMT>
+struct Fmt;
+template <>
+struct Fmt<Q4Z> {
+  static constexpr int CB = 16, SB = 8;
+};
+template <>
+struct Fmt<Q8Z> {
+  static constexpr int CB = 32, SB = 8;
+};
+template <>
+struct Fmt<F8S> {
+  static constexpr int CB = 32, SB = 4;
+};
+template <>
+struct Fmt<Q4A> {
+  static constexpr int CB = 16, SB = 8;
+};
+
+// Byte `b` of `w` as an exact float: 0x4B0000qq is 2^23 + q, one PRMT and one FADD instead of
+// an integer conversion (a quarter-rate instruction on sm_90).
+__device__ __forceinline__ float byte_f(uint32_t w, int b) {
+  return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440u + b)) - 8388608.0f;
+}
+
+// One lane's block of one row, as loaded: two 16-byte code words (Q4Z uses the first) and
+// the scale entry.
+struct Raw {
+  uint4 c0, c1;
+  float d, z;
+};
+
+template <int FMT>
+__device__ __forceinline__ Raw load_block(const uint8_t* codes, const uint8_t* scales,
+                                          size_t blk) {
+  Raw r;
+  const uint4* c = reinterpret_cast<const uint4*>(codes + blk * Fmt<FMT>::CB);
+  r.c0 = __ldg(c);
+  if constexpr (Fmt<FMT>::CB == 32) r.c1 = __ldg(c + 1);
+  if constexpr (FMT == F8S) {
+    r.d = __ldg(reinterpret_cast<const float*>(scales) + blk);
+    r.z = 0.0f;
+  } else {
+    const float2 dz = __ldg(reinterpret_cast<const float2*>(scales) + blk);
+    r.d = dz.x;
+    r.z = dz.y;
+  }
+  return r;
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& q, int i) {
+  return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w;
+}
+
+// Piece `i` (0..3) of a block: 8 of its values before the scale, q - z (Q4Z, Q8Z) or
+// e4m3(q) (F8S), or with it, q * a - b (Q4A); the first four at offset `xa` of the block
+// and the last four at `xb`. Q4Z, Q4A: word i's low nibbles are values 4i.., its high
+// nibbles 16 + 4i..; Q8Z, F8S: words 2i and 2i + 1 are values 8i.. in order.
+template <int FMT>
+__device__ __forceinline__ void piece(const Raw& r, int i, float v[8], int& xa, int& xb) {
+  if constexpr (Fmt<FMT>::CB == 16) {
+    const uint32_t w = word(r.c0, i);
+    const uint32_t lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      if constexpr (FMT == Q4A) {
+        v[b] = fmaf(byte_f(lo, b), r.d, -r.z);
+        v[4 + b] = fmaf(byte_f(hi, b), r.d, -r.z);
+      } else {
+        v[b] = byte_f(lo, b) - r.z;
+        v[4 + b] = byte_f(hi, b) - r.z;
+      }
+    }
+    xa = 4 * i;
+    xb = 16 + 4 * i;
+  } else {
+    const uint4& q = i < 2 ? r.c0 : r.c1;
+    const uint32_t w0 = word(q, 2 * (i & 1)), w1 = word(q, 2 * (i & 1) + 1);
+    xa = 8 * i;
+    xb = 8 * i + 4;
+    if constexpr (FMT == Q8Z) {
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        v[b] = byte_f(w0, b) - r.z;
+        v[4 + b] = byte_f(w1, b) - r.z;
+      }
+    } else {
+      // E4M3 -> f16 pairs (exact: every E4M3 value is an f16), then f32.
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        const uint32_t w = h < 2 ? w0 : w1;
+        const __half2_raw p =
+            __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> (16 * (h & 1))), __NV_E4M3);
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&p));
+        v[2 * h] = f.x;
+        v[2 * h + 1] = f.y;
+      }
+    }
+  }
+}
+}  // namespace qz
+
+// ---------------------------------------------------------------------------------------
+// y [n, o] = x [n, k] · wᵀ for a packed w [o, k] and f32 activations, n <= NT <= 8: f32
+// products and sums (no rounding of the activations), each weight block read once for all
+// tokens. Warp w of a CTA owns RW = 2 rows; its lanes take the rows' 32-value blocks
+// lane, lane + 32, ..., loading the next block of both rows before multiplying the current
+// one, so four blocks per lane are in flight. A block's sum over its 32 values is scaled by
+// d once. Grid ceil(o / 8), block 128 = 4 warps. Needs k % 32 == 0 and x 16-byte aligned.
+//
+// Split-K and a tensor-core variant for 2-8 tokens are later steps: at 8 tokens the f32
+// FMAs (8 per weight) bound the kernel below the weight stream's rate.
+#define QGEMV_RW 2
+#define QGEMV_WARPS 4
+
+template <int FMT, int NT>
+__device__ __forceinline__ void quant_gemv_body(const uint8_t* w, const float* x, float* y,
+                                                int n, int o, int k) {
+  using F = qz::Fmt<FMT>;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * QGEMV_WARPS + warp) * QGEMV_RW;
+  const int nb = k >> 5;
+  const uint8_t* scales = w + (size_t)o * nb * F::CB;
+  size_t base[QGEMV_RW];
+#pragma unroll
+  for (int r = 0; r < QGEMV_RW; ++r) base[r] = (size_t)min(row0 + r, o - 1) * nb;
+  // The first blocks are weights only: loaded before waiting on the previous kernel.
+  qz::Raw cur[QGEMV_RW];
+  if (row0 < o && lane < nb) {
+#pragma unroll
+    for (int r = 0; r < QGEMV_RW; ++r) cur[r] = qz::load_block<FMT>(w, scales, base[r] + lane);
+  }
+  pdl_enter();
+  if (row0 >= o) return;
+  const int ng = min(NT, n);
+  float acc[QGEMV_RW][NT];
+#pragma unroll
+  for (int r = 0; r < QGEMV_RW; ++r)
+#pragma unroll
+    for (int g = 0; g < NT; ++g) acc[r][g] = 0.0f;
+  for (int c = lane; c < nb; c += 32) {
+    qz::Raw nxt[QGEMV_RW];
+    const bool more = c + 32 < nb;
+    if (more) {
+#pragma unroll
+      for (int r = 0; r < QGEMV_RW; ++r)
+        nxt[r] = qz::load_block<FMT>(w, scales, base[r] + c + 32);
+    }
+    float s[QGEMV_RW][NT];
+#pragma unroll
+    for (int r = 0; r < QGEMV_RW; ++r)
+#pragma unroll
+      for (int g = 0; g < NT; ++g) s[r][g] = 0.0f;
+    const float* xc = x + (size_t)c * 32;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float v[QGEMV_RW][8];
+      int xa = 0, xb = 0;
+#pragma unroll
+      for (int r = 0; r < QGEMV_RW; ++r) qz::piece<FMT>(cur[r], i, v[r], xa, xb);
+#pragma unroll
+      for (int g = 0; g < NT; ++g) {
+        if (g < ng) {
+          const float4 a = __ldg(reinterpret_cast<const float4*>(xc + (size_t)g * k + xa));
+          const float4 b = __ldg(reinterpret_cast<const float4*>(xc + (size_t)g * k + xb));
+#pragma unroll
+          for (int r = 0; r < QGEMV_RW; ++r) {
+            float t = s[r][g];
+            t = fmaf(v[r][0], a.x, t);
+            t = fmaf(v[r][1], a.y, t);
+            t = fmaf(v[r][2], a.z, t);
+            t = fmaf(v[r][3], a.w, t);
+            t = fmaf(v[r][4], b.x, t);
+            t = fmaf(v[r][5], b.y, t);
+            t = fmaf(v[r][6], b.z, t);
+            t = fmaf(v[r][7], b.w, t);
+            s[r][g] = t;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < QGEMV_RW; ++r)
+#pragma unroll
+      for (int g = 0; g < NT; ++g)
+        acc[r][g] = FMT == qz::Q4A ? acc[r][g] + s[r][g] : fmaf(cur[r].d, s[r][g], acc[r][g]);
+    if (more) {
+#pragma unroll
+      for (int r = 0; r < QGEMV_RW; ++r) cur[r] = nxt[r];
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < QGEMV_RW; ++r) {
+#pragma unroll
+    for (int g = 0; g < NT; ++g) {
+      float s = acc[r][g];
+      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+      if (lane == 0 && g < ng && row0 + r < o) y[(size_t)g * o + row0 + r] = s;
+    }
+  }
+}
+
+#define QUANT_GEMV(NAME, FMT, NT, MINB)                                                   \
+  extern "C" __global__ void __launch_bounds__(QGEMV_WARPS * 32, MINB)                   \
+      NAME(const uint8_t* w, const float* x, float* y, int n, int o, int k) {              \
+    quant_gemv_body<FMT, NT>(w, x, y, n, o, k);                                           \
+  }
+QUANT_GEMV(quant_gemv_q4z_1, qz::Q4Z, 1, 8)
+QUANT_GEMV(quant_gemv_q4z_2, qz::Q4Z, 2, 6)
+QUANT_GEMV(quant_gemv_q4z_4, qz::Q4Z, 4, 4)
+QUANT_GEMV(quant_gemv_q4z_8, qz::Q4Z, 8, 4)
+QUANT_GEMV(quant_gemv_q8z_1, qz::Q8Z, 1, 8)
+QUANT_GEMV(quant_gemv_q8z_2, qz::Q8Z, 2, 6)
+QUANT_GEMV(quant_gemv_q8z_4, qz::Q8Z, 4, 4)
+QUANT_GEMV(quant_gemv_q8z_8, qz::Q8Z, 8, 4)
+QUANT_GEMV(quant_gemv_f8s_1, qz::F8S, 1, 8)
+QUANT_GEMV(quant_gemv_f8s_2, qz::F8S, 2, 6)
+QUANT_GEMV(quant_gemv_f8s_4, qz::F8S, 4, 4)
+QUANT_GEMV(quant_gemv_f8s_8, qz::F8S, 8, 4)
+QUANT_GEMV(quant_gemv_q4a_1, qz::Q4A, 1, 8)
+QUANT_GEMV(quant_gemv_q4a_2, qz::Q4A, 2, 6)
+QUANT_GEMV(quant_gemv_q4a_4, qz::Q4A, 4, 4)
+QUANT_GEMV(quant_gemv_q4a_8, qz::Q4A, 8, 4)
+
+// ---------------------------------------------------------------------------------------
+// The packed matrix w [rows, cols] (format `fmt`: 0 = Q4Z, 1 = Q8Z, 2 = F8S, 3 = Q4A) widened to
+// `out`: bf16 (`bf16` != 0) for the prefill GEMM, else f32 (reading weights back). Each
+// value is (q - z) * d or e4m3(q) * d in f32, one rounding as on the CPU, then rounded to
+// bf16. One thread per 8 values: its block's codes and scale, and one 16- or 32-byte store.
+// `i` counts 8-value groups of `out`; `blk` is the unit they come from.
+template <int FMT>
+__device__ __forceinline__ void widen8(const uint8_t* w, void* out, int bf16, size_t nblocks,
+                                       size_t i, size_t blk) {
+  using F = qz::Fmt<FMT>;
+  const int part = (int)(i & 3);
+  const qz::Raw r = qz::load_block<FMT>(w, w + nblocks * F::CB, blk);
+  // Values 8·part.. in order: for Q8Z and F8S the GEMV's piece `part`; for Q4Z and Q4A the low
+  // (parts 0, 1) or high (2, 3) nibbles of code words 2·(part & 1) and the next.
+  float f[8];
+  if constexpr (qz::Fmt<FMT>::CB == 16) {
+    const uint32_t wd = qz::word(r.c0, 2 * (part & 1)), we = qz::word(r.c0, 2 * (part & 1) + 1);
+    const int sh = 4 * (part >> 1);  // values 0..15 (low nibbles) or 16..31 (high)
+    const uint32_t a = (wd >> sh) & 0x0F0F0F0Fu, b = (we >> sh) & 0x0F0F0F0Fu;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (FMT == qz::Q4A) {
+        f[j] = fmaf(qz::byte_f(a, j), r.d, -r.z);
+        f[4 + j] = fmaf(qz::byte_f(b, j), r.d, -r.z);
+      } else {
+        f[j] = (qz::byte_f(a, j) - r.z) * r.d;
+        f[4 + j] = (qz::byte_f(b, j) - r.z) * r.d;
+      }
+    }
+  } else {
+    float v[8];
+    int xa, xb;
+    qz::piece<FMT>(r, part, v, xa, xb);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) f[j] = v[j] * r.d;
+  }
+  if (bf16) {
+    uint4 pk;
+    uint32_t* p = reinterpret_cast<uint32_t*>(&pk);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
+      p[j] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+    reinterpret_cast<uint4*>(out)[i] = pk;
+  } else {
+    float4* o4 = reinterpret_cast<float4*>(out) + 2 * i;
+    o4[0] = make_float4(f[0], f[1], f[2], f[3]);
+    o4[1] = make_float4(f[4], f[5], f[6], f[7]);
+  }
+}
+
+__device__ __forceinline__ void widen_any(const uint8_t* w, int fmt, void* out, int bf16,
+                                          size_t nblocks, size_t i, size_t blk) {
+  if (fmt == qz::Q4Z)
+    widen8<qz::Q4Z>(w, out, bf16, nblocks, i, blk);
+  else if (fmt == qz::Q8Z)
+    widen8<qz::Q8Z>(w, out, bf16, nblocks, i, blk);
+  else if (fmt == qz::Q4A)
+    widen8<qz::Q4A>(w, out, bf16, nblocks, i, blk);
+  else
+    widen8<qz::F8S>(w, out, bf16, nblocks, i, blk);
+}
+
+extern "C" __global__ void quant_widen(const uint8_t* w, int fmt, void* out, int bf16,
+                                       int rows, int cols) {
+  pdl_enter();
+  const size_t nblocks = (size_t)rows * (cols >> 5), total = nblocks * 4;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+       i += (size_t)gridDim.x * blockDim.x) {
+    widen_any(w, fmt, out, bf16, nblocks, i, i >> 2);
+  }
+}
+
+// Embedding rows of a packed table [vocab, d]: out [n, d] f32 = rows ids[0..n) widened.
+// One thread per 8 values of the output. Ids are checked against the vocabulary on the
+// host.
+extern "C" __global__ void quant_embed(const uint8_t* w, int fmt, const uint32_t* ids,
+                                       float* out, int n, int d, int vocab) {
+  pdl_enter();
+  const int nb = d >> 5;
+  const size_t nblocks = (size_t)vocab * nb, total = (size_t)n * nb * 4;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const size_t t = i / ((size_t)nb * 4);
+    const size_t b = (i >> 2) - t * nb;
+    widen_any(w, fmt, out, 0, nblocks, i, (size_t)ids[t] * nb + b);
+  }
+}
