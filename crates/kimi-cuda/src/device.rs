@@ -92,7 +92,6 @@ const KERNELS: &[(&str, &[&str])] = &[
             "mxfp4_act_bf16",
             "mxfp4_from_blocks",
             "mxfp4_to_f32",
-            "mxfp4_from_blocks",
         ],
     ),
     (
