@@ -26,6 +26,8 @@ const ARRIVE: u8 = 3;
 const GO: u8 = 4;
 /// A control message ([`Link::send`]).
 pub const MESSAGE: u8 = 16;
+/// Rank 0 ends the job normally (a link that closes without it means a dead process).
+pub const BYE: u8 = 17;
 /// Control frames carry ids, block tables and error text: far below this.
 const MAX_FRAME: usize = 64 << 20;
 
@@ -128,6 +130,22 @@ impl Link {
                 BootstrapError::PeerClosed(self.peer, what.to_string())
             }
             _ => BootstrapError::Io(format!("rank {} while {what}: {e}", self.peer)),
+        }
+    }
+
+    /// Whether the peer has closed its end, looking for up to `wait` without reading:
+    /// `Some(true)` closed, `Some(false)` a frame is waiting, `None` nothing yet.
+    pub fn peek_closed(&self, wait: Duration) -> Option<bool> {
+        let _ = self
+            .stream
+            .set_read_timeout(Some(wait.max(Duration::from_millis(1))));
+        let mut b = [0u8; 1];
+        match self.stream.peek(&mut b) {
+            Ok(0) => Some(true),
+            Ok(_) => Some(false),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => None,
+            Err(e) if e.kind() == ErrorKind::Interrupted => None,
+            Err(_) => Some(true),
         }
     }
 
@@ -281,6 +299,11 @@ pub fn join(
 }
 
 impl Lead {
+    /// The links, `[r - 1]` to rank `r`, for good (the job's control links).
+    pub fn into_links(self) -> Vec<Link> {
+        self.links
+    }
+
     /// The links, `[r - 1]` to rank `r`.
     pub fn links(&mut self) -> &mut [Link] {
         &mut self.links
