@@ -120,6 +120,8 @@ struct State {
 /// One rank's NCCL communicator on its [`CudaBackend`]'s GPU.
 pub struct NcclComm {
     state: Mutex<State>,
+    /// The GPU's context, made current to destroy the communicator on any thread.
+    ctx: std::sync::Arc<cudarc::driver::CudaContext>,
     rank: usize,
     world: usize,
     ordinal: usize,
@@ -186,6 +188,7 @@ impl NcclComm {
             }
         };
         Ok(Self {
+            ctx: be.dev.ctx.clone(),
             state: Mutex::new(State {
                 comm: Some(comm),
                 failed: None,
@@ -409,6 +412,7 @@ impl NcclComm {
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
         let st = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
         if let Some(c) = st.comm.take() {
             // SAFETY: no operation holds the handle (we own `self`); every operation waited
