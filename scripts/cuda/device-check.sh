@@ -15,6 +15,8 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
   $(python3 -c 'import nvidia.cu13 as m, os; print(os.path.join(list(m.__path__)[0], "lib"))' 2>/dev/null); do
   if [ -e "$d/libcublas.so.13" ]; then export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"; break; fi
 done
+# NCCL (libnccl.so.2, linked as libnccl.so for cudarc): `check nccl`, several GPUs.
+source scripts/cuda/nccl-lib.sh
 {
   echo "# kimi-cuda check, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "# commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) (+ uncommitted kimi-cuda work)"

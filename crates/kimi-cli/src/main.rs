@@ -14,6 +14,8 @@ mod gateway;
 mod hub;
 mod inspect;
 mod kld;
+#[allow(dead_code)] // the multi-process launch of `serve` (issue 26) starts ranks with it
+mod launch;
 mod load;
 mod logging;
 mod logits;

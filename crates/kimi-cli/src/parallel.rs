@@ -2,6 +2,7 @@
 
 use clap::{Args, ValueEnum};
 use kimi_model::parallel::{ExpertDispatch, ExpertSplit};
+use kimi_ops::bootstrap::{resolve, LaunchFlags, Role};
 
 /// `--expert-dispatch`: how expert parallelism combines the routed experts' outputs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
@@ -57,6 +58,20 @@ pub struct ParallelArgs {
     /// experts.
     #[arg(long, value_name = "FILE", requires = "enable_expert_parallel")]
     pub expert_load: Option<std::path::PathBuf>,
+    /// Nodes the ranks of `--tensor-parallel-size` spread over, one process per GPU (vLLM's
+    /// and SGLang's flag; torchrun's `RANK`/`WORLD_SIZE` per process say the same).
+    #[arg(long, value_name = "N")]
+    pub nnodes: Option<usize>,
+    /// This node, `0..--nnodes` (node 0 holds rank 0, which serves the API).
+    #[arg(long, value_name = "R")]
+    pub node_rank: Option<usize>,
+    /// Rank 0's address for the rendezvous of the rank processes (else `MASTER_ADDR`, else
+    /// 127.0.0.1 on one node).
+    #[arg(long, value_name = "HOST")]
+    pub master_addr: Option<String>,
+    /// Rank 0's rendezvous port (else `MASTER_PORT`, else 29500).
+    #[arg(long, value_name = "PORT")]
+    pub master_port: Option<u16>,
 }
 
 impl Default for ParallelArgs {
@@ -67,13 +82,45 @@ impl Default for ParallelArgs {
             expert_dispatch: DispatchArg::AllReduce,
             collective_timeout: 600,
             expert_load: None,
+            nnodes: None,
+            node_rank: None,
+            master_addr: None,
+            master_port: None,
         }
     }
 }
 
 impl ParallelArgs {
+    /// The launch flags of the rank processes.
+    pub fn launch_flags(&self) -> LaunchFlags {
+        LaunchFlags {
+            nnodes: self.nnodes,
+            node_rank: self.node_rank,
+            master_addr: self.master_addr.clone(),
+            master_port: self.master_port,
+        }
+    }
+
+    /// What this process is among the rank processes of `--tensor-parallel-size`, from the
+    /// flags and torchrun's variables (`kimi_ops::bootstrap::resolve`).
+    #[allow(dead_code)] // the multi-process launch of `serve` (issue 26) calls it
+    pub fn role(&self) -> anyhow::Result<Role> {
+        let env = |k: &str| std::env::var(k).ok();
+        Ok(resolve(
+            self.tensor_parallel_size,
+            &self.launch_flags(),
+            &env,
+        )?)
+    }
+
     /// `(ranks, expert split, timeout)` where the model is split; `None` for one rank.
     pub fn split(&self) -> anyhow::Result<Option<(usize, ExpertSplit, std::time::Duration)>> {
+        anyhow::ensure!(
+            self.launch_flags() == LaunchFlags::default(),
+            "--nnodes, --node-rank, --master-addr and --master-port start one process per GPU, \
+             which `serve` does not do yet (issue 26): the ranks of --tensor-parallel-size are \
+             threads of this process"
+        );
         anyhow::ensure!(
             self.tensor_parallel_size >= 1,
             "--tensor-parallel-size must be at least 1"
@@ -143,4 +190,53 @@ pub fn placement(
         loads.len()
     );
     Ok(Some(std::sync::Arc::new(placement)))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use crate::args::{Cli, Command};
+
+    fn serve(args: &[&str]) -> super::ParallelArgs {
+        let argv = [&["kimi-infer", "serve", "--model", "m"], args].concat();
+        match Cli::try_parse_from(argv).expect("parses").command {
+            Command::Serve(s) => s.model.parallel,
+            _ => panic!("serve"),
+        }
+    }
+
+    #[test]
+    fn launch_flags_parse_as_vllm_spells_them() {
+        let p = serve(&[
+            "--tensor-parallel-size",
+            "16",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "leader",
+            "--master-port",
+            "29501",
+        ]);
+        let f = p.launch_flags();
+        assert_eq!(f.nnodes, Some(2));
+        assert_eq!(f.node_rank, Some(1));
+        assert_eq!(f.master_addr.as_deref(), Some("leader"));
+        assert_eq!(f.master_port, Some(29501));
+        // Until `serve` starts rank processes, the flags are refused, not ignored.
+        let e = p.split().expect_err("not wired").to_string();
+        assert!(e.contains("--nnodes") && e.contains("issue 26"), "{e}");
+    }
+
+    #[test]
+    fn without_launch_flags_the_split_is_unchanged() {
+        let p = serve(&["-t", "2"]);
+        assert!(matches!(p.split(), Ok(Some((2, _, _)))));
+        assert_eq!(
+            p.launch_flags(),
+            kimi_ops::bootstrap::LaunchFlags::default()
+        );
+    }
 }

@@ -24,6 +24,9 @@
 //! 13. With `offload` (only when named): every fixture with its experts in tiers (host
 //!     RAM, device slots, cold ones on the CPU), page-locked and staged fills, against the
 //!     same model all resident (`check_parts/offload.rs`).
+//! 14. With `nccl` (only when named): every collective of `NcclComm` against `ThreadGroup`
+//!     on CPU ranks, bit for bit, at world 1 and at world = visible GPUs; abort and a missing
+//!     rank end in errors, not hangs (`check_parts/nccl.rs`).
 //!
 //! 14. With `quant-bench` (only when named): the packed-weight GEMV (Q4Z, Q8Z, F8S) at the
 //!     48B model's decode shapes against the bf16 GEMV, GB/s and the fraction of the
@@ -79,6 +82,8 @@ type Res<T> = std::result::Result<T, Box<dyn Error>>;
 mod k3_cases;
 #[path = "check_parts/k3_layer.rs"]
 mod k3_layer;
+#[path = "check_parts/nccl.rs"]
+mod nccl;
 #[path = "check_parts/offload.rs"]
 mod offload;
 #[path = "../tests/common/op_cases.rs"]
@@ -154,6 +159,7 @@ fn main() {
         ("big", true, Box::new(|| check_big(big_tokens))),
         ("k3-big", false, Box::new(|| check_k3_big(k3_big_tokens))),
         ("offload", false, Box::new(offload::check_offload)),
+        ("nccl", false, Box::new(nccl::check_nccl)),
     ];
     let mut failed = false;
     for (name, default, run) in &stages {

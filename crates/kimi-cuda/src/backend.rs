@@ -23,8 +23,11 @@ use crate::tensor::{dtype_code, CudaTensor};
 mod k3;
 mod kda_decode;
 mod moe;
+mod nccl;
 mod quant;
 mod sampling;
+
+pub use nccl::{nccl_version, NcclComm, NcclId};
 
 /// The CUDA backend on one GPU. See the crate documentation for its precision.
 pub struct CudaBackend {

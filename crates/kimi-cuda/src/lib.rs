@@ -60,7 +60,7 @@ mod plan;
 mod tensor;
 
 #[cfg(feature = "cuda")]
-pub use backend::CudaBackend;
+pub use backend::{nccl_version, CudaBackend, NcclComm, NcclId};
 pub use plan::{
     CutlassMinPairs, EnvVarError, GemmPrecision, GemvKernel, GroupedMoeKernel, KdaChunkKernel,
     KdaStages, KernelConfig, MlaPrefillKernel, StreamShape,

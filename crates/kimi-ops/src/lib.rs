@@ -16,6 +16,7 @@ pub use kimi_core::config::Activation;
 use kimi_core::config::KdaGate;
 use kimi_core::DType;
 
+pub mod bootstrap;
 pub mod calibrate;
 pub mod collective;
 pub mod experts;

@@ -14,32 +14,10 @@ use std::thread::JoinHandle;
 use kimi_ops::offload::{OffloadCounts, Placement};
 use kimi_ops::{Backend, Collective, ThreadGroup};
 
+use super::control::{run_job, RankJob as Job};
 use crate::cache::{CachePool, LayerSpec, SeqCache};
 use crate::forward::{Batch, CausalLm, ForwardOptions, ForwardOutput};
 use crate::{KimiLinear, ModelError, Result};
-
-/// What a rank thread is asked to do.
-enum Job {
-    /// Make its pool: `num_blocks` blocks of `block_size` tokens and `num_slots` slots.
-    Pool {
-        num_blocks: usize,
-        block_size: usize,
-        num_slots: usize,
-    },
-    /// Make its pool for one sequence of up to `max_tokens` tokens.
-    Single { max_tokens: usize },
-    /// Run a pass over its pool.
-    Forward {
-        batch: Batch,
-        seqs: Vec<SeqCache>,
-        opts: ForwardOptions,
-    },
-    /// Copy a state slot (and a block) within its pool, as [`CachePool::fork_state`].
-    Fork {
-        slots: (u32, u32),
-        block: Option<(u32, u32)>,
-    },
-}
 
 struct Worker {
     jobs: Option<Sender<Job>>,
@@ -147,30 +125,7 @@ fn serve_rank<B: Backend>(
 ) {
     let mut pool: Option<CachePool<B>> = None;
     while let Ok(job) = inbox.recv() {
-        let result = match job {
-            Job::Pool {
-                num_blocks,
-                block_size,
-                num_slots,
-            } => model
-                .new_pool(num_blocks, block_size, num_slots)
-                .map(|p| pool = Some(p)),
-            Job::Single { max_tokens } => {
-                model.single_cache(max_tokens).map(|(p, _)| pool = Some(p))
-            }
-            Job::Forward { batch, seqs, opts } => match pool.as_mut() {
-                Some(pool) => {
-                    let mut seqs = seqs;
-                    let mut refs: Vec<&mut SeqCache> = seqs.iter_mut().collect();
-                    model.forward(&batch, pool, &mut refs, opts).map(drop)
-                }
-                None => Err(ModelError::Input("a pass before the pool was made".into())),
-            },
-            Job::Fork { slots, block } => match pool.as_mut() {
-                Some(pool) => pool.fork_state(model.backend(), slots, block),
-                None => Err(ModelError::Input("a fork before the pool was made".into())),
-            },
-        };
+        let result = run_job(&model, &mut pool, job);
         let result = result.map_err(|e| {
             let e = e.to_string();
             Collective::<B>::abort(&comm, &e);

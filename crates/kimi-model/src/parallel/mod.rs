@@ -23,15 +23,18 @@
 //!
 //! [`TensorParallel`] runs the ranks of one process as threads behind one [`crate::CausalLm`].
 
+pub mod control;
 mod dispatch;
 mod group;
 mod placement;
+mod process;
 mod source;
 
 pub(crate) use dispatch::TokenDispatch;
 pub use dispatch::{DispatchTraffic, ExpertDispatch};
 pub use group::TensorParallel;
 pub use placement::{loads_from_metrics, ExpertLoads, ExpertPlacement};
+pub use process::{serve_worker, ProcessRanks};
 pub use source::ShardedSource;
 
 /// How a rank's routed experts are split.
