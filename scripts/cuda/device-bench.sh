@@ -3,7 +3,7 @@
 # side by side on the same GPU. Build here first: scripts/cuda/build-check.sh; fetch the
 # Python wheels (fla-core, flash-linear-attention, einops, openai) into .whl/ with
 # scripts/cuda/fetch-wheels.sh. Then on the device, from the repository root:
-#   scripts/cuda/device-bench.sh OUT_DIR [check] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack] [k3-big] [k3-offload] [offload]
+#   scripts/cuda/device-bench.sh OUT_DIR [check] [quant] [nccl] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack] [k3-big] [k3-offload] [offload]
 # (no stage names = all). Each stage writes OUT_DIR/<stage>.txt (+ JSON where it has one).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -45,6 +45,17 @@ export PYTHONPATH="$PYLIB:${PYTHONPATH:-}"
 
 if want check; then
   timeout 240 .device-bin/check ops fixtures 2>&1 | tee "$OUT/check.txt"
+fi
+# Quantized weights kept packed on CUDA (Q4Z/Q8Z/F8S, ggml Q4_0/Q4_1/Q8_0/Q4_K) against the CPU
+# backend, then their GEMV at Kimi-Linear-48B shapes against bf16.
+if want quant; then
+  timeout ${QUANT_TIMEOUT:-150} .device-bin/check quant-ops 2>&1 | tee "$OUT/quant-ops.txt" | tail -40
+  timeout ${QUANT_TIMEOUT:-150} .device-bin/check quant-bench 2>&1 | tee "$OUT/quant-bench.txt"
+fi
+# NCCL behind the collective interface, every op against the threads' implementation (world 1
+# on one GPU; one rank per visible GPU otherwise).
+if want nccl; then
+  timeout 120 .device-bin/check nccl 2>&1 | tee "$OUT/nccl.txt"
 fi
 if want kernels; then
   timeout ${KERNELS_TIMEOUT:-240} .device-bin/check kda-bench mla-bench 2>&1 | tee "$OUT/kernels.txt"
@@ -163,7 +174,7 @@ for k in ("kda_layers", "full_attn_layers"):
     la[k] = [i for i in la[k] if i <= 2]
 json.dump(c, open(sys.argv[2], "w"), indent=1)
 PY
-  for fills in 0 1; do
+  for fills in ${K3_OFFLOAD_FILLS:-0 1}; do
     KIMI_CUDA_MXFP4_DEVICE_FILLS=$fills timeout ${K3_OFFLOAD_TIMEOUT:-150} .device-bin/kimi-infer bench \
       --device cuda --random-config /tmp/k3-2.json --prompt-len 64 --gen-len 4 --repeats 1 \
       --decode-batch 1,16 --context 256 --decode-steps 8 --offload-experts 448 --expert-cache-slots 64 \
