@@ -62,7 +62,7 @@ fn loaded() -> Result<()> {
     if present {
         Ok(())
     } else {
-        Err(Error::Unsupported(
+        Err(Error::Device(
             "NCCL not found: no libnccl.so on the library path (NCCL ships libnccl.so.2, e.g. \
              in PyTorch's nvidia-nccl wheel: link it as libnccl.so in a folder on \
              LD_LIBRARY_PATH, as scripts/cuda/device-check.sh does)"
