@@ -499,7 +499,9 @@ impl Backend for CudaBackend {
     }
 
     fn stores(&self, dtype: DType) -> bool {
-        dtype_code(dtype).is_some() || dtype == DType::MXFP4 || quant::is_planar(dtype)
+        dtype_code(dtype).is_some()
+            || dtype == DType::MXFP4
+            || (quant::is_planar(dtype) && self.kernel_config().packed_quant_weights)
     }
 
     // Packed integer experts (Q4Z, Q8Z, F8S, Q4_0, Q4_1, Q8_0, Q4_K) go through the fused

@@ -231,6 +231,11 @@ pub struct KernelConfig {
     /// (`KIMI_CUDA_MXFP4_DEVICE_FILLS`). Off until `check offload` has passed with it on a
     /// device: the kernel has not run on one yet.
     pub mxfp4_device_fills: bool,
+    /// Quantized weights (Q4Z, Q8Z, F8S; ggml Q4_0, Q4_1, Q8_0, Q4_K) stay packed on the device
+    /// and run on the quant GEMV kernels, instead of being widened to bf16 at load
+    /// (`KIMI_CUDA_PACKED_QUANT`). Off until `check quant-ops` has passed on a device: the
+    /// kernels have not run on one yet.
+    pub packed_quant_weights: bool,
 }
 
 impl Default for KernelConfig {
@@ -258,6 +263,7 @@ impl Default for KernelConfig {
             graph_arena_mb: 512,
             pin_host_experts: true,
             mxfp4_device_fills: false,
+            packed_quant_weights: false,
         }
     }
 }

@@ -29,9 +29,10 @@ const GRAPH_ARENA_MB: &str = "KIMI_CUDA_GRAPH_ARENA_MB";
 const MXFP4_TOKEN_TILES: &str = "KIMI_CUDA_MXFP4_TOKEN_TILES";
 const PIN_HOST_EXPERTS: &str = "KIMI_CUDA_PIN_HOST_EXPERTS";
 const MXFP4_DEVICE_FILLS: &str = "KIMI_CUDA_MXFP4_DEVICE_FILLS";
+const PACKED_QUANT: &str = "KIMI_CUDA_PACKED_QUANT";
 
 /// Every variable [`KernelConfig::from_env`] reads.
-const VARS: [&str; 13] = [
+const VARS: [&str; 14] = [
     MLA_PREFILL,
     KDA_CHUNK,
     MOE_LAYER,
@@ -45,6 +46,7 @@ const VARS: [&str; 13] = [
     MXFP4_TOKEN_TILES,
     PIN_HOST_EXPERTS,
     MXFP4_DEVICE_FILLS,
+    PACKED_QUANT,
 ];
 
 impl KernelConfig {
@@ -92,6 +94,7 @@ impl KernelConfig {
     /// | `KIMI_CUDA_MXFP4_TOKEN_TILES` | `1`, `2` or `4`; `auto` |
     /// | `KIMI_CUDA_PIN_HOST_EXPERTS` | `0`: expert slots fill from pageable memory; `1` |
     /// | `KIMI_CUDA_MXFP4_DEVICE_FILLS` | `1`: MXFP4 slot fills laid out on the GPU; `0` |
+    /// | `KIMI_CUDA_PACKED_QUANT` | `1`: integer/FP8/ggml weights kept packed; `0` |
     pub fn from_vars<'a>(
         vars: impl IntoIterator<Item = (&'a str, &'a str)>,
     ) -> (Self, Vec<EnvVarError>) {
@@ -164,6 +167,9 @@ impl KernelConfig {
             }
             MXFP4_DEVICE_FILLS => {
                 self.mxfp4_device_fills = flag(value).ok_or_else(|| invalid("`0` or `1`"))?
+            }
+            PACKED_QUANT => {
+                self.packed_quant_weights = flag(value).ok_or_else(|| invalid("`0` or `1`"))?
             }
             POOL_RELEASE => {
                 self.pool_keeps_memory = !flag(value).ok_or_else(|| invalid("`0` or `1`"))?
@@ -279,8 +285,10 @@ mod tests {
             (STREAM_SHAPE, "0,160"),
             (MOE_LAYER, "1"),
             (POOL_RELEASE, "0"),
+            (PACKED_QUANT, "1"),
         ]);
         assert!(errors.is_empty(), "{errors:?}");
+        assert!(config.packed_quant_weights);
         assert_eq!(config.kda_chunk, KdaChunkKernel::F32);
         assert_eq!(config.cutlass_min_pairs.split, usize::MAX);
         assert_eq!(config.stream_shape.tile_bytes, 40 << 10);
