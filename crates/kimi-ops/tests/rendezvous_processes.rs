@@ -47,6 +47,13 @@ fn rank_processes_meet_and_a_dead_one_is_named() {
     if let Ok(spec) = std::env::var(CHILD) {
         return child(&spec);
     }
+    // Under qemu user-mode emulation (scripts/arm/test.sh) a copy of this aarch64 binary
+    // starts only where qemu is registered with binfmt_misc, which CI's container may not
+    // allow (the reason kimi-cli's tests are not run there either); the x86 run covers it.
+    if std::env::var_os("KIMI_TEST_EMULATED").is_some() {
+        eprintln!("skipped under emulation: starting rank processes needs binfmt_misc");
+        return;
+    }
     const TEST: &str = "rank_processes_meet_and_a_dead_one_is_named";
     // Three live ranks.
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
