@@ -7,16 +7,14 @@
 //! sum is rounded on its own, so they agree to f32 rounding. Both are also checked against
 //! the fixtures' float64 reference logits.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kimi_cpu::{CpuBackend, QuantMatmul};
-use kimi_model::{
-    Batch, CausalLm, ExpertOffload, ForwardOptions, KimiLinear, LoadOptions, OffloadAmount,
-    OffloadCounts,
-};
+use kimi_model::{ExpertOffload, KimiLinear, LoadOptions, OffloadAmount, OffloadCounts};
 use kimi_ops::offload::{CachePolicy, HostBackend};
-use kimi_ops::Segment;
 use kimi_weights::Checkpoint;
 
 fn fixture(path: &str) -> PathBuf {
@@ -57,29 +55,7 @@ fn prompt(dir: &Path) -> Vec<u32> {
 
 /// Logits of every position, `step` tokens per forward pass.
 fn run(model: &KimiLinear<CpuBackend>, ids: &[u32], step: usize) -> Vec<f32> {
-    let (mut pool, mut cache) = model.single_cache(ids.len()).unwrap();
-    let mut out = Vec::new();
-    for chunk in ids.chunks(step) {
-        let batch = Batch {
-            tokens: chunk.to_vec(),
-            segments: vec![Segment {
-                start: 0,
-                len: chunk.len(),
-            }],
-            logits_rows: (0..chunk.len()).collect(),
-            sampling: None,
-        };
-        let y = model
-            .forward(
-                &batch,
-                &mut pool,
-                &mut [&mut cache],
-                ForwardOptions::default(),
-            )
-            .unwrap();
-        out.extend(y.logits);
-    }
-    out
+    common::logits_in_steps(model, ids, step)
 }
 
 fn rel_err(got: &[f32], want: &[f32]) -> f64 {

@@ -10,6 +10,8 @@
 //! fixtures' heads split over 2 ranks; random-weight models of the same layouts with 4
 //! heads cover 4 ranks.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -82,29 +84,7 @@ fn pair(
 
 /// Logits of every position of `ids`, `step` tokens per pass.
 fn run(model: &dyn CausalLm<CpuBackend>, ids: &[u32], step: usize) -> Vec<f32> {
-    let (mut pool, mut cache) = model.single_cache(ids.len()).unwrap();
-    let mut out = Vec::new();
-    for chunk in ids.chunks(step) {
-        let batch = Batch {
-            tokens: chunk.to_vec(),
-            segments: vec![Segment {
-                start: 0,
-                len: chunk.len(),
-            }],
-            logits_rows: (0..chunk.len()).collect(),
-            sampling: None,
-        };
-        let y = model
-            .forward(
-                &batch,
-                &mut pool,
-                &mut [&mut cache],
-                ForwardOptions::default(),
-            )
-            .unwrap();
-        out.extend(y.logits);
-    }
-    out
+    common::logits_in_steps(model, ids, step)
 }
 
 /// Two sequences batched through one pool: prefill both, then decode both together.

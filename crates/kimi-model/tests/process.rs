@@ -4,6 +4,8 @@
 //! threads (`TensorParallel`) bit for bit, and a worker that dies ends the step at once with
 //! its rank named, and every later step too. Plus the control messages' byte form.
 
+mod common;
+
 use std::net::TcpListener;
 use std::path::Path;
 use std::sync::Arc;
@@ -98,28 +100,7 @@ fn serve(
 
 /// Logits of every position of `ids`, `step` tokens per pass, then two sequences batched.
 fn logits(model: &dyn CausalLm<CpuBackend>, ids: &[u32], step: usize) -> Vec<f32> {
-    let (mut pool, mut cache) = model.single_cache(ids.len()).unwrap();
-    let mut out = Vec::new();
-    for chunk in ids.chunks(step) {
-        let batch = Batch {
-            tokens: chunk.to_vec(),
-            segments: vec![Segment {
-                start: 0,
-                len: chunk.len(),
-            }],
-            logits_rows: (0..chunk.len()).collect(),
-            sampling: None,
-        };
-        let y = model
-            .forward(
-                &batch,
-                &mut pool,
-                &mut [&mut cache],
-                ForwardOptions::default(),
-            )
-            .unwrap();
-        out.extend(y.logits);
-    }
+    let mut out = common::logits_in_steps(model, ids, step);
     let mut pool = model.new_pool(16, 4, 4).unwrap();
     let mut a = SeqCache::new(1, vec![0, 1, 2]);
     let mut b = SeqCache::new(3, vec![8, 9]);
