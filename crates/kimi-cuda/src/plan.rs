@@ -228,13 +228,15 @@ pub struct KernelConfig {
     pub pin_host_experts: bool,
     /// MXFP4 expert slots fill by copying the stored blocks and laying them out on the GPU
     /// (`mxfp4_from_blocks`) instead of on the host before the copy
-    /// (`KIMI_CUDA_MXFP4_DEVICE_FILLS`). Off until `check offload` has passed with it on a
-    /// device: the kernel has not run on one yet.
+    /// (`KIMI_CUDA_MXFP4_DEVICE_FILLS`; `0` lays them out on the host). On: `check offload`
+    /// passed with it on an H100 (2026-12-06), where a K3 expert's fill took 0.43 ms instead
+    /// of 4.8 ms.
     pub mxfp4_device_fills: bool,
     /// Quantized weights (Q4Z, Q8Z, F8S; ggml Q4_0, Q4_1, Q8_0, Q4_K) stay packed on the device
     /// and run on the quant GEMV kernels, instead of being widened to bf16 at load
-    /// (`KIMI_CUDA_PACKED_QUANT`). Off until `check quant-ops` has passed on a device: the
-    /// kernels have not run on one yet.
+    /// (`KIMI_CUDA_PACKED_QUANT`). Off: `check quant-ops` passed on an H100 (2026-12-06), but
+    /// the GEMV there was no faster than bf16 at one row and half its speed at 4-8 rows
+    /// (`check quant-bench`), so packing trades decode speed for memory until it is.
     pub packed_quant_weights: bool,
 }
 
@@ -262,7 +264,7 @@ impl Default for KernelConfig {
             pool_keeps_memory: true,
             graph_arena_mb: 512,
             pin_host_experts: true,
-            mxfp4_device_fills: false,
+            mxfp4_device_fills: true,
             packed_quant_weights: false,
         }
     }
