@@ -2,8 +2,10 @@
 # Everything measured on the GPU machine in one lease of the device, so that peers and kimi-infer run
 # side by side on the same GPU. Build here first: scripts/cuda/build-check.sh; fetch the
 # Python wheels (fla-core, flash-linear-attention, einops, openai) into .whl/ with
-# scripts/cuda/fetch-wheels.sh. Then on the device, from the repository root:
-#   scripts/cuda/device-bench.sh OUT_DIR [check] [quant] [nccl] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack] [k3-big] [k3-offload] [offload]
+# scripts/cuda/fetch-wheels.sh; for the llamacpp stages, llama.cpp's source into
+# .device-bin/llamacpp-src.tar.gz with scripts/cuda/llamacpp-src.sh. Then on the device, from the
+# repository root:
+#   scripts/cuda/device-bench.sh OUT_DIR [check] [quant] [nccl] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack] [k3-big] [k3-offload] [offload] [llamacpp-prep] [llamacpp]
 # (no stage names = all). Each stage writes OUT_DIR/<stage>.txt (+ JSON where it has one).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -216,6 +218,81 @@ if want offload; then
           done
         done
       done
+    done
+  done
+fi
+# Experts on the CPU against llama.cpp's: `-ngl 99 -ot exps=CPU` (every routed expert in host RAM,
+# computed there; the rest on the GPU) and kimi-infer's `--offload-experts 256
+# --expert-cache-slots 0`, then both all on the GPU, on one random bf16 GGUF of the 48B config cut to
+# LLAMACPP_LAYERS (8: KKKMKKKM, ~28 GB) layers (scripts/cuda/random-kimi-gguf.py), and kimi-infer
+# also on `--random-config` of that cut config. llama.cpp 0c1e57098 is built here (CUDA, sm_90a,
+# llama-bench only) from .device-bin/llamacpp-src.tar.gz (scripts/cuda/llamacpp-src.sh), beside
+# the GGUF's writing. Its prefill runs with -nopo 0 (its default: batches of 32+ tokens copy the
+# CPU's expert weights to the GPU) and -nopo 1 (the CPU computes them). `llamacpp-prep` builds and
+# writes the GGUF only; both steps are skipped when their output is in /tmp already.
+# LLAMACPP_KIMI_SOURCES: `gguf` and/or `random` (kimi-infer's runs).
+if want llamacpp-prep || want llamacpp; then
+  LLC=/tmp/llama.cpp LLB=/tmp/llamacpp-build
+  LLBENCH=$LLB/bin/llama-bench
+  LAYERS=${LLAMACPP_LAYERS:-8}
+  GGUF=/tmp/kimi-48b-${LAYERS}l.gguf GCONF=/tmp/kimi-48b-${LAYERS}l.config.json
+  build_pid=""
+  [ -f "$LLC/CMakeLists.txt" ] || tar -xzf .device-bin/llamacpp-src.tar.gz -C /tmp
+  if [ ! -x "$LLBENCH" ] && [ -f "$LLC/CMakeLists.txt" ]; then
+    (
+      t0=$(date +%s)
+      NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+      GEN=(); command -v ninja >/dev/null && GEN=(-G Ninja)
+      cmake -S "$LLC" -B "$LLB" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+        -DGGML_NATIVE=ON -DGGML_CUDA=ON -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES=90a \
+        -DGGML_CUDA_FA_ALL_QUANTS=OFF -DGGML_CUDA_FA_QUANTS=f16-f16 -DGGML_CUDA_NCCL=OFF \
+        -DGGML_CUDA_COMPRESSION_MODE=none -DGGML_CCACHE=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+        -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_COMMIT=0c1e57098 \
+        && timeout "${LLAMACPP_BUILD_TIMEOUT:-540}" cmake --build "$LLB" --config Release -j16 --target llama-bench
+      echo "llama.cpp build: rc $? in $(( $(date +%s) - t0 )) s"
+    ) > "$OUT/llamacpp-build.log" 2>&1 &
+    build_pid=$!
+  fi
+  if [ ! -s "$GGUF" ]; then
+    timeout "${LLAMACPP_GGUF_TIMEOUT:-400}" python3 scripts/cuda/random-kimi-gguf.py --config "$CONFIG" \
+      --layers "$LAYERS" --out "$GGUF" --write-config "$GCONF" --gguf-py "$LLC/gguf-py" \
+      --threads 8 2>&1 | tee -a "$OUT/llamacpp.txt"
+  fi
+  if [ -n "$build_pid" ]; then
+    wait "$build_pid"
+    { grep -m5 -E "error|FAILED" "$OUT/llamacpp-build.log"; tail -3 "$OUT/llamacpp-build.log"; } \
+      | tee -a "$OUT/llamacpp.txt"
+  fi
+fi
+if want llamacpp; then
+  THREADS=${LLAMACPP_THREADS:-16}
+  if [ -x "$LLBENCH" ] && [ -s "$GGUF" ]; then
+    for mode in ot-cpu gpu; do
+      flags=(-nopo 0); [ "$mode" = ot-cpu ] && flags=(-ot exps=CPU -nopo "0,1")
+      timeout "${LLAMACPP_TIMEOUT:-300}" "$LLBENCH" -m "$GGUF" -ngl 99 "${flags[@]}" -t "$THREADS" \
+        -p 256 -n 32 -r 2 -o json > "$OUT/llamacpp-$mode.json" 2> "$OUT/llamacpp-$mode.err"
+      echo "llama-bench $mode: rc $?" | tee -a "$OUT/llamacpp.txt"
+      python3 - "$OUT/llamacpp-$mode.json" "$mode" <<'PY' 2>&1 | tee -a "$OUT/llamacpp.txt"
+import json, sys
+for r in json.load(open(sys.argv[1])):
+    print("llama.cpp %s nopo=%s pp%d tg%d: %.1f +- %.1f tokens/s" % (sys.argv[2], r.get("no_op_offload"),
+          r["n_prompt"], r["n_gen"], r["avg_ts"], r["stddev_ts"]))
+PY
+    done
+  else
+    echo "llamacpp: no $LLBENCH or $GGUF: llama.cpp skipped" | tee -a "$OUT/llamacpp.txt"
+  fi
+  for src in ${LLAMACPP_KIMI_SOURCES:-gguf random}; do
+    model=(--model "$GGUF"); [ "$src" = random ] && model=(--random-config "$GCONF")
+    [ -s "${model[1]}" ] || continue
+    for mode in ot-cpu gpu; do
+      flags=(); [ "$mode" = ot-cpu ] && flags=(--offload-experts 256 --expert-cache-slots 0 --offload-miss cpu)
+      timeout "${LLAMACPP_TIMEOUT:-300}" .device-bin/kimi-infer bench --device cuda "${model[@]}" \
+        --threads "$THREADS" --prompt-len 256 --gen-len 32 --repeats 2 --decode-batch 1,16 \
+        --context 256 "${flags[@]}" --json "$OUT/llamacpp-kimi-$src-$mode.json" 2>&1 \
+        | tee "$OUT/llamacpp-kimi-$src-$mode.txt" | grep -E "^(loaded|prefill|decode)|  experts|rror" \
+        | sed "s/^/kimi-infer $src $mode: /" | tee -a "$OUT/llamacpp.txt"
     done
   done
 fi
