@@ -196,16 +196,31 @@ fi
 # OFFLOAD_PIN: 1 and/or 0; OFFLOAD_MISS: auto, copy and/or cpu; OFFLOAD_SKEW: `bench
 # --routing-skew` values (0: about uniform routing, the worst case for the cache).
 # First the fixtures in tiers against all resident on the device (`check offload`).
+# OFFLOAD_LAYERS=N cuts the config to its first N layers, so that an all-on-GPU baseline fits a
+# smaller card (16 of the 48B's 27 layers fit an H100's 80 GB).
 if want offload; then
   [ -n "${OFFLOAD_SKIP_CHECK:-}" ] || timeout 240 .device-bin/check offload 2>&1 | tee "$OUT/offload-check.txt"
+  if [ -n "${OFFLOAD_LAYERS:-}" ]; then
+    python3 - "$CONFIG" "$OFFLOAD_LAYERS" /tmp/offload-config.json <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1])); n = int(sys.argv[2]); t = c.get("text_config", c)
+t["num_hidden_layers"] = n
+la = t["linear_attn_config"]
+for k in ("kda_layers", "full_attn_layers"):
+    la[k] = [i for i in la[k] if i <= n]
+json.dump(c, open(sys.argv[3], "w"), indent=1)
+PY
+    CONFIG=/tmp/offload-config.json
+  fi
   for host in ${OFFLOAD_HOST:-0 128}; do
     for slots in ${OFFLOAD_SLOTS:-0 64}; do
       [ "$host" = 0 ] && [ "$slots" != 0 ] && continue
       for pin in ${OFFLOAD_PIN:-1 0}; do
         [ "$slots" = 0 ] && [ "$pin" = 0 ] && continue
-        for miss in ${OFFLOAD_MISS:-copy}; do
+        misses=${OFFLOAD_MISS:-copy}
+        for miss in $misses; do
           # Without slots every miss is computed on the CPU: one run.
-          [ "$slots" = 0 ] && [ "$miss" != "${OFFLOAD_MISS%% *}" ] && continue
+          [ "$slots" = 0 ] && [ "$miss" != "${misses%% *}" ] && continue
           flags=""
           [ "$host" != 0 ] && flags="--offload-experts $host --expert-cache-slots $slots --offload-miss $miss"
           for skew in ${OFFLOAD_SKEW:-0}; do
