@@ -26,6 +26,7 @@ mod moe;
 mod nccl;
 mod quant;
 mod sampling;
+mod slot_fill;
 
 pub use nccl::{nccl_version, NcclComm, NcclId};
 
@@ -551,98 +552,10 @@ impl Backend for CudaBackend {
     }
 
     fn upload_into(&self, dst: &mut CudaTensor, host: HostTensor<'_>) -> Result<()> {
-        // In place where the buffer is this tensor's alone and takes the bytes (MXFP4 laid
-        // out for the device first: on the host, or with `mxfp4_device_fills` by a kernel
-        // after the copy); otherwise, or with `pin_host_experts` off, a new upload.
-        let mxfp4 = host.dtype == DType::MXFP4;
-        let same = self.kernel_config().pin_host_experts
-            && dst.dtype == host.dtype
-            && dst.shape == host.shape
-            && dst.offset == 0
-            && Arc::strong_count(&dst.buf) == 1;
-        let fits = |len: usize| same && dst.len_bytes() == len;
-        if quant::is_planar(host.dtype) {
-            // Laid out in planes on the host, then a copy the driver stages.
-            let planes = Self::quant_planes(&host)?;
-            if !fits(planes.len()) {
-                *dst = self.upload(host)?;
-                return Ok(());
-            }
-            // SAFETY: `dst` was uploaded by `upload_quant` at this shape and dtype: it owns
-            // `planes.len()` bytes of device memory; the stream orders the copy after the
-            // kernels that read the old contents, and the driver has taken the pageable
-            // bytes when it returns.
-            return unsafe {
-                self.dev
-                    .copy_from_host(dst.ptr(), &planes, "expert slot fill")
-            };
-        }
-        if mxfp4 && self.kernel_config().mxfp4_device_fills {
-            // The stored blocks cross the link as they are (by DMA from a locked host
-            // store) and are laid out for the device on it.
-            let shape = match host.shape {
-                [rows, cols]
-                    if cols.is_multiple_of(32)
-                        && DType::MXFP4.storage_bytes(rows * cols) == Some(host.bytes.len()) =>
-                {
-                    Some((*rows, *cols))
-                }
-                _ => None,
-            };
-            return match shape {
-                Some((rows, cols)) if same => {
-                    let staging = self.raw(host.bytes.len(), "expert slot fill")?;
-                    // SAFETY: `staging` holds `host.bytes.len()` bytes, freed in stream
-                    // order after the kernel below has read them; `dst` was uploaded by
-                    // `upload_mxfp4` at this shape, so it holds its device layout (padding
-                    // zero); a locked source stays unwritten while locked.
-                    unsafe {
-                        self.dev
-                            .copy_from_host(staging.ptr(), host.bytes, "expert slot fill")?;
-                        ops::mxfp4::from_blocks(&self.dev, staging.ptr(), dst.ptr(), rows, cols)
-                    }
-                }
-                _ => {
-                    *dst = self.upload(host)?;
-                    Ok(())
-                }
-            };
-        }
-        if mxfp4 {
-            // Laid out for the device on the host, then a copy the driver stages.
-            let tiles = match host.shape {
-                [rows, cols] => crate::layout::mxfp4_device_tiles(host.bytes, *rows, *cols),
-                _ => None,
-            };
-            return match tiles {
-                Some(tiles) if same => {
-                    // SAFETY: `dst` was uploaded by `upload_mxfp4` at this shape: it owns
-                    // `tiles.len()` bytes of device memory; the stream orders the copy after
-                    // the kernels that read the old contents, and the driver has taken the
-                    // pageable bytes when it returns.
-                    unsafe {
-                        self.dev
-                            .copy_from_host(dst.ptr(), &tiles, "expert slot fill")
-                    }
-                }
-                _ => {
-                    *dst = self.upload(host)?;
-                    Ok(())
-                }
-            };
-        }
-        if !fits(host.bytes.len()) {
-            *dst = self.upload(host)?;
-            return Ok(());
-        }
-        // SAFETY: `dst` owns `len_bytes()` == `host.bytes.len()` bytes of device memory; the
-        // stream orders the copy after the kernels that read the old contents. A source in
-        // a region locked through `lock_host_region` stays unwritten while locked (its
-        // contract), so the copy may finish after this returns.
-        unsafe {
-            self.dev
-                .copy_from_host(dst.ptr(), host.bytes, "expert slot fill")
-        }
+        // Expert slot fills run outside a replayed pass: how many a step needs varies, and
+        // the pass's graphs and arena addresses must not.
+        self.dev
+            .outside_pass("expert slot fill", || self.fill_slot(dst, host))
     }
 
     fn lock_host_region(

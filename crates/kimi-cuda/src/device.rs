@@ -540,18 +540,59 @@ impl Device {
         .op(op)
     }
 
-    /// Queues what the current pass has recorded so far (a read-back needs the results);
-    /// the rest of the pass runs op by op.
+    /// Queues what the current pass has recorded so far (a read-back needs the results):
+    /// as a segment of the pass through its own graph where the pass is replayed, else op by
+    /// op (and the rest of the pass too).
     pub(crate) fn flush(&self, op: &'static str) -> Result<()> {
         let stream = self.stream.cu_stream();
-        if let Some((ops, staging)) = graph::drain(stream) {
-            for o in &ops {
+        match graph::take_segment(stream) {
+            None => {}
+            Some((Some(key), rec)) => {
+                let mut cache = self
+                    .graphs
+                    .lock()
+                    .map_err(|_| kimi_ops::Error::Device("graph cache lock poisoned".into()))?;
                 // SAFETY: recorded by this pass, whose buffers are alive (the arena's blocks
-                // until the pass ends, pool buffers kept by the recorder).
-                unsafe { graph::issue(o, stream, staging.as_ptr(), self.blas_handle()) }.op(op)?;
+                // until the pass ends, pool buffers kept with the segment until queued); the
+                // pass began on an idle stream and queues each segment key once.
+                let outcome = unsafe { cache.run(key, rec, stream, self.blas_handle()) }.op(op)?;
+                self.count_pass(outcome);
+            }
+            Some((None, rec)) => {
+                for o in &rec.ops {
+                    // SAFETY: as above.
+                    unsafe { graph::issue(o, stream, rec.staging.as_ptr(), self.blas_handle()) }
+                        .op(op)?;
+                }
             }
         }
         Ok(())
+    }
+
+    /// Runs `f` outside the pass being recorded (if any): what it launches is queued at
+    /// once, after the pass's recorded ops, and what it allocates comes from the pool.
+    pub(crate) fn outside_pass<R>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
+        if !graph::recording(self.stream.cu_stream()) {
+            return f();
+        }
+        self.flush(op)?;
+        let _set_aside = graph::suspend();
+        f()
+    }
+
+    fn count_pass(&self, outcome: Outcome) {
+        if let Ok(mut c) = self.pass_counts.lock() {
+            match outcome {
+                Outcome::Empty => {}
+                Outcome::Eager => c[0] += 1,
+                Outcome::Captured => c[1] += 1,
+                Outcome::Replayed => c[2] += 1,
+            }
+        }
     }
 
     /// Copies `dst.len()` bytes from `src` to the host once all queued work is done
@@ -651,7 +692,7 @@ impl Device {
             return Ok(f());
         }
         let stream = self.stream.cu_stream();
-        graph::start(stream);
+        graph::start(stream, key);
         /// Ends the recording if `f` unwinds.
         struct Stop;
         impl Drop for Stop {
@@ -663,7 +704,9 @@ impl Device {
         let out = f();
         let rec = graph::stop();
         drop(guard);
-        let Some(rec) = rec else { return Ok(out) };
+        let Some((key, rec)) = rec else {
+            return Ok(out);
+        };
         let mut cache = self
             .graphs
             .lock()
@@ -671,14 +714,8 @@ impl Device {
         // SAFETY: the ops were recorded by this pass on this device; the arena blocks they
         // name stay reserved until the next pass, which waits for this one first.
         let outcome = unsafe { cache.run(key, rec, stream, self.blas_handle()) }.op(OP)?;
-        if let Ok(mut c) = self.pass_counts.lock() {
-            match outcome {
-                Outcome::Empty => {}
-                Outcome::Eager => c[0] += 1,
-                Outcome::Captured => c[1] += 1,
-                Outcome::Replayed => c[2] += 1,
-            }
-        }
+        drop(cache);
+        self.count_pass(outcome);
         Ok(out)
     }
 }

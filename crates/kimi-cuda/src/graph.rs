@@ -10,8 +10,13 @@
 //! * compared with the captured list: where only kernel arguments or grid sizes changed
 //!   (a position, a split count) those nodes are patched in the executable graph, and the
 //!   graph is launched: one launch for the whole step;
-//! * issued one by one where the pass cannot be replayed (a read-back inside the pass, a
-//!   full arena, a failed capture).
+//! * issued one by one where the pass cannot be replayed (a full arena, a failed capture).
+//!
+//! A read-back inside the pass (the routes of a layer whose experts live partly in host
+//! memory) splits it into segments: the ops recorded up to the read-back go through their
+//! own graph, keyed by the pass and the segment's place in it, and recording goes on after
+//! it (vLLM's piecewise graphs). Each graph stages its uploads in pinned memory of its own,
+//! so a segment's copies never read bytes a later segment of the same pass has staged.
 //!
 //! Uploads inside a pass (token ids, block tables) are copied into pinned host memory that
 //! the graph's copy nodes read when they run, so new values need no new graph.
@@ -219,14 +224,18 @@ struct Recorder {
     keep: Vec<CudaSlice<u8>>,
     /// False once something makes the pass unfit for a graph.
     graphable: bool,
+    /// The pass's key; `None`: the pass is issued op by op at its end.
+    key: Option<u64>,
+    /// Segments already queued (each ended by a read-back).
+    segment: u64,
 }
 
 thread_local! {
     static RECORDER: RefCell<Option<Recorder>> = const { RefCell::new(None) };
 }
 
-/// Starts recording a pass of `stream` on this thread.
-pub(crate) fn start(stream: CUstream) {
+/// Starts recording the pass `key` of `stream` on this thread.
+pub(crate) fn start(stream: CUstream, key: u64) {
     RECORDER.with_borrow_mut(|r| {
         *r = Some(Recorder {
             stream: stream as usize,
@@ -234,8 +243,21 @@ pub(crate) fn start(stream: CUstream) {
             staging: Vec::new(),
             keep: Vec::new(),
             graphable: true,
+            key: Some(key),
+            segment: 0,
         })
     });
+}
+
+/// The graph key of segment `segment` of pass `key`.
+pub(crate) fn segment_key(key: u64, segment: u64) -> u64 {
+    fn mix(mut z: u64) -> u64 {
+        z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    mix(key ^ mix(segment))
 }
 
 /// A finished recording.
@@ -246,14 +268,42 @@ pub(crate) struct Recording {
     pub(crate) graphable: bool,
 }
 
-/// Stops recording on this thread.
-pub(crate) fn stop() -> Option<Recording> {
-    RECORDER.with_borrow_mut(|r| r.take()).map(|r| Recording {
-        ops: r.ops,
-        staging: r.staging,
-        keep: r.keep,
-        graphable: r.graphable,
+/// Stops recording on this thread: the last segment and its graph key.
+pub(crate) fn stop() -> Option<(u64, Recording)> {
+    RECORDER.with_borrow_mut(|r| r.take()).map(|r| {
+        (
+            segment_key(r.key.unwrap_or(0), r.segment),
+            Recording {
+                ops: r.ops,
+                staging: r.staging,
+                keep: r.keep,
+                graphable: r.graphable && r.key.is_some(),
+            },
+        )
     })
+}
+
+/// Recording set aside while work runs outside the pass (see [`suspend`]); put back when
+/// dropped.
+pub(crate) struct Suspended(Option<Recorder>);
+
+impl Drop for Suspended {
+    fn drop(&mut self) {
+        let rec = self.0.take();
+        RECORDER.with_borrow_mut(|r| {
+            if r.is_none() {
+                *r = rec;
+            }
+        });
+    }
+}
+
+/// Sets this thread's recording aside, so that what is launched or allocated until the
+/// guard drops runs at once, from the pool, in stream order, and stays out of the pass's
+/// graphs and arena (expert slot fills: how many a step needs varies, the graphs must not).
+/// The caller queues the recorded ops first ([`crate::device::Device::flush`]).
+pub(crate) fn suspend() -> Suspended {
+    Suspended(RECORDER.with_borrow_mut(|r| r.take()))
 }
 
 /// True while this thread records a pass of `stream`.
@@ -304,13 +354,30 @@ pub(crate) fn spoil() {
     });
 }
 
-/// Takes the ops recorded so far, so that the caller can queue them before a read-back;
-/// the rest of the pass is then issued op by op.
-pub(crate) fn drain(stream: CUstream) -> Option<(Vec<Op>, Vec<u8>)> {
+/// Takes the ops recorded so far, so that the caller can queue them before a read-back:
+/// as the next segment of the pass with its graph key while the pass can be replayed
+/// (recording goes on after it), else to be issued op by op (and the rest of the pass too).
+/// `None` when this thread records no pass of `stream` or nothing since the last segment.
+pub(crate) fn take_segment(stream: CUstream) -> Option<(Option<u64>, Recording)> {
     RECORDER.with_borrow_mut(|r| match r {
-        Some(r) if r.stream == stream as usize => {
-            r.graphable = false;
-            Some((std::mem::take(&mut r.ops), std::mem::take(&mut r.staging)))
+        Some(r) if r.stream == stream as usize && !r.ops.is_empty() => {
+            let rec = Recording {
+                ops: std::mem::take(&mut r.ops),
+                staging: std::mem::take(&mut r.staging),
+                keep: std::mem::take(&mut r.keep),
+                graphable: r.graphable,
+            };
+            match r.key.filter(|_| r.graphable) {
+                Some(key) => {
+                    let k = segment_key(key, r.segment);
+                    r.segment += 1;
+                    Some((Some(k), rec))
+                }
+                None => {
+                    r.graphable = false;
+                    Some((None, rec))
+                }
+            }
         }
         _ => None,
     })
@@ -342,6 +409,8 @@ pub(crate) struct Graph {
     /// The graph node of each kernel op (`None` for other ops), for patching; `None` when
     /// the nodes could not be matched to the ops.
     nodes: Option<Vec<Option<usize>>>,
+    /// Pinned bytes its upload nodes read, rewritten before each launch.
+    staging: Pinned,
 }
 
 // SAFETY: the graph handles are used only under the `GraphCache` mutex, by one thread at a
@@ -359,17 +428,19 @@ impl Drop for Graph {
 }
 
 impl Graph {
-    /// Captures `ops` from `stream` and instantiates the graph.
+    /// Captures `ops` from `stream` and instantiates the graph, its uploads reading
+    /// `bytes` copied into pinned memory of its own.
     ///
     /// # Safety
-    /// As [`issue`] for every op, with `staging` the pinned bytes the uploads read (and
-    /// will read at every launch).
+    /// As [`issue`] for every op, with `bytes` the staged bytes the uploads read.
     pub(crate) unsafe fn capture(
         ops: Vec<Op>,
         stream: CUstream,
-        staging: *const u8,
+        bytes: &[u8],
         blas: sys_blas::Handle,
     ) -> Result<Self, DriverError> {
+        let pinned = Pinned::holding(bytes)?;
+        let staging = pinned.ptr.cast_const();
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         // SAFETY: the stream is valid and not capturing (passes do not nest).
         unsafe { result::stream::begin_capture(stream, mode)? };
@@ -414,7 +485,23 @@ impl Graph {
             exec,
             ops,
             nodes,
+            staging: pinned,
         })
+    }
+
+    /// Rewrites the staged bytes the upload nodes read; `false` when they do not fit (the
+    /// ops then differ too, and the pass is captured again).
+    ///
+    /// # Safety
+    /// No launch of this graph is still running (passes start on an idle stream, and a
+    /// pass queues each of its segments once).
+    unsafe fn restage(&mut self, bytes: &[u8]) -> bool {
+        if bytes.len() > self.staging.cap {
+            return false;
+        }
+        // SAFETY: `staging` holds `cap >= bytes.len()` bytes that nothing reads now.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.staging.ptr, bytes.len()) };
+        true
     }
 
     /// Patches the kernel nodes whose arguments or grid differ in `ops`, if every other op
@@ -587,6 +674,19 @@ struct Pinned {
     cap: usize,
 }
 
+impl Pinned {
+    /// Pinned memory holding a copy of `bytes` (at least 4 KiB, so that small changes in
+    /// what a pass uploads fit without a new allocation).
+    fn holding(bytes: &[u8]) -> Result<Self, DriverError> {
+        let cap = bytes.len().next_power_of_two().max(4 << 10);
+        // SAFETY: a plain pinned allocation of `cap` bytes.
+        let ptr = unsafe { result::malloc_host(cap, 0) }?.cast::<u8>();
+        // SAFETY: `ptr` holds `cap >= bytes.len()` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, bytes.len()) };
+        Ok(Self { ptr, cap })
+    }
+}
+
 impl Drop for Pinned {
     fn drop(&mut self) {
         if !self.ptr.is_null() {
@@ -596,21 +696,21 @@ impl Drop for Pinned {
     }
 }
 
-/// The captured graphs of one device, by pass key, and the pinned staging they read.
+/// The captured graphs of one device, by pass (or pass segment) key.
 pub(crate) struct GraphCache {
     graphs: HashMap<u64, Graph>,
     /// Keys whose capture failed: issued op by op from then on.
     failed: HashSet<u64>,
-    pinned: Pinned,
     /// Why the last existing graph had to be captured again (for diagnosis).
     pub(crate) last_recapture: Option<String>,
 }
 
-// SAFETY: the pinned pointer is only used under the device's mutex.
+// SAFETY: the graphs' pinned pointers are only used under the device's mutex.
 unsafe impl Send for GraphCache {}
 
-/// At most this many keys (batch sizes) keep a graph.
-const MAX_GRAPHS: usize = 64;
+/// At most this many keys (batch sizes, or their segments where experts live in host
+/// memory: one per MoE layer) keep a graph.
+const MAX_GRAPHS: usize = 1024;
 
 impl GraphCache {
     pub(crate) fn new() -> Self {
@@ -618,33 +718,15 @@ impl GraphCache {
             graphs: HashMap::new(),
             failed: HashSet::new(),
             last_recapture: None,
-            pinned: Pinned {
-                ptr: std::ptr::null_mut(),
-                cap: 0,
-            },
         }
     }
 
-    /// Copies the pass's staged bytes to pinned memory (growing it drops every graph:
-    /// their copy nodes read the old memory) and returns its address.
-    fn stage(&mut self, bytes: &[u8]) -> Result<*const u8, DriverError> {
-        if bytes.len() > self.pinned.cap || self.pinned.ptr.is_null() {
-            let cap = bytes.len().next_power_of_two().max(64 << 10);
-            self.graphs.clear();
-            // SAFETY: a plain pinned allocation of `cap` bytes.
-            let ptr = unsafe { result::malloc_host(cap, 0) }?.cast::<u8>();
-            self.pinned = Pinned { ptr, cap };
-        }
-        // SAFETY: `pinned` holds at least `bytes.len()` bytes; no launched work reads it
-        // (the pass began with the stream idle).
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.pinned.ptr, bytes.len()) };
-        Ok(self.pinned.ptr)
-    }
-
-    /// Queues a finished recording: through the key's graph where it can be, else op by op.
+    /// Queues a finished recording (a pass or a segment of one): through the key's graph
+    /// where it can be, else op by op.
     ///
     /// # Safety
-    /// As [`issue`] for every recorded op; the stream was idle when the pass began.
+    /// As [`issue`] for every recorded op; the stream was idle when the pass began, and the
+    /// pass queues each key once.
     pub(crate) unsafe fn run(
         &mut self,
         key: u64,
@@ -672,22 +754,23 @@ impl GraphCache {
             drop(keep);
             return Ok(Outcome::Eager);
         }
-        let src = self.stage(&staging)?;
         if let Some(g) = self.graphs.get_mut(&key) {
+            // SAFETY: the caller's contract (no launch of this graph is running).
+            let fits = unsafe { g.restage(&staging) };
             // SAFETY: the caller's contract.
             match unsafe { g.patch(&ops)? } {
-                Ok(()) => {
+                Ok(()) if fits => {
                     g.launch(stream)?;
                     drop(keep);
                     return Ok(Outcome::Replayed);
                 }
+                Ok(()) => self.last_recapture = Some(format!("pass {key}: uploads grew")),
                 Err(why) => self.last_recapture = Some(format!("pass {key}: {why}")),
             }
         }
         self.graphs.remove(&key);
-        // SAFETY: the caller's contract; `src` stays valid until the cache grows it, which
-        // drops this graph first.
-        match unsafe { Graph::capture(ops.clone(), stream, src, blas) } {
+        // SAFETY: the caller's contract; the graph keeps the pinned copy of `staging`.
+        match unsafe { Graph::capture(ops.clone(), stream, &staging, blas) } {
             Ok(g) => {
                 g.launch(stream)?;
                 self.graphs.insert(key, g);
@@ -698,8 +781,8 @@ impl GraphCache {
                 tracing::warn!("CUDA graph capture failed ({e}); running pass {key} op by op");
                 self.failed.insert(key);
                 for op in &ops {
-                    // SAFETY: the caller's contract.
-                    unsafe { issue(op, stream, src, blas)? };
+                    // SAFETY: the caller's contract; pageable staging is copied at the call.
+                    unsafe { issue(op, stream, staging.as_ptr(), blas)? };
                 }
                 drop(keep);
                 Ok(Outcome::Eager)
@@ -715,4 +798,22 @@ pub(crate) enum Outcome {
     Eager,
     Captured,
     Replayed,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::segment_key;
+
+    /// Segments of one pass, and the same segment of passes of other batch sizes, get
+    /// keys of their own (a shared key would patch one segment's graph into another's).
+    #[test]
+    fn segment_keys_are_distinct() {
+        let mut seen = std::collections::HashSet::new();
+        for pass in 0..300u64 {
+            for segment in 0..100u64 {
+                assert!(seen.insert(segment_key(pass, segment)), "{pass} {segment}");
+            }
+        }
+        assert_eq!(segment_key(4, 2), segment_key(4, 2));
+    }
 }

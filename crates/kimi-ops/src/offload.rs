@@ -455,13 +455,12 @@ impl<T> TieredBank<T> {
                         (None, None) => stand_in,
                     })
                     .collect();
-                let routes = if cold.is_empty() {
-                    routes
-                } else {
-                    MoeRoutes {
-                        weights: be.upload_f32(&[n, k], &weights)?,
-                        ..routes
-                    }
+                // The weights go up (with the cold pairs' zeroed) and the host's sum is
+                // added below whether or not any pair is cold: the step queues the same work
+                // every time, which a device replaying it as a graph needs.
+                let routes = MoeRoutes {
+                    weights: be.upload_f32(&[n, k], &weights)?,
+                    ..routes
                 };
                 let y = be.moe_experts(x, &routes, &ExpertView::per_call(view), act)?;
                 (y, routes.experts)
@@ -469,7 +468,9 @@ impl<T> TieredBank<T> {
             None => (be.zeros(&[n, out_width])?, routes.experts),
         };
         drop(guard);
-        if !cold.is_empty() {
+        let yc = if cold.is_empty() {
+            vec![0.0; n * out_width]
+        } else {
             let width = be.shape(x).last().copied().unwrap_or(0);
             let started = std::time::Instant::now();
             let yc = self.host.compute(&xs, n, width, &cold, act)?;
@@ -480,8 +481,9 @@ impl<T> TieredBank<T> {
                     slots.host_scale = 0.8 * slots.host_scale + 0.2 * ratio;
                 }
             }
-            be.add_assign(&mut y, &be.upload_f32(&[n, out_width], &yc)?)?;
-        }
+            yc
+        };
+        be.add_assign(&mut y, &be.upload_f32(&[n, out_width], &yc)?)?;
         self.counters.add(counts);
         Ok((y, experts))
     }

@@ -171,6 +171,9 @@ pub fn check_offload() -> Res<()> {
                         c.bytes_moved
                     );
                     let _ = std::io::stdout().flush();
+                    if pinned && step == 1 {
+                        failures += check_segment_graphs(&ckpt, host, slots, &prompt, &got)?;
+                    }
                 }
             }
         }
@@ -179,4 +182,44 @@ pub fn check_offload() -> Res<()> {
         return Err(format!("{failures} offload cases failed").into());
     }
     Ok(())
+}
+
+/// The tiered model decoding through CUDA graphs (one per segment between route
+/// read-backs) gives the bits it gives op by op.
+fn check_segment_graphs(
+    ckpt: &kimi_weights::Checkpoint,
+    host: usize,
+    slots: usize,
+    prompt: &[u32],
+    want: &[f32],
+) -> Res<usize> {
+    let be = CudaBackend::new(0)?;
+    be.update_kernel_config(|c| {
+        c.pin_host_experts = true;
+        c.mxfp4_device_fills = true;
+        c.cuda_graphs = true;
+    })?;
+    let store = HostBackend::new(Arc::new(CpuBackend::with_quant_matmul(QuantMatmul::F32)));
+    let options = LoadOptions {
+        offload: Some(ExpertOffload {
+            host: OffloadAmount::Experts(host),
+            cache: OffloadAmount::Experts(slots),
+            policy: CachePolicy::default(),
+            store: Arc::new(store),
+        }),
+        ..LoadOptions::default()
+    };
+    let model = KimiLinear::load_checkpoint_with(be, ckpt, &options)?;
+    let got = run_model(&model, prompt, 1, ForwardOptions::default())?;
+    let [eager, captured, replayed] = model.backend().graph_pass_counts();
+    let same = got == want;
+    println!(
+        "  graphs per segment: {} (eager {eager}, captured {captured}, replayed {replayed})",
+        if same {
+            "op-by-op bits"
+        } else {
+            "FAIL: not the op-by-op bits"
+        }
+    );
+    Ok(usize::from(!same || replayed == 0))
 }
