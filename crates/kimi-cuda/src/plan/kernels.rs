@@ -110,6 +110,57 @@ pub(crate) fn plan_gemv_pair(cfg: &KernelConfig, k: usize, oa: usize, ob: usize)
     cfg.gemv == GemvKernel::Auto && !prefers_bulk(1, k, oa.max(ob)) && oa * ob != 0
 }
 
+/// The most activation rows one `quant_gemv_*` launch takes.
+pub(crate) const QUANT_GEMV_MAX_ROWS: usize = 8;
+
+/// Shared memory a `quant_gemv_*` CTA may stage activations in (the default limit: no
+/// opt-in, and 3-4 CTAs per SM).
+const QUANT_GEMV_STAGE_BYTES: usize = 48 * 1024;
+
+/// Shared-memory bytes per staged 32-value block and activation row: 32 f32 and their sum.
+const QUANT_GEMV_BLOCK_BYTES: usize = 32 * 4 + 4;
+
+/// A launch of `quant_gemv_*` (`kernels/quant.cu`): `x [n, k] · wᵀ` for a packed `w [o, k]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct QuantGemvPlan {
+    /// K slices per CTA (1, 2 or 4): the CTA's 4 warps cover `64 / wk` rows.
+    pub wk: usize,
+    /// 32-value blocks of the activations staged in shared memory at a time.
+    pub chunk: usize,
+    /// CTAs (of 128 threads).
+    pub ctas: usize,
+    /// Dynamic shared memory per CTA.
+    pub smem: usize,
+}
+
+/// The `quant_gemv_*` launch for `n` (1..=8) activation rows of `k` (a multiple of 32)
+/// against `o` packed weight rows on `sm_count` SMs. A CTA stages the activations once for
+/// its rows, so it takes as many rows as fill the SMs (twice over for one or two rows,
+/// whose staging is cheap, to even out the SMs' shares): 64, else 32, else 16 rows, the
+/// CTA's warps splitting K between them.
+pub(crate) fn plan_quant_gemv(sm_count: usize, n: usize, k: usize, o: usize) -> QuantGemvPlan {
+    let n = n.clamp(1, QUANT_GEMV_MAX_ROWS);
+    let nb = (k / 32).max(1);
+    let want = if n <= 2 { 2 * sm_count } else { sm_count };
+    let wk = [1, 2, 4]
+        .into_iter()
+        .find(|wk| o.div_ceil(64 / wk) >= want)
+        .unwrap_or(4);
+    let cap = QUANT_GEMV_STAGE_BYTES / (n * QUANT_GEMV_BLOCK_BYTES);
+    let chunk = if nb <= cap {
+        nb
+    } else {
+        // Whole steps of the CTA's warps (8 blocks per warp), so that they stay even.
+        (cap / (8 * wk) * (8 * wk)).max(8 * wk)
+    };
+    QuantGemvPlan {
+        wk,
+        chunk,
+        ctas: o.div_ceil(64 / wk),
+        smem: n * chunk * QUANT_GEMV_BLOCK_BYTES,
+    }
+}
+
 /// How the chunked KDA form runs (head sizes 64 and 128).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum KdaChunkPath {
@@ -187,6 +238,40 @@ pub(crate) fn plan_mla_prefill(cfg: &KernelConfig, facts: &MlaPrefillFacts) -> M
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn quant_gemv_plans_fill_the_sms_within_the_staging_budget() {
+        for n in 1..=8 {
+            for (o, k) in [
+                (12576, 2304),
+                (2304, 4096),
+                (6144, 2304),
+                (1024, 2304),
+                (2304, 1024),
+                (9216, 2304),
+                (2304, 9216),
+                (37, 96),
+                (129, 2304),
+                (33, 1056),
+            ] {
+                let p = plan_quant_gemv(132, n, k, o);
+                assert!([1, 2, 4].contains(&p.wk), "{n} {o} {k}: {p:?}");
+                assert_eq!(p.ctas, o.div_ceil(64 / p.wk));
+                assert!(p.smem <= QUANT_GEMV_STAGE_BYTES, "{n} {o} {k}: {p:?}");
+                assert_eq!(p.smem, n * p.chunk * QUANT_GEMV_BLOCK_BYTES);
+                assert!(p.chunk >= 8 || p.chunk == k / 32, "{n} {o} {k}: {p:?}");
+                assert!(p.chunk <= k / 32 || p.chunk == 8 * p.wk);
+                assert!(p.chunk == k / 32 || p.chunk.is_multiple_of(8 * p.wk));
+            }
+        }
+        // The 48B model's kda in projection fills the SMs with 64-row CTAs; o_proj takes
+        // 16-row ones and stages x in chunks at 8 rows.
+        assert_eq!(plan_quant_gemv(132, 8, 2304, 12576).wk, 1);
+        assert_eq!(plan_quant_gemv(132, 1, 2304, 12576).wk, 2);
+        let o_proj = plan_quant_gemv(132, 8, 4096, 2304);
+        assert_eq!((o_proj.wk, o_proj.chunk, o_proj.ctas), (4, 32, 144));
+        assert_eq!(plan_quant_gemv(132, 1, 4096, 2304).chunk, 128);
+    }
 
     fn with(f: impl FnOnce(&mut KernelConfig)) -> KernelConfig {
         let mut cfg = KernelConfig::default();
