@@ -137,10 +137,12 @@ __device__ __forceinline__ void piece(const Raw& r, int i, float v[8], int& xa, 
 // its scale folded in, q·d (one FMA: (2^23 + q)·d − 2^23·d is q·d rounded once); the zero
 // point (or Q4A's offset) enters per block as −(z·d)·Σx. The lanes' sums meet by shuffles
 // in a group and through shared memory across the WK slices, in a fixed order (the result
-// does not depend on timing). With PF the next step's weights load before the current
-// step's math; otherwise the other warps on the SM keep the loads in flight. The first
-// step's weights load before waiting on the previous kernel. Needs k % 32 == 0 and x
-// 4-byte aligned (16-byte aligned x is staged with vector loads).
+// does not depend on timing). For small o, grid.y splits K across CTAs in spans of whole
+// warp steps: each writes its partial sums, which `quant_gemv_reduce` adds in order. With
+// PF the next step's weights load before the current step's math; otherwise the other
+// warps on the SM keep the loads in flight. The first step's weights load before waiting
+// on the previous kernel. Needs k % 32 == 0 and x 4-byte aligned (16-byte aligned x is
+// staged with vector loads).
 #define QGEMV_THREADS 128
 #define QGEMV_RW 4
 
@@ -200,7 +202,8 @@ __device__ __forceinline__ int xslot(int t, int bl, int p, int ch) {
 
 template <int FMT, int NT, bool PF>
 __device__ __forceinline__ void quant_gemv_body(const uint8_t* w, const float* x, float* y,
-                                                int n, int o, int k, int wk_count, int ch) {
+                                                int n, int o, int k, int wk_count, int ch,
+                                                int span) {
   using F = qz::Fmt<FMT>;
   extern __shared__ float4 qgemv_smem[];
   __shared__ float red[QGEMV_THREADS / 32][16][NT];
@@ -210,6 +213,9 @@ __device__ __forceinline__ void quant_gemv_body(const uint8_t* w, const float* x
   const int wr_count = 4 / wk_count;
   const int wr = warp % wr_count, wk = warp / wr_count;
   const int nb = k >> 5;
+  // This CTA's blocks of K: kb0.. (nk of them); split CTAs write partial sums [splits, n, o].
+  // Below, block indices count from kb0.
+  const int kb0 = blockIdx.y * span, nk = min(nb - kb0, span);
   const int stride = 8 * wk_count;
   float* xsum = reinterpret_cast<float*>(xs + (size_t)min(n, NT) * ch * 8);
   const uint8_t* scales = w + (size_t)o * nb * F::CB;
@@ -217,7 +223,8 @@ __device__ __forceinline__ void quant_gemv_body(const uint8_t* w, const float* x
   // Block indices fit 32 bits (checked on the host).
   uint32_t base[QGEMV_RW];
 #pragma unroll
-  for (int r = 0; r < QGEMV_RW; ++r) base[r] = (uint32_t)min(row0 + r, o - 1) * (uint32_t)nb;
+  for (int r = 0; r < QGEMV_RW; ++r)
+    base[r] = (uint32_t)min(row0 + r, o - 1) * (uint32_t)nb + (uint32_t)kb0;
   float acc[QGEMV_RW][NT];
 #pragma unroll
   for (int r = 0; r < QGEMV_RW; ++r)
@@ -228,15 +235,15 @@ __device__ __forceinline__ void quant_gemv_body(const uint8_t* w, const float* x
   // The first step's weights: before waiting on the previous kernel.
   {
     const int b = 8 * wk + l8;
-    if (b < min(ch, nb)) {
+    if (b < min(ch, nk)) {
 #pragma unroll
       for (int r = 0; r < QGEMV_RW; ++r) cur[r] = qz::load_blk<FMT>(w, scales, base[r] + b);
     }
   }
   pdl_enter();
   const bool vec = (reinterpret_cast<uintptr_t>(x) & 15) == 0;
-  for (int c0 = 0; c0 < nb; c0 += ch) {
-    const int c1 = min(c0 + ch, nb), cn = c1 - c0;
+  for (int c0 = 0; c0 < nk; c0 += ch) {
+    const int c1 = min(c0 + ch, nk), cn = c1 - c0;
     if (c0 > 0) {
       const int b = c0 + 8 * wk + l8;
       if (b < c1) {
@@ -256,7 +263,8 @@ __device__ __forceinline__ void quant_gemv_body(const uint8_t* w, const float* x
         if (i < items) {
           t = i / (cn * 8);
           bl = (i >> 3) - t * cn;
-          const float* src = x + (size_t)t * k + (size_t)(c0 + bl) * 32 + 4 * q;
+          const float* src =
+              x + (size_t)t * k + (size_t)(blockIdx.y * span + c0 + bl) * 32 + 4 * q;
           if (vec) {
             a = *reinterpret_cast<const float4*>(src);
           } else {
@@ -337,6 +345,7 @@ __device__ __forceinline__ void quant_gemv_body(const uint8_t* w, const float* x
   }
   __syncthreads();
   const int rows = 16 * wr_count;
+  y += (size_t)blockIdx.y * n * o;
   for (int i = threadIdx.x; i < rows * ng; i += QGEMV_THREADS) {
     const int rl = i % rows, t = i / rows;
     const int row = blockIdx.x * rows + rl;
@@ -347,11 +356,15 @@ __device__ __forceinline__ void quant_gemv_body(const uint8_t* w, const float* x
 }
 
 // Arguments: w, x, y, n, o, k, wk (K slices per CTA: 1, 2 or 4), ch (blocks of x staged at
-// a time). Grid ceil(o / (64 / wk)), block 128, dynamic shared memory n * ch * 132 bytes.
-#define QUANT_GEMV(NAME, FMT, NT, PF, MINB)                                                \
-  extern "C" __global__ void __launch_bounds__(QGEMV_THREADS, MINB)                       \
-      NAME(const uint8_t* w, const float* x, float* y, int n, int o, int k, int wk, int ch) { \
-    quant_gemv_body<FMT, NT, PF>(w, x, y, n, o, k, wk, ch);                                \
+// a time), span (blocks of K per CTA along grid.y). Grid (ceil(o / (64 / wk)),
+// ceil(k / 32 / span)), block 128, dynamic shared memory n * ch * 132 bytes (static: NT KiB
+// / 4). With more than one split, y holds [splits, n, o] partial sums for
+// `quant_gemv_reduce`.
+#define QUANT_GEMV(NAME, FMT, NT, PF, MINB)                                          \
+  extern "C" __global__ void __launch_bounds__(QGEMV_THREADS, MINB)                 \
+      NAME(const uint8_t* w, const float* x, float* y, int n, int o, int k, int wk, int ch, \
+           int span) {                                                               \
+    quant_gemv_body<FMT, NT, PF>(w, x, y, n, o, k, wk, ch, span);                    \
   }
 QUANT_GEMV(quant_gemv_q4z_1, qz::Q4Z, 1, true, 4)
 QUANT_GEMV(quant_gemv_q4z_2, qz::Q4Z, 2, true, 4)
@@ -369,6 +382,18 @@ QUANT_GEMV(quant_gemv_q4a_1, qz::Q4A, 1, true, 4)
 QUANT_GEMV(quant_gemv_q4a_2, qz::Q4A, 2, true, 4)
 QUANT_GEMV(quant_gemv_q4a_4, qz::Q4A, 4, false, 4)
 QUANT_GEMV(quant_gemv_q4a_8, qz::Q4A, 8, false, 3)
+
+// y [len] = Σ_j part [j, len] over the `splits` partial sums of a split `quant_gemv_*`,
+// added in order j = 0, 1, .. (the result does not depend on timing).
+extern "C" __global__ void quant_gemv_reduce(const float* part, float* y, int len,
+                                             int splits) {
+  pdl_enter();
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < len; i += gridDim.x * blockDim.x) {
+    float s = part[i];
+    for (int j = 1; j < splits; ++j) s += part[(size_t)j * len + i];
+    y[i] = s;
+  }
+}
 
 // ---------------------------------------------------------------------------------------
 // The packed matrix w [rows, cols] (format `fmt`: 0 = Q4Z, 1 = Q8Z, 2 = F8S, 3 = Q4A) widened to

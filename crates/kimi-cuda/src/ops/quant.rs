@@ -63,20 +63,45 @@ pub(crate) unsafe fn gemv(
         )));
     }
     let plan = plan_quant_gemv(dev.sm_count, n, k, o);
-    let (wk, chunk) = (int(plan.wk, "slices")?, int(plan.chunk, "chunk")?);
+    let (wk, chunk, span) = (
+        int(plan.wk, "slices")?,
+        int(plan.chunk, "chunk")?,
+        int(plan.span, "span")?,
+    );
+    // Split K: partial sums [splits, n, o], added in order by `quant_gemv_reduce`.
+    let part = if plan.splits > 1 {
+        int(plan.splits * n * o, "partial sums")?;
+        // Every element is written by the first launch before the second reads it.
+        Some(dev.alloc(plan.splits * n * o * 4, "matmul")?)
+    } else {
+        None
+    };
+    let out = part.as_ref().map_or(y, |p| p.ptr());
     let mut b = dev.kernel("matmul", &format!("quant_gemv_{family}_{tiles}"))?;
     b.arg(&w)
         .arg(&x)
-        .arg(&y)
+        .arg(&out)
         .arg(&ni)
         .arg(&oi)
         .arg(&ki)
         .arg(&wk)
-        .arg(&chunk);
-    let cfg = grid((plan.ctas as u32, 1, 1), 128, plan.smem as u32);
-    // SAFETY: see the function's contract; the plan's shared memory is within the default
-    // limit.
+        .arg(&chunk)
+        .arg(&span);
+    let cfg = grid(
+        (plan.ctas as u32, plan.splits as u32, 1),
+        128,
+        plan.smem as u32,
+    );
+    // SAFETY: see the function's contract; `out` holds splits * n * o f32; the plan's shared
+    // memory, static included, is within the default limit.
     unsafe { b.launch(cfg) }.op("matmul")?;
+    if let Some(p) = &part {
+        let (src, len, splits) = (p.ptr(), int(n * o, "outputs")?, int(plan.splits, "splits")?);
+        let mut r = dev.kernel("matmul", "quant_gemv_reduce")?;
+        r.arg(&src).arg(&y).arg(&len).arg(&splits);
+        // SAFETY: `p` holds splits * len f32 written above; y holds len f32.
+        unsafe { r.launch(flat(n * o)) }.op("matmul")?;
+    }
     Ok(())
 }
 
