@@ -125,124 +125,275 @@ __device__ __forceinline__ void piece(const Raw& r, int i, float v[8], int& xa, 
 // ---------------------------------------------------------------------------------------
 // y [n, o] = x [n, k] · wᵀ for a packed w [o, k] and f32 activations, n <= NT <= 8: f32
 // products and sums (no rounding of the activations), each weight block read once for all
-// tokens. Warp w of a CTA owns RW = 2 rows; its lanes take the rows' 32-value blocks
-// lane, lane + 32, ..., loading the next block of both rows before multiplying the current
-// one, so four blocks per lane are in flight. A block's sum over its 32 values is scaled by
-// d once. Grid ceil(o / 8), block 128 = 4 warps. Needs k % 32 == 0 and x 16-byte aligned.
+// tokens.
 //
-// Split-K and a tensor-core variant for 2-8 tokens are later steps: at 8 tokens the f32
-// FMAs (8 per weight) bound the kernel below the weight stream's rate.
-#define QGEMV_RW 2
-#define QGEMV_WARPS 4
+// A CTA (4 warps) owns 16 * WR rows, WR = 4 / WK: warp w takes rows 16 (w % WR).. and the
+// K slice w / WR of WK. In a warp, lane group g = lane / 8 owns 4 rows (RW), and its 8
+// lanes take 8 consecutive blocks of them per step (a group's loads are 128 contiguous
+// code bytes per row), the warp's steps 8 * WK blocks apart. The activations of a chunk of
+// CH blocks are staged once per CTA in shared memory as f32 (block b's 8 float4 at slots
+// q ^ (b & 7): the 8 lanes of a group read 8 different bank quads), with each block's sum
+// Σx; every float4 read there feeds 4 rows. A value is dequantized once for all tokens with
+// its scale folded in, q·d (one FMA: (2^23 + q)·d − 2^23·d is q·d rounded once); the zero
+// point (or Q4A's offset) enters per block as −(z·d)·Σx. The lanes' sums meet by shuffles
+// in a group and through shared memory across the WK slices, in a fixed order (the result
+// does not depend on timing). For small o, grid.y splits K across CTAs in spans of whole
+// warp steps: each writes its partial sums, which `quant_gemv_reduce` adds in order. With
+// PF the next step's weights load before the current step's math; otherwise the other
+// warps on the SM keep the loads in flight. The first step's weights load before waiting
+// on the previous kernel. Needs k % 32 == 0 and x 4-byte aligned (16-byte aligned x is
+// staged with vector loads).
+#define QGEMV_THREADS 128
+#define QGEMV_RW 4
 
-template <int FMT, int NT>
-__device__ __forceinline__ void quant_gemv_body(const uint8_t* w, const float* x, float* y,
-                                                int n, int o, int k) {
-  using F = qz::Fmt<FMT>;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row0 = (blockIdx.x * QGEMV_WARPS + warp) * QGEMV_RW;
-  const int nb = k >> 5;
-  const uint8_t* scales = w + (size_t)o * nb * F::CB;
-  size_t base[QGEMV_RW];
-#pragma unroll
-  for (int r = 0; r < QGEMV_RW; ++r) base[r] = (size_t)min(row0 + r, o - 1) * nb;
-  // The first blocks are weights only: loaded before waiting on the previous kernel.
-  qz::Raw cur[QGEMV_RW];
-  if (row0 < o && lane < nb) {
-#pragma unroll
-    for (int r = 0; r < QGEMV_RW; ++r) cur[r] = qz::load_block<FMT>(w, scales, base[r] + lane);
-  }
-  pdl_enter();
-  if (row0 >= o) return;
-  const int ng = min(NT, n);
-  float acc[QGEMV_RW][NT];
-#pragma unroll
-  for (int r = 0; r < QGEMV_RW; ++r)
-#pragma unroll
-    for (int g = 0; g < NT; ++g) acc[r][g] = 0.0f;
-  for (int c = lane; c < nb; c += 32) {
-    qz::Raw nxt[QGEMV_RW];
-    const bool more = c + 32 < nb;
-    if (more) {
-#pragma unroll
-      for (int r = 0; r < QGEMV_RW; ++r)
-        nxt[r] = qz::load_block<FMT>(w, scales, base[r] + c + 32);
+namespace qz {
+// (scale, zero term) of one row's block: value = q * d - zd per value (Q4Z, Q8Z: zd = z * d;
+// Q4A: d = a, zd = b; F8S: zd = 0).
+struct Blk {
+  uint4 c0, c1;
+  float d, zd;
+};
+
+template <int FMT>
+__device__ __forceinline__ Blk load_blk(const uint8_t* codes, const uint8_t* scales, size_t blk) {
+  const Raw r = load_block<FMT>(codes, scales, blk);
+  Blk b;
+  b.c0 = r.c0;
+  b.c1 = r.c1;
+  b.d = r.d;
+  b.zd = FMT == Q4A ? r.z : FMT == F8S ? 0.0f : r.z * r.d;
+  return b;
+}
+
+// Values 4p..4p+3 of a block (float4 slot p of its activations), times d. Q4Z, Q4A: low
+// (p < 4) or high nibbles of code word p & 3; Q8Z, F8S: word p.
+template <int FMT>
+__device__ __forceinline__ void quad(const Blk& b, int P, float v[4]) {
+  if constexpr (Fmt<FMT>::CB == 16 || FMT == Q8Z) {
+    uint32_t w;
+    if constexpr (Fmt<FMT>::CB == 16) {
+      const uint32_t c = word(b.c0, P & 3);
+      w = (P < 4 ? c : c >> 4) & 0x0F0F0F0Fu;
+    } else {
+      w = word(P < 4 ? b.c0 : b.c1, P & 3);
     }
-    float s[QGEMV_RW][NT];
+    const float off = -8388608.0f * b.d;
 #pragma unroll
-    for (int r = 0; r < QGEMV_RW; ++r)
+    for (int j = 0; j < 4; ++j)
+      v[j] = fmaf(__uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440u + j)), b.d, off);
+  } else {
+    const uint32_t w = word(P < 4 ? b.c0 : b.c1, P & 3);
 #pragma unroll
-      for (int g = 0; g < NT; ++g) s[r][g] = 0.0f;
-    const float* xc = x + (size_t)c * 32;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float v[QGEMV_RW][8];
-      int xa = 0, xb = 0;
-#pragma unroll
-      for (int r = 0; r < QGEMV_RW; ++r) qz::piece<FMT>(cur[r], i, v[r], xa, xb);
-#pragma unroll
-      for (int g = 0; g < NT; ++g) {
-        if (g < ng) {
-          const float4 a = __ldg(reinterpret_cast<const float4*>(xc + (size_t)g * k + xa));
-          const float4 b = __ldg(reinterpret_cast<const float4*>(xc + (size_t)g * k + xb));
-#pragma unroll
-          for (int r = 0; r < QGEMV_RW; ++r) {
-            float t = s[r][g];
-            t = fmaf(v[r][0], a.x, t);
-            t = fmaf(v[r][1], a.y, t);
-            t = fmaf(v[r][2], a.z, t);
-            t = fmaf(v[r][3], a.w, t);
-            t = fmaf(v[r][4], b.x, t);
-            t = fmaf(v[r][5], b.y, t);
-            t = fmaf(v[r][6], b.z, t);
-            t = fmaf(v[r][7], b.w, t);
-            s[r][g] = t;
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < QGEMV_RW; ++r)
-#pragma unroll
-      for (int g = 0; g < NT; ++g)
-        acc[r][g] = FMT == qz::Q4A ? acc[r][g] + s[r][g] : fmaf(cur[r].d, s[r][g], acc[r][g]);
-    if (more) {
-#pragma unroll
-      for (int r = 0; r < QGEMV_RW; ++r) cur[r] = nxt[r];
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < QGEMV_RW; ++r) {
-#pragma unroll
-    for (int g = 0; g < NT; ++g) {
-      float s = acc[r][g];
-      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-      if (lane == 0 && g < ng && row0 + r < o) y[(size_t)g * o + row0 + r] = s;
+    for (int h = 0; h < 2; ++h) {
+      const __half2_raw p =
+          __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> (16 * h)), __NV_E4M3);
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&p));
+      v[2 * h] = f.x * b.d;
+      v[2 * h + 1] = f.y * b.d;
     }
   }
 }
 
-#define QUANT_GEMV(NAME, FMT, NT, MINB)                                                   \
-  extern "C" __global__ void __launch_bounds__(QGEMV_WARPS * 32, MINB)                   \
-      NAME(const uint8_t* w, const float* x, float* y, int n, int o, int k) {              \
-    quant_gemv_body<FMT, NT>(w, x, y, n, o, k);                                           \
+// Shared-memory slot of float4 `p` of chunk block `bl` of token `t`.
+__device__ __forceinline__ int xslot(int t, int bl, int p, int ch) {
+  return ((t * ch + bl) << 3) + (p ^ (bl & 7));
+}
+}  // namespace qz
+
+template <int FMT, int NT, bool PF>
+__device__ __forceinline__ void quant_gemv_body(const uint8_t* w, const float* x, float* y,
+                                                int n, int o, int k, int wk_count, int ch,
+                                                int span) {
+  using F = qz::Fmt<FMT>;
+  extern __shared__ float4 qgemv_smem[];
+  __shared__ float red[QGEMV_THREADS / 32][16][NT];
+  float4* xs = qgemv_smem;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 3, l8 = lane & 7;
+  const int wr_count = 4 / wk_count;
+  const int wr = warp % wr_count, wk = warp / wr_count;
+  const int nb = k >> 5;
+  // This CTA's blocks of K: kb0.. (nk of them); split CTAs write partial sums [splits, n, o].
+  // Below, block indices count from kb0.
+  const int kb0 = blockIdx.y * span, nk = min(nb - kb0, span);
+  const int stride = 8 * wk_count;
+  float* xsum = reinterpret_cast<float*>(xs + (size_t)min(n, NT) * ch * 8);
+  const uint8_t* scales = w + (size_t)o * nb * F::CB;
+  const int row0 = blockIdx.x * 16 * wr_count + 16 * wr + QGEMV_RW * g;
+  // Block indices fit 32 bits (checked on the host).
+  uint32_t base[QGEMV_RW];
+#pragma unroll
+  for (int r = 0; r < QGEMV_RW; ++r)
+    base[r] = (uint32_t)min(row0 + r, o - 1) * (uint32_t)nb + (uint32_t)kb0;
+  float acc[QGEMV_RW][NT];
+#pragma unroll
+  for (int r = 0; r < QGEMV_RW; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[r][t] = 0.0f;
+  const int ng = min(n, NT);
+  qz::Blk cur[QGEMV_RW];
+  // The first step's weights: before waiting on the previous kernel.
+  {
+    const int b = 8 * wk + l8;
+    if (b < min(ch, nk)) {
+#pragma unroll
+      for (int r = 0; r < QGEMV_RW; ++r) cur[r] = qz::load_blk<FMT>(w, scales, base[r] + b);
+    }
   }
-QUANT_GEMV(quant_gemv_q4z_1, qz::Q4Z, 1, 8)
-QUANT_GEMV(quant_gemv_q4z_2, qz::Q4Z, 2, 6)
-QUANT_GEMV(quant_gemv_q4z_4, qz::Q4Z, 4, 4)
-QUANT_GEMV(quant_gemv_q4z_8, qz::Q4Z, 8, 4)
-QUANT_GEMV(quant_gemv_q8z_1, qz::Q8Z, 1, 8)
-QUANT_GEMV(quant_gemv_q8z_2, qz::Q8Z, 2, 6)
-QUANT_GEMV(quant_gemv_q8z_4, qz::Q8Z, 4, 4)
-QUANT_GEMV(quant_gemv_q8z_8, qz::Q8Z, 8, 4)
-QUANT_GEMV(quant_gemv_f8s_1, qz::F8S, 1, 8)
-QUANT_GEMV(quant_gemv_f8s_2, qz::F8S, 2, 6)
-QUANT_GEMV(quant_gemv_f8s_4, qz::F8S, 4, 4)
-QUANT_GEMV(quant_gemv_f8s_8, qz::F8S, 8, 4)
-QUANT_GEMV(quant_gemv_q4a_1, qz::Q4A, 1, 8)
-QUANT_GEMV(quant_gemv_q4a_2, qz::Q4A, 2, 6)
-QUANT_GEMV(quant_gemv_q4a_4, qz::Q4A, 4, 4)
-QUANT_GEMV(quant_gemv_q4a_8, qz::Q4A, 8, 4)
+  pdl_enter();
+  const bool vec = (reinterpret_cast<uintptr_t>(x) & 15) == 0;
+  for (int c0 = 0; c0 < nk; c0 += ch) {
+    const int c1 = min(c0 + ch, nk), cn = c1 - c0;
+    if (c0 > 0) {
+      const int b = c0 + 8 * wk + l8;
+      if (b < c1) {
+#pragma unroll
+        for (int r = 0; r < QGEMV_RW; ++r) cur[r] = qz::load_blk<FMT>(w, scales, base[r] + b);
+      }
+    }
+    // Stage the chunk: 8 consecutive threads per block (one float4 each), Σx by shuffles.
+    __syncthreads();
+    {
+      const int items = ng * cn * 8;
+      for (int i0 = 0; i0 < items; i0 += QGEMV_THREADS) {
+        const int i = i0 + threadIdx.x;
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        int t = 0, bl = 0;
+        const int q = i & 7;
+        if (i < items) {
+          t = i / (cn * 8);
+          bl = (i >> 3) - t * cn;
+          const float* src =
+              x + (size_t)t * k + (size_t)(blockIdx.y * span + c0 + bl) * 32 + 4 * q;
+          if (vec) {
+            a = *reinterpret_cast<const float4*>(src);
+          } else {
+            a = make_float4(src[0], src[1], src[2], src[3]);
+          }
+          xs[qz::xslot(t, bl, q, ch)] = a;
+        }
+        float s = (a.x + a.y) + (a.z + a.w);
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        s += __shfl_xor_sync(0xffffffffu, s, 4);
+        if (i < items && q == 0) xsum[t * ch + bl] = s;
+      }
+    }
+    __syncthreads();
+    for (int s0 = c0 + 8 * wk; s0 < c1; s0 += stride) {
+      const int b = s0 + l8;
+      const bool more = s0 + stride < c1, on = b < c1, next = b + stride < c1;
+      qz::Blk nxt[QGEMV_RW];
+      if (PF && next) {
+#pragma unroll
+        for (int r = 0; r < QGEMV_RW; ++r)
+          nxt[r] = qz::load_blk<FMT>(w, scales, base[r] + b + stride);
+      }
+      if (on) {
+        const int bl = b - c0;
+#pragma unroll
+        for (int p = 0; p < 8; ++p) {
+          float v[QGEMV_RW][4];
+#pragma unroll
+          for (int r = 0; r < QGEMV_RW; ++r) qz::quad<FMT>(cur[r], p, v[r]);
+#pragma unroll
+          for (int t = 0; t < NT; ++t) {
+            const float4 a = xs[qz::xslot(min(t, ng - 1), bl, p, ch)];
+#pragma unroll
+            for (int r = 0; r < QGEMV_RW; ++r) {
+              float u = acc[r][t];
+              u = fmaf(v[r][0], a.x, u);
+              u = fmaf(v[r][1], a.y, u);
+              u = fmaf(v[r][2], a.z, u);
+              u = fmaf(v[r][3], a.w, u);
+              acc[r][t] = u;
+            }
+          }
+        }
+        if constexpr (FMT != qz::F8S) {
+#pragma unroll
+          for (int t = 0; t < NT; ++t) {
+            const float sx = xsum[min(t, ng - 1) * ch + bl];
+#pragma unroll
+            for (int r = 0; r < QGEMV_RW; ++r) acc[r][t] = fmaf(-cur[r].zd, sx, acc[r][t]);
+          }
+        }
+      }
+      if (more && next) {
+        if (PF) {
+#pragma unroll
+          for (int r = 0; r < QGEMV_RW; ++r) cur[r] = nxt[r];
+        } else {
+#pragma unroll
+          for (int r = 0; r < QGEMV_RW; ++r)
+            cur[r] = qz::load_blk<FMT>(w, scales, base[r] + b + stride);
+        }
+      }
+    }
+  }
+  // A group's 8 lanes hold sums over different blocks of the same rows.
+#pragma unroll
+  for (int r = 0; r < QGEMV_RW; ++r) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      float s = acc[r][t];
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      s += __shfl_xor_sync(0xffffffffu, s, 4);
+      if (l8 == 0) red[warp][QGEMV_RW * g + r][t] = s;
+    }
+  }
+  __syncthreads();
+  const int rows = 16 * wr_count;
+  y += (size_t)blockIdx.y * n * o;
+  for (int i = threadIdx.x; i < rows * ng; i += QGEMV_THREADS) {
+    const int rl = i % rows, t = i / rows;
+    const int row = blockIdx.x * rows + rl;
+    float s = 0.0f;
+    for (int j = 0; j < wk_count; ++j) s += red[j * wr_count + rl / 16][rl % 16][t];
+    if (row < o) y[(size_t)t * o + row] = s;
+  }
+}
+
+// Arguments: w, x, y, n, o, k, wk (K slices per CTA: 1, 2 or 4), ch (blocks of x staged at
+// a time), span (blocks of K per CTA along grid.y). Grid (ceil(o / (64 / wk)),
+// ceil(k / 32 / span)), block 128, dynamic shared memory n * ch * 132 bytes (static: NT KiB
+// / 4). With more than one split, y holds [splits, n, o] partial sums for
+// `quant_gemv_reduce`.
+#define QUANT_GEMV(NAME, FMT, NT, PF, MINB)                                          \
+  extern "C" __global__ void __launch_bounds__(QGEMV_THREADS, MINB)                 \
+      NAME(const uint8_t* w, const float* x, float* y, int n, int o, int k, int wk, int ch, \
+           int span) {                                                               \
+    quant_gemv_body<FMT, NT, PF>(w, x, y, n, o, k, wk, ch, span);                    \
+  }
+QUANT_GEMV(quant_gemv_q4z_1, qz::Q4Z, 1, true, 4)
+QUANT_GEMV(quant_gemv_q4z_2, qz::Q4Z, 2, true, 4)
+QUANT_GEMV(quant_gemv_q4z_4, qz::Q4Z, 4, false, 4)
+QUANT_GEMV(quant_gemv_q4z_8, qz::Q4Z, 8, false, 3)
+QUANT_GEMV(quant_gemv_q8z_1, qz::Q8Z, 1, true, 4)
+QUANT_GEMV(quant_gemv_q8z_2, qz::Q8Z, 2, true, 4)
+QUANT_GEMV(quant_gemv_q8z_4, qz::Q8Z, 4, false, 4)
+QUANT_GEMV(quant_gemv_q8z_8, qz::Q8Z, 8, false, 3)
+QUANT_GEMV(quant_gemv_f8s_1, qz::F8S, 1, true, 4)
+QUANT_GEMV(quant_gemv_f8s_2, qz::F8S, 2, true, 4)
+QUANT_GEMV(quant_gemv_f8s_4, qz::F8S, 4, false, 4)
+QUANT_GEMV(quant_gemv_f8s_8, qz::F8S, 8, false, 3)
+QUANT_GEMV(quant_gemv_q4a_1, qz::Q4A, 1, true, 4)
+QUANT_GEMV(quant_gemv_q4a_2, qz::Q4A, 2, true, 4)
+QUANT_GEMV(quant_gemv_q4a_4, qz::Q4A, 4, false, 4)
+QUANT_GEMV(quant_gemv_q4a_8, qz::Q4A, 8, false, 3)
+
+// y [len] = Σ_j part [j, len] over the `splits` partial sums of a split `quant_gemv_*`,
+// added in order j = 0, 1, .. (the result does not depend on timing).
+extern "C" __global__ void quant_gemv_reduce(const float* part, float* y, int len,
+                                             int splits) {
+  pdl_enter();
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < len; i += gridDim.x * blockDim.x) {
+    float s = part[i];
+    for (int j = 1; j < splits; ++j) s += part[(size_t)j * len + i];
+    y[i] = s;
+  }
+}
 
 // ---------------------------------------------------------------------------------------
 // The packed matrix w [rows, cols] (format `fmt`: 0 = Q4Z, 1 = Q8Z, 2 = F8S, 3 = Q4A) widened to

@@ -113,6 +113,7 @@ const KERNELS: &[(&str, &[&str])] = &[
             "quant_gemv_q4a_2",
             "quant_gemv_q4a_4",
             "quant_gemv_q4a_8",
+            "quant_gemv_reduce",
             "quant_widen",
             "quant_embed",
         ],

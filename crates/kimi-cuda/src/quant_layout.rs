@@ -175,39 +175,41 @@ mod tests {
         out
     }
 
-    /// What a GEMV lane sums for unit `u`: over the four pieces, value · x at the piece's
-    /// offsets, x[i] = i + 1 so that a misplaced value shows; scaled by d once except in
-    /// format 3, whose values carry their scale.
+    /// What a GEMV lane sums for unit `u`, as `quant_gemv_*` computes it: value i (the
+    /// nibble or byte where the kernel reads it for activation slot i / 4) dequantized as
+    /// q · d rounded once, times x[i] = i + 1 (so that a misplaced value shows), then the
+    /// zero term −(z · d) · Σx (format 3: −b · Σx; F8S: none).
     fn gemv_like_kernel(dtype: DType, planes: &[u8], u: usize, units: usize) -> f32 {
         let (d, z, c) = unit(dtype, planes, u, units);
         let fmt = format_code(dtype).unwrap();
         let x = |i: usize| (i + 1) as f32;
         let mut s = 0.0f32;
-        for i in 0..4 {
-            let (xa, xb, q): (usize, usize, [u8; 8]) = if fmt == 0 || fmt == 3 {
-                let w = u32::from_le_bytes(c[4 * i..4 * i + 4].try_into().unwrap());
-                let q = std::array::from_fn(|j| {
-                    let sh = if j < 4 { 8 * j } else { 8 * (j - 4) + 4 };
-                    ((w >> sh) & 0xF) as u8
-                });
-                (4 * i, 16 + 4 * i, q)
-            } else {
-                (8 * i, 8 * i + 4, std::array::from_fn(|j| c[8 * i + j]))
-            };
-            // Before the block's scale (format 3: with it).
-            let v = |j: usize| match fmt {
-                3 => value(dtype, q[j], d, z),
-                _ => value(dtype, q[j], 1.0, z),
-            };
+        let mut sx = 0.0f32;
+        for p in 0..8 {
             for j in 0..4 {
-                s += v(j) * x(xa + j) + v(4 + j) * x(xb + j);
+                let i = 4 * p + j;
+                let q = if fmt == 0 || fmt == 3 {
+                    // Code word p % 4: low nibbles for slots 0..4, high ones for 4..8.
+                    let w = u32::from_le_bytes(c[4 * (p % 4)..4 * (p % 4) + 4].try_into().unwrap());
+                    ((w >> (8 * j + 4 * (p / 4))) & 0xF) as u8
+                } else {
+                    c[i]
+                };
+                let v = if fmt == 2 {
+                    qblocks::e4m3_to_f32(q) * d
+                } else {
+                    f32::from(q) * d
+                };
+                s = v.mul_add(x(i), s);
+                sx += x(i);
             }
         }
-        if fmt == 3 {
-            s
-        } else {
-            d * s
-        }
+        let zd = match fmt {
+            0 | 1 => z * d,
+            3 => z,
+            _ => 0.0,
+        };
+        (-zd).mul_add(sx, s)
     }
 
     fn random_blocks(dtype: DType, values: usize) -> Vec<u8> {

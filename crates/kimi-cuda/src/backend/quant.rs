@@ -111,18 +111,20 @@ impl CudaBackend {
                 ))
             }
         };
+        // Any f32 activations (a one-row view at any column included): the kernel stages
+        // them with vector loads where they are 16-byte aligned, else with scalar ones.
         let gemv = (1..=ops::quant::GEMV_MAX_ROWS).contains(&n)
             && k == wk
             && k.is_multiple_of(32)
             && rows.iter().sum::<usize>() == o
-            && x.ptr().is_multiple_of(16);
+            && x.ptr().is_multiple_of(4);
         if !gemv {
             // Checks the shapes, then cuBLAS on the widened matrix.
             return self.matmul_blocks(x, &self.widen_quant(w, DType::BF16, op)?, rows, op);
         }
         let y = self.empty(&[n, o], DType::F32, op)?;
         // SAFETY: w is an [o, k] matrix of its dtype in the device planes (k % 32 == 0); x
-        // holds n <= 8 rows of k f32 at a 16-byte aligned address; y holds n*o f32.
+        // holds n <= 8 rows of k f32 at a 4-byte aligned address; y holds n*o f32.
         unsafe { ops::quant::gemv(&self.dev, w.dtype, x.ptr(), w.ptr(), y.ptr(), n, k, o)? };
         if rows.len() == 1 {
             Ok(vec![y])

@@ -7,13 +7,11 @@ use kimi_ops::{Error, Result};
 
 use crate::device::{flat, grid, Device};
 use crate::error::OpContext;
+use crate::plan::plan_quant_gemv;
 use crate::quant_layout::format_code;
 
-/// Weight rows per CTA of `quant_gemv_*`: 4 warps of 2 rows (`QGEMV_WARPS`, `QGEMV_RW`).
-const ROWS_PER_CTA: usize = 8;
-
 /// The most activation rows one `quant_gemv_*` launch takes.
-pub(crate) const GEMV_MAX_ROWS: usize = 8;
+pub(crate) use crate::plan::QUANT_GEMV_MAX_ROWS as GEMV_MAX_ROWS;
 
 fn int(v: usize, what: &str) -> Result<i32> {
     i32::try_from(v).map_err(|_| Error::Unsupported(format!("quantized weights: {what} {v}")))
@@ -24,11 +22,12 @@ fn fmt(dtype: DType) -> Result<i32> {
 }
 
 /// `y [n, o] = x [n, k] · wᵀ` for a packed `w [o, k]` of `dtype` (a type kept packed), f32
-/// activations and products, `1 <= n <= GEMV_MAX_ROWS`.
+/// activations and products, `1 <= n <= GEMV_MAX_ROWS`, launched as
+/// [`plan_quant_gemv`] says.
 ///
 /// # Safety
 /// `w` holds an `[o, k]` matrix of `dtype` in the device planes (`k % 32 == 0`); `x` holds
-/// `n * k` f32 at a 16-byte aligned address; `y` holds `n * o` f32.
+/// `n * k` f32 (4-byte aligned, as every f32 tensor); `y` holds `n * o` f32.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gemv(
     dev: &Device,
@@ -57,11 +56,52 @@ pub(crate) unsafe fn gemv(
         _ => "q4a",
     };
     let (ni, oi, ki) = (int(n, "rows")?, int(o, "rows")?, int(k, "width")?);
+    // The kernel indexes blocks with 32 bits.
+    if !k.is_multiple_of(32) || u32::try_from(o * (k / 32)).is_err() {
+        return Err(Error::Unsupported(format!(
+            "quant_gemv: a [{o}, {k}] matrix (whole 32-value blocks, under 2^32 of them)"
+        )));
+    }
+    let plan = plan_quant_gemv(dev.sm_count, n, k, o);
+    let (wk, chunk, span) = (
+        int(plan.wk, "slices")?,
+        int(plan.chunk, "chunk")?,
+        int(plan.span, "span")?,
+    );
+    // Split K: partial sums [splits, n, o], added in order by `quant_gemv_reduce`.
+    let part = if plan.splits > 1 {
+        int(plan.splits * n * o, "partial sums")?;
+        // Every element is written by the first launch before the second reads it.
+        Some(dev.alloc(plan.splits * n * o * 4, "matmul")?)
+    } else {
+        None
+    };
+    let out = part.as_ref().map_or(y, |p| p.ptr());
     let mut b = dev.kernel("matmul", &format!("quant_gemv_{family}_{tiles}"))?;
-    b.arg(&w).arg(&x).arg(&y).arg(&ni).arg(&oi).arg(&ki);
-    let blocks = o.div_ceil(ROWS_PER_CTA) as u32;
-    // SAFETY: see the function's contract.
-    unsafe { b.launch(grid((blocks, 1, 1), 128, 0)) }.op("matmul")?;
+    b.arg(&w)
+        .arg(&x)
+        .arg(&out)
+        .arg(&ni)
+        .arg(&oi)
+        .arg(&ki)
+        .arg(&wk)
+        .arg(&chunk)
+        .arg(&span);
+    let cfg = grid(
+        (plan.ctas as u32, plan.splits as u32, 1),
+        128,
+        plan.smem as u32,
+    );
+    // SAFETY: see the function's contract; `out` holds splits * n * o f32; the plan's shared
+    // memory, static included, is within the default limit.
+    unsafe { b.launch(cfg) }.op("matmul")?;
+    if let Some(p) = &part {
+        let (src, len, splits) = (p.ptr(), int(n * o, "outputs")?, int(plan.splits, "splits")?);
+        let mut r = dev.kernel("matmul", "quant_gemv_reduce")?;
+        r.arg(&src).arg(&y).arg(&len).arg(&splits);
+        // SAFETY: `p` holds splits * len f32 written above; y holds len f32.
+        unsafe { r.launch(flat(n * o)) }.op("matmul")?;
+    }
     Ok(())
 }
 

@@ -110,6 +110,96 @@ pub(crate) fn plan_gemv_pair(cfg: &KernelConfig, k: usize, oa: usize, ob: usize)
     cfg.gemv == GemvKernel::Auto && !prefers_bulk(1, k, oa.max(ob)) && oa * ob != 0
 }
 
+/// The most activation rows one `quant_gemv_*` launch takes.
+pub(crate) const QUANT_GEMV_MAX_ROWS: usize = 8;
+
+/// Shared memory of a `quant_gemv_*` CTA, static and dynamic together: the default limit
+/// (no opt-in, and 3-4 CTAs per SM).
+const QUANT_GEMV_SMEM_BYTES: usize = 48 * 1024;
+
+/// Shared-memory bytes per staged 32-value block and activation row: 32 f32 and their sum.
+const QUANT_GEMV_BLOCK_BYTES: usize = 32 * 4 + 4;
+
+/// The activation rows the `quant_gemv_*` kernel for `n` rows is compiled for (`NT`).
+pub(crate) fn quant_gemv_tile(n: usize) -> usize {
+    match n {
+        0..=2 => n.max(1),
+        3..=4 => 4,
+        _ => 8,
+    }
+}
+
+/// Static shared memory of the `quant_gemv_*` kernel for `n` rows: its cross-warp sums,
+/// `red[4][16][NT]` f32.
+fn quant_gemv_static_smem(n: usize) -> usize {
+    4 * 16 * quant_gemv_tile(n) * 4
+}
+
+/// A launch of `quant_gemv_*` (`kernels/quant.cu`): `x [n, k] · wᵀ` for a packed `w [o, k]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct QuantGemvPlan {
+    /// K slices per CTA (1, 2 or 4): the CTA's 4 warps cover `64 / wk` rows.
+    pub wk: usize,
+    /// 32-value blocks of the activations staged in shared memory at a time.
+    pub chunk: usize,
+    /// CTAs (of 128 threads) along the rows: `grid.x`.
+    pub ctas: usize,
+    /// CTAs along K (`grid.y`), each taking `span` blocks: with more than one, each writes
+    /// partial sums `[splits, n, o]` that `quant_gemv_reduce` adds in order.
+    pub splits: usize,
+    /// 32-value blocks of K per split (all of them without a split).
+    pub span: usize,
+    /// Dynamic shared memory per CTA.
+    pub smem: usize,
+}
+
+/// The `quant_gemv_*` launch for `n` (1..=8) activation rows of `k` (a multiple of 32)
+/// against `o` packed weight rows on `sm_count` SMs. A CTA stages the activations once for
+/// its rows, so it takes as many rows as fill the SMs (twice over for one or two rows,
+/// whose staging is cheap, to even out the SMs' shares): 64, else 32 rows (else 16 at one
+/// or two rows), the CTA's warps splitting K between them. Where those leave SMs idle
+/// (small `o`), K is split across 64-row CTAs instead, about a wave of them (4 per SM, 3 at
+/// 5..8 rows), in whole warp steps of 8 blocks, with a second pass adding the partial sums;
+/// unless 16-row CTAs (unsplit) are as many.
+pub(crate) fn plan_quant_gemv(sm_count: usize, n: usize, k: usize, o: usize) -> QuantGemvPlan {
+    let n = n.clamp(1, QUANT_GEMV_MAX_ROWS);
+    let o = o.max(1);
+    let nb = (k / 32).max(1);
+    let want = if n <= 2 { 2 * sm_count } else { sm_count };
+    let rows_ctas = |wk: usize| o.div_ceil(64 / wk);
+    // 16-row CTAs stage the activations four times over: only for one or two rows.
+    let unsplit: &[usize] = if n <= 2 { &[1, 2, 4] } else { &[1, 2] };
+    let (wk, splits, span) = match unsplit.iter().copied().find(|&wk| rows_ctas(wk) >= want) {
+        Some(wk) => (wk, 1, nb),
+        None => {
+            let wave = sm_count * if n <= 4 { 4 } else { 3 };
+            let steps = nb.div_ceil(8);
+            let per = steps.div_ceil(wave.div_ceil(rows_ctas(1)).clamp(1, steps));
+            let splits = steps.div_ceil(per);
+            if splits > 1 && rows_ctas(1) * splits > rows_ctas(4) {
+                (1, splits, (8 * per).min(nb))
+            } else {
+                (4, 1, nb)
+            }
+        }
+    };
+    let cap = (QUANT_GEMV_SMEM_BYTES - quant_gemv_static_smem(n)) / (n * QUANT_GEMV_BLOCK_BYTES);
+    let chunk = if span <= cap {
+        span
+    } else {
+        // Whole steps of the CTA's warps (8 blocks per warp), so that they stay even.
+        (cap / (8 * wk) * (8 * wk)).max(8 * wk)
+    };
+    QuantGemvPlan {
+        wk,
+        chunk,
+        ctas: rows_ctas(wk),
+        splits,
+        span,
+        smem: n * chunk * QUANT_GEMV_BLOCK_BYTES,
+    }
+}
+
 /// How the chunked KDA form runs (head sizes 64 and 128).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum KdaChunkPath {
@@ -187,6 +277,130 @@ pub(crate) fn plan_mla_prefill(cfg: &KernelConfig, facts: &MlaPrefillFacts) -> M
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Runs the index arithmetic of `quant_gemv_body` (`kernels/quant.cu`) for every thread
+    /// of `p`'s grid: each (row, block) of `w [o, k]` is summed exactly once, by a lane
+    /// whose loaded weights are that block's, and lands in the CTA's output of that row.
+    fn quant_gemv_covers(p: &QuantGemvPlan, o: usize, k: usize) {
+        let nb = k / 32;
+        let mut seen = vec![0u32; o * nb];
+        let (wr_count, stride, ch) = (4 / p.wk, 8 * p.wk, p.chunk);
+        for split in 0..p.splits {
+            // Block indices count from the split's first, kb0, as in the kernel.
+            let kb0 = split * p.span;
+            let nk = (nb - kb0).min(p.span);
+            for cta in 0..p.ctas {
+                for warp in 0..4 {
+                    let (wr, wk) = (warp % wr_count, warp / wr_count);
+                    for lane in 0..32 {
+                        let (g, l8) = (lane >> 3, lane & 7);
+                        let row0 = cta * 16 * wr_count + 16 * wr + 4 * g;
+                        let mut cur = None;
+                        let b = 8 * wk + l8;
+                        if b < ch.min(nk) {
+                            cur = Some(b);
+                        }
+                        let mut c0 = 0;
+                        while c0 < nk {
+                            let c1 = (c0 + ch).min(nk);
+                            if c0 > 0 && c0 + 8 * wk + l8 < c1 {
+                                cur = Some(c0 + 8 * wk + l8);
+                            }
+                            let mut s0 = c0 + 8 * wk;
+                            while s0 < c1 {
+                                let b = s0 + l8;
+                                if b < c1 {
+                                    assert_eq!(cur, Some(b), "{p:?} {o} {k}");
+                                    assert!(b - c0 < ch);
+                                    for r in 0..4 {
+                                        if row0 + r < o {
+                                            seen[(row0 + r) * nb + kb0 + b] += 1;
+                                        }
+                                    }
+                                }
+                                if s0 + stride < c1 && b + stride < c1 {
+                                    cur = Some(b + stride);
+                                }
+                                s0 += stride;
+                            }
+                            c0 += ch;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(seen.iter().all(|&c| c == 1), "{p:?} {o} {k}");
+    }
+
+    #[test]
+    fn quant_gemv_plans_cover_every_block_once_within_the_shared_memory() {
+        for n in 1..=8 {
+            for (o, k) in [
+                (12576, 2304),
+                (2304, 4096),
+                (6144, 2304),
+                (1024, 2304),
+                (2304, 1024),
+                (9216, 2304),
+                (2304, 9216),
+                (37, 96),
+                (37, 256),
+                (33, 1056),
+                (33, 1280),
+                (129, 2304),
+                (225, 2304),
+                (40, 96),
+                (40, 256),
+                (96, 256),
+                (256, 96),
+                (256, 256),
+                (7, 2336),
+                (100, 1984),
+                (3000, 2336),
+            ] {
+                let p = plan_quant_gemv(132, n, k, o);
+                assert!([1, 2, 4].contains(&p.wk), "{n} {o} {k}: {p:?}");
+                assert_eq!(p.ctas, o.div_ceil(64 / p.wk));
+                let total = p.smem + quant_gemv_static_smem(n);
+                assert!(total <= QUANT_GEMV_SMEM_BYTES, "{n} {o} {k}: {p:?}");
+                assert_eq!(p.smem, n * p.chunk * QUANT_GEMV_BLOCK_BYTES);
+                assert!(p.chunk <= p.span && p.span <= k / 32, "{n} {o} {k}: {p:?}");
+                assert!(p.chunk == p.span || p.chunk.is_multiple_of(8 * p.wk));
+                assert_eq!(p.splits, (k / 32).div_ceil(p.span));
+                assert!(p.splits == 1 || (p.wk == 1 && p.span.is_multiple_of(8)));
+                quant_gemv_covers(&p, o, k);
+            }
+        }
+        // The failing case of the first H100 run: 47,520 bytes staged plus 2,048 static.
+        let p = plan_quant_gemv(132, 5, 2304, 129);
+        assert!(p.smem + quant_gemv_static_smem(5) <= 48 * 1024);
+        assert_eq!((p.wk, p.ctas, p.splits, p.span), (1, 3, 9, 8));
+        // The 48B model's kda in projection fills the SMs with 64- or 32-row CTAs, unsplit.
+        let kda = plan_quant_gemv(132, 8, 2304, 12576);
+        assert_eq!((kda.wk, kda.splits), (1, 1));
+        let kda = plan_quant_gemv(132, 1, 2304, 12576);
+        assert_eq!((kda.wk, kda.splits), (2, 1));
+        // o_proj, expert gate/up and dense down split K over 64-row CTAs, about a wave.
+        let o_proj = plan_quant_gemv(132, 1, 4096, 2304);
+        assert_eq!(
+            (o_proj.wk, o_proj.ctas, o_proj.splits, o_proj.span),
+            (1, 36, 8, 16)
+        );
+        let o_proj = plan_quant_gemv(132, 8, 4096, 2304);
+        assert_eq!((o_proj.ctas, o_proj.splits, o_proj.chunk), (36, 8, 16));
+        let gate = plan_quant_gemv(132, 1, 2304, 1024);
+        assert_eq!((gate.wk, gate.ctas, gate.splits, gate.span), (1, 16, 9, 8));
+        let down = plan_quant_gemv(132, 4, 9216, 2304);
+        assert_eq!(
+            (down.wk, down.ctas, down.splits, down.span),
+            (1, 36, 12, 24)
+        );
+        // Expert down: 16-row CTAs are as many as a split would make.
+        let down = plan_quant_gemv(132, 1, 1024, 2304);
+        assert_eq!((down.wk, down.ctas, down.splits), (4, 144, 1));
+        // Tiny products stay one launch.
+        assert_eq!(plan_quant_gemv(132, 1, 96, 37).splits, 1);
+    }
 
     fn with(f: impl FnOnce(&mut KernelConfig)) -> KernelConfig {
         let mut cfg = KernelConfig::default();
