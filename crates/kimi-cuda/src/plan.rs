@@ -236,6 +236,11 @@ pub struct KernelConfig {
     /// (`KIMI_CUDA_PACKED_QUANT`). Off until `check quant-ops` has passed on a device: the
     /// kernels have not run on one yet.
     pub packed_quant_weights: bool,
+    /// How MLA latent pools made from now on (`latent_zeros`) store their rows
+    /// (`--kv-cache-dtype`): `Auto` / `F32` f32 rows, `Fp8` E4M3 rows with two f32 scales
+    /// each (the CPU's layout). The mla op reads each pool by the type it was made with, so
+    /// changing this leaves existing pools valid. `F16` is refused (no f16 latent kernels).
+    pub kv_cache: kimi_ops::KvCacheDtype,
 }
 
 impl Default for KernelConfig {
@@ -264,6 +269,7 @@ impl Default for KernelConfig {
             pin_host_experts: true,
             mxfp4_device_fills: false,
             packed_quant_weights: false,
+            kv_cache: kimi_ops::KvCacheDtype::Auto,
         }
     }
 }
