@@ -21,7 +21,7 @@
 //!    1 % of the row's largest magnitude.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use kimi_core::qblocks::e4m3_to_f32;
 use kimi_core::DType;
@@ -46,14 +46,21 @@ struct Scenario {
 
 /// Outputs of every call and the pool's values after each call, widened with `r`.
 type Run = (Vec<Vec<f32>>, Vec<Vec<f32>>);
+/// How a backend's pool is read back as values.
+type PoolValues<'a, B> = &'a dyn Fn(&B, &<B as Backend>::Tensor) -> Res<Vec<f32>>;
+/// A scenario before its flag: (name, dims, mode, kv_b dtype, block size, calls).
+type Row = (
+    &'static str,
+    MlaDims,
+    MlaMode,
+    DType,
+    usize,
+    Vec<Vec<usize>>,
+);
 
 /// Runs a scenario on `b` (whose `latent_zeros` makes FP8 pools); `pool_values` widens a
 /// pool (the CPU's `to_f32`, the device's raw rows widened here).
-fn run_scenario<B: Backend>(
-    b: &B,
-    sc: &Scenario,
-    pool_values: &dyn Fn(&B, &B::Tensor) -> Res<Vec<f32>>,
-) -> Res<Run> {
+fn run_scenario<B: Backend>(b: &B, sc: &Scenario, pool_values: PoolValues<'_, B>) -> Res<Run> {
     let mut rng = Rng(0xf8 + sc.block_size as u64);
     let d = sc.dims;
     let (h, rk, dn, dr, dv) = (
@@ -177,105 +184,126 @@ fn scenarios() -> Vec<Scenario> {
         v_head_dim: 11,
         scale: 0.22,
     };
-    let sc = |name, dims, mode, kv_b, block_size, calls: &[&[usize]]| Scenario {
-        name,
-        dims,
-        mode,
-        kv_b,
-        block_size,
-        calls: calls.iter().map(|c| c.to_vec()).collect(),
-        half: false,
-    };
+    // (name, dims, mode, kv_b, block size, calls); a bf16 kv_b with the real dims.
+    let lists = |c: &[&[usize]]| c.iter().map(|c| c.to_vec()).collect::<Vec<_>>();
+    // A prefill of `first`, then `n` one-token steps of every sequence.
     let steps = |first: &[usize], n: usize| -> Vec<Vec<usize>> {
         std::iter::once(first.to_vec())
             .chain((0..n).map(|_| vec![1; first.len()]))
             .collect()
     };
-    let with_calls = |mut s: Scenario, calls: Vec<Vec<usize>>| {
-        s.calls = calls;
-        s
-    };
-    let auto = MlaMode::Auto;
-    vec![
-        with_calls(
-            sc("real: prefill 37, 5 decode steps, bs16", real, auto, DType::BF16, 16, &[]),
+    let (auto, absorbed, expanded) = (MlaMode::Auto, MlaMode::Absorbed, MlaMode::Expanded);
+    let (bf16, f32) = (DType::BF16, DType::F32);
+    let table: Vec<Row> = vec![
+        (
+            "real: prefill 37, 5 decode steps, bs16",
+            real,
+            auto,
+            bf16,
+            16,
             steps(&[37], 5),
         ),
-        with_calls(
-            sc("real: 4 seqs prefill 1,17,64,130, 3 steps, bs5", real, auto, DType::BF16, 5, &[]),
+        (
+            "real: 4 seqs prefill 1,17,64,130, 3 steps, bs5",
+            real,
+            auto,
+            bf16,
+            5,
             steps(&[1, 17, 64, 130], 3),
         ),
-        sc(
+        (
             "real: chunked prefill 128+128+44, 2 steps, bs16",
             real,
             auto,
-            DType::BF16,
+            bf16,
             16,
-            &[&[128], &[128], &[44], &[1], &[1]],
+            lists(&[&[128], &[128], &[44], &[1], &[1]]),
         ),
-        with_calls(
-            sc("real: 2K context (split-KV chunks), 2 steps, bs64", real, auto, DType::BF16, 64, &[]),
-            vec![vec![1000], vec![1000], vec![1], vec![1]],
+        (
+            "real: 2K context (split-KV chunks), 2 steps, bs64",
+            real,
+            auto,
+            bf16,
+            64,
+            lists(&[&[1000], &[1000], &[1], &[1]]),
         ),
-        sc(
+        (
             "real: absorbed multi-token 13+40, 1+3, 2+20, bs7",
             real,
-            MlaMode::Absorbed,
-            DType::BF16,
+            absorbed,
+            bf16,
             7,
-            &[&[13, 40], &[1, 3], &[2, 20]],
+            lists(&[&[13, 40], &[1, 3], &[2, 20]]),
         ),
-        sc(
+        (
             "real: expanded one-token steps 5+9, 1+1, bs3",
             real,
-            MlaMode::Expanded,
-            DType::BF16,
+            expanded,
+            bf16,
             3,
-            &[&[5, 9], &[1, 1], &[1, 1]],
+            lists(&[&[5, 9], &[1, 1], &[1, 1]]),
         ),
-        Scenario {
-            half: true,
-            ..sc(
-                "real [half]: FlashInfer prefill 200 then 75, bs16",
-                real,
-                auto,
-                DType::BF16,
-                16,
-                &[&[200], &[75], &[1]],
-            )
-        },
-        with_calls(
-            sc("small f32: 3 seqs prefill 9,33,70, 4 steps, bs4", small, auto, DType::F32, 4, &[]),
+        (
+            "real [half]: FlashInfer prefill 200 then 75, bs16",
+            real,
+            auto,
+            bf16,
+            16,
+            lists(&[&[200], &[75], &[1]]),
+        ),
+        (
+            "small f32: 3 seqs prefill 9,33,70, 4 steps, bs4",
+            small,
+            auto,
+            f32,
+            4,
             steps(&[9, 33, 70], 4),
         ),
-        sc(
+        (
             "small f32: absorbed 13+40, 1+3, bs1",
             small,
-            MlaMode::Absorbed,
-            DType::F32,
+            absorbed,
+            f32,
             1,
-            &[&[13, 40], &[1, 3]],
+            lists(&[&[13, 40], &[1, 3]]),
         ),
-        with_calls(
-            sc("odd f32: 2 seqs prefill 17,64, 3 steps, bs5", odd, auto, DType::F32, 5, &[]),
+        (
+            "odd f32: 2 seqs prefill 17,64, 3 steps, bs5",
+            odd,
+            auto,
+            f32,
+            5,
             steps(&[17, 64], 3),
         ),
-        sc(
+        (
             "odd f32: absorbed 13+40, 1+3, bs7",
             odd,
-            MlaMode::Absorbed,
-            DType::F32,
+            absorbed,
+            f32,
             7,
-            &[&[13, 40], &[1, 3]],
+            lists(&[&[13, 40], &[1, 3]]),
         ),
-    ]
+    ];
+    table
+        .into_iter()
+        .map(|(name, dims, mode, kv_b, block_size, calls)| Scenario {
+            name,
+            dims,
+            mode,
+            kv_b,
+            block_size,
+            calls,
+            half: name.contains("[half]"),
+        })
+        .collect()
 }
 
 fn check_op_scenarios() -> Res<Vec<String>> {
     println!("-- ops: CUDA FP8 pool vs CPU FP8 pool (pool values must match exactly)");
     let cuda = CudaBackend::new(0)?.with_kv_cache_dtype(KvCacheDtype::Fp8);
     println!("device: {}", cuda.name());
-    let cpu = CpuBackend::with_quant_matmul(QuantMatmul::F32).with_kv_cache_dtype(KvCacheDtype::Fp8);
+    let cpu =
+        CpuBackend::with_quant_matmul(QuantMatmul::F32).with_kv_cache_dtype(KvCacheDtype::Fp8);
     let mut failures = vec![];
     for sc in scenarios() {
         let precision = if sc.half {
@@ -302,7 +330,11 @@ fn check_op_scenarios() -> Res<Vec<String>> {
             }
         };
         let tol = if sc.half { 3e-2 } else { 1e-3 };
-        let errs: Vec<f64> = got_o.iter().zip(&want_o).map(|(g, w)| rel_err(g, w)).collect();
+        let errs: Vec<f64> = got_o
+            .iter()
+            .zip(&want_o)
+            .map(|(g, w)| rel_err(g, w))
+            .collect();
         // Values that differ at all (compared as bits, +0 and -0 alike).
         let pool_diffs: usize = got_p
             .iter()
@@ -314,9 +346,7 @@ fn check_op_scenarios() -> Res<Vec<String>> {
                 g.iter().zip(w).filter(|(a, b)| a != b).count()
             })
             .sum();
-        let ok = errs.len() == sc.calls.len()
-            && errs.iter().all(|&e| e <= tol)
-            && pool_diffs == 0;
+        let ok = errs.len() == sc.calls.len() && errs.iter().all(|&e| e <= tol) && pool_diffs == 0;
         let text: Vec<String> = errs.iter().map(|e| format!("{e:.1e}")).collect();
         println!(
             "{:<58} out rel err {} | pool values differing {pool_diffs}{}",
@@ -357,7 +387,12 @@ fn greedy<B: Backend>(
             sampling: None,
         };
         let logits = m
-            .forward(&batch, &mut pool, &mut [&mut cache], ForwardOptions::default())?
+            .forward(
+                &batch,
+                &mut pool,
+                &mut [&mut cache],
+                ForwardOptions::default(),
+            )?
             .logits;
         let next = kimi_ops::argmax_row(&logits);
         out.push((next, logits));
@@ -368,11 +403,15 @@ fn greedy<B: Backend>(
 
 fn ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array()
-        .map(|a| a.iter().filter_map(|x| x.as_u64().map(|v| v as u32)).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(|x| x.as_u64().map(|v| v as u32))
+                .collect()
+        })
         .unwrap_or_default()
 }
 
-fn check_fixture(dir: &PathBuf) -> Res<(String, bool)> {
+fn check_fixture(dir: &Path) -> Res<(String, bool)> {
     let ckpt = kimi_weights::Checkpoint::open(dir)?;
     let cpu = |dtype| CpuBackend::with_quant_matmul(QuantMatmul::F32).with_kv_cache_dtype(dtype);
     let cpu_fp8 = KimiLinear::load(cpu(KvCacheDtype::Fp8), &ckpt)?;
@@ -409,7 +448,10 @@ fn check_fixture(dir: &PathBuf) -> Res<(String, bool)> {
             .zip(&step1)
             .all(|(a, b)| a.to_bits() == b.to_bits());
     ok &= same;
-    parts.push(format!("graphs {}", if same { "bit-identical" } else { "DIFFER" }));
+    parts.push(format!(
+        "graphs {}",
+        if same { "bit-identical" } else { "DIFFER" }
+    ));
     // Greedy continuation of the reference's greedy prompt.
     let g = &reference["greedy"];
     let (gp, count) = (ids(&g["prompt_ids"]), ids(&g["new_tokens"]).len());
@@ -429,7 +471,11 @@ fn check_fixture(dir: &PathBuf) -> Res<(String, bool)> {
             ok &= near_tie;
             parts.push(format!(
                 "greedy {agree}/{count}, then a {} (gap {gap:.2e}, |max| {top:.2e})",
-                if near_tie { "near-tie" } else { "DIFFERENT TOKEN" }
+                if near_tie {
+                    "near-tie"
+                } else {
+                    "DIFFERENT TOKEN"
+                }
             ));
         } else {
             parts.push(format!("greedy {count}/{count}"));
