@@ -95,7 +95,8 @@ impl CudaTensor {
 pub(crate) fn fp8_rows_bytes(shape: &[usize]) -> Option<usize> {
     let (&width, lead) = shape.split_last()?;
     let rows = lead.iter().try_fold(1usize, |n, &d| n.checked_mul(d))?;
-    rows.checked_mul(width.checked_add(8)?)
+    width.checked_add(8)?;
+    rows.checked_mul(kimi_ops::KvCacheDtype::Fp8.latent_row_bytes(width))
 }
 
 /// Kernel dtype code: 0 = f32, 1 = bf16, 2 = f16.
