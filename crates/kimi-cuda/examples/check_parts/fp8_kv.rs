@@ -19,6 +19,8 @@
 //!    beside how far FP8 moves the CPU's logits from its f32 cache (1-18 % on these
 //!    fixtures). Greedy tokens must agree, or part only where the CPU's top two are within
 //!    1 % of the row's largest magnitude.
+//! 3. Timing (not checked): absorbed decode per layer with an f32 and an FP8 pool, batch 1
+//!    and 64 at 1K and 32K of context.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -526,12 +528,91 @@ fn check_fixtures() -> Res<Vec<String>> {
     Ok(failures)
 }
 
-/// The `fp8-kv` stage: ops, then fixtures.
+/// Absorbed decode of the real dims with an f32 and an FP8 pool on one device (timing only):
+/// `batch` sequences at context `ctx`, each step rewriting position `ctx`.
+fn decode_timings() -> Res<()> {
+    println!("-- timing: absorbed decode per layer, f32 pool vs FP8 pool (real dims, bf16 kv_b)");
+    let b = CudaBackend::new(0)?;
+    let dims = MlaDims {
+        num_heads: 32,
+        kv_lora_rank: 512,
+        qk_nope_head_dim: 128,
+        qk_rope_head_dim: 64,
+        v_head_dim: 128,
+        scale: 0.0722,
+    };
+    let (h, lw, bs) = (32usize, 576usize, 64usize);
+    let qw = h * 192;
+    let mut rng = Rng(3);
+    let kvb = weight(
+        &b,
+        &[h * 256, 512],
+        &rng.vec(h * 256 * 512, 0.044),
+        DType::BF16,
+    )?;
+    for batch in [1usize, 64] {
+        for ctx in [1024usize, 32 * 1024] {
+            let per_seq = (ctx + 1).div_ceil(bs);
+            let tables: Vec<Vec<u32>> = (0..batch)
+                .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
+                .collect();
+            let q = b.upload_f32(&[batch, qw], &rng.vec(batch * qw, 1.0))?;
+            let lat = b.upload_f32(&[batch, lw], &rng.vec(batch * lw, 1.0))?;
+            let segs: Vec<Segment> = (0..batch).map(|s| Segment { start: s, len: 1 }).collect();
+            let mut times = vec![];
+            for dtype in [KvCacheDtype::Auto, KvCacheDtype::Fp8] {
+                b.update_kernel_config(|c| c.kv_cache = dtype)?;
+                let mut pool = b.latent_zeros(&[batch * per_seq, bs, lw])?;
+                let seqs: Vec<PagedSeq<'_>> = tables
+                    .iter()
+                    .map(|t| PagedSeq {
+                        block_table: t,
+                        num_cached: ctx,
+                    })
+                    .collect();
+                let mut step = || {
+                    b.mla(
+                        &q,
+                        &lat,
+                        &kvb,
+                        &dims,
+                        &segs,
+                        &mut pool,
+                        &seqs,
+                        MlaMode::Auto,
+                    )
+                };
+                step()?;
+                step()?;
+                b.synchronize()?;
+                let iters = 20;
+                let t0 = std::time::Instant::now();
+                for _ in 0..iters {
+                    step()?;
+                }
+                b.synchronize()?;
+                times.push(t0.elapsed().as_secs_f64() / iters as f64 * 1e3);
+            }
+            println!(
+                "B={batch:<3} ctx={:>3}K: f32 {:.3} ms, fp8 {:.3} ms ({:.2}x)",
+                ctx / 1024,
+                times[0],
+                times[1],
+                times[0] / times[1]
+            );
+            let _ = std::io::stdout().flush();
+        }
+    }
+    Ok(())
+}
+
+/// The `fp8-kv` stage: ops, then fixtures, then decode timings.
 pub fn check_fp8_kv() -> Res<()> {
     println!("== fp8-kv: MLA with an FP8 E4M3 latent cache, CUDA vs CPU");
     let mut failures = check_op_scenarios()?;
     if std::env::var_os("CHECK_CPU_ONLY").is_none() {
         failures.extend(check_fixtures()?);
+        decode_timings()?;
     }
     if failures.is_empty() {
         Ok(())
