@@ -5,7 +5,7 @@
 # scripts/cuda/fetch-wheels.sh; for the llamacpp stages, llama.cpp's source into
 # .device-bin/llamacpp-src.tar.gz with scripts/cuda/llamacpp-src.sh. Then on the device, from the
 # repository root:
-#   scripts/cuda/device-bench.sh OUT_DIR [check] [quant] [nccl] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack] [k3-big] [k3-offload] [offload] [llamacpp-prep] [llamacpp]
+#   scripts/cuda/device-bench.sh OUT_DIR [check] [quant] [fp8-kv] [nccl] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack] [k3-big] [k3-offload] [offload] [llamacpp-prep] [llamacpp]
 # (no stage names = all). Each stage writes OUT_DIR/<stage>.txt (+ JSON where it has one).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -53,6 +53,11 @@ fi
 if want quant; then
   timeout ${QUANT_TIMEOUT:-150} .device-bin/check quant-ops 2>&1 | tee "$OUT/quant-ops.txt" | tail -40
   timeout ${QUANT_TIMEOUT:-150} .device-bin/check quant-bench 2>&1 | tee "$OUT/quant-bench.txt"
+fi
+# MLA over an FP8 E4M3 latent cache (`--kv-cache-dtype fp8`) against the CPU backend's FP8
+# cache: the op at several shapes, then the Kimi Linear fixtures (`check fp8-kv`).
+if want fp8-kv; then
+  timeout ${FP8_KV_TIMEOUT:-300} .device-bin/check fp8-kv 2>&1 | tee "$OUT/fp8-kv.txt"
 fi
 # NCCL behind the collective interface, every op against the threads' implementation (world 1
 # on one GPU; one rank per visible GPU otherwise).

@@ -331,7 +331,8 @@ pub struct ModelArgs {
     /// fewer bytes on Kimi Linear; logits move by the FP8 rounding). Attention caches
     /// (Llama-family GGUF files and checkpoints): `auto` (f16 with `--int8-matmul`, else
     /// f32), `f16` (llama.cpp's default `-ctk f16 -ctv f16`: half the bytes of f32) or
-    /// `f32`. CPU only. KDA's recurrent state stays f32.
+    /// `f32`. CUDA takes `auto`, `f32` and `fp8` (MLA latent caches only). KDA's recurrent
+    /// state stays f32.
     #[arg(long, default_value = "auto", value_parser = parse_kv_cache_dtype)]
     pub kv_cache_dtype: kimi_ops::KvCacheDtype,
     /// Device to run on: `cpu`, `cuda` or `cuda:N` (GPU N; needs a build with `--features cuda`).

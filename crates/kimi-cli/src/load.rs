@@ -59,10 +59,11 @@ macro_rules! with_backend {
             }
             #[cfg(feature = "cuda")]
             $crate::args::Device::Cuda(ordinal) => {
-                if $args.kv_cache_dtype != kimi_ops::KvCacheDtype::Auto {
+                // CUDA keeps MLA latent caches only (no attention caches yet): f32 or FP8.
+                if $args.kv_cache_dtype == kimi_ops::KvCacheDtype::F16 {
                     anyhow::bail!(
-                        "--kv-cache-dtype {} applies to --device cpu only for now",
-                        $args.kv_cache_dtype.name()
+                        "--kv-cache-dtype f16 applies to attention caches, which --device cuda \
+                         does not run yet; CUDA's MLA latent caches take auto, f32 or fp8"
                     );
                 }
                 // The kernel choices: the `KIMI_CUDA_*` variables, then the flags.
@@ -70,6 +71,7 @@ macro_rules! with_backend {
                 if bf16_activations {
                     config.precision = kimi_cuda::GemmPrecision::Half;
                 }
+                config.kv_cache = $args.kv_cache_dtype;
                 let $b = kimi_cuda::CudaBackend::with_config(ordinal, config)
                     .map_err(|e| anyhow::anyhow!("cannot start CUDA device {ordinal}: {e}"))?;
                 $body

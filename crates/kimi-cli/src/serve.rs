@@ -92,10 +92,12 @@ fn prepare_on<B: Backend + 'static>(backend: B, a: &ServeArgs) -> anyhow::Result
     shape.values_per_token = specs
         .iter()
         .map(|s| match (s, a.model.kv_cache_dtype) {
-            // An FP8 latent row is a byte per value and two f32 scales: in f32 values,
-            // rounded up.
+            // An FP8 latent row is a byte per value and two f32 scales (on the CPU and on
+            // CUDA alike): in f32 values, rounded up.
             (kimi_model::LayerSpec::Mla { width }, kimi_ops::KvCacheDtype::Fp8) => {
-                (width + 8).div_ceil(4) as u64
+                kimi_ops::KvCacheDtype::Fp8
+                    .latent_row_bytes(*width)
+                    .div_ceil(4) as u64
             }
             // f16 keys and values: two values per f32.
             (kimi_model::LayerSpec::Kv { width }, kimi_ops::KvCacheDtype::F16) => *width as u64,

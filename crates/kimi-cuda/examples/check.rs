@@ -37,6 +37,11 @@
 //!     (896 MXFP4 experts top-16), decode batches against the HBM roofline
 //!     (`check_parts/k3_layer.rs`). `k3-ops` runs only the K3 op cases of 1.
 //!
+//! 15. With `fp8-kv` (only when named): MLA over an FP8 E4M3 latent cache
+//!     (`--kv-cache-dtype fp8`) against the CPU's FP8 cache: the op at several shapes (pool
+//!     values identical, outputs within 1e-3), then every Kimi Linear fixture's logits, CUDA
+//!     graphs and greedy tokens (`check_parts/fp8_kv.rs`).
+//!
 //! `kda-ops` and `moe-ops` (only when named) run just the KDA or MoE op cases of 1. `sample-bench` (only when
 //! named) times sampling on the device against the argmax and copying logits to the host.
 //! 7. With `tune` (only when named): decode step times of the 48B-shaped model with CUDA
@@ -54,7 +59,7 @@
 //! op by op, and requires the logits to be bit-identical.
 //!
 //! Usage: `check [ops] [kda-ops] [fixtures] [big N_TOKENS] [profile] [mla-bench] [kda-bench]
-//! [tune] [gemv-bench] [ncu-step] [moe-bench] [sample-bench] [k3-ops] [k3-moe-bench] [k3-big N_TOKENS] [offload] [quant-ops] [quant-bench]`
+//! [tune] [gemv-bench] [ncu-step] [moe-bench] [sample-bench] [k3-ops] [k3-moe-bench] [k3-big N_TOKENS] [offload] [quant-ops] [quant-bench] [fp8-kv]`
 //! (default: 1-3, 1000 tokens).
 
 use std::collections::HashSet;
@@ -78,6 +83,8 @@ use kimi_ops::{
 
 type Res<T> = std::result::Result<T, Box<dyn Error>>;
 
+#[path = "check_parts/fp8_kv.rs"]
+mod fp8_kv;
 #[path = "../tests/common/k3_cases.rs"]
 mod k3_cases;
 #[path = "check_parts/k3_layer.rs"]
@@ -160,6 +167,7 @@ fn main() {
         ("k3-big", false, Box::new(|| check_k3_big(k3_big_tokens))),
         ("offload", false, Box::new(offload::check_offload)),
         ("nccl", false, Box::new(nccl::check_nccl)),
+        ("fp8-kv", false, Box::new(fp8_kv::check_fp8_kv)),
     ];
     let mut failed = false;
     for (name, default, run) in &stages {

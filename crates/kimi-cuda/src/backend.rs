@@ -20,6 +20,7 @@ use crate::ops;
 use crate::plan::{self, GemmPrecision, KdaChunkPath, KernelConfig, MatmulPath};
 use crate::tensor::{dtype_code, CudaTensor};
 
+mod fp8_kv;
 mod k3;
 mod kda_decode;
 mod moe;
@@ -583,6 +584,10 @@ impl Backend for CudaBackend {
         self.zeroed(shape, "zeros")
     }
 
+    fn latent_zeros(&self, shape: &[usize]) -> Result<CudaTensor> {
+        self.latent_pool(shape)
+    }
+
     fn fill_zero(&self, t: &mut CudaTensor) -> Result<()> {
         self.dev.enter("fill_zero")?;
         // SAFETY: the buffer holds len() bytes.
@@ -591,6 +596,11 @@ impl Backend for CudaBackend {
 
     fn to_f32(&self, t: &CudaTensor) -> Result<Vec<f32>> {
         self.dev.enter("to_f32")?;
+        if t.dtype == DType::F8E4M3 {
+            return Err(Error::Unsupported(
+                "to_f32 of an FP8 latent pool (its rows: CudaBackend::fp8_rows)".into(),
+            ));
+        }
         if t.dtype == DType::MXFP4 {
             return self.to_f32(&self.widen_mxfp4(t, "to_f32")?);
         }
@@ -1486,9 +1496,18 @@ impl Backend for CudaBackend {
         }
         check_segments(OP, segments, seqs.len(), n)?;
         let block_size = check_paged(OP, &pool.shape, lw, segments, seqs)?;
-        if pool.dtype != DType::F32 {
-            return Err(shape_err(OP, "the latent pool is not f32".into()));
-        }
+        // FP8 pools (`latent_zeros` under `kv_cache: Fp8`) are quantized as rows arrive and
+        // widened where they are read.
+        let fp8 = match pool.dtype {
+            DType::F32 => false,
+            DType::F8E4M3 => true,
+            other => {
+                return Err(shape_err(
+                    OP,
+                    format!("the latent pool is {other}, not f32 or FP8 rows"),
+                ))
+            }
+        };
         // A packed decompression matrix is widened per call for the MLA kernels.
         let plain_kv_b = self.plain_copy(kv_b, OP)?;
         let kv_b = plain_kv_b.as_ref().unwrap_or(kv_b);
@@ -1543,18 +1562,33 @@ impl Backend for CudaBackend {
             width: lw,
         };
         // SAFETY: latent holds n rows of width lw; each named table covers its rows' new
-        // positions with blocks inside the pool (check_paged); where_ holds 2n u32.
+        // positions with blocks inside the pool (check_paged), whose rows are lw f32 or, FP8,
+        // 8 + lw bytes (made so by latent_pool); where_ holds 2n u32.
         unsafe {
-            ops::mla::write_rows_all(
-                &self.dev,
-                latent.ptr(),
-                pool.ptr(),
-                tables_ptr,
-                where_ptr,
-                n,
-                block_size,
-                lw,
-            )?
+            if fp8 {
+                ops::mla_fp8::write_rows_all(
+                    &self.dev,
+                    latent.ptr(),
+                    pool.ptr(),
+                    tables_ptr,
+                    where_ptr,
+                    n,
+                    block_size,
+                    lw,
+                    r,
+                )?
+            } else {
+                ops::mla::write_rows_all(
+                    &self.dev,
+                    latent.ptr(),
+                    pool.ptr(),
+                    tables_ptr,
+                    where_ptr,
+                    n,
+                    block_size,
+                    lw,
+                )?
+            }
         };
         // Absorbed segments are attended together (split-KV over the pool through their
         // tables) after every sequence has its new rows; expanded ones one by one.
@@ -1588,10 +1622,17 @@ impl Backend for CudaBackend {
             // c [total, r] · kv_bᵀ → kv [total, H*(dn+dv)].
             let rows = self.empty(&[total, lw], DType::F32, OP)?;
             let c = self.empty(&[total, r], DType::F32, OP)?;
-            // SAFETY: rows/c hold total rows of lw / r <= lw f32; the table covers them.
+            // SAFETY: rows/c hold total rows of lw / r <= lw f32; the table covers them in a
+            // pool of f32 rows or (fp8) FP8 rows.
             unsafe {
-                ops::mla::gather(&self.dev, paged(i), total, lw, rows.ptr())?;
-                ops::mla::gather(&self.dev, paged(i), total, r, c.ptr())?;
+                if fp8 {
+                    // Widened once per call into the f32 buffers the f32 path gathers into.
+                    ops::mla_fp8::gather(&self.dev, paged(i), r, total, lw, rows.ptr())?;
+                    ops::mla_fp8::gather(&self.dev, paged(i), r, total, r, c.ptr())?;
+                } else {
+                    ops::mla::gather(&self.dev, paged(i), total, lw, rows.ptr())?;
+                    ops::mla::gather(&self.dev, paged(i), total, r, c.ptr())?;
+                }
             }
             let kv = self.matmul_op(&c, kv_b, OP)?;
             // SAFETY: q/out point at this segment's rows (shapes checked above), rows holds
@@ -1614,7 +1655,8 @@ impl Backend for CudaBackend {
             // SAFETY: every piece's rows lie inside q/out (check_segments); its table (inside
             // `tables`, alive until the end of this call and read by kernels queued on the
             // same stream) covers past+len positions of the pool with blocks inside it
-            // (check_paged); kv_b is [H*(dn+dv), r] of dtype kdt.
+            // (check_paged), of FP8 rows exactly when `fp8`; kv_b is [H*(dn+dv), r] of dtype
+            // kdt.
             unsafe {
                 ops::mla::absorbed(
                     &self.dev,
@@ -1626,6 +1668,7 @@ impl Backend for CudaBackend {
                     out.ptr(),
                     dims,
                     cfg.mla_decode_min_chunk,
+                    fp8,
                 )?
             };
         }

@@ -23,6 +23,8 @@ const BIG_SMEM_KERNELS: &[&str] = &[
     "mla_flash_prefill_mma",
     "mla_decode_partial",
     "mla_decode_partial_vec",
+    "mla_decode_partial_fp8",
+    "mla_decode_partial_fp8_vec",
     "moe_route",
     "moe_mma_64_half",
     "moe_mma_64_split",
@@ -180,6 +182,15 @@ const KERNELS: &[(&str, &[&str])] = &[
             "mla_paged_write_rows",
             "mla_paged_gather",
             "mla_pack_bf16",
+        ],
+    ),
+    (
+        "mla_fp8",
+        &[
+            "mla_fp8_write_rows",
+            "mla_fp8_gather",
+            "mla_decode_partial_fp8",
+            "mla_decode_partial_fp8_vec",
         ],
     ),
     (

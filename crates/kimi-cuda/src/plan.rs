@@ -239,6 +239,11 @@ pub struct KernelConfig {
     /// the GEMV there was no faster than bf16 at one row and half its speed at 4-8 rows
     /// (`check quant-bench`), so packing trades decode speed for memory until it is.
     pub packed_quant_weights: bool,
+    /// How MLA latent pools made from now on (`latent_zeros`) store their rows
+    /// (`--kv-cache-dtype`): `Auto` / `F32` f32 rows, `Fp8` E4M3 rows with two f32 scales
+    /// each (the CPU's layout). The mla op reads each pool by the type it was made with, so
+    /// changing this leaves existing pools valid. `F16` is refused (no f16 latent kernels).
+    pub kv_cache: kimi_ops::KvCacheDtype,
 }
 
 impl Default for KernelConfig {
@@ -267,6 +272,7 @@ impl Default for KernelConfig {
             pin_host_experts: true,
             mxfp4_device_fills: true,
             packed_quant_weights: false,
+            kv_cache: kimi_ops::KvCacheDtype::Auto,
         }
     }
 }

@@ -54,8 +54,12 @@ impl CudaTensor {
     }
 
     /// Bytes of the elements (not the capacity); for a block-quantized tensor, of its blocks
-    /// (for the types kept in planes, of their device layout).
+    /// (for the types kept in planes, of their device layout); for an FP8 latent pool, of
+    /// its rows.
     pub(crate) fn len_bytes(&self) -> usize {
+        if self.dtype == DType::F8E4M3 {
+            return fp8_rows_bytes(&self.shape).unwrap_or(usize::MAX);
+        }
         let n = self.len();
         if let Some(b) = crate::quant_layout::device_bytes(self.dtype, n) {
             return b;
@@ -85,6 +89,16 @@ impl CudaTensor {
     }
 }
 
+/// Bytes of an FP8 latent pool of `shape` `[.., width]`: each row two f32 scales and `width`
+/// E4M3 codes (`kernels/mla_fp8.cu`, the CPU's `fp8_cache` layout). The backend makes
+/// tensors of [`DType::F8E4M3`] only as such pools (`upload` refuses the type).
+pub(crate) fn fp8_rows_bytes(shape: &[usize]) -> Option<usize> {
+    let (&width, lead) = shape.split_last()?;
+    let rows = lead.iter().try_fold(1usize, |n, &d| n.checked_mul(d))?;
+    width.checked_add(8)?;
+    rows.checked_mul(kimi_ops::KvCacheDtype::Fp8.latent_row_bytes(width))
+}
+
 /// Kernel dtype code: 0 = f32, 1 = bf16, 2 = f16.
 pub(crate) fn dtype_code(dtype: DType) -> Option<i32> {
     match dtype {
@@ -92,5 +106,18 @@ pub(crate) fn dtype_code(dtype: DType) -> Option<i32> {
         DType::BF16 => Some(1),
         DType::F16 => Some(2),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fp8_rows_take_eight_bytes_more_than_their_width() {
+        assert_eq!(fp8_rows_bytes(&[3, 16, 576]), Some(3 * 16 * 584));
+        assert_eq!(fp8_rows_bytes(&[2, 5, 7]), Some(2 * 5 * 15));
+        assert_eq!(fp8_rows_bytes(&[]), None);
+        assert_eq!(fp8_rows_bytes(&[usize::MAX, 2, 8]), None);
     }
 }

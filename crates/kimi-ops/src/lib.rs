@@ -196,6 +196,17 @@ impl KvCacheDtype {
             KvCacheDtype::F32 => "f32",
         }
     }
+
+    /// Bytes a backend keeps for one MLA latent row of `width` values stored as this type:
+    /// `8 + width` under `Fp8` (two f32 scales, then a byte per value: the CPU's and the
+    /// CUDA backend's pools alike), else `4 * width` (f32; MLA pools refuse `F16`). `serve`
+    /// sizes its pool by it, so the plan matches what the backends allocate.
+    pub fn latent_row_bytes(self, width: usize) -> usize {
+        match self {
+            KvCacheDtype::Fp8 => width + 8,
+            KvCacheDtype::Auto | KvCacheDtype::F16 | KvCacheDtype::F32 => 4 * width,
+        }
+    }
 }
 
 /// Checks a paged cache: `pool` is `[num_blocks, block_size, width]`, there is one
@@ -527,7 +538,7 @@ pub trait Backend: Send + Sync {
     }
     /// Creates a zeroed MLA latent cache pool `[num_blocks, block_size, width]` for
     /// [`Backend::mla`]; the backend picks its storage (f32 by default; FP8 E4M3 with
-    /// per-row scales on the CPU under [`KvCacheDtype::Fp8`]).
+    /// per-row scales on the CPU and CUDA under [`KvCacheDtype::Fp8`]).
     fn latent_zeros(&self, shape: &[usize]) -> Result<Self::Tensor> {
         self.zeros(shape)
     }
@@ -879,7 +890,7 @@ pub trait Backend: Send + Sync {
     ///
     /// `q [n, H*(nope+rope)]`; `latent [n, r+rope]` holds each new token's normalised latent
     /// `c` followed by its shared key `k_pe`; `kv_b [H*(nope+v), r]`. `pool` is the layer's
-    /// f32 cache `[num_blocks, block_size, r+rope]`; `seqs[s]` says where segment `s`'s
+    /// cache `[num_blocks, block_size, r+rope]` from [`Backend::latent_zeros`]; `seqs[s]` says where segment `s`'s
     /// sequence lives in it (see [`PagedSeq`]). The segment's new latent rows are written to
     /// positions `num_cached ..` of its table, then each new token attends over positions
     /// `0 ..=` its own. Returns `[n, H*v]`.
@@ -953,7 +964,15 @@ pub trait Backend: Send + Sync {
 
 #[cfg(test)]
 mod tests {
-    use super::argmax_row;
+    use super::{argmax_row, KvCacheDtype};
+
+    #[test]
+    fn fp8_latent_rows_are_a_byte_a_value_and_two_scales() {
+        // Kimi Linear's 512 + 64: 584 bytes against 2304, the 3.9x of the README.
+        assert_eq!(KvCacheDtype::Fp8.latent_row_bytes(576), 584);
+        assert_eq!(KvCacheDtype::Auto.latent_row_bytes(576), 2304);
+        assert_eq!(KvCacheDtype::F32.latent_row_bytes(7), 28);
+    }
 
     #[test]
     fn argmax_row_follows_greedy_sampling() {

@@ -344,12 +344,14 @@ fn ptr(s: &DevBuf) -> u64 {
 
 /// Absorbed attention of every piece: `out[q_row + i]` for each piece's `len` queries, in
 /// latent chunks of at least `min_chunk` rows (`KernelConfig::mla_decode_min_chunk`).
+/// With `fp8`, the caches hold FP8 rows (`kernels/mla_fp8.cu`) and the partial attention
+/// widens them as it loads them.
 ///
 /// # Safety
 /// `q` holds `H*(dn+dr)` f32 per row and `out` `H*dv` f32 per row for every row a piece
-/// names; each piece's cache holds `past + len` latent rows of `r+dr` f32 (through its
-/// block table, whose entries are valid block indices, when non-zero); `kv_b` is
-/// `[H*(dn+dv), r]` in dtype code `kdt`.
+/// names; each piece's cache holds `past + len` latent rows of `r+dr` f32 (with `fp8`, of
+/// `8 + r+dr` bytes) (through its block table, whose entries are valid block indices, when
+/// non-zero); `kv_b` is `[H*(dn+dv), r]` in dtype code `kdt`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn absorbed(
     dev: &Device,
@@ -361,6 +363,7 @@ pub(crate) unsafe fn absorbed(
     out: u64,
     dims: &MlaDims,
     min_chunk: usize,
+    fp8: bool,
 ) -> Result<()> {
     let [h, r, dn, dr, dv] = dims_i32(dims)?;
     let (hu, ru) = (dims.num_heads, dims.kv_lora_rank);
@@ -405,13 +408,16 @@ pub(crate) unsafe fn absorbed(
     let part_ml = scratch(dev, max_parts * hu * 2)?;
     let part_o = scratch(dev, max_parts * hu * ru)?;
     let (qcat_p, olat_p, ml_p, po_p) = (ptr(&qcat), ptr(&olat), ptr(&part_ml), ptr(&part_o));
+    // FP8 rows are read with plain loads (no cp.async of the cache), so only the widths
+    // decide the float4 variant there.
     let vec = ru.is_multiple_of(4)
         && lw.is_multiple_of(4)
-        && aligned(&pieces.iter().map(|p| p.cache).collect::<Vec<_>>());
-    let partial = if vec {
-        "mla_decode_partial_vec"
-    } else {
-        "mla_decode_partial"
+        && (fp8 || aligned(&pieces.iter().map(|p| p.cache).collect::<Vec<_>>()));
+    let partial = match (fp8, vec) {
+        (false, true) => "mla_decode_partial_vec",
+        (false, false) => "mla_decode_partial",
+        (true, true) => "mla_decode_partial_fp8_vec",
+        (true, false) => "mla_decode_partial_fp8",
     };
     for (group, (nchunks, chunk_lens)) in groups.iter().zip(&plans) {
         // One upload: the MlaSeq table, then the q row of every launch-local token.
@@ -467,7 +473,7 @@ pub(crate) unsafe fn absorbed(
         // decode_smem_bytes(r+dr) of dynamic shared memory (opted in at load); each MlaSeq
         // names a cache of past+len rows and chunk_len * nchunks >= past+len; the partial
         // buffers hold ntok*H*nchunks entries; the vec variant only with r, r+dr % 4 == 0
-        // and 16-byte aligned caches.
+        // and (f32 caches) 16-byte aligned caches; FP8 caches only with `fp8`.
         unsafe { b.launch(cfg) }.op("mla")?;
 
         let mut b = dev.kernel("mla", "mla_decode_combine")?;
@@ -547,7 +553,7 @@ mod tests {
 /// A sequence's rows in a paged pool.
 #[derive(Clone, Copy)]
 pub(crate) struct Paged {
-    /// The pool `[num_blocks, block_size, width]` f32.
+    /// The pool `[num_blocks, block_size, width]`: f32 rows, or FP8 rows for `mla_fp8`.
     pub(crate) pool: u64,
     /// The sequence's block table, u32 block ids.
     pub(crate) table: u64,

@@ -8,6 +8,7 @@ pub(crate) mod elementwise;
 pub(crate) mod gemm;
 pub(crate) mod kda;
 pub(crate) mod mla;
+pub(crate) mod mla_fp8;
 pub(crate) mod moe;
 pub(crate) mod mxfp4;
 pub(crate) mod quant;
