@@ -235,9 +235,10 @@ pub struct KernelConfig {
     pub mxfp4_device_fills: bool,
     /// Quantized weights (Q4Z, Q8Z, F8S; ggml Q4_0, Q4_1, Q8_0, Q4_K) stay packed on the device
     /// and run on the quant GEMV kernels, instead of being widened to bf16 at load
-    /// (`KIMI_CUDA_PACKED_QUANT`). Off: `check quant-ops` passed on an H100 (2026-12-06), but
-    /// the GEMV there was no faster than bf16 at one row and half its speed at 4-8 rows
-    /// (`check quant-bench`), so packing trades decode speed for memory until it is.
+    /// (`KIMI_CUDA_PACKED_QUANT`). Off: `check quant-ops` passed on an H100 (2026-12-06) and
+    /// the GEMV is 1.2-2.9x bf16 at most 48B shapes there, but still 0.5-0.6x at one row of
+    /// the small-output ones (`check quant-bench`), and prefill widens every packed matrix
+    /// per call; not yet measured on a whole model.
     pub packed_quant_weights: bool,
     /// How MLA latent pools made from now on (`latent_zeros`) store their rows
     /// (`--kv-cache-dtype`): `Auto` / `F32` f32 rows, `Fp8` E4M3 rows with two f32 scales
