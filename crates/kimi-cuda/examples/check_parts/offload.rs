@@ -135,18 +135,7 @@ pub fn check_offload() -> Res<()> {
                         c.pin_host_experts = pinned;
                         c.mxfp4_device_fills = pinned;
                     })?;
-                    let store =
-                        HostBackend::new(Arc::new(CpuBackend::with_quant_matmul(QuantMatmul::F32)));
-                    let options = LoadOptions {
-                        offload: Some(ExpertOffload {
-                            host: OffloadAmount::Experts(host),
-                            cache: OffloadAmount::Experts(slots),
-                            policy: CachePolicy::default(),
-                            store: Arc::new(store),
-                        }),
-                        ..LoadOptions::default()
-                    };
-                    let model = KimiLinear::load_checkpoint_with(be, &ckpt, &options)?;
+                    let model = KimiLinear::load_checkpoint_with(be, &ckpt, &tiered(host, slots))?;
                     let got = run_model(&model, &prompt, step, ForwardOptions::default())?;
                     let c = model.offload_counts().ok_or("no offload counts")?;
                     let err = rel_err(&got, &want);
@@ -199,17 +188,7 @@ fn check_segment_graphs(
         c.mxfp4_device_fills = true;
         c.cuda_graphs = true;
     })?;
-    let store = HostBackend::new(Arc::new(CpuBackend::with_quant_matmul(QuantMatmul::F32)));
-    let options = LoadOptions {
-        offload: Some(ExpertOffload {
-            host: OffloadAmount::Experts(host),
-            cache: OffloadAmount::Experts(slots),
-            policy: CachePolicy::default(),
-            store: Arc::new(store),
-        }),
-        ..LoadOptions::default()
-    };
-    let model = KimiLinear::load_checkpoint_with(be, ckpt, &options)?;
+    let model = KimiLinear::load_checkpoint_with(be, ckpt, &tiered(host, slots))?;
     let got = run_model(&model, prompt, 1, ForwardOptions::default())?;
     let [eager, captured, replayed] = model.backend().graph_pass_counts();
     let same = got == want;
@@ -224,4 +203,19 @@ fn check_segment_graphs(
     // Replays are a matter of speed (a segment whose ops changed is captured again), not of
     // the result: counted, not required.
     Ok(usize::from(!same))
+}
+
+/// Load options putting `host` experts per layer in host RAM (computed there on the CPU's
+/// f32 kernels when cold) behind `slots` device slots.
+fn tiered(host: usize, slots: usize) -> LoadOptions {
+    let store = HostBackend::new(Arc::new(CpuBackend::with_quant_matmul(QuantMatmul::F32)));
+    LoadOptions {
+        offload: Some(ExpertOffload {
+            host: OffloadAmount::Experts(host),
+            cache: OffloadAmount::Experts(slots),
+            policy: CachePolicy::default(),
+            store: Arc::new(store),
+        }),
+        ..LoadOptions::default()
+    }
 }
