@@ -24,7 +24,7 @@ pub(crate) use kernels::{
 };
 pub(crate) use moe::{
     plan_moe, ExpertLayout, GroupedPath, MoeCall, MoePath, RoutePath, RouterFacts, SharedExpert,
-    StreamPasses, ROUTE_WARP_MAX_EXPERTS,
+    StreamPasses, TableCall, ROUTE_WARP_MAX_EXPERTS,
 };
 pub use stream::StreamShape;
 pub(crate) use stream::{

@@ -8,11 +8,12 @@ use kimi_core::config::Activation;
 use kimi_core::DType;
 use kimi_ops::{ExpertView, HostTensor, MlpWeights, MoeRoutes, MoeRouting, Result};
 
+use super::moe::{uniform_layout, PairLists};
 use super::{code, f32_rows, shape_err, CudaBackend};
 use crate::buffer::DevBuf;
 use crate::layout::mxfp4_device_tiles;
 use crate::ops;
-use crate::plan::{plan_expert_bank, BankCall, BankPath, Mxfp4Bank};
+use crate::plan::{plan_expert_bank, BankCall, BankPath, Mxfp4Bank, TableCall};
 use crate::tensor::CudaTensor;
 
 /// Device lists of one MoE layer's pairs grouped by expert (`moe_lists`), kept alive until
@@ -290,15 +291,60 @@ impl CudaBackend {
         let offsets = Self::slice_ptr(&lists.offsets);
         let slots = Self::slice_ptr(&lists.slots);
         let cfg = self.kernel_config();
+        let swiglu = act == Activation::Silu;
+        let table_call = swiglu.then(|| TableCall {
+            tokens: n,
+            top_k: k,
+            hidden: d,
+            layout: uniform_layout(bank.experts(), d),
+            weights_aligned: bank.experts().iter().all(|w| {
+                [&w.gate, &w.up, &w.down]
+                    .iter()
+                    .all(|t| t.ptr().is_multiple_of(16))
+            }),
+            input_aligned: x.ptr().is_multiple_of(16),
+            recording: crate::graph::recording(self.dev.stream.cu_stream()),
+        });
         let call = BankCall {
             tokens: n,
             top_k: k,
             experts: e,
             mxfp4: mxfp4_bank_shape(bank.experts(), d).map(|inter| Mxfp4Bank { inter, width: d }),
+            table: table_call,
         };
         let (inter, token_tiles) = match plan_expert_bank(&cfg, &call) {
             BankPath::OneByOne => {
                 return self.experts_one_by_one(x, &lists, bank, act, n, p, out_width)
+            }
+            BankPath::Table(path) => {
+                let (table, table_buf) = self.bank_table(bank)?;
+                let pair_lists = PairLists {
+                    offsets,
+                    slots,
+                    experts: e,
+                    top_k: k,
+                };
+                let aligned = table_call.is_some_and(|t| t.weights_aligned && t.input_aligned);
+                // SAFETY: the planner chose `path` for the bank's uniform SwiGLU layout
+                // (uniform_layout); the table holds every expert's (gate, up, down); the
+                // lists come from pair_lists over the routes' p pairs, whose weights
+                // routes.weights holds; `aligned` as checked above.
+                let out = unsafe {
+                    self.experts_on_table(
+                        x,
+                        table,
+                        path,
+                        &pair_lists,
+                        Self::slice_ptr(&lists.rows),
+                        &routes.weights,
+                        None,
+                        n,
+                        d,
+                        aligned,
+                    )?
+                };
+                drop((lists, table_buf));
+                return Ok(out);
             }
             BankPath::Mxfp4Mma { bank, token_tiles } => (bank.inter, token_tiles),
         };

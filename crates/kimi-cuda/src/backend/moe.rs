@@ -3,7 +3,7 @@
 //! weighted combine.
 
 use kimi_core::DType;
-use kimi_ops::{Backend, Error, MoeRouting, MoeWeights, Result};
+use kimi_ops::{Backend, Error, MlpWeights, MoeRouting, MoeWeights, Result};
 
 use super::{code, f32_rows, shape_err, CudaBackend};
 use crate::buffer::DevBuf;
@@ -17,23 +17,31 @@ use crate::tensor::{dtype_code, CudaTensor};
 const OP: &str = "moe";
 
 /// Device lists of a MoE layer's routed pairs grouped by expert (`moe_lists`).
-struct PairLists {
+pub(super) struct PairLists {
     /// `u32 [E + 1]` start of each expert's pairs.
-    offsets: u64,
+    pub(super) offsets: u64,
     /// `u32 [P]` pair number (token * top_k + j) at each sorted position.
-    slots: u64,
-    experts: usize,
-    top_k: usize,
+    pub(super) slots: u64,
+    pub(super) experts: usize,
+    pub(super) top_k: usize,
 }
 
 /// The routed experts' common layout: every expert's gate/up `[inter, d]` and down
 /// `[d, inter]` of one dtype the kernels read; `None` otherwise.
 fn expert_layout(w: &MoeWeights<CudaTensor>, d: usize) -> Option<ExpertLayout> {
-    let first = w.experts.first()?;
+    uniform_layout(&w.experts.iter().collect::<Vec<_>>(), d)
+}
+
+/// [`expert_layout`] of any list of experts (an expert bank's view).
+pub(super) fn uniform_layout(
+    experts: &[&MlpWeights<CudaTensor>],
+    d: usize,
+) -> Option<ExpertLayout> {
+    let first = experts.first()?;
     let inter = *first.gate.shape.first()?;
     let dtype = first.gate.dtype;
     dtype_code(dtype)?;
-    let uniform = w.experts.iter().all(|x| {
+    let uniform = experts.iter().all(|x| {
         x.gate.shape == [inter, d]
             && x.up.shape == [inter, d]
             && x.down.shape == [d, inter]
@@ -234,17 +242,61 @@ impl CudaBackend {
                 fold_shared,
                 passes,
             } => self.moe_streamed(x, w, &wts_dev, &lists, n, d, inter, fold_shared, passes)?,
-            MoePath::FusedGemv { inter, dtype } => {
+            path @ (MoePath::FusedGemv { .. } | MoePath::Grouped { .. }) => {
                 let shared_out = self.shared_expert_out(x, w, n, d)?;
+                let table = self.expert_table(w)?;
+                // SAFETY: the table holds every routed expert's (gate, up, down) in the
+                // layout the planner was given; the lists and wts come from this step's
+                // routing of n tokens; `aligned` as checked for the planner.
+                unsafe {
+                    self.experts_on_table(
+                        x, table, path, &lists, rows_ptr, &wts_dev, shared_out, n, d, aligned,
+                    )?
+                }
+            }
+            MoePath::PerExpert => {
+                let shared_out = self.shared_expert_out(x, w, n, d)?;
+                self.moe_per_expert(x, w, &meta, shared_out, rows_ptr, wsel_ptr, n, d, p)?
+            }
+        };
+        // The index buffers are freed in stream order, after the kernels that read them.
+        drop((offsets, slots, rows, wsel));
+        Ok((out, ids_dev))
+    }
+
+    /// The routed experts of `path` (the fused GEMV or a grouped GEMM) over `table`'s
+    /// (gate, up, down) addresses, weighted by `wts` and added into `shared_out` when given.
+    ///
+    /// # Safety
+    /// `table` holds `3 * lists.experts` addresses of SwiGLU experts in the layout the
+    /// planner chose `path` for (gate/up `[inter, d]`, down `[d, inter]`); `lists` and
+    /// `rows` come from `moe_lists` over the `n * top_k` pairs whose weights `wts` holds;
+    /// `aligned`: the weights and `x` are 16-byte aligned where the path asked for it.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn experts_on_table(
+        &self,
+        x: &CudaTensor,
+        table: u64,
+        path: MoePath,
+        lists: &PairLists,
+        rows: u64,
+        wts: &CudaTensor,
+        shared_out: Option<CudaTensor>,
+        n: usize,
+        d: usize,
+        aligned: bool,
+    ) -> Result<CudaTensor> {
+        let cfg = self.kernel_config();
+        let (k, e) = (lists.top_k, lists.experts);
+        let p = n * k;
+        match path {
+            MoePath::FusedGemv { inter, dtype } => {
                 let dt = dtype_code(dtype)
                     .ok_or_else(|| Error::Unsupported(format!("{OP} with {dtype} experts")))?;
-                let table = self.expert_table(w)?;
                 let h = self.empty(&[p, inter], DType::F32, OP)?;
                 let y = self.empty(&[p, d], DType::F32, OP)?;
-                // SAFETY: the table holds gate/up [inter, d] and down [d, inter] of dtype dt
-                // for every expert (the layout the planner was given); offsets/slots come
-                // from lists; h holds p*inter and y p*d f32; `aligned` is the weights' and
-                // x's 16-byte alignment (fresh allocations such as h are aligned).
+                // SAFETY: the caller's contract; h holds p*inter and y p*d f32 (fresh
+                // allocations, aligned).
                 unsafe {
                     ops::moe::expert_gemv(
                         &self.dev,
@@ -252,9 +304,9 @@ impl CudaBackend {
                         true,
                         x.ptr(),
                         k,
-                        offsets_ptr,
+                        lists.offsets,
                         e,
-                        slots_ptr,
+                        lists.slots,
                         h.ptr(),
                         p,
                         inter,
@@ -269,9 +321,9 @@ impl CudaBackend {
                         false,
                         h.ptr(),
                         k,
-                        offsets_ptr,
+                        lists.offsets,
                         e,
-                        slots_ptr,
+                        lists.slots,
                         y.ptr(),
                         p,
                         d,
@@ -281,40 +333,41 @@ impl CudaBackend {
                         cfg.moe_row_blocks,
                     )?
                 };
-                self.weighted_combine(&y, 0, &wts_dev, shared_out, n, d, k)?
+                self.weighted_combine(&y, 0, wts, shared_out, n, d, k)
             }
             MoePath::Grouped { inter, kernel } => {
-                let shared_out = self.shared_expert_out(x, w, n, d)?;
-                let table = self.expert_table(w)?;
                 let split = cfg.split();
                 match kernel {
                     GroupedPath::Cutlass => {
-                        let (y, inv) = self
-                            .grouped_moe_cutlass(x, table, split, &lists, rows_ptr, n, d, inter)?;
-                        let inv_ptr = Self::slice_ptr(&inv);
-                        let out = self.weighted_combine(&y, inv_ptr, &wts_dev, shared_out, n, d, k);
+                        let (y, inv) =
+                            self.grouped_moe_cutlass(x, table, split, lists, rows, n, d, inter)?;
+                        let out = self.weighted_combine(
+                            &y,
+                            Self::slice_ptr(&inv),
+                            wts,
+                            shared_out,
+                            n,
+                            d,
+                            k,
+                        );
                         drop(inv);
-                        out?
+                        out
                     }
                     GroupedPath::Pipelined => {
-                        let y = self.grouped_moe_pipelined(x, table, split, &lists, n, d, inter)?;
-                        self.weighted_combine(&y, 0, &wts_dev, shared_out, n, d, k)?
+                        let y = self.grouped_moe_pipelined(x, table, split, lists, n, d, inter)?;
+                        self.weighted_combine(&y, 0, wts, shared_out, n, d, k)
                     }
                     GroupedPath::SingleStage => {
                         let y =
-                            self.grouped_moe_single_stage(x, table, split, &lists, n, d, inter)?;
-                        self.weighted_combine(&y, 0, &wts_dev, shared_out, n, d, k)?
+                            self.grouped_moe_single_stage(x, table, split, lists, n, d, inter)?;
+                        self.weighted_combine(&y, 0, wts, shared_out, n, d, k)
                     }
                 }
             }
-            MoePath::PerExpert => {
-                let shared_out = self.shared_expert_out(x, w, n, d)?;
-                self.moe_per_expert(x, w, &meta, shared_out, rows_ptr, wsel_ptr, n, d, p)?
-            }
-        };
-        // The index buffers are freed in stream order, after the kernels that read them.
-        drop((offsets, slots, rows, wsel));
-        Ok((out, ids_dev))
+            other => Err(Error::Unsupported(format!(
+                "{OP}: {other:?} does not read an expert table"
+            ))),
+        }
     }
 
     /// The shared expert's output `[n, d]`, which the routed experts then add into.

@@ -1,6 +1,8 @@
 //! The planner of `Backend::moe_experts`: which kernels run the routed experts of an
-//! expert bank (Kimi K3's MXFP4 experts in the LatentMoE latent, or any other format).
+//! expert bank (Kimi K3's MXFP4 experts in the LatentMoE latent, a tiered bank's SwiGLU
+//! experts through the `moe` step's table kernels, or any other format).
 
+use super::moe::{plan_table_experts, MoePath, TableCall};
 use super::KernelConfig;
 
 /// An MXFP4 bank the device kernels read: every expert's gate and up `[inter, width]` and
@@ -19,6 +21,9 @@ pub(crate) struct BankCall {
     pub(crate) experts: usize,
     /// `None` where the bank is not one MXFP4 layout the kernels read.
     pub(crate) mxfp4: Option<Mxfp4Bank>,
+    /// SwiGLU experts the `moe` step's table kernels could read (`None` for other
+    /// activations).
+    pub(crate) table: Option<TableCall>,
 }
 
 /// How a `moe_experts` call runs.
@@ -27,6 +32,10 @@ pub(crate) enum BankPath {
     /// `moe_mxfp4_mma_*`: every pair on the tensor cores, the weights widened in registers,
     /// `token_tiles` groups of 8 pairs per pass over an expert's weights.
     Mxfp4Mma { bank: Mxfp4Bank, token_tiles: usize },
+    /// The `moe` step's kernels over a table of the experts' addresses: the fused GEMV or a
+    /// grouped tensor-core GEMM ([`MoePath::FusedGemv`] or [`MoePath::Grouped`]), so that a
+    /// tiered bank queues the same launches whichever experts its slots hold.
+    Table(MoePath),
     /// Per expert with pairs: gather, the FFN, weighted scatter-add (one host read of the
     /// counts): any format and shape.
     OneByOne,
@@ -39,7 +48,10 @@ pub(crate) enum BankPath {
 /// expert's weights for every 32 pairs (plan/README.md has what was measured).
 pub(crate) fn plan_expert_bank(cfg: &KernelConfig, call: &BankCall) -> BankPath {
     let Some(bank) = call.mxfp4 else {
-        return BankPath::OneByOne;
+        return match call.table.map(|t| plan_table_experts(cfg, &t)) {
+            Some(MoePath::PerExpert) | None => BankPath::OneByOne,
+            Some(path) => BankPath::Table(path),
+        };
     };
     let pairs = call.tokens * call.top_k;
     let per_expert = pairs.div_ceil(call.experts.min(pairs).max(1));
@@ -54,6 +66,8 @@ pub(crate) fn plan_expert_bank(cfg: &KernelConfig, call: &BankCall) -> BankPath 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::{ExpertLayout, GroupedPath};
+    use kimi_core::DType;
 
     const K3: Mxfp4Bank = Mxfp4Bank {
         inter: 3072,
@@ -66,13 +80,14 @@ mod tests {
             top_k: 16,
             experts: 896,
             mxfp4: Some(K3),
+            table: None,
         };
         match plan_expert_bank(cfg, &call) {
             BankPath::Mxfp4Mma { bank, token_tiles } => {
                 assert_eq!(bank, K3);
                 token_tiles
             }
-            BankPath::OneByOne => panic!("K3's bank runs on the MXFP4 kernels"),
+            other => panic!("K3's bank runs on the MXFP4 kernels, not {other:?}"),
         }
     }
 
@@ -96,7 +111,63 @@ mod tests {
             top_k: 2,
             experts: 8,
             mxfp4: None,
+            table: None,
         };
         assert_eq!(plan_expert_bank(&cfg, &other), BankPath::OneByOne);
+    }
+
+    /// A tiered 48B layer (256 bf16 SwiGLU experts top-8, hidden 2304, width 1024).
+    fn bank_48b(tokens: usize) -> BankCall {
+        BankCall {
+            tokens,
+            top_k: 8,
+            experts: 256,
+            mxfp4: None,
+            table: Some(TableCall {
+                tokens,
+                top_k: 8,
+                hidden: 2304,
+                layout: Some(ExpertLayout {
+                    inter: 1024,
+                    dtype: DType::BF16,
+                }),
+                weights_aligned: true,
+                input_aligned: true,
+                recording: true,
+            }),
+        }
+    }
+
+    #[test]
+    fn swiglu_banks_take_the_moe_steps_table_kernels() {
+        let cfg = KernelConfig::default();
+        // Decode: the fused GEMV, one launch per projection whatever the slots hold.
+        assert_eq!(
+            plan_expert_bank(&cfg, &bank_48b(1)),
+            BankPath::Table(MoePath::FusedGemv {
+                inter: 1024,
+                dtype: DType::BF16
+            })
+        );
+        // Many tokens: a grouped tensor-core GEMM (not CUTLASS while a pass records).
+        assert_eq!(
+            plan_expert_bank(&cfg, &bank_48b(4096)),
+            BankPath::Table(MoePath::Grouped {
+                inter: 1024,
+                kernel: GroupedPath::Pipelined
+            })
+        );
+        // Experts of mixed shapes (no layout) or another activation (no table call): one by
+        // one.
+        let mut mixed = bank_48b(1);
+        if let Some(t) = mixed.table.as_mut() {
+            t.layout = None;
+        }
+        assert_eq!(plan_expert_bank(&cfg, &mixed), BankPath::OneByOne);
+        let situ = BankCall {
+            table: None,
+            ..bank_48b(1)
+        };
+        assert_eq!(plan_expert_bank(&cfg, &situ), BankPath::OneByOne);
     }
 }

@@ -148,22 +148,56 @@ fn plan_route(cfg: &KernelConfig, c: &MoeCall) -> RoutePath {
 }
 
 fn plan_experts(cfg: &KernelConfig, c: &MoeCall) -> MoePath {
-    // The grouped tensor-core kernels (and the streamed ones): bf16 experts with both sizes
-    // multiples of 64.
-    let grouped_inter = c
-        .layout
-        .filter(|l| {
-            l.dtype == DType::BF16
-                && l.inter > 0
-                && l.inter.is_multiple_of(64)
-                && c.hidden.is_multiple_of(64)
-        })
-        .map(|l| l.inter);
     if c.tokens == 1 && cfg.moe_stream {
-        if let Some(path) = grouped_inter.and_then(|inter| plan_streamed(cfg, c, inter)) {
+        let streamable = c
+            .layout
+            .filter(|l| grouped_layout(l, c.hidden))
+            .and_then(|l| plan_streamed(cfg, c, l.inter));
+        if let Some(path) = streamable {
             return path;
         }
     }
+    plan_table_experts(
+        cfg,
+        &TableCall {
+            tokens: c.tokens,
+            top_k: c.top_k,
+            hidden: c.hidden,
+            layout: c.layout,
+            weights_aligned: c.weights_aligned,
+            input_aligned: c.input_aligned,
+            recording: c.recording,
+        },
+    )
+}
+
+/// What [`plan_table_experts`] decides from: routed experts read through a device table of
+/// their addresses, without a shared expert (a `moe` call's, or an expert bank's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct TableCall {
+    pub(crate) tokens: usize,
+    pub(crate) top_k: usize,
+    pub(crate) hidden: usize,
+    /// `None` where the experts differ in shape or dtype, or have a dtype no kernel reads.
+    pub(crate) layout: Option<ExpertLayout>,
+    /// Every expert weight is 16-byte aligned.
+    pub(crate) weights_aligned: bool,
+    /// The hidden states are 16-byte aligned.
+    pub(crate) input_aligned: bool,
+    /// A pass is being recorded (CUTLASS's host launch would bypass the recorder).
+    pub(crate) recording: bool,
+}
+
+/// The grouped tensor-core kernels' (and the streamed ones') layout: bf16 experts with both
+/// sizes multiples of 64.
+fn grouped_layout(l: &ExpertLayout, hidden: usize) -> bool {
+    l.dtype == DType::BF16 && l.inter > 0 && l.inter.is_multiple_of(64) && hidden.is_multiple_of(64)
+}
+
+/// The table kernels of SwiGLU experts: the fused GEMV for few tokens, a grouped tensor-core
+/// GEMM for more, cuBLAS per expert where neither reads the layout. Never
+/// [`MoePath::Streamed`].
+pub(crate) fn plan_table_experts(cfg: &KernelConfig, c: &TableCall) -> MoePath {
     if c.tokens <= cfg.fused_moe_max_tokens {
         if let Some(l) = c.layout.filter(|l| l.inter > 0) {
             return MoePath::FusedGemv {
@@ -172,7 +206,11 @@ fn plan_experts(cfg: &KernelConfig, c: &MoeCall) -> MoePath {
             };
         }
     }
-    let Some(inter) = grouped_inter else {
+    let Some(inter) = c
+        .layout
+        .filter(|l| grouped_layout(l, c.hidden))
+        .map(|l| l.inter)
+    else {
         return MoePath::PerExpert;
     };
     let pairs = c.tokens * c.top_k;
