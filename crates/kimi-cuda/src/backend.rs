@@ -40,6 +40,8 @@ pub struct CudaBackend {
     device_name: String,
     /// Expert address tables of the fused MoE path, by their contents.
     moe_tables: Mutex<HashMap<Vec<u64>, DevBuf>>,
+    /// Address tables of expert banks whose views change (a tiered bank's slots).
+    bank_tables: Mutex<moe::RecentTables>,
     /// One u32, zero between launches: `moe_route_one`'s count of finished blocks.
     route_ticket: DevBuf,
     /// Two u32, zero between launches: `moe_stream_layer`'s grid-wide handoff counters.
@@ -105,6 +107,7 @@ impl CudaBackend {
             ordinal,
             device_name,
             moe_tables: Mutex::new(HashMap::new()),
+            bank_tables: Mutex::new(moe::RecentTables::default()),
             route_ticket,
             layer_sync,
         })
@@ -1111,6 +1114,35 @@ impl Backend for CudaBackend {
     fn expert_ids(&self, chosen: &CudaTensor) -> Result<Vec<u32>> {
         // `moe_route` writes u32 ids into the f32-typed buffer: read the bits back.
         Ok(self.to_f32(chosen)?.into_iter().map(f32::to_bits).collect())
+    }
+
+    fn read_routes(&self, routes: &MoeRoutes<CudaTensor>) -> Result<(Vec<u32>, Vec<f32>)> {
+        const OP: &str = "read_routes";
+        self.dev.enter(OP)?;
+        let (ids, wts) = (&routes.experts, &routes.weights);
+        if ids.dtype != DType::F32 || wts.dtype != DType::F32 {
+            return Err(shape_err(
+                OP,
+                format!("routes of {} ids and {} weights", ids.dtype, wts.dtype),
+            ));
+        }
+        // `moe_route` writes u32 ids into an f32-typed buffer: both read as 4-byte words.
+        let mut id_bits = vec![0u32; ids.len()];
+        let mut weights = vec![0f32; wts.len()];
+        // SAFETY: u32 and f32 are plain 4-byte values (every byte pattern valid, u8 needs no
+        // alignment); each slice views exactly its vector's bytes.
+        let (id_bytes, wt_bytes) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(id_bits.as_mut_ptr().cast::<u8>(), ids.len() * 4),
+                std::slice::from_raw_parts_mut(weights.as_mut_ptr().cast::<u8>(), wts.len() * 4),
+            )
+        };
+        // SAFETY: both tensors hold len() f32 words on the device (checked dtypes above).
+        unsafe {
+            self.dev
+                .read_all(&mut [(ids.ptr(), id_bytes), (wts.ptr(), wt_bytes)], OP)?
+        };
+        Ok((id_bits, weights))
     }
 
     fn upload_expert_ids(&self, shape: &[usize], ids: &[u32]) -> Result<CudaTensor> {

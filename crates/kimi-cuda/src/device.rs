@@ -613,14 +613,30 @@ impl Device {
     /// # Safety
     /// `src` points at `dst.len()` bytes of live device memory.
     pub(crate) unsafe fn read(&self, src: u64, dst: &mut [u8], op: &'static str) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.read_all(&mut [(src, dst)], op) }
+    }
+
+    /// [`Self::read`] of several regions with one wait.
+    ///
+    /// # Safety
+    /// Each `src` points at its `dst.len()` bytes of live device memory.
+    pub(crate) unsafe fn read_all(
+        &self,
+        parts: &mut [(u64, &mut [u8])],
+        op: &'static str,
+    ) -> Result<()> {
         self.flush(op)?;
-        if !dst.is_empty() {
+        for (src, dst) in parts.iter_mut() {
+            if dst.is_empty() {
+                continue;
+            }
             // SAFETY: the caller's contract; `dst` is writable for its length and the
             // synchronize below completes the copy before it is used.
             unsafe {
                 cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
                     dst.as_mut_ptr().cast(),
-                    src,
+                    *src,
                     dst.len(),
                     self.stream.cu_stream(),
                 )

@@ -789,6 +789,13 @@ pub trait Backend: Send + Sync {
     /// The expert ids held by the second tensor [`Backend::moe`] returns (or by
     /// [`MoeRoutes::experts`]).
     fn expert_ids(&self, chosen: &Self::Tensor) -> Result<Vec<u32>>;
+    /// The expert ids and the weights of `routes` read back together (a device waits once).
+    fn read_routes(&self, routes: &MoeRoutes<Self::Tensor>) -> Result<(Vec<u32>, Vec<f32>)> {
+        Ok((
+            self.expert_ids(&routes.experts)?,
+            self.to_f32(&routes.weights)?,
+        ))
+    }
     /// Expert ids `[rows, top_k]` in the layout [`Backend::moe_route`] writes and
     /// [`Backend::moe_experts`] reads, for routes the caller builds (the pairs one rank
     /// receives under expert parallelism). Default: the ids as f32 values (exact below

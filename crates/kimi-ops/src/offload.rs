@@ -355,8 +355,7 @@ impl<T> TieredBank<T> {
         act: Activation,
     ) -> Result<(T, T)> {
         const OP: &str = "moe_experts (tiered)";
-        let ids = be.expert_ids(&routes.experts)?;
-        let mut weights = be.to_f32(&routes.weights)?;
+        let (ids, mut weights) = be.read_routes(&routes)?;
         let k = routes.top_k.max(1);
         let e_count = self.resident.len();
         if ids.len() != weights.len() || !ids.len().is_multiple_of(k) {
@@ -455,12 +454,15 @@ impl<T> TieredBank<T> {
                         (None, None) => stand_in,
                     })
                     .collect();
-                // The weights go up (with the cold pairs' zeroed) and the host's sum is
-                // added below whether or not any pair is cold: the step queues the same work
-                // every time, which a device replaying it as a graph needs.
-                let routes = MoeRoutes {
-                    weights: be.upload_f32(&[n, k], &weights)?,
-                    ..routes
+                // With cold pairs the weights go up with theirs zeroed; without, the
+                // device's own weights serve (one copy less per step).
+                let routes = if cold.is_empty() {
+                    routes
+                } else {
+                    MoeRoutes {
+                        weights: be.upload_f32(&[n, k], &weights)?,
+                        ..routes
+                    }
                 };
                 let y = be.moe_experts(x, &routes, &ExpertView::per_call(view), act)?;
                 (y, routes.experts)
@@ -468,9 +470,7 @@ impl<T> TieredBank<T> {
             None => (be.zeros(&[n, out_width])?, routes.experts),
         };
         drop(guard);
-        let yc = if cold.is_empty() {
-            vec![0.0; n * out_width]
-        } else {
+        if !cold.is_empty() {
             let width = be.shape(x).last().copied().unwrap_or(0);
             let started = std::time::Instant::now();
             let yc = self.host.compute(&xs, n, width, &cold, act)?;
@@ -481,9 +481,8 @@ impl<T> TieredBank<T> {
                     slots.host_scale = 0.8 * slots.host_scale + 0.2 * ratio;
                 }
             }
-            yc
-        };
-        be.add_assign(&mut y, &be.upload_f32(&[n, out_width], &yc)?)?;
+            be.add_assign(&mut y, &be.upload_f32(&[n, out_width], &yc)?)?;
+        }
         self.counters.add(counts);
         Ok((y, experts))
     }

@@ -19,10 +19,10 @@ use crate::tensor::CudaTensor;
 /// Device lists of one MoE layer's pairs grouped by expert (`moe_lists`), kept alive until
 /// the kernels that read them are queued.
 struct Lists {
-    offsets: crate::buffer::DevBuf,
-    slots: crate::buffer::DevBuf,
-    rows: crate::buffer::DevBuf,
-    wsel: crate::buffer::DevBuf,
+    offsets: DevBuf,
+    slots: DevBuf,
+    rows: DevBuf,
+    wsel: DevBuf,
     /// `[ids | counts]` (p + e u32), for the host-side fallback.
     meta: CudaTensor,
 }
@@ -317,7 +317,7 @@ impl CudaBackend {
                 return self.experts_one_by_one(x, &lists, bank, act, n, p, out_width)
             }
             BankPath::Table(path) => {
-                let (table, table_buf) = self.bank_table(bank)?;
+                let table = self.bank_table(bank)?;
                 let pair_lists = PairLists {
                     offsets,
                     slots,
@@ -343,12 +343,12 @@ impl CudaBackend {
                         aligned,
                     )?
                 };
-                drop((lists, table_buf));
+                drop(lists);
                 return Ok(out);
             }
             BankPath::Mxfp4Mma { bank, token_tiles } => (bank.inter, token_tiles),
         };
-        let (table, table_buf) = self.bank_table(bank)?;
+        let table = self.bank_table(bank)?;
         let split = cfg.split();
         let terms = if split { 2 } else { 1 };
         // Activation rows in the kernels' fragment order (bf16 hi, then lo): the tokens'
@@ -406,7 +406,7 @@ impl CudaBackend {
             )?;
         }
         let out = self.weighted_combine(&y, 0, &routes.weights, None, n, d, k)?;
-        drop((lists, table_buf));
+        drop(lists);
         Ok(out)
     }
 
@@ -459,21 +459,19 @@ impl CudaBackend {
     }
 
     /// The device table of a bank's (gate, up, down) addresses: cached by its contents for
-    /// a stable view, uploaded for this call for a per-call one (a tiered bank's slots and
-    /// stand-ins change from step to step).
-    fn bank_table(&self, experts: &ExpertView<'_, CudaTensor>) -> Result<(u64, Option<DevBuf>)> {
+    /// good for a stable view, among the recent ones for a per-call view (a tiered bank's
+    /// slots and stand-ins change only with fills and cold experts).
+    fn bank_table(&self, experts: &ExpertView<'_, CudaTensor>) -> Result<u64> {
         let key: Vec<u64> = experts
             .experts()
             .iter()
             .flat_map(|x| [x.gate.ptr(), x.up.ptr(), x.down.ptr()])
             .collect();
         if experts.is_stable() {
-            return Ok((self.address_table(key)?, None));
+            self.address_table(key)
+        } else {
+            self.recent_address_table(key)
         }
-        let bytes: Vec<u8> = key.iter().flat_map(|v| v.to_le_bytes()).collect();
-        // Freed in stream order after the kernels that read it.
-        let t = self.dev.upload(&bytes, "moe_experts")?;
-        Ok((Self::slice_ptr(&t), Some(t)))
     }
 }
 

@@ -2,6 +2,8 @@
 //! picks (streamed, fused GEMV, a grouped tensor-core GEMM or cuBLAS per expert), then the
 //! weighted combine.
 
+use std::collections::HashMap;
+
 use kimi_core::DType;
 use kimi_ops::{Backend, Error, MlpWeights, MoeRouting, MoeWeights, Result};
 
@@ -82,6 +84,62 @@ fn expert_weights(w: &MoeWeights<CudaTensor>) -> impl Iterator<Item = u64> + '_ 
         .iter()
         .chain(w.shared.as_ref())
         .flat_map(|x| [x.gate.ptr(), x.up.ptr(), x.down.ptr()])
+}
+
+/// How many changing bank tables stay on the device: one per MoE layer of the deepest
+/// model (K3's 92) several times over, so that a steady cache reuses its layers' tables.
+const RECENT_TABLES: usize = 512;
+
+/// Address tables of expert banks whose views change from step to step (a tiered bank's
+/// slots and stand-ins), by their contents: a view that repeats (no fill since) finds its
+/// table on the device instead of uploading it again. The least recently used goes past
+/// [`RECENT_TABLES`], freed in stream order after the kernels queued to read it.
+pub(super) struct RecentTables<T = DevBuf> {
+    tables: HashMap<Vec<u64>, (T, u64)>,
+    clock: u64,
+}
+
+impl<T> Default for RecentTables<T> {
+    fn default() -> Self {
+        Self {
+            tables: HashMap::new(),
+            clock: 0,
+        }
+    }
+}
+
+impl<T> RecentTables<T> {
+    /// `key`'s table, made by `upload` (from the key's little-endian bytes) when it is not
+    /// kept.
+    fn get_or_upload(
+        &mut self,
+        key: Vec<u64>,
+        upload: impl FnOnce(&[u8]) -> Result<T>,
+    ) -> Result<&T> {
+        self.clock += 1;
+        let clock = self.clock;
+        if !self.tables.contains_key(&key) {
+            if self.tables.len() >= RECENT_TABLES {
+                let oldest = self
+                    .tables
+                    .iter()
+                    .min_by_key(|(_, (_, used))| *used)
+                    .map(|(k, _)| k.clone());
+                if let Some(k) = oldest {
+                    self.tables.remove(&k);
+                }
+            }
+            let bytes: Vec<u8> = key.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let t = upload(&bytes)?;
+            self.tables.insert(key.clone(), (t, clock));
+        }
+        let (t, used) = self
+            .tables
+            .get_mut(&key)
+            .ok_or_else(|| Error::Device("bank table vanished".into()))?;
+        *used = clock;
+        Ok(t)
+    }
 }
 
 impl CudaBackend {
@@ -850,6 +908,18 @@ impl CudaBackend {
         self.address_table(expert_weights(w).collect())
     }
 
+    /// A device table of the addresses `key` for a bank whose view changes: kept while
+    /// recently used ([`RecentTables`]).
+    pub(super) fn recent_address_table(&self, key: Vec<u64>) -> Result<u64> {
+        let mut tables = self
+            .bank_tables
+            .lock()
+            .map_err(|_| Error::Unsupported("bank table lock poisoned".into()))?;
+        // Kept across passes: never from a pass arena.
+        let t = tables.get_or_upload(key, |bytes| self.dev.upload_kept(bytes, OP))?;
+        Ok(Self::slice_ptr(t))
+    }
+
     /// A device array of the addresses `key`, uploaded once per distinct contents and kept
     /// (its contents are its key, so it cannot go stale).
     pub(super) fn address_table(&self, key: Vec<u64>) -> Result<u64> {
@@ -866,5 +936,36 @@ impl CudaBackend {
         let ptr = Self::slice_ptr(&t);
         tables.insert(key, t);
         Ok(ptr)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A repeated view reuses its table; past the bound the least recently used goes.
+    #[test]
+    fn recent_tables_keep_the_recently_used() {
+        let mut tables = RecentTables::<Vec<u8>>::default();
+        let mut uploads = 0;
+        let mut get = |t: &mut RecentTables<Vec<u8>>, key: u64| {
+            t.get_or_upload(vec![key, key + 1], |b| {
+                uploads += 1;
+                Ok(b.to_vec())
+            })
+            .map(|b| b.len())
+        };
+        assert_eq!(get(&mut tables, 0).ok(), Some(16));
+        assert_eq!(get(&mut tables, 0).ok(), Some(16));
+        for k in 1..RECENT_TABLES as u64 {
+            assert!(get(&mut tables, 10 * k).is_ok());
+        }
+        // Key 0 was used before the rest: touch it, then one more evicts key 10 instead.
+        assert!(get(&mut tables, 0).is_ok());
+        assert!(get(&mut tables, 999_999).is_ok());
+        assert_eq!(tables.tables.len(), RECENT_TABLES);
+        assert!(tables.tables.contains_key(&vec![0, 1]));
+        assert!(!tables.tables.contains_key(&vec![10, 11]));
+        assert_eq!(uploads, RECENT_TABLES + 1);
     }
 }
