@@ -245,6 +245,13 @@ impl Backend for CpuBackend {
     fn ffn(&self, x: &CpuTensor, w: &MlpWeights<CpuTensor>, act: Activation) -> Result<CpuTensor> {
         flushing(|| moe::mlp(x, w, act, self.quant_matmul))
     }
+    fn ffn_many(
+        &self,
+        items: &[(&CpuTensor, &MlpWeights<CpuTensor>)],
+        act: Activation,
+    ) -> Result<Vec<CpuTensor>> {
+        flushing(|| moe::mlp_many(items, act, self.quant_matmul))
+    }
     fn moe_route(
         &self,
         x: &CpuTensor,

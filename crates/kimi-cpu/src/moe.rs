@@ -16,6 +16,25 @@ pub fn mlp(
     matmul(&hidden, &w.down, mode)
 }
 
+/// [`mlp`] of several experts, each on its own rows, in one section of the team per
+/// projection (an MoE layer's cold experts on the host); each result equals `mlp`'s bit
+/// for bit.
+pub fn mlp_many(
+    items: &[(&CpuTensor, &MlpWeights<CpuTensor>)],
+    act: Activation,
+    mode: QuantMatmul,
+) -> Result<Vec<CpuTensor>> {
+    let inputs: Vec<(&CpuTensor, &CpuTensor, &CpuTensor)> =
+        items.iter().map(|&(x, w)| (x, &w.gate, &w.up)).collect();
+    let hidden = glu_many(&inputs, act, mode)?;
+    let downs: Vec<(&CpuTensor, &CpuTensor)> = hidden
+        .iter()
+        .zip(items)
+        .map(|(h, &(_, w))| (h, &w.down))
+        .collect();
+    matmul_many(&downs, mode)
+}
+
 /// Chosen experts and their weights for one token.
 #[derive(Debug, PartialEq)]
 pub struct Route {
@@ -286,5 +305,40 @@ mod tests {
         let logits = [2.0, 2.0, 3.0, -5.0];
         let rt = route(&logits, None, &routing(2, 2, 1));
         assert_eq!(rt.experts, vec![0, 1]);
+    }
+
+    /// Several experts' FFNs in one go give each expert's own `mlp` bits, whatever their row
+    /// counts.
+    #[test]
+    fn mlp_many_equals_mlp_per_expert() {
+        let (d, inter) = (64, 48);
+        let mut seed = 1u32;
+        let mut values = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    (seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+                })
+                .collect()
+        };
+        let mut experts = Vec::new();
+        let mut inputs = Vec::new();
+        for rows in [1, 3, 8, 17] {
+            experts.push(MlpWeights {
+                gate: CpuTensor::f32(&[inter, d], values(inter * d)).unwrap(),
+                up: CpuTensor::f32(&[inter, d], values(inter * d)).unwrap(),
+                down: CpuTensor::f32(&[d, inter], values(d * inter)).unwrap(),
+            });
+            inputs.push(CpuTensor::f32(&[rows, d], values(rows * d)).unwrap());
+        }
+        let items: Vec<_> = inputs.iter().zip(&experts).collect();
+        let act = Activation::Silu;
+        let many = mlp_many(&items, act, QuantMatmul::F32).unwrap();
+        for ((x, w), y) in items.iter().zip(&many) {
+            let one = mlp(x, w, act, QuantMatmul::F32).unwrap();
+            let (a, b) = (y.as_f32("test").unwrap(), one.as_f32("test").unwrap());
+            assert_eq!(a.len(), b.len());
+            assert!(a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()));
+        }
     }
 }

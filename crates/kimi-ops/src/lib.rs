@@ -743,6 +743,16 @@ pub trait Backend: Send + Sync {
             other => Err(Error::Unsupported(format!("ffn with {other:?}"))),
         }
     }
+    /// [`Backend::ffn`] of several experts, each on its own rows (a MoE layer's cold experts
+    /// on the host): a backend may run them together (the CPU backend in one section of its
+    /// threads per projection). Each result equals `ffn`'s.
+    fn ffn_many(
+        &self,
+        items: &[(&Self::Tensor, &MlpWeights<Self::Tensor>)],
+        act: Activation,
+    ) -> Result<Vec<Self::Tensor>> {
+        items.iter().map(|(x, w)| self.ffn(x, w, act)).collect()
+    }
     /// Routes `x [n, hidden]` through a MoE layer's router (`router [E, hidden]`, logits in
     /// f32): sigmoid scores, `correction_bias` added for the selection only, group-limited
     /// top-k, weights from the unbiased scores (unless `routing.weights_use_bias`),

@@ -203,7 +203,13 @@ impl<H: Backend> HostExperts for HostLayer<H> {
         let mut out = vec![0f32; rows * out_width];
         let mut order: Vec<&ColdPair> = pairs.iter().collect();
         order.sort_by_key(|p| (p.expert, p.row));
-        for group in order.chunk_by(|a, b| a.expert == b.expert) {
+        let groups: Vec<&[&ColdPair]> = order.chunk_by(|a, b| a.expert == b.expert).collect();
+        // Every cold expert's rows gathered first, then all of them through the backend's
+        // FFN together (the CPU backend's threads share the experts instead of taking one
+        // expert's small product after another).
+        let mut inputs = Vec::with_capacity(groups.len());
+        let mut weights = Vec::with_capacity(groups.len());
+        for group in &groups {
             let e = group[0].expert;
             let w = self
                 .experts
@@ -214,7 +220,7 @@ impl<H: Backend> HostExperts for HostLayer<H> {
                     detail: format!("expert {e} is not in the host store"),
                 })?;
             let mut gathered = Vec::with_capacity(group.len() * width);
-            for p in group {
+            for p in group.iter() {
                 if p.row >= rows {
                     return Err(Error::Shape {
                         op: OP,
@@ -223,8 +229,14 @@ impl<H: Backend> HostExperts for HostLayer<H> {
                 }
                 gathered.extend_from_slice(&x[p.row * width..(p.row + 1) * width]);
             }
-            let input = self.be.upload_f32(&[group.len(), width], &gathered)?;
-            let y = self.be.to_f32(&self.be.ffn(&input, w, act)?)?;
+            inputs.push(self.be.upload_f32(&[group.len(), width], &gathered)?);
+            weights.push(w);
+        }
+        let items: Vec<_> = inputs.iter().zip(weights).collect();
+        let ys = self.be.ffn_many(&items, act)?;
+        // Summed per expert in id order, as one expert after another did.
+        for (group, y) in groups.iter().zip(&ys) {
+            let y = self.be.to_f32(y)?;
             for (p, y) in group.iter().zip(y.chunks_exact(out_width)) {
                 let o = &mut out[p.row * out_width..(p.row + 1) * out_width];
                 for (o, v) in o.iter_mut().zip(y) {
