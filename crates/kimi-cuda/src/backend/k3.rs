@@ -296,7 +296,7 @@ impl CudaBackend {
             tokens: n,
             top_k: k,
             hidden: d,
-            layout: uniform_layout(bank.experts(), d),
+            layout: uniform_layout(bank.experts().iter().copied(), d),
             weights_aligned: bank.experts().iter().all(|w| {
                 [&w.gate, &w.up, &w.down]
                     .iter()

@@ -31,19 +31,19 @@ pub(super) struct PairLists {
 /// The routed experts' common layout: every expert's gate/up `[inter, d]` and down
 /// `[d, inter]` of one dtype the kernels read; `None` otherwise.
 fn expert_layout(w: &MoeWeights<CudaTensor>, d: usize) -> Option<ExpertLayout> {
-    uniform_layout(&w.experts.iter().collect::<Vec<_>>(), d)
+    uniform_layout(w.experts.iter(), d)
 }
 
 /// [`expert_layout`] of any list of experts (an expert bank's view).
-pub(super) fn uniform_layout(
-    experts: &[&MlpWeights<CudaTensor>],
+pub(super) fn uniform_layout<'a>(
+    mut experts: impl Iterator<Item = &'a MlpWeights<CudaTensor>> + Clone,
     d: usize,
 ) -> Option<ExpertLayout> {
-    let first = experts.first()?;
+    let first = experts.clone().next()?;
     let inter = *first.gate.shape.first()?;
     let dtype = first.gate.dtype;
     dtype_code(dtype)?;
-    let uniform = experts.iter().all(|x| {
+    let uniform = experts.all(|x| {
         x.gate.shape == [inter, d]
             && x.up.shape == [inter, d]
             && x.down.shape == [d, inter]
