@@ -13,7 +13,9 @@ if ! "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.vers
     python3 -m venv "$venv"
     "$venv/bin/pip" install --quiet "gguf==$GGUF_PY_VERSION"
 fi
-cargo build --quiet -p kimi-cli
+# The release build that scripts/test_openai.sh and scripts/web-test.sh use too: one build.
+cargo build --quiet --release -p kimi-cli
+bin=${CARGO_TARGET_DIR:-target}/release/kimi-infer
 out=target/gguf-check
 mkdir -p "$out"
 for dir in fixtures/kimi-linear/*/; do
@@ -24,7 +26,7 @@ for dir in fixtures/kimi-linear/*/; do
     if [ -n "$twin" ]; then ckpt=fixtures/kimi-linear/$twin; fi
     for quant in f16 q8_0 q4_k_m; do
         file="$out/$name-$quant.gguf"
-        target/debug/kimi-infer convert --model "$dir" --quant "$quant" --out "$file" 2>/dev/null
+        "$bin" convert --model "$dir" --quant "$quant" --out "$file" 2>/dev/null
         "$venv/bin/python" scripts/check_gguf_kimi.py "$file" --checkpoint "$ckpt"
     done
 done
@@ -32,13 +34,13 @@ done
 demo="$out/demo-model"
 mkdir -p "$demo"
 cp assets/demo-model/config.json assets/demo-model/model.safetensors assets/demo-tokenizer/* "$demo/"
-target/debug/kimi-infer convert --model "$demo" --quant q8_0 --out "$out/demo-q8_0.gguf" 2>/dev/null
+"$bin" convert --model "$demo" --quant q8_0 --out "$out/demo-q8_0.gguf" 2>/dev/null
 "$venv/bin/python" scripts/check_gguf_kimi.py "$out/demo-q8_0.gguf" --checkpoint "$demo"
 for dir in fixtures/kimi-k3/*/; do
     name=$(basename "$dir")
     for quant in bf16 q8_0 q4_k_m; do
         file="$out/$name-$quant.gguf"
-        target/debug/kimi-infer convert --model "$dir" --quant "$quant" --out "$file" 2>/dev/null
+        "$bin" convert --model "$dir" --quant "$quant" --out "$file" 2>/dev/null
         "$venv/bin/python" scripts/check_gguf_k3.py "$file" --checkpoint "$dir"
     done
 done

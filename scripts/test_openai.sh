@@ -28,10 +28,9 @@ fi
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
   "openai==$OPENAI_VERSION" "pytest==$PYTEST_VERSION"
 
-# The server binary: `kimi-infer serve` once the CLI has it, else the serve_demo example
-# (KIMI_SERVER_BIN overrides both).
-cargo build --release -p kimi-server --example serve_demo
-cargo build --release -p kimi-cli || echo "warning: kimi-cli did not build; testing serve_demo" >&2
+# The server binary: `kimi-infer serve` from target/release (KIMI_SERVER_BIN overrides it);
+# the same build as scripts/check_gguf_kimi.sh and scripts/web-test.sh use, made once.
+cargo build --release -p kimi-cli
 
 # The agent tests' MCP server runs on the pinned `mcp` package (target/agent-venv); where
 # PyPI cannot be reached its tests are skipped with a warning.

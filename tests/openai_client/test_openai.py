@@ -1,7 +1,7 @@
 """The official `openai` client against a real kimi-infer server on the demo model.
 
-Starts `kimi-infer serve` when the binary has that subcommand, else the
-`serve_demo` example of kimi-server (set KIMI_SERVER_BIN to force a binary). The demo
+Starts `kimi-infer serve` from target/release (KIMI_SERVER_BIN forces another binary:
+a `kimi-infer`, or kimi-server's `serve_demo` example, which takes the same flags). The demo
 model has random weights: tests check structure, determinism and constraints.
 
 Run through scripts/test_openai.sh, which builds the binaries and installs the client.
@@ -32,17 +32,7 @@ def _free_port() -> int:
 
 
 def _server_command(model_dir: str, port: int) -> list:
-    forced = os.environ.get("KIMI_SERVER_BIN")
-    release = ROOT / "target" / "release"
-    cli = release / "kimi-infer"
-    if forced:
-        binary = forced
-    elif cli.exists() and subprocess.run(
-        [str(cli), "serve", "--help"], capture_output=True
-    ).returncode == 0:
-        binary = str(cli)
-    else:
-        binary = str(release / "examples" / "serve_demo")
+    binary = os.environ.get("KIMI_SERVER_BIN") or str(ROOT / "target" / "release" / "kimi-infer")
     args = ["--model", model_dir, "--port", str(port), "--api-key", API_KEY]
     if Path(binary).name == "kimi-infer":
         return [binary, "serve", *args]
