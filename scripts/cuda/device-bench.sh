@@ -5,7 +5,7 @@
 # scripts/cuda/fetch-wheels.sh; for the llamacpp stages, llama.cpp's source into
 # .device-bin/llamacpp-src.tar.gz with scripts/cuda/llamacpp-src.sh. Then on the device, from the
 # repository root:
-#   scripts/cuda/device-bench.sh OUT_DIR [check] [quant] [fp8-kv] [nccl] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack] [k3-big] [k3-offload] [offload] [llamacpp-prep] [llamacpp]
+#   scripts/cuda/device-bench.sh OUT_DIR [check] [quant] [fp8-kv] [nccl] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack] [k3-big] [k3-offload] [offload] [experts-cpu] [llamacpp-prep] [llamacpp]
 # (no stage names = all). Each stage writes OUT_DIR/<stage>.txt (+ JSON where it has one).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -240,6 +240,17 @@ PY
       done
     done
   done
+fi
+# The host CPU's expert products (the cold experts of a host tier): its flags, then
+# .device-bin/experts_bench (crates/kimi-cpu/examples/experts_bench.rs: bf16 SwiGLU experts at
+# the 48B's shapes, 1 to 32 tokens each, f32 products and bf16 pair products) on
+# EXPERTS_THREADS (16) threads over EXPERTS_COUNT (64) experts.
+if want experts-cpu; then
+  {
+    lscpu | grep -E '^(Model name|CPU\(s\)|Thread|Core|Socket|L2|L3)'
+    echo "flags: $(grep -o -w -E 'avx2|avx512f|avx512_bf16|avx512_fp16|amx_bf16|amx_tile|avx_vnni' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+    timeout 240 .device-bin/experts_bench "${EXPERTS_THREADS:-16}" "${EXPERTS_COUNT:-64}"
+  } 2>&1 | tee "$OUT/experts-cpu.txt"
 fi
 # Experts on the CPU against llama.cpp's: `-ngl 99 -ot exps=CPU` (every routed expert in host RAM,
 # computed there; the rest on the GPU) and kimi-infer's `--offload-experts 256

@@ -1,0 +1,74 @@
+//! Times a MoE step's routed experts on the CPU (`Backend::ffn_many`, as a device's host
+//! tier computes its cold experts): bf16 SwiGLU experts at Kimi-Linear-48B's shapes
+//! (hidden 2304, intermediate 1024), more of them than the last-level cache holds, each on
+//! `n` tokens: `cargo run --release -p kimi-cpu --example experts_bench [threads] [experts]`.
+//! Prints the median step time, expert bytes per second and multiply-adds per second, with
+//! f32 products (`QuantMatmul::F32`) and with bf16 activations (`QuantMatmul::Bf16`, a
+//! device host tier's mode).
+
+use kimi_core::DType;
+use kimi_cpu::{CpuBackend, QuantMatmul};
+use kimi_ops::{Activation, Backend, HostTensor, MlpWeights};
+use std::time::Instant;
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let threads: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(2);
+    let experts: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(24);
+    kimi_cpu::set_num_threads(threads).unwrap();
+    for mode in [QuantMatmul::F32, QuantMatmul::Bf16] {
+        println!("{mode:?} products");
+        run(&CpuBackend::with_quant_matmul(mode), experts);
+    }
+}
+
+fn run(be: &CpuBackend, experts: usize) {
+    let (hidden, inter) = (2304usize, 1024usize);
+    let bf16 = |o: usize, k: usize, seed: usize| -> Vec<u8> {
+        (0..o * k)
+            .flat_map(|i| {
+                let v = (((i + seed) as u32).wrapping_mul(2654435761) % 1000) as f32 / 1e4 - 0.05;
+                half::bf16::from_f32(v).to_le_bytes()
+            })
+            .collect()
+    };
+    let upload = |o: usize, k: usize, seed: usize| {
+        be.upload(HostTensor {
+            shape: &[o, k],
+            dtype: DType::BF16,
+            bytes: &bf16(o, k, seed),
+        })
+        .unwrap()
+    };
+    let weights: Vec<MlpWeights<_>> = (0..experts)
+        .map(|e| MlpWeights {
+            gate: upload(inter, hidden, 3 * e),
+            up: upload(inter, hidden, 3 * e + 1),
+            down: upload(hidden, inter, 3 * e + 2),
+        })
+        .collect();
+    let expert_bytes = 3 * hidden * inter * 2;
+    for n in [1usize, 2, 4, 8, 16, 32] {
+        let x: Vec<f32> = (0..n * hidden)
+            .map(|i| (i % 37) as f32 * 0.01 - 0.18)
+            .collect();
+        let xs: Vec<_> = (0..experts)
+            .map(|_| be.upload_f32(&[n, hidden], &x).unwrap())
+            .collect();
+        let items: Vec<_> = xs.iter().zip(&weights).collect();
+        let mut ts = Vec::new();
+        for _ in 0..7 {
+            let t = Instant::now();
+            be.ffn_many(&items, Activation::Silu).unwrap();
+            ts.push(t.elapsed().as_secs_f64());
+        }
+        ts.sort_by(f64::total_cmp);
+        let med = ts[ts.len() / 2];
+        println!(
+            "{experts} experts x {n:>2} tokens: {:8.2} ms  {:6.1} GB/s of experts  {:6.1} GMAC/s",
+            med * 1e3,
+            (experts * expert_bytes) as f64 / med / 1e9,
+            (experts * n * expert_bytes / 2) as f64 / med / 1e9,
+        );
+    }
+}
