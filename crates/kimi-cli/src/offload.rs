@@ -88,13 +88,10 @@ impl OffloadArgs {
         })
     }
 
-    /// The host store: a CPU backend (its tensors keep the stored layout, which the device
-    /// slots are filled from), in RAM or in `--offload-folder`'s files. Its products are
-    /// f32 but for bf16 experts, which meet the device's activations (bf16 already) on the
-    /// CPU's bf16 pair instructions where it has them (`QuantMatmul::Bf16`: 1.6× the f32
-    /// products' multiply-adds per second at 32 tokens an expert, `examples/experts_bench.rs`).
+    /// The host store: a CPU backend with f32 products (its tensors keep the stored layout,
+    /// which the device slots are filled from), in RAM or in `--offload-folder`'s files.
     fn store(&self) -> anyhow::Result<Arc<dyn HostExpertStore>> {
-        let cpu = kimi_cpu::CpuBackend::with_quant_matmul(kimi_cpu::QuantMatmul::Bf16);
+        let cpu = kimi_cpu::CpuBackend::with_quant_matmul(kimi_cpu::QuantMatmul::F32);
         Ok(match &self.offload_folder {
             Some(dir) => {
                 let file = kimi_cpu::WeightFile::new(dir)

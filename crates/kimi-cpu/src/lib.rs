@@ -146,8 +146,7 @@ impl Backend for CpuBackend {
             | (KvCacheDtype::Auto | KvCacheDtype::Fp8, QuantMatmul::Int8) => {
                 CpuTensor::try_f16_zeros(shape)
             }
-            (KvCacheDtype::F32, _)
-            | (KvCacheDtype::Auto | KvCacheDtype::Fp8, QuantMatmul::F32 | QuantMatmul::Bf16) => {
+            (KvCacheDtype::F32, _) | (KvCacheDtype::Auto | KvCacheDtype::Fp8, QuantMatmul::F32) => {
                 self.zeros(shape)
             }
         }

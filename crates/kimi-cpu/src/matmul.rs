@@ -33,12 +33,6 @@ pub enum QuantMatmul {
     /// Always dequantize weights to f32 and multiply with the f32 activations: the product
     /// of the dequantized weights up to f32 summation order (golden-output tests use it).
     F32,
-    /// As [`QuantMatmul::F32`], except that bf16 weights meet activations rounded to bf16
-    /// on AVX512-BF16's pair products (twice the multiply-adds per instruction of f32 FMAs,
-    /// as llama.cpp multiplies bf16 weights): for a device's host tier, whose activations
-    /// are bf16 already, so that nothing is rounded that the device did not round. Without
-    /// AVX512-BF16 the products are `F32`'s.
-    Bf16,
 }
 
 /// The largest batch [`QuantMatmul::Int8`] runs on the integer kernels. Above it the
@@ -75,8 +69,8 @@ pub(crate) fn matmul_on(
 ) -> Result<CpuTensor> {
     let (n, k, o) = dims("matmul", x, w)?;
     let xs = x.as_f32("matmul")?;
-    let acts = Acts::prepare(xs, n, k, mode, &[w]);
-    let product = Product::new(xs, n, k, w, mode, &acts);
+    let q8 = int8_acts(xs, n, k, mode, &[w]);
+    let product = Product::new(xs, n, k, w, mode, q8.as_ref());
     let mut out_t = vec![0f32; o * n];
     team.for_each_part(&mut out_t, n.max(1), ROW_ALIGN, |first, part| {
         for (b, chunk) in part.chunks_mut(BLOCK_ROWS * n.max(1)).enumerate() {
@@ -117,10 +111,10 @@ pub(crate) fn glu_on(
         ));
     }
     let xs = x.as_f32("mlp")?;
-    let acts = Acts::prepare(xs, n, k, mode, &[gate, up]);
+    let q8 = int8_acts(xs, n, k, mode, &[gate, up]);
     let (g, u) = (
-        Product::new(xs, n, k, gate, mode, &acts),
-        Product::new(xs, n, k, up, mode, &acts),
+        Product::new(xs, n, k, gate, mode, q8.as_ref()),
+        Product::new(xs, n, k, up, mode, q8.as_ref()),
     );
     let mut out_t = vec![0f32; o * n];
     team.for_each_part(&mut out_t, n.max(1), ROW_ALIGN, |first, part| {
@@ -210,7 +204,7 @@ fn many<'a>(
 ) -> Result<Vec<CpuTensor>> {
     let items: Vec<_> = items.collect();
     let mut shapes = Vec::with_capacity(items.len());
-    let mut acts = Vec::with_capacity(items.len());
+    let mut q8s = Vec::with_capacity(items.len());
     for &(x, w, up) in &items {
         let (n, k, o) = dims("matmul", x, w)?;
         if let Some(u) = up.filter(|u| u.shape != w.shape) {
@@ -220,15 +214,15 @@ fn many<'a>(
             ));
         }
         let ws: Vec<&CpuTensor> = std::iter::once(w).chain(up).collect();
-        acts.push(Acts::prepare(x.as_f32("matmul")?, n, k, mode, &ws));
+        q8s.push(int8_acts(x.as_f32("matmul")?, n, k, mode, &ws));
         shapes.push((n, k, o));
     }
     let mut products = Vec::with_capacity(items.len());
-    for ((&(x, w, up), &(n, k, _)), acts) in items.iter().zip(&shapes).zip(&acts) {
+    for ((&(x, w, up), &(n, k, _)), q8) in items.iter().zip(&shapes).zip(&q8s) {
         let xs = x.as_f32("matmul")?;
         products.push((
-            Product::new(xs, n, k, w, mode, acts),
-            up.map(|u| Product::new(xs, n, k, u, mode, acts)),
+            Product::new(xs, n, k, w, mode, q8.as_ref()),
+            up.map(|u| Product::new(xs, n, k, u, mode, q8.as_ref())),
         ));
     }
     let mut outs: Vec<Vec<f32>> = shapes.iter().map(|&(n, _, o)| vec![0f32; o * n]).collect();
@@ -286,34 +280,19 @@ fn int8_kind(w: &CpuTensor, n: usize, mode: QuantMatmul) -> Option<Kind> {
     }
 }
 
-/// Whether weight `w` takes the bf16 pair products under `mode` on this CPU.
-fn takes_bf16_pairs(w: &CpuTensor, mode: QuantMatmul) -> bool {
-    mode == QuantMatmul::Bf16
-        && matches!(w.storage, Storage::Bf16(_))
-        && crate::simd::has_bf16_pairs()
-}
-
-/// The activations in the forms the products of one `x` need, made once by the calling
-/// thread: quantized to int8 if any of the weights takes the integer path, rounded to bf16
-/// if any takes the bf16 pair products.
-struct Acts {
-    q8: Option<Q8Acts>,
-    bf16: Option<Vec<u16>>,
-}
-
-impl Acts {
-    fn prepare(xs: &[f32], n: usize, k: usize, mode: QuantMatmul, weights: &[&CpuTensor]) -> Self {
-        Acts {
-            q8: weights
-                .iter()
-                .any(|w| int8_kind(w, n, mode).is_some())
-                .then(|| Q8Acts::quantize(xs, n, k)),
-            bf16: weights
-                .iter()
-                .any(|w| takes_bf16_pairs(w, mode))
-                .then(|| crate::simd::round_to_bf16(&xs[..n * k])),
-        }
-    }
+/// The activations quantized once, by the calling thread, if any of `weights` takes the
+/// integer path.
+fn int8_acts(
+    xs: &[f32],
+    n: usize,
+    k: usize,
+    mode: QuantMatmul,
+    weights: &[&CpuTensor],
+) -> Option<Q8Acts> {
+    weights
+        .iter()
+        .any(|w| int8_kind(w, n, mode).is_some())
+        .then(|| Q8Acts::quantize(xs, n, k))
 }
 
 /// `out_t [o, n]` (one weight row's results together, as the kernels write them) as a
@@ -351,8 +330,6 @@ struct Product<'a> {
     /// The integer kernel, the packed weights, the quantized activations, and whether the
     /// weights are interleaved in 16-row groups.
     int8: Option<(Kind, &'a [u8], &'a Q8Acts, bool)>,
-    /// The activations rounded to bf16, where the weights take the bf16 pair products.
-    bf16: Option<&'a [u16]>,
 }
 
 impl<'a> Product<'a> {
@@ -362,14 +339,14 @@ impl<'a> Product<'a> {
         k: usize,
         w: &'a CpuTensor,
         mode: QuantMatmul,
-        acts: &'a Acts,
+        q8: Option<&'a Q8Acts>,
     ) -> Self {
         if let Some(tap) = kimi_ops::calibrate::tap() {
             if let Some(stored) = w.stored() {
                 tap.input(kimi_ops::calibrate::weight_key(&stored), xs, n, k);
             }
         }
-        let int8 = match (&w.storage, int8_kind(w, n, mode), &acts.q8) {
+        let int8 = match (&w.storage, int8_kind(w, n, mode), q8) {
             (Storage::Quant { bytes, grouped, .. }, Some(kind), Some(q8)) => {
                 Some((kind, &bytes[..], q8, grouped.is_some()))
             }
@@ -381,7 +358,6 @@ impl<'a> Product<'a> {
             k,
             w: &w.storage,
             int8,
-            bf16: acts.bf16.as_deref().filter(|_| takes_bf16_pairs(w, mode)),
         }
     }
 
@@ -454,21 +430,17 @@ impl<'a> Product<'a> {
 }
 
 impl Product<'_> {
-    /// Rows of 16-bit weights by tiles of rows and tokens, widened in registers: bf16
-    /// weights on the bf16 pair products where the activations were rounded for them, any
-    /// 16-bit weights by several tokens on AVX-512 (equal to the tile path's rounding).
-    /// `false` where neither applies or this CPU has no such kernel.
+    /// Rows of 16-bit weights against several tokens by tiles of rows and tokens, widened
+    /// in registers (AVX-512; equal to the tile path's rounding). `false` where that does
+    /// not apply or this CPU has no such kernel.
     fn rows_16bit_in_registers(&self, row0: usize, rows: usize, chunk: &mut [f32]) -> bool {
         let (n, k) = (self.n, self.k);
         let span = row0 * k..(row0 + rows) * k;
-        match (self.w, self.bf16) {
-            (Storage::Bf16(v), Some(xb)) => {
-                crate::simd::rows_bf16_pairs_by_tokens(&v[span], k, xb, n, chunk)
-            }
-            (Storage::Bf16(v), None) if n > 1 => {
+        match self.w {
+            Storage::Bf16(v) if n > 1 => {
                 crate::simd::rows_16bit_by_tokens::<false>(&v[span], k, self.xs, n, chunk)
             }
-            (Storage::F16(v), _) if n > 1 => {
+            Storage::F16(v) if n > 1 => {
                 crate::simd::rows_16bit_by_tokens::<true>(&v[span], k, self.xs, n, chunk)
             }
             _ => false,

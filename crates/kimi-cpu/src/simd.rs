@@ -8,9 +8,7 @@
 //! rows were computed with it.
 
 mod tokens16;
-pub use tokens16::{
-    has_bf16_pairs, round_to_bf16, rows_16bit_by_tokens, rows_bf16_pairs_by_tokens,
-};
+pub use tokens16::rows_16bit_by_tokens;
 
 /// `out[r][t] = w[r] · x[t]` for four weight rows and four token rows at once: on AVX-512
 /// sixteen accumulators, so each loaded vector feeds four FMAs (prefill is bound by the
