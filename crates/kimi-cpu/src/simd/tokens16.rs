@@ -187,8 +187,8 @@ mod avx512 {
                 for t in 0..T {
                     // SAFETY: as above, for token t0 + t of `xs`.
                     let xv = unsafe { _mm512_maskz_loadu_ps(m, xp.add((t0 + t) * k + i)) };
-                    for r in 0..R {
-                        a[r][t] = _mm512_fmadd_ps(wv[r], xv, a[r][t]);
+                    for (row, w) in a.iter_mut().zip(&wv) {
+                        row[t] = _mm512_fmadd_ps(*w, xv, row[t]);
                     }
                 }
                 i += 16;
