@@ -40,15 +40,12 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     /// Tokens per tile: four rows by six tokens hold 24 accumulators, each widened weight
-    /// vector feeds six FMAs and each token vector four.
+    /// vector feeds six FMAs and each token vector four. (Blocks of 768 values of `k`,
+    /// keeping a tile of tokens' block in L1 across row tiles with the accumulators in
+    /// memory between blocks, measured 2–25 % slower on the H100 host's Xeon and on EPYC.)
     const TOKENS: usize = 6;
     /// Rows per tile.
     const ROWS: usize = 4;
-    /// Values of `k` per block: a tile of tokens' block (6 × 768 f32, 18 KiB) stays in L1
-    /// while every row tile passes it, the accumulators waiting in memory between blocks.
-    /// Whole tiles over all of `k` streamed the six token rows (55 KiB at k = 2304) from
-    /// L2 for every four rows: 15 GMAC/s a core on the H100 host's Xeon at 32 tokens.
-    const BLOCK: usize = 768;
 
     /// # Safety
     /// The CPU must support AVX-512F, BW and VL; `w` holds `out.len() / n` rows of `k`,
@@ -62,63 +59,46 @@ mod avx512 {
         out: &mut [f32],
     ) {
         let rows = out.len() / n;
-        // Accumulators of every row by one tile of tokens, kept between blocks of `k`:
-        // each lane sums the same values in the same order as `dot`'s.
-        let mut acc = vec![_mm512_setzero_ps(); rows.div_ceil(ROWS) * ROWS * TOKENS];
-        let mut t0 = 0;
-        while t0 < n {
-            let t_len = TOKENS.min(n - t0);
-            acc.fill(_mm512_setzero_ps());
-            let mut k0 = 0;
-            while k0 < k {
-                let k_len = BLOCK.min(k - k0);
-                let mut r0 = 0;
-                while r0 < rows {
-                    let r_len = ROWS.min(rows - r0);
-                    let at = Tile {
-                        w,
-                        k,
-                        xs,
-                        r0,
-                        t0,
-                        k0,
-                        k_len,
-                    };
-                    let tile_acc = &mut acc[r0 * TOKENS..(r0 + ROWS) * TOKENS];
-                    // SAFETY: features as this function's; the tile lies inside the rows,
-                    // tokens and values (r0 + r_len <= rows, t0 + t_len <= n,
-                    // k0 + k_len <= k).
-                    unsafe {
-                        match r_len {
-                            4 => at.rows::<F16, 4>(t_len, tile_acc),
-                            3 => at.rows::<F16, 3>(t_len, tile_acc),
-                            2 => at.rows::<F16, 2>(t_len, tile_acc),
-                            _ => at.rows::<F16, 1>(t_len, tile_acc),
-                        }
+        let mut r0 = 0;
+        while r0 < rows {
+            let r_len = ROWS.min(rows - r0);
+            // The tile's rows stay in L1 while every block of tokens passes them: each
+            // weight byte comes from memory once.
+            let mut t0 = 0;
+            while t0 < n {
+                let t_len = TOKENS.min(n - t0);
+                let at = Tile {
+                    w,
+                    k,
+                    xs,
+                    n,
+                    r0,
+                    t0,
+                };
+                // SAFETY: features as this function's; the tile lies inside the rows and
+                // tokens (r0 + r_len <= rows, t0 + t_len <= n).
+                unsafe {
+                    match r_len {
+                        4 => at.rows::<F16, 4>(t_len, out),
+                        3 => at.rows::<F16, 3>(t_len, out),
+                        2 => at.rows::<F16, 2>(t_len, out),
+                        _ => at.rows::<F16, 1>(t_len, out),
                     }
-                    r0 += r_len;
                 }
-                k0 += k_len;
+                t0 += t_len;
             }
-            for r in 0..rows {
-                for t in 0..t_len {
-                    out[r * n + t0 + t] = _mm512_reduce_add_ps(acc[r * TOKENS + t]);
-                }
-            }
-            t0 += t_len;
+            r0 += r_len;
         }
     }
 
-    /// One tile's place: rows `r0..` of `w` by tokens `t0..` of `xs` over values
-    /// `k0..k0 + k_len`.
+    /// One tile's place: rows `r0..` of `w` by tokens `t0..` of `xs`.
     struct Tile<'a> {
         w: &'a [u16],
         k: usize,
         xs: &'a [f32],
+        n: usize,
         r0: usize,
         t0: usize,
-        k0: usize,
-        k_len: usize,
     }
 
     impl Tile<'_> {
@@ -127,54 +107,47 @@ mod avx512 {
         /// # Safety
         /// As [`Tile::run`]'s, for `t_len` tokens.
         #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-        unsafe fn rows<const F16: bool, const R: usize>(&self, t_len: usize, acc: &mut [__m512]) {
+        unsafe fn rows<const F16: bool, const R: usize>(&self, t_len: usize, out: &mut [f32]) {
             // SAFETY: the caller's promise, for T = t_len.
             unsafe {
                 match t_len {
-                    6 => self.run::<F16, R, 6>(acc),
-                    5 => self.run::<F16, R, 5>(acc),
-                    4 => self.run::<F16, R, 4>(acc),
-                    3 => self.run::<F16, R, 3>(acc),
-                    2 => self.run::<F16, R, 2>(acc),
-                    _ => self.run::<F16, R, 1>(acc),
+                    6 => self.run::<F16, R, 6>(out),
+                    5 => self.run::<F16, R, 5>(out),
+                    4 => self.run::<F16, R, 4>(out),
+                    3 => self.run::<F16, R, 3>(out),
+                    2 => self.run::<F16, R, 2>(out),
+                    _ => self.run::<F16, R, 1>(out),
                 }
             }
         }
 
-        /// Adds the tile's block of products to `acc[r * TOKENS + t]` for `R` rows by `T`
-        /// tokens.
+        /// `out[(r0 + r) * n + t0 + t]` for `R` rows by `T` tokens.
         ///
         /// # Safety
         /// The CPU must support AVX-512F, BW and VL; rows `r0..r0 + R` of `w` and tokens
-        /// `t0..t0 + T` of `xs` exist and hold values `k0..k0 + k_len`; `acc` holds
-        /// `R * TOKENS` vectors.
+        /// `t0..t0 + T` of `xs` exist, and so do their places in `out`.
         #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-        unsafe fn run<const F16: bool, const R: usize, const T: usize>(&self, acc: &mut [__m512]) {
+        unsafe fn run<const F16: bool, const R: usize, const T: usize>(&self, out: &mut [f32]) {
             let Tile {
                 w,
                 k,
                 xs,
+                n,
                 r0,
                 t0,
-                k0,
-                k_len,
             } = *self;
-            let mut a = [[_mm512_setzero_ps(); T]; R];
-            for (r, row) in a.iter_mut().enumerate() {
-                row.copy_from_slice(&acc[r * TOKENS..r * TOKENS + T]);
-            }
+            let mut acc = [[_mm512_setzero_ps(); T]; R];
             let wp = w.as_ptr();
             let xp = xs.as_ptr();
-            let mut i = k0;
-            let end = k0 + k_len;
-            while i < end {
-                let m = ((1u32 << (end - i).min(16)) - 1) as __mmask16;
+            let mut i = 0;
+            while i < k {
+                let m = ((1u32 << (k - i).min(16)) - 1) as __mmask16;
                 let mut wv = [_mm512_setzero_ps(); R];
                 for (r, v) in wv.iter_mut().enumerate() {
-                    // SAFETY: the mask covers only indices below k0 + k_len <= k of row
-                    // r0 + r, which lies inside `w` (the caller's promise); masked-off
-                    // lanes are not read and widen to +0.0, as in `dot`'s masked loads.
-                    // bf16 → f32 is a 16-bit left shift.
+                    // SAFETY: the mask covers only indices below k of row r0 + r, which
+                    // lies inside `w` (the caller's promise); masked-off lanes are not
+                    // read and widen to +0.0, as in `dot`'s masked loads. bf16 → f32 is a
+                    // 16-bit left shift.
                     unsafe {
                         let h = _mm256_maskz_loadu_epi16(m, wp.add((r0 + r) * k + i).cast());
                         *v = if F16 {
@@ -187,14 +160,16 @@ mod avx512 {
                 for t in 0..T {
                     // SAFETY: as above, for token t0 + t of `xs`.
                     let xv = unsafe { _mm512_maskz_loadu_ps(m, xp.add((t0 + t) * k + i)) };
-                    for (row, w) in a.iter_mut().zip(&wv) {
+                    for (row, w) in acc.iter_mut().zip(&wv) {
                         row[t] = _mm512_fmadd_ps(*w, xv, row[t]);
                     }
                 }
                 i += 16;
             }
-            for (r, row) in a.iter().enumerate() {
-                acc[r * TOKENS..r * TOKENS + T].copy_from_slice(row);
+            for (r, row) in acc.iter().enumerate() {
+                for (t, a) in row.iter().enumerate() {
+                    out[(r0 + r) * n + t0 + t] = _mm512_reduce_add_ps(*a);
+                }
             }
         }
     }
