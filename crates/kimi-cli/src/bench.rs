@@ -180,16 +180,40 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
                 bytes((c.bytes_moved as f64 / tokens) as u64),
                 c.cold_pairs as f64 / tokens
             );
+            println!(
+                "  experts   {:.2} ms per step in the tiered MoE steps, {:.2} of them on the host's cold experts",
+                c.step_ns as f64 / 1e6 / a.decode_steps.max(1) as f64,
+                c.host_ns as f64 / 1e6 / a.decode_steps.max(1) as f64
+            );
             json!({
                 "hit_rate": c.hit_rate(),
                 "hits": c.hits, "fills": c.fills, "evictions": c.evictions,
                 "cold_experts": c.cold_experts, "cold_pairs": c.cold_pairs,
                 "device_pairs": c.device_pairs,
                 "bytes_moved_per_token": c.bytes_moved as f64 / tokens,
+                "tiered_ms_per_step": c.step_ns as f64 / 1e6 / a.decode_steps.max(1) as f64,
+                "host_ms_per_step": c.host_ns as f64 / 1e6 / a.decode_steps.max(1) as f64,
+            })
+        });
+        // Where a batch's prefill (its `--context` tokens per sequence) spent its time.
+        let prefill_offload = r.prefill_offload.map(|c| {
+            println!(
+                "  prefill   {:.3} s: {:.3} s in the tiered MoE steps, {:.3} s of them on the host's {} cold pairs ({} experts)",
+                r.prefill_secs,
+                c.step_ns as f64 / 1e9,
+                c.host_ns as f64 / 1e9,
+                c.cold_pairs,
+                c.cold_experts
+            );
+            json!({
+                "tiered_secs": c.step_ns as f64 / 1e9, "host_secs": c.host_ns as f64 / 1e9,
+                "cold_pairs": c.cold_pairs, "cold_experts": c.cold_experts,
+                "hits": c.hits, "fills": c.fills,
             })
         });
         batches.push(json!({
             "offload": offload,
+            "prefill_offload": prefill_offload,
             "routing_top10_share": top10, "routing_top25_share": top25,
             "batch": batch, "context": a.context, "steps": a.decode_steps,
             "tokens_per_sec": batch as f64 / r.median_step_secs,
@@ -266,6 +290,8 @@ struct BatchTiming {
     memory_used: u64,
     /// The expert tiers' counters over the timed decode steps (with offloaded experts).
     offload: Option<kimi_model::OffloadCounts>,
+    /// The same over the batch's prefill.
+    prefill_offload: Option<kimi_model::OffloadCounts>,
     /// Routed pairs per expert of each layer over the timed decode steps.
     routed: Vec<Vec<u64>>,
 }
@@ -317,6 +343,7 @@ fn decode_batch<B: Backend>(
         greedy_ids: true,
         ..ForwardOptions::default()
     };
+    let before_prefill = model.offload_counts();
     let prefill_start = Instant::now();
     let per_pass = (8192 / context).max(1);
     let mut last = vec![0u32; batch];
@@ -370,12 +397,17 @@ fn decode_batch<B: Backend>(
         (Some(a), Some(b)) => Some(b - a),
         _ => None,
     };
+    let prefill_offload = match (before_prefill, offload_before) {
+        (Some(a), Some(b)) => Some(b - a),
+        _ => None,
+    };
     Ok(BatchTiming {
         median_step_secs: times[times.len() / 2],
         min_step_secs: times[0],
         prefill_secs,
         memory_used,
         offload,
+        prefill_offload,
         routed,
     })
 }

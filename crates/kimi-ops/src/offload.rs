@@ -104,6 +104,11 @@ pub struct OffloadCounts {
     pub device_pairs: u64,
     /// Bytes copied into slots.
     pub bytes_moved: u64,
+    /// Nanoseconds the host spent computing cold experts.
+    pub host_ns: u64,
+    /// Nanoseconds the tiered steps took on the calling thread, from reading the routes to
+    /// queueing the sum (the host's share included; the device's products run on).
+    pub step_ns: u64,
 }
 
 impl OffloadCounts {
@@ -128,6 +133,8 @@ impl std::ops::Sub for OffloadCounts {
             cold_pairs: self.cold_pairs.saturating_sub(o.cold_pairs),
             device_pairs: self.device_pairs.saturating_sub(o.device_pairs),
             bytes_moved: self.bytes_moved.saturating_sub(o.bytes_moved),
+            host_ns: self.host_ns.saturating_sub(o.host_ns),
+            step_ns: self.step_ns.saturating_sub(o.step_ns),
         }
     }
 }
@@ -142,11 +149,13 @@ impl std::ops::AddAssign for OffloadCounts {
         self.cold_pairs += o.cold_pairs;
         self.device_pairs += o.device_pairs;
         self.bytes_moved += o.bytes_moved;
+        self.host_ns += o.host_ns;
+        self.step_ns += o.step_ns;
     }
 }
 
 #[derive(Default)]
-struct Counters([AtomicU64; 8]);
+struct Counters([AtomicU64; 10]);
 
 impl Counters {
     fn add(&self, c: OffloadCounts) {
@@ -159,6 +168,8 @@ impl Counters {
             c.cold_pairs,
             c.device_pairs,
             c.bytes_moved,
+            c.host_ns,
+            c.step_ns,
         ];
         for (a, v) in self.0.iter().zip(v) {
             a.fetch_add(v, Ordering::Relaxed);
@@ -176,6 +187,8 @@ impl Counters {
             cold_pairs: v[5],
             device_pairs: v[6],
             bytes_moved: v[7],
+            host_ns: v[8],
+            step_ns: v[9],
         }
     }
 }
@@ -355,6 +368,7 @@ impl<T> TieredBank<T> {
         act: Activation,
     ) -> Result<(T, T)> {
         const OP: &str = "moe_experts (tiered)";
+        let started = std::time::Instant::now();
         let (ids, mut weights) = be.read_routes(&routes)?;
         let k = routes.top_k.max(1);
         let e_count = self.resident.len();
@@ -472,9 +486,10 @@ impl<T> TieredBank<T> {
         drop(guard);
         if !cold.is_empty() {
             let width = be.shape(x).last().copied().unwrap_or(0);
-            let started = std::time::Instant::now();
+            let host_started = std::time::Instant::now();
             let yc = self.host.compute(&xs, n, width, &cold, act)?;
-            let took = started.elapsed().as_secs_f64();
+            let took = host_started.elapsed().as_secs_f64();
+            counts.host_ns = (took * 1e9) as u64;
             if predicted > 0.0 {
                 if let Ok(mut slots) = self.slots.lock() {
                     let ratio = (took / predicted).clamp(0.25, 16.0);
@@ -483,6 +498,7 @@ impl<T> TieredBank<T> {
             }
             be.add_assign(&mut y, &be.upload_f32(&[n, out_width], &yc)?)?;
         }
+        counts.step_ns = started.elapsed().as_nanos() as u64;
         self.counters.add(counts);
         Ok((y, experts))
     }

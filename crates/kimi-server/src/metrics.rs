@@ -347,6 +347,20 @@ impl Metrics {
         ] {
             single(name, help, "counter", value.to_string());
         }
+        for (name, help, ns) in [
+            (
+                "kimi:expert_host_compute_seconds_total",
+                "Time the host spent computing cold experts.",
+                c.host_ns,
+            ),
+            (
+                "kimi:expert_tiered_step_seconds_total",
+                "Time the tiered MoE steps took on the engine's thread, the host's share included.",
+                c.step_ns,
+            ),
+        ] {
+            single(name, help, "counter", (ns as f64 / 1e9).to_string());
+        }
         single(
             "kimi:expert_cache_hit_ratio",
             "Hits over host experts needed (hits + fills + cold) since start; NaN before any.",
@@ -489,6 +503,8 @@ mod tests {
                     cold_pairs: 6,
                     device_pairs: 20,
                     bytes_moved: 100,
+                    host_ns: 1_500_000_000,
+                    step_ns: 2_000_000_000,
                 },
             }),
             ..EngineMetrics::default()
@@ -506,6 +522,9 @@ mod tests {
             "kimi:expert_cold_pairs_total{model_name=\"k3\"} 6\n",
             "kimi:expert_cache_hit_ratio{model_name=\"k3\"} 0.375\n",
             "kimi:expert_bytes_moved_per_token{model_name=\"k3\"} 10\n",
+            "# TYPE kimi:expert_host_compute_seconds_total counter\n",
+            "kimi:expert_host_compute_seconds_total{model_name=\"k3\"} 1.5\n",
+            "kimi:expert_tiered_step_seconds_total{model_name=\"k3\"} 2\n",
         ] {
             assert!(text.contains(line), "{line} missing from\n{text}");
         }
