@@ -3,12 +3,14 @@
 //! (hidden 2304, intermediate 1024), more of them than the last-level cache holds, each on
 //! `n` tokens: `cargo run --release -p kimi-cpu --example experts_bench [threads] [experts]`.
 //! Prints the median step time, expert bytes per second and multiply-adds per second (f32
-//! products, `QuantMatmul::F32`, as a host tier's store makes them).
+//! products, `QuantMatmul::F32`, as a host tier's store makes them); then one expert for one
+//! token at a time after the threads were idle for a while (a tiered decode step's lone
+//! cold expert), with and without `Backend::expect_work` before the idle time.
 
 use kimi_core::DType;
 use kimi_cpu::{CpuBackend, QuantMatmul};
 use kimi_ops::{Activation, Backend, HostTensor, MlpWeights};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -66,5 +68,40 @@ fn run(be: &CpuBackend, experts: usize) {
             (experts * expert_bytes) as f64 / med / 1e9,
             (experts * n * expert_bytes / 2) as f64 / med / 1e9,
         );
+    }
+    lone(be, &weights, hidden, expert_bytes);
+}
+
+/// One expert on one token after `idle` without work, each call on the next expert (out
+/// of the caches), median of the calls.
+fn lone(be: &CpuBackend, weights: &[MlpWeights<kimi_cpu::CpuTensor>], hidden: usize, bytes: usize) {
+    let x: Vec<f32> = (0..hidden).map(|i| (i % 37) as f32 * 0.01 - 0.18).collect();
+    let x = be.upload_f32(&[1, hidden], &x).unwrap();
+    for idle_us in [0u64, 300, 1000, 3000] {
+        for woken in [false, true] {
+            let mut ts = Vec::new();
+            for w in weights.iter().cycle().take(weights.len().max(24)) {
+                let idle = Duration::from_micros(idle_us);
+                if woken {
+                    be.expect_work(idle + Duration::from_millis(1));
+                }
+                std::thread::sleep(idle);
+                let t = Instant::now();
+                be.ffn_many(&[(&x, w)], Activation::Silu).unwrap();
+                ts.push(t.elapsed().as_secs_f64());
+            }
+            ts.sort_by(f64::total_cmp);
+            let med = ts[ts.len() / 2];
+            println!(
+                "1 expert x 1 token after {idle_us:>4} us idle{}: {:6.3} ms  {:6.1} GB/s",
+                if woken {
+                    ", woken ahead"
+                } else {
+                    "             "
+                },
+                med * 1e3,
+                bytes as f64 / med / 1e9,
+            );
+        }
     }
 }

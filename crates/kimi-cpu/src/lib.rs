@@ -106,6 +106,10 @@ impl CpuBackend {
 impl Backend for CpuBackend {
     type Tensor = CpuTensor;
 
+    fn expect_work(&self, within: std::time::Duration) {
+        team().expect_work(within);
+    }
+
     fn name(&self) -> String {
         format!("cpu ({} threads)", num_threads())
     }

@@ -27,7 +27,7 @@ use std::cell::Cell;
 use std::hint::spin_loop;
 use std::ops::Range;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError, TryLockError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -101,6 +101,10 @@ struct Shared {
     wake: Condvar,
     shutdown: AtomicBool,
     spin: Duration,
+    /// Until when idle workers keep spinning whatever the spin budget (nanoseconds after
+    /// `epoch`): work was announced ([`Team::expect_work`]).
+    hot_until: AtomicU64,
+    epoch: Instant,
     /// Tests hold it to keep workers out of sections (as if they had lost their cores).
     #[cfg(test)]
     stall: Mutex<()>,
@@ -135,6 +139,8 @@ impl Team {
             wake: Condvar::new(),
             shutdown: AtomicBool::new(false),
             spin,
+            hot_until: AtomicU64::new(0),
+            epoch: Instant::now(),
             #[cfg(test)]
             stall: Mutex::new(()),
         });
@@ -160,6 +166,28 @@ impl Team {
     /// Threads in a section, the caller included.
     pub(crate) fn threads(&self) -> usize {
         self.threads
+    }
+
+    /// Announces a section within `within`: parked workers wake now, and idle ones keep
+    /// spinning until then, so that a section started after a wait the caller cannot
+    /// shorten (a device's results) begins with every thread at work rather than with the
+    /// time it takes to wake them, which on a virtual machine can exceed the section.
+    pub(crate) fn expect_work(&self, within: Duration) {
+        let s = &*self.shared;
+        let until = s.nanos_now().saturating_add(within.as_nanos() as u64);
+        s.hot_until.fetch_max(until, Ordering::Relaxed);
+        if s.sleepers.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        // A running section has its workers awake already.
+        let Ok(_busy) = self.busy.try_lock() else {
+            return;
+        };
+        // A new generation with no section open: the woken workers find it closed and go
+        // back to waiting, now spinning until `hot_until`.
+        s.generation.fetch_add(1, Ordering::SeqCst);
+        let _lock = s.sleep_lock.lock().unwrap_or_else(PoisonError::into_inner);
+        s.wake.notify_all();
     }
 
     /// Calls `f(t)` once for every task `t` in `0..tasks`, spread over the team, and
@@ -375,8 +403,12 @@ fn worker(s: &Shared) {
 }
 
 impl Shared {
+    fn nanos_now(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
     /// Waits until the generation differs from `seen` and returns it: spins (see
-    /// [`HOT_SPIN`]) for the spin budget, then parks.
+    /// [`HOT_SPIN`]) for the spin budget or until announced work is due, then parks.
     fn wait(&self, seen: usize) -> usize {
         let start = Instant::now();
         loop {
@@ -388,7 +420,7 @@ impl Shared {
                 spin_loop();
             }
             let waited = start.elapsed();
-            if waited >= self.spin {
+            if waited >= self.spin && self.nanos_now() >= self.hot_until.load(Ordering::Relaxed) {
                 break;
             }
             if waited >= HOT_SPIN {

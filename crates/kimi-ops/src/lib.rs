@@ -471,6 +471,12 @@ pub trait Backend: Send + Sync {
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
+    /// Says that calls will come within `within` after a wait this backend cannot see (a
+    /// host tier's cold experts, computed once a device has routed them): a backend whose
+    /// threads sleep when idle keeps them awake until then. Default: nothing.
+    fn expect_work(&self, within: std::time::Duration) {
+        let _ = within;
+    }
     /// Copies a checkpoint tensor to the device. Matrices may keep their stored dtype.
     fn upload(&self, host: HostTensor<'_>) -> Result<Self::Tensor>;
     /// Replaces the contents of `dst` (an earlier [`Backend::upload`] of the same shape and

@@ -193,6 +193,10 @@ impl Counters {
     }
 }
 
+/// How long the host's threads stay awake for a tiered step's cold experts: longer than a
+/// step waits for its routes (a layer of decode on the device).
+const HOST_WORK_WITHIN: std::time::Duration = std::time::Duration::from_millis(2);
+
 /// Where a tiered bank's experts are (or, summed, a model's).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Placement {
@@ -369,6 +373,11 @@ impl<T> TieredBank<T> {
     ) -> Result<(T, T)> {
         const OP: &str = "moe_experts (tiered)";
         let started = std::time::Instant::now();
+        if self.placement.host > 0 {
+            // The host's threads, idle while the device worked, are woken now rather than
+            // when the routes come back: waking them takes longer than a lone cold expert.
+            self.host.expect_work(HOST_WORK_WITHIN);
+        }
         let (ids, mut weights) = be.read_routes(&routes)?;
         let k = routes.top_k.max(1);
         let e_count = self.resident.len();

@@ -212,6 +212,30 @@ fn parked_workers_wake_for_the_next_section() {
 }
 
 #[test]
+fn announced_work_wakes_parked_workers_and_keeps_them_spinning() {
+    // No spin budget: without an announcement workers park right after each section.
+    let team = Team::new(3, Duration::ZERO);
+    team.run(3, &|_| {});
+    let parked = || team.shared.sleepers.load(Ordering::SeqCst);
+    wait_until(|| parked() == 2);
+    team.expect_work(Duration::from_secs(30));
+    wait_until(|| parked() == 0);
+    // Still spinning well past the (zero) budget, and sections run as before.
+    thread::sleep(Duration::from_millis(20));
+    assert_eq!(parked(), 0);
+    let total = AtomicUsize::new(0);
+    team.run(3, &|_| {
+        total.fetch_add(1, Ordering::Relaxed);
+    });
+    assert_eq!(total.load(Ordering::Relaxed), 3);
+    // Once the announced time has passed they park again.
+    let team = Team::new(3, Duration::ZERO);
+    team.expect_work(Duration::from_millis(5));
+    thread::sleep(Duration::from_millis(10));
+    wait_until(|| team.shared.sleepers.load(Ordering::SeqCst) == 2);
+}
+
+#[test]
 fn concurrent_callers_each_get_every_task() {
     let team = Team::new(3, DEFAULT_SPIN);
     thread::scope(|scope| {

@@ -111,9 +111,15 @@ impl MissCosts {
                 .collect()
         };
         // The host first: the copies below read the experts too.
+        // With the host's threads awake, as a tiered step has them (`TieredBank::run`).
+        let awake = || {
+            host.expect_work(std::time::Duration::from_millis(20));
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        };
         let mut ones = Vec::with_capacity(fresh.len());
         for &e in fresh {
             let p = pairs(e, 1);
+            awake();
             ones.push(timed(&mut || {
                 host.compute(&x, 8, width, &p, Activation::Silu).map(drop)
             })?);
@@ -121,6 +127,7 @@ impl MissCosts {
         ones.sort_by(f64::total_cmp);
         let one = ones[ones.len() / 2];
         let p = pairs(last, 8);
+        awake();
         let eight = timed(&mut || host.compute(&x, 8, width, &p, Activation::Silu).map(drop))?;
         be.synchronize()?;
         let mut fill = f64::MAX;

@@ -31,6 +31,11 @@ pub trait HostExperts: Send + Sync {
     fn regions(&self) -> Vec<HostRegion> {
         Vec::new()
     }
+    /// Says that [`HostExperts::compute`] may be called within `within` (see
+    /// [`Backend::expect_work`]). Default: nothing.
+    fn expect_work(&self, within: std::time::Duration) {
+        let _ = within;
+    }
     /// `Σ weight · expert(x[row])` over `pairs`, for `x` row-major `[rows, width]` f32;
     /// returns `[rows, out_width]` (rows without pairs zero). Experts are summed in id
     /// order.
@@ -160,6 +165,10 @@ impl<H: Backend> HostExperts for HostLayer<H> {
         self.matrices(e).map_or(0, |m| {
             m.gate.bytes.len() + m.up.bytes.len() + m.down.bytes.len()
         })
+    }
+
+    fn expect_work(&self, within: std::time::Duration) {
+        self.be.expect_work(within);
     }
 
     fn out_width(&self) -> usize {
