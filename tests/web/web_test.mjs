@@ -111,6 +111,9 @@ try {
   // The MoE server: reasoning streams apart from the answer, routing fills the heatmap.
   await page.goto(moeBase + "/");
   await page.fill("#max-tokens", "16");
+  // Greedy: a sampled first token may end the thinking at once (random weights), leaving
+  // no reasoning to render; the greedy one does not.
+  await page.fill("#temperature", "0");
   await page.fill("#prompt", "Hi");
   await page.press("#prompt", "Enter");
   await page.waitForSelector(".msg.assistant[data-done='true']");
