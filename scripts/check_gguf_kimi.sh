@@ -13,9 +13,14 @@ if ! "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.vers
     python3 -m venv "$venv"
     "$venv/bin/pip" install --quiet "gguf==$GGUF_PY_VERSION"
 fi
-# The release build that scripts/test_openai.sh and scripts/web-test.sh use too: one build.
-cargo build --quiet --release -p kimi-cli
-bin=${CARGO_TARGET_DIR:-target}/release/kimi-infer
+# KIMI_BIN: a kimi-infer already built (scripts/test.sh passes the one `cargo test` made);
+# else the release build that scripts/test_openai.sh and scripts/web-test.sh use too.
+if [ -n "${KIMI_BIN:-}" ]; then
+    bin=$KIMI_BIN
+else
+    cargo build --quiet --release -p kimi-cli
+    bin=${CARGO_TARGET_DIR:-target}/release/kimi-infer
+fi
 out=target/gguf-check
 mkdir -p "$out"
 for dir in fixtures/kimi-linear/*/; do

@@ -52,9 +52,13 @@ fi
 stage "huggingface_hub venv"
 cargo test --workspace
 stage "cargo test --workspace"
+# The binary that run built for kimi-cli's tests (the test profile: optimized, with debug
+# assertions) serves the stages below: a separate release build cost CI about five minutes.
+export KIMI_BIN=${CARGO_TARGET_DIR:-target}/debug/kimi-infer
+[ -x "$KIMI_BIN" ] || { echo "cargo test did not leave $KIMI_BIN" >&2; exit 1; }
 # Kimi Linear GGUFs from `kimi-infer convert`, checked by llama.cpp's gguf-py (pinned; PyPI once).
 scripts/check_gguf_kimi.sh
-stage "gguf-py checks (and the release build)"
+stage "gguf-py checks"
 scripts/test_openai.sh
 stage "openai client"
 # The web page in headless Chromium from Debian's packages (about 10 s once installed).

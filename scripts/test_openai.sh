@@ -28,9 +28,16 @@ fi
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
   "openai==$OPENAI_VERSION" "pytest==$PYTEST_VERSION"
 
-# The server binary: `kimi-infer serve` from target/release (KIMI_SERVER_BIN overrides it);
-# the same build as scripts/check_gguf_kimi.sh and scripts/web-test.sh use, made once.
-cargo build --release -p kimi-cli
+# The server binary: KIMI_BIN where set (scripts/test.sh passes the one `cargo test` made),
+# else `kimi-infer serve` from target/release, the same build as scripts/check_gguf_kimi.sh
+# and scripts/web-test.sh use, made once (KIMI_SERVER_BIN, and KIMI_INFER_BIN for the
+# gateway's tests, override both).
+if [ -n "${KIMI_BIN:-}" ]; then
+  export KIMI_SERVER_BIN=${KIMI_SERVER_BIN:-$KIMI_BIN}
+  export KIMI_INFER_BIN=${KIMI_INFER_BIN:-$KIMI_BIN}
+else
+  cargo build --release -p kimi-cli
+fi
 
 # The agent tests' MCP server runs on the pinned `mcp` package (target/agent-venv); where
 # PyPI cannot be reached its tests are skipped with a warning.

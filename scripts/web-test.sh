@@ -27,8 +27,13 @@ if [ ! -f "$NODE_DIR/node_modules/playwright-core/package.json" ] ||
     { echo "npm could not install playwright-core@$PLAYWRIGHT_VERSION" >&2; exit 2; }
 fi
 
-cargo build --release -p kimi-cli
-bin="${CARGO_TARGET_DIR:-target}/release/kimi-infer"
+# KIMI_BIN: a kimi-infer already built (scripts/test.sh passes the one `cargo test` made).
+if [ -n "${KIMI_BIN:-}" ]; then
+  bin=$KIMI_BIN
+else
+  cargo build --release -p kimi-cli
+  bin="${CARGO_TARGET_DIR:-target}/release/kimi-infer"
+fi
 
 free_port() {
   python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
