@@ -306,3 +306,113 @@ fn host_experts_report_lockable_regions_in_ram_and_none_on_disk() {
         }
     }
 }
+
+/// A store that counts the host's wake-up calls (`HostExperts::expect_work`).
+struct CountingStore {
+    inner: HostBackend<CpuBackend>,
+    wakes: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+struct CountingBuilder {
+    inner: Box<dyn kimi_ops::offload::HostLayerBuilder>,
+    wakes: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+struct CountingExperts {
+    inner: Arc<dyn kimi_ops::offload::HostExperts>,
+    wakes: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl kimi_ops::offload::HostExpertStore for CountingStore {
+    fn begin_layer(&self, n: usize) -> Box<dyn kimi_ops::offload::HostLayerBuilder> {
+        Box::new(CountingBuilder {
+            inner: self.inner.begin_layer(n),
+            wakes: self.wakes.clone(),
+        })
+    }
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+}
+
+impl kimi_ops::offload::HostLayerBuilder for CountingBuilder {
+    fn add(
+        &mut self,
+        e: usize,
+        w: kimi_ops::MlpWeights<kimi_ops::HostTensor<'_>>,
+    ) -> kimi_ops::Result<()> {
+        self.inner.add(e, w)
+    }
+    fn finish(self: Box<Self>) -> kimi_ops::Result<Arc<dyn kimi_ops::offload::HostExperts>> {
+        Ok(Arc::new(CountingExperts {
+            inner: self.inner.finish()?,
+            wakes: self.wakes,
+        }))
+    }
+}
+
+impl kimi_ops::offload::HostExperts for CountingExperts {
+    fn matrices(&self, e: usize) -> Option<kimi_ops::MlpWeights<kimi_ops::HostTensor<'_>>> {
+        self.inner.matrices(e)
+    }
+    fn bytes(&self, e: usize) -> usize {
+        self.inner.bytes(e)
+    }
+    fn out_width(&self) -> usize {
+        self.inner.out_width()
+    }
+    fn expect_work(&self, within: std::time::Duration) {
+        self.wakes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.expect_work(within);
+    }
+    fn compute(
+        &self,
+        x: &[f32],
+        rows: usize,
+        width: usize,
+        pairs: &[kimi_ops::offload::ColdPair],
+        act: kimi_ops::Activation,
+    ) -> kimi_ops::Result<Vec<f32>> {
+        self.inner.compute(x, rows, width, pairs, act)
+    }
+}
+
+/// A tiered step wakes the host's threads ahead of its routes only while recent steps had
+/// cold experts: with every host expert in a slot it never does, with no slots it does.
+#[test]
+fn the_host_is_woken_ahead_only_while_cold_experts_are_frequent() {
+    use kimi_ops::offload::MissPolicy;
+    let dir = fixture("kimi-linear/hub-f32-sharded");
+    let ids = prompt(&dir);
+    for (slots, miss) in [(6, MissPolicy::Copy), (0, MissPolicy::Host)] {
+        let wakes = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let options = LoadOptions {
+            offload: Some(ExpertOffload {
+                host: Experts(6),
+                cache: Experts(slots),
+                policy: CachePolicy {
+                    miss,
+                    ..CachePolicy::default()
+                },
+                store: Arc::new(CountingStore {
+                    inner: HostBackend::new(Arc::new(backend())),
+                    wakes: wakes.clone(),
+                }),
+            }),
+            ..LoadOptions::default()
+        };
+        let model = KimiLinear::load_checkpoint_with(backend(), &ckpt, &options).unwrap();
+        run(&model, &ids, 1);
+        let c = model.offload_counts().unwrap();
+        let woken = wakes.load(std::sync::atomic::Ordering::Relaxed);
+        if slots == 6 {
+            assert_eq!((c.cold_experts, woken), (0, 0), "{c:?}");
+        } else {
+            // Every step after the first cold one, in every bank.
+            assert!(c.cold_experts > 0, "{c:?}");
+            assert!(woken as u64 >= c.steps / 2, "{woken} wake-ups in {c:?}");
+        }
+    }
+}

@@ -16,7 +16,7 @@ mod cache;
 mod costs;
 mod host;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 pub use cache::{CachePolicy, CacheStep, ExpertCache, Fill};
@@ -248,6 +248,9 @@ pub struct TieredBank<T> {
     /// Measured costs of a miss on either side, under [`MissPolicy::Auto`] with slots.
     costs: Option<MissCosts>,
     counters: Counters,
+    /// One bit per recent step (the newest lowest): whether it had cold experts. The host
+    /// is woken ahead of a step only while some recent step had them.
+    recent_cold: AtomicU32,
 }
 
 impl<T> TieredBank<T> {
@@ -334,6 +337,7 @@ impl<T> TieredBank<T> {
             placement,
             costs,
             counters: Counters::default(),
+            recent_cold: AtomicU32::new(0),
         })
     }
 
@@ -373,9 +377,10 @@ impl<T> TieredBank<T> {
     ) -> Result<(T, T)> {
         const OP: &str = "moe_experts (tiered)";
         let started = std::time::Instant::now();
-        if self.placement.host > 0 {
+        if self.recent_cold.load(Ordering::Relaxed) != 0 {
             // The host's threads, idle while the device worked, are woken now rather than
             // when the routes come back: waking them takes longer than a lone cold expert.
+            // Only while cold experts are frequent: otherwise they would spin for nothing.
             self.host.expect_work(HOST_WORK_WITHIN);
         }
         let (ids, mut weights) = be.read_routes(&routes)?;
@@ -457,6 +462,12 @@ impl<T> TieredBank<T> {
             }
         }
         counts.cold_pairs = cold.len() as u64;
+        let had_cold = u32::from(!cold.is_empty());
+        let _ = self
+            .recent_cold
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                Some(bits << 1 | had_cold)
+            });
         counts.device_pairs = (ids.len() - cold.len()) as u64;
 
         let out_width = self.host.out_width();
