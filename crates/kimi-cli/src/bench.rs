@@ -136,7 +136,8 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
     };
     let miss_costs = placement.first().and_then(|(_, p)| p.miss_costs).map(|c| {
         json!({"fill_ms": c.fill_s * 1e3, "cpu_first_ms": c.host_first_s * 1e3,
-               "cpu_next_ms": c.host_next_s * 1e3, "expert_bytes": expert_bytes})
+               "cpu_next_ms": c.host_next_s * 1e3,
+               "cpu_more_ms": c.host_more_s * 1e3, "expert_bytes": expert_bytes})
     });
     let mut batches = Vec::new();
     let mut memory_peak = memory_after_load;

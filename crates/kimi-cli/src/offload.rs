@@ -254,13 +254,16 @@ pub fn describe_miss_costs(c: &MissCosts, expert_bytes: u64) -> String {
     let rate = |s: f64| expert_bytes as f64 / s.max(1e-12) / 1e9;
     format!(
         "expert misses: copying one into a slot takes {:.3} ms ({:.1} GB/s), the CPU computes \
-         one for a token in {:.3} ms ({:.1} GB/s) and {:.3} ms per further token: each miss \
-         goes where the step ends sooner (--offload-miss auto)",
+         one for a token in {:.3} ms ({:.1} GB/s), {:.3} ms per further token and {:.3} ms \
+         ({:.1} GB/s) per further expert of the step: each miss goes where the step ends \
+         sooner (--offload-miss auto)",
         c.fill_s * 1e3,
         rate(c.fill_s),
         c.host_first_s * 1e3,
         rate(c.host_first_s),
         c.host_next_s * 1e3,
+        c.host_more_s * 1e3,
+        rate(c.host_more_s),
     )
 }
 

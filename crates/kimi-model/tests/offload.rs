@@ -222,7 +222,9 @@ fn miss_policies_serve_misses_on_either_side() {
                     for v in [m.fill_s, m.host_first_s] {
                         assert!(v.is_finite() && v > 0.0, "{label}: {m:?}");
                     }
-                    assert!(m.host_next_s.is_finite() && m.host_next_s >= 0.0);
+                    for v in [m.host_next_s, m.host_more_s] {
+                        assert!(v.is_finite() && v >= 0.0, "{label}: {m:?}");
+                    }
                 }
                 assert!(c.hits + c.fills + c.cold_experts > 0, "{label}");
             }

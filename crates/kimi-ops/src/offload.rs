@@ -420,7 +420,7 @@ impl<T> TieredBank<T> {
         let step = slots.cache.step(&needed, costs.as_ref());
         // What the load-time costs say the host's share takes, to correct them by.
         let predicted: f64 = match &self.costs {
-            Some(c) => step.cold.iter().map(|&e| c.host_s(pairs[e])).sum(),
+            Some(c) => c.host_step_s(step.cold.iter().map(|&e| pairs[e])),
             None => 0.0,
         };
         let mut counts = OffloadCounts {

@@ -492,6 +492,7 @@ mod tests {
                         fill_s: 0.25e-3,
                         host_first_s: 0.5e-3,
                         host_next_s: 0.1e-3,
+                        host_more_s: 0.2e-3,
                     }),
                 },
                 counts: kimi_engine::OffloadCounts {

@@ -221,6 +221,7 @@ mod tests {
             fill_s: 1e-3,
             host_first_s: 2e-3,
             host_next_s: 1e-3,
+            host_more_s: 2e-3,
         };
         let mut c = ExpertCache::new(16, 8, policy);
         let s = c.step(&[(1, 1), (2, 1), (3, 1), (4, 1), (5, 3)], Some(&costs));

@@ -42,10 +42,14 @@ impl std::str::FromStr for MissPolicy {
 pub struct MissCosts {
     /// Copying one expert (its three matrices) into a device slot.
     pub fill_s: f64,
-    /// The host computing one expert for one token (reading its weights once).
+    /// The host computing one expert for one token (reading its weights once): a step's
+    /// first cold expert, which also pays for the call (its threads meeting twice).
     pub host_first_s: f64,
     /// Each further token of the same expert on the host.
     pub host_next_s: f64,
+    /// Each further expert of the same step for one token: the host's threads share the
+    /// experts of a step in one call, so only the first pays for the call.
+    pub host_more_s: f64,
 }
 
 impl MissCosts {
@@ -54,22 +58,45 @@ impl MissCosts {
         Self {
             host_first_s: self.host_first_s * scale,
             host_next_s: self.host_next_s * scale,
+            host_more_s: self.host_more_s * scale,
             ..self
         }
     }
 
-    /// Seconds for the host to compute one expert for `pairs` tokens.
+    /// Seconds for the host to compute one expert for `pairs` tokens, alone in its step.
     pub fn host_s(&self, pairs: usize) -> f64 {
         self.host_first_s + pairs.saturating_sub(1) as f64 * self.host_next_s
     }
 
+    /// Seconds one more expert of `pairs` tokens adds to a step whose host share already
+    /// has `before` experts.
+    pub fn host_added_s(&self, before: usize, pairs: usize) -> f64 {
+        let first = if before == 0 {
+            self.host_first_s
+        } else {
+            self.host_more_s
+        };
+        first + pairs.saturating_sub(1) as f64 * self.host_next_s
+    }
+
+    /// Seconds for the host to compute, in one step, experts of these token counts.
+    pub fn host_step_s(&self, pairs: impl IntoIterator<Item = usize>) -> f64 {
+        pairs
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| self.host_added_s(i, p))
+            .sum()
+    }
+
     /// Measures both sides on this machine. `fresh` lists host experts not read since they
-    /// were loaded (at least one; up to four are used), so that the host's timings read
+    /// were loaded (at least one; up to eight are used), so that the host's timings read
     /// weights from memory, not from a cache, as a step's cold experts do; `slot` is a
     /// device slot holding host expert `holder`, which gets it back afterwards. A copy is
-    /// the best of the fresh experts' timed copies into the slot (the backend synchronized
-    /// around each); the host's first token the median of computing each fresh expert for
-    /// one token, each further token from computing the last one for eight.
+    /// the best of the first four fresh experts' timed copies into the slot (the backend
+    /// synchronized around each); the host's first token the median of computing each of
+    /// them alone for one token, each further token from computing the fourth for eight,
+    /// each further expert from computing the other fresh ones together for one token (with
+    /// fewer than six fresh experts, as dear as the first).
     pub fn measure<B: Backend>(
         be: &B,
         host: &dyn HostExperts,
@@ -83,6 +110,7 @@ impl MissCosts {
                 detail: format!("expert {e} is not in the host store"),
             })
         };
+        let together = fresh.get(4..fresh.len().min(8)).unwrap_or(&[]);
         let fresh = &fresh[..fresh.len().min(4)];
         let (&first, &last) = match (fresh.first(), fresh.last()) {
             (Some(f), Some(l)) => (f, l),
@@ -129,6 +157,23 @@ impl MissCosts {
         let p = pairs(last, 8);
         awake();
         let eight = timed(&mut || host.compute(&x, 8, width, &p, Activation::Silu).map(drop))?;
+        let more = if together.len() >= 2 {
+            // One token each, every expert on its own row.
+            let p: Vec<ColdPair> = together
+                .iter()
+                .enumerate()
+                .map(|(row, &expert)| ColdPair {
+                    row,
+                    expert,
+                    weight: 1.0,
+                })
+                .collect();
+            awake();
+            let all = timed(&mut || host.compute(&x, 8, width, &p, Activation::Silu).map(drop))?;
+            ((all - one) / (together.len() - 1) as f64).clamp(0.0, one)
+        } else {
+            one
+        };
         be.synchronize()?;
         let mut fill = f64::MAX;
         for &e in fresh {
@@ -151,6 +196,7 @@ impl MissCosts {
             // The eighth-token timing's expert was read once already (one token): its
             // weights may be cached now, so this under- rather than overstates the slope.
             host_next_s: ((eight - one) / 7.0).max(0.0),
+            host_more_s: more,
         })
     }
 }
@@ -160,6 +206,8 @@ impl MissCosts {
 pub(super) struct MissQueues {
     copy_s: f64,
     host_s: f64,
+    /// Experts booked on the host's side.
+    host_experts: usize,
 }
 
 impl MissQueues {
@@ -174,14 +222,14 @@ impl MissQueues {
         let copy = match (policy, costs) {
             (MissPolicy::Host, _) => false,
             (MissPolicy::Copy, _) | (MissPolicy::Auto, None) => true,
-            (MissPolicy::Auto, Some(c)) => self.copy_s + c.fill_s <= self.host_s + c.host_s(pairs),
-        };
-        if let Some(c) = costs {
-            if copy {
-                self.copy_s += c.fill_s;
-            } else {
-                self.host_s += c.host_s(pairs);
+            (MissPolicy::Auto, Some(c)) => {
+                self.copy_s + c.fill_s <= self.host_s + c.host_added_s(self.host_experts, pairs)
             }
+        };
+        match (costs, copy) {
+            (Some(c), true) => self.copy_s += c.fill_s,
+            (_, false) => self.book_host(costs, pairs),
+            (None, true) => {}
         }
         copy
     }
@@ -189,8 +237,9 @@ impl MissQueues {
     /// Books a miss that could not be copied (no slot free) on the host's side.
     pub(super) fn book_host(&mut self, costs: Option<&MissCosts>, pairs: usize) {
         if let Some(c) = costs {
-            self.host_s += c.host_s(pairs);
+            self.host_s += c.host_added_s(self.host_experts, pairs);
         }
+        self.host_experts += 1;
     }
 }
 
@@ -205,6 +254,7 @@ mod tests {
             fill_s: 1e-3,
             host_first_s: 2e-3,
             host_next_s: 1e-4,
+            host_more_s: 2e-3,
         };
         let mut q = MissQueues::default();
         let picks: Vec<bool> = (0..6)
@@ -231,11 +281,41 @@ mod tests {
     }
 
     #[test]
+    fn further_host_experts_of_a_step_cost_less_than_the_first() {
+        // A copy 1 ms; the host 2 ms for its first expert, 0.5 ms for each further one.
+        let c = MissCosts {
+            fill_s: 1e-3,
+            host_first_s: 2e-3,
+            host_next_s: 1e-4,
+            host_more_s: 5e-4,
+        };
+        assert!((c.host_step_s([1, 1, 3]) - (2e-3 + 5e-4 + 5e-4 + 2e-4)).abs() < 1e-12);
+        let mut q = MissQueues::default();
+        let picks: Vec<bool> = (0..8)
+            .map(|_| q.choose_copy(MissPolicy::Auto, Some(&c), 1))
+            .collect();
+        // copy 1, copy 2 (2 against 2), host 2 (against copy 3), host 2.5, copy 3 (3
+        // against 3), host 3 (against copy 4), host 3.5, copy 4 (4 against 4).
+        assert_eq!(picks, [true, true, false, false, true, false, false, true]);
+        // Priced as the first, each further expert would have taken a third of them.
+        let flat = MissCosts {
+            host_more_s: c.host_first_s,
+            ..c
+        };
+        let mut q = MissQueues::default();
+        let on_host = (0..12)
+            .filter(|_| !q.choose_copy(MissPolicy::Auto, Some(&flat), 1))
+            .count();
+        assert_eq!(on_host, 4);
+    }
+
+    #[test]
     fn fixed_policies_ignore_costs() {
         let c = MissCosts {
             fill_s: 1.0,
             host_first_s: 1e-6,
             host_next_s: 0.0,
+            host_more_s: 1e-6,
         };
         let mut q = MissQueues::default();
         assert!(q.choose_copy(MissPolicy::Copy, Some(&c), 1));
