@@ -163,11 +163,26 @@ pub(crate) fn situ(g: f32, u: f32, beta: f32, linear_beta: Option<f32>) -> f32 {
     a * u
 }
 
-/// Output rows per task of [`glu_many`] and [`matmul_many`]: whole 16-row groups.
-/// Tasks of 64 rows measured ~15 % slower on the experts of a 0.5B Kimi Linear
-/// (`[512, 1024]` gate/up, `[1024, 512]` down, Q4_K): each task starts its weight stream
-/// cold.
+/// Output rows per task of [`glu_many`] and [`matmul_many`] where the products have rows
+/// enough: whole 16-row groups. Tasks of 64 rows measured ~15 % slower on the experts of a
+/// 0.5B Kimi Linear (`[512, 1024]` gate/up, `[1024, 512]` down, Q4_K): each task starts
+/// its weight stream cold.
 const MANY_ROWS: usize = 256;
+
+/// Output rows per task for products of `rows` output rows in all: [`MANY_ROWS`] where
+/// that gives every thread several tasks, else fewer (whole 16-row groups), so that a step
+/// with one cold expert (1,024 gate/up rows: four tasks of 256) still has every thread
+/// streaming its weights.
+fn rows_per_task(rows: usize, threads: usize) -> usize {
+    let tasks = 4 * threads.max(1);
+    if rows >= tasks * MANY_ROWS {
+        MANY_ROWS
+    } else {
+        rows.div_ceil(tasks)
+            .next_multiple_of(16)
+            .clamp(16, MANY_ROWS)
+    }
+}
 
 /// `act(x_i · gate_iᵀ, x_i · up_iᵀ)` for every `(x_i, gate_i, up_i)` (an MoE layer's
 /// experts), all in one section of the team; each result equals [`glu`]'s bit for bit.
@@ -193,7 +208,7 @@ pub(crate) fn matmul_many(
 }
 
 /// Independent products (gated pairs with `act` where `up` is given) as one section whose tasks are
-/// blocks of [`MANY_ROWS`] output rows of one product: a decode step's experts are small
+/// blocks of output rows of one product ([`rows_per_task`]): a decode step's experts are small
 /// matrices, and one section each (two per expert) cost more in hand-overs and uneven
 /// finishes than their rows take to multiply. A row's value depends only on its product,
 /// never on the task or thread that computes it.
@@ -226,11 +241,15 @@ fn many<'a>(
         ));
     }
     let mut outs: Vec<Vec<f32>> = shapes.iter().map(|&(n, _, o)| vec![0f32; o * n]).collect();
+    let block = rows_per_task(
+        shapes.iter().map(|&(_, _, o)| o).sum(),
+        crate::team().threads(),
+    );
     let mut slots = Vec::new();
     for (i, out) in outs.iter_mut().enumerate() {
         let n = shapes[i].0.max(1);
-        for (b, chunk) in out.chunks_mut(MANY_ROWS * n).enumerate() {
-            slots.push(std::sync::Mutex::new(Some((i, b * MANY_ROWS, chunk))));
+        for (b, chunk) in out.chunks_mut(block * n).enumerate() {
+            slots.push(std::sync::Mutex::new(Some((i, b * block, chunk))));
         }
     }
     crate::team().run(slots.len(), &|t| {

@@ -343,3 +343,25 @@ fn quantized_case(n: usize, k: usize, o: usize) {
         assert_eq!(&emb[2 * k..3 * k], &wround[(o - 1) * k..o * k]);
     }
 }
+
+#[test]
+fn many_products_keep_every_thread_busy_in_whole_row_groups() {
+    use super::{rows_per_task, MANY_ROWS};
+    // 64 experts of 1,024 rows on 16 threads: the long blocks.
+    assert_eq!(rows_per_task(64 * 1024, 16), MANY_ROWS);
+    // One expert's gate/up (1,024 rows) on 16 threads: 64 tasks of 16 rows, not 4 of 256.
+    assert_eq!(rows_per_task(1024, 16), 16);
+    // Its down product (2,304 rows): 36 rows a task, rounded up to 48.
+    assert_eq!(rows_per_task(2304, 16), 48);
+    // Two threads: blocks stay long where there are 8 of them.
+    assert_eq!(rows_per_task(2048, 2), MANY_ROWS);
+    assert_eq!(rows_per_task(1024, 2), 128);
+    assert_eq!(rows_per_task(1, 1), 16);
+    for (rows, threads) in [(1, 16), (100, 3), (5000, 7), (1 << 20, 64)] {
+        let r = rows_per_task(rows, threads);
+        assert!(
+            r.is_multiple_of(16) && (16..=MANY_ROWS).contains(&r),
+            "{rows} {threads}: {r}"
+        );
+    }
+}
