@@ -174,6 +174,8 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
         }
         let offload = r.offload.map(|c| {
             let tokens = (batch * a.decode_steps).max(1) as f64;
+            let per_step = |ns: u64| ns as f64 / 1e6 / a.decode_steps.max(1) as f64;
+            let (tiered_ms, host_ms) = (per_step(c.step_ns), per_step(c.host_ns));
             println!(
                 "  experts   hit rate {}, {} moved and {:.1} cold pairs per token",
                 c.hit_rate()
@@ -182,9 +184,7 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
                 c.cold_pairs as f64 / tokens
             );
             println!(
-                "  experts   {:.2} ms per step in the tiered MoE steps, {:.2} of them on the host's cold experts",
-                c.step_ns as f64 / 1e6 / a.decode_steps.max(1) as f64,
-                c.host_ns as f64 / 1e6 / a.decode_steps.max(1) as f64
+                "  experts   {tiered_ms:.2} ms per step in the tiered MoE steps, {host_ms:.2} of them on the host's cold experts"
             );
             json!({
                 "hit_rate": c.hit_rate(),
@@ -192,8 +192,8 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
                 "cold_experts": c.cold_experts, "cold_pairs": c.cold_pairs,
                 "device_pairs": c.device_pairs,
                 "bytes_moved_per_token": c.bytes_moved as f64 / tokens,
-                "tiered_ms_per_step": c.step_ns as f64 / 1e6 / a.decode_steps.max(1) as f64,
-                "host_ms_per_step": c.host_ns as f64 / 1e6 / a.decode_steps.max(1) as f64,
+                "tiered_ms_per_step": tiered_ms,
+                "host_ms_per_step": host_ms,
             })
         });
         // Where a batch's prefill (its `--context` tokens per sequence) spent its time.

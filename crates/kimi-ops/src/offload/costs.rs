@@ -65,7 +65,7 @@ impl MissCosts {
 
     /// Seconds for the host to compute one expert for `pairs` tokens, alone in its step.
     pub fn host_s(&self, pairs: usize) -> f64 {
-        self.host_first_s + pairs.saturating_sub(1) as f64 * self.host_next_s
+        self.host_added_s(0, pairs)
     }
 
     /// Seconds one more expert of `pairs` tokens adds to a step whose host share already
