@@ -186,11 +186,19 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
             println!(
                 "  experts   {tiered_ms:.2} ms per step in the tiered MoE steps, {host_ms:.2} of them on the host's cold experts"
             );
+            if c.ahead_fills > 0 {
+                println!(
+                    "  experts   {:.1} copied ahead per token on the next layer's prediction, {:.1} % of them used",
+                    c.ahead_fills as f64 / tokens,
+                    100.0 * c.ahead_used as f64 / c.ahead_fills as f64
+                );
+            }
             json!({
                 "hit_rate": c.hit_rate(),
                 "hits": c.hits, "fills": c.fills, "evictions": c.evictions,
                 "cold_experts": c.cold_experts, "cold_pairs": c.cold_pairs,
                 "device_pairs": c.device_pairs,
+                "ahead_fills": c.ahead_fills, "ahead_used": c.ahead_used,
                 "bytes_moved_per_token": c.bytes_moved as f64 / tokens,
                 "tiered_ms_per_step": tiered_ms,
                 "host_ms_per_step": host_ms,

@@ -39,6 +39,22 @@ pub struct OffloadArgs {
     /// would end sooner, by the copy and CPU costs measured at load (in the start log).
     #[arg(long, value_name = "auto|copy|cpu", default_value = "auto")]
     pub offload_miss: MissPolicy,
+    /// When host experts are copied into device slots: once a layer's router has chosen
+    /// them (`router`), or also ahead, on a prediction made one MoE layer earlier (the
+    /// next layer's router on this layer's input: `next-layer`), so that the copies run
+    /// while the host computes its cold experts and the device the next attention.
+    #[arg(long, value_name = "router|next-layer", default_value = "router")]
+    pub offload_prefetch: OffloadPrefetch,
+}
+
+/// `--offload-prefetch`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum OffloadPrefetch {
+    /// After each layer's router.
+    #[default]
+    Router,
+    /// Also one MoE layer ahead, predicted.
+    NextLayer,
 }
 
 impl OffloadArgs {
@@ -80,6 +96,7 @@ impl OffloadArgs {
                 cache: cache.unwrap_or(OffloadAmount::Experts(0)),
                 policy: CachePolicy {
                     miss: self.offload_miss,
+                    predict_next: self.offload_prefetch == OffloadPrefetch::NextLayer,
                     ..CachePolicy::default()
                 },
                 store: self.store()?,
@@ -232,7 +249,7 @@ pub fn report_placement<B: Backend>(model: &dyn CausalLm<B>, options: &LoadOptio
     });
     eprintln!(
         "experts: per MoE layer {} on {} and {} in {tier} with {} cache slots ({} layers: {} \
-         on the device, {} in {tier}); cold experts computed on the CPU",
+         on the device, {} in {tier}); cold experts computed on the CPU{}",
         first.resident,
         model.backend().name(),
         first.host,
@@ -240,6 +257,14 @@ pub fn report_placement<B: Backend>(model: &dyn CausalLm<B>, options: &LoadOptio
         layers.len(),
         crate::inspect::bytes(device),
         crate::inspect::bytes(host),
+        match options
+            .offload
+            .as_ref()
+            .is_some_and(|o| o.policy.predict_next)
+        {
+            true => "; slots also filled one MoE layer ahead, predicted (--offload-prefetch)",
+            false => "",
+        },
     );
     if let Some(c) = first.miss_costs {
         eprintln!(

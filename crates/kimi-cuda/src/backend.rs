@@ -559,7 +559,18 @@ impl Backend for CudaBackend {
         // Expert slot fills run outside a replayed pass: how many a step needs varies, and
         // the pass's graphs and arena addresses must not.
         self.dev
-            .outside_pass("expert slot fill", || self.fill_slot(dst, host))
+            .outside_pass("expert slot fill", || self.fill_slot(dst, host, false))
+    }
+
+    fn upload_into_ahead(&self, dst: &mut CudaTensor, host: HostTensor<'_>) -> Result<()> {
+        self.dev
+            .outside_pass("expert slot fill ahead", || self.fill_slot(dst, host, true))
+    }
+
+    fn await_ahead(&self) -> Result<()> {
+        self.dev.outside_pass("expert slot fill ahead", || {
+            self.dev.await_ahead("await_ahead")
+        })
     }
 
     fn lock_host_region(
@@ -1117,32 +1128,51 @@ impl Backend for CudaBackend {
     }
 
     fn read_routes(&self, routes: &MoeRoutes<CudaTensor>) -> Result<(Vec<u32>, Vec<f32>)> {
+        let mut sets = self.read_route_sets(&[routes])?;
+        sets.pop()
+            .ok_or_else(|| shape_err("read_routes", "no routes read".into()))
+    }
+
+    fn read_route_sets(
+        &self,
+        sets: &[&MoeRoutes<CudaTensor>],
+    ) -> Result<Vec<(Vec<u32>, Vec<f32>)>> {
         const OP: &str = "read_routes";
         self.dev.enter(OP)?;
-        let (ids, wts) = (&routes.experts, &routes.weights);
-        if ids.dtype != DType::F32 || wts.dtype != DType::F32 {
-            return Err(shape_err(
-                OP,
-                format!("routes of {} ids and {} weights", ids.dtype, wts.dtype),
-            ));
+        let mut out = Vec::with_capacity(sets.len());
+        for routes in sets {
+            let (ids, wts) = (&routes.experts, &routes.weights);
+            if ids.dtype != DType::F32 || wts.dtype != DType::F32 {
+                return Err(shape_err(
+                    OP,
+                    format!("routes of {} ids and {} weights", ids.dtype, wts.dtype),
+                ));
+            }
+            out.push((vec![0u32; ids.len()], vec![0f32; wts.len()]));
         }
         // `moe_route` writes u32 ids into an f32-typed buffer: both read as 4-byte words.
-        let mut id_bits = vec![0u32; ids.len()];
-        let mut weights = vec![0f32; wts.len()];
-        // SAFETY: u32 and f32 are plain 4-byte values (every byte pattern valid, u8 needs no
-        // alignment); each slice views exactly its vector's bytes.
-        let (id_bytes, wt_bytes) = unsafe {
-            (
-                std::slice::from_raw_parts_mut(id_bits.as_mut_ptr().cast::<u8>(), ids.len() * 4),
-                std::slice::from_raw_parts_mut(weights.as_mut_ptr().cast::<u8>(), wts.len() * 4),
-            )
-        };
-        // SAFETY: both tensors hold len() f32 words on the device (checked dtypes above).
-        unsafe {
-            self.dev
-                .read_all(&mut [(ids.ptr(), id_bytes), (wts.ptr(), wt_bytes)], OP)?
-        };
-        Ok((id_bits, weights))
+        let mut parts = Vec::with_capacity(2 * sets.len());
+        for (routes, (id_bits, weights)) in sets.iter().zip(out.iter_mut()) {
+            // SAFETY: u32 and f32 are plain 4-byte values (every byte pattern valid, u8
+            // needs no alignment); each slice views exactly its vector's bytes.
+            let (id_bytes, wt_bytes) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(
+                        id_bits.as_mut_ptr().cast::<u8>(),
+                        id_bits.len() * 4,
+                    ),
+                    std::slice::from_raw_parts_mut(
+                        weights.as_mut_ptr().cast::<u8>(),
+                        weights.len() * 4,
+                    ),
+                )
+            };
+            parts.push((routes.experts.ptr(), id_bytes));
+            parts.push((routes.weights.ptr(), wt_bytes));
+        }
+        // SAFETY: every tensor holds len() f32 words on the device (checked dtypes above).
+        unsafe { self.dev.read_all(&mut parts, OP)? };
+        Ok(out)
     }
 
     fn upload_expert_ids(&self, shape: &[usize], ids: &[u32]) -> Result<CudaTensor> {

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::CUfunction_attribute_enum;
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, LaunchConfig};
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError, LaunchConfig};
 use cudarc::nvrtc::Ptx;
 use kimi_ops::Result;
 
@@ -295,6 +295,20 @@ pub(crate) struct Device {
     pub(crate) pass_counts: Mutex<[u64; 3]>,
     /// Streaming multiprocessors: persistent kernels size their grids by it.
     pub(crate) sm_count: usize,
+    /// The stream of expert slot copies made ahead of their layer, beside `stream`.
+    ahead: AheadCopies,
+}
+
+/// A copy stream for slot fills ahead of their layer ([`Device::copy_from_host_ahead`]) and
+/// the two events that order it against the main stream.
+struct AheadCopies {
+    stream: Arc<CudaStream>,
+    /// Recorded on the main stream before each copy ahead, which waits for it: the work
+    /// queued before (readers of the slot's old contents) comes first.
+    queued: CudaEvent,
+    /// Recorded on the copy stream by [`Device::await_ahead`], which the main stream waits
+    /// for.
+    copied: CudaEvent,
 }
 
 impl Device {
@@ -321,6 +335,12 @@ impl Device {
         // A stream of our own: the legacy default stream cannot be captured into a graph.
         let stream = ctx.new_stream().op("init")?;
         let blas = CudaBlas::new(stream.clone()).op("init cuBLAS")?;
+        let no_timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+        let ahead = AheadCopies {
+            stream: ctx.new_stream().op("init")?,
+            queued: ctx.new_event(no_timing).op("init")?,
+            copied: ctx.new_event(no_timing).op("init")?,
+        };
         let mut functions = HashMap::new();
         for (module, names) in KERNELS {
             let cubin = kimi_cuda_kernels::cubin(module).ok_or_else(|| Error::MissingKernel {
@@ -368,6 +388,7 @@ impl Device {
             graphs: Mutex::new(GraphCache::new()),
             pass_counts: Mutex::new([0; 3]),
             sm_count,
+            ahead,
         })
     }
 
@@ -550,6 +571,46 @@ impl Device {
         }
         .result()
         .op(op)
+    }
+
+    /// [`Self::copy_from_host`] on the copy stream: after the work queued on the main stream
+    /// so far, beside what is queued there next, until [`Self::await_ahead`].
+    ///
+    /// # Safety
+    /// As [`Self::copy_from_host`]; besides, nothing queued on the main stream after this
+    /// and before [`Self::await_ahead`] touches `dst`.
+    pub(crate) unsafe fn copy_from_host_ahead(
+        &self,
+        dst: u64,
+        bytes: &[u8],
+        op: &'static str,
+    ) -> Result<()> {
+        use cudarc::driver::sys;
+        self.flush(op)?;
+        self.enter(op)?;
+        let a = &self.ahead;
+        a.queued.record(&self.stream).op(op)?;
+        a.stream.wait(&a.queued).op(op)?;
+        // SAFETY: the caller's contract; the context is current on this thread.
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                dst,
+                bytes.as_ptr().cast(),
+                bytes.len(),
+                a.stream.cu_stream(),
+            )
+        }
+        .result()
+        .op(op)
+    }
+
+    /// Work queued on the main stream after this waits for the copies ahead queued before.
+    pub(crate) fn await_ahead(&self, op: &'static str) -> Result<()> {
+        self.flush(op)?;
+        self.enter(op)?;
+        let a = &self.ahead;
+        a.copied.record(&a.stream).op(op)?;
+        self.stream.wait(&a.copied).op(op)
     }
 
     /// Queues what the current pass has recorded so far (a read-back needs the results):

@@ -2,7 +2,7 @@
 //! composed MoE (SiTU, LatentMoE, MXFP4 experts, experts in tiers) of Kimi K3 spec §3.4–§3.5.
 
 use kimi_core::config::{ExpertFormat, MoeConfig};
-use kimi_ops::offload::{ExpertOffload, TieredBank};
+use kimi_ops::offload::{ExpertOffload, NextLayer, TieredBank};
 use kimi_ops::{
     Activation, Backend, Collective, ExpertBank, HostTensor, MlpWeights, MoeRoutes, MoeRouting,
     MoeWeights,
@@ -217,12 +217,15 @@ impl<T> FfnLayer<T> {
 
     /// Returns the output and, for MoE, the chosen experts (read with
     /// [`Backend::expert_ids`]). On a rank of a split model (`group`) the output is the
-    /// whole one: this rank's partial sums are summed over the ranks here.
+    /// whole one: this rank's partial sums are summed over the ranks here. `next` is the
+    /// following layer's block, whose experts a bank in tiers may copy ahead
+    /// ([`CachePolicy::predict_next`](kimi_ops::offload::CachePolicy)).
     pub fn forward<B: Backend<Tensor = T>>(
         &self,
         be: &B,
         x: &T,
         group: Option<&dyn Collective<B>>,
+        next: Option<&Self>,
     ) -> Result<(T, Option<T>)> {
         let reduce = |y: &mut T| -> Result<()> {
             if let Some(g) = group {
@@ -243,6 +246,7 @@ impl<T> FfnLayer<T> {
             }
             Self::Composed(m) => {
                 let routes = be.moe_route(x, &m.router, m.correction_bias.as_ref(), &m.routing)?;
+                let next = m.next_layer(be, x, next)?;
                 let shared = match &m.shared {
                     Some(shared) => Some(be.ffn(x, shared, m.act)?),
                     None => None,
@@ -256,7 +260,7 @@ impl<T> FfnLayer<T> {
                             Ok((y, routes.experts, true))
                         }
                         _ => {
-                            let (y, chosen) = m.bank.run(be, z, routes, m.act)?;
+                            let (y, chosen) = m.bank.run_before(be, z, routes, m.act, next)?;
                             Ok((y, chosen, false))
                         }
                     }
@@ -301,6 +305,31 @@ impl<T> FfnLayer<T> {
                 Ok((y, Some(chosen)))
             }
         }
+    }
+}
+
+impl<T> ComposedMoe<T> {
+    /// Where this layer's experts are in tiers that predict the next layer
+    /// (`predict_next`) and the next layer's are in tiers too: the next layer's router on
+    /// this layer's input `x`, with that layer's bank. The prediction reads `x` as normed
+    /// for this layer; the next layer's own input differs by this layer's output and
+    /// attention, which is why it is a prediction.
+    fn next_layer<'a, B: Backend<Tensor = T>>(
+        &self,
+        be: &B,
+        x: &T,
+        next: Option<&'a FfnLayer<T>>,
+    ) -> Result<Option<NextLayer<'a, T>>> {
+        let predicts = self.bank.tiered().is_some_and(|t| t.policy().predict_next);
+        let Some(FfnLayer::Composed(n)) = next.filter(|_| predicts && self.dispatch.is_none())
+        else {
+            return Ok(None);
+        };
+        let Some(bank) = n.bank.tiered() else {
+            return Ok(None);
+        };
+        let routes = be.moe_route(x, &n.router, n.correction_bias.as_ref(), &n.routing)?;
+        Ok(Some(NextLayer { bank, routes }))
     }
 }
 

@@ -419,7 +419,8 @@ impl<B: Backend> KimiLinear<B> {
                 group.all_reduce_sum(be, &mut mixed)?;
             }
             let normed = be.add_rms_norm(&mut x, &mixed, &layer.post_norm, eps)?;
-            let (ffn_out, chosen) = layer.ffn.forward(be, &normed, group)?;
+            let next = self.layers.get(i + 1).map(|l| &l.ffn);
+            let (ffn_out, chosen) = layer.ffn.forward(be, &normed, group, next)?;
             pending = Some(ffn_out);
             chosen_per_layer.push(chosen);
         }
@@ -468,7 +469,8 @@ impl<B: Backend> KimiLinear<B> {
             }
             let h = be.attn_res_mix(&blocks.iter().collect::<Vec<_>>(), &partial, mlp_mix, eps)?;
             let normed = be.rms_norm(&h, &layer.post_norm, eps)?;
-            let (ffn_out, chosen) = layer.ffn.forward(be, &normed, group)?;
+            let next = self.layers.get(i + 1).map(|l| &l.ffn);
+            let (ffn_out, chosen) = layer.ffn.forward(be, &normed, group, next)?;
             be.add_assign(&mut partial, &ffn_out)?;
             chosen_per_layer.push(chosen);
         }

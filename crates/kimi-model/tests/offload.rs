@@ -418,3 +418,66 @@ fn the_host_is_woken_ahead_only_while_cold_experts_are_frequent() {
         }
     }
 }
+
+/// `--offload-prefetch next-layer`: each tiered step predicts the next MoE layer's experts
+/// (its router on this layer's input) and copies them into that layer's slots ahead. The
+/// logits stay the resident model's (bit for bit where no expert is cold), the copies
+/// ahead are counted, and some are used by the step they were made for.
+#[test]
+fn experts_copied_ahead_on_the_next_layers_prediction_change_no_logit() {
+    use kimi_ops::offload::MissPolicy;
+    for (dir, experts) in [
+        ("kimi-linear/hub-f32-sharded", 6),
+        ("kimi-k3/k3-tiny-7l", 8),
+    ] {
+        let dir = fixture(dir);
+        let ids = prompt(&dir);
+        let resident = load(&dir, None);
+        for step in [1, 16] {
+            let want = run(&resident, &ids, step);
+            for (host, slots, miss) in [
+                (experts, 1, MissPolicy::Copy),
+                (experts, 2, MissPolicy::Host),
+                (experts / 2, 2, MissPolicy::Auto),
+                (experts, experts - 1, MissPolicy::Copy),
+            ] {
+                let ckpt = Checkpoint::open(&dir).unwrap();
+                let options = LoadOptions {
+                    offload: Some(ExpertOffload {
+                        host: Experts(host),
+                        cache: Experts(slots),
+                        policy: CachePolicy {
+                            miss,
+                            predict_next: true,
+                            ..CachePolicy::default()
+                        },
+                        store: Arc::new(HostBackend::new(Arc::new(backend()))),
+                    }),
+                    ..LoadOptions::default()
+                };
+                let model = KimiLinear::load_checkpoint_with(backend(), &ckpt, &options).unwrap();
+                let got = run(&model, &ids, step);
+                let c = model.offload_counts().unwrap();
+                let label = format!(
+                    "{} step {step}, {host} on the host, {slots} slots, {miss:?}: {c:?}",
+                    dir.display()
+                );
+                // Token by token the predictions move on; a chunk of 16 tokens may predict
+                // every expert, leaving no slot to copy into.
+                if step == 1 {
+                    assert!(c.ahead_fills > 0, "{label}: nothing copied ahead");
+                    assert!(c.ahead_used > 0, "{label}: no copy ahead used");
+                }
+                assert!(c.ahead_used <= c.ahead_fills, "{label}");
+                assert!(c.hits >= c.ahead_used, "{label}");
+                if c.cold_pairs == 0 {
+                    assert_eq!(got, want, "{label}: not the resident bits");
+                } else {
+                    let err = rel_err(&got, &want);
+                    assert!(err < 1e-5, "{label}: relative error {err:.2e}");
+                }
+                eprintln!("{label}");
+            }
+        }
+    }
+}

@@ -1,7 +1,7 @@
 //! A MoE layer's routed experts: the bank a model owns ([`ExpertBank`]) and the view of
 //! device-resident weights a backend computes with ([`ExpertView`]).
 
-use crate::offload::TieredBank;
+use crate::offload::{NextLayer, TieredBank};
 use crate::{Activation, Backend, MlpWeights, MoeRoutes, Result};
 
 /// One layer's routed experts, as the model owns them: all in the backend's memory
@@ -73,12 +73,25 @@ impl<T> ExpertBank<T> {
         routes: MoeRoutes<T>,
         act: Activation,
     ) -> Result<(T, T)> {
+        self.run_before(be, x, routes, act, None)
+    }
+
+    /// [`ExpertBank::run`] that also copies the next MoE layer's predicted experts ahead
+    /// ([`NextLayer`]; only a bank in tiers does).
+    pub fn run_before<B: Backend<Tensor = T>>(
+        &self,
+        be: &B,
+        x: &T,
+        routes: MoeRoutes<T>,
+        act: Activation,
+        next: Option<NextLayer<'_, T>>,
+    ) -> Result<(T, T)> {
         match self {
             Self::Resident(e) => {
                 let y = be.moe_experts(x, &routes, &ExpertView::new(e), act)?;
                 Ok((y, routes.experts))
             }
-            Self::Tiered(t) => t.run(be, x, routes, act),
+            Self::Tiered(t) => t.run(be, x, routes, act, next),
             Self::Partition { ids, local, total } => {
                 let stand_in = local.first().ok_or_else(|| crate::Error::Shape {
                     op: "moe_experts (expert parallel)",

@@ -488,6 +488,18 @@ pub trait Backend: Send + Sync {
         *dst = self.upload(host)?;
         Ok(())
     }
+    /// [`Backend::upload_into`] for a slot that work queued later will read, not work
+    /// queued now: a backend with a copy engine of its own starts the copy there, after the
+    /// work queued so far (which may still read the old contents), beside what is queued
+    /// next; [`Backend::await_ahead`] makes later work wait for it. Default: `upload_into`.
+    fn upload_into_ahead(&self, dst: &mut Self::Tensor, host: HostTensor<'_>) -> Result<()> {
+        self.upload_into(dst, host)
+    }
+    /// Work queued after this sees every [`Backend::upload_into_ahead`] queued before it.
+    /// Default: nothing (the default copies are in order already).
+    fn await_ahead(&self) -> Result<()> {
+        Ok(())
+    }
     /// The stored bytes of a weight that lives in host memory, as [`Backend::upload`] took
     /// them, so that a host-side expert store can feed device slots without a second copy.
     /// Default: `None` (device memory).
@@ -811,6 +823,14 @@ pub trait Backend: Send + Sync {
             self.expert_ids(&routes.experts)?,
             self.to_f32(&routes.weights)?,
         ))
+    }
+    /// [`Backend::read_routes`] of several routes with one wait (a layer's routes and the
+    /// next layer's predicted ones).
+    fn read_route_sets(
+        &self,
+        sets: &[&MoeRoutes<Self::Tensor>],
+    ) -> Result<Vec<(Vec<u32>, Vec<f32>)>> {
+        sets.iter().map(|r| self.read_routes(r)).collect()
     }
     /// Expert ids `[rows, top_k]` in the layout [`Backend::moe_route`] writes and
     /// [`Backend::moe_experts`] reads, for routes the caller builds (the pairs one rank

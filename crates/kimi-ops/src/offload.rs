@@ -4,6 +4,7 @@
 //! expert e ─► resident: the backend's memory, for good
 //!          └► host store (HostExperts): host memory, computed there when cold
 //!               └► cache slot: a device copy, filled after the router has run
+//!                    (or a MoE layer ahead, predicted: [`CachePolicy::predict_next`])
 //! ```
 //!
 //! Per MoE step ([`TieredBank::run`]) the routes are read back, the [`ExpertCache`] plans
@@ -109,6 +110,11 @@ pub struct OffloadCounts {
     /// Nanoseconds the tiered steps took on the calling thread, from reading the routes to
     /// queueing the sum (the host's share included; the device's products run on).
     pub step_ns: u64,
+    /// Host experts copied into a slot ahead of their step, on the previous MoE layer's
+    /// prediction ([`CachePolicy::predict_next`]); their bytes count in `bytes_moved`.
+    pub ahead_fills: u64,
+    /// Of those, the ones their step then needed (counted among its hits).
+    pub ahead_used: u64,
 }
 
 impl OffloadCounts {
@@ -135,6 +141,8 @@ impl std::ops::Sub for OffloadCounts {
             bytes_moved: self.bytes_moved.saturating_sub(o.bytes_moved),
             host_ns: self.host_ns.saturating_sub(o.host_ns),
             step_ns: self.step_ns.saturating_sub(o.step_ns),
+            ahead_fills: self.ahead_fills.saturating_sub(o.ahead_fills),
+            ahead_used: self.ahead_used.saturating_sub(o.ahead_used),
         }
     }
 }
@@ -151,11 +159,13 @@ impl std::ops::AddAssign for OffloadCounts {
         self.bytes_moved += o.bytes_moved;
         self.host_ns += o.host_ns;
         self.step_ns += o.step_ns;
+        self.ahead_fills += o.ahead_fills;
+        self.ahead_used += o.ahead_used;
     }
 }
 
 #[derive(Default)]
-struct Counters([AtomicU64; 10]);
+struct Counters([AtomicU64; 12]);
 
 impl Counters {
     fn add(&self, c: OffloadCounts) {
@@ -170,6 +180,8 @@ impl Counters {
             c.bytes_moved,
             c.host_ns,
             c.step_ns,
+            c.ahead_fills,
+            c.ahead_used,
         ];
         for (a, v) in self.0.iter().zip(v) {
             a.fetch_add(v, Ordering::Relaxed);
@@ -189,6 +201,8 @@ impl Counters {
             bytes_moved: v[7],
             host_ns: v[8],
             step_ns: v[9],
+            ahead_fills: v[10],
+            ahead_used: v[11],
         }
     }
 }
@@ -233,6 +247,20 @@ struct Slots<T> {
     /// average): cold experts computed beside the device's work, many per step, run slower
     /// than the lone expert timed at load.
     host_scale: f64,
+    /// Experts copied in ahead since the last step (to count the ones it used).
+    ahead: Vec<usize>,
+    /// Whether copies ahead were queued since the last step: the step's device work waits
+    /// for them ([`Backend::await_ahead`]).
+    ahead_pending: bool,
+}
+
+/// The next MoE layer's bank and the routes predicted for it, given to a step so that it
+/// copies the predicted experts into that bank's slots ahead ([`CachePolicy::predict_next`]).
+pub struct NextLayer<'a, T> {
+    /// The next MoE layer's experts.
+    pub bank: &'a TieredBank<T>,
+    /// Its router's choices on this layer's input.
+    pub routes: MoeRoutes<T>,
 }
 
 /// A layer's routed experts in tiers: some resident, the rest in a host store with a cache
@@ -244,6 +272,7 @@ pub struct TieredBank<T> {
     _locked: Vec<LockedRegion>,
     host: Arc<dyn HostExperts>,
     slots: Mutex<Slots<T>>,
+    policy: CachePolicy,
     placement: Placement,
     /// Measured costs of a miss on either side, under [`MissPolicy::Auto`] with slots.
     costs: Option<MissCosts>,
@@ -333,7 +362,10 @@ impl<T> TieredBank<T> {
                 weights,
                 cache,
                 host_scale: 1.0,
+                ahead: Vec::new(),
+                ahead_pending: false,
             }),
+            policy,
             placement,
             costs,
             counters: Counters::default(),
@@ -367,13 +399,21 @@ impl<T> TieredBank<T> {
         self.counters.get()
     }
 
-    /// See [`crate::ExpertBank::run`].
+    /// How the slots are chosen.
+    pub fn policy(&self) -> CachePolicy {
+        self.policy
+    }
+
+    /// See [`crate::ExpertBank::run`]. With `next`, the next MoE layer's predicted experts
+    /// are copied into its slots once this step's device work is queued, beside the host's
+    /// share of this step.
     pub fn run<B: Backend<Tensor = T>>(
         &self,
         be: &B,
         x: &T,
         routes: MoeRoutes<T>,
         act: Activation,
+        next: Option<NextLayer<'_, T>>,
     ) -> Result<(T, T)> {
         const OP: &str = "moe_experts (tiered)";
         let started = std::time::Instant::now();
@@ -383,7 +423,17 @@ impl<T> TieredBank<T> {
             // Only while cold experts are frequent: otherwise they would spin for nothing.
             self.host.expect_work(HOST_WORK_WITHIN);
         }
-        let (ids, mut weights) = be.read_routes(&routes)?;
+        let mut read = match &next {
+            Some(n) => be.read_route_sets(&[&routes, &n.routes])?,
+            None => vec![be.read_routes(&routes)?],
+        };
+        let next_routes = if next.is_some() { read.pop() } else { None };
+        let Some((ids, mut weights)) = read.pop() else {
+            return Err(Error::Shape {
+                op: OP,
+                detail: "the routes were not read back".into(),
+            });
+        };
         let k = routes.top_k.max(1);
         let e_count = self.resident.len();
         if ids.len() != weights.len() || !ids.len().is_multiple_of(k) {
@@ -416,6 +466,14 @@ impl<T> TieredBank<T> {
             .lock()
             .map_err(|_| Error::Device("expert cache lock poisoned".into()))?;
         let slots = &mut *guard;
+        let ahead_used = slots
+            .ahead
+            .drain(..)
+            .filter(|&e| pairs[e] > 0 && slots.cache.slot_of(e).is_some())
+            .count() as u64;
+        if std::mem::take(&mut slots.ahead_pending) {
+            be.await_ahead()?;
+        }
         let costs = self.costs.map(|c| c.with_host_scaled(slots.host_scale));
         let step = slots.cache.step(&needed, costs.as_ref());
         // What the load-time costs say the host's share takes, to correct them by.
@@ -429,6 +487,7 @@ impl<T> TieredBank<T> {
             fills: step.fills.len() as u64,
             evictions: step.fills.iter().filter(|f| f.evicted.is_some()).count() as u64,
             cold_experts: step.cold.len() as u64,
+            ahead_used,
             ..OffloadCounts::default()
         };
         // The input is read back before the device's copies and products are queued, so
@@ -504,6 +563,17 @@ impl<T> TieredBank<T> {
             None => (be.zeros(&[n, out_width])?, routes.experts),
         };
         drop(guard);
+        if let (Some(n), Some((next_ids, _))) = (&next, &next_routes) {
+            // As many as the link can copy while the host computes this step's share (and
+            // one more, beside the next layer's attention).
+            let limit = match (&costs, n.bank.costs) {
+                (Some(c), Some(nc)) if nc.fill_s > 0.0 => {
+                    1 + (c.host_step_s(step.cold.iter().map(|&e| pairs[e])) / nc.fill_s) as usize
+                }
+                _ => k,
+            };
+            n.bank.copy_ahead(be, next_ids, limit)?;
+        }
         if !cold.is_empty() {
             let width = be.shape(x).last().copied().unwrap_or(0);
             let host_started = std::time::Instant::now();
@@ -521,6 +591,44 @@ impl<T> TieredBank<T> {
         counts.step_ns = started.elapsed().as_nanos() as u64;
         self.counters.add(counts);
         Ok((y, experts))
+    }
+}
+
+impl<T> TieredBank<T> {
+    /// Copies up to `limit` of the host experts `ids` names (a predicted step's routes)
+    /// into slots ahead of the step ([`ExpertCache::ahead`]).
+    fn copy_ahead<B: Backend<Tensor = T>>(&self, be: &B, ids: &[u32], limit: usize) -> Result<()> {
+        let e_count = self.resident.len();
+        let mut pairs = vec![0usize; e_count];
+        for &e in ids {
+            if let Some(p) = pairs.get_mut(e as usize) {
+                *p += 1;
+            }
+        }
+        let predicted: Vec<(usize, usize)> = (0..e_count)
+            .filter(|&e| pairs[e] > 0 && self.resident[e].is_none())
+            .map(|e| (e, pairs[e]))
+            .collect();
+        let mut guard = self
+            .slots
+            .lock()
+            .map_err(|_| Error::Device("expert cache lock poisoned".into()))?;
+        let slots = &mut *guard;
+        let fills = slots.cache.ahead(&predicted, limit);
+        let mut counts = OffloadCounts::default();
+        for f in &fills {
+            let m = host_matrices(self.host.as_ref(), f.expert)?;
+            let w = &mut slots.weights[f.slot];
+            be.upload_into_ahead(&mut w.gate, m.gate)?;
+            be.upload_into_ahead(&mut w.up, m.up)?;
+            be.upload_into_ahead(&mut w.down, m.down)?;
+            counts.bytes_moved += self.host.bytes(f.expert) as u64;
+            counts.ahead_fills += 1;
+            slots.ahead.push(f.expert);
+        }
+        slots.ahead_pending |= !fills.is_empty();
+        self.counters.add(counts);
+        Ok(())
     }
 }
 

@@ -344,6 +344,17 @@ impl Metrics {
                 "Token-expert pairs of tiered layers computed on the device.",
                 c.device_pairs,
             ),
+            (
+                "kimi:expert_cache_ahead_fills_total",
+                "Host experts copied into a device slot ahead of their layer, on the previous \
+                 layer's prediction.",
+                c.ahead_fills,
+            ),
+            (
+                "kimi:expert_cache_ahead_used_total",
+                "Experts copied ahead that their layer then needed.",
+                c.ahead_used,
+            ),
         ] {
             single(name, help, "counter", value.to_string());
         }

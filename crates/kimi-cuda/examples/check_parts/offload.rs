@@ -127,7 +127,9 @@ pub fn check_offload() -> Res<()> {
         for step in [1, 16] {
             let want = run_model(&resident, &prompt, step, ForwardOptions::default())?;
             for (host, slots) in [(experts, experts), (experts / 2, 2), (experts, 1)] {
-                for pinned in [true, false] {
+                // Page-locked, staged, and page-locked with copies ahead on the next
+                // layer's prediction (on the copy stream).
+                for (pinned, ahead) in [(true, false), (false, false), (true, true)] {
                     let be = CudaBackend::new(0)?;
                     // Page-locked fills lay MXFP4 experts out on the GPU, staged ones anew
                     // on the host.
@@ -135,7 +137,8 @@ pub fn check_offload() -> Res<()> {
                         c.pin_host_experts = pinned;
                         c.mxfp4_device_fills = pinned;
                     })?;
-                    let model = KimiLinear::load_checkpoint_with(be, &ckpt, &tiered(host, slots))?;
+                    let options = tiered(host, slots, ahead);
+                    let model = KimiLinear::load_checkpoint_with(be, &ckpt, &options)?;
                     let got = run_model(&model, &prompt, step, ForwardOptions::default())?;
                     let c = model.offload_counts().ok_or("no offload counts")?;
                     let err = rel_err(&got, &want);
@@ -152,15 +155,22 @@ pub fn check_offload() -> Res<()> {
                     };
                     println!(
                         "{name:<28} step {step:<2} host {host:>2} slots {slots:>2} {}: rel err \
-                         {err:.2e} ({verdict}); fills {} hits {} cold pairs {} moved {} B",
-                        if pinned { "locked" } else { "staged" },
+                         {err:.2e} ({verdict}); fills {} (ahead {}, used {}) hits {} cold pairs \
+                         {} moved {} B",
+                        match (pinned, ahead) {
+                            (true, true) => "locked, ahead",
+                            (true, false) => "locked",
+                            _ => "staged",
+                        },
                         c.fills,
+                        c.ahead_fills,
+                        c.ahead_used,
                         c.hits,
                         c.cold_pairs,
                         c.bytes_moved
                     );
                     let _ = std::io::stdout().flush();
-                    if pinned && step == 1 {
+                    if pinned && !ahead && step == 1 {
                         failures += check_segment_graphs(&ckpt, host, slots, &prompt, &got)?;
                     }
                 }
@@ -188,7 +198,7 @@ fn check_segment_graphs(
         c.mxfp4_device_fills = true;
         c.cuda_graphs = true;
     })?;
-    let model = KimiLinear::load_checkpoint_with(be, ckpt, &tiered(host, slots))?;
+    let model = KimiLinear::load_checkpoint_with(be, ckpt, &tiered(host, slots, false))?;
     let got = run_model(&model, prompt, 1, ForwardOptions::default())?;
     let [eager, captured, replayed] = model.backend().graph_pass_counts();
     let same = got == want;
@@ -206,14 +216,18 @@ fn check_segment_graphs(
 }
 
 /// Load options putting `host` experts per layer in host RAM (computed there on the CPU's
-/// f32 kernels when cold) behind `slots` device slots.
-fn tiered(host: usize, slots: usize) -> LoadOptions {
+/// f32 kernels when cold) behind `slots` device slots, copied `ahead` on the next layer's
+/// prediction or not.
+fn tiered(host: usize, slots: usize, ahead: bool) -> LoadOptions {
     let store = HostBackend::new(Arc::new(CpuBackend::with_quant_matmul(QuantMatmul::F32)));
     LoadOptions {
         offload: Some(ExpertOffload {
             host: OffloadAmount::Experts(host),
             cache: OffloadAmount::Experts(slots),
-            policy: CachePolicy::default(),
+            policy: CachePolicy {
+                predict_next: ahead,
+                ..CachePolicy::default()
+            },
             store: Arc::new(store),
         }),
         ..LoadOptions::default()

@@ -11,8 +11,15 @@ use crate::ops;
 use crate::tensor::CudaTensor;
 
 impl CudaBackend {
-    /// [`Backend::upload_into`] once outside any recorded pass.
-    pub(crate) fn fill_slot(&self, dst: &mut CudaTensor, host: HostTensor<'_>) -> Result<()> {
+    /// [`Backend::upload_into`] (`ahead`: [`Backend::upload_into_ahead`], on the copy stream
+    /// where the bytes go as they are; the forms laid out first stay in order on the main
+    /// stream) once outside any recorded pass.
+    pub(crate) fn fill_slot(
+        &self,
+        dst: &mut CudaTensor,
+        host: HostTensor<'_>,
+        ahead: bool,
+    ) -> Result<()> {
         // In place where the buffer is this tensor's alone and takes the bytes (MXFP4 laid
         // out for the device first: on the host, or with `mxfp4_device_fills` by a kernel
         // after the copy); otherwise, or with `pin_host_experts` off, a new upload.
@@ -96,6 +103,15 @@ impl CudaBackend {
         if !fits(host.bytes.len()) {
             *dst = self.upload(host)?;
             return Ok(());
+        }
+        if ahead {
+            // SAFETY: as below, with the copy stream ordered after the kernels queued so
+            // far; the tiered bank awaits its copies ahead before its step's work reads
+            // or refills the slot.
+            return unsafe {
+                self.dev
+                    .copy_from_host_ahead(dst.ptr(), host.bytes, "expert slot fill ahead")
+            };
         }
         // SAFETY: `dst` owns `len_bytes()` == `host.bytes.len()` bytes of device memory; the
         // stream orders the copy after the kernels that read the old contents. A source in

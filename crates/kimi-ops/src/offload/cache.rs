@@ -15,6 +15,10 @@ pub struct CachePolicy {
     pub pinned_fraction: f32,
     /// Which misses are copied into slots and which the host computes.
     pub miss: MissPolicy,
+    /// Whether a step also predicts the next MoE layer's experts (that layer's router on
+    /// this layer's input) and copies the predicted ones into its slots ahead, while the
+    /// host computes this step's cold experts and the device the next layer's attention.
+    pub predict_next: bool,
 }
 
 impl Default for CachePolicy {
@@ -23,6 +27,7 @@ impl Default for CachePolicy {
             decay: 0.95,
             pinned_fraction: 0.5,
             miss: MissPolicy::Copy,
+            predict_next: false,
         }
     }
 }
@@ -178,6 +183,51 @@ impl ExpertCache {
         step
     }
 
+    /// Plans copies ahead of a step: `predicted` lists the experts a step is expected to
+    /// use (each once, with its expected pairs), before its routes are known. Up to `limit`
+    /// of those without a slot (most pairs first, then the most used, then lowest id) take
+    /// a free slot, else the least recently used one holding neither a predicted nor a
+    /// pinned expert. Scores and hits are left to the step itself.
+    pub fn ahead(&mut self, predicted: &[(usize, usize)], limit: usize) -> Vec<Fill> {
+        let mut is_predicted = vec![false; self.slot_of.len()];
+        let mut misses = Vec::new();
+        for &(e, pairs) in predicted {
+            if e >= self.slot_of.len() {
+                continue;
+            }
+            is_predicted[e] = true;
+            if self.slot_of(e).is_none() {
+                misses.push((e, pairs));
+            }
+        }
+        misses.sort_by(|a, b| {
+            b.1.cmp(&a.1)
+                .then(self.score[b.0].total_cmp(&self.score[a.0]))
+                .then(a.0.cmp(&b.0))
+        });
+        let pinned = self.pinned();
+        let mut fills = Vec::new();
+        for (e, _) in misses.into_iter().take(limit) {
+            let free = self.holder.iter().position(Option::is_none);
+            let victim = free.or_else(|| {
+                (0..self.holder.len())
+                    .filter(|&s| self.holder[s].is_some_and(|h| !is_predicted[h] && !pinned[h]))
+                    .min_by_key(|&s| (self.last_used[s], s))
+            });
+            let Some(slot) = victim else { break };
+            let evicted = self.holder[slot];
+            self.place(e, slot);
+            // Newest, so that the step's own misses evict it last.
+            self.last_used[slot] = self.tick;
+            fills.push(Fill {
+                expert: e,
+                slot,
+                evicted,
+            });
+        }
+        fills
+    }
+
     /// Per expert id: whether it is one of the `pinned_fraction × slots` best-scored
     /// experts in the cache (ties to the lower id).
     fn pinned(&self) -> Vec<bool> {
@@ -202,6 +252,7 @@ mod tests {
             decay: 0.95,
             pinned_fraction: 0.0,
             miss: MissPolicy::Copy,
+            predict_next: false,
         }
     }
 
@@ -299,6 +350,26 @@ mod tests {
             assert_ne!(s.fills[0].evicted, Some(7));
         }
         assert!(c.slot_of(7).is_some());
+    }
+
+    #[test]
+    fn copies_ahead_take_free_then_least_recent_slots_and_spare_predicted_ones() {
+        let mut c = ExpertCache::new(16, 3, lru_only());
+        c.step_copying(&[(1, 1)]);
+        c.step_copying(&[(2, 1)]);
+        // One free slot, then 1 (least recent); 2 is predicted, so kept; at most two.
+        let fills = c.ahead(&[(2, 1), (5, 1), (6, 3), (7, 1)], 2);
+        let got: Vec<(usize, Option<usize>)> =
+            fills.iter().map(|f| (f.expert, f.evicted)).collect();
+        assert_eq!(got, [(6, None), (5, Some(1))]);
+        assert_eq!(c.slot_of(7), None);
+        // The step then finds them in their slots.
+        let s = c.step_copying(&[(5, 1), (6, 1), (9, 1)]);
+        assert_eq!(s.hits, [5, 6]);
+        assert_eq!(s.fills.len(), 1);
+        assert_eq!(s.fills[0].evicted, Some(2));
+        // Every slot predicted: nothing to evict.
+        assert!(c.ahead(&[(5, 1), (6, 1), (9, 1), (11, 1)], 4).is_empty());
     }
 
     #[test]
