@@ -252,6 +252,9 @@ struct Slots<T> {
     /// Whether copies ahead were queued since the last step: the step's device work waits
     /// for them ([`Backend::await_ahead`]).
     ahead_pending: bool,
+    /// When those copies are expected to be done, by the measured copy cost: until then
+    /// the link is busy, which the step's `Auto` placement counts on the copy side.
+    ahead_until: Option<std::time::Instant>,
 }
 
 /// The next MoE layer's bank and the routes predicted for it, given to a step so that it
@@ -364,6 +367,7 @@ impl<T> TieredBank<T> {
                 host_scale: 1.0,
                 ahead: Vec::new(),
                 ahead_pending: false,
+                ahead_until: None,
             }),
             policy,
             placement,
@@ -474,8 +478,13 @@ impl<T> TieredBank<T> {
         if std::mem::take(&mut slots.ahead_pending) {
             be.await_ahead()?;
         }
+        let now = std::time::Instant::now();
+        let backlog_s = slots
+            .ahead_until
+            .take()
+            .map_or(0.0, |t| t.saturating_duration_since(now).as_secs_f64());
         let costs = self.costs.map(|c| c.with_host_scaled(slots.host_scale));
-        let step = slots.cache.step(&needed, costs.as_ref());
+        let step = slots.cache.step_behind(&needed, costs.as_ref(), backlog_s);
         // What the load-time costs say the host's share takes, to correct them by.
         let predicted: f64 = match &self.costs {
             Some(c) => c.host_step_s(step.cold.iter().map(|&e| pairs[e])),
@@ -564,15 +573,23 @@ impl<T> TieredBank<T> {
         };
         drop(guard);
         if let (Some(n), Some((next_ids, _))) = (&next, &next_routes) {
-            // As many as the link can copy while the host computes this step's share (and
-            // one more, beside the next layer's attention).
-            let limit = match (&costs, n.bank.costs) {
+            // As many as the link has time for once this step's copies are done, while the
+            // host computes this step's share (to the nearest copy: the next layer's
+            // attention runs before its step waits for them). Without measured costs, one
+            // token's worth.
+            let (limit, busy_s) = match (&costs, n.bank.costs) {
                 (Some(c), Some(nc)) if nc.fill_s > 0.0 => {
-                    1 + (c.host_step_s(step.cold.iter().map(|&e| pairs[e])) / nc.fill_s) as usize
+                    let busy_s = backlog_s + step.fills.len() as f64 * c.fill_s;
+                    let host_s = c.host_step_s(step.cold.iter().map(|&e| pairs[e]));
+                    let idle_s = (host_s - busy_s).max(0.0);
+                    (
+                        (idle_s / nc.fill_s + 0.5) as usize,
+                        Some((busy_s, nc.fill_s)),
+                    )
                 }
-                _ => k,
+                _ => (k, None),
             };
-            n.bank.copy_ahead(be, next_ids, limit)?;
+            n.bank.copy_ahead(be, next_ids, limit, busy_s)?;
         }
         if !cold.is_empty() {
             let width = be.shape(x).last().copied().unwrap_or(0);
@@ -596,8 +613,19 @@ impl<T> TieredBank<T> {
 
 impl<T> TieredBank<T> {
     /// Copies up to `limit` of the host experts `ids` names (a predicted step's routes)
-    /// into slots ahead of the step ([`ExpertCache::ahead`]).
-    fn copy_ahead<B: Backend<Tensor = T>>(&self, be: &B, ids: &[u32], limit: usize) -> Result<()> {
+    /// into slots ahead of the step ([`ExpertCache::ahead`]). With `link = (busy_s,
+    /// fill_s)` the copies start once the link's queued work is done, `busy_s` from now,
+    /// and each takes `fill_s`: the step counts what is left of them.
+    fn copy_ahead<B: Backend<Tensor = T>>(
+        &self,
+        be: &B,
+        ids: &[u32],
+        limit: usize,
+        link: Option<(f64, f64)>,
+    ) -> Result<()> {
+        if limit == 0 {
+            return Ok(());
+        }
         let e_count = self.resident.len();
         let mut pairs = vec![0usize; e_count];
         for &e in ids {
@@ -627,6 +655,12 @@ impl<T> TieredBank<T> {
             slots.ahead.push(f.expert);
         }
         slots.ahead_pending |= !fills.is_empty();
+        if let (Some((busy_s, fill_s)), false) = (link, fills.is_empty()) {
+            let secs = busy_s + fills.len() as f64 * fill_s;
+            slots.ahead_until = std::time::Duration::try_from_secs_f64(secs)
+                .ok()
+                .and_then(|d| std::time::Instant::now().checked_add(d));
+        }
         self.counters.add(counts);
         Ok(())
     }

@@ -517,6 +517,8 @@ mod tests {
                     bytes_moved: 100,
                     host_ns: 1_500_000_000,
                     step_ns: 2_000_000_000,
+                    ahead_fills: 2,
+                    ahead_used: 1,
                 },
             }),
             ..EngineMetrics::default()
@@ -533,6 +535,8 @@ mod tests {
             "kimi:expert_cache_evictions_total{model_name=\"k3\"} 1\n",
             "kimi:expert_cold_pairs_total{model_name=\"k3\"} 6\n",
             "kimi:expert_cache_hit_ratio{model_name=\"k3\"} 0.375\n",
+            "kimi:expert_cache_ahead_fills_total{model_name=\"k3\"} 2\n",
+            "kimi:expert_cache_ahead_used_total{model_name=\"k3\"} 1\n",
             "kimi:expert_bytes_moved_per_token{model_name=\"k3\"} 10\n",
             "# TYPE kimi:expert_host_compute_seconds_total counter\n",
             "kimi:expert_host_compute_seconds_total{model_name=\"k3\"} 1.5\n",

@@ -116,6 +116,18 @@ impl ExpertCache {
     /// policy's [`MissPolicy`] may leave a miss cold that a slot could take: always
     /// (`Host`), or where the host's queue, by `costs`, would end sooner (`Auto`).
     pub fn step(&mut self, needed: &[(usize, usize)], costs: Option<&MissCosts>) -> CacheStep {
+        self.step_behind(needed, costs, 0.0)
+    }
+
+    /// [`ExpertCache::step`] with the copy link still busy for `copy_backlog_s` seconds
+    /// (copies made ahead of the step and not yet done), which `Auto` counts on the copy
+    /// side.
+    pub fn step_behind(
+        &mut self,
+        needed: &[(usize, usize)],
+        costs: Option<&MissCosts>,
+        copy_backlog_s: f64,
+    ) -> CacheStep {
         self.tick += 1;
         let tick = self.tick;
         for s in &mut self.score {
@@ -146,7 +158,7 @@ impl ExpertCache {
                 .then(a.0.cmp(&b.0))
         });
         let pinned = self.pinned();
-        let mut queues = MissQueues::default();
+        let mut queues = MissQueues::behind(copy_backlog_s);
         for (e, pairs) in misses {
             let free = self.holder.iter().position(Option::is_none);
             let victim = free.or_else(|| {
@@ -290,6 +302,30 @@ mod tests {
         let s = c.step(&[(1, 1), (9, 1)], Some(&costs));
         assert_eq!((s.hits.as_slice(), s.cold.as_slice()), (&[1][..], &[9][..]));
         assert!(s.fills.is_empty());
+    }
+
+    #[test]
+    fn a_busy_copy_link_sends_more_misses_to_the_host() {
+        let policy = CachePolicy {
+            miss: MissPolicy::Auto,
+            ..lru_only()
+        };
+        let costs = MissCosts {
+            fill_s: 1e-3,
+            host_first_s: 2e-3,
+            host_next_s: 1e-3,
+            host_more_s: 1e-3,
+        };
+        let needed = [(1, 1), (2, 1), (3, 1)];
+        // An idle link: copy (1 ms against 2), copy (2 against 2), host (3 against 2).
+        let idle = ExpertCache::new(16, 8, policy).step(&needed, Some(&costs));
+        assert_eq!(idle.fills.len(), 2, "{idle:?}");
+        // The link busy for 3 ms: host (4 against 2), host (4 against 3), copy (4 against
+        // 4).
+        let busy = ExpertCache::new(16, 8, policy).step_behind(&needed, Some(&costs), 3e-3);
+        assert!(busy.fills.len() < idle.fills.len(), "{idle:?} {busy:?}");
+        assert_eq!(busy.fills.len() + busy.cold.len(), 3);
+        assert_eq!(busy.cold.len(), 2, "{busy:?}");
     }
 
     #[test]

@@ -211,6 +211,15 @@ pub(super) struct MissQueues {
 }
 
 impl MissQueues {
+    /// Queues whose copy side is still busy for `copy_s` seconds (copies queued earlier,
+    /// ahead of this step).
+    pub(super) fn behind(copy_s: f64) -> Self {
+        Self {
+            copy_s: copy_s.max(0.0),
+            ..Self::default()
+        }
+    }
+
     /// Whether a miss of `pairs` tokens should be copied in (a slot being free for it),
     /// under `policy` with `costs` (`Auto` without costs copies); books it on its side.
     pub(super) fn choose_copy(
