@@ -310,7 +310,8 @@ impl<T> FfnLayer<T> {
 
 impl<T> ComposedMoe<T> {
     /// Where this layer's experts are in tiers that predict the next layer
-    /// (`predict_next`) and the next layer's are in tiers too: the next layer's router on
+    /// (`predict_next`) and the next layer's are in tiers too, and have missed lately
+    /// (`TieredBank::wants_prediction`): the next layer's router on
     /// this layer's input `x`, with that layer's bank. The prediction reads `x` as normed
     /// for this layer; the next layer's own input differs by this layer's output and
     /// attention, which is why it is a prediction.
@@ -325,7 +326,7 @@ impl<T> ComposedMoe<T> {
         else {
             return Ok(None);
         };
-        let Some(bank) = n.bank.tiered() else {
+        let Some(bank) = n.bank.tiered().filter(|b| b.wants_prediction()) else {
             return Ok(None);
         };
         let routes = be.moe_route(x, &n.router, n.correction_bias.as_ref(), &n.routing)?;

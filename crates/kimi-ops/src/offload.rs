@@ -283,6 +283,9 @@ pub struct TieredBank<T> {
     /// One bit per recent step (the newest lowest): whether it had cold experts. The host
     /// is woken ahead of a step only while some recent step had them.
     recent_cold: AtomicU32,
+    /// The same for misses of either kind (copied in or cold): a step predicts this bank's
+    /// experts for it only while some recent step missed ([`TieredBank::wants_prediction`]).
+    recent_miss: AtomicU32,
 }
 
 impl<T> TieredBank<T> {
@@ -374,6 +377,8 @@ impl<T> TieredBank<T> {
             costs,
             counters: Counters::default(),
             recent_cold: AtomicU32::new(0),
+            // Missing until its first steps say otherwise.
+            recent_miss: AtomicU32::new(u32::MAX),
         })
     }
 
@@ -406,6 +411,13 @@ impl<T> TieredBank<T> {
     /// How the slots are chosen.
     pub fn policy(&self) -> CachePolicy {
         self.policy
+    }
+
+    /// Whether the layer before should predict this bank's experts and copy them ahead:
+    /// it has slots and one of its last 32 steps missed. Where every step hits, the
+    /// prediction (a router and a read-back per layer) would cost without saving.
+    pub fn wants_prediction(&self) -> bool {
+        self.placement.slots > 0 && self.recent_miss.load(Ordering::Relaxed) != 0
     }
 
     /// See [`crate::ExpertBank::run`]. With `next`, the next MoE layer's predicted experts
@@ -531,11 +543,12 @@ impl<T> TieredBank<T> {
         }
         counts.cold_pairs = cold.len() as u64;
         let had_cold = u32::from(!cold.is_empty());
-        let _ = self
-            .recent_cold
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
-                Some(bits << 1 | had_cold)
+        let had_miss = u32::from(!cold.is_empty() || !step.fills.is_empty());
+        for (recent, bit) in [(&self.recent_cold, had_cold), (&self.recent_miss, had_miss)] {
+            let _ = recent.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                Some(bits << 1 | bit)
             });
+        }
         counts.device_pairs = (ids.len() - cold.len()) as u64;
 
         let out_width = self.host.out_width();
