@@ -539,11 +539,28 @@ fn offloaded_experts_give_the_resident_logits() {
             &["--offload-experts", "8", "--offload-folder", folder][..],
             format!("memory-mapped files in {folder}"),
         ),
+        (
+            &[
+                "--offload-experts",
+                "8",
+                "--expert-cache-slots",
+                "2",
+                "--offload-prefetch",
+                "next-layer",
+            ][..],
+            "host RAM".to_string(),
+        ),
     ] {
         let (got, log) = logits("tiered.npy", extra);
         assert!(
             log.contains("experts: per MoE layer 0 on cpu")
                 && log.contains(&format!(" and 8 in {tier} with")),
+            "{extra:?}: {log}"
+        );
+        let ahead = extra.contains(&"next-layer");
+        assert_eq!(
+            log.contains("slots also filled one MoE layer ahead, predicted"),
+            ahead,
             "{extra:?}: {log}"
         );
         let num: f64 = got.iter().zip(&want).map(|(g, w)| (g - w).powi(2)).sum();
