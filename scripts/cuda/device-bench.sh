@@ -168,9 +168,10 @@ PY
       --json "$OUT/k3-stack-$n.json" 2>&1 | tee "$OUT/k3-stack-$n.txt"
   done
 fi
-# Kimi K3's experts in tiers: the full-width config cut to 2 layers (one LatentMoE layer), half
-# of its 896 experts in host RAM behind 64 slots, MXFP4 fills laid out on the host and on the
-# GPU (KIMI_CUDA_MXFP4_DEVICE_FILLS), `--offload-miss auto`.
+# Kimi K3's experts in tiers: the full-width config cut to 2 layers (one LatentMoE layer),
+# K3_OFFLOAD_HOST (448, half) of its 896 experts in host RAM behind K3_OFFLOAD_SLOTS (64)
+# slots, MXFP4 fills laid out on the host and on the GPU (KIMI_CUDA_MXFP4_DEVICE_FILLS),
+# `--offload-miss auto`.
 if want k3-offload; then
   python3 - crates/kimi-core/tests/data/kimi-k3-trimmed.config.json /tmp/k3-2.json <<'PY'
 import json, sys
@@ -184,7 +185,8 @@ PY
   for fills in ${K3_OFFLOAD_FILLS:-0 1}; do
     KIMI_CUDA_MXFP4_DEVICE_FILLS=$fills timeout ${K3_OFFLOAD_TIMEOUT:-150} .device-bin/kimi-infer bench \
       --device cuda --random-config /tmp/k3-2.json --prompt-len 64 --gen-len 4 --repeats 1 \
-      --decode-batch 1,16 --context 256 --decode-steps 8 --offload-experts 448 --expert-cache-slots 64 \
+      --decode-batch 1,16 --context 256 --decode-steps 8 \
+      --offload-experts "${K3_OFFLOAD_HOST:-448}" --expert-cache-slots "${K3_OFFLOAD_SLOTS:-64}" \
       --json "$OUT/k3-offload-fills$fills.json" 2>&1 | tee "$OUT/k3-offload-fills$fills.txt"
   done
 fi

@@ -469,18 +469,8 @@ impl<T> TieredBank<T> {
             });
         }
         let n = ids.len() / k;
-        let mut pairs = vec![0usize; e_count];
-        for &e in &ids {
-            pairs[e as usize] += 1;
-        }
-        let needed: Vec<(usize, usize)> = (0..e_count)
-            .filter(|&e| pairs[e] > 0 && self.resident[e].is_none())
-            .map(|e| (e, pairs[e]))
-            .collect();
-        let mut guard = self
-            .slots
-            .lock()
-            .map_err(|_| Error::Device("expert cache lock poisoned".into()))?;
+        let (pairs, needed) = self.host_pairs(&ids);
+        let mut guard = self.lock_slots()?;
         let slots = &mut *guard;
         let ahead_used = slots
             .ahead
@@ -625,6 +615,28 @@ impl<T> TieredBank<T> {
 }
 
 impl<T> TieredBank<T> {
+    /// Pairs per expert id of `ids` (ids past the bank count nothing), and the host experts
+    /// among them with their pairs.
+    fn host_pairs(&self, ids: &[u32]) -> (Vec<usize>, Vec<(usize, usize)>) {
+        let mut pairs = vec![0usize; self.resident.len()];
+        for &e in ids {
+            if let Some(p) = pairs.get_mut(e as usize) {
+                *p += 1;
+            }
+        }
+        let host = (0..pairs.len())
+            .filter(|&e| pairs[e] > 0 && self.resident[e].is_none())
+            .map(|e| (e, pairs[e]))
+            .collect();
+        (pairs, host)
+    }
+
+    fn lock_slots(&self) -> Result<std::sync::MutexGuard<'_, Slots<T>>> {
+        self.slots
+            .lock()
+            .map_err(|_| Error::Device("expert cache lock poisoned".into()))
+    }
+
     /// Copies up to `limit` of the host experts `ids` names (a predicted step's routes)
     /// into slots ahead of the step ([`ExpertCache::ahead`]). With `link = (busy_s,
     /// fill_s)` the copies start once the link's queued work is done, `busy_s` from now,
@@ -639,21 +651,8 @@ impl<T> TieredBank<T> {
         if limit == 0 {
             return Ok(());
         }
-        let e_count = self.resident.len();
-        let mut pairs = vec![0usize; e_count];
-        for &e in ids {
-            if let Some(p) = pairs.get_mut(e as usize) {
-                *p += 1;
-            }
-        }
-        let predicted: Vec<(usize, usize)> = (0..e_count)
-            .filter(|&e| pairs[e] > 0 && self.resident[e].is_none())
-            .map(|e| (e, pairs[e]))
-            .collect();
-        let mut guard = self
-            .slots
-            .lock()
-            .map_err(|_| Error::Device("expert cache lock poisoned".into()))?;
+        let (_, predicted) = self.host_pairs(ids);
+        let mut guard = self.lock_slots()?;
         let slots = &mut *guard;
         let fills = slots.cache.ahead(&predicted, limit);
         let mut counts = OffloadCounts::default();

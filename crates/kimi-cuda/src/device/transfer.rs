@@ -35,8 +35,9 @@ impl AheadCopies {
 impl Device {
     /// Copies `bytes` to `dst` in stream order, after what the current pass has recorded so
     /// far (queued first) and before anything queued later. From page-locked memory
-    /// ([`lock_host`](crate::host_lock::lock_host)) the copy runs by DMA and this returns before it is done; from pageable
-    /// memory the driver has taken the bytes when this returns.
+    /// ([`lock_host`](crate::host_lock::lock_host)) the copy runs by DMA and this returns
+    /// before it is done; from pageable memory the driver has taken the bytes when this
+    /// returns.
     ///
     /// # Safety
     /// `dst` points at `bytes.len()` bytes of live device memory; page-locked `bytes` stay
@@ -47,20 +48,8 @@ impl Device {
         bytes: &[u8],
         op: &'static str,
     ) -> Result<()> {
-        use cudarc::driver::sys;
-        self.flush(op)?;
-        self.enter(op)?;
-        // SAFETY: the caller's contract; the context is current on this thread.
-        unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
-                dst,
-                bytes.as_ptr().cast(),
-                bytes.len(),
-                self.stream.cu_stream(),
-            )
-        }
-        .result()
-        .op(op)
+        // SAFETY: the caller's contract.
+        unsafe { self.copy_on(&self.stream, dst, bytes, op) }
     }
 
     /// [`Self::copy_from_host`] on the copy stream: after the work queued on the main stream
@@ -75,19 +64,34 @@ impl Device {
         bytes: &[u8],
         op: &'static str,
     ) -> Result<()> {
-        use cudarc::driver::sys;
-        self.flush(op)?;
-        self.enter(op)?;
         let a = &self.ahead;
+        self.flush(op)?;
         a.queued.record(&self.stream).op(op)?;
         a.stream.wait(&a.queued).op(op)?;
+        // SAFETY: the caller's contract.
+        unsafe { self.copy_on(&a.stream, dst, bytes, op) }
+    }
+
+    /// The host-to-device copy of both, on `stream` after a recorded pass's ops.
+    ///
+    /// # Safety
+    /// As [`Self::copy_from_host`], with `stream` this device's.
+    unsafe fn copy_on(
+        &self,
+        stream: &CudaStream,
+        dst: u64,
+        bytes: &[u8],
+        op: &'static str,
+    ) -> Result<()> {
+        self.flush(op)?;
+        self.enter(op)?;
         // SAFETY: the caller's contract; the context is current on this thread.
         unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
+            cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
                 dst,
                 bytes.as_ptr().cast(),
                 bytes.len(),
-                a.stream.cu_stream(),
+                stream.cu_stream(),
             )
         }
         .result()

@@ -152,23 +152,12 @@ impl ExpertCache {
                 None => {}
             }
         }
-        misses.sort_by(|a, b| {
-            b.1.cmp(&a.1)
-                .then(self.score[b.0].total_cmp(&self.score[a.0]))
-                .then(a.0.cmp(&b.0))
-        });
+        self.order_misses(&mut misses);
         let pinned = self.pinned();
         let mut queues = MissQueues::behind(copy_backlog_s);
         for (e, pairs) in misses {
-            let free = self.holder.iter().position(Option::is_none);
-            let victim = free.or_else(|| {
-                (0..self.holder.len())
-                    .filter(|&s| {
-                        self.holder[s].is_some_and(|h| !is_needed[h] && !pinned[h])
-                            && self.last_used[s] < tick
-                    })
-                    .min_by_key(|&s| (self.last_used[s], s))
-            });
+            let victim =
+                self.victim(|s, h| !is_needed[h] && !pinned[h] && self.last_used[s] < tick);
             let victim = match victim {
                 Some(slot) => queues
                     .choose_copy(self.policy.miss, costs, pairs)
@@ -212,21 +201,13 @@ impl ExpertCache {
                 misses.push((e, pairs));
             }
         }
-        misses.sort_by(|a, b| {
-            b.1.cmp(&a.1)
-                .then(self.score[b.0].total_cmp(&self.score[a.0]))
-                .then(a.0.cmp(&b.0))
-        });
+        self.order_misses(&mut misses);
         let pinned = self.pinned();
         let mut fills = Vec::new();
         for (e, _) in misses.into_iter().take(limit) {
-            let free = self.holder.iter().position(Option::is_none);
-            let victim = free.or_else(|| {
-                (0..self.holder.len())
-                    .filter(|&s| self.holder[s].is_some_and(|h| !is_predicted[h] && !pinned[h]))
-                    .min_by_key(|&s| (self.last_used[s], s))
-            });
-            let Some(slot) = victim else { break };
+            let Some(slot) = self.victim(|_, h| !is_predicted[h] && !pinned[h]) else {
+                break;
+            };
             let evicted = self.holder[slot];
             self.place(e, slot);
             // Newest, so that the step's own misses evict it last.
@@ -238,6 +219,27 @@ impl ExpertCache {
             });
         }
         fills
+    }
+
+    /// Misses `(expert, pairs)` in the order they take slots: most pairs first, then the
+    /// most used, then the lowest id.
+    fn order_misses(&self, misses: &mut [(usize, usize)]) {
+        misses.sort_by(|a, b| {
+            b.1.cmp(&a.1)
+                .then(self.score[b.0].total_cmp(&self.score[a.0]))
+                .then(a.0.cmp(&b.0))
+        });
+    }
+
+    /// A free slot, else the least recently used one whose holder may go (`evictable(slot,
+    /// holder)`).
+    fn victim(&self, evictable: impl Fn(usize, usize) -> bool) -> Option<usize> {
+        let free = self.holder.iter().position(Option::is_none);
+        free.or_else(|| {
+            (0..self.holder.len())
+                .filter(|&s| self.holder[s].is_some_and(|h| evictable(s, h)))
+                .min_by_key(|&s| (self.last_used[s], s))
+        })
     }
 
     /// Per expert id: whether it is one of the `pinned_fraction × slots` best-scored
@@ -274,8 +276,9 @@ mod tests {
         }
     }
 
-    #[test]
-    fn auto_leaves_misses_to_the_host_where_it_is_sooner() {
+    /// `Auto` over LRU slots, a copy costing 1 ms, the host's first expert 2 ms, each
+    /// further token 1 ms and each further expert `host_more_s`.
+    fn auto(host_more_s: f64) -> (CachePolicy, MissCosts) {
         let policy = CachePolicy {
             miss: MissPolicy::Auto,
             ..lru_only()
@@ -284,8 +287,14 @@ mod tests {
             fill_s: 1e-3,
             host_first_s: 2e-3,
             host_next_s: 1e-3,
-            host_more_s: 2e-3,
+            host_more_s,
         };
+        (policy, costs)
+    }
+
+    #[test]
+    fn auto_leaves_misses_to_the_host_where_it_is_sooner() {
+        let (policy, costs) = auto(2e-3);
         let mut c = ExpertCache::new(16, 8, policy);
         let s = c.step(&[(1, 1), (2, 1), (3, 1), (4, 1), (5, 3)], Some(&costs));
         // 5 (three tokens) first: copy (1 ms against 4); 1 copy (2 against 2); 2 host (3
@@ -306,16 +315,7 @@ mod tests {
 
     #[test]
     fn a_busy_copy_link_sends_more_misses_to_the_host() {
-        let policy = CachePolicy {
-            miss: MissPolicy::Auto,
-            ..lru_only()
-        };
-        let costs = MissCosts {
-            fill_s: 1e-3,
-            host_first_s: 2e-3,
-            host_next_s: 1e-3,
-            host_more_s: 1e-3,
-        };
+        let (policy, costs) = auto(1e-3);
         let needed = [(1, 1), (2, 1), (3, 1)];
         // An idle link: copy (1 ms against 2), copy (2 against 2), host (3 against 2).
         let idle = ExpertCache::new(16, 8, policy).step(&needed, Some(&costs));
