@@ -256,6 +256,8 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
     let result = json!({
         "model": loaded.dir.display().to_string(),
         "offload_miss_costs": miss_costs,
+        "offload_prefetch": clap::ValueEnum::to_possible_value(&a.model.offload.offload_prefetch)
+            .map(|v| v.get_name().to_string()),
         "routing_skew": a.routing_skew,
         "backend": backend_name,
         "threads": kimi_cpu::num_threads(),

@@ -787,6 +787,56 @@ fn bench_writes_json() {
     assert!(v["peak_rss_bytes"].as_u64().unwrap() > 0);
 }
 
+/// `bench` with experts in tiers copied ahead on the next layer's prediction says how many
+/// were copied ahead and used, on its lines and in its JSON.
+#[test]
+fn bench_reports_experts_copied_ahead() {
+    let out = tempfile::tempdir().unwrap();
+    let json = out.path().join("bench.json");
+    let cfg = fixture("hub-bf16-irregular").join("config.json");
+    let o = run(&[
+        "bench",
+        "--random-config",
+        cfg.to_str().unwrap(),
+        "--prompt-len",
+        "4",
+        "--gen-len",
+        "2",
+        "--repeats",
+        "1",
+        "--decode-batch",
+        "1",
+        "--context",
+        "4",
+        "--decode-steps",
+        "6",
+        "--offload-experts",
+        "8",
+        "--expert-cache-slots",
+        "2",
+        "--offload-miss",
+        "copy",
+        "--offload-prefetch",
+        "next-layer",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("copied ahead per token on the next layer's prediction"),
+        "{}",
+        stdout(&o)
+    );
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    assert_eq!(v["offload_prefetch"], "next-layer");
+    let offload = &v["decode_batches"][0]["offload"];
+    let (fills, used) = (
+        offload["ahead_fills"].as_u64().unwrap(),
+        offload["ahead_used"].as_u64().unwrap(),
+    );
+    assert!(fills > 0 && used <= fills, "{offload}");
+}
+
 /// `--routing-skew` makes the random routers prefer some experts: the most-used quarter
 /// of the experts takes a larger share of the routed pairs than without it.
 #[test]
