@@ -787,6 +787,19 @@ fn bench_writes_json() {
     assert!(v["peak_rss_bytes"].as_u64().unwrap() > 0);
 }
 
+/// A short `bench` of random weights of config `cfg` (a 4-token prompt, 2 generated, one
+/// repeat, decode batches at context 4) with `extra` flags, its JSON in `json`; it must
+/// succeed.
+fn small_bench(cfg: &Path, json: &Path, extra: &[&str]) -> std::process::Output {
+    let mut args = vec!["bench", "--random-config", cfg.to_str().unwrap()];
+    args.extend(["--prompt-len", "4", "--gen-len", "2", "--repeats", "1"]);
+    args.extend(["--context", "4", "--json", json.to_str().unwrap()]);
+    args.extend(extra);
+    let o = run(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    o
+}
+
 /// `bench` with experts in tiers copied ahead on the next layer's prediction says how many
 /// were copied ahead and used, on its lines and in its JSON.
 #[test]
@@ -794,34 +807,24 @@ fn bench_reports_experts_copied_ahead() {
     let out = tempfile::tempdir().unwrap();
     let json = out.path().join("bench.json");
     let cfg = fixture("hub-bf16-irregular").join("config.json");
-    let o = run(&[
-        "bench",
-        "--random-config",
-        cfg.to_str().unwrap(),
-        "--prompt-len",
-        "4",
-        "--gen-len",
-        "2",
-        "--repeats",
-        "1",
-        "--decode-batch",
-        "1",
-        "--context",
-        "4",
-        "--decode-steps",
-        "6",
-        "--offload-experts",
-        "8",
-        "--expert-cache-slots",
-        "2",
-        "--offload-miss",
-        "copy",
-        "--offload-prefetch",
-        "next-layer",
-        "--json",
-        json.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    let o = small_bench(
+        &cfg,
+        &json,
+        &[
+            "--decode-batch",
+            "1",
+            "--decode-steps",
+            "6",
+            "--offload-experts",
+            "8",
+            "--expert-cache-slots",
+            "2",
+            "--offload-miss",
+            "copy",
+            "--offload-prefetch",
+            "next-layer",
+        ],
+    );
     assert!(
         stdout(&o).contains("copied ahead per token on the next layer's prediction"),
         "{}",
@@ -845,28 +848,18 @@ fn bench_routing_skew_concentrates_the_routed_pairs() {
     let cfg = fixture("hub-bf16-irregular").join("config.json");
     let share = |skew: &str| {
         let json = out.path().join(format!("bench-{skew}.json"));
-        let o = run(&[
-            "bench",
-            "--random-config",
-            cfg.to_str().unwrap(),
-            "--prompt-len",
-            "4",
-            "--gen-len",
-            "2",
-            "--repeats",
-            "1",
-            "--decode-batch",
-            "8",
-            "--context",
-            "4",
-            "--decode-steps",
-            "4",
-            "--routing-skew",
-            skew,
-            "--json",
-            json.to_str().unwrap(),
-        ]);
-        assert!(o.status.success(), "{}", stderr(&o));
+        let o = small_bench(
+            &cfg,
+            &json,
+            &[
+                "--decode-batch",
+                "8",
+                "--decode-steps",
+                "4",
+                "--routing-skew",
+                skew,
+            ],
+        );
         assert!(
             stdout(&o).contains("most-used 10 % of experts took"),
             "{}",

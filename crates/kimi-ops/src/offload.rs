@@ -439,17 +439,16 @@ impl<T> TieredBank<T> {
             // Only while cold experts are frequent: otherwise they would spin for nothing.
             self.host.expect_work(HOST_WORK_WITHIN);
         }
-        let mut read = match &next {
-            Some(n) => be.read_route_sets(&[&routes, &n.routes])?,
-            None => vec![be.read_routes(&routes)?],
-        };
-        let next_routes = if next.is_some() { read.pop() } else { None };
-        let Some((ids, mut weights)) = read.pop() else {
+        let mut sets = vec![&routes];
+        sets.extend(next.as_ref().map(|n| &n.routes));
+        let mut read = be.read_route_sets(&sets)?.into_iter();
+        let Some((ids, mut weights)) = read.next() else {
             return Err(Error::Shape {
                 op: OP,
                 detail: "the routes were not read back".into(),
             });
         };
+        let next_routes = read.next();
         let k = routes.top_k.max(1);
         let e_count = self.resident.len();
         if ids.len() != weights.len() || !ids.len().is_multiple_of(k) {

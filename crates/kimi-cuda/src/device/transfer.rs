@@ -48,6 +48,8 @@ impl Device {
         bytes: &[u8],
         op: &'static str,
     ) -> Result<()> {
+        self.flush(op)?;
+        self.enter(op)?;
         // SAFETY: the caller's contract.
         unsafe { self.copy_on(&self.stream, dst, bytes, op) }
     }
@@ -66,13 +68,15 @@ impl Device {
     ) -> Result<()> {
         let a = &self.ahead;
         self.flush(op)?;
+        self.enter(op)?;
         a.queued.record(&self.stream).op(op)?;
         a.stream.wait(&a.queued).op(op)?;
         // SAFETY: the caller's contract.
         unsafe { self.copy_on(&a.stream, dst, bytes, op) }
     }
 
-    /// The host-to-device copy of both, on `stream` after a recorded pass's ops.
+    /// The host-to-device copy of both, on `stream` (the caller has queued a recorded
+    /// pass's ops and entered the device first).
     ///
     /// # Safety
     /// As [`Self::copy_from_host`], with `stream` this device's.
@@ -83,8 +87,6 @@ impl Device {
         bytes: &[u8],
         op: &'static str,
     ) -> Result<()> {
-        self.flush(op)?;
-        self.enter(op)?;
         // SAFETY: the caller's contract; the context is current on this thread.
         unsafe {
             cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
