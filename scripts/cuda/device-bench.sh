@@ -168,26 +168,27 @@ PY
       --json "$OUT/k3-stack-$n.json" 2>&1 | tee "$OUT/k3-stack-$n.txt"
   done
 fi
-# Kimi K3's experts in tiers: the full-width config cut to 2 layers (one LatentMoE layer),
-# K3_OFFLOAD_HOST (448, half) of its 896 experts in host RAM behind K3_OFFLOAD_SLOTS (64)
-# slots, MXFP4 fills laid out on the host and on the GPU (KIMI_CUDA_MXFP4_DEVICE_FILLS),
-# `--offload-miss auto`.
+# Kimi K3's experts in tiers: the full-width config cut to K3_OFFLOAD_LAYERS (2: one LatentMoE
+# layer; 4: KKKM, three) layers, K3_OFFLOAD_HOST (448, half) of its 896 experts per layer in
+# host RAM behind K3_OFFLOAD_SLOTS (64) slots, MXFP4 fills laid out on the host and on the GPU
+# (KIMI_CUDA_MXFP4_DEVICE_FILLS), `--offload-miss auto`.
 if want k3-offload; then
-  python3 - crates/kimi-core/tests/data/kimi-k3-trimmed.config.json /tmp/k3-2.json <<'PY'
+  K3L=${K3_OFFLOAD_LAYERS:-2}
+  python3 - crates/kimi-core/tests/data/kimi-k3-trimmed.config.json "/tmp/k3-$K3L.json" "$K3L" <<'PY'
 import json, sys
-c = json.load(open(sys.argv[1])); t = c.get("text_config", c)
-t["num_hidden_layers"] = 2
+c = json.load(open(sys.argv[1])); t = c.get("text_config", c); n = int(sys.argv[3])
+t["num_hidden_layers"] = n
 la = t["linear_attn_config"]
 for k in ("kda_layers", "full_attn_layers"):
-    la[k] = [i for i in la[k] if i <= 2]
+    la[k] = [i for i in la[k] if i <= n]
 json.dump(c, open(sys.argv[2], "w"), indent=1)
 PY
   for fills in ${K3_OFFLOAD_FILLS:-0 1}; do
     KIMI_CUDA_MXFP4_DEVICE_FILLS=$fills timeout ${K3_OFFLOAD_TIMEOUT:-150} .device-bin/kimi-infer bench \
-      --device cuda --random-config /tmp/k3-2.json --prompt-len 64 --gen-len 4 --repeats 1 \
+      --device cuda --random-config "/tmp/k3-$K3L.json" --prompt-len 64 --gen-len 4 --repeats 1 \
       --decode-batch 1,16 --context 256 --decode-steps 8 \
       --offload-experts "${K3_OFFLOAD_HOST:-448}" --expert-cache-slots "${K3_OFFLOAD_SLOTS:-64}" \
-      --json "$OUT/k3-offload-fills$fills.json" 2>&1 | tee "$OUT/k3-offload-fills$fills.txt"
+      --json "$OUT/k3-offload-$K3L-fills$fills.json" 2>&1 | tee "$OUT/k3-offload-$K3L-fills$fills.txt"
   done
 fi
 # Kimi K3 at full width cut to K3_BIG_LAYERS (default 4: KKKM) layers: decode graphs against
