@@ -203,7 +203,8 @@ fi
 # OFFLOAD_HOST: experts per layer (of 256) kept in host RAM; OFFLOAD_SLOTS: device slots;
 # OFFLOAD_PIN: 1 and/or 0; OFFLOAD_MISS: auto, copy and/or cpu; OFFLOAD_SKEW: `bench
 # --routing-skew` values (0: about uniform routing, the worst case for the cache);
-# OFFLOAD_PREFETCH: `--offload-prefetch` values (router and/or next-layer).
+# OFFLOAD_PREFETCH: `--offload-prefetch` values (router and/or next-layer); OFFLOAD_BEHIND: 0
+# and/or 1 (`--offload-copy-behind`).
 # First the fixtures in tiers against all resident on the device (`check offload`).
 # OFFLOAD_LAYERS=N cuts the config to its first N layers, so that an all-on-GPU baseline fits a
 # smaller card (16 of the 48B's 27 layers fit an H100's 80 GB).
@@ -235,19 +236,24 @@ PY
           for skew in ${OFFLOAD_SKEW:-0}; do
             prefetches=${OFFLOAD_PREFETCH:-router}
             for prefetch in $prefetches; do
+             behinds=${OFFLOAD_BEHIND:-0}
+             for behind in $behinds; do
               # Without slots nothing is copied: one run.
               [ "$slots" = 0 ] && [ "$prefetch" != "${prefetches%% *}" ] && continue
+              [ "$slots" = 0 ] && [ "$behind" != "${behinds%% *}" ] && continue
               name="offload-$host-$slots-pin$pin-$miss-skew$skew"
               pf=""
               if [ "$host" != 0 ] && [ "$slots" != 0 ]; then
                 pf="--offload-prefetch $prefetch"
                 [ "$prefetch" != router ] && name="$name-$prefetch"
+                [ "$behind" = 1 ] && pf="$pf --offload-copy-behind" && name="$name-behind"
               fi
               KIMI_CUDA_PIN_HOST_EXPERTS=$pin timeout ${OFFLOAD_TIMEOUT:-300} .device-bin/kimi-infer bench \
                 --device cuda --random-config "$CONFIG" --routing-skew "$skew" \
                 --prompt-len 256 --gen-len 8 --repeats 1 --decode-batch "${OFFLOAD_BATCHES:-1,16}" \
                 --context 256 --decode-steps "${OFFLOAD_STEPS:-16}" $flags $pf \
                 --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.txt"
+             done
             done
           done
         done

@@ -188,7 +188,7 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
             );
             if c.ahead_fills > 0 {
                 println!(
-                    "  experts   {:.1} copied ahead per token on the next layer's prediction, {:.1} % of them used",
+                    "  experts   {:.1} copied ahead per token (on the next layer's prediction or behind the CPU), {:.1} % of them used",
                     c.ahead_fills as f64 / tokens,
                     100.0 * c.ahead_used as f64 / c.ahead_fills as f64
                 );
@@ -258,6 +258,7 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
         "offload_miss_costs": miss_costs,
         "offload_prefetch": clap::ValueEnum::to_possible_value(&a.model.offload.offload_prefetch)
             .map(|v| v.get_name().to_string()),
+        "offload_copy_behind": a.model.offload.offload_copy_behind,
         "routing_skew": a.routing_skew,
         "backend": backend_name,
         "threads": kimi_cpu::num_threads(),

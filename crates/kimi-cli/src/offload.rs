@@ -45,6 +45,12 @@ pub struct OffloadArgs {
     /// while the host computes its cold experts and the device the next attention.
     #[arg(long, value_name = "router|next-layer", default_value = "router")]
     pub offload_prefetch: OffloadPrefetch,
+    /// Also copy the experts the CPU computed in a step (its cold ones) into device slots
+    /// after it, while the link idles (as many as the CPU's share of the step leaves time
+    /// for), so that the layer's next step finds them there: the CPU serves a miss at
+    /// once and the cache still learns it.
+    #[arg(long)]
+    pub offload_copy_behind: bool,
 }
 
 /// `--offload-prefetch`.
@@ -97,6 +103,7 @@ impl OffloadArgs {
                 policy: CachePolicy {
                     miss: self.offload_miss,
                     predict_next: self.offload_prefetch == OffloadPrefetch::NextLayer,
+                    copy_behind: self.offload_copy_behind,
                     ..CachePolicy::default()
                 },
                 store: self.store()?,
@@ -274,13 +281,16 @@ pub fn report_placement<B: Backend>(model: &dyn CausalLm<B>, options: &LoadOptio
         layers.len(),
         crate::inspect::bytes(device),
         crate::inspect::bytes(host),
-        match options
-            .offload
-            .as_ref()
-            .is_some_and(|o| o.policy.predict_next)
-        {
-            true => "; slots also filled one MoE layer ahead, predicted (--offload-prefetch)",
-            false => "",
+        match options.offload.as_ref().map(|o| o.policy) {
+            Some(p) if p.predict_next && p.copy_behind =>
+                "; slots also filled one MoE layer ahead, predicted (--offload-prefetch), and \
+                 with the CPU's cold experts after it computed them (--offload-copy-behind)",
+            Some(p) if p.predict_next =>
+                "; slots also filled one MoE layer ahead, predicted (--offload-prefetch)",
+            Some(p) if p.copy_behind =>
+                "; slots also filled with the CPU's cold experts after it computed them \
+                 (--offload-copy-behind)",
+            _ => "",
         },
     );
     if let Some(c) = first.miss_costs {

@@ -550,6 +550,18 @@ fn offloaded_experts_give_the_resident_logits() {
             ][..],
             "host RAM".to_string(),
         ),
+        (
+            &[
+                "--offload-experts",
+                "8",
+                "--expert-cache-slots",
+                "2",
+                "--offload-miss",
+                "cpu",
+                "--offload-copy-behind",
+            ][..],
+            "host RAM".to_string(),
+        ),
     ] {
         let (got, log) = logits("tiered.npy", extra);
         assert!(
@@ -561,6 +573,11 @@ fn offloaded_experts_give_the_resident_logits() {
         assert_eq!(
             log.contains("slots also filled one MoE layer ahead, predicted"),
             ahead,
+            "{extra:?}: {log}"
+        );
+        assert_eq!(
+            log.contains("slots also filled with the CPU's cold experts after it computed them"),
+            extra.contains(&"--offload-copy-behind"),
             "{extra:?}: {log}"
         );
         let num: f64 = got.iter().zip(&want).map(|(g, w)| (g - w).powi(2)).sum();
@@ -826,7 +843,7 @@ fn bench_reports_experts_copied_ahead() {
         ],
     );
     assert!(
-        stdout(&o).contains("copied ahead per token on the next layer's prediction"),
+        stdout(&o).contains("copied ahead per token (on the next layer's prediction"),
         "{}",
         stdout(&o)
     );

@@ -481,3 +481,68 @@ fn experts_copied_ahead_on_the_next_layers_prediction_change_no_logit() {
         }
     }
 }
+
+/// `--offload-copy-behind`: the experts the host computed in a step are copied into slots
+/// after it. Under `cpu` misses (which never fill a slot themselves) the cache then learns
+/// them: later steps hit, the copies are counted, and the logits stay the resident model's
+/// (bit for bit where nothing was cold).
+#[test]
+fn experts_copied_behind_the_host_fill_the_cache_and_change_no_logit() {
+    use kimi_ops::offload::MissPolicy;
+    for (dir, experts) in [
+        ("kimi-linear/hub-f32-sharded", 6),
+        ("kimi-k3/k3-tiny-7l", 8),
+    ] {
+        let dir = fixture(dir);
+        let ids = prompt(&dir);
+        let resident = load(&dir, None);
+        for step in [1, 16] {
+            let want = run(&resident, &ids, step);
+            for (host, slots, miss, predict_next) in [
+                (experts, 2, MissPolicy::Host, false),
+                (experts, experts - 1, MissPolicy::Host, false),
+                (experts / 2, 2, MissPolicy::Auto, false),
+                (experts, 2, MissPolicy::Host, true),
+            ] {
+                let ckpt = Checkpoint::open(&dir).unwrap();
+                let options = LoadOptions {
+                    offload: Some(ExpertOffload {
+                        host: Experts(host),
+                        cache: Experts(slots),
+                        policy: CachePolicy {
+                            miss,
+                            predict_next,
+                            copy_behind: true,
+                            ..CachePolicy::default()
+                        },
+                        store: Arc::new(HostBackend::new(Arc::new(backend()))),
+                    }),
+                    ..LoadOptions::default()
+                };
+                let model = KimiLinear::load_checkpoint_with(backend(), &ckpt, &options).unwrap();
+                let got = run(&model, &ids, step);
+                let c = model.offload_counts().unwrap();
+                let label = format!(
+                    "{} step {step}, {host} on the host, {slots} slots, {miss:?}, \
+                     predict_next {predict_next}: {c:?}",
+                    dir.display()
+                );
+                if miss == MissPolicy::Host && !predict_next {
+                    // Only the copies behind fill slots here.
+                    assert!(c.ahead_fills > 0, "{label}: nothing copied behind");
+                    assert_eq!(c.fills, 0, "{label}: a cpu miss filled a slot");
+                    assert!(c.ahead_used > 0 && c.hits > 0, "{label}: no copy used");
+                }
+                assert!(c.ahead_used <= c.ahead_fills, "{label}");
+                assert!(c.cold_pairs > 0 || miss != MissPolicy::Host, "{label}");
+                if c.cold_pairs == 0 {
+                    assert_eq!(got, want, "{label}: not the resident bits");
+                } else {
+                    let err = rel_err(&got, &want);
+                    assert!(err < 1e-5, "{label}: relative error {err:.2e}");
+                }
+                eprintln!("{label}");
+            }
+        }
+    }
+}

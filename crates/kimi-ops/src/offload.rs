@@ -4,7 +4,8 @@
 //! expert e ─► resident: the backend's memory, for good
 //!          └► host store (HostExperts): host memory, computed there when cold
 //!               └► cache slot: a device copy, filled after the router has run
-//!                    (or a MoE layer ahead, predicted: [`CachePolicy::predict_next`])
+//!                    (or a MoE layer ahead, predicted: [`CachePolicy::predict_next`];
+//!                    or after the host computed it: [`CachePolicy::copy_behind`])
 //! ```
 //!
 //! Per MoE step ([`TieredBank::run`]) the routes are read back, the [`ExpertCache`] plans
@@ -111,7 +112,8 @@ pub struct OffloadCounts {
     /// queueing the sum (the host's share included; the device's products run on).
     pub step_ns: u64,
     /// Host experts copied into a slot ahead of their step, on the previous MoE layer's
-    /// prediction ([`CachePolicy::predict_next`]); their bytes count in `bytes_moved`.
+    /// prediction ([`CachePolicy::predict_next`]) or after the host computed them
+    /// ([`CachePolicy::copy_behind`]); their bytes count in `bytes_moved`.
     pub ahead_fills: u64,
     /// Of those, the ones their step then needed (counted among its hits).
     pub ahead_used: u64,
@@ -574,24 +576,43 @@ impl<T> TieredBank<T> {
             None => (be.zeros(&[n, out_width])?, routes.experts),
         };
         drop(guard);
+        // The link's time from now, by the measured costs: busy with the queued copies and
+        // this step's own, idle while the host computes this step's share. Copies ahead and
+        // behind take only the idle part (to the nearest copy), so that they never hold up
+        // a later step's own copies; without measured costs, one token's worth.
+        let mut link = costs.as_ref().map(|c| {
+            let busy_s = backlog_s + step.fills.len() as f64 * c.fill_s;
+            (busy_s, c.host_step_s(step.cold.iter().map(|&e| pairs[e])))
+        });
+        let idle_copies = |link: Option<(f64, f64)>, fill_s: f64| {
+            link.filter(|_| fill_s > 0.0).map(|(busy_s, host_s)| {
+                let idle_s = (host_s - busy_s).max(0.0);
+                ((idle_s / fill_s + 0.5) as usize, (busy_s, fill_s))
+            })
+        };
         if let (Some(n), Some((next_ids, _))) = (&next, &next_routes) {
-            // As many as the link has time for once this step's copies are done, while the
-            // host computes this step's share (to the nearest copy: the next layer's
-            // attention runs before its step waits for them). Without measured costs, one
-            // token's worth.
-            let (limit, busy_s) = match (&costs, n.bank.costs) {
-                (Some(c), Some(nc)) if nc.fill_s > 0.0 => {
-                    let busy_s = backlog_s + step.fills.len() as f64 * c.fill_s;
-                    let host_s = c.host_step_s(step.cold.iter().map(|&e| pairs[e]));
-                    let idle_s = (host_s - busy_s).max(0.0);
-                    (
-                        (idle_s / nc.fill_s + 0.5) as usize,
-                        Some((busy_s, nc.fill_s)),
-                    )
-                }
-                _ => (k, None),
+            let fill_s = n.bank.costs.map_or(0.0, |c| c.fill_s);
+            let (limit, busy) = match idle_copies(link, fill_s) {
+                Some((limit, busy)) => (limit, Some(busy)),
+                None => (k, None),
             };
-            n.bank.copy_ahead(be, next_ids, limit, busy_s)?;
+            let queued = n.bank.copy_ahead(be, next_ids, limit, busy)?;
+            if let Some((busy_s, _)) = link.as_mut() {
+                *busy_s += queued as f64 * fill_s;
+            }
+        }
+        if self.policy.copy_behind && !step.cold.is_empty() {
+            let fill_s = costs.as_ref().map_or(0.0, |c| c.fill_s);
+            let (limit, busy) = match idle_copies(link, fill_s) {
+                Some((limit, busy)) => (limit, Some(busy)),
+                None => (step.cold.len(), None),
+            };
+            let cold_ids: Vec<u32> = step
+                .cold
+                .iter()
+                .flat_map(|&e| std::iter::repeat_n(e as u32, pairs[e]))
+                .collect();
+            self.copy_ahead(be, &cold_ids, limit, busy)?;
         }
         if !cold.is_empty() {
             let width = be.shape(x).last().copied().unwrap_or(0);
@@ -636,8 +657,9 @@ impl<T> TieredBank<T> {
             .map_err(|_| Error::Device("expert cache lock poisoned".into()))
     }
 
-    /// Copies up to `limit` of the host experts `ids` names (a predicted step's routes)
-    /// into slots ahead of the step ([`ExpertCache::ahead`]). With `link = (busy_s,
+    /// Copies up to `limit` of the host experts `ids` names (a predicted step's routes, or
+    /// the cold experts of the step just made) into slots ahead of the bank's next step
+    /// ([`ExpertCache::ahead`]); returns how many were queued. With `link = (busy_s,
     /// fill_s)` the copies start once the link's queued work is done, `busy_s` from now,
     /// and each takes `fill_s`: the step counts what is left of them.
     fn copy_ahead<B: Backend<Tensor = T>>(
@@ -646,9 +668,9 @@ impl<T> TieredBank<T> {
         ids: &[u32],
         limit: usize,
         link: Option<(f64, f64)>,
-    ) -> Result<()> {
+    ) -> Result<usize> {
         if limit == 0 {
-            return Ok(());
+            return Ok(0);
         }
         let (_, predicted) = self.host_pairs(ids);
         let mut guard = self.lock_slots()?;
@@ -673,7 +695,7 @@ impl<T> TieredBank<T> {
                 .and_then(|d| std::time::Instant::now().checked_add(d));
         }
         self.counters.add(counts);
-        Ok(())
+        Ok(fills.len())
     }
 }
 

@@ -346,8 +346,8 @@ impl Metrics {
             ),
             (
                 "kimi:expert_cache_ahead_fills_total",
-                "Host experts copied into a device slot ahead of their layer, on the previous \
-                 layer's prediction.",
+                "Host experts copied into a device slot ahead of their layer's step: on the \
+                 previous layer's prediction, or after the CPU computed them.",
                 c.ahead_fills,
             ),
             (

@@ -224,8 +224,8 @@ fn check_segment_graphs(
 }
 
 /// Load options putting `host` experts per layer in host RAM (computed there on the CPU's
-/// f32 kernels when cold) behind `slots` device slots, copied `ahead` on the next layer's
-/// prediction or not.
+/// f32 kernels when cold) behind `slots` device slots, copied `ahead` (on the next layer's
+/// prediction, and the cold ones after the host computed them) or not.
 fn tiered(host: usize, slots: usize, ahead: bool) -> LoadOptions {
     let store = HostBackend::new(Arc::new(CpuBackend::with_quant_matmul(QuantMatmul::F32)));
     LoadOptions {
@@ -234,6 +234,7 @@ fn tiered(host: usize, slots: usize, ahead: bool) -> LoadOptions {
             cache: OffloadAmount::Experts(slots),
             policy: CachePolicy {
                 predict_next: ahead,
+                copy_behind: ahead,
                 ..CachePolicy::default()
             },
             store: Arc::new(store),

@@ -19,6 +19,10 @@ pub struct CachePolicy {
     /// this layer's input) and copies the predicted ones into its slots ahead, while the
     /// host computes this step's cold experts and the device the next layer's attention.
     pub predict_next: bool,
+    /// Whether the experts the host computed in a step (cold ones) are also copied into
+    /// slots after it, on the copy side while the link idles, so that the layer's next step
+    /// finds them there: the host serves a miss at once, the cache still learns it.
+    pub copy_behind: bool,
 }
 
 impl Default for CachePolicy {
@@ -28,6 +32,7 @@ impl Default for CachePolicy {
             pinned_fraction: 0.5,
             miss: MissPolicy::Copy,
             predict_next: false,
+            copy_behind: false,
         }
     }
 }
