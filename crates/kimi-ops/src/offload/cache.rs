@@ -272,6 +272,7 @@ mod tests {
             pinned_fraction: 0.0,
             miss: MissPolicy::Copy,
             predict_next: false,
+            copy_behind: false,
         }
     }
 
