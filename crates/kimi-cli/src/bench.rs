@@ -186,11 +186,13 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
             println!(
                 "  experts   {tiered_ms:.2} ms per step in the tiered MoE steps, {host_ms:.2} of them on the host's cold experts"
             );
-            if c.ahead_fills > 0 {
+            if c.ahead_fills + c.ahead_used > 0 {
+                // Per token rather than as a share: a copy made in the step before the
+                // measured ones counts when a measured step uses it.
                 println!(
-                    "  experts   {:.1} copied ahead per token (on the next layer's prediction or behind the CPU), {:.1} % of them used",
+                    "  experts   {:.1} copied ahead per token (on the next layer's prediction or behind the CPU), {:.1} copied ahead used per token",
                     c.ahead_fills as f64 / tokens,
-                    100.0 * c.ahead_used as f64 / c.ahead_fills as f64
+                    c.ahead_used as f64 / tokens
                 );
             }
             json!({
