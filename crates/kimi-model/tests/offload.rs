@@ -28,12 +28,24 @@ fn backend() -> CpuBackend {
 }
 
 fn load(dir: &Path, offload: Option<(OffloadAmount, OffloadAmount)>) -> KimiLinear<CpuBackend> {
+    load_with(
+        dir,
+        offload.map(|(host, cache)| (host, cache, CachePolicy::default())),
+    )
+}
+
+/// The checkpoint in `dir` with `(host, cache, policy)` tiers (host store on the CPU
+/// backend), or all resident.
+fn load_with(
+    dir: &Path,
+    offload: Option<(OffloadAmount, OffloadAmount, CachePolicy)>,
+) -> KimiLinear<CpuBackend> {
     let ckpt = Checkpoint::open(dir).unwrap();
     let options = LoadOptions {
-        offload: offload.map(|(host, cache)| ExpertOffload {
+        offload: offload.map(|(host, cache, policy)| ExpertOffload {
             host,
             cache,
-            policy: CachePolicy::default(),
+            policy,
             store: Arc::new(HostBackend::new(Arc::new(backend()))),
         }),
         ..LoadOptions::default()
@@ -189,20 +201,11 @@ fn miss_policies_serve_misses_on_either_side() {
     let ids = prompt(&dir);
     let want = run(&load(&dir, None), &ids, 1);
     for miss in [MissPolicy::Host, MissPolicy::Auto] {
-        let ckpt = Checkpoint::open(&dir).unwrap();
-        let options = LoadOptions {
-            offload: Some(ExpertOffload {
-                host: Experts(6),
-                cache: Experts(2),
-                policy: CachePolicy {
-                    miss,
-                    ..CachePolicy::default()
-                },
-                store: Arc::new(HostBackend::new(Arc::new(backend()))),
-            }),
-            ..LoadOptions::default()
+        let policy = CachePolicy {
+            miss,
+            ..CachePolicy::default()
         };
-        let model = KimiLinear::load_checkpoint_with(backend(), &ckpt, &options).unwrap();
+        let model = load_with(&dir, Some((Experts(6), Experts(2), policy)));
         let got = run(&model, &ids, 1);
         let c = model.offload_counts().unwrap();
         let label = format!("{miss:?}: {c:?}");
@@ -419,13 +422,33 @@ fn the_host_is_woken_ahead_only_while_cold_experts_are_frequent() {
     }
 }
 
-/// `--offload-prefetch next-layer`: each tiered step predicts the next MoE layer's experts
-/// (its router on this layer's input) and copies them into that layer's slots ahead. The
-/// logits stay the resident model's (bit for bit where no expert is cold), the copies
-/// ahead are counted, and some are used by the step they were made for.
-#[test]
-fn experts_copied_ahead_on_the_next_layers_prediction_change_no_logit() {
-    use kimi_ops::offload::MissPolicy;
+/// The logits of `ids` fed `step` tokens at a time through the checkpoint in `dir` with
+/// `(host, slots, policy)` tiers, and the tiers' counts.
+fn run_tiered(
+    dir: &Path,
+    (host, slots, policy): (usize, usize, CachePolicy),
+    ids: &[u32],
+    step: usize,
+) -> (Vec<f32>, OffloadCounts) {
+    let model = load_with(dir, Some((Experts(host), Experts(slots), policy)));
+    let got = run(&model, ids, step);
+    (got, model.offload_counts().unwrap())
+}
+
+/// The resident logits bit for bit where no pair was cold, else to f32 rounding.
+fn assert_resident_logits(got: &[f32], want: &[f32], c: &OffloadCounts, label: &str) {
+    if c.cold_pairs == 0 {
+        assert_eq!(got, want, "{label}: not the resident bits");
+    } else {
+        let err = rel_err(got, want);
+        assert!(err < 1e-5, "{label}: relative error {err:.2e}");
+    }
+    eprintln!("{label}");
+}
+
+/// Runs `case` on each tiered fixture (with its routed experts per layer) at steps of 1
+/// and 16 tokens, given its prompt and the all-resident logits.
+fn each_fixture_and_step(mut case: impl FnMut(&Path, usize, &[u32], usize, &[f32])) {
     for (dir, experts) in [
         ("kimi-linear/hub-f32-sharded", 6),
         ("kimi-k3/k3-tiny-7l", 8),
@@ -435,51 +458,46 @@ fn experts_copied_ahead_on_the_next_layers_prediction_change_no_logit() {
         let resident = load(&dir, None);
         for step in [1, 16] {
             let want = run(&resident, &ids, step);
-            for (host, slots, miss) in [
-                (experts, 1, MissPolicy::Copy),
-                (experts, 2, MissPolicy::Host),
-                (experts / 2, 2, MissPolicy::Auto),
-                (experts, experts - 1, MissPolicy::Copy),
-            ] {
-                let ckpt = Checkpoint::open(&dir).unwrap();
-                let options = LoadOptions {
-                    offload: Some(ExpertOffload {
-                        host: Experts(host),
-                        cache: Experts(slots),
-                        policy: CachePolicy {
-                            miss,
-                            predict_next: true,
-                            ..CachePolicy::default()
-                        },
-                        store: Arc::new(HostBackend::new(Arc::new(backend()))),
-                    }),
-                    ..LoadOptions::default()
-                };
-                let model = KimiLinear::load_checkpoint_with(backend(), &ckpt, &options).unwrap();
-                let got = run(&model, &ids, step);
-                let c = model.offload_counts().unwrap();
-                let label = format!(
-                    "{} step {step}, {host} on the host, {slots} slots, {miss:?}: {c:?}",
-                    dir.display()
-                );
-                // Token by token the predictions move on; a chunk of 16 tokens may predict
-                // every expert, leaving no slot to copy into.
-                if step == 1 {
-                    assert!(c.ahead_fills > 0, "{label}: nothing copied ahead");
-                    assert!(c.ahead_used > 0, "{label}: no copy ahead used");
-                }
-                assert!(c.ahead_used <= c.ahead_fills, "{label}");
-                assert!(c.hits >= c.ahead_used, "{label}");
-                if c.cold_pairs == 0 {
-                    assert_eq!(got, want, "{label}: not the resident bits");
-                } else {
-                    let err = rel_err(&got, &want);
-                    assert!(err < 1e-5, "{label}: relative error {err:.2e}");
-                }
-                eprintln!("{label}");
-            }
+            case(&dir, experts, &ids, step, &want);
         }
     }
+}
+
+/// `--offload-prefetch next-layer`: each tiered step predicts the next MoE layer's experts
+/// (its router on this layer's input) and copies them into that layer's slots ahead. The
+/// logits stay the resident model's (bit for bit where no expert is cold), the copies
+/// ahead are counted, and some are used by the step they were made for.
+#[test]
+fn experts_copied_ahead_on_the_next_layers_prediction_change_no_logit() {
+    use kimi_ops::offload::MissPolicy;
+    each_fixture_and_step(|dir, experts, ids, step, want| {
+        for (host, slots, miss) in [
+            (experts, 1, MissPolicy::Copy),
+            (experts, 2, MissPolicy::Host),
+            (experts / 2, 2, MissPolicy::Auto),
+            (experts, experts - 1, MissPolicy::Copy),
+        ] {
+            let policy = CachePolicy {
+                miss,
+                predict_next: true,
+                ..CachePolicy::default()
+            };
+            let (got, c) = run_tiered(dir, (host, slots, policy), ids, step);
+            let label = format!(
+                "{} step {step}, {host} on the host, {slots} slots, {miss:?}: {c:?}",
+                dir.display()
+            );
+            // Token by token the predictions move on; a chunk of 16 tokens may predict
+            // every expert, leaving no slot to copy into.
+            if step == 1 {
+                assert!(c.ahead_fills > 0, "{label}: nothing copied ahead");
+                assert!(c.ahead_used > 0, "{label}: no copy ahead used");
+            }
+            assert!(c.ahead_used <= c.ahead_fills, "{label}");
+            assert!(c.hits >= c.ahead_used, "{label}");
+            assert_resident_logits(&got, want, &c, &label);
+        }
+    });
 }
 
 /// `--offload-copy-behind`: the experts the host computed in a step are copied into slots
@@ -489,60 +507,34 @@ fn experts_copied_ahead_on_the_next_layers_prediction_change_no_logit() {
 #[test]
 fn experts_copied_behind_the_host_fill_the_cache_and_change_no_logit() {
     use kimi_ops::offload::MissPolicy;
-    for (dir, experts) in [
-        ("kimi-linear/hub-f32-sharded", 6),
-        ("kimi-k3/k3-tiny-7l", 8),
-    ] {
-        let dir = fixture(dir);
-        let ids = prompt(&dir);
-        let resident = load(&dir, None);
-        for step in [1, 16] {
-            let want = run(&resident, &ids, step);
-            for (host, slots, miss, predict_next) in [
-                (experts, 2, MissPolicy::Host, false),
-                (experts, experts - 1, MissPolicy::Host, false),
-                (experts / 2, 2, MissPolicy::Auto, false),
-                (experts, 2, MissPolicy::Host, true),
-            ] {
-                let ckpt = Checkpoint::open(&dir).unwrap();
-                let options = LoadOptions {
-                    offload: Some(ExpertOffload {
-                        host: Experts(host),
-                        cache: Experts(slots),
-                        policy: CachePolicy {
-                            miss,
-                            predict_next,
-                            copy_behind: true,
-                            ..CachePolicy::default()
-                        },
-                        store: Arc::new(HostBackend::new(Arc::new(backend()))),
-                    }),
-                    ..LoadOptions::default()
-                };
-                let model = KimiLinear::load_checkpoint_with(backend(), &ckpt, &options).unwrap();
-                let got = run(&model, &ids, step);
-                let c = model.offload_counts().unwrap();
-                let label = format!(
-                    "{} step {step}, {host} on the host, {slots} slots, {miss:?}, \
+    each_fixture_and_step(|dir, experts, ids, step, want| {
+        for (host, slots, miss, predict_next) in [
+            (experts, 2, MissPolicy::Host, false),
+            (experts, experts - 1, MissPolicy::Host, false),
+            (experts / 2, 2, MissPolicy::Auto, false),
+            (experts, 2, MissPolicy::Host, true),
+        ] {
+            let policy = CachePolicy {
+                miss,
+                predict_next,
+                copy_behind: true,
+                ..CachePolicy::default()
+            };
+            let (got, c) = run_tiered(dir, (host, slots, policy), ids, step);
+            let label = format!(
+                "{} step {step}, {host} on the host, {slots} slots, {miss:?}, \
                      predict_next {predict_next}: {c:?}",
-                    dir.display()
-                );
-                if miss == MissPolicy::Host && !predict_next {
-                    // Only the copies behind fill slots here.
-                    assert!(c.ahead_fills > 0, "{label}: nothing copied behind");
-                    assert_eq!(c.fills, 0, "{label}: a cpu miss filled a slot");
-                    assert!(c.ahead_used > 0 && c.hits > 0, "{label}: no copy used");
-                }
-                assert!(c.ahead_used <= c.ahead_fills, "{label}");
-                assert!(c.cold_pairs > 0 || miss != MissPolicy::Host, "{label}");
-                if c.cold_pairs == 0 {
-                    assert_eq!(got, want, "{label}: not the resident bits");
-                } else {
-                    let err = rel_err(&got, &want);
-                    assert!(err < 1e-5, "{label}: relative error {err:.2e}");
-                }
-                eprintln!("{label}");
+                dir.display()
+            );
+            if miss == MissPolicy::Host && !predict_next {
+                // Only the copies behind fill slots here.
+                assert!(c.ahead_fills > 0, "{label}: nothing copied behind");
+                assert_eq!(c.fills, 0, "{label}: a cpu miss filled a slot");
+                assert!(c.ahead_used > 0 && c.hits > 0, "{label}: no copy used");
             }
+            assert!(c.ahead_used <= c.ahead_fills, "{label}");
+            assert!(c.cold_pairs > 0 || miss != MissPolicy::Host, "{label}");
+            assert_resident_logits(&got, want, &c, &label);
         }
-    }
+    });
 }
