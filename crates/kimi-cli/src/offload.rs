@@ -198,9 +198,10 @@ pub const AUTO_HOST_SHARE: f64 = 0.75;
 /// of them live in host RAM and the GPU's room for experts is all cache slots: the cache
 /// then holds whichever experts the traffic asks for, where resident experts would be the
 /// lowest ids whatever the routing (the 48B with random routers, a 50 % budget, every miss
-/// copied: hit rate 64 % → 83 % at batch 1, 60 % → 78 % at 16). Otherwise up to `top_k` experts' worth per layer (at
-/// most half the room) become slots and the rest hold the lowest expert ids. An error where
-/// not even the non-expert weights fit, or where the model has no routed experts to move.
+/// copied: hit rate 64 % → 83 % at batch 1, 60 % → 78 % at 16). Otherwise up to `top_k`
+/// experts' worth per layer (at most half the room) become slots and the rest hold the
+/// lowest expert ids. An error where not even the non-expert weights fit, or where the
+/// model has no routed experts to move.
 pub fn auto_plan(
     summary: &kimi_model::ModelSummary,
     free: u64,
@@ -281,23 +282,31 @@ pub fn report_placement<B: Backend>(model: &dyn CausalLm<B>, options: &LoadOptio
         layers.len(),
         crate::inspect::bytes(device),
         crate::inspect::bytes(host),
-        match options.offload.as_ref().map(|o| o.policy) {
-            Some(p) if p.predict_next && p.copy_behind =>
-                "; slots also filled one MoE layer ahead, predicted (--offload-prefetch), and \
-                 with the CPU's cold experts after it computed them (--offload-copy-behind)",
-            Some(p) if p.predict_next =>
-                "; slots also filled one MoE layer ahead, predicted (--offload-prefetch)",
-            Some(p) if p.copy_behind =>
-                "; slots also filled with the CPU's cold experts after it computed them \
-                 (--offload-copy-behind)",
-            _ => "",
-        },
+        also_filled(options.offload.as_ref().map(|o| o.policy)),
     );
     if let Some(c) = first.miss_costs {
         eprintln!(
             "{}",
             describe_miss_costs(&c, first.host_bytes / first.host.max(1) as u64)
         );
+    }
+}
+
+/// The start log's words on slot fills besides a step's own misses, if any.
+fn also_filled(policy: Option<CachePolicy>) -> String {
+    let Some(p) = policy else {
+        return String::new();
+    };
+    let mut ways = Vec::new();
+    if p.predict_next {
+        ways.push("one MoE layer ahead, predicted (--offload-prefetch)");
+    }
+    if p.copy_behind {
+        ways.push("with the CPU's cold experts after it computed them (--offload-copy-behind)");
+    }
+    match ways.is_empty() {
+        true => String::new(),
+        false => format!("; slots also filled {}", ways.join(", and ")),
     }
 }
 

@@ -584,35 +584,31 @@ impl<T> TieredBank<T> {
             let busy_s = backlog_s + step.fills.len() as f64 * c.fill_s;
             (busy_s, c.host_step_s(step.cold.iter().map(|&e| pairs[e])))
         });
-        let idle_copies = |link: Option<(f64, f64)>, fill_s: f64| {
-            link.filter(|_| fill_s > 0.0).map(|(busy_s, host_s)| {
+        // Copies of `fill_s` each that fit the idle part, and the link's state for the bank
+        // that queues them; `fallback` copies where there are no costs to size them by.
+        let idle_copies = |link: Option<(f64, f64)>, fill_s: f64, fallback: usize| match link
+            .filter(|_| fill_s > 0.0)
+        {
+            Some((busy_s, host_s)) => {
                 let idle_s = (host_s - busy_s).max(0.0);
-                ((idle_s / fill_s + 0.5) as usize, (busy_s, fill_s))
-            })
+                ((idle_s / fill_s + 0.5) as usize, Some((busy_s, fill_s)))
+            }
+            None => (fallback, None),
         };
         if let (Some(n), Some((next_ids, _))) = (&next, &next_routes) {
             let fill_s = n.bank.costs.map_or(0.0, |c| c.fill_s);
-            let (limit, busy) = match idle_copies(link, fill_s) {
-                Some((limit, busy)) => (limit, Some(busy)),
-                None => (k, None),
-            };
-            let queued = n.bank.copy_ahead(be, next_ids, limit, busy)?;
+            let (limit, busy) = idle_copies(link, fill_s, k);
+            let (_, predicted) = n.bank.host_pairs(next_ids);
+            let queued = n.bank.copy_ahead(be, &predicted, limit, busy)?;
             if let Some((busy_s, _)) = link.as_mut() {
                 *busy_s += queued as f64 * fill_s;
             }
         }
         if self.policy.copy_behind && !step.cold.is_empty() {
             let fill_s = costs.as_ref().map_or(0.0, |c| c.fill_s);
-            let (limit, busy) = match idle_copies(link, fill_s) {
-                Some((limit, busy)) => (limit, Some(busy)),
-                None => (step.cold.len(), None),
-            };
-            let cold_ids: Vec<u32> = step
-                .cold
-                .iter()
-                .flat_map(|&e| std::iter::repeat_n(e as u32, pairs[e]))
-                .collect();
-            self.copy_ahead(be, &cold_ids, limit, busy)?;
+            let (limit, busy) = idle_copies(link, fill_s, step.cold.len());
+            let cold: Vec<(usize, usize)> = step.cold.iter().map(|&e| (e, pairs[e])).collect();
+            self.copy_ahead(be, &cold, limit, busy)?;
         }
         if !cold.is_empty() {
             let width = be.shape(x).last().copied().unwrap_or(0);
@@ -657,25 +653,24 @@ impl<T> TieredBank<T> {
             .map_err(|_| Error::Device("expert cache lock poisoned".into()))
     }
 
-    /// Copies up to `limit` of the host experts `ids` names (a predicted step's routes, or
-    /// the cold experts of the step just made) into slots ahead of the bank's next step
-    /// ([`ExpertCache::ahead`]); returns how many were queued. With `link = (busy_s,
+    /// Copies up to `limit` of the host experts `wanted` lists with their pairs (a
+    /// predicted step's, or the cold experts of the step just made) into slots ahead of the
+    /// bank's next step ([`ExpertCache::ahead`]); returns how many were queued. With `link = (busy_s,
     /// fill_s)` the copies start once the link's queued work is done, `busy_s` from now,
     /// and each takes `fill_s`: the step counts what is left of them.
     fn copy_ahead<B: Backend<Tensor = T>>(
         &self,
         be: &B,
-        ids: &[u32],
+        wanted: &[(usize, usize)],
         limit: usize,
         link: Option<(f64, f64)>,
     ) -> Result<usize> {
         if limit == 0 {
             return Ok(0);
         }
-        let (_, predicted) = self.host_pairs(ids);
         let mut guard = self.lock_slots()?;
         let slots = &mut *guard;
-        let fills = slots.cache.ahead(&predicted, limit);
+        let fills = slots.cache.ahead(wanted, limit);
         let mut counts = OffloadCounts::default();
         for f in &fills {
             let m = host_matrices(self.host.as_ref(), f.expert)?;
