@@ -2,6 +2,12 @@
 //! torchrun's variables set (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
 //! `MASTER_PORT`), and watches them: the first that fails ends the others and the launch
 //! with its rank named, so a dead rank never leaves the job hanging.
+//!
+//! Signals go through the launcher: the ranks run in a process group of their own (a
+//! terminal's Ctrl-C reaches the launcher only), and each SIGINT or SIGTERM the launcher
+//! gets is passed to its ranks, where rank 0 acts on it (`serve` drains, a second one
+//! exits now) and the other ranks ignore it ([`ignore_signals`]): they end when rank 0
+//! ends the job. A launcher that dies takes its ranks with it (SIGTERM on Linux).
 
 use std::process::{Child, Command, ExitStatus};
 use std::time::Duration;
@@ -29,9 +35,15 @@ pub fn run_ranks(
     args: &[String],
     places: &[RankPlace],
 ) -> anyhow::Result<()> {
+    let signals = watch_signals();
     let mut children: Vec<(usize, Child)> = Vec::with_capacity(places.len());
     for p in places {
-        let spawned = Command::new(program).args(args).envs(p.env()).spawn();
+        let mut command = Command::new(program);
+        command.args(args).envs(p.env());
+        // The launcher passes signals on: a terminal's go to it alone.
+        std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        os::end_with_parent(&mut command);
+        let spawned = command.spawn();
         match spawned {
             Ok(c) => children.push((p.rank, c)),
             Err(e) => {
@@ -42,6 +54,11 @@ pub fn run_ranks(
         }
     }
     loop {
+        while let Ok(signal) = signals.try_recv() {
+            for (_, c) in &children {
+                os::send_signal(c.id(), signal);
+            }
+        }
         let mut running = false;
         let mut failure: Option<(usize, ExitStatus)> = None;
         for (rank, c) in children.iter_mut() {
@@ -62,6 +79,91 @@ pub fn run_ranks(
             return Ok(());
         }
         std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The SIGINTs and SIGTERMs this process gets from now on (which no longer end it).
+fn watch_signals() -> std::sync::mpsc::Receiver<i32> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (tx, rx) = std::sync::mpsc::channel();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build();
+    let Ok(runtime) = runtime else {
+        return rx;
+    };
+    // Registered here, before any rank starts, and served on a thread of their own.
+    let streams = {
+        let _inside = runtime.enter();
+        (
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+        )
+    };
+    let (Ok(mut int), Ok(mut term)) = streams else {
+        return rx;
+    };
+    std::thread::spawn(move || {
+        runtime.block_on(async move {
+            loop {
+                let got = tokio::select! {
+                    _ = int.recv() => os::SIGINT,
+                    _ = term.recv() => os::SIGTERM,
+                };
+                if tx.send(got).is_err() {
+                    break;
+                }
+            }
+        })
+    });
+    rx
+}
+
+/// A rank other than 0 lets SIGINT and SIGTERM pass: it ends when rank 0 ends the job (or
+/// its link to rank 0 closes), so that rank 0 can drain with every rank's help.
+pub fn ignore_signals() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    else {
+        return;
+    };
+    let _inside = runtime.enter();
+    // The handlers stay for the life of the process once registered.
+    let _ = signal(SignalKind::interrupt());
+    let _ = signal(SignalKind::terminate());
+}
+
+/// The process calls the launcher needs from the OS.
+#[allow(unsafe_code)]
+mod os {
+    pub const SIGINT: i32 = libc::SIGINT;
+    pub const SIGTERM: i32 = libc::SIGTERM;
+
+    /// Sends `signal` to process `pid` (one of the launcher's ranks).
+    pub fn send_signal(pid: u32, signal: i32) {
+        // SAFETY: kill(2) with a child's pid and a valid signal number; no memory involved.
+        unsafe {
+            libc::kill(pid as libc::pid_t, signal);
+        }
+    }
+
+    /// The child gets SIGTERM when the launcher dies (Linux; elsewhere nothing).
+    pub fn end_with_parent(command: &mut std::process::Command) {
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: prctl(2) is async-signal-safe, as code between fork and exec must be.
+            unsafe {
+                command.pre_exec(|| {
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                    Ok(())
+                });
+            }
+        }
+        #[cfg(not(target_os = "linux"))]
+        let _ = command;
     }
 }
 

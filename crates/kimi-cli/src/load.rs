@@ -19,6 +19,7 @@ use kimi_tokenizer::Tokenizer;
 use kimi_weights::Checkpoint;
 
 use crate::args::ModelArgs;
+use crate::parallel::{Ranks, Split};
 
 /// Where the demo GGUF lands, relative to the repository root.
 pub const DEMO_GGUF: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -223,12 +224,14 @@ pub fn load<B: Backend + 'static>(
     need_tokenizer: bool,
 ) -> anyhow::Result<Loaded<B>> {
     let path = model_path(args)?;
-    let mut options = args.offload.load_options()?;
-    let split = args.parallel.split()?;
-    if let Some((world, ..)) = split {
-        options.expert_placement = crate::parallel::placement(&args.parallel, world)?;
-        options.expert_dispatch = args.parallel.expert_dispatch.into();
-    }
+    let ranks = args
+        .parallel
+        .ranks(args.device == crate::args::Device::Cpu)?;
+    let split = split_of(&ranks)?;
+    let mut options = match &split {
+        Some(split) => split_options(args, split)?,
+        None => args.offload.load_options()?,
+    };
     if is_gguf(&path) {
         anyhow::ensure!(
             split.is_none(),
@@ -256,20 +259,12 @@ pub fn load<B: Backend + 'static>(
     }
     let bar = crate::progress::watch_checkpoint(&mut ckpt);
     let loaded = match split {
-        None => registry::load_checkpoint_with(backend, &ckpt, &options),
-        Some((world, experts, timeout)) => {
-            kimi_model::CheckpointSource::new(&ckpt).and_then(|source| {
-                registry::load_split(
-                    backend,
-                    ckpt.config().clone(),
-                    &source,
-                    &options,
-                    world,
-                    experts,
-                    timeout,
-                )
-            })
-        }
+        None => registry::load_checkpoint_with(backend, &ckpt, &options).map_err(Into::into),
+        Some(_) => kimi_model::CheckpointSource::new(&ckpt)
+            .map_err(Into::into)
+            .and_then(|source| {
+                load_ranks(backend, ckpt.config().clone(), &source, &options, &ranks)
+            }),
     };
     if let Some(bar) = bar {
         bar.finish_and_clear();
@@ -452,12 +447,14 @@ pub fn load_random<B: Backend + 'static>(
     args: &ModelArgs,
     routing_skew: f32,
 ) -> anyhow::Result<Loaded<B>> {
-    let mut options = args.offload.load_options()?;
-    let split = args.parallel.split()?;
-    if let Some((world, ..)) = split {
-        options.expert_placement = crate::parallel::placement(&args.parallel, world)?;
-        options.expert_dispatch = args.parallel.expert_dispatch.into();
-    }
+    let ranks = args
+        .parallel
+        .ranks(args.device == crate::args::Device::Cpu)?;
+    let split = split_of(&ranks)?;
+    let mut options = match &split {
+        Some(split) => split_options(args, split)?,
+        None => args.offload.load_options()?,
+    };
     let cfg = read_config(config)?;
     if split.is_none() {
         let device = backend.memory_info();
@@ -510,21 +507,10 @@ pub fn load_random<B: Backend + 'static>(
             crate::cache_plan::gib(room)
         );
     }
-    let source = kimi_model::SkewedRouting {
-        inner: kimi_model::RandomWeights { dtype, seed: 0 },
-        skew: routing_skew,
-    };
+    let source = random_source(dtype, routing_skew);
     let loaded = match split {
         None => registry::load_config_with(backend, cfg.clone(), &source, options)?,
-        Some((world, experts, timeout)) => registry::load_split(
-            backend,
-            cfg.clone(),
-            &source,
-            options,
-            world,
-            experts,
-            timeout,
-        )?,
+        Some(_) => load_ranks(backend, cfg.clone(), &source, options, &ranks)?,
     };
     crate::offload::report_placement(loaded.model.as_ref(), options);
     Ok(Loaded {
@@ -533,5 +519,63 @@ pub fn load_random<B: Backend + 'static>(
         dir: config.to_path_buf(),
         info: ModelInfo::Kimi(Box::new(cfg)),
         stored_read_bytes_per_token: None,
+    })
+}
+
+/// The deterministic random weights of `bench --random-config` (and `serve`'s).
+pub fn random_source(
+    dtype: kimi_core::DType,
+    skew: f32,
+) -> kimi_model::SkewedRouting<kimi_model::RandomWeights> {
+    kimi_model::SkewedRouting {
+        inner: kimi_model::RandomWeights { dtype, seed: 0 },
+        skew,
+    }
+}
+
+/// The split this process loads the model for: `None` for the whole model; an error where
+/// this process is not to load it (a launcher, or a rank other than 0, whose commands
+/// `crate::ranks` runs instead).
+fn split_of(ranks: &Ranks) -> anyhow::Result<Option<Split>> {
+    match ranks {
+        Ranks::One => Ok(None),
+        Ranks::Threads(split) => Ok(Some(*split)),
+        Ranks::Process(split, place) if place.rank == 0 => Ok(Some(*split)),
+        Ranks::Process(..) | Ranks::Launch(_) => anyhow::bail!(
+            "one process per rank (--distributed-executor-backend mp, --nnodes, RANK) applies \
+             to serve, run, chat, logits, perplexity and bench"
+        ),
+    }
+}
+
+/// The load options of every rank of `split`: the offload flags, the expert placement and
+/// dispatch.
+pub fn split_options(args: &ModelArgs, split: &Split) -> anyhow::Result<kimi_model::LoadOptions> {
+    let mut options = args.offload.load_options()?;
+    options.expert_placement = crate::parallel::placement(&args.parallel, split.world)?;
+    options.expert_dispatch = args.parallel.expert_dispatch.into();
+    Ok(options)
+}
+
+/// A split model from `source`: every rank a thread, or rank 0 of rank processes (after
+/// the rendezvous with the others, `crate::ranks`).
+fn load_ranks<B: Backend + 'static>(
+    backend: B,
+    cfg: ModelConfig,
+    source: &dyn kimi_model::WeightSource,
+    options: &kimi_model::LoadOptions,
+    ranks: &Ranks,
+) -> anyhow::Result<LoadedModel<B>> {
+    Ok(match ranks {
+        Ranks::Threads(s) => {
+            registry::load_split(backend, cfg, source, options, s.world, s.experts, s.timeout)?
+        }
+        Ranks::Process(s, place) => {
+            let (comm, links) = crate::ranks::lead_group(&backend, s, place)?;
+            registry::load_rank_lead(
+                backend, cfg, source, options, s.experts, comm, links, s.timeout,
+            )?
+        }
+        Ranks::One | Ranks::Launch(_) => registry::load_config_with(backend, cfg, source, options)?,
     })
 }

@@ -1,5 +1,6 @@
 //! `kimi-infer`: run, chat with, inspect, plan and benchmark Kimi models.
-#![forbid(unsafe_code)]
+// No unsafe code but the launcher's process calls (`launch::os`).
+#![deny(unsafe_code)]
 
 mod access_args;
 mod agent;
@@ -14,7 +15,6 @@ mod gateway;
 mod hub;
 mod inspect;
 mod kld;
-#[allow(dead_code)] // the multi-process launch of `serve` (issue 26) starts ranks with it
 mod launch;
 mod load;
 mod logging;
@@ -27,6 +27,7 @@ mod perplexity;
 mod plan;
 mod progress;
 mod quantize;
+mod ranks;
 mod run;
 mod serve;
 
@@ -45,7 +46,19 @@ fn main() {
             std::process::exit(2);
         }
     }
-    let result = match cli.command {
+    // A launcher of rank processes, or a rank other than 0, does its share and ends here.
+    let result = match ranks::run_unless_rank_zero(&cli.command) {
+        Ok(false) => run_command(cli.command),
+        done => done.map(|_| ()),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {}", report(&e));
+        std::process::exit(1);
+    }
+}
+
+fn run_command(command: Command) -> anyhow::Result<()> {
+    match command {
         Command::Run(a) => run::run(a),
         Command::Chat(a) => run::chat(a),
         Command::Logits(a) => logits::logits(a),
@@ -59,10 +72,6 @@ fn main() {
         Command::Quantize(a) => quantize::quantize(a),
         Command::Download(a) => hub::download(a),
         Command::Agent(a) => agent::agent(a),
-    };
-    if let Err(e) = result {
-        eprintln!("error: {}", report(&e));
-        std::process::exit(1);
     }
 }
 

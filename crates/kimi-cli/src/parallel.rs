@@ -24,13 +24,47 @@ impl From<DispatchArg> for ExpertDispatch {
     }
 }
 
+/// `--distributed-executor-backend`: how the ranks of `--tensor-parallel-size` run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum ExecutorArg {
+    /// Threads of this process on the CPU; one process per GPU on GPUs.
+    #[default]
+    Auto,
+    /// Threads of this process (CPU backend).
+    Threads,
+    /// One process per rank (per GPU), as vLLM's `mp`: started by this command on one node,
+    /// or by a launcher that sets `RANK`/`WORLD_SIZE` (torchrun, Slurm, LeaderWorkerSet).
+    Mp,
+}
+
+/// How the ranks of a split model run: their number, how the experts split, and the
+/// collectives' deadline.
+#[derive(Clone, Copy, Debug)]
+pub struct Split {
+    pub world: usize,
+    pub experts: ExpertSplit,
+    pub timeout: std::time::Duration,
+}
+
+/// What this process does for the model's ranks.
+#[derive(Clone, Debug)]
+pub enum Ranks {
+    /// The whole model.
+    One,
+    /// Every rank, each a thread.
+    Threads(Split),
+    /// Starts the node's rank processes (copies of this command) and waits for them.
+    Launch(Vec<kimi_ops::bootstrap::RankPlace>),
+    /// One rank process: rank 0 runs the command, the others serve their parts to it.
+    Process(Split, kimi_ops::bootstrap::RankPlace),
+}
+
 /// Flags of [`crate::args::ModelArgs`] for tensor and expert parallelism.
 #[derive(Args, Clone, Debug)]
 pub struct ParallelArgs {
     /// Split the model over N ranks (vLLM's flag): attention heads, dense MLPs and shared
-    /// experts by tensor parallelism, each rank a thread of this process meeting the others
-    /// in an all-reduce per sublayer. CPU backend only for now; heads and widths must
-    /// divide by N.
+    /// experts by tensor parallelism, the ranks meeting in an all-reduce per sublayer (NCCL
+    /// on GPUs). Heads and widths must divide by N. See --distributed-executor-backend.
     #[arg(
         long,
         short = 't',
@@ -49,6 +83,13 @@ pub struct ParallelArgs {
     /// experts and gathers the outputs back.
     #[arg(long, value_enum, value_name = "MODE", default_value_t = DispatchArg::AllReduce)]
     pub expert_dispatch: DispatchArg,
+    /// How the ranks run (vLLM's flag): `mp`, one process per rank, each on GPU
+    /// `cuda:B+LOCAL_RANK` for `--device cuda:B` (this command starts them on one node;
+    /// torchrun-style launchers set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT
+    /// instead); `threads`, threads of this process (CPU backend); `auto`: threads on the
+    /// CPU, processes on GPUs.
+    #[arg(long, value_enum, value_name = "MODE", default_value_t = ExecutorArg::Auto)]
+    pub distributed_executor_backend: ExecutorArg,
     /// Seconds a rank waits for the others in one collective before the step fails.
     #[arg(long, value_name = "SECS", default_value_t = 600)]
     pub collective_timeout: u64,
@@ -80,6 +121,7 @@ impl Default for ParallelArgs {
             tensor_parallel_size: 1,
             enable_expert_parallel: false,
             expert_dispatch: DispatchArg::AllReduce,
+            distributed_executor_backend: ExecutorArg::Auto,
             collective_timeout: 600,
             expert_load: None,
             nnodes: None,
@@ -103,7 +145,6 @@ impl ParallelArgs {
 
     /// What this process is among the rank processes of `--tensor-parallel-size`, from the
     /// flags and torchrun's variables (`kimi_ops::bootstrap::resolve`).
-    #[allow(dead_code)] // the multi-process launch of `serve` (issue 26) calls it
     pub fn role(&self) -> anyhow::Result<Role> {
         let env = |k: &str| std::env::var(k).ok();
         Ok(resolve(
@@ -113,14 +154,50 @@ impl ParallelArgs {
         )?)
     }
 
-    /// `(ranks, expert split, timeout)` where the model is split; `None` for one rank.
-    pub fn split(&self) -> anyhow::Result<Option<(usize, ExpertSplit, std::time::Duration)>> {
-        anyhow::ensure!(
-            self.launch_flags() == LaunchFlags::default(),
-            "--nnodes, --node-rank, --master-addr and --master-port start one process per GPU, \
-             which `serve` does not do yet (issue 26): the ranks of --tensor-parallel-size are \
-             threads of this process"
-        );
+    /// What this process does for the model's ranks, on the CPU backend or not (`on_cpu`).
+    pub fn ranks(&self, on_cpu: bool) -> anyhow::Result<Ranks> {
+        let launched = std::env::var_os("RANK").is_some_and(|r| !r.is_empty());
+        let processes = match self.distributed_executor_backend {
+            ExecutorArg::Mp => true,
+            ExecutorArg::Threads => false,
+            ExecutorArg::Auto => !on_cpu,
+        } || launched
+            || self.launch_flags() != LaunchFlags::default();
+        if processes && self.distributed_executor_backend == ExecutorArg::Threads {
+            anyhow::bail!(
+                "--distributed-executor-backend threads runs the ranks in this process, but \
+                 {} asks for one process per rank",
+                match launched {
+                    true => "RANK (a launcher's variable)",
+                    false => "--nnodes/--node-rank/--master-addr/--master-port",
+                }
+            );
+        }
+        let Some(split) = self.split()? else {
+            return Ok(Ranks::One);
+        };
+        if !processes {
+            anyhow::ensure!(
+                on_cpu,
+                "the ranks of --tensor-parallel-size run as threads on the CPU backend only: \
+                 on GPUs give --distributed-executor-backend mp (the default there)"
+            );
+            return Ok(Ranks::Threads(split));
+        }
+        Ok(match self.role()? {
+            Role::Single => Ranks::One,
+            Role::Launcher {
+                first,
+                local,
+                world,
+                master,
+            } => Ranks::Launch(crate::launch::node_places(first, local, world, &master)),
+            Role::Rank(place) => Ranks::Process(split, place),
+        })
+    }
+
+    /// The split `--tensor-parallel-size` asks for; `None` for one rank.
+    fn split(&self) -> anyhow::Result<Option<Split>> {
         anyhow::ensure!(
             self.tensor_parallel_size >= 1,
             "--tensor-parallel-size must be at least 1"
@@ -146,11 +223,11 @@ impl ParallelArgs {
             true => ExpertSplit::Experts,
             false => ExpertSplit::Tensor,
         };
-        Ok(Some((
-            self.tensor_parallel_size,
+        Ok(Some(Split {
+            world: self.tensor_parallel_size,
             experts,
-            std::time::Duration::from_secs(self.collective_timeout),
-        )))
+            timeout: std::time::Duration::from_secs(self.collective_timeout),
+        }))
     }
 }
 
@@ -225,15 +302,29 @@ mod tests {
         assert_eq!(f.node_rank, Some(1));
         assert_eq!(f.master_addr.as_deref(), Some("leader"));
         assert_eq!(f.master_port, Some(29501));
-        // Until `serve` starts rank processes, the flags are refused, not ignored.
-        let e = p.split().expect_err("not wired").to_string();
-        assert!(e.contains("--nnodes") && e.contains("issue 26"), "{e}");
+        // Node 1 of 2 launches ranks 8..16.
+        match p.ranks(true).expect("a launch") {
+            super::Ranks::Launch(places) => {
+                let ranks: Vec<usize> = places.iter().map(|p| p.rank).collect();
+                assert_eq!(ranks, (8..16).collect::<Vec<_>>());
+                assert!(places.iter().all(|p| p.master.addr == "leader"));
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
-    fn without_launch_flags_the_split_is_unchanged() {
+    fn ranks_are_threads_on_the_cpu_and_processes_on_gpus_unless_told() {
         let p = serve(&["-t", "2"]);
-        assert!(matches!(p.split(), Ok(Some((2, _, _)))));
+        assert!(matches!(p.ranks(true), Ok(super::Ranks::Threads(s)) if s.world == 2));
+        assert!(matches!(p.ranks(false), Ok(super::Ranks::Launch(ref v)) if v.len() == 2));
+        let p = serve(&["-t", "2", "--distributed-executor-backend", "mp"]);
+        assert!(matches!(p.ranks(true), Ok(super::Ranks::Launch(ref v)) if v.len() == 2));
+        let p = serve(&["-t", "2", "--distributed-executor-backend", "threads"]);
+        let e = p.ranks(false).expect_err("threads on a GPU").to_string();
+        assert!(e.contains("--distributed-executor-backend mp"), "{e}");
+        let p = serve(&["-t", "1", "--distributed-executor-backend", "mp"]);
+        assert!(matches!(p.ranks(false), Ok(super::Ranks::One)));
         assert_eq!(
             p.launch_flags(),
             kimi_ops::bootstrap::LaunchFlags::default()

@@ -227,13 +227,29 @@ fn run(prepared: Prepared, a: &ServeArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("cannot listen on {addr}"))?;
         banner.log(&state, listener.local_addr().ok());
-        kimi_server::serve_listener(
-            listener,
-            state,
-            shutdown_signal(signals, a.shutdown_timeout),
-        )
-        .await
-        .context("the server failed")
+        // Set when the model fails for good: the server ends with that error.
+        let failed = Arc::new(std::sync::Mutex::new(None::<String>));
+        let stop = {
+            let (failed, engine) = (Arc::clone(&failed), engine.clone());
+            let drain = a.shutdown_timeout;
+            async move {
+                tokio::select! {
+                    _ = shutdown_signal(signals, drain) => {}
+                    why = model_failure(&engine) => {
+                        tracing::error!("the model can run no more steps ({why}): shutting down");
+                        *lock(&failed) = Some(why);
+                    }
+                }
+            }
+        };
+        kimi_server::serve_listener(listener, state, stop)
+            .await
+            .context("the server failed")?;
+        let why = lock(&failed).take();
+        match why {
+            Some(why) => Err(anyhow::anyhow!("the model failed for good: {why}")),
+            None => Ok(()),
+        }
     });
     // Every connection has finished or was cut at the shutdown timeout (cancelling its
     // requests): nothing is left for the engine to finish.
@@ -401,6 +417,21 @@ fn open_file_limit() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/self/limits").ok()?;
     let line = text.lines().find(|l| l.starts_with("Max open files"))?;
     line.split_whitespace().nth(3)?.parse().ok()
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Resolves once the engine's model can run no more steps (a rank process of a split model
+/// died), with why: the server ends rather than answer every request with an error.
+async fn model_failure(engine: &EngineHandle) -> String {
+    loop {
+        if let Some(why) = engine.metrics().model_failure {
+            return why;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
 }
 
 /// Resolves on the first Ctrl-C or SIGTERM; a second one exits the process at once.

@@ -117,6 +117,30 @@ impl Backend for CpuBackend {
         // Ranks in threads share the CPU and its worker team.
         Ok(self.clone())
     }
+    fn new_process_group(&self, world: usize) -> Result<kimi_ops::ProcessGroupId> {
+        // Rank processes of one node meet in shared memory (NCCL's place on GPUs).
+        let group = kimi_ops::ShmGroup::create(world)?;
+        Ok(kimi_ops::ProcessGroupId {
+            bytes: group.name().as_bytes().to_vec(),
+            keep: Some(Box::new(group)),
+        })
+    }
+    fn join_process_group(
+        &self,
+        id: &[u8],
+        rank: usize,
+        world: usize,
+        timeout: std::time::Duration,
+    ) -> Result<std::sync::Arc<dyn kimi_ops::Collective<Self>>> {
+        let name = std::str::from_utf8(id).map_err(|_| {
+            kimi_ops::Error::Device(
+                "rank 0 sent a shared-memory group name that is not text".into(),
+            )
+        })?;
+        Ok(std::sync::Arc::new(kimi_ops::ShmComm::join(
+            name, rank, world, timeout,
+        )?))
+    }
     fn upload(&self, host: HostTensor<'_>) -> Result<CpuTensor> {
         CpuTensor::from_host_in(
             host,

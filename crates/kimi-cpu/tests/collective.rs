@@ -1,24 +1,63 @@
-//! The in-process collectives on the CPU backend: every operation against a serial
-//! computation, the same bits on every rank, mismatched calls and missing ranks as errors
-//! within the deadline (never a hang).
+//! The collectives of the CPU backend, for ranks that are threads (`ThreadGroup`) and for
+//! ranks that are processes meeting in shared memory (`ShmComm`, joined here from threads:
+//! they meet only through the files): every operation against a serial computation, the
+//! same bits on every rank, mismatched calls and missing ranks as errors within the
+//! deadline (never a hang), an abort releasing the others at once.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kimi_cpu::{CpuBackend, CpuTensor};
-use kimi_ops::{Backend, Collective, ThreadComm, ThreadGroup};
+use kimi_ops::{Backend, Collective, ShmComm, ShmGroup, ThreadGroup};
 
-/// Runs `f(rank, comm)` on `world` threads and returns their results by rank.
+type Comm = Box<dyn Collective<CpuBackend>>;
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Threads,
+    SharedMemory,
+}
+
+const KINDS: [Kind; 2] = [Kind::Threads, Kind::SharedMemory];
+
+/// Every rank's handle on a new group of `world` ranks.
+fn group(kind: Kind, world: usize, timeout: Duration) -> Vec<Comm> {
+    match kind {
+        Kind::Threads => {
+            let group = ThreadGroup::with_timeout(world, timeout);
+            (0..world)
+                .map(|r| Box::new(group.comm(r)) as Comm)
+                .collect()
+        }
+        Kind::SharedMemory => {
+            let made = ShmGroup::create(world).unwrap();
+            let name = made.name().to_string();
+            let joins: Vec<_> = (0..world)
+                .map(|r| {
+                    let name = name.clone();
+                    std::thread::spawn(move || ShmComm::join(&name, r, world, timeout).unwrap())
+                })
+                .collect();
+            joins
+                .into_iter()
+                .map(|h| Box::new(h.join().unwrap()) as Comm)
+                .collect()
+        }
+    }
+}
+
+/// Runs `f(rank, comm)` on a thread per comm and returns their results by rank.
 fn on_ranks<R: Send + 'static>(
-    group: &Arc<ThreadGroup>,
-    world: usize,
-    f: impl Fn(usize, ThreadComm) -> R + Send + Sync + 'static,
+    comms: Vec<Comm>,
+    f: impl Fn(usize, &Comm) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
     let f = Arc::new(f);
-    let handles: Vec<_> = (0..world)
-        .map(|r| {
-            let (f, comm) = (Arc::clone(&f), group.comm(r));
-            std::thread::spawn(move || f(r, comm))
+    let handles: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(r, comm)| {
+            let f = Arc::clone(&f);
+            std::thread::spawn(move || f(r, &comm))
         })
         .collect();
     handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -37,9 +76,12 @@ fn tensor(shape: &[usize], v: Vec<f32>) -> CpuTensor {
 
 #[test]
 fn every_operation_matches_a_serial_computation() {
-    for world in [1usize, 2, 3, 4] {
-        let group = ThreadGroup::new(world);
-        let results = on_ranks(&group, world, move |r, comm| {
+    for (kind, world) in KINDS
+        .into_iter()
+        .flat_map(|k| [1usize, 2, 3, 4].map(|w| (k, w)))
+    {
+        let comms = group(kind, world, Duration::from_secs(60));
+        let results = on_ranks(comms, move |r, comm| {
             let be = CpuBackend::new();
             // all_reduce_sum: rank order, the same bits everywhere.
             let mut t = tensor(&[3, 4], values(r, 12));
@@ -83,7 +125,10 @@ fn every_operation_matches_a_serial_computation() {
                     *w += v;
                 }
             }
-            assert_eq!(reduced, want, "all_reduce_sum, world {world}, rank {r}");
+            assert_eq!(
+                reduced, want,
+                "{kind:?}: all_reduce_sum, world {world}, rank {r}"
+            );
             let total_cols: usize = (1..=world).sum();
             let mut want = Vec::new();
             for row in 0..2 {
@@ -109,88 +154,176 @@ fn every_operation_matches_a_serial_computation() {
                 .map(|s| values(s * 10 + r, 2 * (r + 1)))
                 .collect();
             assert_eq!(received, want, "all_to_all_rows");
-            assert_eq!(broadcast, values(world - 1, 5), "broadcast");
+            assert_eq!(broadcast, values(world - 1, 5), "{kind:?}: broadcast");
         }
     }
 }
 
 #[test]
 fn a_missing_rank_is_an_error_naming_it_within_the_deadline() {
-    let group = ThreadGroup::with_timeout(3, Duration::from_millis(300));
-    let start = Instant::now();
-    // Rank 2 never calls.
-    let results = on_ranks(&group, 2, |_, comm| {
-        let be = CpuBackend::new();
-        let mut t = tensor(&[2], vec![1.0, 2.0]);
-        comm.all_reduce_sum(&be, &mut t).map_err(|e| e.to_string())
-    });
-    assert!(start.elapsed() < Duration::from_secs(5));
-    for r in results {
-        let e = r.unwrap_err();
-        assert!(e.contains("all_reduce_sum") || e.contains("aborted"), "{e}");
+    for kind in KINDS {
+        let mut comms = group(kind, 3, Duration::from_millis(300));
+        // Rank 2 never calls.
+        let absent = comms.pop().unwrap();
+        let start = Instant::now();
+        let results = on_ranks(comms, move |r, comm| {
+            let be = CpuBackend::new();
+            let mut t = tensor(&[2], vec![1.0, 2.0]);
+            let result = comm.all_reduce_sum(&be, &mut t).map_err(|e| e.to_string());
+            if r == 0 {
+                // The group stays failed: a later call errors at once.
+                let e = comm.all_reduce_sum(&be, &mut t).unwrap_err().to_string();
+                return result.and(Err(e));
+            }
+            result
+        });
+        assert!(start.elapsed() < Duration::from_secs(5), "{kind:?}");
+        for r in &results[1..] {
+            let e = r.as_ref().unwrap_err();
+            assert!(
+                e.contains("all_reduce_sum") || e.contains("aborted"),
+                "{kind:?}: {e}"
+            );
+        }
+        let e = results[0].as_ref().unwrap_err();
+        assert!(e.contains("rank(s) 2 did not arrive"), "{kind:?}: {e}");
+        drop(absent);
     }
-    // The group stays failed: a later call errors at once.
-    let be = CpuBackend::new();
-    let mut t = tensor(&[2], vec![1.0, 2.0]);
-    let e = group
-        .comm(0)
-        .all_reduce_sum(&be, &mut t)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("rank(s) 2 did not arrive"), "{e}");
 }
 
 #[test]
 fn mismatched_operations_and_shapes_are_errors_on_every_rank() {
-    let group = ThreadGroup::with_timeout(2, Duration::from_secs(10));
-    let results = on_ranks(&group, 2, |r, comm| {
-        let be = CpuBackend::new();
-        let mut t = tensor(&[r + 1], vec![1.0; r + 1]);
-        comm.all_reduce_sum(&be, &mut t).map_err(|e| e.to_string())
-    });
-    for r in results {
-        let e = r.unwrap_err();
+    for kind in KINDS {
+        let comms = group(kind, 2, Duration::from_secs(10));
+        let results = on_ranks(comms, |r, comm| {
+            let be = CpuBackend::new();
+            let mut t = tensor(&[r + 1], vec![1.0; r + 1]);
+            comm.all_reduce_sum(&be, &mut t).map_err(|e| e.to_string())
+        });
+        for r in results {
+            let e = r.unwrap_err();
+            assert!(
+                e.contains("rank 0 passed [1, 1] but rank 1 passed [1, 2]")
+                    || e.contains("aborted"),
+                "{kind:?}: {e}"
+            );
+        }
+        let comms = group(kind, 2, Duration::from_secs(10));
+        let results = on_ranks(comms, |r, comm| {
+            let be = CpuBackend::new();
+            let mut t = tensor(&[2], vec![1.0; 2]);
+            if r == 0 {
+                comm.all_reduce_sum(&be, &mut t).map_err(|e| e.to_string())
+            } else {
+                comm.broadcast(&be, &mut t, 0).map_err(|e| e.to_string())
+            }
+        });
         assert!(
-            e.contains("rank 0 passed [1, 1] but rank 1 passed [1, 2]") || e.contains("aborted"),
-            "{e}"
+            results.iter().all(|r| r
+                .as_ref()
+                .is_err_and(|e| e.contains("mismatch") || e.contains("aborted"))),
+            "{kind:?}: {results:?}"
         );
     }
-    let group = ThreadGroup::with_timeout(2, Duration::from_secs(10));
-    let results = on_ranks(&group, 2, |r, comm| {
-        let be = CpuBackend::new();
-        let mut t = tensor(&[2], vec![1.0; 2]);
-        if r == 0 {
-            comm.all_reduce_sum(&be, &mut t).map_err(|e| e.to_string())
-        } else {
-            comm.broadcast(&be, &mut t, 0).map_err(|e| e.to_string())
-        }
-    });
-    assert!(
-        results.iter().all(|r| r
-            .as_ref()
-            .is_err_and(|e| e.contains("mismatch") || e.contains("aborted"))),
-        "{results:?}"
-    );
 }
 
 #[test]
 fn an_aborting_rank_releases_the_others_at_once() {
-    let group = ThreadGroup::new(2);
-    let start = Instant::now();
-    let results = on_ranks(&group, 2, |r, comm| {
+    for kind in KINDS {
+        let comms = group(kind, 2, Duration::from_secs(600));
+        let start = Instant::now();
+        let results = on_ranks(comms, |r, comm| {
+            let be = CpuBackend::new();
+            if r == 1 {
+                std::thread::sleep(Duration::from_millis(50));
+                comm.abort("the model failed to load");
+                return Err("aborted".to_string());
+            }
+            let mut t = tensor(&[2], vec![1.0; 2]);
+            comm.all_reduce_sum(&be, &mut t).map_err(|e| e.to_string())
+        });
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{kind:?}: waited for the timeout"
+        );
+        let e = results[0].as_ref().unwrap_err();
+        assert!(
+            e.contains("rank 1: the model failed to load"),
+            "{kind:?}: {e}"
+        );
+    }
+}
+
+#[test]
+fn shared_memory_deposits_grow_past_their_first_page_and_leave_no_files() {
+    let made = ShmGroup::create(2).unwrap();
+    let name = made.name().to_string();
+    let dir = if std::path::Path::new("/dev/shm").is_dir() {
+        std::path::PathBuf::from("/dev/shm")
+    } else {
+        std::env::temp_dir()
+    };
+    let comms = {
+        let joins: Vec<_> = (0..2)
+            .map(|r| {
+                let name = name.clone();
+                std::thread::spawn(move || {
+                    ShmComm::join(&name, r, 2, Duration::from_secs(30)).unwrap()
+                })
+            })
+            .collect();
+        joins
+            .into_iter()
+            .map(|h| Box::new(h.join().unwrap()) as Comm)
+            .collect::<Vec<_>>()
+    };
+    let leftovers = || {
+        std::fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with(&name))
+            .count()
+    };
+    assert_eq!(leftovers(), 0, "the names go once every rank has joined");
+    // 1, 1,000 then 300,000 values: the files grow (and the other rank remaps them).
+    let results = on_ranks(comms, |r, comm| {
         let be = CpuBackend::new();
-        if r == 1 {
-            std::thread::sleep(Duration::from_millis(50));
-            Collective::<CpuBackend>::abort(&comm, "the model failed to load");
-            return Err("aborted".to_string());
-        }
-        let mut t = tensor(&[2], vec![1.0; 2]);
-        comm.all_reduce_sum(&be, &mut t).map_err(|e| e.to_string())
+        [1usize, 1000, 300_000, 7]
+            .into_iter()
+            .map(|n| {
+                let mut t = tensor(&[n], values(r, n));
+                comm.all_reduce_sum(&be, &mut t).unwrap();
+                be.to_f32(&t).unwrap()
+            })
+            .collect::<Vec<_>>()
     });
+    for n_results in &results {
+        for v in n_results {
+            let n = v.len();
+            let want: Vec<f32> = values(0, n)
+                .iter()
+                .zip(values(1, n))
+                .map(|(a, b)| a + b)
+                .collect();
+            assert_eq!(v, &want, "{n} values");
+        }
+    }
+    drop(made);
+}
+
+#[test]
+fn joining_a_group_that_is_not_there_names_it() {
+    let e = ShmComm::join("kimi-collective-none", 1, 2, Duration::from_secs(1))
+        .err()
+        .unwrap()
+        .to_string();
     assert!(
-        start.elapsed() < Duration::from_secs(5),
-        "waited for the timeout"
+        e.contains("kimi-collective-none") && e.contains("one node"),
+        "{e}"
     );
-    let e = results[0].as_ref().unwrap_err();
-    assert!(e.contains("rank 1: the model failed to load"), "{e}");
+    let e = ShmComm::join("../etc/passwd", 1, 2, Duration::from_secs(1))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("not a group's name"), "{e}");
 }

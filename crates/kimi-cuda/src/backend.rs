@@ -504,6 +504,37 @@ impl Backend for CudaBackend {
         format!("cuda:{} ({})", self.ordinal, self.device_name)
     }
 
+    fn new_process_group(&self, world: usize) -> Result<kimi_ops::ProcessGroupId> {
+        let _ = world;
+        Ok(kimi_ops::ProcessGroupId {
+            bytes: NcclId::new()?.0.to_vec(),
+            keep: None,
+        })
+    }
+
+    fn join_process_group(
+        &self,
+        id: &[u8],
+        rank: usize,
+        world: usize,
+        timeout: std::time::Duration,
+    ) -> Result<Arc<dyn kimi_ops::Collective<Self>>> {
+        let id = <[u8; NcclId::LEN]>::try_from(id).map_err(|_| {
+            kimi_ops::Error::Device(format!(
+                "rank 0 sent an NCCL id of {} bytes, not {}",
+                id.len(),
+                NcclId::LEN
+            ))
+        })?;
+        Ok(Arc::new(NcclComm::new(
+            self,
+            &NcclId(id),
+            rank,
+            world,
+            timeout,
+        )?))
+    }
+
     fn stores(&self, dtype: DType) -> bool {
         dtype_code(dtype).is_some()
             || dtype == DType::MXFP4

@@ -471,6 +471,7 @@ impl<B: Backend> EngineLoop<B> {
         m.cache_usage = self.scheduler.cache_usage();
         m.num_preemptions_total = self.scheduler.num_preemptions();
         m.expert_offload = self.runner.expert_offload();
+        m.model_failure = self.runner.model_failure();
         self.shared
             .num_waiting
             .store(m.num_waiting, Ordering::Relaxed);

@@ -81,6 +81,11 @@ impl<B: Backend> ModelRunner<B> {
     }
 
     /// The expert tiers' placement and counters, when some experts live off the device.
+    /// Why the model can run no more steps, once that is so.
+    pub(crate) fn model_failure(&self) -> Option<String> {
+        self.model.failure()
+    }
+
     pub(crate) fn expert_offload(&self) -> Option<crate::ExpertOffloadMetrics> {
         let counts = self.model.offload_counts()?;
         let placement = self.model.expert_placement().into_iter().fold(

@@ -140,6 +140,9 @@ pub struct EngineMetrics {
     /// Where the routed experts are and what their tiers did since start, when some live
     /// off the device (`--cpu-offload-gb`); `None` when every expert is resident.
     pub expert_offload: Option<ExpertOffloadMetrics>,
+    /// Why the model can run no more steps (a rank process of a split model died): every
+    /// request fails from then on, and a server should end.
+    pub model_failure: Option<String>,
 }
 
 /// The expert tiers of a model whose routed experts do not all live on the device.

@@ -152,6 +152,12 @@ pub trait CausalLm<B: Backend>: Send + Sync {
     fn offload_counts(&self) -> Option<OffloadCounts> {
         None
     }
+
+    /// Why this model can run no more calls, once that is so (a rank process of a split
+    /// model has died): every later call fails, and a server should end.
+    fn failure(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Block size of [`CausalLm::single_cache`] pools.
@@ -206,6 +212,9 @@ impl<B: Backend, M: CausalLm<B> + ?Sized> CausalLm<B> for Box<M> {
     }
     fn offload_counts(&self) -> Option<OffloadCounts> {
         (**self).offload_counts()
+    }
+    fn failure(&self) -> Option<String> {
+        (**self).failure()
     }
 }
 

@@ -151,6 +151,63 @@ where
     })
 }
 
+/// Rank `shard.rank`'s part of a model split over rank processes (one per GPU), joined to
+/// `comm` (every rank's collective of one group: [`Backend::join_process_group`]).
+pub fn load_rank_part<B: Backend + 'static>(
+    backend: B,
+    config: ModelConfig,
+    source: &dyn WeightSource,
+    options: &LoadOptions,
+    shard: crate::parallel::Shard,
+    comm: std::sync::Arc<dyn kimi_ops::Collective<B>>,
+) -> Result<KimiLinear<B>> {
+    let options = LoadOptions {
+        shard,
+        ..options.clone()
+    };
+    let mut part = KimiLinear::load_with(backend, config, source, &options)?;
+    part.set_collective(comm)?;
+    Ok(part)
+}
+
+/// Rank 0 of a model split over rank processes: its part ([`load_rank_part`]), which
+/// hands every call to the other ranks through `links` (from the rendezvous) and answers
+/// for them all ([`crate::parallel::ProcessRanks`]).
+#[allow(clippy::too_many_arguments)]
+pub fn load_rank_lead<B: Backend + 'static>(
+    backend: B,
+    config: ModelConfig,
+    source: &dyn WeightSource,
+    options: &LoadOptions,
+    experts: crate::parallel::ExpertSplit,
+    comm: std::sync::Arc<dyn kimi_ops::Collective<B>>,
+    links: Vec<kimi_ops::bootstrap::rendezvous::Link>,
+    timeout: std::time::Duration,
+) -> Result<LoadedModel<B>> {
+    let architecture = Architecture::of_config(&config);
+    let shard = crate::parallel::Shard {
+        rank: 0,
+        world: comm.world(),
+        experts,
+    };
+    let part = load_rank_part(
+        backend,
+        config.clone(),
+        source,
+        options,
+        shard,
+        comm.clone(),
+    )?;
+    let ignored_vision_tensors = part.ignored_vision_tensors();
+    let model = crate::parallel::ProcessRanks::new(part, comm, links, timeout)?;
+    Ok(LoadedModel {
+        architecture,
+        config: Some(config),
+        ignored_vision_tensors,
+        model: Box::new(model),
+    })
+}
+
 /// Builds the model a config describes from any weight source (random weights for
 /// benchmarks of full-size shapes).
 pub fn load_config<B: Backend + 'static>(

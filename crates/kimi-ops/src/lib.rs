@@ -9,7 +9,8 @@
 //! forward pass over several sequences flattens their tokens into one matrix; the sequence
 //! boundaries travel as [`Segment`]s so that mixers with per-sequence state (KDA, MLA) can
 //! find their rows.
-#![forbid(unsafe_code)]
+// No unsafe code but the shared-memory collective's file mappings (`collective::shm`).
+#![deny(unsafe_code)]
 #![deny(missing_docs)]
 
 pub use kimi_core::config::Activation;
@@ -22,7 +23,7 @@ pub mod collective;
 pub mod experts;
 pub mod offload;
 pub mod sampling;
-pub use collective::{Collective, ThreadComm, ThreadGroup};
+pub use collective::{Collective, ProcessGroupId, ShmComm, ShmGroup, ThreadComm, ThreadGroup};
 pub use experts::{ExpertBank, ExpertView};
 pub use sampling::{RowSampling, TokenPenalty};
 
@@ -462,6 +463,37 @@ pub trait Backend: Send + Sync {
         let _ = rank;
         Err(Error::Unsupported(format!(
             "splitting a model over ranks on {}",
+            self.name()
+        )))
+    }
+
+    /// Starts a group of `world` rank processes: what rank 0 hands the others at the
+    /// rendezvous, for every rank's [`Backend::join_process_group`] (NCCL's unique id on
+    /// GPUs; on the CPU, a shared-memory group's name). Default: [`Error::Unsupported`].
+    fn new_process_group(&self, world: usize) -> Result<ProcessGroupId> {
+        let _ = world;
+        Err(Error::Unsupported(format!(
+            "ranks as processes on {}",
+            self.name()
+        )))
+    }
+
+    /// Joins the group `id` ([`Backend::new_process_group`] of rank 0) as rank `rank` of
+    /// `world`; `timeout` bounds the join and every later collective. Default:
+    /// [`Error::Unsupported`].
+    fn join_process_group(
+        &self,
+        id: &[u8],
+        rank: usize,
+        world: usize,
+        timeout: std::time::Duration,
+    ) -> Result<std::sync::Arc<dyn Collective<Self>>>
+    where
+        Self: Sized,
+    {
+        let _ = (id, rank, world, timeout);
+        Err(Error::Unsupported(format!(
+            "ranks as processes on {}",
             self.name()
         )))
     }

@@ -261,6 +261,12 @@ impl<B: Backend> CausalLm<B> for ProcessRanks<B> {
     fn offload_counts(&self) -> Option<OffloadCounts> {
         self.lead.offload_counts()
     }
+    fn failure(&self) -> Option<String> {
+        self.broken
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
 }
 
 impl<B: Backend> Drop for ProcessRanks<B> {

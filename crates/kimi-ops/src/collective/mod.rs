@@ -6,6 +6,9 @@
 //! implements it for ranks that are threads of one process, on any backend (through host
 //! f32 copies), so that every parallel path runs in CI on the CPU backend. Its reductions
 //! add the ranks' values in rank order on every rank, so all ranks hold the same bits.
+//! [`ShmGroup`] does the same for ranks that are processes of one node (the CPU backend's
+//! place of NCCL when `serve` starts one process per rank), through shared memory; both
+//! combine the ranks' values with the same code ([`ops`]), so their results are equal.
 //! Every wait has a deadline: a rank that fails or never arrives ends the others' calls
 //! with an error naming the operation and the missing ranks, never a hang.
 
@@ -13,6 +16,13 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::{Backend, Error, Result};
+
+mod ops;
+// Maps files shared between processes: the crate's only unsafe code.
+#[allow(unsafe_code)]
+mod shm;
+
+pub use shm::{ShmComm, ShmGroup};
 
 /// The collective operations of a group of ranks. Tensors are row-major `[rows, cols]`
 /// (a vector counts as one row).
@@ -40,9 +50,27 @@ pub trait Collective<B: Backend>: Send + Sync {
     fn abort(&self, reason: &str);
 }
 
+/// What rank 0 of a group of rank processes hands the others ([`Backend::new_process_group`]).
+pub struct ProcessGroupId {
+    /// The bytes every rank joins with (the rendezvous payload).
+    pub bytes: Vec<u8>,
+    /// What must live until rank 0 has joined (a shared-memory group's control file).
+    pub keep: Option<Box<dyn std::any::Any + Send>>,
+}
+
 /// How long a rank waits for the others in one collective before it gives up, unless
 /// [`ThreadGroup::with_timeout`] says otherwise.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// How one rank's deposit meets the others' ([`ThreadGroup`]: a mutex of one process;
+/// [`ShmGroup`]: shared memory between processes). [`ops`] combines the deposits.
+trait Exchange {
+    fn rank(&self) -> usize;
+    fn world(&self) -> usize;
+    /// Deposits `mine`, waits for every rank's deposit of the same operation, and returns
+    /// `read` of all of them (in rank order).
+    fn exchange<R>(&self, mine: Deposit, read: impl FnOnce(&[&Deposit]) -> Result<R>) -> Result<R>;
+}
 
 /// One rank's contribution to the operation in flight.
 struct Deposit {
@@ -54,7 +82,8 @@ struct Deposit {
     rows_to: Vec<usize>,
 }
 
-struct Exchange {
+/// What the ranks of a [`ThreadGroup`] share.
+struct Board {
     /// Operations completed by the whole group.
     generation: u64,
     deposits: Vec<Option<Deposit>>,
@@ -67,7 +96,7 @@ struct Exchange {
 pub struct ThreadGroup {
     world: usize,
     timeout: Duration,
-    state: Mutex<Exchange>,
+    state: Mutex<Board>,
     changed: Condvar,
 }
 
@@ -82,7 +111,7 @@ impl ThreadGroup {
         Arc::new(Self {
             world: world.max(1),
             timeout,
-            state: Mutex::new(Exchange {
+            state: Mutex::new(Board {
                 generation: 0,
                 deposits: (0..world.max(1)).map(|_| None).collect(),
                 taken: 0,
@@ -111,18 +140,18 @@ impl ThreadGroup {
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, Exchange> {
+    fn lock(&self) -> MutexGuard<'_, Board> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Waits on the condition until `done` holds, the group fails or the deadline passes.
     fn wait<'a>(
         &self,
-        mut st: MutexGuard<'a, Exchange>,
+        mut st: MutexGuard<'a, Board>,
         deadline: Instant,
-        what: impl Fn(&Exchange) -> String,
-        done: impl Fn(&Exchange) -> bool,
-    ) -> Result<MutexGuard<'a, Exchange>> {
+        what: impl Fn(&Board) -> String,
+        done: impl Fn(&Board) -> bool,
+    ) -> Result<MutexGuard<'a, Board>> {
         loop {
             if let Some(reason) = &st.failed {
                 return Err(Error::Device(format!("collective aborted: {reason}")));
@@ -209,224 +238,58 @@ pub struct ThreadComm {
     rank: usize,
 }
 
-/// `[rows, cols]` of a tensor shape (a vector is one row; leading dims fold into rows).
-fn rows_cols(shape: &[usize]) -> [usize; 2] {
-    match shape {
-        [] => [1, 1],
-        [n] => [1, *n],
-        [.., c] => [shape[..shape.len() - 1].iter().product(), *c],
-    }
-}
-
-fn same_shapes(op: &str, deposits: &[&Deposit]) -> Result<[usize; 2]> {
-    let shape = deposits[0].shape;
-    match deposits.iter().position(|d| d.shape != shape) {
-        Some(r) => Err(Error::Shape {
-            op: "collective",
-            detail: format!(
-                "{op}: rank 0 passed {:?} but rank {r} passed {:?}",
-                shape, deposits[r].shape
-            ),
-        }),
-        None => Ok(shape),
-    }
-}
-
-impl ThreadComm {
-    fn deposit<B: Backend>(&self, be: &B, op: &'static str, t: &B::Tensor) -> Result<Deposit> {
-        Ok(Deposit {
-            op,
-            shape: rows_cols(be.shape(t)),
-            values: be.to_f32(t)?,
-            rows_to: Vec::new(),
-        })
-    }
-}
-
-impl<B: Backend> Collective<B> for ThreadComm {
+impl Exchange for ThreadComm {
     fn rank(&self) -> usize {
         self.rank
     }
-
     fn world(&self) -> usize {
         self.group.world
     }
-
-    fn all_reduce_sum(&self, be: &B, t: &mut B::Tensor) -> Result<()> {
-        const OP: &str = "all_reduce_sum";
-        let shape = be.shape(t).to_vec();
-        let mine = self.deposit(be, OP, t)?;
-        let sum = self.group.exchange(self.rank, mine, |all| {
-            same_shapes(OP, all)?;
-            let mut sum = all[0].values.clone();
-            for d in &all[1..] {
-                for (s, v) in sum.iter_mut().zip(&d.values) {
-                    *s += v;
-                }
-            }
-            Ok(sum)
-        })?;
-        *t = be.upload_f32(&shape, &sum)?;
-        Ok(())
+    fn exchange<R>(&self, mine: Deposit, read: impl FnOnce(&[&Deposit]) -> Result<R>) -> Result<R> {
+        self.group.exchange(self.rank, mine, read)
     }
+}
 
-    fn all_gather_cols(&self, be: &B, t: &B::Tensor) -> Result<B::Tensor> {
-        const OP: &str = "all_gather_cols";
-        let mine = self.deposit(be, OP, t)?;
-        let (rows, out) = self.group.exchange(self.rank, mine, |all| {
-            let rows = all[0].shape[0];
-            if let Some(r) = all.iter().position(|d| d.shape[0] != rows) {
-                return Err(Error::Shape {
-                    op: "collective",
-                    detail: format!(
-                        "{OP}: rank 0 passed {rows} rows, rank {r} {}",
-                        all[r].shape[0]
-                    ),
-                });
+/// The [`Collective`] of an [`Exchange`]: [`ops`]' operations, and the type's `abort_group`.
+macro_rules! collective_over_exchange {
+    ($t:ty) => {
+        impl<B: Backend> Collective<B> for $t {
+            fn rank(&self) -> usize {
+                Exchange::rank(self)
             }
-            let mut out = Vec::with_capacity(all.iter().map(|d| d.values.len()).sum());
-            for row in 0..rows {
-                for d in all {
-                    let c = d.shape[1];
-                    out.extend_from_slice(&d.values[row * c..(row + 1) * c]);
-                }
+            fn world(&self) -> usize {
+                Exchange::world(self)
             }
-            Ok((rows, out))
-        })?;
-        let cols = out.len().checked_div(rows).unwrap_or(0);
-        be.upload_f32(&[rows, cols], &out)
-    }
-
-    fn all_gather_rows(&self, be: &B, t: &B::Tensor) -> Result<B::Tensor> {
-        const OP: &str = "all_gather_rows";
-        let mine = self.deposit(be, OP, t)?;
-        let (cols, out) = self.group.exchange(self.rank, mine, |all| {
-            let cols = all[0].shape[1];
-            if let Some(r) = all.iter().position(|d| d.shape[1] != cols) {
-                return Err(Error::Shape {
-                    op: "collective",
-                    detail: format!(
-                        "{OP}: rank 0 passed {cols} columns, rank {r} {}",
-                        all[r].shape[1]
-                    ),
-                });
+            fn all_reduce_sum(&self, be: &B, t: &mut B::Tensor) -> Result<()> {
+                ops::all_reduce_sum(self, be, t)
             }
-            Ok((
-                cols,
-                all.iter()
-                    .flat_map(|d| d.values.iter().copied())
-                    .collect::<Vec<f32>>(),
-            ))
-        })?;
-        let rows = out.len().checked_div(cols).unwrap_or(0);
-        be.upload_f32(&[rows, cols], &out)
-    }
-
-    fn reduce_scatter_rows(&self, be: &B, t: &B::Tensor) -> Result<B::Tensor> {
-        const OP: &str = "reduce_scatter_rows";
-        let (world, rank) = (self.group.world, self.rank);
-        let mine = self.deposit(be, OP, t)?;
-        let (share, cols, sum) = self.group.exchange(self.rank, mine, |all| {
-            let [rows, cols] = same_shapes(OP, all)?;
-            if !rows.is_multiple_of(world) {
-                return Err(Error::Shape {
-                    op: "collective",
-                    detail: format!("{OP}: {rows} rows do not split over {world} ranks"),
-                });
+            fn all_gather_cols(&self, be: &B, t: &B::Tensor) -> Result<B::Tensor> {
+                ops::all_gather_cols(self, be, t)
             }
-            let share = rows / world;
-            let range = rank * share * cols..(rank + 1) * share * cols;
-            let mut sum = all[0].values[range.clone()].to_vec();
-            for d in &all[1..] {
-                for (s, v) in sum.iter_mut().zip(&d.values[range.clone()]) {
-                    *s += v;
-                }
+            fn all_gather_rows(&self, be: &B, t: &B::Tensor) -> Result<B::Tensor> {
+                ops::all_gather_rows(self, be, t)
             }
-            Ok((share, cols, sum))
-        })?;
-        be.upload_f32(&[share, cols], &sum)
-    }
-
-    fn all_to_all_rows(&self, be: &B, parts: &[B::Tensor]) -> Result<Vec<B::Tensor>> {
-        const OP: &str = "all_to_all_rows";
-        let world = self.group.world;
-        if parts.len() != world {
-            return Err(Error::Shape {
-                op: "collective",
-                detail: format!("{OP}: {} parts for {world} ranks", parts.len()),
-            });
+            fn reduce_scatter_rows(&self, be: &B, t: &B::Tensor) -> Result<B::Tensor> {
+                ops::reduce_scatter_rows(self, be, t)
+            }
+            fn all_to_all_rows(&self, be: &B, parts: &[B::Tensor]) -> Result<Vec<B::Tensor>> {
+                ops::all_to_all_rows(self, be, parts)
+            }
+            fn broadcast(&self, be: &B, t: &mut B::Tensor, root: usize) -> Result<()> {
+                ops::broadcast(self, be, t, root)
+            }
+            fn abort(&self, reason: &str) {
+                self.abort_group(reason)
+            }
         }
-        let mut values = Vec::new();
-        let mut rows_to = Vec::with_capacity(world);
-        let mut cols = None;
-        for p in parts {
-            let [r, c] = rows_cols(be.shape(p));
-            if *cols.get_or_insert(c) != c && r > 0 {
-                return Err(Error::Shape {
-                    op: "collective",
-                    detail: format!("{OP}: parts of {} and {c} columns", cols.unwrap_or(c)),
-                });
-            }
-            values.extend(be.to_f32(p)?);
-            rows_to.push(r);
-        }
-        let cols = cols.unwrap_or(0);
-        let mine = Deposit {
-            op: OP,
-            shape: [rows_to.iter().sum(), cols],
-            values,
-            rows_to,
-        };
-        let rank = self.rank;
-        let received = self.group.exchange(self.rank, mine, |all| {
-            if let Some(r) = all
-                .iter()
-                .position(|d| d.shape[1] != cols && d.shape[0] > 0)
-            {
-                return Err(Error::Shape {
-                    op: "collective",
-                    detail: format!(
-                        "{OP}: rank {rank} sends {cols} columns, rank {r} {}",
-                        all[r].shape[1]
-                    ),
-                });
-            }
-            Ok(all
-                .iter()
-                .map(|d| {
-                    let c = d.shape[1];
-                    let start: usize = d.rows_to[..rank].iter().sum();
-                    let rows = d.rows_to[rank];
-                    (rows, d.values[start * c..(start + rows) * c].to_vec())
-                })
-                .collect::<Vec<_>>())
-        })?;
-        received
-            .into_iter()
-            .map(|(rows, v)| be.upload_f32(&[rows, cols], &v))
-            .collect()
-    }
+    };
+}
+collective_over_exchange!(ThreadComm);
+collective_over_exchange!(ShmComm);
 
-    fn broadcast(&self, be: &B, t: &mut B::Tensor, root: usize) -> Result<()> {
-        const OP: &str = "broadcast";
-        let world = self.group.world;
-        if root >= world {
-            return Err(Error::Shape {
-                op: "collective",
-                detail: format!("{OP}: root {root} of {world} ranks"),
-            });
-        }
-        let shape = be.shape(t).to_vec();
-        let mine = self.deposit(be, OP, t)?;
-        let values = self.group.exchange(self.rank, mine, |all| {
-            same_shapes(OP, all)?;
-            Ok(all[root].values.clone())
-        })?;
-        *t = be.upload_f32(&shape, &values)?;
-        Ok(())
-    }
-
-    fn abort(&self, reason: &str) {
+impl ThreadComm {
+    /// Ends every pending and later collective of the group with `reason`.
+    fn abort_group(&self, reason: &str) {
         let mut st = self.group.lock();
         st.failed
             .get_or_insert_with(|| format!("rank {}: {reason}", self.rank));

@@ -1,0 +1,368 @@
+//! A model split over rank processes (`--distributed-executor-backend mp`, or ranks a
+//! torchrun-style launcher starts with RANK/WORLD_SIZE), on the CPU backend: the same bits
+//! as the ranks as threads; a rank that never comes, or dies, ends the job with its rank
+//! named and never hangs; signals reach rank 0 through the launcher.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+fn bin() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kimi-infer"));
+    c.env(
+        "XDG_CACHE_HOME",
+        std::env::temp_dir().join("kimi-infer-cli-tests"),
+    )
+    .env_remove("KIMI_LOG")
+    .env_remove("KIMI_API_KEY");
+    for v in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ] {
+        c.env_remove(v);
+    }
+    c
+}
+
+fn k3() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/kimi-k3/k3-tiny-7l")
+}
+
+/// A port nobody listens on now (rank 0's rendezvous binds it).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// `kimi-infer logits` of the K3 fixture with `extra` flags, as raw `.npy` bytes.
+fn logits(extra: &[&str], env: &[(&str, String)]) -> (Vec<u8>, String) {
+    let out = tempfile::tempdir().unwrap();
+    let path = out.path().join("l.npy");
+    let o = bin()
+        .args(["logits", "--model", k3().to_str().unwrap()])
+        .args(["--ids", "1,5,9,2,7,3,11", "--step", "3"])
+        .args(["--out", path.to_str().unwrap()])
+        .args(extra)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .output()
+        .expect("binary runs");
+    assert!(o.status.success(), "{extra:?}: {}", stderr(&o));
+    (std::fs::read(&path).unwrap(), stderr(&o))
+}
+
+#[test]
+fn ranks_as_processes_give_the_bits_of_ranks_as_threads() {
+    for split in [
+        &["-t", "2"][..],
+        &["-t", "2", "--enable-expert-parallel"][..],
+        &[
+            "-t",
+            "2",
+            "--enable-expert-parallel",
+            "--expert-dispatch",
+            "all-to-all",
+        ][..],
+    ] {
+        let (threads, _) = logits(split, &[]);
+        let port = free_port().to_string();
+        let mp = [
+            split,
+            &[
+                "--distributed-executor-backend",
+                "mp",
+                "--master-port",
+                &port,
+            ],
+        ]
+        .concat();
+        let (processes, log) = logits(&mp, &[]);
+        assert!(
+            log.contains("starting ranks 0..2 of 2 as processes"),
+            "{split:?}: {log}"
+        );
+        assert!(threads == processes, "{split:?}: the logits differ");
+    }
+    // Started by a launcher of another kind (RANK and WORLD_SIZE per process, as torchrun
+    // sets them): rank 1 by hand here, rank 0 runs the command.
+    let port = free_port().to_string();
+    let env = |rank: &str| {
+        vec![
+            ("RANK", rank.to_string()),
+            ("WORLD_SIZE", "2".to_string()),
+            ("MASTER_PORT", port.clone()),
+        ]
+    };
+    let mut rank1 = bin()
+        .args(["logits", "--model", k3().to_str().unwrap()])
+        .args(["--ids", "1", "--out", "/nonexistent/unused.npy", "-t", "2"])
+        .envs(env("1"))
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("rank 1 starts");
+    let (lead, log) = logits(&["-t", "2"], &env("0"));
+    let (threads, _) = logits(&["-t", "2"], &[]);
+    assert!(
+        lead == threads,
+        "torchrun-style ranks: the logits differ: {log}"
+    );
+    let status = wait(&mut rank1, Duration::from_secs(30)).expect("rank 1 ends with rank 0");
+    assert!(status.success(), "rank 1: {status}");
+}
+
+#[test]
+fn a_rank_that_never_comes_is_named_within_the_timeout() {
+    let port = free_port().to_string();
+    let start = Instant::now();
+    let o = bin()
+        .args(["logits", "--model", k3().to_str().unwrap()])
+        .args(["--ids", "1,2", "--out", "/tmp/unused.npy", "-t", "2"])
+        .args(["--collective-timeout", "2"])
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "2")
+        .env("MASTER_PORT", &port)
+        .output()
+        .expect("binary runs");
+    assert!(!o.status.success());
+    assert!(start.elapsed() < Duration::from_secs(30));
+    let e = stderr(&o);
+    assert!(
+        e.contains("rank(s) 1 did not arrive at the rendezvous within 2s"),
+        "{e}"
+    );
+    // Threads refuse what asks for processes, naming both.
+    let o = bin()
+        .args(["logits", "--model", k3().to_str().unwrap()])
+        .args(["--ids", "1,2", "--out", "/tmp/unused.npy", "-t", "2"])
+        .args(["--distributed-executor-backend", "threads"])
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "2")
+        .output()
+        .expect("binary runs");
+    let e = stderr(&o);
+    assert!(
+        !o.status.success() && e.contains("threads") && e.contains("RANK"),
+        "{e}"
+    );
+}
+
+/// Waits for `child` to end, at most `limit`.
+fn wait(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            return Some(status);
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A `serve` process (a launcher or one rank) with its log, and its address once up.
+struct Server {
+    child: Child,
+    log: Arc<Mutex<String>>,
+    addr: Option<SocketAddr>,
+}
+
+impl Server {
+    fn start(extra: &[&str], env: &[(&str, String)], up: bool) -> Server {
+        let mut child = bin()
+            .args(["serve", "--port", "0", "--served-model-name", "m"])
+            .args(["--model", k3().to_str().unwrap()])
+            .args(extra)
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("serve starts");
+        let stderr = child.stderr.take().expect("stderr");
+        let log = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        {
+            let log = Arc::clone(&log);
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines() {
+                    let Ok(line) = line else { break };
+                    if let Some(addr) = line
+                        .split("on http://")
+                        .nth(1)
+                        .filter(|_| line.contains("serving `"))
+                        .and_then(|a| a.split(['"', ' ']).next())
+                        .and_then(|a| a.parse::<SocketAddr>().ok())
+                    {
+                        let _ = tx.send(addr);
+                    }
+                    let mut log = log.lock().expect("lock");
+                    log.push_str(&line);
+                    log.push('\n');
+                }
+            });
+        }
+        let addr = up.then(|| {
+            rx.recv_timeout(Duration::from_secs(120))
+                .unwrap_or_else(|_| panic!("no banner: {}", log.lock().expect("lock")))
+        });
+        Server { child, log, addr }
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().expect("lock").clone()
+    }
+
+    /// A greedy completion's status and body.
+    fn complete(&self) -> (u16, String) {
+        let addr = self.addr.expect("serving");
+        let body = r#"{"model":"m","prompt":[1,5,9,2,7],"max_tokens":8,"temperature":0,"ignore_eos":true}"#;
+        let mut s = TcpStream::connect(addr).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let req = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(req.as_bytes()).unwrap();
+        let mut response = String::new();
+        let _ = s.read_to_string(&mut response);
+        let status = response
+            .split(' ')
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = response.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
+        (status, body)
+    }
+
+    /// The rank processes the launcher started, by rank.
+    fn ranks(&self) -> Vec<(usize, u32)> {
+        let pid = self.child.id();
+        let children =
+            std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+        children
+            .split_whitespace()
+            .filter_map(|c| c.parse::<u32>().ok())
+            .filter_map(|c| {
+                let env = std::fs::read(format!("/proc/{c}/environ")).ok()?;
+                let rank = env
+                    .split(|&b| b == 0)
+                    .find_map(|v| v.strip_prefix(b"RANK="))
+                    .and_then(|r| std::str::from_utf8(r).ok()?.parse().ok())?;
+                Some((rank, c))
+            })
+            .collect()
+    }
+}
+
+fn kill(signal: &str, pid: u32) {
+    let status = Command::new("kill")
+        .args([&format!("-{signal}"), &pid.to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(status.success());
+}
+
+#[test]
+fn served_by_rank_processes_the_answer_is_that_of_one_process_and_sigterm_drains() {
+    let one = Server::start(&[], &[], true);
+    let (status, want) = one.complete();
+    assert_eq!(status, 200, "{want}");
+    let port = free_port().to_string();
+    let mut mp = Server::start(
+        &["-t", "2", "--distributed-executor-backend", "mp"],
+        &[("MASTER_PORT", port)],
+        true,
+    );
+    let (status, got) = mp.complete();
+    assert_eq!(status, 200, "{got}\n{}", mp.log());
+    let text = |body: &str| {
+        let v: serde_json::Value = serde_json::from_str(body).expect("json");
+        v["choices"][0]["text"].as_str().expect("text").to_string()
+    };
+    assert_eq!(text(&got), text(&want));
+    let ranks = mp.ranks();
+    assert_eq!(ranks.len(), 2, "{ranks:?}");
+    // SIGTERM to the launcher: rank 0 drains and ends the job; every process ends well.
+    kill("TERM", mp.child.id());
+    let status = wait(&mut mp.child, Duration::from_secs(60)).expect("the launcher ends");
+    assert!(status.success(), "{status}: {}", mp.log());
+    assert!(mp.log().contains("shutting down"), "{}", mp.log());
+    for (rank, pid) in ranks {
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists()
+                || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                    .is_ok_and(|s| s.contains(") Z ")),
+            "rank {rank} still runs"
+        );
+    }
+    drop(one);
+}
+
+#[test]
+fn a_dead_rank_ends_the_job_naming_it() {
+    // Our launcher: it sees rank 1 die, stops rank 0 and names rank 1.
+    let port = free_port().to_string();
+    let mut mp = Server::start(
+        &["-t", "2", "--distributed-executor-backend", "mp"],
+        &[("MASTER_PORT", port)],
+        true,
+    );
+    let ranks = mp.ranks();
+    let rank1 = ranks.iter().find(|(r, _)| *r == 1).expect("rank 1").1;
+    kill("KILL", rank1);
+    let status = wait(&mut mp.child, Duration::from_secs(30)).expect("the launcher ends");
+    assert!(!status.success());
+    assert!(
+        mp.log().contains("rank 1 ended with signal: 9"),
+        "{}",
+        mp.log()
+    );
+    // Ranks of another launcher: rank 0 finds rank 1 gone at its next step, answers that
+    // request with the reason, and ends.
+    let port = free_port().to_string();
+    let env = |rank: &str| {
+        vec![
+            ("RANK", rank.to_string()),
+            ("WORLD_SIZE", "2".to_string()),
+            ("MASTER_PORT", port.clone()),
+        ]
+    };
+    let mut rank1 = Server::start(&["-t", "2"], &env("1"), false);
+    let mut rank0 = Server::start(&["-t", "2"], &env("0"), true);
+    let _ = rank1.child.kill();
+    let _ = rank1.child.wait();
+    let (status, body) = rank0.complete();
+    assert_eq!(status, 500, "{body}");
+    assert!(body.contains("rank 1's process ended"), "{body}");
+    let status = wait(&mut rank0.child, Duration::from_secs(30)).expect("rank 0 ends");
+    assert!(!status.success());
+    assert!(
+        rank0
+            .log()
+            .contains("error: the model failed for good: rank 0: backend: collective aborted"),
+        "{}",
+        rank0.log()
+    );
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
