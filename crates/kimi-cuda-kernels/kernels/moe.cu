@@ -368,6 +368,20 @@ __device__ __forceinline__ void lists_block(const uint32_t* ids, const float* we
   place_pairs(ids, weights, 0, P, E, top_k, cur, slots, rows, wsel, meta);
 }
 
+// Expert parallelism: the pairs routed to experts another rank holds (present[e] == 0) are
+// sent to `stand_in` (an expert held here) with weight 0, so that they add nothing; the
+// others are copied. ids/weights hold P entries, present one byte per expert.
+extern "C" __global__ void moe_mask_absent(const uint32_t* ids, const float* weights,
+                                           const uint8_t* present, uint32_t stand_in, int P,
+                                           uint32_t* ids_out, float* weights_out) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= P) return;
+  uint32_t e = ids[i];
+  bool here = present[e] != 0;
+  ids_out[i] = here ? e : stand_in;
+  weights_out[i] = here ? weights[i] : 0.0f;
+}
+
 extern "C" __global__ void moe_lists(const uint32_t* ids, const float* weights, int P, int E,
                                      int top_k, uint32_t* offsets, uint32_t* slots,
                                      uint32_t* rows, float* wsel, uint32_t* meta) {

@@ -27,6 +27,10 @@
 //! 14. With `nccl` (only when named): every collective of `NcclComm` against `ThreadGroup`
 //!     on CPU ranks, bit for bit, at world 1 and at world = visible GPUs; abort and a missing
 //!     rank end in errors, not hangs (`check_parts/nccl.rs`).
+//! 15. With `split` (only when named): every fixture split over two ranks on GPU 0 (tensor
+//!     parallel, expert parallel), the ranks threads meeting in `ThreadGroup`, against the
+//!     same model on one rank: the CUDA side of the sharded model without a second GPU
+//!     (`check_parts/split.rs`).
 //!
 //! 14. With `quant-bench` (only when named): the packed-weight GEMV (Q4Z, Q8Z, F8S) at the
 //!     48B model's decode shapes against the bf16 GEMV, GB/s and the fraction of the
@@ -59,7 +63,7 @@
 //! op by op, and requires the logits to be bit-identical.
 //!
 //! Usage: `check [ops] [kda-ops] [fixtures] [big N_TOKENS] [profile] [mla-bench] [kda-bench]
-//! [tune] [gemv-bench] [ncu-step] [moe-bench] [sample-bench] [k3-ops] [k3-moe-bench] [k3-big N_TOKENS] [offload] [quant-ops] [quant-bench] [fp8-kv]`
+//! [tune] [gemv-bench] [ncu-step] [moe-bench] [sample-bench] [k3-ops] [k3-moe-bench] [k3-big N_TOKENS] [offload] [split] [quant-ops] [quant-bench] [fp8-kv]`
 //! (default: 1-3, 1000 tokens).
 
 use std::collections::HashSet;
@@ -99,6 +103,8 @@ mod op_cases;
 mod quant_bench;
 #[path = "../tests/common/quant_cases.rs"]
 mod quant_cases;
+#[path = "check_parts/split.rs"]
+mod split;
 use op_cases::{rel_err, CpuRun, CudaRun};
 
 fn main() {
@@ -167,6 +173,7 @@ fn main() {
         ("k3-big", false, Box::new(|| check_k3_big(k3_big_tokens))),
         ("offload", false, Box::new(offload::check_offload)),
         ("nccl", false, Box::new(nccl::check_nccl)),
+        ("split", false, Box::new(split::check_split)),
         ("fp8-kv", false, Box::new(fp8_kv::check_fp8_kv)),
     ];
     let mut failed = false;
@@ -283,7 +290,7 @@ fn read_npy_f64(path: &Path) -> Res<(Vec<usize>, Vec<f64>)> {
 /// Logits of every position, feeding `step` tokens per forward pass through a paged cache
 /// of 5-token blocks whose table takes every other block of the pool, last first.
 fn run_model<B: Backend>(
-    m: &KimiLinear<B>,
+    m: &dyn CausalLm<B>,
     ids: &[u32],
     step: usize,
     opts: ForwardOptions,

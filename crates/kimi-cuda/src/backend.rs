@@ -1079,9 +1079,7 @@ impl Backend for CudaBackend {
         act: Activation,
     ) -> Result<CudaTensor> {
         if experts.has_absent() {
-            return Err(Error::Unsupported(
-                "expert parallelism (experts held by other ranks) on CUDA".into(),
-            ));
+            return self.run_present_experts(x, routes, experts, act);
         }
         self.run_routed_experts(x, routes, experts, act)
     }

@@ -259,6 +259,59 @@ impl CudaBackend {
         Ok(lists)
     }
 
+    /// Routed experts of which some are held by other ranks (expert parallelism): the
+    /// pairs of an absent expert go to a present one with weight 0 (`ops::moe::mask_absent`),
+    /// so they add nothing, and the bank runs as it would whole. The absent pairs still
+    /// cost their share of the compute; skipping them is for later.
+    pub(super) fn run_present_experts(
+        &self,
+        x: &CudaTensor,
+        routes: &MoeRoutes<CudaTensor>,
+        bank: &ExpertView<'_, CudaTensor>,
+        act: Activation,
+    ) -> Result<CudaTensor> {
+        const OP: &str = "moe_experts (expert parallel)";
+        self.dev.enter(OP)?;
+        let present: Vec<u8> = (0..bank.len()).map(|e| bank.is_present(e) as u8).collect();
+        let Some(stand_in) = present.iter().position(|&p| p != 0) else {
+            return Err(shape_err(OP, "a rank without experts".into()));
+        };
+        let shape = routes.experts.shape.clone();
+        if routes.weights.shape != shape || shape.len() != 2 {
+            return Err(shape_err(
+                OP,
+                format!("routes {:?} / {:?}", shape, routes.weights.shape),
+            ));
+        }
+        let p = shape[0] * shape[1];
+        let ids = self.empty(&shape, DType::F32, OP)?;
+        let weights = self.empty(&shape, DType::F32, OP)?;
+        if p > 0 {
+            let mask = self.upload_bytes(&present, OP)?;
+            // SAFETY: the routes hold p ids below the bank's length (route_moe chose them
+            // among as many router rows) and p weights; ids/weights hold p 4-byte entries;
+            // the mask holds a byte per expert; `stand_in` is present.
+            unsafe {
+                ops::moe::mask_absent(
+                    &self.dev,
+                    routes.experts.ptr(),
+                    routes.weights.ptr(),
+                    mask.ptr(),
+                    stand_in as u32,
+                    p,
+                    ids.ptr(),
+                    weights.ptr(),
+                )?
+            };
+        }
+        let masked = MoeRoutes {
+            experts: ids,
+            weights,
+            top_k: routes.top_k,
+        };
+        self.run_routed_experts(x, &masked, bank, act)
+    }
+
     pub(super) fn run_routed_experts(
         &self,
         x: &CudaTensor,

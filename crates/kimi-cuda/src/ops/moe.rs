@@ -672,6 +672,37 @@ pub(crate) unsafe fn cutlass_gemm(
     Ok(())
 }
 
+/// Copies `p` routed pairs (`ids` u32, `weights` f32) into `ids_out`/`weights_out`, those
+/// whose expert is absent (`present[e] == 0`: held by another rank) sent to `stand_in`
+/// with weight 0 (see `moe_mask_absent` in `kernels/moe.cu`).
+///
+/// # Safety
+/// `ids`, `weights`, `ids_out` and `weights_out` hold `p` 4-byte entries; every id is below
+/// the length of `present` (bytes); `stand_in` is an id whose expert is present.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn mask_absent(
+    dev: &Device,
+    ids: u64,
+    weights: u64,
+    present: u64,
+    stand_in: u32,
+    p: usize,
+    ids_out: u64,
+    weights_out: u64,
+) -> Result<()> {
+    let pi = p as i32;
+    let mut b = dev.kernel("moe", "moe_mask_absent")?;
+    b.arg(&ids)
+        .arg(&weights)
+        .arg(&present)
+        .arg(&stand_in)
+        .arg(&pi);
+    b.arg(&ids_out).arg(&weights_out);
+    // SAFETY: see the function's contract; one thread per pair.
+    unsafe { b.launch(flat(p)) }.op("moe")?;
+    Ok(())
+}
+
 /// `counts[e] +=` the number of the `n` ids (u32) equal to `e`, for `e < experts`: the
 /// first kernel of the multi-block [`lists`].
 ///
