@@ -5,7 +5,7 @@
 # scripts/cuda/fetch-wheels.sh; for the llamacpp stages, llama.cpp's source into
 # .device-bin/llamacpp-src.tar.gz with scripts/cuda/llamacpp-src.sh. Then on the device, from the
 # repository root:
-#   scripts/cuda/device-bench.sh OUT_DIR [check] [quant] [fp8-kv] [nccl] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack] [k3-big] [k3-offload] [offload] [experts-cpu] [llamacpp-prep] [llamacpp]
+#   scripts/cuda/device-bench.sh OUT_DIR [check] [quant] [fp8-kv] [nccl] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack] [k3-big] [k3-offload] [offload] [split] [ranks] [experts-cpu] [llamacpp-prep] [llamacpp]
 # (no stage names = all). Each stage writes OUT_DIR/<stage>.txt (+ JSON where it has one).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -22,6 +22,19 @@ wait_healthy() {
   done
 }
 CONFIG=crates/kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json
+# cut_config SRC N DST: the config SRC cut to its first N layers (its KDA and MLA layer
+# lists with it), written to DST.
+cut_config() {
+  python3 - "$1" "$2" "$3" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1])); n = int(sys.argv[2]); t = c.get("text_config", c)
+t["num_hidden_layers"] = n
+la = t["linear_attn_config"]
+for k in ("kda_layers", "full_attn_layers"):
+    la[k] = [i for i in la[k] if i <= n]
+json.dump(c, open(sys.argv[3], "w"), indent=1)
+PY
+}
 
 # cuBLAS 13: the system toolkit, else PyTorch's pip wheel.
 for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
@@ -63,6 +76,52 @@ fi
 # on one GPU; one rank per visible GPU otherwise).
 if want nccl; then
   timeout 120 .device-bin/check nccl 2>&1 | tee "$OUT/nccl.txt"
+fi
+# A model over two ranks on GPU 0 (threads meeting in ThreadGroup) against one rank: the
+# CUDA side of tensor and expert parallelism without a second GPU.
+if want split; then
+  timeout ${SPLIT_TIMEOUT:-240} .device-bin/check split 2>&1 | tee "$OUT/split.txt"
+fi
+# Several GPUs: one process per GPU (`--distributed-executor-backend mp`, the default on
+# CUDA) over RANKS_TP (2) GPUs, NCCL between them. The fixtures' logits at -t RANKS_TP
+# (tensor, then expert parallel) against -t 1, then the 48B model's random weights
+# (RANKS_LAYERS layers, default all) decoding and prefilling at -t 1 and -t RANKS_TP.
+if want ranks; then
+  tp=${RANKS_TP:-2}
+  {
+    nvidia-smi -L
+    for fixture in fixtures/kimi-k3/k3-tiny-7l fixtures/kimi-linear/native-f32-short; do
+      name=$(basename "$fixture")
+      ids=1,5,9,2,7,3,11
+      timeout 120 .device-bin/kimi-infer logits --device cuda --model "$fixture" --ids $ids \
+        --out "$OUT/ranks-$name-1.npy" 2>&1 | tail -1
+      for ep in "" "--enable-expert-parallel"; do
+        tag=$([ -n "$ep" ] && echo ep || echo tp)
+        timeout 180 .device-bin/kimi-infer logits --device cuda --model "$fixture" --ids $ids \
+          -t "$tp" $ep --out "$OUT/ranks-$name-$tag$tp.npy" 2>&1 | tail -3
+        python3 - "$OUT/ranks-$name-1.npy" "$OUT/ranks-$name-$tag$tp.npy" "$name $tag=$tp" <<'PY'
+import sys
+import numpy as np
+try:
+    a, b = np.load(sys.argv[1]), np.load(sys.argv[2])
+    err = float(np.linalg.norm(b - a) / np.linalg.norm(a))
+    print(f"{sys.argv[3]}: rel err {err:.2e} against one GPU ({'ok' if err < 1e-2 and np.isfinite(b).all() else 'FAIL'})")
+except Exception as e:
+    print(f"{sys.argv[3]}: FAIL ({e})")
+PY
+      done
+    done
+    cfg=$CONFIG
+    if [ -n "${RANKS_LAYERS:-}" ]; then
+      cut_config "$CONFIG" "$RANKS_LAYERS" /tmp/ranks-config.json
+      cfg=/tmp/ranks-config.json
+    fi
+    for t in 1 "$tp"; do
+      timeout ${RANKS_TIMEOUT:-300} .device-bin/kimi-infer bench --device cuda --random-config "$cfg" \
+        -t "$t" --prompt-len 8192 --gen-len 8 --repeats 1 --decode-batch "${RANKS_BATCHES:-1,64,256}" \
+        --context 1024 --decode-steps 8 --json "$OUT/ranks-bench-t$t.json" 2>&1 | tail -15
+    done
+  } 2>&1 | tee "$OUT/ranks.txt"
 fi
 if want kernels; then
   timeout ${KERNELS_TIMEOUT:-240} .device-bin/check kda-bench mla-bench 2>&1 | tee "$OUT/kernels.txt"
@@ -153,15 +212,7 @@ fi
 if want k3-stack; then
   K3FULL=crates/kimi-core/tests/data/kimi-k3-trimmed.config.json
   for n in ${K3_DEPTHS:-2 6}; do
-    python3 - "$K3FULL" "$n" "/tmp/k3-$n.json" <<'PY'
-import json, sys
-c = json.load(open(sys.argv[1])); n = int(sys.argv[2]); t = c.get("text_config", c)
-t["num_hidden_layers"] = n
-la = t["linear_attn_config"]
-for k in ("kda_layers", "full_attn_layers"):
-    la[k] = [i for i in la[k] if i <= n]
-json.dump(c, open(sys.argv[3], "w"), indent=1)
-PY
+    cut_config "$K3FULL" "$n" "/tmp/k3-$n.json"
     timeout ${K3_TIMEOUT:-280} .device-bin/kimi-infer bench --device cuda --random-config "/tmp/k3-$n.json" \
       --prompt-len "${K3_PROMPTS:-8192}" --gen-len 8 --repeats 1 \
       --decode-batch "${K3_BATCHES:-1,16,64,256}" --context "${CONTEXT:-1024}" --decode-steps 8 \
@@ -174,15 +225,7 @@ fi
 # (KIMI_CUDA_MXFP4_DEVICE_FILLS), `--offload-miss auto`.
 if want k3-offload; then
   K3L=${K3_OFFLOAD_LAYERS:-2}
-  python3 - crates/kimi-core/tests/data/kimi-k3-trimmed.config.json "/tmp/k3-$K3L.json" "$K3L" <<'PY'
-import json, sys
-c = json.load(open(sys.argv[1])); t = c.get("text_config", c); n = int(sys.argv[3])
-t["num_hidden_layers"] = n
-la = t["linear_attn_config"]
-for k in ("kda_layers", "full_attn_layers"):
-    la[k] = [i for i in la[k] if i <= n]
-json.dump(c, open(sys.argv[2], "w"), indent=1)
-PY
+  cut_config crates/kimi-core/tests/data/kimi-k3-trimmed.config.json "$K3L" "/tmp/k3-$K3L.json"
   for fills in ${K3_OFFLOAD_FILLS:-0 1}; do
     KIMI_CUDA_MXFP4_DEVICE_FILLS=$fills timeout ${K3_OFFLOAD_TIMEOUT:-150} .device-bin/kimi-infer bench \
       --device cuda --random-config "/tmp/k3-$K3L.json" --prompt-len 64 --gen-len 4 --repeats 1 \
@@ -211,15 +254,7 @@ fi
 if want offload; then
   [ -n "${OFFLOAD_SKIP_CHECK:-}" ] || timeout 240 .device-bin/check offload 2>&1 | tee "$OUT/offload-check.txt"
   if [ -n "${OFFLOAD_LAYERS:-}" ]; then
-    python3 - "$CONFIG" "$OFFLOAD_LAYERS" /tmp/offload-config.json <<'PY'
-import json, sys
-c = json.load(open(sys.argv[1])); n = int(sys.argv[2]); t = c.get("text_config", c)
-t["num_hidden_layers"] = n
-la = t["linear_attn_config"]
-for k in ("kda_layers", "full_attn_layers"):
-    la[k] = [i for i in la[k] if i <= n]
-json.dump(c, open(sys.argv[3], "w"), indent=1)
-PY
+    cut_config "$CONFIG" "$OFFLOAD_LAYERS" /tmp/offload-config.json
     CONFIG=/tmp/offload-config.json
   fi
   for host in ${OFFLOAD_HOST:-0 128}; do

@@ -3,26 +3,23 @@
 //! as the ranks as threads; a rank that never comes, or dies, ends the job with its rank
 //! named and never hangs; signals reach rank 0 through the launcher.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+mod support;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use support::{free_port, start, strings, Proc};
+
+/// The binary without a launcher's variables (a test sets its own).
 fn bin() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_kimi-infer"));
-    c.env(
-        "XDG_CACHE_HOME",
-        std::env::temp_dir().join("kimi-infer-cli-tests"),
-    )
-    .env_remove("KIMI_LOG")
-    .env_remove("KIMI_API_KEY");
     for v in [
         "RANK",
         "WORLD_SIZE",
         "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
         "MASTER_ADDR",
         "MASTER_PORT",
     ] {
@@ -33,14 +30,6 @@ fn bin() -> Command {
 
 fn k3() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/kimi-k3/k3-tiny-7l")
-}
-
-/// A port nobody listens on now (rank 0's rendezvous binds it).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
 }
 
 fn stderr(o: &Output) -> String {
@@ -174,134 +163,88 @@ fn wait(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
     }
 }
 
-/// A `serve` process (a launcher or one rank) with its log, and its address once up.
-struct Server {
-    child: Child,
-    log: Arc<Mutex<String>>,
-    addr: Option<SocketAddr>,
+/// `serve` of the K3 fixture with `extra` flags and `env`, once it is up.
+fn serve(extra: &[&str], env: &[(&str, String)]) -> Proc {
+    let k3 = k3();
+    let args = [
+        &["serve", "--port", "0", "--served-model-name", "m"][..],
+        &["--model", k3.to_str().unwrap()],
+        extra,
+    ]
+    .concat();
+    Proc::spawn_with(&strings(&args), env, "serving `")
 }
 
-impl Server {
-    fn start(extra: &[&str], env: &[(&str, String)], up: bool) -> Server {
-        let mut child = bin()
-            .args(["serve", "--port", "0", "--served-model-name", "m"])
-            .args(["--model", k3().to_str().unwrap()])
-            .args(extra)
-            .envs(env.iter().map(|(k, v)| (k, v)))
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("serve starts");
-        let stderr = child.stderr.take().expect("stderr");
-        let log = Arc::new(Mutex::new(String::new()));
-        let (tx, rx) = std::sync::mpsc::channel();
-        {
-            let log = Arc::clone(&log);
-            std::thread::spawn(move || {
-                for line in BufReader::new(stderr).lines() {
-                    let Ok(line) = line else { break };
-                    if let Some(addr) = line
-                        .split("on http://")
-                        .nth(1)
-                        .filter(|_| line.contains("serving `"))
-                        .and_then(|a| a.split(['"', ' ']).next())
-                        .and_then(|a| a.parse::<SocketAddr>().ok())
-                    {
-                        let _ = tx.send(addr);
-                    }
-                    let mut log = log.lock().expect("lock");
-                    log.push_str(&line);
-                    log.push('\n');
-                }
-            });
-        }
-        let addr = up.then(|| {
-            rx.recv_timeout(Duration::from_secs(120))
-                .unwrap_or_else(|_| panic!("no banner: {}", log.lock().expect("lock")))
-        });
-        Server { child, log, addr }
-    }
-
-    fn log(&self) -> String {
-        self.log.lock().expect("lock").clone()
-    }
-
-    /// A greedy completion's status and body.
-    fn complete(&self) -> (u16, String) {
-        let addr = self.addr.expect("serving");
-        let body = r#"{"model":"m","prompt":[1,5,9,2,7],"max_tokens":8,"temperature":0,"ignore_eos":true}"#;
-        let mut s = TcpStream::connect(addr).expect("connect");
-        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-        let req = format!(
-            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        );
-        s.write_all(req.as_bytes()).unwrap();
-        let mut response = String::new();
-        let _ = s.read_to_string(&mut response);
-        let status = response
-            .split(' ')
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        let body = response.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
-        (status, body)
-    }
-
-    /// The rank processes the launcher started, by rank.
-    fn ranks(&self) -> Vec<(usize, u32)> {
-        let pid = self.child.id();
-        let children =
-            std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
-        children
-            .split_whitespace()
-            .filter_map(|c| c.parse::<u32>().ok())
-            .filter_map(|c| {
-                let env = std::fs::read(format!("/proc/{c}/environ")).ok()?;
-                let rank = env
-                    .split(|&b| b == 0)
-                    .find_map(|v| v.strip_prefix(b"RANK="))
-                    .and_then(|r| std::str::from_utf8(r).ok()?.parse().ok())?;
-                Some((rank, c))
-            })
-            .collect()
-    }
+/// A greedy completion's status and body.
+fn complete(server: &Proc) -> (u16, String) {
+    let body =
+        r#"{"model":"m","prompt":[1,5,9,2,7],"max_tokens":8,"temperature":0,"ignore_eos":true}"#;
+    let mut s = TcpStream::connect(server.addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).unwrap();
+    let mut response = String::new();
+    let _ = s.read_to_string(&mut response);
+    let status = response
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = response.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
+    (status, body)
 }
 
-fn kill(signal: &str, pid: u32) {
-    let status = Command::new("kill")
-        .args([&format!("-{signal}"), &pid.to_string()])
-        .status()
-        .expect("kill runs");
-    assert!(status.success());
+/// The rank processes a launcher started, by rank.
+fn ranks_of(launcher: &Proc) -> Vec<(usize, u32)> {
+    let pid = launcher.child.id();
+    let children =
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    children
+        .split_whitespace()
+        .filter_map(|c| c.parse::<u32>().ok())
+        .filter_map(|c| {
+            let env = std::fs::read(format!("/proc/{c}/environ")).ok()?;
+            let rank = env
+                .split(|&b| b == 0)
+                .find_map(|v| v.strip_prefix(b"RANK="))
+                .and_then(|r| std::str::from_utf8(r).ok()?.parse().ok())?;
+            Some((rank, c))
+        })
+        .collect()
 }
 
 #[test]
 fn served_by_rank_processes_the_answer_is_that_of_one_process_and_sigterm_drains() {
-    let one = Server::start(&[], &[], true);
-    let (status, want) = one.complete();
+    let one = serve(&[], &[]);
+    let (status, want) = complete(&one);
     assert_eq!(status, 200, "{want}");
     let port = free_port().to_string();
-    let mut mp = Server::start(
+    let mut mp = serve(
         &["-t", "2", "--distributed-executor-backend", "mp"],
         &[("MASTER_PORT", port)],
-        true,
     );
-    let (status, got) = mp.complete();
+    let (status, got) = complete(&mp);
     assert_eq!(status, 200, "{got}\n{}", mp.log());
     let text = |body: &str| {
         let v: serde_json::Value = serde_json::from_str(body).expect("json");
         v["choices"][0]["text"].as_str().expect("text").to_string()
     };
     assert_eq!(text(&got), text(&want));
-    let ranks = mp.ranks();
+    let ranks = ranks_of(&mp);
     assert_eq!(ranks.len(), 2, "{ranks:?}");
     // SIGTERM to the launcher: rank 0 drains and ends the job; every process ends well.
-    kill("TERM", mp.child.id());
+    mp.signal("TERM");
     let status = wait(&mut mp.child, Duration::from_secs(60)).expect("the launcher ends");
     assert!(status.success(), "{status}: {}", mp.log());
-    assert!(mp.log().contains("shutting down"), "{}", mp.log());
+    assert!(
+        mp.log_with(&["shutting down"]).contains("shutting down"),
+        "{}",
+        mp.log()
+    );
     for (rank, pid) in ranks {
         assert!(
             !Path::new(&format!("/proc/{pid}")).exists()
@@ -310,28 +253,27 @@ fn served_by_rank_processes_the_answer_is_that_of_one_process_and_sigterm_drains
             "rank {rank} still runs"
         );
     }
-    drop(one);
 }
 
 #[test]
 fn a_dead_rank_ends_the_job_naming_it() {
     // Our launcher: it sees rank 1 die, stops rank 0 and names rank 1.
     let port = free_port().to_string();
-    let mut mp = Server::start(
+    let mut mp = serve(
         &["-t", "2", "--distributed-executor-backend", "mp"],
         &[("MASTER_PORT", port)],
-        true,
     );
-    let ranks = mp.ranks();
+    let ranks = ranks_of(&mp);
     let rank1 = ranks.iter().find(|(r, _)| *r == 1).expect("rank 1").1;
-    kill("KILL", rank1);
+    let killed = Command::new("kill")
+        .args(["-KILL", &rank1.to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(killed.success());
     let status = wait(&mut mp.child, Duration::from_secs(30)).expect("the launcher ends");
     assert!(!status.success());
-    assert!(
-        mp.log().contains("rank 1 ended with signal: 9"),
-        "{}",
-        mp.log()
-    );
+    let log = mp.log_with(&["rank 1 ended with signal: 9"]);
+    assert!(log.contains("rank 1 ended with signal: 9"), "{log}");
     // Ranks of another launcher: rank 0 finds rank 1 gone at its next step, answers that
     // request with the reason, and ends.
     let port = free_port().to_string();
@@ -342,27 +284,18 @@ fn a_dead_rank_ends_the_job_naming_it() {
             ("MASTER_PORT", port.clone()),
         ]
     };
-    let mut rank1 = Server::start(&["-t", "2"], &env("1"), false);
-    let mut rank0 = Server::start(&["-t", "2"], &env("0"), true);
-    let _ = rank1.child.kill();
-    let _ = rank1.child.wait();
-    let (status, body) = rank0.complete();
+    let k3 = k3();
+    let rank1_args = ["serve", "--model", k3.to_str().unwrap(), "-t", "2"];
+    let mut rank1 = start(&strings(&rank1_args), &env("1"));
+    let mut rank0 = serve(&["-t", "2"], &env("0"));
+    let _ = rank1.kill();
+    let _ = rank1.wait();
+    let (status, body) = complete(&rank0);
     assert_eq!(status, 500, "{body}");
     assert!(body.contains("rank 1's process ended"), "{body}");
     let status = wait(&mut rank0.child, Duration::from_secs(30)).expect("rank 0 ends");
     assert!(!status.success());
-    assert!(
-        rank0
-            .log()
-            .contains("error: the model failed for good: rank 0: backend: collective aborted"),
-        "{}",
-        rank0.log()
-    );
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    let says = "error: the model failed for good: rank 0: backend: collective aborted";
+    let log = rank0.log_with(&[says]);
+    assert!(log.contains(says), "{log}");
 }

@@ -24,7 +24,29 @@ fn bin() -> Command {
     .env_remove("KIMI_API_KEY_FILE")
     .env_remove("KIMI_REDIS_URL")
     .env_remove("KIMI_UPSTREAM_API_KEY");
+    // A launcher's variables make a process one rank of a split model.
+    for v in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ] {
+        c.env_remove(v);
+    }
     c
+}
+
+/// `kimi-infer ARGS` with `env` set, not waited for (a rank that serves no API).
+pub fn start(args: &[String], env: &[(&str, String)]) -> Child {
+    bin()
+        .args(args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kimi-infer starts")
 }
 
 /// A child process whose stderr is collected; killed when dropped.
@@ -39,8 +61,14 @@ impl Proc {
     /// Runs `kimi-infer ARGS` and waits for the line with `marker` that names its address
     /// (`... on http://ADDR` or `https://ADDR`).
     pub fn spawn(args: &[String], marker: &'static str) -> Proc {
+        Self::spawn_with(args, &[], marker)
+    }
+
+    /// [`Proc::spawn`] with `env` set.
+    pub fn spawn_with(args: &[String], env: &[(&str, String)], marker: &'static str) -> Proc {
         let mut child = bin()
             .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -120,14 +148,16 @@ impl Proc {
 impl Drop for Proc {
     fn drop(&mut self) {
         // A test that failed with the process stopped: continue it so it exits at once.
-        let _ = Command::new("kill")
-            .args(["-CONT", &self.child.id().to_string()])
-            .status();
+        if let Ok(None) = self.child.try_wait() {
+            let _ = Command::new("kill")
+                .args(["-CONT", &self.child.id().to_string()])
+                .status();
+        }
         self.kill();
     }
 }
 
-fn strings(args: &[&str]) -> Vec<String> {
+pub fn strings(args: &[&str]) -> Vec<String> {
     args.iter().map(|s| s.to_string()).collect()
 }
 
