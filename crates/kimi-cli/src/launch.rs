@@ -22,6 +22,7 @@ pub fn node_places(first: usize, local: usize, world: usize, master: &Master) ->
             rank: first + i,
             world,
             local_rank: i,
+            local_world: local,
             master: master.clone(),
         })
         .collect()

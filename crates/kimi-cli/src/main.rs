@@ -47,7 +47,7 @@ fn main() {
         }
     }
     // A launcher of rank processes, or a rank other than 0, does its share and ends here.
-    let result = match ranks::run_unless_rank_zero(&cli.command) {
+    let result = match ranks::run_unless_rank_zero(&cli.command, cli.threads.is_some()) {
         Ok(false) => run_command(cli.command),
         done => done.map(|_| ()),
     };

@@ -68,12 +68,20 @@ fn job_of(command: &Command) -> Option<(&ModelArgs, Weights)> {
 
 /// Does this process's share of a job split over rank processes: starts the node's ranks
 /// and waits for them, or serves rank 0 as a rank other than 0. `Ok(false)`: the command
-/// runs here (one rank, rank threads, or rank 0 of processes).
-pub fn run_unless_rank_zero(command: &Command) -> anyhow::Result<bool> {
+/// runs here (one rank, rank threads, or rank 0 of processes). `threads_given`: whether
+/// `--threads` set the CPU backend's threads (else CPU ranks of one node share the cores).
+pub fn run_unless_rank_zero(command: &Command, threads_given: bool) -> anyhow::Result<bool> {
     let Some((args, weights)) = job_of(command) else {
         return Ok(false);
     };
-    match args.parallel.ranks(args.device == Device::Cpu)? {
+    let ranks = args.parallel.ranks(args.device == Device::Cpu)?;
+    if let (Ranks::Process(_, place), Device::Cpu, false) = (&ranks, args.device, threads_given) {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let share = (cores / place.local_world.max(1)).max(1);
+        kimi_cpu::set_num_threads(share)
+            .map_err(|e| anyhow::anyhow!("cannot set the thread count: {e}"))?;
+    }
+    match ranks {
         Ranks::Launch(places) => {
             let program = std::env::current_exe().context("finding this program to start ranks")?;
             let argv: Vec<String> = std::env::args().skip(1).collect();

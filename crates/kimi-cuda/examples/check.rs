@@ -318,11 +318,8 @@ fn run_model<B: Backend>(
     Ok(out)
 }
 
-fn check_fixtures() -> Res<()> {
-    println!(
-        "== 2. fixtures: CUDA logits vs the float64 references (transformers for Kimi Linear, \
-         ours from the spec for K3; rel err)"
-    );
+/// The fixtures with a reference (`fixtures/kimi-linear/*`, `fixtures/kimi-k3/*`), sorted.
+fn fixture_dirs() -> Res<Vec<PathBuf>> {
     let mut dirs: Vec<PathBuf> = Vec::new();
     for root in ["fixtures/kimi-linear", "fixtures/kimi-k3"] {
         dirs.extend(
@@ -332,6 +329,27 @@ fn check_fixtures() -> Res<()> {
         );
     }
     dirs.sort();
+    Ok(dirs)
+}
+
+/// A fixture's prompt (its `reference.json`'s `prompt_ids`).
+fn fixture_prompt(dir: &Path) -> Res<Vec<u32>> {
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json"))?)?;
+    Ok(reference["prompt_ids"]
+        .as_array()
+        .ok_or("prompt_ids")?
+        .iter()
+        .filter_map(|x| x.as_u64().map(|v| v as u32))
+        .collect())
+}
+
+fn check_fixtures() -> Res<()> {
+    println!(
+        "== 2. fixtures: CUDA logits vs the float64 references (transformers for Kimi Linear, \
+         ours from the spec for K3; rel err)"
+    );
+    let dirs = fixture_dirs()?;
     let absorbed = ForwardOptions {
         kda_mode: KdaMode::Auto,
         mla_mode: MlaMode::Absorbed,
@@ -345,14 +363,7 @@ fn check_fixtures() -> Res<()> {
         let res = (|| -> Res<String> {
             let ckpt = kimi_weights::Checkpoint::open(&dir)?;
             let model = KimiLinear::load(CudaBackend::new(0)?, &ckpt)?;
-            let reference: serde_json::Value =
-                serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json"))?)?;
-            let prompt: Vec<u32> = reference["prompt_ids"]
-                .as_array()
-                .ok_or("prompt_ids")?
-                .iter()
-                .filter_map(|x| x.as_u64().map(|v| v as u32))
-                .collect();
+            let prompt = fixture_prompt(&dir)?;
             let (_, want) = read_npy_f64(&dir.join("logits.npy"))?;
             let mut parts = vec![];
             for (label, step, opts, prec) in [

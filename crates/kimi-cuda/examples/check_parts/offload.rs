@@ -11,7 +11,6 @@
 //! from the float64 reference on the device): the issue's bf16 tolerance, 1e-3.
 
 use std::io::Write;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use kimi_cpu::{CpuBackend, QuantMatmul};
@@ -21,7 +20,7 @@ use kimi_ops::offload::{CachePolicy, HostBackend};
 
 use super::k3_cases::mxfp4_blocks;
 use super::op_cases::Rng;
-use super::{run_model, Res};
+use super::{rel_err, run_model, Res};
 
 /// A slot fill of MXFP4 blocks laid out by the device (`upload_into`: the stored blocks
 /// copied, then `mxfp4_from_blocks`) must widen to the CPU's values of the new blocks bit
@@ -73,32 +72,12 @@ fn check_mxfp4_fills() -> Res<usize> {
     Ok(failures)
 }
 
-fn rel_err(got: &[f32], want: &[f32]) -> f64 {
-    if got.len() != want.len() {
-        return f64::INFINITY;
-    }
-    let num: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(g, w)| (*g as f64 - *w as f64).powi(2))
-        .sum();
-    let den: f64 = want.iter().map(|w| (*w as f64).powi(2)).sum();
-    (num / den).sqrt()
-}
-
 pub fn check_offload() -> Res<()> {
     println!(
         "== offload: fixtures with experts in tiers (host RAM + device slots + cold on the CPU) \
          against all resident, page-locked fills and staged ones"
     );
-    let mut dirs: Vec<PathBuf> = ["fixtures/kimi-linear", "fixtures/kimi-k3"]
-        .iter()
-        .filter_map(|root| std::fs::read_dir(root).ok())
-        .flatten()
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("reference.json").exists())
-        .collect();
-    dirs.sort();
+    let dirs = super::fixture_dirs()?;
     let mut failures = check_mxfp4_fills()?;
     for dir in dirs {
         let name = dir
@@ -116,14 +95,7 @@ pub fn check_offload() -> Res<()> {
         let fused_when_resident = resident.config().activation
             == kimi_core::config::Activation::Silu
             && moe.latent.is_none();
-        let reference: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json"))?)?;
-        let prompt: Vec<u32> = reference["prompt_ids"]
-            .as_array()
-            .ok_or("prompt_ids")?
-            .iter()
-            .filter_map(|x| x.as_u64().map(|v| v as u32))
-            .collect();
+        let prompt = super::fixture_prompt(&dir)?;
         for step in [1, 16] {
             let want = run_model(&resident, &prompt, step, ForwardOptions::default())?;
             // All but one host expert in slots: misses copied in, rarely cold, so copies

@@ -8,27 +8,13 @@
 //! tolerance (1e-2), and the error is printed. Fixtures whose heads do not split over two
 //! ranks, and expert parallelism where the backend refuses it, are reported as such.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use kimi_cuda::CudaBackend;
 use kimi_model::parallel::{ExpertSplit, Shard, TensorParallel};
 use kimi_model::{CausalLm, ForwardOptions, KimiLinear, LoadOptions};
 
-use super::{run_model, Res};
-
-fn rel_err(got: &[f32], want: &[f32]) -> f64 {
-    if got.len() != want.len() {
-        return f64::INFINITY;
-    }
-    let num: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(g, w)| (*g as f64 - *w as f64).powi(2))
-        .sum();
-    let den: f64 = want.iter().map(|w| (*w as f64).powi(2)).sum();
-    (num / den).sqrt()
-}
+use super::{fixture_dirs, fixture_prompt, rel_err, run_model, Res};
 
 /// The fixture's model over `world` ranks on GPU 0, split as `experts` says.
 fn split_model(
@@ -60,14 +46,7 @@ fn split_model(
 
 pub fn check_split() -> Res<()> {
     println!("== split: fixtures over two ranks on GPU 0 (ThreadGroup) against one rank");
-    let mut dirs: Vec<PathBuf> = ["fixtures/kimi-linear", "fixtures/kimi-k3"]
-        .iter()
-        .filter_map(|root| std::fs::read_dir(root).ok())
-        .flatten()
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("reference.json").exists())
-        .collect();
-    dirs.sort();
+    let dirs = fixture_dirs()?;
     let (mut failures, mut compared) = (0, 0);
     for dir in dirs {
         let name = dir
@@ -76,14 +55,7 @@ pub fn check_split() -> Res<()> {
             .unwrap_or_default();
         let ckpt = kimi_weights::Checkpoint::open(&dir)?;
         let one = KimiLinear::load(CudaBackend::new(0)?, &ckpt)?;
-        let reference: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json"))?)?;
-        let prompt: Vec<u32> = reference["prompt_ids"]
-            .as_array()
-            .ok_or("prompt_ids")?
-            .iter()
-            .filter_map(|x| x.as_u64().map(|v| v as u32))
-            .collect();
+        let prompt = fixture_prompt(&dir)?;
         for (label, experts) in [
             ("tensor", ExpertSplit::Tensor),
             ("expert", ExpertSplit::Experts),

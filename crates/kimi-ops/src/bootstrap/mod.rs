@@ -63,6 +63,8 @@ pub struct RankPlace {
     pub world: usize,
     /// This rank's GPU on its node.
     pub local_rank: usize,
+    /// Ranks on this node.
+    pub local_world: usize,
     /// Rank 0's rendezvous address.
     pub master: Master,
 }
@@ -95,6 +97,7 @@ impl RankPlace {
             ("RANK", self.rank.to_string()),
             ("WORLD_SIZE", self.world.to_string()),
             ("LOCAL_RANK", self.local_rank.to_string()),
+            ("LOCAL_WORLD_SIZE", self.local_world.to_string()),
             ("MASTER_ADDR", self.master.addr.clone()),
             ("MASTER_PORT", self.master.port.to_string()),
         ]
@@ -185,6 +188,7 @@ pub fn resolve(
             rank,
             world,
             local_rank,
+            local_world,
             master,
         }));
     }

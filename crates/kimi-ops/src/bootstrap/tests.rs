@@ -52,6 +52,7 @@ fn torchrun_variables_make_a_rank_and_flags_win_over_them() {
             rank: 5,
             world: 8,
             local_rank: 1,
+            local_world: 8,
             master: Master {
                 addr: addr.into(),
                 port,
