@@ -129,13 +129,40 @@ pub fn lead_group<B: Backend>(
         "rank 0 of {}: waiting for the other ranks on port {}",
         place.world, place.master.port
     );
-    let lead = rendezvous::lead(place.master.port, place.world, &id.bytes, split.timeout)
-        .context("rank 0: the rendezvous of the rank processes")?;
+    let port = place.master.port;
+    // One node's ranks meet on the loopback interface only: nothing from the network can
+    // pose as a rank. Several nodes' ranks need every interface.
+    let lead = match is_loopback(&place.master.addr) {
+        true => std::net::TcpListener::bind(("127.0.0.1", port))
+            .map_err(|e| anyhow::anyhow!("rank 0 cannot listen on 127.0.0.1:{port}: {e}"))
+            .and_then(|l| {
+                Ok(rendezvous::lead_on(
+                    l,
+                    place.world,
+                    &id.bytes,
+                    split.timeout,
+                )?)
+            }),
+        false => Ok(rendezvous::lead(
+            port,
+            place.world,
+            &id.bytes,
+            split.timeout,
+        )?),
+    }
+    .context("rank 0: the rendezvous of the rank processes")?;
     let comm = backend
         .join_process_group(&id.bytes, 0, place.world, split.timeout)
         .context("rank 0: joining the ranks' collective")?;
     drop(id);
     Ok((comm, lead.into_links()))
+}
+
+fn is_loopback(addr: &str) -> bool {
+    addr == "localhost"
+        || addr
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// A rank other than 0: joins rank 0, loads its part and runs rank 0's calls on it until
