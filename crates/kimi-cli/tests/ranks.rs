@@ -36,12 +36,21 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+fn kimi_linear() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/kimi-linear/native-f32-short")
+}
+
 /// `kimi-infer logits` of the K3 fixture with `extra` flags, as raw `.npy` bytes.
 fn logits(extra: &[&str], env: &[(&str, String)]) -> (Vec<u8>, String) {
+    logits_of(&k3(), extra, env)
+}
+
+/// `kimi-infer logits` of `model` with `extra` flags, as raw `.npy` bytes.
+fn logits_of(model: &Path, extra: &[&str], env: &[(&str, String)]) -> (Vec<u8>, String) {
     let out = tempfile::tempdir().unwrap();
     let path = out.path().join("l.npy");
     let o = bin()
-        .args(["logits", "--model", k3().to_str().unwrap()])
+        .args(["logits", "--model", model.to_str().unwrap()])
         .args(["--ids", "1,5,9,2,7,3,11", "--step", "3"])
         .args(["--out", path.to_str().unwrap()])
         .args(extra)
@@ -54,18 +63,22 @@ fn logits(extra: &[&str], env: &[(&str, String)]) -> (Vec<u8>, String) {
 
 #[test]
 fn ranks_as_processes_give_the_bits_of_ranks_as_threads() {
-    for split in [
-        &["-t", "2"][..],
-        &["-t", "2", "--enable-expert-parallel"][..],
-        &[
-            "-t",
-            "2",
-            "--enable-expert-parallel",
-            "--expert-dispatch",
-            "all-to-all",
-        ][..],
-    ] {
-        let (threads, _) = logits(split, &[]);
+    for (model, split) in [k3(), kimi_linear()].into_iter().flat_map(|m| {
+        [
+            &["-t", "2"][..],
+            &["-t", "2", "--enable-expert-parallel"][..],
+            &[
+                "-t",
+                "2",
+                "--enable-expert-parallel",
+                "--expert-dispatch",
+                "all-to-all",
+            ][..],
+        ]
+        .map(|s| (m.clone(), s))
+    }) {
+        let logits = |extra: &[&str]| logits_of(&model, extra, &[]);
+        let (threads, _) = logits(split);
         let port = free_port().to_string();
         let mp = [
             split,
@@ -77,12 +90,13 @@ fn ranks_as_processes_give_the_bits_of_ranks_as_threads() {
             ],
         ]
         .concat();
-        let (processes, log) = logits(&mp, &[]);
+        let (processes, log) = logits(&mp);
+        let name = model.file_name().unwrap_or_default().to_string_lossy();
         assert!(
             log.contains("starting ranks 0..2 of 2 as processes"),
-            "{split:?}: {log}"
+            "{name} {split:?}: {log}"
         );
-        assert!(threads == processes, "{split:?}: the logits differ");
+        assert!(threads == processes, "{name} {split:?}: the logits differ");
     }
     // Started by a launcher of another kind (RANK and WORLD_SIZE per process, as torchrun
     // sets them): rank 1 by hand here, rank 0 runs the command.
