@@ -3,11 +3,13 @@
 //! `MASTER_PORT`), and watches them: the first that fails ends the others and the launch
 //! with its rank named, so a dead rank never leaves the job hanging.
 //!
-//! Signals go through the launcher: the ranks run in a process group of their own (a
-//! terminal's Ctrl-C reaches the launcher only), and each SIGINT or SIGTERM the launcher
-//! gets is passed to its ranks, where rank 0 acts on it (`serve` drains, a second one
-//! exits now) and the other ranks ignore it ([`ignore_signals`]): they end when rank 0
-//! ends the job. A launcher that dies takes its ranks with it (SIGTERM on Linux).
+//! Signals: the ranks share the launcher's process group, so a terminal's Ctrl-C reaches
+//! every one of them (and a rank 0 that reads the terminal, as `chat` does, is in the
+//! foreground). A SIGTERM sent to the launcher alone (a container's PID 1, as Docker and
+//! Kubernetes stop it) is passed to its ranks. Rank 0 acts on either (`serve` drains, a
+//! later one exits now); the other ranks ignore both ([`ignore_signals`]) and end when rank
+//! 0 ends the job; the launcher waits for them. A launcher that dies takes its ranks with
+//! it (SIGKILL, on Linux).
 
 use std::process::{Child, Command, ExitStatus};
 use std::time::Duration;
@@ -41,8 +43,6 @@ pub fn run_ranks(
     for p in places {
         let mut command = Command::new(program);
         command.args(args).envs(p.env());
-        // The launcher passes signals on: a terminal's go to it alone.
-        std::os::unix::process::CommandExt::process_group(&mut command, 0);
         os::end_with_parent(&mut command);
         let spawned = command.spawn();
         match spawned {
@@ -55,11 +55,7 @@ pub fn run_ranks(
         }
     }
     loop {
-        while let Ok(signal) = signals.try_recv() {
-            for (_, c) in &children {
-                os::send_signal(c.id(), signal);
-            }
-        }
+        let pending: Vec<i32> = signals.try_iter().collect();
         let mut running = false;
         let mut failure: Option<(usize, ExitStatus)> = None;
         for (rank, c) in children.iter_mut() {
@@ -68,7 +64,13 @@ pub fn run_ranks(
                     failure.get_or_insert((*rank, s));
                 }
                 Ok(Some(_)) => {}
-                Ok(None) => running = true,
+                Ok(None) => {
+                    running = true;
+                    // Only to a rank still running: a reaped one's pid may be another's.
+                    for &signal in &pending {
+                        os::send_signal(c.id(), signal);
+                    }
+                }
                 Err(e) => return Err(e).with_context(|| format!("watching rank {rank}")),
             }
         }
@@ -83,7 +85,8 @@ pub fn run_ranks(
     }
 }
 
-/// The SIGINTs and SIGTERMs this process gets from now on (which no longer end it).
+/// The SIGTERMs this process gets from now on, to pass on; SIGINT, which a terminal sends
+/// the ranks themselves, is swallowed. Neither ends the launcher any more.
 fn watch_signals() -> std::sync::mpsc::Receiver<i32> {
     use tokio::signal::unix::{signal, SignalKind};
     let (tx, rx) = std::sync::mpsc::channel();
@@ -107,11 +110,11 @@ fn watch_signals() -> std::sync::mpsc::Receiver<i32> {
     std::thread::spawn(move || {
         runtime.block_on(async move {
             loop {
-                let got = tokio::select! {
-                    _ = int.recv() => os::SIGINT,
-                    _ = term.recv() => os::SIGTERM,
+                tokio::select! {
+                    _ = int.recv() => continue,
+                    _ = term.recv() => {}
                 };
-                if tx.send(got).is_err() {
+                if tx.send(os::SIGTERM).is_err() {
                     break;
                 }
             }
@@ -139,7 +142,6 @@ pub fn ignore_signals() {
 /// The process calls the launcher needs from the OS.
 #[allow(unsafe_code)]
 mod os {
-    pub const SIGINT: i32 = libc::SIGINT;
     pub const SIGTERM: i32 = libc::SIGTERM;
 
     /// Sends `signal` to process `pid` (one of the launcher's ranks).
@@ -150,15 +152,22 @@ mod os {
         }
     }
 
-    /// The child gets SIGTERM when the launcher dies (Linux; elsewhere nothing).
+    /// The child is killed when the launcher dies (Linux; elsewhere nothing): a rank
+    /// other than 0 ignores SIGTERM, and none should outlive the job holding a GPU.
     pub fn end_with_parent(command: &mut std::process::Command) {
         #[cfg(target_os = "linux")]
         {
             use std::os::unix::process::CommandExt;
-            // SAFETY: prctl(2) is async-signal-safe, as code between fork and exec must be.
+            let launcher = std::process::id() as libc::pid_t;
+            // SAFETY: prctl(2) and getppid(2) are async-signal-safe, as code between fork
+            // and exec must be; nothing is allocated.
             unsafe {
-                command.pre_exec(|| {
-                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                command.pre_exec(move || {
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                    // The launcher died before the call: nothing would kill this child.
+                    if libc::getppid() != launcher {
+                        return Err(std::io::Error::other("the launcher has ended"));
+                    }
                     Ok(())
                 });
             }

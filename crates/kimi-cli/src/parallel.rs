@@ -203,8 +203,8 @@ impl ParallelArgs {
             "--tensor-parallel-size must be at least 1"
         );
         anyhow::ensure!(
-            self.collective_timeout >= 1,
-            "--collective-timeout must be at least 1 second"
+            (1..=7 * 86400).contains(&self.collective_timeout),
+            "--collective-timeout must be between 1 second and 7 days"
         );
         anyhow::ensure!(
             self.expert_dispatch == DispatchArg::AllReduce || self.enable_expert_parallel,

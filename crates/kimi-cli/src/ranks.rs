@@ -132,9 +132,11 @@ pub fn lead_group<B: Backend>(
     let port = place.master.port;
     // One node's ranks meet on the loopback interface only: nothing from the network can
     // pose as a rank. Several nodes' ranks need every interface.
-    let lead = match is_loopback(&place.master.addr) {
-        true => std::net::TcpListener::bind(("127.0.0.1", port))
-            .map_err(|e| anyhow::anyhow!("rank 0 cannot listen on 127.0.0.1:{port}: {e}"))
+    let addr = place.master.addr.as_str();
+    let lead = match is_loopback(addr) {
+        // The address the other ranks connect to (`localhost` may be ::1).
+        true => std::net::TcpListener::bind((addr, port))
+            .map_err(|e| anyhow::anyhow!("rank 0 cannot listen on {addr}:{port}: {e}"))
             .and_then(|l| {
                 Ok(rendezvous::lead_on(
                     l,

@@ -233,13 +233,15 @@ fn run(prepared: Prepared, a: &ServeArgs) -> anyhow::Result<()> {
             let (failed, engine) = (Arc::clone(&failed), engine.clone());
             let drain = a.shutdown_timeout;
             async move {
+                let mut signals = signals;
                 tokio::select! {
-                    _ = shutdown_signal(signals, drain) => {}
+                    _ = signals.next() => announce_drain(drain),
                     why = model_failure(&engine) => {
                         tracing::error!("the model can run no more steps ({why}): shutting down");
                         *lock(&failed) = Some(why);
                     }
                 }
+                exit_on_later_signal(signals);
             }
         };
         kimi_server::serve_listener(listener, state, stop)
@@ -437,6 +439,11 @@ async fn model_failure(engine: &EngineHandle) -> String {
 /// Resolves on the first Ctrl-C or SIGTERM; a second one exits the process at once.
 pub async fn shutdown_signal(mut signals: Signals, drain_secs: f64) {
     signals.next().await;
+    announce_drain(drain_secs);
+    exit_on_later_signal(signals);
+}
+
+fn announce_drain(drain_secs: f64) {
     let deadline = if drain_secs > 0.0 {
         format!("up to {drain_secs}s")
     } else {
@@ -445,10 +452,21 @@ pub async fn shutdown_signal(mut signals: Signals, drain_secs: f64) {
     tracing::info!(
         "shutting down: finishing running requests ({deadline}; signal again to exit now)"
     );
+}
+
+/// Once shutting down, a later signal exits at once. One within a second of the first is
+/// the same request: a signal sent to a process group (a terminal's Ctrl-C, systemd's stop)
+/// reaches a rank launcher's rank 0 both directly and passed on by the launcher.
+fn exit_on_later_signal(mut signals: Signals) {
+    let first = std::time::Instant::now();
     tokio::spawn(async move {
-        signals.next().await;
-        tracing::warn!("second signal: exiting without finishing requests");
-        std::process::exit(1);
+        loop {
+            signals.next().await;
+            if first.elapsed() >= std::time::Duration::from_secs(1) {
+                tracing::warn!("second signal: exiting without finishing requests");
+                std::process::exit(1);
+            }
+        }
     });
 }
 

@@ -255,6 +255,20 @@ fn sigterm_drains_until_the_deadline_and_a_second_signal_exits_at_once() {
     assert_eq!(status.code(), Some(1), "{}", server.log());
     assert!(server.log().contains("second signal"), "{}", server.log());
 
+    // Two signals at once are one request (a process group's signal reaches a rank
+    // launcher's rank 0 directly and passed on): it drains; a later one exits.
+    let mut server = Server::start(&["--shutdown-timeout", "0"]);
+    let _stream = long_stream(server.addr);
+    server.signal("TERM");
+    server.signal("TERM");
+    assert!(
+        server.wait(Duration::from_millis(1500)).is_none(),
+        "exited on a doubled signal"
+    );
+    server.signal("INT");
+    let status = server.wait(Duration::from_secs(10)).expect("exited");
+    assert_eq!(status.code(), Some(1), "{}", server.log());
+
     // An idle server exits at once.
     let mut server = Server::start(&[]);
     let started = Instant::now();

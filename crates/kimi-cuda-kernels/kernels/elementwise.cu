@@ -209,14 +209,16 @@ extern "C" __global__ void gather_rows(const float* x, const uint32_t* rows, flo
   for (int j = threadIdx.x; j < d; j += blockDim.x) out[i * d + j] = x[r * d + j];
 }
 
-// out[rows[i], :] += weights[i] * y[i, :]. One launch per expert, so rows are distinct.
+// out[rows[i], :] += weights[i] * y[i, :], one launch per expert.
 extern "C" __global__ void scatter_add_rows(const float* y, const uint32_t* rows,
                                             const float* weights, float* out, int d) {
   pdl_enter();
   size_t i = blockIdx.x;
   size_t r = rows[i];
   float wt = weights[i];
-  for (int j = threadIdx.x; j < d; j += blockDim.x) out[r * d + j] += wt * y[i * d + j];
+  // Atomic: under expert parallelism the pairs of absent experts share a stand-in expert, so
+  // one launch may hold a row twice (at weight 0); for distinct rows the bits are the same.
+  for (int j = threadIdx.x; j < d; j += blockDim.x) atomicAdd(&out[r * d + j], wt * y[i * d + j]);
 }
 
 extern "C" __global__ void cast_f32_bf16(const float* x, __nv_bfloat16* out, size_t n) {

@@ -246,7 +246,8 @@ pub(crate) unsafe fn gather_rows(
     Ok(())
 }
 
-/// `out[rows[i]] += weights[i] * y[i]`; `rows` must be distinct.
+/// `out[rows[i]] += weights[i] * y[i]` (atomic: a row may repeat, as the stand-in expert of
+/// expert parallelism's absent pairs does, at weight 0).
 ///
 /// # Safety
 /// `y` holds `num_rows * d` f32, `rows`/`weights` `num_rows` entries, `out` every row named.

@@ -73,6 +73,15 @@ fn shm_dir() -> PathBuf {
     }
 }
 
+/// Read-write options for files only this user may open (the deposits are activations).
+fn private() -> OpenOptions {
+    let mut o = OpenOptions::new();
+    o.read(true).write(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut o, 0o600);
+    o
+}
+
 fn io(what: impl std::fmt::Display, e: std::io::Error) -> Error {
     Error::Device(format!("shared-memory collective: {what}: {e}"))
 }
@@ -125,9 +134,7 @@ impl ShmGroup {
             .map_or(0, |d| d.as_nanos());
         let name = format!("kimi-collective-{}-{nanos:x}", std::process::id());
         let path = shm_dir().join(&name);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
+        let file = private()
             .create_new(true)
             .open(&path)
             .map_err(|e| io(format!("cannot create {}", path.display()), e))?;
@@ -338,11 +345,9 @@ impl ShmComm {
             )));
         }
         let own_path = dir.join(format!("{name}.{rank}"));
-        let own_file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
+        // New, or another process holds this rank's place.
+        let own_file = private()
+            .create_new(true)
             .open(&own_path)
             .map_err(|e| io(format!("cannot create {}", own_path.display()), e))?;
         reserve(&own_file, &own_path, PAGE)?;
