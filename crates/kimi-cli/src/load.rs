@@ -224,14 +224,7 @@ pub fn load<B: Backend + 'static>(
     need_tokenizer: bool,
 ) -> anyhow::Result<Loaded<B>> {
     let path = model_path(args)?;
-    let ranks = args
-        .parallel
-        .ranks(args.device == crate::args::Device::Cpu)?;
-    let split = split_of(&ranks)?;
-    let mut options = match &split {
-        Some(split) => split_options(args, split)?,
-        None => args.offload.load_options()?,
-    };
+    let (ranks, split, mut options) = load_plan(args)?;
     if is_gguf(&path) {
         anyhow::ensure!(
             split.is_none(),
@@ -447,14 +440,7 @@ pub fn load_random<B: Backend + 'static>(
     args: &ModelArgs,
     routing_skew: f32,
 ) -> anyhow::Result<Loaded<B>> {
-    let ranks = args
-        .parallel
-        .ranks(args.device == crate::args::Device::Cpu)?;
-    let split = split_of(&ranks)?;
-    let mut options = match &split {
-        Some(split) => split_options(args, split)?,
-        None => args.offload.load_options()?,
-    };
+    let (ranks, split, mut options) = load_plan(args)?;
     let cfg = read_config(config)?;
     if split.is_none() {
         let device = backend.memory_info();
@@ -531,6 +517,19 @@ pub fn random_source(
         inner: kimi_model::RandomWeights { dtype, seed: 0 },
         skew,
     }
+}
+
+/// How this process loads the model: its ranks, the split it loads for, and the options.
+fn load_plan(args: &ModelArgs) -> anyhow::Result<(Ranks, Option<Split>, kimi_model::LoadOptions)> {
+    let ranks = args
+        .parallel
+        .ranks(args.device == crate::args::Device::Cpu)?;
+    let split = split_of(&ranks)?;
+    let options = match &split {
+        Some(split) => split_options(args, split)?,
+        None => args.offload.load_options()?,
+    };
+    Ok((ranks, split, options))
 }
 
 /// The split this process loads the model for: `None` for the whole model; an error where

@@ -108,7 +108,7 @@ pub fn run_unless_rank_zero(command: &Command, threads_given: bool) -> anyhow::R
 }
 
 /// A rank's device: GPU `B + LOCAL_RANK` for `--device cuda:B`.
-pub fn rank_device(device: Device, place: &RankPlace) -> Device {
+fn rank_device(device: Device, place: &RankPlace) -> Device {
     match device {
         Device::Cuda(base) => Device::Cuda(base + place.local_rank),
         Device::Cpu => Device::Cpu,

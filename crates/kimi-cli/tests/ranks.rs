@@ -32,6 +32,15 @@ fn k3() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/kimi-k3/k3-tiny-7l")
 }
 
+/// The variables a torchrun-style launcher gives rank `rank` of two, meeting on `port`.
+fn launched_as(rank: &str, port: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("RANK", rank.to_string()),
+        ("WORLD_SIZE", "2".to_string()),
+        ("MASTER_PORT", port.to_string()),
+    ]
+}
+
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
@@ -101,13 +110,7 @@ fn ranks_as_processes_give_the_bits_of_ranks_as_threads() {
     // Started by a launcher of another kind (RANK and WORLD_SIZE per process, as torchrun
     // sets them): rank 1 by hand here, rank 0 runs the command.
     let port = free_port().to_string();
-    let env = |rank: &str| {
-        vec![
-            ("RANK", rank.to_string()),
-            ("WORLD_SIZE", "2".to_string()),
-            ("MASTER_PORT", port.clone()),
-        ]
-    };
+    let env = |rank: &str| launched_as(rank, &port);
     let mut rank1 = bin()
         .args(["logits", "--model", k3().to_str().unwrap()])
         .args(["--ids", "1", "--out", "/nonexistent/unused.npy", "-t", "2"])
@@ -291,13 +294,7 @@ fn a_dead_rank_ends_the_job_naming_it() {
     // Ranks of another launcher: rank 0 finds rank 1 gone at its next step, answers that
     // request with the reason, and ends.
     let port = free_port().to_string();
-    let env = |rank: &str| {
-        vec![
-            ("RANK", rank.to_string()),
-            ("WORLD_SIZE", "2".to_string()),
-            ("MASTER_PORT", port.clone()),
-        ]
-    };
+    let env = |rank: &str| launched_as(rank, &port);
     let k3 = k3();
     let rank1_args = ["serve", "--model", k3.to_str().unwrap(), "-t", "2"];
     let mut rank1 = start(&strings(&rank1_args), &env("1"));
