@@ -787,6 +787,63 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
+    fn embedding_part(
+        &self,
+        table: &CudaTensor,
+        ids: &[u32],
+        first: usize,
+        vocab: usize,
+    ) -> Result<CudaTensor> {
+        const OP: &str = "embedding_part";
+        self.dev.enter(OP)?;
+        let (rows, d) = match table.shape.as_slice() {
+            [r, d] => (*r, *d),
+            _ => return Err(shape_err(OP, format!("table {:?}", table.shape))),
+        };
+        if first.checked_add(rows).is_none_or(|end| end > vocab) {
+            return Err(shape_err(
+                OP,
+                format!("rows {first}..{first}+{rows} are not inside a vocabulary of {vocab}"),
+            ));
+        }
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+            return Err(shape_err(
+                OP,
+                format!("token id {bad} is outside the vocabulary of {vocab}"),
+            ));
+        }
+        // This rank's ids looked up, then added into zero rows at their positions (once
+        // per pass: three small launches rather than a kernel of its own).
+        let (mut at, mut local) = (Vec::new(), Vec::new());
+        for (t, &id) in ids.iter().enumerate() {
+            if let Some(l) = (id as usize).checked_sub(first).filter(|&l| l < rows) {
+                at.push(t as u32);
+                local.push(l as u32);
+            }
+        }
+        let out = self.zeroed(&[ids.len(), d], OP)?;
+        if local.is_empty() {
+            return Ok(out);
+        }
+        let found = self.embedding(table, &local)?;
+        let at = self.upload_u32(&at, OP)?;
+        let ones = self.upload_f32(&[local.len()], &vec![1.0; local.len()])?;
+        // SAFETY: `found` holds local.len() rows of d f32; `at` and `ones` local.len()
+        // entries; every position in `at` is below ids.len(), the rows of `out`.
+        unsafe {
+            ops::elementwise::scatter_add_rows(
+                &self.dev,
+                found.ptr(),
+                Self::slice_ptr(&at),
+                ones.ptr(),
+                out.ptr(),
+                local.len(),
+                d,
+            )?
+        };
+        Ok(out)
+    }
+
     fn matmul(&self, x: &CudaTensor, w: &CudaTensor) -> Result<CudaTensor> {
         self.dev.enter("matmul")?;
         self.matmul_op(x, w, "matmul")
