@@ -251,6 +251,30 @@ pub struct ServeArgs {
     /// larger than the memory left).
     #[arg(long)]
     pub num_gpu_blocks_override: Option<usize>,
+    /// With `--enable-expert-parallel`, move routed experts between the ranks while
+    /// serving (vLLM's flag): every --eplb-step-interval steps the experts chosen in those
+    /// steps are counted, and where a placement that evens out each rank's tokens beats the
+    /// one in use by --eplb-min-gain, the ranks read the experts they take on and switch
+    /// between two steps. Every rank keeps as many experts; requests in flight go on.
+    #[arg(long, requires = "enable_expert_parallel")]
+    pub enable_eplb: bool,
+    /// Engine steps between looks at the routing counts (`--enable-eplb`).
+    #[arg(
+        long,
+        value_name = "STEPS",
+        default_value_t = 3000,
+        requires = "enable_eplb"
+    )]
+    pub eplb_step_interval: u64,
+    /// How much better balanced (the largest rank's routed tokens over the mean) a new
+    /// placement must be before experts move: 0.05 is 5 % (`--enable-eplb`).
+    #[arg(
+        long,
+        value_name = "FRACTION",
+        default_value_t = 0.05,
+        requires = "enable_eplb"
+    )]
+    pub eplb_min_gain: f64,
     #[command(flatten)]
     pub keys: crate::access_args::KeyArgs,
     #[command(flatten)]

@@ -47,6 +47,7 @@ pub fn run_beams<B: Backend + 'static>(
         block_size: BLOCK_SIZE,
         num_blocks,
         max_waiting: 1,
+        expert_rebalance: None,
     };
     let mut eos = tok.eos_ids();
     eos.extend(model.eos_token_ids().iter().copied());

@@ -481,6 +481,7 @@ fn batched_throughput<B: Backend + 'static>(
         block_size,
         num_blocks: a.batch * max_model_len.div_ceil(block_size) + 1,
         max_waiting: a.batch,
+        expert_rebalance: None,
     };
     let handle = EngineHandle::spawn(engine.into_model(), config)?;
     let params = SamplingParams {

@@ -244,6 +244,9 @@ pub fn load<B: Backend + 'static>(
     }
     let mut ckpt = Checkpoint::open(&path)
         .with_context(|| format!("cannot open the model in {}", path.display()))?;
+    if split.is_some() {
+        options.reopen = Some(checkpoint_reopener(path.clone()));
+    }
     if split.is_none() {
         let device = backend.memory_info();
         let utilization = args.gpu_memory_utilization;
@@ -442,6 +445,9 @@ pub fn load_random<B: Backend + 'static>(
 ) -> anyhow::Result<Loaded<B>> {
     let (ranks, split, mut options) = load_plan(args)?;
     let cfg = read_config(config)?;
+    if split.is_some() {
+        options.reopen = Some(random_reopener(dtype, routing_skew));
+    }
     if split.is_none() {
         let device = backend.memory_info();
         args.offload
@@ -517,6 +523,22 @@ pub fn random_source(
         inner: kimi_model::RandomWeights { dtype, seed: 0 },
         skew,
     }
+}
+
+/// The checkpoint in `path` opened again, for the experts a rank takes on when they move
+/// between ranks (`serve --enable-eplb`).
+pub fn checkpoint_reopener(path: PathBuf) -> kimi_model::WeightsReopener {
+    kimi_model::WeightsReopener::new(move |f| {
+        let ckpt = Checkpoint::open(&path).map_err(|e| {
+            kimi_model::ModelError::Input(format!("reopening {}: {e}", path.display()))
+        })?;
+        f(&kimi_model::CheckpointSource::new(&ckpt)?)
+    })
+}
+
+/// [`random_source`] made again, as [`checkpoint_reopener`] does for a checkpoint.
+pub fn random_reopener(dtype: kimi_core::DType, skew: f32) -> kimi_model::WeightsReopener {
+    kimi_model::WeightsReopener::new(move |f| f(&random_source(dtype, skew)))
 }
 
 /// How this process loads the model: its ranks, the split it loads for, and the options.

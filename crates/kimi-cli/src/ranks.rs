@@ -189,14 +189,14 @@ fn serve_part<B: Backend + 'static>(
         experts: split.experts,
     };
     let part = load_part(backend, args, weights, &split, shard, comm.clone());
-    let part = match part {
+    let mut part = match part {
         Ok(p) => p,
         Err(e) => {
             comm.abort(&format!("loading its part failed: {e:#}"));
             return Err(e.context(format!("rank {rank}")));
         }
     };
-    serve_worker(&part, comm.as_ref(), link).with_context(|| format!("rank {rank}"))
+    serve_worker(&mut part, comm.as_ref(), link).with_context(|| format!("rank {rank}"))
 }
 
 /// Rank `shard.rank`'s part of the model `weights` names, joined to `comm`.
@@ -208,7 +208,7 @@ fn load_part<B: Backend + 'static>(
     shard: Shard,
     comm: std::sync::Arc<dyn Collective<B>>,
 ) -> anyhow::Result<KimiLinear<B>> {
-    let options = crate::load::split_options(args, split)?;
+    let mut options = crate::load::split_options(args, split)?;
     match weights {
         Weights::Model => {
             let path = crate::load::model_path(args)?;
@@ -219,6 +219,7 @@ fn load_part<B: Backend + 'static>(
             let ckpt = kimi_weights::Checkpoint::open(&path)
                 .with_context(|| format!("cannot open the model in {}", path.display()))?;
             let source = kimi_model::CheckpointSource::new(&ckpt)?;
+            options.reopen = Some(crate::load::checkpoint_reopener(path.clone()));
             let part = registry::load_rank_part(
                 backend,
                 ckpt.config().clone(),
@@ -236,6 +237,7 @@ fn load_part<B: Backend + 'static>(
         } => {
             let cfg = crate::load::read_config(config)?;
             let source = crate::load::random_source(*dtype, *skew);
+            options.reopen = Some(crate::load::random_reopener(*dtype, *skew));
             Ok(registry::load_rank_part(
                 backend, cfg, &source, &options, shard, comm,
             )?)

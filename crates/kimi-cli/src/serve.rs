@@ -146,6 +146,7 @@ fn prepare_on<B: Backend + 'static>(backend: B, a: &ServeArgs) -> anyhow::Result
         block_size: a.block_size,
         num_blocks,
         max_waiting: 4096,
+        expert_rebalance: expert_rebalance(a, loaded.engine.model())?,
     };
     let chat_template = match &a.chat_template {
         Some(p) => {
@@ -262,6 +263,34 @@ fn run(prepared: Prepared, a: &ServeArgs) -> anyhow::Result<()> {
 }
 
 /// "Kimi Linear, 48.0 B parameters (3.0 B active), 91.5 GiB of weights".
+/// `--enable-eplb`'s settings, checked against the loaded model.
+fn expert_rebalance<B: Backend>(
+    a: &ServeArgs,
+    model: &dyn kimi_model::CausalLm<B>,
+) -> anyhow::Result<Option<kimi_engine::ExpertRebalance>> {
+    if !a.enable_eplb {
+        return Ok(None);
+    }
+    anyhow::ensure!(
+        a.eplb_step_interval > 0,
+        "--eplb-step-interval must be at least 1"
+    );
+    anyhow::ensure!(
+        a.eplb_min_gain.is_finite() && a.eplb_min_gain >= 0.0,
+        "--eplb-min-gain must be a fraction of 0 or more, not {}",
+        a.eplb_min_gain
+    );
+    anyhow::ensure!(
+        model.expert_ranks().is_some(),
+        "--enable-eplb moves routed experts between ranks: it needs a MoE model over \
+         --tensor-parallel-size 2 or more with --enable-expert-parallel"
+    );
+    Ok(Some(kimi_engine::ExpertRebalance {
+        step_interval: a.eplb_step_interval,
+        min_gain: a.eplb_min_gain,
+    }))
+}
+
 fn describe_model<B: Backend>(loaded: &crate::load::Loaded<B>) -> String {
     let kind = match &loaded.info {
         ModelInfo::Kimi(cfg) => match cfg.family {

@@ -196,10 +196,21 @@ fn serve(extra: &[&str], env: &[(&str, String)]) -> Proc {
 fn complete(server: &Proc) -> (u16, String) {
     let body =
         r#"{"model":"m","prompt":[1,5,9,2,7],"max_tokens":8,"temperature":0,"ignore_eos":true}"#;
+    http(server, "POST /v1/completions", body)
+}
+
+/// The completion's text in a response body.
+fn text(body: &str) -> String {
+    let v: serde_json::Value = serde_json::from_str(body).expect("json");
+    v["choices"][0]["text"].as_str().expect("text").to_string()
+}
+
+/// One HTTP/1.1 request (`request`: method and path) with a JSON `body`: status and body.
+fn http(server: &Proc, request: &str, body: &str) -> (u16, String) {
     let mut s = TcpStream::connect(server.addr).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     let req = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+        "{request} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
          Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
@@ -246,10 +257,6 @@ fn served_by_rank_processes_the_answer_is_that_of_one_process_and_sigterm_drains
     );
     let (status, got) = complete(&mp);
     assert_eq!(status, 200, "{got}\n{}", mp.log());
-    let text = |body: &str| {
-        let v: serde_json::Value = serde_json::from_str(body).expect("json");
-        v["choices"][0]["text"].as_str().expect("text").to_string()
-    };
     assert_eq!(text(&got), text(&want));
     let ranks = ranks_of(&mp);
     assert_eq!(ranks.len(), 2, "{ranks:?}");
@@ -309,4 +316,55 @@ fn a_dead_rank_ends_the_job_naming_it() {
     let says = "error: the model failed for good: rank 0: backend: collective aborted";
     let log = rank0.log_with(&[says]);
     assert!(log.contains(says), "{log}");
+}
+
+/// `serve --enable-eplb` over rank processes: the routed experts move between the ranks
+/// while serving (said in the log, counted in `/metrics`), and the answers stay those of
+/// one process. Without expert parallelism over ranks the flag is refused, naming why.
+#[test]
+fn served_with_eplb_the_experts_move_between_ranks_and_the_answer_stays() {
+    let one = serve(&[], &[]);
+    let (_, want) = complete(&one);
+    let port = free_port().to_string();
+    let mp = serve(
+        &[
+            "-t",
+            "2",
+            "--enable-expert-parallel",
+            "--distributed-executor-backend",
+            "mp",
+            "--enable-eplb",
+            "--eplb-step-interval",
+            "2",
+            "--eplb-min-gain",
+            "0",
+        ],
+        &[("MASTER_PORT", port)],
+    );
+    for _ in 0..2 {
+        let (status, got) = complete(&mp);
+        assert_eq!(status, 200, "{got}\n{}", mp.log());
+        assert_eq!(text(&got), text(&want), "{}", mp.log());
+    }
+    let log = mp.log_with(&["routed experts between ranks"]);
+    assert!(log.contains("routed experts between ranks"), "{log}");
+    let (status, metrics) = http(&mp, "GET /metrics", "");
+    assert_eq!(status, 200);
+    let series = |name: &str| support::metric(&metrics, &format!("{name}{{model_name=\"m\"}}"));
+    assert!(
+        series("kimi:moe_experts_moved_total").is_some_and(|n| n >= 1.0),
+        "{metrics}"
+    );
+    assert!(series("kimi:moe_expert_rebalances_total").is_some_and(|n| n >= 1.0));
+    assert!(series("kimi:moe_expert_imbalance").is_some_and(|x| x >= 1.0));
+
+    let k3 = k3();
+    let refused = bin()
+        .args(["serve", "--model", k3.to_str().unwrap(), "--port", "0"])
+        .arg("--enable-eplb")
+        .output()
+        .expect("binary runs");
+    assert!(!refused.status.success());
+    let e = stderr(&refused);
+    assert!(e.contains("--enable-expert-parallel"), "{e}");
 }

@@ -11,6 +11,10 @@
 //! sequences each (`beams` module).
 
 mod beams;
+mod rebalance;
+
+pub use rebalance::ExpertRebalance;
+use rebalance::Rebalancer;
 
 use std::collections::{BTreeSet, HashMap};
 use std::ops::ControlFlow;
@@ -105,6 +109,8 @@ pub(crate) struct EngineLoop<B: Backend> {
     beam_owner: HashMap<RequestId, RequestId>,
     /// The id of the next forked beam.
     next_fork_id: u64,
+    /// Moves routed experts between ranks as the counts say (`--enable-eplb`).
+    rebalancer: Option<Rebalancer>,
 }
 
 impl<B: Backend> EngineLoop<B> {
@@ -136,6 +142,7 @@ impl<B: Backend> EngineLoop<B> {
             totals,
             beam_owner: HashMap::new(),
             next_fork_id: FIRST_FORK_ID,
+            rebalancer: config.expert_rebalance.clone().map(Rebalancer::new),
         })
     }
 
@@ -285,6 +292,10 @@ impl<B: Backend> EngineLoop<B> {
                 } else {
                     self.sample_rows(&plan.chunks, out.logits, out.vocab_size);
                 }
+                if let Some(r) = self.rebalancer.as_mut() {
+                    r.note(&out.expert_counts);
+                }
+                self.rebalance_experts();
             }
             Err(message) => {
                 for chunk in &plan.chunks {
@@ -293,6 +304,41 @@ impl<B: Backend> EngineLoop<B> {
             }
         }
         self.publish_metrics();
+    }
+
+    /// Between two steps, once a window of counts is complete: moves the routed experts
+    /// where a balanced placement is worth it (the sequences in flight wait for the move).
+    fn rebalance_experts(&mut self) {
+        let Some(r) = self.rebalancer.as_mut() else {
+            return;
+        };
+        let Some(current) = self.runner.expert_ranks() else {
+            return;
+        };
+        let Some(look) = r.look(&current) else {
+            return;
+        };
+        self.totals.expert_imbalance = Some(look.before);
+        let Some(placement) = look.placement else {
+            return;
+        };
+        let started = Instant::now();
+        match self.runner.set_expert_ranks(Arc::new(placement)) {
+            Ok(()) => {
+                self.totals.expert_rebalances_total += 1;
+                self.totals.experts_moved_total += look.moves as u64;
+                tracing::info!(
+                    "moved {} routed experts between ranks in {:.2} s: imbalance {:.3} -> {:.3} \
+                     (the largest rank's routed tokens over the mean, over the last {} steps)",
+                    look.moves,
+                    started.elapsed().as_secs_f64(),
+                    look.before,
+                    look.after,
+                    look.steps
+                );
+            }
+            Err(e) => tracing::warn!("the routed experts stay where they were: {e}"),
+        }
     }
 
     fn wait_for_command(&mut self, timeout: Duration) {
@@ -575,6 +621,7 @@ mod tests {
             block_size: 4,
             num_blocks: 16,
             max_waiting: 8,
+            expert_rebalance: None,
         };
         let (commands, receiver) = mpsc::channel();
         let shared = Arc::new(Shared::default());

@@ -21,6 +21,7 @@ mod scheduler;
 pub mod serving;
 pub mod stop;
 
+pub use engine_loop::ExpertRebalance;
 pub use generate::{Engine, FinishReason, Generation};
 pub use kimi_model::{OffloadCounts, Placement};
 pub use serving::{

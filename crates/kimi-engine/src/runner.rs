@@ -81,6 +81,21 @@ impl<B: Backend> ModelRunner<B> {
     }
 
     /// The expert tiers' placement and counters, when some experts live off the device.
+    /// Which rank holds which routed experts (expert parallelism).
+    pub(crate) fn expert_ranks(
+        &self,
+    ) -> Option<std::sync::Arc<kimi_model::parallel::ExpertPlacement>> {
+        self.model.expert_ranks()
+    }
+
+    /// Moves the routed experts between ranks ([`CausalLm::set_expert_ranks`]).
+    pub(crate) fn set_expert_ranks(
+        &mut self,
+        placement: std::sync::Arc<kimi_model::parallel::ExpertPlacement>,
+    ) -> kimi_model::Result<()> {
+        self.model.set_expert_ranks(placement)
+    }
+
     /// Why the model can run no more steps, once that is so.
     pub(crate) fn model_failure(&self) -> Option<String> {
         self.model.failure()

@@ -41,6 +41,9 @@ pub struct ServingConfig {
     pub num_blocks: usize,
     /// Requests allowed to wait; more are refused with [`SubmitError::QueueFull`].
     pub max_waiting: usize,
+    /// Moving routed experts between ranks as the routing counts say (`--enable-eplb`),
+    /// for a model split by whole experts; `None`: they stay where they were loaded.
+    pub expert_rebalance: Option<crate::ExpertRebalance>,
 }
 
 /// Constrains decoding (tool calls, JSON schemas): masks logits before sampling and
@@ -143,6 +146,14 @@ pub struct EngineMetrics {
     /// Why the model can run no more steps (a rank process of a split model died): every
     /// request fails from then on, and a server should end.
     pub model_failure: Option<String>,
+    /// Under expert parallelism with rebalancing: the largest rank's routed tokens over
+    /// the mean (averaged over the MoE layers) in the last window of steps, for the
+    /// placement in use then.
+    pub expert_imbalance: Option<f64>,
+    /// Times the routed experts moved between ranks.
+    pub expert_rebalances_total: u64,
+    /// Routed experts moved between ranks, summed over those times.
+    pub experts_moved_total: u64,
 }
 
 /// The expert tiers of a model whose routed experts do not all live on the device.
@@ -233,6 +244,7 @@ struct Control {
 ///     block_size: 16,
 ///     num_blocks: 1024,
 ///     max_waiting: 256,
+///     expert_rebalance: None,
 /// };
 /// let engine = EngineHandle::spawn(model, config)?;
 /// let request = Request {

@@ -56,6 +56,7 @@ fn config() -> ServingConfig {
         block_size: 4,
         num_blocks: 1024,
         max_waiting: 64,
+        expert_rebalance: None,
     }
 }
 
@@ -456,6 +457,7 @@ fn beams_under_cache_pressure_match_the_reference() {
         block_size: 4,
         num_blocks: 12,
         max_waiting: 16,
+        expert_rebalance: None,
     };
     let engine = EngineHandle::spawn(model(), config).expect("engine starts");
     let beam = beams(4, 4, 1.0, false);
@@ -529,6 +531,7 @@ fn impossible_beam_searches_are_refused_with_the_reason() {
         block_size: 4,
         num_blocks: 40,
         max_waiting: 16,
+        expert_rebalance: None,
     };
     let engine = EngineHandle::spawn(model(), config).expect("engine starts");
     let refused = |req: Request| match engine.submit(req) {

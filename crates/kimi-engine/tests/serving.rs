@@ -39,6 +39,7 @@ fn config() -> ServingConfig {
         block_size: 16,
         num_blocks: 1024,
         max_waiting: 64,
+        expert_rebalance: None,
     }
 }
 
@@ -507,6 +508,7 @@ fn invalid_requests_and_a_full_queue_are_refused() {
         max_model_len: 32,
         max_num_seqs: 1,
         max_waiting: 2,
+        expert_rebalance: None,
         ..config()
     });
     let invalid =

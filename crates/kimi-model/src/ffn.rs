@@ -128,25 +128,7 @@ impl<T> FfnLayer<T> {
             scaling: c.routed_scaling_factor,
             weights_use_bias: c.weights_use_correction_bias,
         };
-        let local = ld.shard.local_experts(ld.placement.as_deref(), layer, e);
-        let dispatch = match ld.dispatch {
-            ExpertDispatch::AllReduce => None,
-            ExpertDispatch::AllToAll => {
-                if !ld.shard.is_split() || ld.shard.experts != ExpertSplit::Experts {
-                    return Err(crate::ModelError::Input(
-                        "all-to-all expert dispatch needs expert parallelism (whole experts \
-                         spread over several ranks)"
-                            .into(),
-                    ));
-                }
-                let owned: Vec<Vec<usize>> = (0..ld.shard.world)
-                    .map(|rank| {
-                        Shard { rank, ..ld.shard }.local_experts(ld.placement.as_deref(), layer, e)
-                    })
-                    .collect();
-                Some(TokenDispatch::new(&owned, e)?)
-            }
-        };
+        let (local, dispatch) = rank_share(ld, layer, e)?;
         let bank = match ld.offload.clone() {
             Some(_) if local.len() < e => {
                 return Err(crate::ModelError::Input(
@@ -345,6 +327,132 @@ fn expert_width<B: Backend>(ld: &Loader<'_, B>, c: &MoeConfig) -> usize {
 
 /// One routed expert: `w1` (gate), `w3` (up), `w2` (down), each MXFP4 planes
 /// (`weight_packed` + `weight_scale`) or a plain `weight`, as the checkpoint stores it.
+/// This rank's experts of decoder layer `layer` under the loader's placement, and their
+/// token dispatch where the experts' outputs travel by all-to-all.
+fn rank_share<B: Backend>(
+    ld: &Loader<'_, B>,
+    layer: usize,
+    e: usize,
+) -> Result<(Vec<usize>, Option<TokenDispatch>)> {
+    let local = ld.shard.local_experts(ld.placement.as_deref(), layer, e);
+    let dispatch = match ld.dispatch {
+        ExpertDispatch::AllReduce => None,
+        ExpertDispatch::AllToAll => {
+            if !ld.shard.is_split() || ld.shard.experts != ExpertSplit::Experts {
+                return Err(crate::ModelError::Input(
+                    "all-to-all expert dispatch needs expert parallelism (whole experts \
+                     spread over several ranks)"
+                        .into(),
+                ));
+            }
+            let owned: Vec<Vec<usize>> = (0..ld.shard.world)
+                .map(|rank| {
+                    Shard { rank, ..ld.shard }.local_experts(ld.placement.as_deref(), layer, e)
+                })
+                .collect();
+            Some(TokenDispatch::new(&owned, e)?)
+        }
+    };
+    Ok((local, dispatch))
+}
+
+/// A MoE layer's share of the routed experts under a new placement, read but not in use
+/// yet ([`FfnLayer::stage_share`], then [`FfnLayer::take_share`]).
+pub(crate) struct StagedShare<T> {
+    /// The experts this rank will hold, in id order.
+    ids: Vec<usize>,
+    /// Those it does not hold now, read from the weights.
+    fresh: Vec<(usize, MlpWeights<T>)>,
+    dispatch: Option<TokenDispatch>,
+}
+
+impl<T> FfnLayer<T> {
+    /// The ids of the routed experts this rank holds, where whole experts are spread over
+    /// ranks.
+    pub fn partition_ids(&self) -> Option<&[usize]> {
+        match self {
+            Self::Composed(m) => match &m.bank {
+                ExpertBank::Partition { ids, .. } => Some(ids),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    /// Reads the experts that the loader's placement gives this rank and that it does not
+    /// hold yet (`None` for a layer whose experts are not spread). Nothing in use changes.
+    pub fn stage_share<B: Backend<Tensor = T>>(
+        &self,
+        ld: &mut Loader<'_, B>,
+        layer: usize,
+        hidden: usize,
+        c: &MoeConfig,
+    ) -> Result<Option<StagedShare<T>>> {
+        let Some(held) = self.partition_ids() else {
+            return Ok(None);
+        };
+        let (ids, dispatch) = rank_share(ld, layer, c.num_experts)?;
+        let expert_in = c.latent.map_or(hidden, |l| l.width);
+        let p = format!("model.layers.{layer}.block_sparse_moe");
+        let fresh = ids
+            .iter()
+            .filter(|i| !held.contains(i))
+            .map(|&i| {
+                Ok((
+                    i,
+                    load_expert(ld, &format!("{p}.experts.{i}"), expert_in, c)?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(StagedShare {
+            ids,
+            fresh,
+            dispatch,
+        }))
+    }
+
+    /// Whether [`FfnLayer::take_share`] can put `staged` in use: every expert it names is
+    /// held or was read.
+    pub fn check_share(&self, staged: &StagedShare<T>) -> Result<()> {
+        let Some(ids) = self.partition_ids() else {
+            return Err(crate::ModelError::Input(
+                "an expert share for a layer without spread experts".into(),
+            ));
+        };
+        let known = |e: &usize| ids.contains(e) || staged.fresh.iter().any(|(f, _)| f == e);
+        match staged.ids.iter().find(|e| !known(e)) {
+            Some(e) => Err(crate::ModelError::Input(format!(
+                "expert {e} of the new placement was not read"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Puts a share that passed [`FfnLayer::check_share`] in use (the experts given away
+    /// are dropped; the dispatch keeps its traffic counts).
+    pub fn take_share(&mut self, staged: StagedShare<T>) {
+        let Self::Composed(m) = self else {
+            return;
+        };
+        let ExpertBank::Partition { ids, local, .. } = &mut m.bank else {
+            return;
+        };
+        let mut held: std::collections::HashMap<usize, MlpWeights<T>> =
+            ids.drain(..).zip(local.drain(..)).collect();
+        held.extend(staged.fresh);
+        for e in staged.ids {
+            if let Some(w) = held.remove(&e) {
+                ids.push(e);
+                local.push(w);
+            }
+        }
+        m.dispatch = match (staged.dispatch, m.dispatch.take()) {
+            (Some(new), Some(old)) => Some(new.continuing(&old)),
+            (new, _) => new,
+        };
+    }
+}
+
 fn load_expert<B: Backend>(
     ld: &mut Loader<'_, B>,
     p: &str,

@@ -2,6 +2,9 @@
 //! the engine drive any architecture.
 
 use kimi_ops::offload::{OffloadCounts, Placement};
+use std::sync::Arc;
+
+use crate::parallel::ExpertPlacement;
 use kimi_ops::{Backend, KdaMode, MlaMode, RowSampling, Segment, TokenPenalty};
 
 use crate::cache::{CachePool, LayerSpec, SeqCache};
@@ -158,6 +161,22 @@ pub trait CausalLm<B: Backend>: Send + Sync {
     fn failure(&self) -> Option<String> {
         None
     }
+
+    /// Which rank holds which routed experts, for a model whose whole experts are spread
+    /// over ranks (expert parallelism); `None` otherwise.
+    fn expert_ranks(&self) -> Option<Arc<ExpertPlacement>> {
+        None
+    }
+
+    /// Moves the routed experts to `placement` between passes: every rank reads the
+    /// experts it takes on, and only once all have does any switch, so that a failure
+    /// leaves the model as it was. The caches are untouched (sequences in flight go on).
+    fn set_expert_ranks(&mut self, placement: Arc<ExpertPlacement>) -> Result<()> {
+        let _ = placement;
+        Err(input(
+            "the expert placement changes only where whole experts are spread over ranks",
+        ))
+    }
 }
 
 /// Block size of [`CausalLm::single_cache`] pools.
@@ -215,6 +234,12 @@ impl<B: Backend, M: CausalLm<B> + ?Sized> CausalLm<B> for Box<M> {
     }
     fn failure(&self) -> Option<String> {
         (**self).failure()
+    }
+    fn expert_ranks(&self) -> Option<Arc<ExpertPlacement>> {
+        (**self).expert_ranks()
+    }
+    fn set_expert_ranks(&mut self, placement: Arc<ExpertPlacement>) -> Result<()> {
+        (**self).set_expert_ranks(placement)
     }
 }
 

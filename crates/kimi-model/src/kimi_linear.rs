@@ -38,6 +38,8 @@ use crate::parallel::{Shard, ShardedSource};
 use crate::source::WeightSource;
 use crate::{LoadOptions, Result};
 
+mod experts;
+
 enum MixerLayer<T> {
     Kda(KdaLayer<T>),
     Mla(MlaLayer<T>),
@@ -86,6 +88,13 @@ pub struct KimiLinear<B: Backend> {
     attn_res: Option<AttnRes<B::Tensor>>,
     cache_specs: Vec<LayerSpec>,
     ignored_vision_tensors: usize,
+    /// Which rank holds which routed experts where whole experts are spread (`None`: in
+    /// order), the weights to read the experts it takes on when that changes, and a new
+    /// placement read but not yet in use (`experts.rs`).
+    expert_ranks: Option<Arc<crate::parallel::ExpertPlacement>>,
+    reopen: Option<crate::WeightsReopener>,
+    expert_dispatch: crate::parallel::ExpertDispatch,
+    staged: Option<experts::StagedPlacement<B::Tensor>>,
 }
 
 impl<B: Backend> KimiLinear<B> {
@@ -293,6 +302,10 @@ impl<B: Backend> KimiLinear<B> {
             vocab_split,
             attn_res,
             ignored_vision_tensors,
+            expert_ranks: options.expert_placement.clone(),
+            reopen: options.reopen.clone(),
+            expert_dispatch: options.expert_dispatch,
+            staged: None,
         })
     }
 
@@ -616,6 +629,9 @@ impl<B: Backend> CausalLm<B> for KimiLinear<B> {
     }
     fn offload_counts(&self) -> Option<OffloadCounts> {
         KimiLinear::offload_counts(self)
+    }
+    fn expert_ranks(&self) -> Option<Arc<crate::parallel::ExpertPlacement>> {
+        KimiLinear::expert_ranks(self)
     }
     fn vocab_size(&self) -> usize {
         self.config.vocab_size

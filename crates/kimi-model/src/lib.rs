@@ -35,7 +35,7 @@ pub use kimi_ops::offload::{ExpertOffload, OffloadAmount, OffloadCounts, Placeme
 pub use llama::{Llama, LlamaConfig};
 pub use native_names::{CheckpointLayout, CheckpointSource};
 pub use registry::{Architecture, LoadedModel};
-pub use source::{RandomWeights, SkewedRouting, WeightSource};
+pub use source::{RandomWeights, SkewedRouting, WeightSource, WeightsReopener, WithSource};
 pub use summary::{Component, ComponentSize, ModelSummary, ParamCounts, CACHE_BYTES, STATE_BYTES};
 
 /// Errors from loading or running a model.
@@ -96,4 +96,7 @@ pub struct LoadOptions {
     /// How expert parallelism combines the routed experts' outputs (all-reduce, or token
     /// dispatch by all-to-all).
     pub expert_dispatch: parallel::ExpertDispatch,
+    /// The weights again, for the experts a rank takes on when the placement changes
+    /// (`None`: the placement stays as loaded).
+    pub reopen: Option<WeightsReopener>,
 }

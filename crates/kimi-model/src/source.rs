@@ -33,6 +33,36 @@ pub trait WeightSource {
     }
 }
 
+/// What [`WeightsReopener`] calls with the weights opened again.
+pub type WithSource<'a> = dyn FnMut(&dyn WeightSource) -> Result<()> + 'a;
+
+/// Opens a model's weights again after it loaded, for a rank that takes on routed experts
+/// when the expert placement changes (`CausalLm::set_expert_ranks`): a checkpoint is
+/// reopened (its files are mapped, not read), random weights are made again.
+#[derive(Clone)]
+pub struct WeightsReopener(std::sync::Arc<Reopen>);
+
+/// Opens the weights and calls its argument with them.
+type Reopen = dyn Fn(&mut WithSource<'_>) -> Result<()> + Send + Sync;
+
+impl WeightsReopener {
+    /// A reopener that opens the weights and calls its argument with them.
+    pub fn new(open: impl Fn(&mut WithSource<'_>) -> Result<()> + Send + Sync + 'static) -> Self {
+        Self(std::sync::Arc::new(open))
+    }
+
+    /// Calls `f` with the weights opened again.
+    pub fn with(&self, f: &mut WithSource<'_>) -> Result<()> {
+        (self.0)(f)
+    }
+}
+
+impl std::fmt::Debug for WeightsReopener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WeightsReopener")
+    }
+}
+
 impl WeightSource for SafetensorsDir {
     fn contains(&self, name: &str) -> bool {
         SafetensorsDir::contains(self, name)

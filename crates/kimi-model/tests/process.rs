@@ -91,11 +91,11 @@ where
 
 fn serve(
     _: usize,
-    part: KimiLinear<CpuBackend>,
+    mut part: KimiLinear<CpuBackend>,
     comm: kimi_ops::ThreadComm,
     link: kimi_ops::bootstrap::rendezvous::Link,
 ) {
-    serve_worker(&part, &comm, link).unwrap();
+    serve_worker(&mut part, &comm, link).unwrap();
 }
 
 /// Logits of every position of `ids`, `step` tokens per pass, then two sequences batched.
@@ -148,12 +148,12 @@ fn ranks_as_processes_give_the_threads_logits_bit_for_bit() {
 #[test]
 fn a_worker_that_dies_ends_the_step_naming_it_and_every_later_step() {
     // Rank 1 makes its pool, then its "process" dies (its link closes).
-    let (procs, workers) = process_ranks(2, |_, part, _, mut link| {
+    let (procs, workers) = process_ranks(2, |_, mut part, _, mut link| {
         let (kind, body) = link.recv(None, "a job").unwrap();
         assert_eq!(kind, MESSAGE);
         let mut pool = None;
         let r = kimi_model::parallel::control::run_job(
-            &part,
+            &mut part,
             &mut pool,
             RankJob::decode(&body).unwrap(),
         );

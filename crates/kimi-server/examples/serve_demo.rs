@@ -87,6 +87,7 @@ async fn run(args: Args) -> Result<(), String> {
         block_size: 16,
         num_blocks: (args.max_model_len * 64).div_ceil(16),
         max_waiting: 1024,
+        expert_rebalance: None,
     };
     let engine = EngineHandle::spawn(model, serving).map_err(|e| e.to_string())?;
     let shutdown = async {

@@ -432,6 +432,32 @@ impl Metrics {
             );
         }
         drop(errors);
+        if let Some(imbalance) = engine.expert_imbalance {
+            for (name, help, kind, value) in [
+                (
+                    "kimi:moe_expert_imbalance",
+                    "The largest rank's routed tokens over the mean, averaged over the MoE \
+                     layers, in the last window of steps (expert parallelism; 1 is even).",
+                    "gauge",
+                    imbalance.to_string(),
+                ),
+                (
+                    "kimi:moe_expert_rebalances_total",
+                    "Times the routed experts moved between ranks (--enable-eplb).",
+                    "counter",
+                    engine.expert_rebalances_total.to_string(),
+                ),
+                (
+                    "kimi:moe_experts_moved_total",
+                    "Routed experts moved between ranks.",
+                    "counter",
+                    engine.experts_moved_total.to_string(),
+                ),
+            ] {
+                header(out, name, help, kind);
+                let _ = writeln!(out, "{name}{{{labels}}} {value}");
+            }
+        }
         header(
             out,
             "kimi:moe_expert_tokens_total",
@@ -469,6 +495,9 @@ mod tests {
         let engine = EngineMetrics {
             num_running: 2,
             expert_counts: vec![vec![], vec![5, 6]],
+            expert_imbalance: Some(1.25),
+            expert_rebalances_total: 2,
+            experts_moved_total: 9,
             ..EngineMetrics::default()
         };
         let text = m.render(&engine, 3);
@@ -482,6 +511,8 @@ mod tests {
         assert!(text.contains("vllm:request_success_total{model_name=\"demo \\\"x\\\"\",finished_reason=\"stop\"} 1\n"));
         assert!(text.contains("finished_reason=\"length\"} 0\n"));
         assert!(text.contains("kimi:moe_expert_tokens_total{model_name=\"demo \\\"x\\\"\",layer=\"1\",expert=\"1\"} 6\n"));
+        assert!(text.contains("kimi:moe_expert_imbalance{model_name=\"demo \\\"x\\\"\"} 1.25\n"));
+        assert!(text.contains("kimi:moe_experts_moved_total{model_name=\"demo \\\"x\\\"\"} 9\n"));
         assert!(text
             .contains("kimi:http_errors_total{model_name=\"demo \\\"x\\\"\",status=\"400\"} 1\n"));
         assert!(text.contains("# TYPE vllm:e2e_request_latency_seconds histogram\n"));

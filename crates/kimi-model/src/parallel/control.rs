@@ -7,9 +7,11 @@ use kimi_ops::bootstrap::codec::{Reader, Writer};
 use kimi_ops::bootstrap::BootstrapError;
 use kimi_ops::{Backend, KdaMode, MlaMode, RowSampling, Segment, TokenPenalty};
 
+use super::ExpertPlacement;
 use crate::cache::{CachePool, SeqCache};
 use crate::forward::{Batch, CausalLm, ForwardOptions, RowPicks};
 use crate::{KimiLinear, ModelError, Result};
+use std::sync::Arc;
 
 /// What a rank is asked to do (every rank does the same with its part of the model).
 #[derive(Clone, Debug)]
@@ -44,11 +46,28 @@ pub enum RankJob {
         /// `(from, to)` blocks.
         block: Option<(u32, u32)>,
     },
+    /// Read the experts this placement gives the rank (nothing in use changes yet).
+    StageExperts(Arc<ExpertPlacement>),
+    /// Put the staged placement in use.
+    CommitExperts,
+    /// Drop the staged placement.
+    DiscardExperts,
+}
+
+impl RankJob {
+    /// Whether the ranks meet in collectives while running the job, so that one rank's
+    /// failure must abort the others' waits (a placement's jobs are each rank's alone).
+    pub fn meets_in_collectives(&self) -> bool {
+        !matches!(
+            self,
+            Self::StageExperts(_) | Self::CommitExperts | Self::DiscardExperts
+        )
+    }
 }
 
 /// Runs `job` on a rank's part and pool (made by the first `Pool`/`Single` job).
 pub fn run_job<B: Backend>(
-    model: &KimiLinear<B>,
+    model: &mut KimiLinear<B>,
     pool: &mut Option<CachePool<B>>,
     job: RankJob,
 ) -> Result<()> {
@@ -78,6 +97,12 @@ pub fn run_job<B: Backend>(
             Some(pool) => pool.fork_state(model.backend(), slots, block),
             None => Err(ModelError::Input("a fork before the pool was made".into())),
         },
+        RankJob::StageExperts(placement) => model.stage_expert_ranks(placement),
+        RankJob::CommitExperts => model.commit_expert_ranks(),
+        RankJob::DiscardExperts => {
+            model.discard_staged_expert_ranks();
+            Ok(())
+        }
     }
 }
 
@@ -85,6 +110,9 @@ const POOL: u8 = 1;
 const SINGLE: u8 = 2;
 const FORWARD: u8 = 3;
 const FORK: u8 = 4;
+const STAGE_EXPERTS: u8 = 5;
+const COMMIT_EXPERTS: u8 = 6;
+const DISCARD_EXPERTS: u8 = 7;
 
 fn kda_code(m: KdaMode) -> u8 {
     match m {
@@ -169,6 +197,21 @@ impl RankJob {
                 w.u8(FORK);
                 pair(&mut w, Some(*slots));
                 pair(&mut w, *block);
+            }
+            Self::StageExperts(p) => {
+                w.u8(STAGE_EXPERTS).usize(p.world());
+                let layers: Vec<(usize, &[usize])> = p.layers().collect();
+                w.usize(layers.len());
+                for (layer, owners) in layers {
+                    let owners: Vec<u32> = owners.iter().map(|&o| o as u32).collect();
+                    w.usize(layer).u32s(&owners);
+                }
+            }
+            Self::CommitExperts => {
+                w.u8(COMMIT_EXPERTS);
+            }
+            Self::DiscardExperts => {
+                w.u8(DISCARD_EXPERTS);
             }
         }
         w.finish()
@@ -272,6 +315,20 @@ impl RankJob {
                     block: read_pair(&mut r)?,
                 }
             }
+            STAGE_EXPERTS => {
+                let world = r.usize()?;
+                let mut owners = std::collections::BTreeMap::new();
+                for _ in 0..r.count(16)? {
+                    let layer = r.usize()?;
+                    let o = r.u32s()?;
+                    owners.insert(layer, o.into_iter().map(|x| x as usize).collect());
+                }
+                let p = ExpertPlacement::from_owners(world, owners)
+                    .map_err(|e| r.bad(e.to_string()))?;
+                Self::StageExperts(Arc::new(p))
+            }
+            COMMIT_EXPERTS => Self::CommitExperts,
+            DISCARD_EXPERTS => Self::DiscardExperts,
             k => return Err(r.bad(format!("job kind {k}"))),
         };
         r.end()?;

@@ -161,6 +161,12 @@ impl TokenDispatch {
         })
     }
 
+    /// This dispatch with `old`'s traffic counts carried over (after a placement change).
+    pub fn continuing(self, old: &Self) -> Self {
+        self.count(old.traffic());
+        self
+    }
+
     /// The traffic of this layer so far (this rank's).
     pub fn traffic(&self) -> DispatchTraffic {
         DispatchTraffic {

@@ -15,6 +15,7 @@ use kimi_ops::offload::{OffloadCounts, Placement};
 use kimi_ops::{Backend, Collective, ThreadGroup};
 
 use super::control::{run_job, RankJob as Job};
+use super::ExpertPlacement;
 use crate::cache::{CachePool, LayerSpec, SeqCache};
 use crate::forward::{Batch, CausalLm, ForwardOptions, ForwardOutput};
 use crate::{KimiLinear, ModelError, Result};
@@ -28,7 +29,12 @@ struct Worker {
 /// A Kimi model split over ranks that are threads of this process ([`super`]).
 pub struct TensorParallel<B: Backend> {
     lead: KimiLinear<B>,
-    /// Ranks 1.. (locked for a whole step: one step at a time).
+    others: RankThreads,
+}
+
+/// Ranks 1.. of a [`TensorParallel`] and the group they meet in.
+struct RankThreads {
+    /// Locked for a whole step: one step at a time.
     workers: Mutex<Vec<Worker>>,
     group: Arc<ThreadGroup>,
     comm: kimi_ops::ThreadComm,
@@ -69,9 +75,11 @@ where
         }
         Ok(Self {
             lead,
-            workers: Mutex::new(workers),
-            comm: group.comm(0),
-            group,
+            others: RankThreads {
+                workers: Mutex::new(workers),
+                comm: group.comm(0),
+                group,
+            },
         })
     }
 
@@ -80,9 +88,21 @@ where
         &self.lead
     }
 
-    /// Hands `job()` to every other rank, runs `own` here, and waits for all: the first
-    /// failure is the answer (and aborts the group so that no rank waits for it).
     fn on_all<R>(&self, job: impl Fn() -> Job, own: impl FnOnce() -> Result<R>) -> Result<R> {
+        self.others.on_all::<B, R>(job, own)
+    }
+}
+
+impl RankThreads {
+    /// Hands `job()` to every other rank, runs `own` here, and waits for all: the first
+    /// failure is the answer (and, for a job whose ranks meet in collectives, aborts the
+    /// group so that no rank waits for it).
+    fn on_all<B: Backend, R>(
+        &self,
+        job: impl Fn() -> Job,
+        own: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
+        let collective = job().meets_in_collectives();
         let workers = self.workers.lock().unwrap_or_else(PoisonError::into_inner);
         for (i, w) in workers.iter().enumerate() {
             let sent = w.jobs.as_ref().is_some_and(|j| j.send(job()).is_ok());
@@ -92,7 +112,7 @@ where
             }
         }
         let own = own();
-        if let Err(e) = &own {
+        if let (Err(e), true) = (&own, collective) {
             Collective::<B>::abort(&self.comm, &e.to_string());
         }
         let mut first_err = None;
@@ -105,7 +125,7 @@ where
                 first_err.get_or_insert_with(|| format!("rank {}: {e}", i + 1));
             }
         }
-        if own.is_err() || first_err.is_some() {
+        if collective && (own.is_err() || first_err.is_some()) {
             // Every rank has returned: the group may run the next step.
             self.group.reset();
         }
@@ -118,17 +138,20 @@ where
 
 /// A rank thread: runs jobs on its part until the lead goes.
 fn serve_rank<B: Backend>(
-    model: KimiLinear<B>,
+    mut model: KimiLinear<B>,
     comm: kimi_ops::ThreadComm,
     inbox: Receiver<Job>,
     report: Sender<std::result::Result<(), String>>,
 ) {
     let mut pool: Option<CachePool<B>> = None;
     while let Ok(job) = inbox.recv() {
-        let result = run_job(&model, &mut pool, job);
+        let collective = job.meets_in_collectives();
+        let result = run_job(&mut model, &mut pool, job);
         let result = result.map_err(|e| {
             let e = e.to_string();
-            Collective::<B>::abort(&comm, &e);
+            if collective {
+                Collective::<B>::abort(&comm, &e);
+            }
             e
         });
         if report.send(result).is_err() {
@@ -140,6 +163,7 @@ fn serve_rank<B: Backend>(
 impl<B: Backend> Drop for TensorParallel<B> {
     fn drop(&mut self) {
         let workers = self
+            .others
             .workers
             .get_mut()
             .unwrap_or_else(PoisonError::into_inner);
@@ -229,6 +253,28 @@ where
 
     fn expert_placement(&self) -> Vec<(usize, Placement)> {
         self.lead.expert_placement()
+    }
+    fn expert_ranks(&self) -> Option<Arc<ExpertPlacement>> {
+        self.lead.expert_ranks()
+    }
+    fn set_expert_ranks(&mut self, placement: Arc<ExpertPlacement>) -> Result<()> {
+        let Self { lead, others } = self;
+        let staged = others.on_all::<B, ()>(
+            || Job::StageExperts(Arc::clone(&placement)),
+            || lead.stage_expert_ranks(Arc::clone(&placement)),
+        );
+        if let Err(e) = staged {
+            // Whatever staged is dropped everywhere; the old placement stays in use.
+            let _ = others.on_all::<B, ()>(
+                || Job::DiscardExperts,
+                || {
+                    lead.discard_staged_expert_ranks();
+                    Ok(())
+                },
+            );
+            return Err(e);
+        }
+        others.on_all::<B, ()>(|| Job::CommitExperts, || lead.commit_expert_ranks())
     }
     fn offload_counts(&self) -> Option<OffloadCounts> {
         self.lead.offload_counts()

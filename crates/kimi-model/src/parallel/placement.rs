@@ -57,6 +57,107 @@ impl ExpertPlacement {
         self
     }
 
+    /// A placement from every listed layer's owner rank per expert id, checked: each owner
+    /// below `world`, and every rank holding the same number of a layer's experts (memory
+    /// stays even).
+    pub fn from_owners(world: usize, owners: BTreeMap<usize, Vec<usize>>) -> Result<Self> {
+        for (layer, owner) in &owners {
+            let mut held = vec![0usize; world];
+            for &r in owner {
+                match held.get_mut(r) {
+                    Some(h) => *h += 1,
+                    None => {
+                        return Err(ModelError::Input(format!(
+                            "layer {layer}: an expert placed on rank {r} of {world}"
+                        )))
+                    }
+                }
+            }
+            if held.iter().any(|&h| h * world != owner.len()) {
+                return Err(ModelError::Input(format!(
+                    "layer {layer}: {held:?} experts per rank, not {} each",
+                    owner.len() / world.max(1)
+                )));
+            }
+        }
+        Ok(Self { world, owners })
+    }
+
+    /// The number of ranks.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The layers placed otherwise than in order, with every expert's owner rank.
+    pub fn layers(&self) -> impl Iterator<Item = (usize, &[usize])> {
+        self.owners.iter().map(|(&l, o)| (l, o.as_slice()))
+    }
+
+    /// The owner rank of every expert of `layer`.
+    pub fn owners(&self, layer: usize, num_experts: usize) -> Vec<usize> {
+        match self.owners.get(&layer) {
+            Some(owner) if owner.len() == num_experts => owner.clone(),
+            _ => {
+                let per = (num_experts / self.world.max(1)).max(1);
+                (0..num_experts).map(|e| e / per).collect()
+            }
+        }
+    }
+
+    /// The experts of the layers in `loads` that change rank from `self` to `other`.
+    pub fn moves_to(&self, other: &Self, loads: &ExpertLoads) -> usize {
+        loads
+            .iter()
+            .map(|(&layer, counts)| {
+                let e = counts.len();
+                let (a, b) = (self.owners(layer, e), other.owners(layer, e));
+                a.iter().zip(&b).filter(|(x, y)| x != y).count()
+            })
+            .sum()
+    }
+
+    /// This placement with its ranks renamed, layer by layer, so that as many experts as
+    /// possible stay where `current` has them (the balance is the same under any naming;
+    /// only the experts that must move are moved). Greedy: the (group, rank) pairs that
+    /// share the most experts are matched first.
+    pub fn keeping(mut self, current: &Self) -> Self {
+        let w = self.world;
+        for (&layer, owner) in self.owners.iter_mut() {
+            let now = current.owners(layer, owner.len());
+            let mut shared = vec![vec![0usize; w]; w];
+            for (&g, &r) in owner.iter().zip(&now) {
+                if g < w && r < w {
+                    shared[g][r] += 1;
+                }
+            }
+            let mut pairs: Vec<(usize, usize, usize)> = (0..w)
+                .flat_map(|g| (0..w).map(move |r| (g, r)))
+                .map(|(g, r)| (shared[g][r], g, r))
+                .collect();
+            pairs.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+            let (mut named, mut taken) = (vec![usize::MAX; w], vec![false; w]);
+            for (_, g, r) in pairs {
+                if named[g] == usize::MAX && !taken[r] {
+                    named[g] = r;
+                    taken[r] = true;
+                }
+            }
+            for o in owner.iter_mut() {
+                *o = named.get(*o).copied().unwrap_or(*o);
+            }
+        }
+        self
+    }
+
+    /// The mean over `loads`' layers of [`ExpertPlacement::imbalance`] (1.0 with no layers).
+    pub fn mean_imbalance(&self, loads: &ExpertLoads) -> f64 {
+        let per_layer = self.imbalance(loads);
+        match per_layer.len() {
+            0 => 1.0,
+            n => per_layer.values().sum::<f64>() / n as f64,
+        }
+    }
+
     /// Rank `rank`'s experts of `layer`, in id order.
     pub fn local(&self, layer: usize, rank: usize, num_experts: usize) -> Vec<usize> {
         match self.owners.get(&layer) {
@@ -153,6 +254,30 @@ mod tests {
         assert!(plain > 1.9 && balanced < 1.02, "{plain} {balanced}");
         // Layers without counts split in order.
         assert_eq!(p.local(5, 1, 8), vec![4, 5, 6, 7]);
+    }
+
+    #[test]
+    fn a_new_placement_keeps_experts_where_they_are_when_it_can() {
+        // The balanced split of these counts is {0, 3} / {1, 2} whatever the rank names;
+        // from a current placement with 0 and 3 on rank 1, renaming keeps them there.
+        let loads = ExpertLoads::from([(0, vec![10, 9, 8, 7])]);
+        let current =
+            ExpertPlacement::from_owners(2, BTreeMap::from([(0, vec![1, 0, 0, 1])])).unwrap();
+        let fresh = ExpertPlacement::balanced(&loads, 2).unwrap();
+        let kept = fresh.clone().keeping(&current);
+        assert_eq!(kept.owners(0, 4), vec![1, 0, 0, 1]);
+        assert_eq!(current.moves_to(&kept, &loads), 0);
+        assert_eq!(kept.imbalance(&loads), fresh.imbalance(&loads));
+        // From the contiguous split, two experts move.
+        let plain = ExpertPlacement::default().with_world(2);
+        assert_eq!(plain.owners(0, 4), vec![0, 0, 1, 1]);
+        let kept = fresh.keeping(&plain);
+        assert_eq!(plain.moves_to(&kept, &loads), 2);
+        assert!(kept.mean_imbalance(&loads) < plain.mean_imbalance(&loads));
+        // Uneven or out-of-range owners are refused.
+        for bad in [vec![0, 0, 0, 1], vec![0, 2, 1, 1]] {
+            assert!(ExpertPlacement::from_owners(2, BTreeMap::from([(0, bad)])).is_err());
+        }
     }
 
     #[test]

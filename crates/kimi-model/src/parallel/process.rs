@@ -19,6 +19,7 @@ use kimi_ops::offload::{OffloadCounts, Placement};
 use kimi_ops::{Backend, Collective};
 
 use super::control::{decode_reply, encode_reply, run_job, RankJob};
+use super::ExpertPlacement;
 use crate::cache::{CachePool, LayerSpec, SeqCache};
 use crate::forward::{Batch, CausalLm, ForwardOptions, ForwardOutput};
 use crate::{KimiLinear, ModelError, Result};
@@ -30,6 +31,11 @@ fn failed(e: impl std::fmt::Display) -> ModelError {
 /// Rank 0 of a model whose other ranks are processes reached through control links.
 pub struct ProcessRanks<B: Backend> {
     lead: KimiLinear<B>,
+    others: RankLinks<B>,
+}
+
+/// The other ranks of a [`ProcessRanks`]: their links, and the group's state.
+struct RankLinks<B: Backend> {
     comm: Arc<dyn Collective<B>>,
     /// `links[r - 1]` reaches rank `r` (locked for a whole step: one step at a time).
     links: Mutex<Vec<Link>>,
@@ -59,11 +65,13 @@ impl<B: Backend> ProcessRanks<B> {
         lead.set_collective(Arc::clone(&comm))?;
         Ok(Self {
             lead,
-            comm,
-            links: Mutex::new(links),
-            broken: Mutex::new(None),
-            // Every live rank's step ends within the collective's deadline.
-            reply_timeout: timeout.saturating_mul(2) + Duration::from_secs(10),
+            others: RankLinks {
+                comm,
+                links: Mutex::new(links),
+                broken: Mutex::new(None),
+                // Every live rank's step ends within the collective's deadline.
+                reply_timeout: timeout.saturating_mul(2) + Duration::from_secs(10),
+            },
         })
     }
 
@@ -72,6 +80,12 @@ impl<B: Backend> ProcessRanks<B> {
         &self.lead
     }
 
+    fn on_all<R>(&self, job: RankJob, own: impl FnOnce() -> Result<R>) -> Result<R> {
+        self.others.on_all(job, own)
+    }
+}
+
+impl<B: Backend> RankLinks<B> {
     /// Ends the group with `why` (kept for every later call) and aborts the collective.
     fn end(&self, why: String) -> ModelError {
         self.comm.abort(&why);
@@ -81,8 +95,10 @@ impl<B: Backend> ProcessRanks<B> {
     }
 
     /// Sends `job` to every worker, runs `own` here while watching the links, and collects
-    /// the answers: the first failure is the answer, and ends the group.
+    /// the answers: the first failure is the answer, and ends the group unless the job was
+    /// each rank's alone (a placement's: the ranks answer, and the group goes on).
     fn on_all<R>(&self, job: RankJob, own: impl FnOnce() -> Result<R>) -> Result<R> {
+        let collective = job.meets_in_collectives();
         if let Some(why) = self
             .broken
             .lock()
@@ -109,11 +125,11 @@ impl<B: Backend> ProcessRanks<B> {
             done.store(true, Ordering::Relaxed);
             own
         });
-        if let Err(e) = &own {
+        if let (Err(e), true) = (&own, collective) {
             self.comm.abort(&format!("rank 0: {e}"));
         }
         let deadline = Instant::now() + self.reply_timeout;
-        let mut first_err = None;
+        let (mut first_err, mut link_lost) = (None, false);
         for l in links.iter_mut() {
             let peer = l.peer();
             let answer = l
@@ -122,12 +138,20 @@ impl<B: Backend> ProcessRanks<B> {
             let err = match answer {
                 Ok(Ok(())) => continue,
                 Ok(Err(e)) => format!("rank {peer}: {e}"),
-                Err(e) => e.to_string(),
+                Err(e) => {
+                    link_lost = true;
+                    e.to_string()
+                }
             };
             first_err.get_or_insert(err);
         }
+        // A job of each rank's alone fails without ending the group, unless a link is
+        // lost (that is the end whatever the job).
+        let goes_on = !collective && !link_lost;
         match (own, first_err) {
             (Ok(r), None) => Ok(r),
+            (Ok(_), Some(e)) if goes_on => Err(ModelError::Input(e)),
+            (Err(e), _) if goes_on => Err(ModelError::Input(format!("rank 0: {e}"))),
             (Ok(_), Some(e)) => Err(self.end(e)),
             (Err(e), _) => Err(self.end(format!("rank 0: {e}"))),
         }
@@ -165,7 +189,7 @@ fn watch<B: Backend>(links: &[Link], done: &AtomicBool, comm: &dyn Collective<B>
 /// until rank 0 says the job is over (`Ok`), answering each. A link that closes without
 /// that is rank 0's process gone: an error.
 pub fn serve_worker<B: Backend>(
-    model: &KimiLinear<B>,
+    model: &mut KimiLinear<B>,
     comm: &dyn Collective<B>,
     mut link: Link,
 ) -> Result<()> {
@@ -180,10 +204,15 @@ pub fn serve_worker<B: Backend>(
                 return Err(failed(e));
             }
         };
-        let result = RankJob::decode(&body)
-            .map_err(|e| e.to_string())
-            .and_then(|job| run_job(model, &mut pool, job).map_err(|e| e.to_string()));
-        if let Err(e) = &result {
+        let (result, collective) = match RankJob::decode(&body) {
+            Ok(job) => {
+                let collective = job.meets_in_collectives();
+                let result = run_job(model, &mut pool, job).map_err(|e| e.to_string());
+                (result, collective)
+            }
+            Err(e) => (Err(e.to_string()), true),
+        };
+        if let (Err(e), true) = (&result, collective) {
             comm.abort(e);
         }
         link.send(MESSAGE, &encode_reply(&result)).map_err(failed)?;
@@ -261,8 +290,34 @@ impl<B: Backend> CausalLm<B> for ProcessRanks<B> {
     fn offload_counts(&self) -> Option<OffloadCounts> {
         self.lead.offload_counts()
     }
+    fn expert_ranks(&self) -> Option<Arc<ExpertPlacement>> {
+        self.lead.expert_ranks()
+    }
+    fn set_expert_ranks(&mut self, placement: Arc<ExpertPlacement>) -> Result<()> {
+        let Self { lead, others } = self;
+        let staged = others.on_all(RankJob::StageExperts(Arc::clone(&placement)), || {
+            lead.stage_expert_ranks(Arc::clone(&placement))
+        });
+        if let Err(e) = staged {
+            // Whatever staged is dropped everywhere; the old placement stays in use.
+            let _ = others.on_all(RankJob::DiscardExperts, || {
+                lead.discard_staged_expert_ranks();
+                Ok(())
+            });
+            return Err(e);
+        }
+        others
+            .on_all(RankJob::CommitExperts, || lead.commit_expert_ranks())
+            // Ranks that switched beside ranks that did not cannot run together.
+            .map_err(|e| {
+                others.end(format!(
+                    "the expert placement changed on some ranks only: {e}"
+                ))
+            })
+    }
     fn failure(&self) -> Option<String> {
-        self.broken
+        self.others
+            .broken
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
@@ -272,7 +327,11 @@ impl<B: Backend> CausalLm<B> for ProcessRanks<B> {
 impl<B: Backend> Drop for ProcessRanks<B> {
     fn drop(&mut self) {
         // The workers' loops end (`serve_worker` returns `Ok`).
-        let links = self.links.get_mut().unwrap_or_else(PoisonError::into_inner);
+        let links = self
+            .others
+            .links
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
         for l in links.iter_mut() {
             let _ = l.send(BYE, &[]);
             l.close();

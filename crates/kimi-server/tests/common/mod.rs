@@ -50,6 +50,7 @@ pub fn serving_config() -> ServingConfig {
         block_size: 16,
         num_blocks: 1024,
         max_waiting: 256,
+        expert_rebalance: None,
     }
 }
 
