@@ -272,9 +272,14 @@ pub fn report_placement<B: Backend>(model: &dyn CausalLm<B>, options: &LoadOptio
     let (device, host): (u64, u64) = layers.iter().fold((0, 0), |(d, h), (_, p)| {
         (d + p.device_bytes, h + p.host_bytes)
     });
+    // Under expert parallelism each rank places its own share; rank 0's is said.
+    let whose = match model.expert_ranks() {
+        Some(p) => format!("rank 0 of {}: ", p.world()),
+        None => String::new(),
+    };
     eprintln!(
-        "experts: per MoE layer {} on {} and {} in {tier} with {} cache slots ({} layers: {} \
-         on the device, {} in {tier}); cold experts computed on the CPU{}",
+        "experts: {whose}per MoE layer {} on {} and {} in {tier} with {} cache slots ({} \
+         layers: {} on the device, {} in {tier}); cold experts computed on the CPU{}",
         first.resident,
         model.backend().name(),
         first.host,

@@ -130,12 +130,26 @@ impl<T> FfnLayer<T> {
         };
         let (local, dispatch) = rank_share(ld, layer, e)?;
         let bank = match ld.offload.clone() {
-            Some(_) if local.len() < e => {
+            // Each rank keeps its own share in tiers; the pairs come by token dispatch.
+            Some(_) if local.len() < e && dispatch.is_none() => {
                 return Err(crate::ModelError::Input(
-                    "expert offload and expert parallelism together are not supported yet".into(),
+                    "experts in tiers under expert parallelism need token dispatch \
+                     (--expert-dispatch all-to-all)"
+                        .into(),
                 ))
             }
-            Some(offload) => load_tiered(ld, &p, expert_in, c, &offload)?,
+            Some(offload) if local.len() < e => {
+                let bank = load_tiered(ld, &p, expert_in, c, &offload, &local)?;
+                ExpertBank::TieredPartition {
+                    ids: local,
+                    bank: Box::new(bank),
+                    total: e,
+                }
+            }
+            Some(offload) => {
+                let all: Vec<usize> = (0..e).collect();
+                ExpertBank::Tiered(Box::new(load_tiered(ld, &p, expert_in, c, &offload, &all)?))
+            }
             None => {
                 let experts = local
                     .iter()
@@ -388,6 +402,13 @@ impl<T> FfnLayer<T> {
         hidden: usize,
         c: &MoeConfig,
     ) -> Result<Option<StagedShare<T>>> {
+        if let Self::Composed(m) = self {
+            if let ExpertBank::TieredPartition { .. } = m.bank {
+                return Err(crate::ModelError::Input(format!(
+                    "layer {layer}: experts in tiers do not move between ranks yet"
+                )));
+            }
+        }
         let Some(held) = self.partition_ids() else {
             return Ok(None);
         };
@@ -501,16 +522,24 @@ fn load_expert_host<B: Backend>(
 
 /// A layer's routed experts placed in tiers by `offload`: the lowest ids in the backend's
 /// memory, the highest in the host store, with device slots caching them.
+/// Experts `ids` of a layer in tiers, as the bank's experts `0..ids.len()` (all of the
+/// layer's, or a rank's share under expert parallelism: the budgets apply to them).
 fn load_tiered<B: Backend>(
     ld: &mut Loader<'_, B>,
     p: &str,
     expert_in: usize,
     c: &MoeConfig,
     offload: &ExpertOffload,
-) -> Result<ExpertBank<B::Tensor>> {
-    let e = c.num_experts;
+    ids: &[usize],
+) -> Result<TieredBank<B::Tensor>> {
+    let e = ids.len();
+    let Some(&first_id) = ids.first() else {
+        return Err(crate::ModelError::Input(format!(
+            "{p}: no experts to place in tiers"
+        )));
+    };
     // The first expert's stored size turns the byte budgets into experts per layer.
-    let first = load_expert_host(ld, &format!("{p}.experts.0"), expert_in, c)?;
+    let first = load_expert_host(ld, &format!("{p}.experts.{first_id}"), expert_in, c)?;
     let bytes = [&first.gate, &first.up, &first.down]
         .iter()
         .map(|m| m.bytes.len() as u64)
@@ -520,13 +549,13 @@ fn load_tiered<B: Backend>(
     let mut builder = offload.store.begin_layer(e);
     let mut resident = Vec::with_capacity(e);
     let mut first = Some(first);
-    for i in 0..e {
+    for (i, &id) in ids.iter().enumerate() {
         let m = match first.take() {
             Some(m) => m,
-            None => load_expert_host(ld, &format!("{p}.experts.{i}"), expert_in, c)?,
+            None => load_expert_host(ld, &format!("{p}.experts.{id}"), expert_in, c)?,
         };
         if i < first_host {
-            let name = format!("{p}.experts.{i}");
+            let name = format!("{p}.experts.{id}");
             let up = |m: &HostMatrix| ld.upload_expert(&name, &m.shape, m.dtype, &m.bytes);
             resident.push(Some(MlpWeights {
                 gate: up(&m.gate)?,
@@ -539,8 +568,13 @@ fn load_tiered<B: Backend>(
         }
     }
     let host = builder.finish()?;
-    let bank = TieredBank::new(ld.backend, resident, host, slots, offload.policy)?;
-    Ok(ExpertBank::Tiered(Box::new(bank)))
+    Ok(TieredBank::new(
+        ld.backend,
+        resident,
+        host,
+        slots,
+        offload.policy,
+    )?)
 }
 
 /// Whether `{base}` is stored as MXFP4 planes: the config says which form to expect; the

@@ -25,6 +25,17 @@ pub enum ExpertBank<T> {
         /// Experts over all ranks.
         total: usize,
     },
+    /// This rank's share under expert parallelism, in tiers (expert parallelism with
+    /// experts beyond GPU memory): `bank` holds experts `ids` as its experts `0..ids.len()`.
+    /// Runs only on the pairs token dispatch sends it ([`ExpertBank::run_pairs`]).
+    TieredPartition {
+        /// The local experts' ids, in order.
+        ids: Vec<usize>,
+        /// The local experts, expert `ids[i]` as the bank's `i`.
+        bank: Box<TieredBank<T>>,
+        /// Experts over all ranks.
+        total: usize,
+    },
 }
 
 impl<T> ExpertBank<T> {
@@ -38,7 +49,7 @@ impl<T> ExpertBank<T> {
         match self {
             Self::Resident(e) => e.len(),
             Self::Tiered(t) => t.len(),
-            Self::Partition { total, .. } => *total,
+            Self::Partition { total, .. } | Self::TieredPartition { total, .. } => *total,
         }
     }
 
@@ -51,14 +62,14 @@ impl<T> ExpertBank<T> {
     pub fn view(&self) -> Option<ExpertView<'_, T>> {
         match self {
             Self::Resident(e) => Some(ExpertView::new(e)),
-            Self::Tiered(_) | Self::Partition { .. } => None,
+            Self::Tiered(_) | Self::Partition { .. } | Self::TieredPartition { .. } => None,
         }
     }
 
     /// The tiered bank, if this is one.
     pub fn tiered(&self) -> Option<&TieredBank<T>> {
         match self {
-            Self::Tiered(t) => Some(t),
+            Self::Tiered(t) | Self::TieredPartition { bank: t, .. } => Some(t),
             Self::Resident(_) | Self::Partition { .. } => None,
         }
     }
@@ -107,6 +118,11 @@ impl<T> ExpertBank<T> {
                 let y = be.moe_experts(x, &routes, &view, act)?;
                 Ok((y, routes.experts))
             }
+            Self::TieredPartition { .. } => Err(crate::Error::Unsupported(
+                "experts in tiers under expert parallelism run on dispatched tokens \
+                 (--expert-dispatch all-to-all)"
+                    .into(),
+            )),
         }
     }
 }
@@ -137,41 +153,50 @@ impl<T> ExpertBank<T> {
                 ),
             });
         }
-        let (local, view): (Vec<u32>, ExpertView<'_, T>) = match self {
-            Self::Resident(e) => (experts.to_vec(), ExpertView::new(e)),
+        let routes = |ids: &[u32]| -> Result<MoeRoutes<T>> {
+            Ok(MoeRoutes {
+                experts: be.upload_expert_ids(&[rows, 1], ids)?,
+                weights: be.upload_f32(&[rows, 1], weights)?,
+                top_k: 1,
+            })
+        };
+        match self {
+            Self::Resident(e) => be.moe_experts(x, &routes(experts)?, &ExpertView::new(e), act),
             Self::Partition { ids, local, total } => {
-                // Global id → index among this rank's experts.
-                let mut index = vec![u32::MAX; *total];
-                for (i, &e) in ids.iter().enumerate() {
-                    if let Some(slot) = index.get_mut(e) {
-                        *slot = i as u32;
-                    }
-                }
-                let local_ids = experts
-                    .iter()
-                    .map(|&e| match index.get(e as usize) {
-                        Some(&i) if i != u32::MAX => Ok(i),
-                        _ => Err(crate::Error::Shape {
-                            op: OP,
-                            detail: format!("expert {e} is not held by this rank"),
-                        }),
-                    })
-                    .collect::<Result<Vec<u32>>>()?;
-                (local_ids, ExpertView::per_call(local.iter().collect()))
+                let local_ids = local_ids(ids, *total, experts, OP)?;
+                let view = ExpertView::per_call(local.iter().collect());
+                be.moe_experts(x, &routes(&local_ids)?, &view, act)
             }
-            Self::Tiered(_) => {
-                return Err(crate::Error::Unsupported(
-                    "dispatched expert pairs on experts in tiers".into(),
-                ))
+            Self::TieredPartition { ids, bank, total } => {
+                let local_ids = local_ids(ids, *total, experts, OP)?;
+                Ok(bank.run(be, x, routes(&local_ids)?, act, None)?.0)
             }
-        };
-        let routes = MoeRoutes {
-            experts: be.upload_expert_ids(&[rows, 1], &local)?,
-            weights: be.upload_f32(&[rows, 1], weights)?,
-            top_k: 1,
-        };
-        be.moe_experts(x, &routes, &view, act)
+            Self::Tiered(_) => Err(crate::Error::Unsupported(
+                "dispatched expert pairs on experts in tiers".into(),
+            )),
+        }
     }
+}
+
+/// Each of `experts` (global ids) as its index among this rank's experts `ids` (of
+/// `total`); an id the rank does not hold is an error.
+fn local_ids(ids: &[usize], total: usize, experts: &[u32], op: &'static str) -> Result<Vec<u32>> {
+    let mut index = vec![u32::MAX; total];
+    for (i, &e) in ids.iter().enumerate() {
+        if let Some(slot) = index.get_mut(e) {
+            *slot = i as u32;
+        }
+    }
+    experts
+        .iter()
+        .map(|&e| match index.get(e as usize) {
+            Some(&i) if i != u32::MAX => Ok(i),
+            _ => Err(crate::Error::Shape {
+                op,
+                detail: format!("expert {e} is not held by this rank"),
+            }),
+        })
+        .collect()
 }
 
 /// The weights [`Backend::moe_experts`] may read, by expert id, all in the backend's
