@@ -5,7 +5,7 @@
 # scripts/cuda/fetch-wheels.sh; for the llamacpp stages, llama.cpp's source into
 # .device-bin/llamacpp-src.tar.gz with scripts/cuda/llamacpp-src.sh. Then on the device, from the
 # repository root:
-#   scripts/cuda/device-bench.sh OUT_DIR [check] [quant] [fp8-kv] [nccl] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack] [k3-big] [k3-offload] [offload] [split] [ranks] [experts-cpu] [llamacpp-prep] [llamacpp]
+#   scripts/cuda/device-bench.sh OUT_DIR [check] [quant] [fp8-kv] [nccl] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack] [k3-big] [k3-offload] [offload] [split] [ranks] [k3-ranks] [experts-cpu] [llamacpp-prep] [llamacpp]
 # (no stage names = all). Each stage writes OUT_DIR/<stage>.txt (+ JSON where it has one).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -116,12 +116,33 @@ PY
       cut_config "$CONFIG" "$RANKS_LAYERS" /tmp/ranks-config.json
       cfg=/tmp/ranks-config.json
     fi
-    for t in 1 "$tp"; do
+    # One GPU, tensor parallel, expert parallel with token dispatch.
+    for split in "1" "$tp" "$tp --enable-expert-parallel --expert-dispatch all-to-all"; do
+      tag=$(echo "t$split" | tr -d ' ' | sed 's/--enable-expert-parallel--expert-dispatchall-to-all/-ep/')
       timeout ${RANKS_TIMEOUT:-300} .device-bin/kimi-infer bench --device cuda --random-config "$cfg" \
-        -t "$t" --prompt-len 8192 --gen-len 8 --repeats 1 --decode-batch "${RANKS_BATCHES:-1,64,256}" \
-        --context 1024 --decode-steps 8 --json "$OUT/ranks-bench-t$t.json" 2>&1 | tail -15
+        -t $split --prompt-len 8192 --gen-len 8 --repeats 1 --decode-batch "${RANKS_BATCHES:-1,64,256}" \
+        --context 1024 --decode-steps 8 --json "$OUT/ranks-bench-$tag.json" 2>&1 | tail -15
     done
   } 2>&1 | tee "$OUT/ranks.txt"
+fi
+# Kimi K3 at full width over every GPU of the machine (K3_RANKS_LAYERS layers, default 8),
+# whole experts spread over the ranks with token dispatch: all of each rank's share on its
+# GPU, then K3_RANKS_HOST of each rank's experts per layer in host RAM behind
+# K3_RANKS_SLOTS slots (the way the full model fits one node).
+if want k3-ranks; then
+  g=${RANKS_TP:-$(nvidia-smi -L | wc -l)}
+  cut_config crates/kimi-core/tests/data/kimi-k3-trimmed.config.json "${K3_RANKS_LAYERS:-8}" /tmp/k3-ranks.json
+  {
+    nvidia-smi -L
+    for tiers in "" "--offload-experts ${K3_RANKS_HOST:-64} --expert-cache-slots ${K3_RANKS_SLOTS:-16}"; do
+      tag=$([ -n "$tiers" ] && echo tiers || echo gpu)
+      timeout ${K3_RANKS_TIMEOUT:-300} .device-bin/kimi-infer bench --device cuda \
+        --random-config /tmp/k3-ranks.json -t "$g" --enable-expert-parallel \
+        --expert-dispatch all-to-all $tiers --prompt-len 1024 --gen-len 8 --repeats 1 \
+        --decode-batch 1,16,64 --context 1024 --decode-steps 8 \
+        --json "$OUT/k3-ranks-$g-$tag.json" 2>&1 | tail -20
+    done
+  } 2>&1 | tee "$OUT/k3-ranks.txt"
 fi
 if want kernels; then
   timeout ${KERNELS_TIMEOUT:-240} .device-bin/check kda-bench mla-bench 2>&1 | tee "$OUT/kernels.txt"
