@@ -262,7 +262,6 @@ fn run(prepared: Prepared, a: &ServeArgs) -> anyhow::Result<()> {
     result
 }
 
-/// "Kimi Linear, 48.0 B parameters (3.0 B active), 91.5 GiB of weights".
 /// `--enable-eplb`'s settings, checked against the loaded model.
 fn expert_rebalance<B: Backend>(
     a: &ServeArgs,
@@ -285,12 +284,18 @@ fn expert_rebalance<B: Backend>(
         "--enable-eplb moves routed experts between ranks: it needs a MoE model over \
          --tensor-parallel-size 2 or more with --enable-expert-parallel"
     );
+    anyhow::ensure!(
+        model.offload_counts().is_none(),
+        "--enable-eplb: experts in tiers (--cpu-offload-gb, --offload-experts) do not move \
+         between ranks yet"
+    );
     Ok(Some(kimi_engine::ExpertRebalance {
         step_interval: a.eplb_step_interval,
         min_gain: a.eplb_min_gain,
     }))
 }
 
+/// "Kimi Linear, 48.0 B parameters (3.0 B active), 91.5 GiB of weights".
 fn describe_model<B: Backend>(loaded: &crate::load::Loaded<B>) -> String {
     let kind = match &loaded.info {
         ModelInfo::Kimi(cfg) => match cfg.family {

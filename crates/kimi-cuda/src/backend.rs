@@ -812,32 +812,34 @@ impl Backend for CudaBackend {
                 format!("token id {bad} is outside the vocabulary of {vocab}"),
             ));
         }
-        // This rank's ids looked up, then added into zero rows at their positions (once
-        // per pass: three small launches rather than a kernel of its own).
-        let (mut at, mut local) = (Vec::new(), Vec::new());
-        for (t, &id) in ids.iter().enumerate() {
-            if let Some(l) = (id as usize).checked_sub(first).filter(|&l| l < rows) {
-                at.push(t as u32);
-                local.push(l as u32);
-            }
+        // Every id looked up (another rank's as row 0) and added into zero rows at weight
+        // 1 for this rank's, 0 for the others': the same launches and upload sizes for any
+        // ids of one length, so that a captured pass replays. Table rows are finite, so
+        // 0 · row adds nothing.
+        let (mut local, mut keep) = (Vec::with_capacity(ids.len()), Vec::new());
+        for &id in ids {
+            let l = (id as usize).checked_sub(first).filter(|&l| l < rows);
+            local.push(l.unwrap_or(0) as u32);
+            keep.push(if l.is_some() { 1.0f32 } else { 0.0 });
         }
         let out = self.zeroed(&[ids.len(), d], OP)?;
-        if local.is_empty() {
+        if ids.is_empty() {
             return Ok(out);
         }
         let found = self.embedding(table, &local)?;
+        let at: Vec<u32> = (0..ids.len() as u32).collect();
         let at = self.upload_u32(&at, OP)?;
-        let ones = self.upload_f32(&[local.len()], &vec![1.0; local.len()])?;
-        // SAFETY: `found` holds local.len() rows of d f32; `at` and `ones` local.len()
-        // entries; every position in `at` is below ids.len(), the rows of `out`.
+        let keep = self.upload_f32(&[ids.len()], &keep)?;
+        // SAFETY: `found` holds ids.len() rows of d f32; `at` and `keep` ids.len() entries;
+        // every position in `at` is below ids.len(), the rows of `out`.
         unsafe {
             ops::elementwise::scatter_add_rows(
                 &self.dev,
                 found.ptr(),
                 Self::slice_ptr(&at),
-                ones.ptr(),
+                keep.ptr(),
                 out.ptr(),
-                local.len(),
+                ids.len(),
                 d,
             )?
         };

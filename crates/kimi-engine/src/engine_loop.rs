@@ -323,7 +323,11 @@ impl<B: Backend> EngineLoop<B> {
             return;
         };
         let started = Instant::now();
-        match self.runner.set_expert_ranks(Arc::new(placement)) {
+        let moved = self.runner.set_expert_ranks(Arc::new(placement));
+        if let Some(r) = self.rebalancer.as_mut() {
+            r.moved(moved.is_ok());
+        }
+        match moved {
             Ok(()) => {
                 self.totals.expert_rebalances_total += 1;
                 self.totals.experts_moved_total += look.moves as u64;
@@ -337,7 +341,12 @@ impl<B: Backend> EngineLoop<B> {
                     look.steps
                 );
             }
-            Err(e) => tracing::warn!("the routed experts stay where they were: {e}"),
+            Err(e) => match self.runner.model_failure() {
+                Some(why) => tracing::error!("moving routed experts ended the model: {why}"),
+                None => {
+                    tracing::warn!("the routed experts could not all move (tried again later): {e}")
+                }
+            },
         }
     }
 

@@ -80,7 +80,6 @@ impl<B: Backend> ModelRunner<B> {
         self.model.backend().samples_on_device()
     }
 
-    /// The expert tiers' placement and counters, when some experts live off the device.
     /// Which rank holds which routed experts (expert parallelism).
     pub(crate) fn expert_ranks(
         &self,
@@ -101,6 +100,7 @@ impl<B: Backend> ModelRunner<B> {
         self.model.failure()
     }
 
+    /// The expert tiers' placement and counters, when some experts live off the device.
     pub(crate) fn expert_offload(&self) -> Option<crate::ExpertOffloadMetrics> {
         let counts = self.model.offload_counts()?;
         let placement = self.model.expert_placement().into_iter().fold(

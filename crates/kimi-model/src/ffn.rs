@@ -339,8 +339,6 @@ fn expert_width<B: Backend>(ld: &Loader<'_, B>, c: &MoeConfig) -> usize {
     }
 }
 
-/// One routed expert: `w1` (gate), `w3` (up), `w2` (down), each MXFP4 planes
-/// (`weight_packed` + `weight_scale`) or a plain `weight`, as the checkpoint stores it.
 /// This rank's experts of decoder layer `layer` under the loader's placement, and their
 /// token dispatch where the experts' outputs travel by all-to-all.
 fn rank_share<B: Backend>(
@@ -474,6 +472,8 @@ impl<T> FfnLayer<T> {
     }
 }
 
+/// One routed expert: `w1` (gate), `w3` (up), `w2` (down), each MXFP4 planes
+/// (`weight_packed` + `weight_scale`) or a plain `weight`, as the checkpoint stores it.
 fn load_expert<B: Backend>(
     ld: &mut Loader<'_, B>,
     p: &str,
@@ -520,10 +520,10 @@ fn load_expert_host<B: Backend>(
     })
 }
 
-/// A layer's routed experts placed in tiers by `offload`: the lowest ids in the backend's
-/// memory, the highest in the host store, with device slots caching them.
-/// Experts `ids` of a layer in tiers, as the bank's experts `0..ids.len()` (all of the
-/// layer's, or a rank's share under expert parallelism: the budgets apply to them).
+/// Experts `ids` of a layer placed in tiers by `offload`, as the bank's experts
+/// `0..ids.len()` (all of the layer's, or a rank's share under expert parallelism: the
+/// budgets apply to them): the first in the backend's memory, the last in the host store,
+/// with device slots caching them.
 fn load_tiered<B: Backend>(
     ld: &mut Loader<'_, B>,
     p: &str,

@@ -2,7 +2,9 @@
 //! node: its experts spread over the GPUs, and beyond their memory): two ranks as threads on
 //! the CPU backend, each keeping most of its share in host memory behind a tiny cache, the
 //! tokens dispatched to the experts' owners by all-to-all. The logits agree with the whole
-//! model's to f32 rounding in every feed mode, and every tier path runs on each rank.
+//! model's to f32 rounding in every feed mode, and rank 0's tiers run every path (hits,
+//! fills, cold experts; the others' run alike but report nowhere). Experts in tiers do not
+//! move between ranks (yet): such a move is refused.
 
 mod common;
 
@@ -108,6 +110,22 @@ fn each_rank_with_its_experts_in_tiers_gives_the_whole_models_logits() {
         fills += counts.fills;
         let placement = split.expert_placement();
         assert!(!placement.is_empty(), "the start log's placement");
+        // Experts in tiers stay where they are.
+        let mut split = split;
+        use kimi_model::parallel::ExpertPlacement;
+        let in_order = ExpertPlacement::default().with_world(2);
+        let moe = ckpt.config().layers.iter().enumerate();
+        let alternating = moe
+            .filter(|(_, l)| l.ffn == kimi_core::config::Ffn::Moe)
+            .map(|(i, _)| (i, (0..e).map(|x| x % 2).collect()))
+            .collect();
+        let swapped = ExpertPlacement::from_owners(2, alternating).unwrap();
+        let refused = split.set_expert_ranks(Arc::new(swapped)).unwrap_err();
+        assert!(
+            refused.to_string().contains("do not move between ranks"),
+            "{refused}"
+        );
+        assert_eq!(split.expert_ranks().as_deref(), Some(&in_order));
     }
     assert!(fills > 0, "no slot was filled");
 }

@@ -17,7 +17,8 @@ use kimi_cpu::{CpuBackend, QuantMatmul};
 use kimi_model::parallel::control::{decode_reply, encode_reply, RankJob};
 use kimi_model::parallel::{serve_worker, ExpertSplit, ProcessRanks, Shard, TensorParallel};
 use kimi_model::{
-    Batch, CausalLm, CheckpointSource, ForwardOptions, KimiLinear, LoadOptions, RowPicks, SeqCache,
+    Batch, CausalLm, CheckpointSource, ForwardOptions, KimiLinear, LoadOptions, ModelError,
+    RowPicks, SeqCache, WeightsReopener,
 };
 use kimi_ops::bootstrap::rendezvous::{join, lead_on, MESSAGE};
 use kimi_ops::{KdaMode, MlaMode, RowSampling, Segment, ThreadGroup, TokenPenalty};
@@ -33,6 +34,17 @@ fn parts(world: usize) -> (ModelConfig, Vec<KimiLinear<CpuBackend>>) {
     let ckpt = Checkpoint::open(&dir).unwrap();
     let config = ckpt.config().clone();
     let source = CheckpointSource::new(&ckpt).unwrap();
+    // Rank 0 can read its weights again; the others' disk is gone (a placement change
+    // fails on them).
+    let reopen = |rank: usize| {
+        let dir = dir.clone();
+        WeightsReopener::new(move |f| match rank {
+            0 => f(&CheckpointSource::new(
+                &Checkpoint::open(&dir).map_err(|e| ModelError::Input(e.to_string()))?,
+            )?),
+            _ => Err(ModelError::Input("the disk went away".into())),
+        })
+    };
     let parts = (0..world)
         .map(|rank| {
             let options = LoadOptions {
@@ -41,6 +53,7 @@ fn parts(world: usize) -> (ModelConfig, Vec<KimiLinear<CpuBackend>>) {
                     world,
                     experts: ExpertSplit::Experts,
                 },
+                reopen: Some(reopen(rank)),
                 ..LoadOptions::default()
             };
             let be = CpuBackend::with_quant_matmul(QuantMatmul::F32);
@@ -197,6 +210,42 @@ fn a_worker_that_dies_ends_the_step_naming_it_and_every_later_step() {
         again.contains("earlier failure") && again.contains("rank 1"),
         "{again}"
     );
+    workers.into_iter().for_each(|w| w.join().unwrap());
+}
+
+/// A placement change that a worker cannot stage (its weights cannot be read again) is
+/// refused with the rank named, discarded everywhere, and the group goes on as it was.
+#[test]
+fn a_placement_a_worker_cannot_stage_is_refused_and_the_group_goes_on() {
+    use kimi_model::parallel::ExpertPlacement;
+    let ids = [3u32, 17, 5, 42, 8, 1, 99, 23, 7];
+    let (config, _) = parts(1);
+    let e = config.moe.as_ref().unwrap().num_experts;
+    // Every MoE layer's experts alternate between the ranks (in order they do not).
+    let owners = config
+        .layers
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.ffn == kimi_core::config::Ffn::Moe)
+        .map(|(i, _)| (i, (0..e).map(|x| x % 2).collect()))
+        .collect();
+    let target = Arc::new(ExpertPlacement::from_owners(2, owners).unwrap());
+    let (mut procs, workers) = process_ranks(2, serve);
+    let before = logits(&procs, &ids, ids.len());
+    let err = procs.set_expert_ranks(target).unwrap_err().to_string();
+    assert!(
+        err.contains("rank 1") && err.contains("the disk went away"),
+        "{err}"
+    );
+    assert!(procs.failure().is_none(), "the group goes on");
+    let in_order = ExpertPlacement::default().with_world(2);
+    assert_eq!(procs.expert_ranks().as_deref(), Some(&in_order));
+    let after = logits(&procs, &ids, ids.len());
+    assert!(before
+        .iter()
+        .zip(&after)
+        .all(|(a, b)| a.to_bits() == b.to_bits()));
+    drop(procs);
     workers.into_iter().for_each(|w| w.join().unwrap());
 }
 

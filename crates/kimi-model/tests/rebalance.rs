@@ -1,13 +1,15 @@
 //! Moving routed experts between ranks while a model runs (`CausalLm::set_expert_ranks`,
 //! behind `serve --enable-eplb`), on the CPU backend with ranks as threads: after the move
 //! the logits are those of a model loaded with the new placement, bit for bit, also for a
-//! sequence whose prompt went through before the move; a rank that cannot read its new
-//! experts leaves every rank as it was.
+//! sequence whose prompt went through before the move (to f32 rounding: its caches carry
+//! the old placement's); moving back gives the first bits again; a rank that cannot read
+//! its new experts leaves every rank as it was, and a later try succeeds.
 
 mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -201,34 +203,60 @@ fn moved_experts_give_the_logits_of_a_model_loaded_with_their_placement() {
 }
 
 #[test]
-fn a_rank_that_cannot_read_its_new_experts_leaves_every_rank_as_it_was() {
+fn a_rank_that_cannot_read_its_new_experts_leaves_every_rank_as_it_was_until_it_can() {
     let dir = fixture("kimi-k3/k3-tiny-7l");
     let config = Checkpoint::open(&dir).unwrap().config().clone();
     let (_, target) = skewed_placement(&config);
-    let gone = WeightsReopener::new(|_| Err(ModelError::Input("the disk went away".into())));
+    // Rank 1's disk fails once, then comes back.
+    let tries = Arc::new(AtomicUsize::new(0));
+    let flaky = {
+        let good = reopener(dir.clone());
+        let tries = tries.clone();
+        WeightsReopener::new(move |f| match tries.fetch_add(1, Ordering::SeqCst) {
+            0 => Err(ModelError::Input("the disk went away".into())),
+            _ => good.with(f),
+        })
+    };
     let mut model = two_ranks(
         &dir,
         None,
         ExpertDispatch::AllToAll,
-        [Some(reopener(dir.clone())), Some(gone)],
+        [Some(reopener(dir.clone())), Some(flaky)],
     );
     let ids: Vec<u32> = (0..7).map(|i| (i * 5 + 1) as u32).collect();
     let before = common::logits_in_steps(&model, &ids, 7);
-    let e = model.set_expert_ranks(target).unwrap_err().to_string();
+    let e = model
+        .set_expert_ranks(target.clone())
+        .unwrap_err()
+        .to_string();
     assert!(
         e.contains("rank 1") && e.contains("the disk went away"),
         "{e}"
     );
+    assert!(e.contains("0 of"), "no layer moved: {e}");
     let contiguous = ExpertPlacement::default().with_world(2);
     assert_eq!(model.expert_ranks().as_deref(), Some(&contiguous));
+    assert!(model.failure().is_none());
     // Rank 0 staged its experts and dropped them: the model runs as before, bit for bit.
+    assert!(bits(&common::logits_in_steps(&model, &ids, 7)) == bits(&before));
+    // The next try moves them, and moving them back gives the first bits again.
+    model.set_expert_ranks(target.clone()).unwrap();
+    assert_eq!(model.expert_ranks().as_deref(), Some(&*target));
+    let placed = two_ranks(
+        &dir,
+        Some(target.clone()),
+        ExpertDispatch::AllToAll,
+        [None, None],
+    );
+    assert!(
+        bits(&common::logits_in_steps(&model, &ids, 7))
+            == bits(&common::logits_in_steps(&placed, &ids, 7))
+    );
+    model.set_expert_ranks(Arc::new(contiguous)).unwrap();
     assert!(bits(&common::logits_in_steps(&model, &ids, 7)) == bits(&before));
     // A model loaded without a way to read its weights again says so.
     let mut fixed = two_ranks(&dir, None, ExpertDispatch::AllReduce, [None, None]);
-    let e = fixed
-        .set_expert_ranks(Arc::new(contiguous))
-        .unwrap_err()
-        .to_string();
+    let e = fixed.set_expert_ranks(target).unwrap_err().to_string();
     assert!(e.contains("cannot be read again"), "{e}");
     // A whole model has no expert ranks.
     let ckpt = Checkpoint::open(&dir).unwrap();

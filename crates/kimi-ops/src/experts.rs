@@ -131,8 +131,8 @@ impl<T> ExpertBank<T> {
     /// `weights[i] · expert(x_i)` for rows that each name one expert of this bank by its
     /// global id (`experts[i]`): the pairs a rank receives under expert parallelism with
     /// token dispatch, computed as routes of one expert per row. Returns `[rows, d]`.
-    /// Every id must be held here (a partition's own experts); experts in tiers are not
-    /// supported.
+    /// Every id must be held here (a partition's own experts, resident or in tiers); a
+    /// whole bank in tiers is not supported.
     pub fn run_pairs<B: Backend<Tensor = T>>(
         &self,
         be: &B,

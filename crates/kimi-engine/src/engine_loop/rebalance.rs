@@ -36,6 +36,9 @@ pub(crate) struct Rebalancer {
     config: ExpertRebalance,
     window: ExpertLoads,
     steps: u64,
+    /// The interval's multiple before the next look: doubled after a move that failed (up
+    /// to 16), so that a move that cannot be made does not stall every window.
+    backoff: u64,
 }
 
 impl Rebalancer {
@@ -44,7 +47,16 @@ impl Rebalancer {
             config,
             window: ExpertLoads::new(),
             steps: 0,
+            backoff: 1,
         }
+    }
+
+    /// A move was made (`true`) or failed.
+    pub(crate) fn moved(&mut self, ok: bool) {
+        self.backoff = match ok {
+            true => 1,
+            false => (self.backoff * 2).min(16),
+        };
     }
 
     /// Adds one step's counts (per decoder layer; empty for dense layers).
@@ -67,7 +79,13 @@ impl Rebalancer {
     /// Once `step_interval` steps have passed: how `current` did over them and what a
     /// balanced placement would do (the window starts again).
     pub(crate) fn look(&mut self, current: &ExpertPlacement) -> Option<Look> {
-        if self.steps < self.config.step_interval.max(1) {
+        if self.steps
+            < self
+                .config
+                .step_interval
+                .max(1)
+                .saturating_mul(self.backoff)
+        {
             return None;
         }
         let window = std::mem::take(&mut self.window);
@@ -121,5 +139,13 @@ mod tests {
         r.note(&[vec![], vec![0, 3, 0, 3]]);
         let look = r.look(&current).unwrap();
         assert!(look.placement.is_none() && (look.before - 1.0).abs() < 1e-9);
+        // After a failed move the next look waits twice as long.
+        r.moved(false);
+        for _ in 0..3 {
+            r.note(&[vec![], vec![5, 4, 0, 1]]);
+            assert!(r.look(&current).is_none());
+        }
+        r.note(&[vec![], vec![5, 4, 0, 1]]);
+        assert!(r.look(&current).is_some_and(|l| l.steps == 4));
     }
 }

@@ -54,6 +54,9 @@ impl<B: Backend> KimiLinear<B> {
                 self.shard.world
             )));
         }
+        if self.layers.iter().any(|l| l.ffn.tiered().is_some()) {
+            return Err(input("experts in tiers do not move between ranks yet"));
+        }
         let reopen = self.reopen.clone().ok_or_else(|| {
             input("the experts cannot move: this model's weights cannot be read again")
         })?;

@@ -63,6 +63,15 @@ impl RankJob {
             Self::StageExperts(_) | Self::CommitExperts | Self::DiscardExperts
         )
     }
+
+    /// [`RankJob::meets_in_collectives`] of an encoded job, read from its kind alone (for
+    /// a message that does not decode: rank 0 sent a job of that kind).
+    pub fn encoded_meets_in_collectives(bytes: &[u8]) -> bool {
+        !matches!(
+            bytes.first(),
+            Some(&(STAGE_EXPERTS | COMMIT_EXPERTS | DISCARD_EXPERTS))
+        )
+    }
 }
 
 /// Runs `job` on a rank's part and pool (made by the first `Pool`/`Single` job).
@@ -110,6 +119,8 @@ const POOL: u8 = 1;
 const SINGLE: u8 = 2;
 const FORWARD: u8 = 3;
 const FORK: u8 = 4;
+/// The most ranks a placement job may name (bounds what a message makes a rank allocate).
+const MAX_RANKS: usize = 1 << 16;
 const STAGE_EXPERTS: u8 = 5;
 const COMMIT_EXPERTS: u8 = 6;
 const DISCARD_EXPERTS: u8 = 7;
@@ -317,6 +328,9 @@ impl RankJob {
             }
             STAGE_EXPERTS => {
                 let world = r.usize()?;
+                if world == 0 || world > MAX_RANKS {
+                    return Err(r.bad(format!("an expert placement over {world} ranks")));
+                }
                 let mut owners = std::collections::BTreeMap::new();
                 for _ in 0..r.count(16)? {
                     let layer = r.usize()?;

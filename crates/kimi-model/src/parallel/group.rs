@@ -38,6 +38,8 @@ struct RankThreads {
     workers: Mutex<Vec<Worker>>,
     group: Arc<ThreadGroup>,
     comm: kimi_ops::ThreadComm,
+    /// Why the ranks can run no more (they disagree on where the experts are).
+    broken: Mutex<Option<String>>,
 }
 
 impl<B> TensorParallel<B>
@@ -79,6 +81,7 @@ where
                 workers: Mutex::new(workers),
                 comm: group.comm(0),
                 group,
+                broken: Mutex::new(None),
             },
         })
     }
@@ -102,6 +105,16 @@ impl RankThreads {
         job: impl Fn() -> Job,
         own: impl FnOnce() -> Result<R>,
     ) -> Result<R> {
+        if let Some(why) = self
+            .broken
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+        {
+            return Err(ModelError::Input(format!(
+                "the ranks stopped after an earlier failure ({why}); restart the job"
+            )));
+        }
         let collective = job().meets_in_collectives();
         let workers = self.workers.lock().unwrap_or_else(PoisonError::into_inner);
         for (i, w) in workers.iter().enumerate() {
@@ -258,23 +271,27 @@ where
         self.lead.expert_ranks()
     }
     fn set_expert_ranks(&mut self, placement: Arc<ExpertPlacement>) -> Result<()> {
+        let current = self.lead.expert_ranks();
+        let layers = super::moe_layers(self.lead.config());
         let Self { lead, others } = self;
-        let staged = others.on_all::<B, ()>(
-            || Job::StageExperts(Arc::clone(&placement)),
-            || lead.stage_expert_ranks(Arc::clone(&placement)),
-        );
-        if let Err(e) = staged {
-            // Whatever staged is dropped everywhere; the old placement stays in use.
-            let _ = others.on_all::<B, ()>(
-                || Job::DiscardExperts,
-                || {
-                    lead.discard_staged_expert_ranks();
-                    Ok(())
-                },
-            );
-            return Err(e);
-        }
-        others.on_all::<B, ()>(|| Job::CommitExperts, || lead.commit_expert_ranks())
+        super::move_experts(current, &placement, &layers, |job| {
+            let commit = matches!(job, Job::CommitExperts);
+            let done =
+                others.on_all::<B, ()>(|| job.clone(), || run_job(lead, &mut None, job.clone()));
+            if let (Err(e), true) = (&done, commit) {
+                // Ranks that switched beside ranks that did not cannot run together.
+                let why = format!("the expert placement changed on some ranks only: {e}");
+                *others.broken.lock().unwrap_or_else(PoisonError::into_inner) = Some(why);
+            }
+            done
+        })
+    }
+    fn failure(&self) -> Option<String> {
+        self.others
+            .broken
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
     fn offload_counts(&self) -> Option<OffloadCounts> {
         self.lead.offload_counts()

@@ -37,6 +37,61 @@ pub use placement::{loads_from_metrics, ExpertLoads, ExpertPlacement};
 pub use process::{serve_worker, ProcessRanks};
 pub use source::ShardedSource;
 
+/// The MoE layers of `config`: (decoder layer index, routed experts).
+pub(crate) fn moe_layers(config: &kimi_core::ModelConfig) -> Vec<(usize, usize)> {
+    let e = config.moe.as_ref().map_or(0, |m| m.num_experts);
+    config
+        .layers
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.ffn == kimi_core::config::Ffn::Moe)
+        .map(|(i, _)| (i, e))
+        .collect()
+}
+
+/// Moves the routed experts from `current` to `target` one MoE layer at a time (the layers
+/// whose owners change), so that at most one layer's moved experts are held twice: every
+/// rank stages the layer (`on_every_rank`), then all commit it. A stage that fails is
+/// discarded everywhere and the move stops there; the layers before it stay moved.
+pub(crate) fn move_experts(
+    current: Option<std::sync::Arc<ExpertPlacement>>,
+    target: &ExpertPlacement,
+    layers: &[(usize, usize)],
+    mut on_every_rank: impl FnMut(control::RankJob) -> crate::Result<()>,
+) -> crate::Result<()> {
+    use control::RankJob;
+    let Some(mut at) = current else {
+        return Err(crate::ModelError::Input(
+            "the expert placement changes only where whole experts are spread over ranks".into(),
+        ));
+    };
+    if target.world() != at.world() {
+        return Err(crate::ModelError::Input(format!(
+            "an expert placement over {} ranks for a model over {}",
+            target.world(),
+            at.world()
+        )));
+    }
+    let changing: Vec<(usize, usize)> = layers
+        .iter()
+        .copied()
+        .filter(|&(l, e)| at.owners(l, e) != target.owners(l, e))
+        .collect();
+    for (done, &(layer, e)) in changing.iter().enumerate() {
+        let next = std::sync::Arc::new(at.with_layer_of(target, layer, e));
+        if let Err(err) = on_every_rank(RankJob::StageExperts(next.clone())) {
+            let _ = on_every_rank(RankJob::DiscardExperts);
+            return Err(crate::ModelError::Input(format!(
+                "{err} (layer {layer}; {done} of {} changing layers moved, the rest stay)",
+                changing.len()
+            )));
+        }
+        on_every_rank(RankJob::CommitExperts)?;
+        at = next;
+    }
+    Ok(())
+}
+
 /// How a rank's routed experts are split.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ExpertSplit {

@@ -73,7 +73,10 @@ impl ExpertPlacement {
                     }
                 }
             }
-            if held.iter().any(|&h| h * world != owner.len()) {
+            if held
+                .iter()
+                .any(|&h| h.checked_mul(world) != Some(owner.len()))
+            {
                 return Err(ModelError::Input(format!(
                     "layer {layer}: {held:?} experts per rank, not {} each",
                     owner.len() / world.max(1)
@@ -81,6 +84,14 @@ impl ExpertPlacement {
             }
         }
         Ok(Self { world, owners })
+    }
+
+    /// This placement with `layer`'s owners taken from `other` (a move made layer by
+    /// layer).
+    pub fn with_layer_of(&self, other: &Self, layer: usize, num_experts: usize) -> Self {
+        let mut p = self.clone();
+        p.owners.insert(layer, other.owners(layer, num_experts));
+        p
     }
 
     /// The number of ranks.

@@ -24,6 +24,9 @@ use crate::cache::{CachePool, LayerSpec, SeqCache};
 use crate::forward::{Batch, CausalLm, ForwardOptions, ForwardOutput};
 use crate::{KimiLinear, ModelError, Result};
 
+/// The least time rank 0 waits for a rank's answer to a placement job.
+const PLACEMENT_REPLY_TIMEOUT: Duration = Duration::from_secs(3600);
+
 fn failed(e: impl std::fmt::Display) -> ModelError {
     ModelError::Input(e.to_string())
 }
@@ -128,7 +131,13 @@ impl<B: Backend> RankLinks<B> {
         if let (Err(e), true) = (&own, collective) {
             self.comm.abort(&format!("rank 0: {e}"));
         }
-        let deadline = Instant::now() + self.reply_timeout;
+        // Reading experts from disk is bound by no collective's deadline: a placement's
+        // jobs wait longer (a dead rank is still noticed at once by `watch`).
+        let wait = match collective {
+            true => self.reply_timeout,
+            false => self.reply_timeout.max(PLACEMENT_REPLY_TIMEOUT),
+        };
+        let deadline = Instant::now() + wait;
         let (mut first_err, mut link_lost) = (None, false);
         for l in links.iter_mut() {
             let peer = l.peer();
@@ -210,7 +219,10 @@ pub fn serve_worker<B: Backend>(
                 let result = run_job(model, &mut pool, job).map_err(|e| e.to_string());
                 (result, collective)
             }
-            Err(e) => (Err(e.to_string()), true),
+            Err(e) => (
+                Err(e.to_string()),
+                RankJob::encoded_meets_in_collectives(&body),
+            ),
         };
         if let (Err(e), true) = (&result, collective) {
             comm.abort(e);
@@ -294,26 +306,20 @@ impl<B: Backend> CausalLm<B> for ProcessRanks<B> {
         self.lead.expert_ranks()
     }
     fn set_expert_ranks(&mut self, placement: Arc<ExpertPlacement>) -> Result<()> {
+        let current = self.lead.expert_ranks();
+        let layers = super::moe_layers(self.lead.config());
         let Self { lead, others } = self;
-        let staged = others.on_all(RankJob::StageExperts(Arc::clone(&placement)), || {
-            lead.stage_expert_ranks(Arc::clone(&placement))
-        });
-        if let Err(e) = staged {
-            // Whatever staged is dropped everywhere; the old placement stays in use.
-            let _ = others.on_all(RankJob::DiscardExperts, || {
-                lead.discard_staged_expert_ranks();
-                Ok(())
-            });
-            return Err(e);
-        }
-        others
-            .on_all(RankJob::CommitExperts, || lead.commit_expert_ranks())
-            // Ranks that switched beside ranks that did not cannot run together.
-            .map_err(|e| {
-                others.end(format!(
+        super::move_experts(current, &placement, &layers, |job| {
+            let commit = matches!(job, RankJob::CommitExperts);
+            let done = others.on_all(job.clone(), || run_job(lead, &mut None, job));
+            match (done, commit) {
+                // Ranks that switched beside ranks that did not cannot run together.
+                (Err(e), true) => Err(others.end(format!(
                     "the expert placement changed on some ranks only: {e}"
-                ))
-            })
+                ))),
+                (done, _) => done,
+            }
+        })
     }
     fn failure(&self) -> Option<String> {
         self.others
