@@ -65,17 +65,6 @@ fn two_ranks(
     TensorParallel::new(parts, Duration::from_secs(60))
 }
 
-fn rel_err(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    let diff: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| f64::from(a - b).powi(2))
-        .sum();
-    let norm: f64 = want.iter().map(|b| f64::from(*b).powi(2)).sum();
-    (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
-}
-
 #[test]
 fn each_rank_with_its_experts_in_tiers_gives_the_whole_models_logits() {
     let mut fills = 0;
@@ -90,7 +79,7 @@ fn each_rank_with_its_experts_in_tiers_gives_the_whole_models_logits() {
         // Each rank holds e/2 experts per layer, all in host memory behind one slot.
         let split = two_ranks(&dir, ExpertDispatch::AllToAll, tiers(e / 2, 1)).unwrap();
         for step in [11, 3, 1] {
-            let err = rel_err(
+            let err = common::rel_err(
                 &common::logits_in_steps(&split, &ids, step),
                 &common::logits_in_steps(&whole, &ids, step),
             );

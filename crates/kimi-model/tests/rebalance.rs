@@ -96,17 +96,6 @@ fn skewed_placement(config: &ModelConfig) -> (ExpertLoads, Arc<ExpertPlacement>)
     (loads, Arc::new(p))
 }
 
-fn rel_err(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    let diff: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| f64::from(a - b).powi(2))
-        .sum();
-    let norm: f64 = want.iter().map(|b| f64::from(*b).powi(2)).sum();
-    (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
-}
-
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
@@ -119,34 +108,11 @@ fn across(
     k: usize,
     between: impl FnOnce(&mut dyn CausalLm<CpuBackend>),
 ) -> Vec<f32> {
-    use kimi_model::{Batch, ForwardOptions};
-    use kimi_ops::Segment;
     let (mut pool, mut cache) = model.single_cache(ids.len()).unwrap();
-    let mut out = Vec::new();
-    let mut pass = |model: &dyn CausalLm<CpuBackend>, chunk: &[u32]| {
-        let batch = Batch {
-            tokens: chunk.to_vec(),
-            segments: vec![Segment {
-                start: 0,
-                len: chunk.len(),
-            }],
-            logits_rows: (0..chunk.len()).collect(),
-            sampling: None,
-        };
-        let y = model
-            .forward(
-                &batch,
-                &mut pool,
-                &mut [&mut cache],
-                ForwardOptions::default(),
-            )
-            .unwrap();
-        out.extend(y.logits);
-    };
-    pass(model, &ids[..k]);
+    let mut out = common::pass(model, &mut pool, &mut cache, &ids[..k]);
     between(model);
     for &t in &ids[k..] {
-        pass(model, &[t]);
+        out.extend(common::pass(model, &mut pool, &mut cache, &[t]));
     }
     out
 }
@@ -180,7 +146,7 @@ fn moved_experts_give_the_logits_of_a_model_loaded_with_their_placement() {
             // The first pass ran under the old placement, and its caches carry that
             // placement's rounding: the same to f32 rounding throughout.
             assert_eq!(before.len() * 9, got.len() * 5, "{label}");
-            let err = rel_err(&got, &want);
+            let err = common::rel_err(&got, &want);
             assert!(
                 err < 1e-5,
                 "{label}: across the move, relative error {err:.2e}"
@@ -195,7 +161,7 @@ fn moved_experts_give_the_logits_of_a_model_loaded_with_their_placement() {
                 assert!(
                     bits(&a) == bits(&b),
                     "{label}, {step} tokens per pass: relative error {:.2e}",
-                    rel_err(&a, &b)
+                    common::rel_err(&a, &b)
                 );
             }
         }
