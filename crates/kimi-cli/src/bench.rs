@@ -172,6 +172,7 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
                 pairs / moe_layers.max(1) as u64
             );
         }
+        let ranks = expert_rank_balance(loaded.engine.model(), &r.routed);
         let offload = r.offload.map(|c| {
             let tokens = (batch * a.decode_steps).max(1) as f64;
             let per_step = |ns: u64| ns as f64 / 1e6 / a.decode_steps.max(1) as f64;
@@ -223,6 +224,7 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
             })
         });
         batches.push(json!({
+            "expert_ranks": ranks,
             "offload": offload,
             "prefill_offload": prefill_offload,
             "routing_top10_share": top10, "routing_top25_share": top25,
@@ -308,6 +310,34 @@ struct BatchTiming {
     prefill_offload: Option<kimi_model::OffloadCounts>,
     /// Routed pairs per expert of each layer over the timed decode steps.
     routed: Vec<Vec<u64>>,
+}
+
+/// Under expert parallelism, how evenly the measured steps' routed pairs fell on the ranks'
+/// experts (the largest rank's over the mean, averaged over the MoE layers), for the
+/// placement in use and for the one `--expert-load` or `--enable-eplb` would make of these
+/// counts; printed, and returned for the JSON.
+fn expert_rank_balance<B: kimi_ops::Backend>(
+    model: &dyn kimi_model::CausalLm<B>,
+    routed: &[Vec<u64>],
+) -> Option<serde_json::Value> {
+    let placement = model.expert_ranks()?;
+    let loads: kimi_model::parallel::ExpertLoads = routed
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.iter().any(|&n| n > 0))
+        .map(|(l, c)| (l, c.clone()))
+        .collect();
+    let now = placement.mean_imbalance(&loads);
+    let balanced = kimi_model::parallel::ExpertPlacement::balanced(&loads, placement.world())
+        .ok()
+        .map(|b| b.mean_imbalance(&loads));
+    println!(
+        "  ranks     the busiest rank's experts took {now:.2}x the mean of routed pairs{}",
+        balanced.map_or(String::new(), |b| format!(
+            " ({b:.2}x placed by these counts)"
+        ))
+    );
+    Some(json!({"world": placement.world(), "imbalance": now, "balanced_imbalance": balanced}))
 }
 
 /// The share of routed pairs the most-used `fraction` of each MoE layer's experts took,

@@ -857,6 +857,46 @@ fn bench_reports_experts_copied_ahead() {
     assert!(fills > 0 && used <= fills, "{offload}");
 }
 
+/// `bench` of a model whose whole experts are spread over ranks says how evenly the routed
+/// pairs fell on the ranks, and how evenly a placement made from those counts would spread
+/// them.
+#[test]
+fn bench_over_expert_ranks_reports_their_balance() {
+    let out = tempfile::tempdir().unwrap();
+    let json = out.path().join("bench.json");
+    let cfg = fixture("../kimi-k3/k3-tiny-7l").join("config.json");
+    let o = small_bench(
+        &cfg,
+        &json,
+        &[
+            "--decode-batch",
+            "1,4",
+            "--decode-steps",
+            "4",
+            "-t",
+            "2",
+            "--enable-expert-parallel",
+            "--routing-skew",
+            "0.3",
+        ],
+    );
+    assert!(
+        stdout(&o).contains("the busiest rank's experts took"),
+        "{}",
+        stdout(&o)
+    );
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    for b in v["decode_batches"].as_array().unwrap() {
+        let r = &b["expert_ranks"];
+        assert_eq!(r["world"], 2, "{b}");
+        let (now, best) = (
+            r["imbalance"].as_f64().unwrap(),
+            r["balanced_imbalance"].as_f64().unwrap(),
+        );
+        assert!(now >= 1.0 && (1.0..=2.0).contains(&best), "{r}");
+    }
+}
+
 /// `--routing-skew` makes the random routers prefer some experts: the most-used quarter
 /// of the experts takes a larger share of the routed pairs than without it.
 #[test]
