@@ -309,7 +309,7 @@ impl<B: Backend> EngineLoop<B> {
     /// Between two steps, once a window of counts is complete: moves the routed experts
     /// where a balanced placement is worth it (the sequences in flight wait for the move).
     fn rebalance_experts(&mut self) {
-        let Some(r) = self.rebalancer.as_mut() else {
+        let Some(r) = self.rebalancer.as_mut().filter(|r| r.due()) else {
             return;
         };
         let Some(current) = self.runner.expert_ranks() else {

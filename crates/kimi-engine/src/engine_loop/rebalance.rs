@@ -76,16 +76,20 @@ impl Rebalancer {
         self.steps += 1;
     }
 
-    /// Once `step_interval` steps have passed: how `current` did over them and what a
-    /// balanced placement would do (the window starts again).
-    pub(crate) fn look(&mut self, current: &ExpertPlacement) -> Option<Look> {
-        if self.steps
-            < self
+    /// Whether a window of counts is complete (a look is due).
+    pub(crate) fn due(&self) -> bool {
+        self.steps
+            >= self
                 .config
                 .step_interval
                 .max(1)
                 .saturating_mul(self.backoff)
-        {
+    }
+
+    /// Once `step_interval` steps have passed: how `current` did over them and what a
+    /// balanced placement would do (the window starts again).
+    pub(crate) fn look(&mut self, current: &ExpertPlacement) -> Option<Look> {
+        if !self.due() {
             return None;
         }
         let window = std::mem::take(&mut self.window);

@@ -42,11 +42,11 @@ impl<B: Backend> KimiLinear<B> {
     /// experts' memory is taken twice until then.
     pub fn stage_expert_ranks(&mut self, placement: Arc<ExpertPlacement>) -> Result<()> {
         self.staged = None;
-        if self.expert_ranks().is_none() {
+        let Some(current) = self.expert_ranks() else {
             return Err(input(
                 "the expert placement changes only where whole experts are spread over ranks",
             ));
-        }
+        };
         if placement.world() != self.shard.world {
             return Err(input(&format!(
                 "an expert placement over {} ranks for a model over {}",
@@ -93,6 +93,10 @@ impl<B: Backend> KimiLinear<B> {
                 dispatch: self.expert_dispatch,
             };
             for (i, layer) in self.layers.iter().enumerate() {
+                // A layer whose owners stay as they are keeps its experts and dispatch.
+                if current.owners(i, moe.num_experts) == placement.owners(i, moe.num_experts) {
+                    continue;
+                }
                 if let Some(share) = layer.ffn.stage_share(&mut ld, i, hidden, &moe)? {
                     layers.push((i, share));
                 }
