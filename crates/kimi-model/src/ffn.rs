@@ -400,13 +400,6 @@ impl<T> FfnLayer<T> {
         hidden: usize,
         c: &MoeConfig,
     ) -> Result<Option<StagedShare<T>>> {
-        if let Self::Composed(m) = self {
-            if let ExpertBank::TieredPartition { .. } = m.bank {
-                return Err(crate::ModelError::Input(format!(
-                    "layer {layer}: experts in tiers do not move between ranks yet"
-                )));
-            }
-        }
         let Some(held) = self.partition_ids() else {
             return Ok(None);
         };
