@@ -5,7 +5,7 @@
 # scripts/cuda/fetch-wheels.sh; for the llamacpp stages, llama.cpp's source into
 # .device-bin/llamacpp-src.tar.gz with scripts/cuda/llamacpp-src.sh. Then on the device, from the
 # repository root:
-#   scripts/cuda/device-bench.sh OUT_DIR [check] [quant] [fp8-kv] [nccl] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack] [k3-big] [k3-offload] [offload] [split] [ranks] [k3-ranks] [experts-cpu] [llamacpp-prep] [llamacpp]
+#   scripts/cuda/device-bench.sh OUT_DIR [check] [quant] [int4-model] [fp8-kv] [nccl] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack] [k3-big] [k3-offload] [offload] [split] [ranks] [k3-ranks] [experts-cpu] [llamacpp-prep] [llamacpp]
 # (no stage names = all). Each stage writes OUT_DIR/<stage>.txt (+ JSON where it has one).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -66,6 +66,25 @@ fi
 if want quant; then
   timeout ${QUANT_TIMEOUT:-150} .device-bin/check quant-ops 2>&1 | tee "$OUT/quant-ops.txt" | tail -40
   timeout ${QUANT_TIMEOUT:-150} .device-bin/check quant-bench 2>&1 | tee "$OUT/quant-bench.txt"
+fi
+# Issue 27's INT4 decode: the 48B model's random weights as bf16, then with its linear layers
+# 4-bit (`--random-dtype q4z`, kept packed: KIMI_CUDA_PACKED_QUANT=1; the routed experts on
+# `moe_int4_mma_*`), decode at batch 1/16/64 and prefill; INT4_LAYERS cuts the config (16 fit
+# an H100's bf16 baseline). `check quant-ops` and `k3-ops` first (the 4-bit and MXFP4 expert
+# kernels against the CPU).
+if want int4-model; then
+  timeout ${QUANT_TIMEOUT:-150} .device-bin/check quant-ops k3-ops 2>&1 | tee "$OUT/int4-ops.txt" | grep -E "FAIL|ERROR|RESULT|cases" | tail -20
+  cfg=$CONFIG
+  if [ -n "${INT4_LAYERS:-}" ]; then
+    cut_config "$CONFIG" "$INT4_LAYERS" /tmp/int4-config.json
+    cfg=/tmp/int4-config.json
+  fi
+  for dt in bf16 q4z; do
+    KIMI_CUDA_PACKED_QUANT=1 timeout ${INT4_TIMEOUT:-150} .device-bin/kimi-infer bench --device cuda \
+      --random-config "$cfg" --random-dtype $dt --prompt-len ${INT4_PROMPT:-2048} --gen-len 8 \
+      --repeats 1 --decode-batch 1,16,64 --context 512 --decode-steps 16 \
+      --json "$OUT/int4-model-$dt.json" 2>&1 | tee "$OUT/int4-model-$dt.txt" | grep -E "^(prefill|decode|loaded|device mem)"
+  done
 fi
 # MLA over an FP8 E4M3 latent cache (`--kv-cache-dtype fp8`) against the CPU backend's FP8
 # cache: the op at several shapes, then the Kimi Linear fixtures (`check fp8-kv`).

@@ -755,6 +755,20 @@ pub enum RandomDType {
     Bf16,
     /// f32.
     F32,
+    /// The linear layers 4-bit (Q4Z: integer zero points, 32-value groups), as AWQ and GPTQ
+    /// checkpoints have them; embeddings, LM head, norms and routers bf16.
+    Q4z,
+}
+
+impl RandomDType {
+    /// The stored dtype it names.
+    pub fn dtype(self) -> kimi_core::DType {
+        match self {
+            Self::Bf16 => kimi_core::DType::BF16,
+            Self::F32 => kimi_core::DType::F32,
+            Self::Q4z => kimi_core::DType::Q4Z,
+        }
+    }
 }
 
 /// `--kv-cache-dtype`: `auto`, `fp8` (vLLM's `fp8_e4m3` too), `f16` or `f32` (llama.cpp's

@@ -9,7 +9,7 @@ use kimi_ops::{Backend, Segment};
 use rayon::prelude::*;
 use serde_json::json;
 
-use crate::args::{BenchArgs, RandomDType};
+use crate::args::BenchArgs;
 use crate::inspect::bytes;
 
 pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
@@ -36,13 +36,10 @@ fn bench_on<B: Backend + 'static>(backend: B, a: BenchArgs) -> anyhow::Result<()
     let load_start = Instant::now();
     let (mut loaded, bytes_per_param) = match &a.random_config {
         Some(cfg) => {
-            let dtype = match a.random_dtype {
-                RandomDType::Bf16 => kimi_core::DType::BF16,
-                RandomDType::F32 => kimi_core::DType::F32,
-            };
+            let dtype = a.random_dtype.dtype();
             (
                 crate::load::load_random(backend, cfg, dtype, &a.model, a.routing_skew)?,
-                Some(dtype.size_bytes() as f64),
+                Some(dtype.block_bytes() as f64 / dtype.block_size() as f64),
             )
         }
         None => (crate::load::load(backend, &a.model, false)?, None),

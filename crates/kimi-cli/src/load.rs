@@ -455,18 +455,28 @@ pub fn load_random<B: Backend + 'static>(
     }
     let options = &options;
     // Refuse up front what cannot fit, rather than dying half-way through filling it.
-    // Dense matrices take `dtype`; routed experts that the config stores as MXFP4 stay at
-    // 4.25 bits per value whatever `dtype` is.
+    // Dense matrices take `dtype` (Q4Z: counted as bf16, which its embeddings and head are
+    // and its matrices become where the backend widens them); routed experts that the
+    // config stores as MXFP4 stay at 4.25 bits per value whatever `dtype` is, Q4Z ones at 6
+    // where the backend keeps them packed.
     let summary = ModelSummary::new(&cfg);
     let mxfp4_experts = cfg
         .moe
         .as_ref()
         .is_some_and(|m| m.expert_format == kimi_core::config::ExpertFormat::Mxfp4);
     let experts = summary.component(kimi_model::Component::RoutedExperts);
+    let q4z = dtype == kimi_core::DType::Q4Z;
+    let dense_dtype = if q4z { kimi_core::DType::BF16 } else { dtype };
     let expert_bytes = if mxfp4_experts {
         experts.bytes
+    } else if q4z && backend.stores_experts(dtype) {
+        dtype
+            .storage_bytes(experts.params as usize)
+            .unwrap_or(usize::MAX) as u64
     } else {
-        experts.params.saturating_mul(dtype.size_bytes() as u64)
+        experts
+            .params
+            .saturating_mul(dense_dtype.size_bytes() as u64)
     };
     // Experts offloaded to host RAM (less the device slots caching them) are not on the
     // device.
@@ -484,7 +494,7 @@ pub fn load_random<B: Backend + 'static>(
         _ => 0,
     };
     let bytes = (summary.params.total - experts.params)
-        .saturating_mul(dtype.size_bytes() as u64)
+        .saturating_mul(dense_dtype.size_bytes() as u64)
         .saturating_add(expert_bytes)
         .saturating_sub(off_device);
     let room = backend

@@ -23,7 +23,7 @@ use kimi_model::{registry, KimiLinear};
 use kimi_ops::bootstrap::{rendezvous, RankPlace};
 use kimi_ops::{Backend, Collective};
 
-use crate::args::{Command, Device, ModelArgs, RandomDType};
+use crate::args::{Command, Device, ModelArgs};
 use crate::parallel::{Ranks, Split};
 
 /// Where a command's weights come from.
@@ -56,10 +56,7 @@ fn job_of(command: &Command) -> Option<(&ModelArgs, Weights)> {
         Command::Perplexity(a) => Some((&a.model, Weights::Model)),
         Command::Serve(a) => Some((&a.model, random(&a.random_config, DType::BF16, 0.0))),
         Command::Bench(a) => {
-            let dtype = match a.random_dtype {
-                RandomDType::Bf16 => DType::BF16,
-                RandomDType::F32 => DType::F32,
-            };
+            let dtype = a.random_dtype.dtype();
             Some((&a.model, random(&a.random_config, dtype, a.routing_skew)))
         }
         _ => None,

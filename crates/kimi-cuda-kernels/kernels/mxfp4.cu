@@ -18,21 +18,13 @@
 // tensor-core work but none of the weight stream. Activations enter as bf16 rows in the
 // fragment order (`mxfp4_act_bf16`, or the gate/up epilogue for the down projection): hi,
 // and with `SPLIT` a second term lo = x - hi (close to f32 products). Accumulation is f32.
-#include "common.cuh"
+#include "expert_mma.cuh"
 
 namespace mx {
 constexpr int WARPS = 4;  // per CTA
 constexpr int TILE_CODE_BYTES = 1024;
 constexpr int TILE_SCALE_BYTES = 64;
 }  // namespace mx
-
-// The gated activation of a gate/up pair: 0 = SiLU-GLU, 1 = SiTU-GLU (Kimi K3:
-// beta·tanh(g/beta)·sigmoid(g) · lbeta·tanh(u/lbeta); lbeta <= 0: u unchanged).
-__device__ __forceinline__ float glu_act(float g, float u, int act, float beta, float lbeta) {
-  if (act == 0) return g * sigmoidf_(g) * u;
-  const float a = beta * tanhf(g / beta) * sigmoidf_(g);
-  return a * (lbeta > 0.0f ? lbeta * tanhf(u / lbeta) : u);
-}
 
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
   __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a),
@@ -62,26 +54,6 @@ __device__ __forceinline__ void mx_scale(uint32_t p[4], uint32_t s) {
   const uint32_t s2 = (e << 7) | (e << 23);
 #pragma unroll
   for (int j = 0; j < 4; ++j) p[j] = bf16x2_mul(p[j], s2);
-}
-
-__device__ __forceinline__ void mma_bf16_16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
-                                               uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t word_of(const uint4& q, int i) {
-  return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w;
-}
-
-// Where feature k of an activation row goes in the fragment order: per 32-value block, word
-// 4t + j holds the bf16 pair (8j + 2t, 8j + 2t + 1).
-__device__ __forceinline__ int act_slot(int k) {
-  const int i = k & 31, j = i >> 3, r = i & 7;
-  return (k & ~31) + ((r >> 1) * 4 + j) * 2 + (r & 1);
 }
 
 // The weight stream goes through shared memory by cp.async, STAGES k tiles deep per warp,
@@ -231,31 +203,8 @@ __device__ __forceinline__ void mxfp4_mma_body(const uint64_t* wtab, int glu,
       }
     }
 
-    // Epilogue: acc[s][nt][u] is row (g + 8 * (u >> 1)) of tile s, token nt * 8 + 2t + (u & 1).
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const uint32_t q = g0 + nt * 8 + 2 * t + (u & 1);
-        if (q >= end) continue;
-        const int r = g + 8 * (u >> 1);
-        if (glu) {
-          const int f = ra * 16 + r;
-          if (f >= rows_out) continue;
-          const float v = glu_act(acc[0][nt][u], acc[1][nt][u], act_code, beta, lbeta);
-          __nv_bfloat16* h = reinterpret_cast<__nv_bfloat16*>(out) + (size_t)q * out_kp +
-                             act_slot(f);
-          const __nv_bfloat16 hi = __float2bfloat16(v);
-          h[0] = hi;
-          if (SPLIT) h[out_lo] = __float2bfloat16(v - __bfloat162float(hi));
-        } else {
-          float* y = reinterpret_cast<float*>(out) + (size_t)slots[q] * rows_out;
-          const int r0 = ra * 16 + r, r1 = rb * 16 + r;
-          if (r0 < rows_out) y[r0] = acc[0][nt][u];
-          if (has_b && r1 < rows_out) y[r1] = acc[1][nt][u];
-        }
-      }
-    }
+    expert_mma_store<NT, SPLIT>(acc, g0, end, g, t, glu, ra, rb, has_b, slots, out, out_lo,
+                                rows_out, out_kp, act_code, beta, lbeta);
   }
 }
 

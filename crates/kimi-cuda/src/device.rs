@@ -101,6 +101,17 @@ const KERNELS: &[(&str, &[&str])] = &[
         ],
     ),
     (
+        "int4_experts",
+        &[
+            "moe_int4_mma_1_half",
+            "moe_int4_mma_1_split",
+            "moe_int4_mma_2_half",
+            "moe_int4_mma_2_split",
+            "moe_int4_mma_4_half",
+            "moe_int4_mma_4_split",
+        ],
+    ),
+    (
         "quant",
         &[
             "quant_gemv_q4z_1",

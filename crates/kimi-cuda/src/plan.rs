@@ -15,7 +15,7 @@ mod kernels;
 mod moe;
 mod stream;
 
-pub(crate) use bank::{plan_expert_bank, BankCall, BankPath, Mxfp4Bank};
+pub(crate) use bank::{plan_expert_bank, BankCall, BankPath, PackedBank, PackedFormat};
 pub use env::EnvVarError;
 pub(crate) use kernels::{
     plan_gemv, plan_gemv_pair, plan_kda_chunk, plan_matmul, plan_mla_prefill, plan_quant_gemv,

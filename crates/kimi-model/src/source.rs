@@ -224,6 +224,8 @@ pub(crate) fn format_error(file: &GgufFile, reason: String) -> ModelError {
 /// The values depend only on the seed and the tensor name.
 pub struct RandomWeights {
     /// Stored dtype of matrices (`A_log` and `dt_bias` stay f32 as in real checkpoints).
+    /// [`DType::Q4Z`] makes the linear layers 4-bit as AWQ and GPTQ checkpoints have them
+    /// (see [`quantized_like_awq`]); the rest is bf16.
     pub dtype: DType,
     /// Seed mixed into every tensor's values.
     pub seed: u64,
@@ -247,6 +249,17 @@ impl WeightSource for RandomWeights {
         }
         let fan_in = *shape.last().unwrap_or(&1) as f32;
         let a = fan_in.max(1.0).powf(-0.5);
+        if self.dtype == DType::Q4Z && quantized_like_awq(name, shape) {
+            return Ok((
+                DType::Q4Z,
+                Cow::Owned(random_q4z(name, shape, n, a, self.seed)?),
+            ));
+        }
+        let dtype = if self.dtype == DType::Q4Z {
+            DType::BF16
+        } else {
+            self.dtype
+        };
         let value: fn(f32, f32) -> f32 = if name.ends_with("A_log") {
             |u, _| (1.0 + 15.0 * u).ln()
         } else if name.ends_with("dt_bias") || name.ends_with("e_score_correction_bias") {
@@ -256,8 +269,7 @@ impl WeightSource for RandomWeights {
         } else {
             |u, a| (2.0 * u - 1.0) * a
         };
-        let keep_f32 =
-            name.ends_with("A_log") || name.ends_with("dt_bias") || self.dtype == DType::F32;
+        let keep_f32 = name.ends_with("A_log") || name.ends_with("dt_bias") || dtype == DType::F32;
         let esize = if keep_f32 { 4 } else { 2 };
         let seed = self.seed ^ fnv(name);
         // Fixed-size chunks with their own streams: the same values on any thread count, and
@@ -363,6 +375,41 @@ impl<S: WeightSource> WeightSource for SkewedRouting<S> {
     }
 }
 
+/// Whether a 4-bit checkpoint made by AutoAWQ or GPTQ quantizes this tensor: the matrices
+/// of the linear layers (whole 32-value blocks along their input), not the embeddings, the
+/// LM head, norms, convolutions or MoE routers (`…gate.weight`, kept in 16 bits).
+pub(crate) fn quantized_like_awq(name: &str, shape: &[usize]) -> bool {
+    shape.len() == 2
+        && shape[1].is_multiple_of(32)
+        && name.ends_with(".weight")
+        && !name.ends_with(".gate.weight")
+        && !["norm", "embed", "lm_head", "conv"]
+            .iter()
+            .any(|part| name.contains(part))
+}
+
+/// A random [`DType::Q4Z`] matrix as an RTN quantizer with an integer zero point writes one:
+/// uniform codes, `z = 8`, `d = a / 8` (values in `[−a, 7a/8]`).
+fn random_q4z(name: &str, shape: &[usize], n: usize, a: f32, seed: u64) -> Result<Vec<u8>> {
+    let bytes = DType::Q4Z.storage_bytes(n);
+    let mut out = zeroed_bytes(name, shape, bytes)?;
+    let seed = seed ^ fnv(name);
+    // Chunks of whole blocks with their own streams, as for the float weights.
+    const CHUNK_BLOCKS: usize = 1 << 11;
+    let bb = DType::Q4Z.block_bytes();
+    out.par_chunks_mut(CHUNK_BLOCKS * bb)
+        .enumerate()
+        .for_each(|(ci, chunk)| {
+            let mut state = seed ^ (ci as u64).wrapping_mul(0xd1b54a32d192ed03);
+            for block in chunk.chunks_exact_mut(bb) {
+                let codes: [u8; 32] =
+                    std::array::from_fn(|_| (splitmix_unit(&mut state) * 16.0) as u8 & 0xF);
+                kimi_core::qblocks::write_q4z(&codes, a / 8.0, 8.0, block);
+            }
+        });
+    Ok(out)
+}
+
 /// One plane of a random MXFP4 matrix: uniform codes, or E8M0 scales of 2^-8 .. 2^-5 so that
 /// the values (up to ±6 · scale) keep activations finite through any depth.
 fn random_mxfp4_plane(name: &str, shape: &[usize], n: usize, seed: u64) -> Result<Vec<u8>> {
@@ -429,6 +476,47 @@ fn fnv(s: &str) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `RandomWeights` of Q4Z: the linear layers as 4-bit blocks (integer zero point 8,
+    /// values within ±1/√in), everything AWQ keeps in 16 bits as bf16, the same bytes on
+    /// every call.
+    #[test]
+    fn random_q4z_weights_quantize_the_linear_layers_like_awq() {
+        let source = RandomWeights {
+            dtype: DType::Q4Z,
+            seed: 5,
+        };
+        let name = "model.layers.1.block_sparse_moe.experts.3.w1.weight";
+        let (dtype, bytes) = source.load(name, &[48, 256]).unwrap();
+        assert_eq!(dtype, DType::Q4Z);
+        assert_eq!(bytes.len(), DType::Q4Z.storage_bytes(48 * 256).unwrap());
+        assert_eq!(source.load(name, &[48, 256]).unwrap().1, bytes);
+        let mut values = vec![0.0f32; 48 * 256];
+        assert!(kimi_core::qblocks::dequantize(
+            DType::Q4Z,
+            &bytes,
+            &mut values
+        ));
+        let a = 1.0 / 16.0;
+        assert!(values.iter().all(|v| (-a..=a * 7.0 / 8.0).contains(v)));
+        // Codes spread over the range: both ends occur.
+        assert!(values.contains(&-a) && values.contains(&(a * 7.0 / 8.0)));
+        for (name, shape) in [
+            ("model.layers.1.block_sparse_moe.gate.weight", vec![8, 256]),
+            ("model.layers.0.input_layernorm.weight", vec![256]),
+            ("model.embed_tokens.weight", vec![100, 256]),
+            ("lm_head.weight", vec![100, 256]),
+            ("model.layers.0.self_attn.q_conv1d.weight", vec![64, 4]),
+            ("model.layers.0.self_attn.f_b_proj.weight", vec![64, 24]),
+        ] {
+            let (dtype, _) = source.load(name, &shape).unwrap();
+            assert_eq!(dtype, DType::BF16, "{name}");
+        }
+        assert!(quantized_like_awq(
+            "model.layers.0.self_attn.kv_b_proj.weight",
+            &[512, 512]
+        ));
+    }
 
     /// Widening to bf16 gives the bf16 rounding of every dequantized value, across chunk
     /// boundaries, and refuses bytes that do not hold `n` values.

@@ -9,11 +9,12 @@ use kimi_core::DType;
 use kimi_ops::{ExpertView, HostTensor, MlpWeights, MoeRoutes, MoeRouting, Result};
 
 use super::moe::{uniform_layout, PairLists};
+use super::packed_experts::{packed_bank, PackedCall};
 use super::{code, f32_rows, shape_err, CudaBackend};
 use crate::buffer::DevBuf;
 use crate::layout::mxfp4_device_tiles;
 use crate::ops;
-use crate::plan::{plan_expert_bank, BankCall, BankPath, Mxfp4Bank, TableCall};
+use crate::plan::{plan_expert_bank, BankCall, BankPath, TableCall};
 use crate::tensor::CudaTensor;
 
 /// Device lists of one MoE layer's pairs grouped by expert (`moe_lists`), kept alive until
@@ -362,10 +363,10 @@ impl CudaBackend {
             tokens: n,
             top_k: k,
             experts: e,
-            mxfp4: mxfp4_bank_shape(bank.experts(), d).map(|inter| Mxfp4Bank { inter, width: d }),
+            packed: packed_bank(bank.experts().iter().copied(), d),
             table: table_call,
         };
-        let (inter, token_tiles) = match plan_expert_bank(&cfg, &call) {
+        let (packed, token_tiles) = match plan_expert_bank(&cfg, &call) {
             BankPath::OneByOne => {
                 return self.experts_one_by_one(x, &lists, bank, act, n, p, out_width)
             }
@@ -399,65 +400,23 @@ impl CudaBackend {
                 drop(lists);
                 return Ok(out);
             }
-            BankPath::Mxfp4Mma { bank, token_tiles } => (bank.inter, token_tiles),
+            BankPath::PackedMma { bank, token_tiles } => (bank, token_tiles),
         };
         let table = self.bank_table(bank)?;
-        let split = cfg.split();
-        let terms = if split { 2 } else { 1 };
-        // Activation rows in the kernels' fragment order (bf16 hi, then lo): the tokens'
-        // inputs, then the gate/up outputs at the pairs' sorted positions. Both are u16
-        // tensors of the right byte size; their padding past `inter` must read as zeros.
-        let (dp, ip) = (ops::mxfp4::padded_width(d), ops::mxfp4::padded_width(inter));
-        let xa = self.empty(&[terms * n * dp], DType::BF16, OP)?;
-        let h = if ip == inter {
-            self.empty(&[terms * p * ip], DType::BF16, OP)?
-        } else {
-            let mut z = self.zeroed(&[(terms * p * ip).div_ceil(2)], OP)?;
-            z.dtype = DType::BF16;
-            z
-        };
-        let y = self.empty(&[p, d], DType::F32, OP)?;
-        let proj = |glu: bool, rows_out: usize, width: usize| ops::mxfp4::ExpertMma {
-            glu,
-            split,
+        let call = PackedCall {
+            bank: packed,
             token_tiles,
+            tokens: n,
             top_k: k,
             experts: e,
-            pairs: p,
-            rows_out,
-            k: width,
+            offsets,
+            slots,
             act,
         };
-        // SAFETY: mxfp4_bank_shape checked MXFP4 gate/up [inter, d] and down [d, inter] for
-        // every expert, both widths multiples of 32; the table holds their addresses; the
-        // lists come from pair_lists for p pairs; x holds n rows of d f32, xa n rows of dp
-        // bf16 per term, h p rows of ip per term (zeroed where ip > inter) and y p rows of d
-        // f32.
-        unsafe {
-            ops::mxfp4::act_bf16(&self.dev, x.ptr(), xa.ptr(), n * dp, n, d, split)?;
-            ops::mxfp4::expert_mma(
-                &self.dev,
-                &proj(true, inter, d),
-                table,
-                xa.ptr(),
-                n * dp,
-                offsets,
-                slots,
-                h.ptr(),
-                p * ip,
-            )?;
-            ops::mxfp4::expert_mma(
-                &self.dev,
-                &proj(false, d, inter),
-                table,
-                h.ptr(),
-                p * ip,
-                offsets,
-                slots,
-                y.ptr(),
-                0,
-            )?;
-        }
+        // SAFETY: packed_bank gave this bank's layout for its view, whose (gate, up, down)
+        // addresses the table holds; the lists come from pair_lists over the routes' p
+        // pairs; x holds n rows of d f32 (f32_rows).
+        let y = unsafe { self.packed_experts(x, table, &call)? };
         let out = self.weighted_combine(&y, 0, &routes.weights, None, n, d, k)?;
         drop(lists);
         Ok(out)
@@ -526,22 +485,4 @@ impl CudaBackend {
             self.recent_address_table(key)
         }
     }
-}
-
-/// The intermediate width when every expert is MXFP4 with gate/up `[inter, d]` and down
-/// `[d, inter]`, both widths whole blocks.
-fn mxfp4_bank_shape(experts: &[&MlpWeights<CudaTensor>], d: usize) -> Option<usize> {
-    let inter = *experts.first()?.gate.shape.first()?;
-    let ok = inter > 0
-        && inter.is_multiple_of(32)
-        && d.is_multiple_of(32)
-        && experts.iter().all(|x| {
-            x.gate.shape == [inter, d]
-                && x.up.shape == [inter, d]
-                && x.down.shape == [d, inter]
-                && [&x.gate, &x.up, &x.down]
-                    .iter()
-                    .all(|t| t.dtype == DType::MXFP4)
-        });
-    ok.then_some(inter)
 }

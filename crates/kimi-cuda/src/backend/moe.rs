@@ -1,12 +1,14 @@
 //! `Backend::moe` on the device: the routing, then the expert path that `plan::plan_moe`
-//! picks (streamed, fused GEMV, a grouped tensor-core GEMM or cuBLAS per expert), then the
-//! weighted combine.
+//! picks (streamed, fused GEMV, a grouped tensor-core GEMM, packed experts on the tensor
+//! cores or cuBLAS per expert), then the weighted combine.
 
 use std::collections::HashMap;
 
+use kimi_core::config::Activation;
 use kimi_core::DType;
 use kimi_ops::{Backend, Error, MlpWeights, MoeRouting, MoeWeights, Result};
 
+use super::packed_experts::{packed_bank, PackedCall};
 use super::{code, f32_rows, shape_err, CudaBackend};
 use crate::buffer::DevBuf;
 use crate::ops;
@@ -206,12 +208,17 @@ impl CudaBackend {
             meta: meta.ptr(),
         };
         let layout = expert_layout(w, d);
+        let packed = match layout {
+            None => packed_bank(w.experts.iter(), d),
+            Some(_) => None,
+        };
         let call = MoeCall {
             tokens: n,
             experts: e,
             top_k: k,
             hidden: d,
             layout,
+            packed,
             shared: shared_expert(w, layout, d),
             router: RouterFacts {
                 ungrouped: r.num_groups <= 1,
@@ -311,6 +318,25 @@ impl CudaBackend {
                         x, table, path, &lists, rows_ptr, &wts_dev, shared_out, n, d, aligned,
                     )?
                 }
+            }
+            MoePath::PackedMma { bank, token_tiles } => {
+                let shared_out = self.shared_expert_out(x, w, n, d)?;
+                let table = self.expert_table(w)?;
+                let packed = PackedCall {
+                    bank,
+                    token_tiles,
+                    tokens: n,
+                    top_k: k,
+                    experts: e,
+                    offsets: offsets_ptr,
+                    slots: slots_ptr,
+                    act: Activation::Silu,
+                };
+                // SAFETY: packed_bank gave the bank's layout for these experts, whose (gate,
+                // up, down) addresses lead the table; the lists come from this step's
+                // routing of n tokens; x holds n rows of d f32.
+                let y = unsafe { self.packed_experts(x, table, &packed)? };
+                self.weighted_combine(&y, 0, &wts_dev, shared_out, n, d, k)?
             }
             MoePath::PerExpert => {
                 let shared_out = self.shared_expert_out(x, w, n, d)?;

@@ -6,6 +6,7 @@ pub(crate) mod attn_res;
 pub(crate) mod conv;
 pub(crate) mod elementwise;
 pub(crate) mod gemm;
+pub(crate) mod int4_experts;
 pub(crate) mod kda;
 pub(crate) mod mla;
 pub(crate) mod mla_fp8;

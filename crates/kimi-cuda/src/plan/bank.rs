@@ -1,16 +1,29 @@
 //! The planner of `Backend::moe_experts`: which kernels run the routed experts of an
-//! expert bank (Kimi K3's MXFP4 experts in the LatentMoE latent, a tiered bank's SwiGLU
-//! experts through the `moe` step's table kernels, or any other format).
+//! expert bank (Kimi K3's MXFP4 experts in the LatentMoE latent, 4-bit integer experts, a
+//! tiered bank's SwiGLU experts through the `moe` step's table kernels, or any other
+//! format), and how many pairs the packed-expert kernels serve per pass.
 
 use super::moe::{plan_table_experts, MoePath, TableCall};
 use super::KernelConfig;
 
-/// An MXFP4 bank the device kernels read: every expert's gate and up `[inter, width]` and
-/// down `[width, inter]`, both widths whole 32-value blocks.
+/// The packed weight formats whose experts run on the tensor cores with the weights widened
+/// in registers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Mxfp4Bank {
+pub(crate) enum PackedFormat {
+    /// MXFP4 in the tensor-core tiles (`moe_mxfp4_mma_*`).
+    Mxfp4,
+    /// 4-bit integers in the GEMV's planes (`moe_int4_mma_*`): `(q − z)·d` (Q4Z, Q4_0), or
+    /// with `offset` `q·a − b` (Q4_1, Q4_K).
+    Int4 { offset: bool },
+}
+
+/// A packed bank the device kernels read: every expert's gate and up `[inter, width]` and
+/// down `[width, inter]` of one [`PackedFormat`], both widths whole 32-value blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PackedBank {
     pub(crate) inter: usize,
     pub(crate) width: usize,
+    pub(crate) format: PackedFormat,
 }
 
 /// What [`plan_expert_bank`] decides from: one `moe_experts` call.
@@ -19,8 +32,8 @@ pub(crate) struct BankCall {
     pub(crate) tokens: usize,
     pub(crate) top_k: usize,
     pub(crate) experts: usize,
-    /// `None` where the bank is not one MXFP4 layout the kernels read.
-    pub(crate) mxfp4: Option<Mxfp4Bank>,
+    /// `None` where the bank is not one packed layout the kernels read.
+    pub(crate) packed: Option<PackedBank>,
     /// SwiGLU experts the `moe` step's table kernels could read (`None` for other
     /// activations).
     pub(crate) table: Option<TableCall>,
@@ -29,9 +42,13 @@ pub(crate) struct BankCall {
 /// How a `moe_experts` call runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum BankPath {
-    /// `moe_mxfp4_mma_*`: every pair on the tensor cores, the weights widened in registers,
-    /// `token_tiles` groups of 8 pairs per pass over an expert's weights.
-    Mxfp4Mma { bank: Mxfp4Bank, token_tiles: usize },
+    /// `moe_mxfp4_mma_*` or `moe_int4_mma_*`: every pair on the tensor cores, the weights
+    /// widened in registers, `token_tiles` groups of 8 pairs per pass over an expert's
+    /// weights.
+    PackedMma {
+        bank: PackedBank,
+        token_tiles: usize,
+    },
     /// The `moe` step's kernels over a table of the experts' addresses: the fused GEMV or a
     /// grouped tensor-core GEMM ([`MoePath::FusedGemv`] or [`MoePath::Grouped`]), so that a
     /// tiered bank queues the same launches whichever experts its slots hold.
@@ -47,20 +64,33 @@ pub(crate) enum BankPath {
 /// that decode streams each expert once with the fewest registers; prefill re-reads an
 /// expert's weights for every 32 pairs (plan/README.md has what was measured).
 pub(crate) fn plan_expert_bank(cfg: &KernelConfig, call: &BankCall) -> BankPath {
-    let Some(bank) = call.mxfp4 else {
+    let Some(bank) = call.packed else {
         return match call.table.map(|t| plan_table_experts(cfg, &t)) {
             Some(MoePath::PerExpert) | None => BankPath::OneByOne,
             Some(path) => BankPath::Table(path),
         };
     };
-    let pairs = call.tokens * call.top_k;
-    let per_expert = pairs.div_ceil(call.experts.min(pairs).max(1));
-    let token_tiles = cfg.mxfp4_token_tiles.unwrap_or(match per_expert {
+    BankPath::PackedMma {
+        bank,
+        token_tiles: packed_token_tiles(cfg, call.tokens, call.top_k, call.experts),
+    }
+}
+
+/// Groups of 8 pairs per pass of the packed-expert kernels over an expert's weights: the
+/// smallest that covers the pairs an active expert expects (`mxfp4_token_tiles` forces it).
+pub(crate) fn packed_token_tiles(
+    cfg: &KernelConfig,
+    tokens: usize,
+    top_k: usize,
+    experts: usize,
+) -> usize {
+    let pairs = tokens * top_k;
+    let per_expert = pairs.div_ceil(experts.min(pairs).max(1));
+    cfg.mxfp4_token_tiles.unwrap_or(match per_expert {
         0..=8 => 1,
         9..=16 => 2,
         _ => 4,
-    });
-    BankPath::Mxfp4Mma { bank, token_tiles }
+    })
 }
 
 #[cfg(test)]
@@ -69,9 +99,10 @@ mod tests {
     use crate::plan::{ExpertLayout, GroupedPath};
     use kimi_core::DType;
 
-    const K3: Mxfp4Bank = Mxfp4Bank {
+    const K3: PackedBank = PackedBank {
         inter: 3072,
         width: 3584,
+        format: PackedFormat::Mxfp4,
     };
 
     fn tiles_at(cfg: &KernelConfig, tokens: usize) -> usize {
@@ -79,11 +110,11 @@ mod tests {
             tokens,
             top_k: 16,
             experts: 896,
-            mxfp4: Some(K3),
+            packed: Some(K3),
             table: None,
         };
         match plan_expert_bank(cfg, &call) {
-            BankPath::Mxfp4Mma { bank, token_tiles } => {
+            BankPath::PackedMma { bank, token_tiles } => {
                 assert_eq!(bank, K3);
                 token_tiles
             }
@@ -110,7 +141,7 @@ mod tests {
             tokens: 3,
             top_k: 2,
             experts: 8,
-            mxfp4: None,
+            packed: None,
             table: None,
         };
         assert_eq!(plan_expert_bank(&cfg, &other), BankPath::OneByOne);
@@ -122,7 +153,7 @@ mod tests {
             tokens,
             top_k: 8,
             experts: 256,
-            mxfp4: None,
+            packed: None,
             table: Some(TableCall {
                 tokens,
                 top_k: 8,

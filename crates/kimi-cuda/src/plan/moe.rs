@@ -3,6 +3,7 @@
 
 use kimi_core::DType;
 
+use super::bank::{packed_token_tiles, PackedBank};
 use super::stream::{
     layer_plan, stream_plan, stream_staged_bytes, LayerPlan, StreamPlan, STREAM_MAX_SLOTS,
 };
@@ -53,6 +54,8 @@ pub(crate) struct MoeCall {
     pub(crate) hidden: usize,
     /// `None` where the experts differ in shape or dtype, or have a dtype no kernel reads.
     pub(crate) layout: Option<ExpertLayout>,
+    /// Experts kept packed in a format the packed-expert kernels read (4-bit integers).
+    pub(crate) packed: Option<PackedBank>,
     pub(crate) shared: SharedExpert,
     pub(crate) router: RouterFacts,
     /// Every routed and shared expert weight is 16-byte aligned.
@@ -111,6 +114,12 @@ pub(crate) enum MoePath {
     FusedGemv { inter: usize, dtype: DType },
     /// A grouped tensor-core GEMM per projection (bf16 experts).
     Grouped { inter: usize, kernel: GroupedPath },
+    /// Packed experts on the tensor cores (`moe_int4_mma_*`), the weights widened in
+    /// registers; the shared expert runs as an MLP.
+    PackedMma {
+        bank: PackedBank,
+        token_tiles: usize,
+    },
     /// cuBLAS per expert, after one host read of the routing.
     PerExpert,
 }
@@ -148,6 +157,12 @@ fn plan_route(cfg: &KernelConfig, c: &MoeCall) -> RoutePath {
 }
 
 fn plan_experts(cfg: &KernelConfig, c: &MoeCall) -> MoePath {
+    if let Some(bank) = c.packed {
+        return MoePath::PackedMma {
+            bank,
+            token_tiles: packed_token_tiles(cfg, c.tokens, c.top_k, c.experts),
+        };
+    }
     if c.tokens == 1 && cfg.moe_stream {
         let streamable = c
             .layout
@@ -287,6 +302,7 @@ mod tests {
                 inter: 1024,
                 dtype: DType::BF16,
             }),
+            packed: None,
             shared: SharedExpert::Foldable,
             router: RouterFacts {
                 ungrouped: true,
@@ -503,5 +519,32 @@ mod tests {
             ..call_48b(100)
         };
         assert_eq!(experts(&cfg, &unaligned), MoePath::PerExpert);
+    }
+
+    #[test]
+    fn int4_experts_run_packed_at_every_batch() {
+        let cfg = KernelConfig::default();
+        let bank = PackedBank {
+            inter: 1024,
+            width: 2304,
+            format: crate::plan::PackedFormat::Int4 { offset: false },
+        };
+        let int4 = |tokens| MoeCall {
+            layout: None,
+            packed: Some(bank),
+            shared: SharedExpert::Separate,
+            ..call_48b(tokens)
+        };
+        // One pass per 8 pairs of an expert at decode, four groups of 8 at prefill.
+        for (tokens, tiles) in [(1, 1), (64, 1), (512, 2), (8192, 4)] {
+            assert_eq!(
+                experts(&cfg, &int4(tokens)),
+                MoePath::PackedMma {
+                    bank,
+                    token_tiles: tiles
+                },
+                "{tokens} tokens"
+            );
+        }
     }
 }

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Issue 25's table on one GPU: Kimi-Linear-48B (random weights, cut to OFFLOAD_LAYERS layers so
+# that its experts also fit the host's RAM when all of them live there) with a GPU budget that
+# holds a given share of each MoE layer's 256 experts, decode tokens/s at batch 1 and 16
+# against all of them on the GPU. Run on the device from the repository root after
+# scripts/cuda/build-check.sh:
+#   scripts/cuda/offload-table.sh OUT_DIR ROW...
+# where a ROW is NAME:HOST:SLOTS:SKEW — HOST experts per layer in pinned host RAM, SLOTS
+# device cache slots (the GPU holds 256 − HOST + SLOTS of them), SKEW `bench --routing-skew`
+# (0: about uniform routing, the cache's worst case). HOST 0 is the all-on-GPU baseline.
+# Every miss goes where the step ends sooner (`--offload-miss auto`).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="$1"
+shift
+mkdir -p "$OUT"
+source scripts/cuda/nccl-lib.sh >/dev/null 2>&1 || true
+for d in /usr/local/cuda/lib64 \
+  $(python3 -c 'import nvidia.cu13 as m, os; print(os.path.join(list(m.__path__)[0], "lib"))' 2>/dev/null); do
+  if [ -e "$d/libcublas.so.13" ]; then export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"; break; fi
+done
+{
+  echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ) binaries built from $(cat .device-bin/COMMIT 2>/dev/null || echo unknown)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1
+  grep -m1 'model name' /proc/cpuinfo
+  free -g | sed -n 2p
+} | tee "$OUT/env.txt"
+CONFIG=/tmp/offload-table-config.json
+python3 - crates/kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json \
+  "${OFFLOAD_LAYERS:-20}" "$CONFIG" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1])); n = int(sys.argv[2]); t = c.get("text_config", c)
+t["num_hidden_layers"] = n
+la = t["linear_attn_config"]
+for k in ("kda_layers", "full_attn_layers"):
+    la[k] = [i for i in la[k] if i <= n]
+json.dump(c, open(sys.argv[3], "w"), indent=1)
+PY
+for row in "$@"; do
+  IFS=: read -r name host slots skew <<<"$row"
+  flags=()
+  [ "$host" != 0 ] && flags=(--offload-experts "$host" --expert-cache-slots "$slots" --offload-miss auto)
+  echo "# $(date -u +%H:%M:%SZ) $name: host $host slots $slots skew $skew" | tee -a "$OUT/rows.txt"
+  timeout "${OFFLOAD_TIMEOUT:-120}" .device-bin/kimi-infer bench --device cuda \
+    --random-config "$CONFIG" --routing-skew "$skew" --prompt-len 256 --gen-len 8 --repeats 1 \
+    --decode-batch 1,16 --context 256 --decode-steps "${OFFLOAD_STEPS:-16}" "${flags[@]}" \
+    --json "$OUT/$name.json" >"$OUT/$name.txt" 2>&1
+  echo "# rc $? $(grep -E '^decode x(1|16) ' "$OUT/$name.txt" | tr -s ' ' | tr '\n' ';')" | tee -a "$OUT/rows.txt"
+done
