@@ -284,11 +284,6 @@ fn expert_rebalance<B: Backend>(
         "--enable-eplb moves routed experts between ranks: it needs a MoE model over \
          --tensor-parallel-size 2 or more with --enable-expert-parallel"
     );
-    anyhow::ensure!(
-        model.offload_counts().is_none(),
-        "--enable-eplb: experts in tiers (--cpu-offload-gb, --offload-experts) do not move \
-         between ranks yet"
-    );
     Ok(Some(kimi_engine::ExpertRebalance {
         step_interval: a.eplb_step_interval,
         min_gain: a.eplb_min_gain,

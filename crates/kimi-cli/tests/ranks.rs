@@ -367,29 +367,4 @@ fn served_with_eplb_the_experts_move_between_ranks_and_the_answer_stays() {
     assert!(!refused.status.success());
     let e = stderr(&refused);
     assert!(e.contains("--enable-expert-parallel"), "{e}");
-    // Experts in tiers do not move between ranks yet: said at the start.
-    let tiers = [
-        "-t",
-        "2",
-        "--enable-expert-parallel",
-        "--expert-dispatch",
-        "all-to-all",
-        "--offload-experts",
-        "3",
-        "--expert-cache-slots",
-        "1",
-        "--enable-eplb",
-    ];
-    let refused = bin()
-        .args(["serve", "--model", k3.to_str().unwrap(), "--port", "0"])
-        .args(tiers)
-        .args(["--distributed-executor-backend", "threads"])
-        .output()
-        .expect("binary runs");
-    assert!(!refused.status.success());
-    let e = stderr(&refused);
-    assert!(
-        e.contains("experts in tiers") && e.contains("--enable-eplb"),
-        "{e}"
-    );
 }

@@ -375,6 +375,9 @@ pub(crate) struct StagedShare<T> {
     ids: Vec<usize>,
     /// Those it does not hold now, read from the weights.
     fresh: Vec<(usize, MlpWeights<T>)>,
+    /// A share in tiers: all of `ids` placed in tiers again (the budgets are per share,
+    /// so which experts live where changes with it).
+    tiered: Option<Box<TieredBank<T>>>,
     dispatch: Option<TokenDispatch>,
 }
 
@@ -384,7 +387,9 @@ impl<T> FfnLayer<T> {
     pub fn partition_ids(&self) -> Option<&[usize]> {
         match self {
             Self::Composed(m) => match &m.bank {
-                ExpertBank::Partition { ids, .. } => Some(ids),
+                ExpertBank::Partition { ids, .. } | ExpertBank::TieredPartition { ids, .. } => {
+                    Some(ids)
+                }
                 _ => None,
             },
             _ => None,
@@ -406,6 +411,18 @@ impl<T> FfnLayer<T> {
         let (ids, dispatch) = rank_share(ld, layer, c.num_experts)?;
         let expert_in = c.latent.map_or(hidden, |l| l.width);
         let p = format!("model.layers.{layer}.block_sparse_moe");
+        if self.tiered().is_some() {
+            let offload = ld.offload.clone().ok_or_else(|| {
+                crate::ModelError::Input("experts in tiers move only with their tiers' plan".into())
+            })?;
+            let bank = load_tiered(ld, &p, expert_in, c, &offload, &ids)?;
+            return Ok(Some(StagedShare {
+                ids,
+                fresh: Vec::new(),
+                tiered: Some(Box::new(bank)),
+                dispatch,
+            }));
+        }
         let fresh = ids
             .iter()
             .filter(|i| !held.contains(i))
@@ -419,6 +436,7 @@ impl<T> FfnLayer<T> {
         Ok(Some(StagedShare {
             ids,
             fresh,
+            tiered: None,
             dispatch,
         }))
     }
@@ -431,7 +449,14 @@ impl<T> FfnLayer<T> {
                 "an expert share for a layer without spread experts".into(),
             ));
         };
-        let known = |e: &usize| ids.contains(e) || staged.fresh.iter().any(|(f, _)| f == e);
+        if self.tiered().is_some() != staged.tiered.is_some() {
+            return Err(crate::ModelError::Input(
+                "an expert share staged for experts held otherwise (in tiers or not)".into(),
+            ));
+        }
+        let known = |e: &usize| {
+            staged.tiered.is_some() || ids.contains(e) || staged.fresh.iter().any(|(f, _)| f == e)
+        };
         match staged.ids.iter().find(|e| !known(e)) {
             Some(e) => Err(crate::ModelError::Input(format!(
                 "expert {e} of the new placement was not read"
@@ -446,17 +471,24 @@ impl<T> FfnLayer<T> {
         let Self::Composed(m) = self else {
             return;
         };
-        let ExpertBank::Partition { ids, local, .. } = &mut m.bank else {
-            return;
-        };
-        let mut held: std::collections::HashMap<usize, MlpWeights<T>> =
-            ids.drain(..).zip(local.drain(..)).collect();
-        held.extend(staged.fresh);
-        for e in staged.ids {
-            if let Some(w) = held.remove(&e) {
-                ids.push(e);
-                local.push(w);
+        match (&mut m.bank, staged.tiered) {
+            (ExpertBank::TieredPartition { ids, bank, .. }, Some(tiered)) => {
+                *ids = staged.ids;
+                *bank = tiered;
             }
+            (ExpertBank::Partition { ids, local, .. }, None) => {
+                let mut held: std::collections::HashMap<usize, MlpWeights<T>> =
+                    ids.drain(..).zip(local.drain(..)).collect();
+                held.extend(staged.fresh);
+                for e in staged.ids {
+                    if let Some(w) = held.remove(&e) {
+                        ids.push(e);
+                        local.push(w);
+                    }
+                }
+            }
+            // check_share refused any other pairing.
+            _ => return,
         }
         m.dispatch = match (staged.dispatch, m.dispatch.take()) {
             (Some(new), Some(old)) => Some(new.continuing(&old)),

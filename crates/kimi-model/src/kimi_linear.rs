@@ -89,10 +89,12 @@ pub struct KimiLinear<B: Backend> {
     cache_specs: Vec<LayerSpec>,
     ignored_vision_tensors: usize,
     /// Which rank holds which routed experts where whole experts are spread (`None`: in
-    /// order), the weights to read the experts it takes on when that changes, and a new
-    /// placement read but not yet in use (`experts.rs`).
+    /// order), the weights to read the experts it takes on when that changes (and the tiers
+    /// a share in tiers is placed in again), and a new placement read but not yet in use
+    /// (`experts.rs`).
     expert_ranks: Option<Arc<crate::parallel::ExpertPlacement>>,
     reopen: Option<crate::WeightsReopener>,
+    offload: Option<kimi_ops::offload::ExpertOffload>,
     expert_dispatch: crate::parallel::ExpertDispatch,
     staged: Option<experts::StagedPlacement<B::Tensor>>,
 }
@@ -304,6 +306,7 @@ impl<B: Backend> KimiLinear<B> {
             ignored_vision_tensors,
             expert_ranks: options.expert_placement.clone(),
             reopen: options.reopen.clone(),
+            offload: options.offload.clone(),
             expert_dispatch: options.expert_dispatch,
             staged: None,
         })

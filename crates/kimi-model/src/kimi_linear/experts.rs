@@ -54,9 +54,6 @@ impl<B: Backend> KimiLinear<B> {
                 self.shard.world
             )));
         }
-        if self.layers.iter().any(|l| l.ffn.tiered().is_some()) {
-            return Err(input("experts in tiers do not move between ranks yet"));
-        }
         let reopen = self.reopen.clone().ok_or_else(|| {
             input("the experts cannot move: this model's weights cannot be read again")
         })?;
@@ -86,7 +83,7 @@ impl<B: Backend> KimiLinear<B> {
                 source: &sharded,
                 used: HashSet::new(),
                 prefix: self.config.tensor_prefix(),
-                offload: None,
+                offload: self.offload.clone(),
                 moe_layers,
                 shard: self.shard,
                 placement: Some(Arc::clone(&placement)),
