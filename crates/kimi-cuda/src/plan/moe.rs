@@ -54,7 +54,8 @@ pub(crate) struct MoeCall {
     pub(crate) hidden: usize,
     /// `None` where the experts differ in shape or dtype, or have a dtype no kernel reads.
     pub(crate) layout: Option<ExpertLayout>,
-    /// Experts kept packed in a format the packed-expert kernels read (4-bit integers).
+    /// Experts kept packed in a format the packed-expert kernels read (MXFP4, 4-bit
+    /// integers), where no other kernel reads their layout.
     pub(crate) packed: Option<PackedBank>,
     pub(crate) shared: SharedExpert,
     pub(crate) router: RouterFacts,
