@@ -14,11 +14,7 @@ cd "$(dirname "$0")/../.."
 OUT="$1"
 shift
 mkdir -p "$OUT"
-source scripts/cuda/nccl-lib.sh >/dev/null 2>&1 || true
-for d in /usr/local/cuda/lib64 \
-  $(python3 -c 'import nvidia.cu13 as m, os; print(os.path.join(list(m.__path__)[0], "lib"))' 2>/dev/null); do
-  if [ -e "$d/libcublas.so.13" ]; then export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"; break; fi
-done
+source scripts/cuda/device-env.sh
 {
   echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ) binaries built from $(cat .device-bin/COMMIT 2>/dev/null || echo unknown)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1
@@ -26,16 +22,8 @@ done
   free -g | sed -n 2p
 } | tee "$OUT/env.txt"
 CONFIG=/tmp/offload-table-config.json
-python3 - crates/kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json \
-  "${OFFLOAD_LAYERS:-20}" "$CONFIG" <<'PY'
-import json, sys
-c = json.load(open(sys.argv[1])); n = int(sys.argv[2]); t = c.get("text_config", c)
-t["num_hidden_layers"] = n
-la = t["linear_attn_config"]
-for k in ("kda_layers", "full_attn_layers"):
-    la[k] = [i for i in la[k] if i <= n]
-json.dump(c, open(sys.argv[3], "w"), indent=1)
-PY
+cut_config crates/kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json \
+  "${OFFLOAD_LAYERS:-20}" "$CONFIG"
 for row in "$@"; do
   IFS=: read -r name host slots skew <<<"$row"
   flags=()

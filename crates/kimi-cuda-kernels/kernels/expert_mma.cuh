@@ -33,6 +33,63 @@ __device__ __forceinline__ int act_slot(int k) {
   return (k & ~31) + ((r >> 1) * 4 + j) * 2 + (r & 1);
 }
 
+// The expert block (x, y) serves (the y-th that received pairs: the active list after
+// `offsets`, as `moe_lists` writes it) and this warp's two 16-row weight tiles of it: glu =
+// 1: gate tile R and up tile R (R = x * warps + warp); glu = 0: down tiles 2R and 2R + 1.
+// False when the block or the warp has nothing to do.
+struct ExpertTiles {
+  uint32_t beg, end;   // the expert's pairs in sorted order
+  int ra, rb;          // row tiles (rb = ra where there is no second: computed, not written)
+  bool has_b;
+  const uint8_t *wa, *wb;  // their matrices
+};
+
+__device__ __forceinline__ bool expert_tiles(const uint64_t* wtab, int glu,
+                                             const uint32_t* offsets, int E, int rows_out,
+                                             int warps, ExpertTiles& w) {
+  const uint32_t* active = offsets + E + 1;
+  if (blockIdx.y >= active[0]) return false;
+  const uint32_t e = active[1 + blockIdx.y];
+  w.beg = offsets[e];
+  w.end = offsets[e + 1];
+  const int warp = threadIdx.x >> 5, tiles_r = (rows_out + 15) >> 4;
+  if (glu) {
+    w.ra = w.rb = blockIdx.x * warps + warp;
+    w.wa = reinterpret_cast<const uint8_t*>(wtab[3 * e]);
+    w.wb = reinterpret_cast<const uint8_t*>(wtab[3 * e + 1]);
+  } else {
+    w.ra = 2 * (blockIdx.x * warps + warp);
+    w.rb = w.ra + 1;
+    w.wa = w.wb = reinterpret_cast<const uint8_t*>(wtab[3 * e + 2]);
+  }
+  if (w.ra >= tiles_r) return false;
+  w.has_b = w.rb < tiles_r;
+  if (!w.has_b) w.rb = w.ra;
+  return true;
+}
+
+// This thread's B-fragment rows for pairs g0..: token n = nt * 8 + g of the group (glu
+// rows are tokens, slots[q] / top_k; down rows sorted pairs, q), at column 8t of rows of
+// Kp; null past the expert's pairs. And the accumulators, zeroed.
+template <int NT>
+__device__ __forceinline__ void pair_rows(const __nv_bfloat16* (&brow)[NT],
+                                          float (&acc)[2][NT][4], uint32_t g0, uint32_t end,
+                                          int g, int t, int glu, const uint32_t* slots,
+                                          int top_k, const __nv_bfloat16* act, int Kp) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const uint32_t q = g0 + nt * 8 + g;
+    brow[nt] = nullptr;
+    if (q < end) brow[nt] = act + (size_t)(glu ? slots[q] / top_k : q) * Kp + 8 * t;
+  }
+#pragma unroll
+  for (int s = 0; s < 2; ++s)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int u = 0; u < 4; ++u) acc[s][nt][u] = 0.0f;
+}
+
 // A warp's results for pairs g0.. of its group: acc[s][nt][u] is row (g + 8 * (u >> 1)) of
 // tile s (row tiles ra, rb), pair g0 + nt * 8 + 2t + (u & 1). glu: h = act(gate, up) for
 // features ra * 16 + row as bf16 (hi, and lo at `out_lo` with SPLIT) in rows of `out_kp`

@@ -151,27 +151,15 @@ __device__ __forceinline__ void int4_mma_body(const uint64_t* wtab, int glu, int
                                               const uint32_t* slots, void* out, size_t out_lo,
                                               int rows_out, int out_kp, int K, int act_code,
                                               float beta, float lbeta) {
-  const uint32_t* active = offsets + E + 1;
-  if (blockIdx.y >= active[0]) return;
-  const uint32_t e = active[1 + blockIdx.y];
-  const uint32_t beg = offsets[e], end = offsets[e + 1];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  ExpertTiles w;
+  if (!expert_tiles(wtab, glu, offsets, E, rows_out, i4::WARPS, w)) return;
+  const uint32_t beg = w.beg, end = w.end;
+  const int ra = w.ra, rb = w.rb;
+  const bool has_b = w.has_b;
+  const uint8_t *wa = w.wa, *wb = w.wb;
+  const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int tiles_r = (rows_out + 15) >> 4, nb = K >> 5, Kp = ((K + 127) >> 7) << 7;
-  int ra, rb;
-  const uint8_t *wa, *wb;
-  if (glu) {
-    ra = rb = blockIdx.x * i4::WARPS + warp;
-    wa = reinterpret_cast<const uint8_t*>(wtab[3 * e]);
-    wb = reinterpret_cast<const uint8_t*>(wtab[3 * e + 1]);
-  } else {
-    ra = 2 * (blockIdx.x * i4::WARPS + warp);
-    rb = ra + 1;
-    wa = wb = reinterpret_cast<const uint8_t*>(wtab[3 * e + 2]);
-  }
-  if (ra >= tiles_r) return;
-  const bool has_b = rb < tiles_r;
-  if (!has_b) rb = ra;  // computed, never written
+  const int nb = K >> 5, Kp = ((K + 127) >> 7) << 7;
   // This lane's rows g and g + 8 of both tiles (rows past the end read the last one, never
   // written): their code blocks and headers.
   const uint4* code[2][2];
@@ -191,21 +179,9 @@ __device__ __forceinline__ void int4_mma_body(const uint64_t* wtab, int glu, int
   const int wl = t >> 1;
 
   for (uint32_t g0 = beg; g0 < end; g0 += 8 * NT) {
-    // This thread's B-fragment rows: token n = nt * 8 + g of the group.
     const __nv_bfloat16* brow[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const uint32_t q = g0 + nt * 8 + g;
-      brow[nt] = nullptr;
-      if (q < end) brow[nt] = act + (size_t)(glu ? slots[q] / top_k : q) * Kp + 8 * t;
-    }
     float acc[2][NT][4];
-#pragma unroll
-    for (int s = 0; s < 2; ++s)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int u = 0; u < 4; ++u) acc[s][nt][u] = 0.0f;
+    pair_rows<NT>(brow, acc, g0, end, g, t, glu, slots, top_k, act, Kp);
 
     // Two blocks in flight ahead of the math (A: even blocks, B: odd).
     i4::Raw A, B;
@@ -236,8 +212,8 @@ __device__ __forceinline__ void int4_mma_body(const uint64_t* wtab, int glu, int
     int4_mma_body<NT, SPLIT>(wtab, glu, fmt3, act, act_lo, top_k, offsets, E, slots, out,       \
                              out_lo, rows_out, out_kp, K, act_code, beta, lbeta);               \
   }
-INT4_MMA_KERNEL(moe_int4_mma_1_half, 1, false, 4)
-INT4_MMA_KERNEL(moe_int4_mma_1_split, 1, true, 4)
+INT4_MMA_KERNEL(moe_int4_mma_1_half, 1, false, 3)
+INT4_MMA_KERNEL(moe_int4_mma_1_split, 1, true, 3)
 INT4_MMA_KERNEL(moe_int4_mma_2_half, 2, false, 3)
 INT4_MMA_KERNEL(moe_int4_mma_2_split, 2, true, 3)
 INT4_MMA_KERNEL(moe_int4_mma_4_half, 4, false, 2)

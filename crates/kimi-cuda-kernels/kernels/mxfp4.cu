@@ -107,27 +107,15 @@ __device__ __forceinline__ void mxfp4_mma_body(const uint64_t* wtab, int glu,
                                                const uint32_t* slots, void* out, size_t out_lo,
                                                int rows_out, int out_kp, int K, int act_code,
                                                float beta, float lbeta) {
-  const uint32_t* active = offsets + E + 1;
-  if (blockIdx.y >= active[0]) return;
-  const uint32_t e = active[1 + blockIdx.y];
-  const uint32_t beg = offsets[e], end = offsets[e + 1];
+  ExpertTiles w;
+  if (!expert_tiles(wtab, glu, offsets, E, rows_out, mx::WARPS, w)) return;
+  const uint32_t beg = w.beg, end = w.end;
+  const int ra = w.ra, rb = w.rb;
+  const bool has_b = w.has_b;
+  const uint8_t *wa = w.wa, *wb = w.wb;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int tiles_r = (rows_out + 15) >> 4, kt = (K + 127) >> 7, Kp = kt * 128;
-  int ra, rb;
-  const uint8_t *wa, *wb;
-  if (glu) {
-    ra = rb = blockIdx.x * mx::WARPS + warp;
-    wa = reinterpret_cast<const uint8_t*>(wtab[3 * e]);
-    wb = reinterpret_cast<const uint8_t*>(wtab[3 * e + 1]);
-  } else {
-    ra = 2 * (blockIdx.x * mx::WARPS + warp);
-    rb = ra + 1;
-    wa = wb = reinterpret_cast<const uint8_t*>(wtab[3 * e + 2]);
-  }
-  if (ra >= tiles_r) return;
-  const bool has_b = rb < tiles_r;
-  if (!has_b) rb = ra;  // computed, never written
   const size_t codes_plane = (size_t)tiles_r * kt * mx::TILE_CODE_BYTES;
   const uint8_t* ca = wa + (size_t)ra * kt * mx::TILE_CODE_BYTES + lane * 16;
   const uint8_t* cb = wb + (size_t)rb * kt * mx::TILE_CODE_BYTES + lane * 16;
@@ -137,21 +125,9 @@ __device__ __forceinline__ void mxfp4_mma_body(const uint64_t* wtab, int glu,
   const uint32_t warp_stages = smem_addr(stages) + warp * (MX_STAGES * MX_STAGE_BYTES);
 
   for (uint32_t g0 = beg; g0 < end; g0 += 8 * NT) {
-    // This thread's B-fragment rows: token n = nt * 8 + g of the group.
     const __nv_bfloat16* brow[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const uint32_t q = g0 + nt * 8 + g;
-      brow[nt] = nullptr;
-      if (q < end) brow[nt] = act + (size_t)(glu ? slots[q] / top_k : q) * Kp + 8 * t;
-    }
     float acc[2][NT][4];
-#pragma unroll
-    for (int s = 0; s < 2; ++s)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int u = 0; u < 4; ++u) acc[s][nt][u] = 0.0f;
+    pair_rows<NT>(brow, acc, g0, end, g, t, glu, slots, top_k, act, Kp);
 
 #pragma unroll
     for (int st = 0; st < MX_STAGES - 1; ++st) {

@@ -88,7 +88,10 @@ impl CudaBackend {
         // Activation rows in the kernels' fragment order (bf16 hi, then lo): the tokens'
         // inputs, then the gate/up outputs at the pairs' sorted positions. Both are u16
         // tensors of the right byte size; their padding past `inter` must read as zeros.
-        let (dp, ip) = (ops::mxfp4::padded_width(d), ops::mxfp4::padded_width(inter));
+        let (dp, ip) = (
+            ops::expert_mma::padded_width(d),
+            ops::expert_mma::padded_width(inter),
+        );
         let xa = self.empty(&[terms * n * dp], DType::BF16, OP)?;
         let h = if ip == inter {
             self.empty(&[terms * p * ip], DType::BF16, OP)?
@@ -98,7 +101,8 @@ impl CudaBackend {
             z
         };
         let y = self.empty(&[p, d], DType::F32, OP)?;
-        let proj = |glu: bool, rows_out: usize, width: usize| ops::mxfp4::ExpertMma {
+        let proj = |glu: bool, rows_out: usize, width: usize| ops::expert_mma::ExpertMma {
+            format: call.bank.format,
             glu,
             split,
             token_tiles: call.token_tiles,
@@ -109,34 +113,35 @@ impl CudaBackend {
             k: width,
             act: call.act,
         };
-        let (gate_up, down) = (proj(true, inter, d), proj(false, d, inter));
         let (offsets, slots) = (call.offsets, call.slots);
         // SAFETY: per the function's contract the table holds gate/up [inter, d] and down
-        // [d, inter] of the bank's format for every expert (both widths multiples of 32) and
-        // the lists are moe_lists' over p pairs; xa holds n rows of dp bf16 per term, h p
-        // rows of ip per term (zeroed where ip > inter), y p rows of d f32.
+        // [d, inter] of the bank's format for every expert (both widths multiples of 32,
+        // 4-bit ones whole) and the lists are moe_lists' over p pairs; xa holds n rows of dp
+        // bf16 per term, h p rows of ip per term (zeroed where ip > inter), y p rows of d f32.
         unsafe {
-            ops::mxfp4::act_bf16(&self.dev, x.ptr(), xa.ptr(), n * dp, n, d, split)?;
-            match call.bank.format {
-                PackedFormat::Mxfp4 => {
-                    let mma = |c: &ops::mxfp4::ExpertMma, input: u64, in_lo, out: u64, out_lo| {
-                        ops::mxfp4::expert_mma(
-                            &self.dev, c, table, input, in_lo, offsets, slots, out, out_lo,
-                        )
-                    };
-                    mma(&gate_up, xa.ptr(), n * dp, h.ptr(), p * ip)?;
-                    mma(&down, h.ptr(), p * ip, y.ptr(), 0)?;
-                }
-                PackedFormat::Int4 { offset } => {
-                    let mma = |c: &ops::mxfp4::ExpertMma, input: u64, in_lo, out: u64, out_lo| {
-                        ops::int4_experts::expert_mma(
-                            &self.dev, c, offset, table, input, in_lo, offsets, slots, out, out_lo,
-                        )
-                    };
-                    mma(&gate_up, xa.ptr(), n * dp, h.ptr(), p * ip)?;
-                    mma(&down, h.ptr(), p * ip, y.ptr(), 0)?;
-                }
-            }
+            ops::expert_mma::act_bf16(&self.dev, x.ptr(), xa.ptr(), n * dp, n, d, split)?;
+            ops::expert_mma::expert_mma(
+                &self.dev,
+                &proj(true, inter, d),
+                table,
+                xa.ptr(),
+                n * dp,
+                offsets,
+                slots,
+                h.ptr(),
+                p * ip,
+            )?;
+            ops::expert_mma::expert_mma(
+                &self.dev,
+                &proj(false, d, inter),
+                table,
+                h.ptr(),
+                p * ip,
+                offsets,
+                slots,
+                y.ptr(),
+                0,
+            )?;
         }
         // The activation rows are freed in stream order after the kernels that read them.
         drop((xa, h));

@@ -5,8 +5,8 @@
 pub(crate) mod attn_res;
 pub(crate) mod conv;
 pub(crate) mod elementwise;
+pub(crate) mod expert_mma;
 pub(crate) mod gemm;
-pub(crate) mod int4_experts;
 pub(crate) mod kda;
 pub(crate) mod mla;
 pub(crate) mod mla_fp8;
