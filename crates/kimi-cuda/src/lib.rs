@@ -38,6 +38,7 @@
 
 mod error;
 pub use error::Error;
+mod kernel_list;
 mod layout;
 mod quant_layout;
 
