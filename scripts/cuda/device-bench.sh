@@ -5,7 +5,7 @@
 # scripts/cuda/fetch-wheels.sh; for the llamacpp stages, llama.cpp's source into
 # .device-bin/llamacpp-src.tar.gz with scripts/cuda/llamacpp-src.sh. Then on the device, from the
 # repository root:
-#   scripts/cuda/device-bench.sh OUT_DIR [check] [quant] [int4-model] [fp8-kv] [nccl] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack] [k3-big] [k3-offload] [offload] [split] [ranks] [k3-ranks] [experts-cpu] [llamacpp-prep] [llamacpp]
+#   scripts/cuda/device-bench.sh OUT_DIR [check] [quant] [int4-model] [ncu-int4] [fp8-kv] [nccl] [kernels] [profile] [ncu] [peers] [bench] [hf] [serve] [serve-cpu] [k3-stack] [k3-big] [k3-offload] [offload] [split] [ranks] [k3-ranks] [experts-cpu] [llamacpp-prep] [llamacpp]
 # (no stage names = all). Each stage writes OUT_DIR/<stage>.txt (+ JSON where it has one).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -54,6 +54,19 @@ fi
 # `moe_int4_mma_*`), decode at batch 1/16/64 and prefill; INT4_LAYERS cuts the config (16 fit
 # an H100's bf16 baseline). `check quant-ops` and `k3-ops` first (the 4-bit and MXFP4 expert
 # kernels against the CPU).
+# One decode step at batch 1 (NCU_BATCHES) of the 48B cut to INT4_LAYERS (default 16) layers,
+# bf16 against 4-bit linear layers kept packed, op by op under Nsight Compute.
+if want ncu-int4; then
+  cut_config "$CONFIG" "${INT4_LAYERS:-16}" /tmp/int4-config.json
+  NCU="ncu --profile-from-start off --clock-control none --csv --page raw --print-units base --metrics gpu__time_duration.sum,dram__bytes_read.sum"
+  for dt in bf16 q4z; do
+    CHECK_CONFIG=/tmp/int4-config.json CHECK_DTYPE=$dt KIMI_CUDA_PACKED_QUANT=1 NCU_BATCH=${NCU_BATCHES:-1} \
+      timeout ${NCU_TIMEOUT:-200} $NCU .device-bin/check ncu-step > "$OUT/ncu-int4-$dt.csv" 2> "$OUT/ncu-int4-$dt.err"
+    echo "== $dt"; tail -3 "$OUT/ncu-int4-$dt.err"
+    python3 scripts/cuda/ncu_summary.py "$OUT/ncu-int4-$dt.csv" 30 | tee "$OUT/ncu-int4-$dt.txt"
+    gzip -f "$OUT/ncu-int4-$dt.csv"
+  done
+fi
 if want int4-model; then
   timeout ${QUANT_TIMEOUT:-150} .device-bin/check quant-ops k3-ops 2>&1 | tee "$OUT/int4-ops.txt" | grep -E "FAIL|ERROR|RESULT|cases" | tail -20
   cfg=$CONFIG

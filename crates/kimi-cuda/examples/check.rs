@@ -601,18 +601,23 @@ impl DecodeRun {
 }
 
 /// The Kimi-Linear-48B-A3B config with random bf16 weights on `backend`.
+/// The 48B-shaped model with random weights: `CHECK_CONFIG` names another config (a cut one
+/// on an H100), `CHECK_DTYPE=q4z` makes its linear layers 4-bit as AWQ has them.
 fn big_model<B: Backend>(backend: B) -> Res<KimiLinear<B>> {
-    let text = std::fs::read_to_string(
-        "crates/kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json",
-    )?;
+    let path = std::env::var("CHECK_CONFIG").unwrap_or_else(|_| {
+        "crates/kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json".into()
+    });
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
     let config = ModelConfig::from_json_str(&text)?;
+    let dtype = match std::env::var("CHECK_DTYPE").as_deref() {
+        Ok("q4z") => DType::Q4Z,
+        Ok("bf16") | Err(_) => DType::BF16,
+        Ok(other) => return Err(format!("CHECK_DTYPE={other}: expected bf16 or q4z").into()),
+    };
     Ok(KimiLinear::load_from(
         backend,
         config,
-        &RandomWeights {
-            dtype: DType::BF16,
-            seed: 0,
-        },
+        &RandomWeights { dtype, seed: 0 },
     )?)
 }
 
