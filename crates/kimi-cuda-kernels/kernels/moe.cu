@@ -976,21 +976,6 @@ extern "C" __global__ void moe_silu_mul_bf16(const void* gu, int gu_f32, __nv_bf
 // staged rows). bf16 weights, cols % (256 * slices) == 0, 16-byte aligned weights and `in`.
 #include "stream.cuh"
 
-// Slot j's expert (table index) and its first pair's place in `slots`.
-__device__ __forceinline__ int moe_stream_expert(const uint32_t* offsets, int E, int shared,
-                                                 int j, uint32_t& pair) {
-  if (j < shared) {
-    pair = 0xffffffffu;
-    return E;
-  }
-  const int e = (int)offsets[E + 2 + (j - shared)];
-  pair = offsets[e];
-  return e;
-}
-
-// Slots a launch handles at most (top_k + shared; the launcher checks).
-#define MOE_STREAM_MAX_SLOTS 64
-
 // Per slot, looked up once per CTA (by the producer warp's lanes) instead of per tile: the
 // weight rows the tiles come from (gate or down, and up) and the output / input row q.
 struct MoeStreamSlots {
@@ -1145,24 +1130,6 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
 // Tiles: slot j's gate/up tile holds `rows_gu` gate rows then the same up rows, its down tile
 // `rows_dn` down rows; every stage is `stage_bytes` (the larger tile). Dynamic smem: stages *
 // stage_bytes, then max(d, (top_k + shared) * inter) f32.
-struct MoeLayerSlots {
-  const uint8_t* gate[MOE_STREAM_MAX_SLOTS];
-  const uint8_t* up[MOE_STREAM_MAX_SLOTS];
-  const uint8_t* down[MOE_STREAM_MAX_SLOTS];
-  int q[MOE_STREAM_MAX_SLOTS];
-};
-
-__device__ __forceinline__ uint32_t ld_acquire_u32(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// A barrier of the consumer warps only (the producer runs on).
-__device__ __forceinline__ void consumers_sync() {
-  asm volatile("bar.sync 1, %0;" ::"n"(32 * STREAM_CONSUMERS) : "memory");
-}
-
 extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
     moe_stream_layer(const uint64_t* wtab, const float* x, int top_k, const uint32_t* offsets,
                      int E, const uint32_t* slots, float* h, float* y, int d, int inter,
@@ -1236,12 +1203,8 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
   if (producer) {
     const int sl0 = stream_cover(2 * rows_gu, 0).slices, sl1 = stream_cover(rows_dn, 0).slices;
     bool counted = false;
-    auto count_in = [&]() {  // this CTA's gate/up outputs are all written
-      __syncwarp();
-      if (lane == 0) {
-        __threadfence();
-        atomicAdd(&sync[0], 1u);
-      }
+    auto count_in = [&]() {
+      layer_count_in(sync, lane);
       counted = true;
     };
     for (int i = 0;; ++i) {
@@ -1284,17 +1247,7 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
     if (lane == 0) stream_bar_arrive(smem_addr(&s.empty[stage]));
   }
   // The handoff: every CTA's SwiGLU rows are written; stage them where x was.
-  if (threadIdx.x == 0)
-    while (ld_acquire_u32(&sync[0]) < gridDim.x) __nanosleep(64);
-  consumers_sync();
-  if (threadIdx.x == 0 && atomicAdd(&sync[1], 1u) == gridDim.x - 1) {
-    sync[0] = 0;
-    sync[1] = 0;
-  }
-  const int h4 = (p + shared) * inter / 4;
-  for (int k = threadIdx.x; k < h4; k += 32 * STREAM_CONSUMERS)
-    reinterpret_cast<float4*>(xs)[k] = __ldcg(reinterpret_cast<const float4*>(h) + k);
-  consumers_sync();
+  layer_handoff(sync, xs, h, (p + shared) * inter);
   for (;; ++i) {
     const int u = blockIdx.x + i * gridDim.x;
     if (u >= total) break;

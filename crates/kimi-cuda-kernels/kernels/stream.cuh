@@ -137,3 +137,67 @@ __device__ __forceinline__ StreamCover stream_cover(int rows, int warp) {
   }
   return c;
 }
+
+// ---------------------------------------------------------------------------------------------
+// One-token MoE layers streamed by persistent kernels (`moe_stream_1`, `moe_stream_layer` in
+// moe.cu; `moe_int4_stream_layer` in int4_stream.cu).
+
+// Slot j's expert (table index) and its first pair's place in `slots`.
+__device__ __forceinline__ int moe_stream_expert(const uint32_t* offsets, int E, int shared,
+                                                 int j, uint32_t& pair) {
+  if (j < shared) {
+    pair = 0xffffffffu;
+    return E;
+  }
+  const int e = (int)offsets[E + 2 + (j - shared)];
+  pair = offsets[e];
+  return e;
+}
+
+// Slots a launch handles at most (top_k + shared; the launcher checks).
+#define MOE_STREAM_MAX_SLOTS 64
+
+// Per slot of a one-launch layer: its three matrices and its pair row q.
+struct MoeLayerSlots {
+  const uint8_t* gate[MOE_STREAM_MAX_SLOTS];
+  const uint8_t* up[MOE_STREAM_MAX_SLOTS];
+  const uint8_t* down[MOE_STREAM_MAX_SLOTS];
+  int q[MOE_STREAM_MAX_SLOTS];
+};
+
+__device__ __forceinline__ uint32_t ld_acquire_u32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// A barrier of the consumer warps only (the producer runs on).
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(32 * STREAM_CONSUMERS) : "memory");
+}
+
+// Producer warp of a one-launch layer: this CTA's gate/up outputs are all written.
+__device__ __forceinline__ void layer_count_in(uint32_t* sync, int lane) {
+  __syncwarp();
+  if (lane == 0) {
+    __threadfence();
+    atomicAdd(&sync[0], 1u);
+  }
+}
+
+// Consumer warps of a one-launch layer, between its gate/up and down tiles: wait for every
+// CTA's count (`sync[0]`; the last CTA past the wait zeroes both counters, so they are zero
+// between launches), then stage the `floats` f32 of SwiGLU rows `h` at `xs`.
+__device__ __forceinline__ void layer_handoff(uint32_t* sync, float* xs, const float* h,
+                                              int floats) {
+  if (threadIdx.x == 0)
+    while (ld_acquire_u32(&sync[0]) < gridDim.x) __nanosleep(64);
+  consumers_sync();
+  if (threadIdx.x == 0 && atomicAdd(&sync[1], 1u) == gridDim.x - 1) {
+    sync[0] = 0;
+    sync[1] = 0;
+  }
+  for (int k = threadIdx.x; k < floats / 4; k += 32 * STREAM_CONSUMERS)
+    reinterpret_cast<float4*>(xs)[k] = __ldcg(reinterpret_cast<const float4*>(h) + k);
+  consumers_sync();
+}

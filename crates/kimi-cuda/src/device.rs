@@ -20,6 +20,9 @@ use crate::graph::{self, Args, GraphCache, KernelOp, Op, Outcome};
 pub(crate) use crate::plan::MAX_DYNAMIC_SMEM_BYTES;
 use crate::plan::{KernelConfig, LAYER_SMEM_BYTES};
 
+/// The one-launch MoE layers, whose limit is above the others' (`LAYER_SMEM_BYTES`).
+const LAYER_KERNELS: &[&str] = &["moe_stream_layer", "moe_int4_stream_layer"];
+
 /// Kernels that get the large dynamic shared memory limit.
 const BIG_SMEM_KERNELS: &[&str] = &[
     "mla_flash_prefill",
@@ -168,7 +171,7 @@ impl Device {
                 .op("load kernels")?;
             for name in *names {
                 let f = m.load_function(name).op("load kernel")?;
-                let smem_limit = if *name == "moe_stream_layer" {
+                let smem_limit = if LAYER_KERNELS.contains(name) {
                     Some(LAYER_SMEM_BYTES)
                 } else {
                     BIG_SMEM_KERNELS

@@ -47,6 +47,7 @@ pub(crate) const KERNELS: &[(&str, &[&str])] = &[
             "mxfp4_to_f32",
         ],
     ),
+    ("int4_stream", &["moe_int4_stream_layer"]),
     (
         "int4_experts",
         &[

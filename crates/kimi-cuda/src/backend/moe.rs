@@ -13,8 +13,8 @@ use super::{code, f32_rows, shape_err, CudaBackend};
 use crate::buffer::DevBuf;
 use crate::ops;
 use crate::plan::{
-    self, ExpertLayout, GroupedPath, MoeCall, MoePath, RoutePath, RouterFacts, SharedExpert,
-    StreamPasses,
+    self, ExpertLayout, GroupedPath, MoeCall, MoePath, PackedBank, RoutePath, RouterFacts,
+    SharedExpert, StreamPasses,
 };
 use crate::tensor::{dtype_code, CudaTensor};
 
@@ -60,12 +60,13 @@ pub(super) fn uniform_layout<'a>(
 fn shared_expert(
     w: &MoeWeights<CudaTensor>,
     layout: Option<ExpertLayout>,
+    packed: Option<PackedBank>,
     d: usize,
 ) -> SharedExpert {
     let Some(m) = &w.shared else {
         return SharedExpert::Absent;
     };
-    let foldable = layout.is_some_and(|l| {
+    let bf16 = layout.is_some_and(|l| {
         m.gate.shape == [l.inter, d]
             && m.up.shape == [l.inter, d]
             && m.down.shape == [d, l.inter]
@@ -73,6 +74,9 @@ fn shared_expert(
                 .iter()
                 .all(|t| t.dtype == DType::BF16)
     });
+    // Packed like the routed experts: the same kernel format and shapes.
+    let packed_alike = packed.is_some() && packed_bank(std::iter::once(m), d) == packed;
+    let foldable = bf16 || packed_alike;
     if foldable {
         SharedExpert::Foldable
     } else {
@@ -219,7 +223,7 @@ impl CudaBackend {
             hidden: d,
             layout,
             packed,
-            shared: shared_expert(w, layout, d),
+            shared: shared_expert(w, layout, packed, d),
             router: RouterFacts {
                 ungrouped: r.num_groups <= 1,
                 f32_aligned: router.dtype == DType::F32 && router.ptr().is_multiple_of(16),
@@ -607,6 +611,31 @@ impl CudaBackend {
                         d,
                         inter,
                         plan,
+                        None,
+                        Self::slice_ptr(&self.layer_sync),
+                    )?
+                };
+            }
+            StreamPasses::Int4Layer { plan, offset } => {
+                // SAFETY: see above, for 4-bit experts: the planner streamed them only as a
+                // packed bank of whole matrices (packed_bank), the shared one folded only
+                // when packed alike; layer_sync is this backend's (zero between launches).
+                unsafe {
+                    ops::moe::layer_stream(
+                        &self.dev,
+                        table,
+                        x.ptr(),
+                        k,
+                        offsets,
+                        e,
+                        slots,
+                        h.ptr(),
+                        y.ptr(),
+                        fold_shared,
+                        d,
+                        inter,
+                        plan,
+                        Some(offset),
                         Self::slice_ptr(&self.layer_sync),
                     )?
                 };

@@ -309,13 +309,17 @@ pub(crate) unsafe fn expert_stream(
     Ok(())
 }
 
-/// A token's whole expert layer, streamed in one launch (`moe_stream_layer`): the SwiGLU rows
+/// A token's whole expert layer, streamed in one launch: the SwiGLU rows
 /// `h [top_k + shared, inter]` of the hidden row `input [1, d]`, then `out [top_k + shared, d]`
-/// from them, as [`expert_stream`]'s two passes compute them (bit for bit).
+/// from them. `int4: None`: bf16 experts (`moe_stream_layer`), as [`expert_stream`]'s two
+/// passes compute them (bit for bit); `Some(offset)`: 4-bit integer experts in the planes of
+/// `quant_layout` (`moe_int4_stream_layer`; `offset`: format 3, `q · a − b`).
 ///
 /// # Safety
-/// As [`expert_stream`] for both passes; `plan` is `plan::layer_plan` of `d`, `inter` and
-/// `top_k + shared`; `sync` is two u32, zero between launches, used by no other kernel.
+/// As [`expert_stream`] for both passes (for 4-bit experts: whole matrices in the planes,
+/// 16-byte aligned); `plan` is `plan::layer_plan` (bf16) or `plan::packed_layer_plan` (4-bit)
+/// of `d`, `inter` and `top_k + shared`; `sync` is two u32, zero between launches, used by no
+/// other kernel.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn layer_stream(
     dev: &Device,
@@ -331,11 +335,16 @@ pub(crate) unsafe fn layer_stream(
     d: usize,
     inter: usize,
     plan: LayerPlan,
+    int4: Option<bool>,
     sync: u64,
 ) -> Result<()> {
+    let name = match int4 {
+        None => "moe_stream_layer",
+        Some(_) => "moe_int4_stream_layer",
+    };
     if top_k.min(e) + shared as usize > STREAM_MAX_SLOTS {
         return Err(kimi_ops::Error::Device(format!(
-            "moe_stream_layer: {top_k} pairs, at most {STREAM_MAX_SLOTS} slots"
+            "{name}: {top_k} pairs, at most {STREAM_MAX_SLOTS} slots"
         )));
     }
     let ints = [
@@ -350,10 +359,15 @@ pub(crate) unsafe fn layer_stream(
         shared as i32,
     ];
     let [ki, ei, di, ii, rg, rd, st, sb, sh] = ints;
-    let mut b = dev.kernel("moe", "moe_stream_layer")?;
+    let mut b = dev.kernel("moe", name)?;
     b.arg(&wtab).arg(&input).arg(&ki).arg(&offsets);
     b.arg(&ei).arg(&slots).arg(&h).arg(&out);
-    b.arg(&di).arg(&ii).arg(&rg).arg(&rd);
+    b.arg(&di).arg(&ii);
+    let fmt3 = i32::from(int4 == Some(true));
+    if int4.is_some() {
+        b.arg(&fmt3);
+    }
+    b.arg(&rg).arg(&rd);
     b.arg(&st).arg(&sb).arg(&sh).arg(&sync);
     // SAFETY: see the function's contract.
     unsafe {

@@ -3,9 +3,11 @@
 
 use kimi_core::DType;
 
+use super::bank::PackedFormat;
 use super::bank::{packed_token_tiles, PackedBank};
 use super::stream::{
-    layer_plan, stream_plan, stream_staged_bytes, LayerPlan, StreamPlan, STREAM_MAX_SLOTS,
+    layer_plan, packed_layer_plan, stream_plan, stream_staged_bytes, LayerPlan, StreamPlan,
+    STREAM_MAX_SLOTS,
 };
 use super::{GroupedMoeKernel, KernelConfig};
 
@@ -27,7 +29,8 @@ pub(crate) struct ExpertLayout {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum SharedExpert {
     Absent,
-    /// bf16 of the routed experts' shapes: the streamed path runs it as one more slot.
+    /// Of the routed experts' shapes and kind (bf16, or packed in their format): the
+    /// streamed path runs it as one more slot.
     Foldable,
     /// Anything else: it runs as an MLP.
     Separate,
@@ -88,6 +91,9 @@ pub(crate) enum StreamPasses {
         gate_up: StreamPlan,
         down: StreamPlan,
     },
+    /// 4-bit integer experts in one `moe_int4_stream_layer` launch (`offset`: the planes'
+    /// `q · a − b` format).
+    Int4Layer { plan: LayerPlan, offset: bool },
 }
 
 /// The grouped tensor-core GEMM of [`MoePath::Grouped`].
@@ -105,7 +111,8 @@ pub(crate) enum GroupedPath {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum MoePath {
     /// One token: its routed experts (and the shared one when `fold_shared`) streamed by
-    /// persistent kernels; a shared expert not folded runs as an MLP.
+    /// persistent kernels, bf16 or 4-bit integers; a shared expert not folded runs as an
+    /// MLP.
     Streamed {
         inter: usize,
         fold_shared: bool,
@@ -159,6 +166,9 @@ fn plan_route(cfg: &KernelConfig, c: &MoeCall) -> RoutePath {
 
 fn plan_experts(cfg: &KernelConfig, c: &MoeCall) -> MoePath {
     if let Some(bank) = c.packed {
+        if let Some(path) = plan_int4_streamed(cfg, c, bank) {
+            return path;
+        }
         return MoePath::PackedMma {
             bank,
             token_tiles: packed_token_tiles(cfg, c.tokens, c.top_k, c.experts),
@@ -283,6 +293,37 @@ fn plan_streamed(cfg: &KernelConfig, c: &MoeCall, inter: usize) -> Option<MoePat
         inter,
         fold_shared,
         passes: layer.map_or(StreamPasses::Two { gate_up, down }, StreamPasses::Layer),
+    })
+}
+
+/// One token of 4-bit integer experts in one `moe_int4_stream_layer` launch, or `None`
+/// where it does not apply (more tokens, MXFP4, the layer launch off, widths its lanes do
+/// not divide, unaligned weights).
+fn plan_int4_streamed(cfg: &KernelConfig, c: &MoeCall, bank: PackedBank) -> Option<MoePath> {
+    let PackedFormat::Int4 { offset } = bank.format else {
+        return None;
+    };
+    if c.tokens != 1 || !cfg.moe_stream || !cfg.moe_layer {
+        return None;
+    }
+    if !c.weights_aligned || !c.input_aligned || bank.width != c.hidden {
+        return None;
+    }
+    let fold_shared = c.shared == SharedExpert::Foldable;
+    let slots = c.top_k.min(c.experts) + fold_shared as usize;
+    if slots > STREAM_MAX_SLOTS {
+        return None;
+    }
+    let plan = packed_layer_plan(
+        c.sm_count,
+        c.hidden,
+        bank.inter,
+        c.top_k + fold_shared as usize,
+    )?;
+    Some(MoePath::Streamed {
+        inter: bank.inter,
+        fold_shared,
+        passes: StreamPasses::Int4Layer { plan, offset },
     })
 }
 
@@ -536,8 +577,8 @@ mod tests {
             shared: SharedExpert::Separate,
             ..call_48b(tokens)
         };
-        // One pass per 8 pairs of an expert at decode, four groups of 8 at prefill.
-        for (tokens, tiles) in [(1, 1), (64, 1), (512, 2), (8192, 4)] {
+        // One pass per 8 pairs of an expert from two tokens, four groups of 8 at prefill.
+        for (tokens, tiles) in [(2, 1), (64, 1), (512, 2), (8192, 4)] {
             assert_eq!(
                 experts(&cfg, &int4(tokens)),
                 MoePath::PackedMma {
@@ -547,5 +588,42 @@ mod tests {
                 "{tokens} tokens"
             );
         }
+        // One token streams its layer in one launch, the shared expert folded in where it
+        // is packed like the routed ones; with the layer launch off, the tensor cores.
+        let streamed = |shared| MoePath::Streamed {
+            inter: 1024,
+            fold_shared: shared == SharedExpert::Foldable,
+            passes: StreamPasses::Int4Layer {
+                plan: packed_layer_plan(
+                    132,
+                    2304,
+                    1024,
+                    8 + usize::from(shared == SharedExpert::Foldable),
+                )
+                .expect("fits"),
+                offset: false,
+            },
+        };
+        for shared in [SharedExpert::Separate, SharedExpert::Foldable] {
+            let call = MoeCall { shared, ..int4(1) };
+            assert_eq!(experts(&cfg, &call), streamed(shared));
+        }
+        let off = with(|c| c.moe_layer = false);
+        assert_eq!(
+            experts(&off, &int4(1)),
+            MoePath::PackedMma {
+                bank,
+                token_tiles: 1
+            }
+        );
+        // MXFP4 experts have no streamed kernel yet.
+        let mxfp4 = MoeCall {
+            packed: Some(PackedBank {
+                format: PackedFormat::Mxfp4,
+                ..bank
+            }),
+            ..int4(1)
+        };
+        assert!(matches!(experts(&cfg, &mxfp4), MoePath::PackedMma { .. }));
     }
 }

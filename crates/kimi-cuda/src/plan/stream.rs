@@ -144,6 +144,52 @@ pub(crate) fn layer_plan(
     })
 }
 
+/// Code words (8 values) per lane of a row at most in `moe_int4_stream_layer`
+/// (`I4S_MAX_WORDS` in `kernels/int4_stream.cu`), and weight rows of a tile at most
+/// (`I4S_MAX_ROWS`).
+const INT4_LAYER_MAX_WORDS: usize = 12;
+const INT4_LAYER_MAX_ROWS: usize = 32;
+
+/// [`LayerPlan`] of `moe_int4_stream_layer` (`kernels/int4_stream.cu`) for `slots` experts
+/// of 4-bit gate/up `[inter, d]` and down `[d, inter]` in the planes of `quant_layout` (24
+/// bytes per 32 values), or `None` where it does not apply: both widths whole words per lane
+/// (multiples of 256, at most 3072). A gate/up tile takes 8 gate and 8 up rows (two per
+/// consumer warp), a down tile 32 rows (four per warp, the activations loaded once per
+/// tile), fewer where a tile would pass 40 KiB.
+pub(crate) fn packed_layer_plan(
+    sm_count: usize,
+    d: usize,
+    inter: usize,
+    slots: usize,
+) -> Option<LayerPlan> {
+    let words_ok = |w: usize| w > 0 && w.is_multiple_of(256) && w / 256 <= INT4_LAYER_MAX_WORDS;
+    if !words_ok(d) || !words_ok(inter) || slots == 0 {
+        return None;
+    }
+    let (gu_row, dn_row) = (d / 32 * 24, inter / 32 * 24);
+    const TILE: usize = 40 * 1024;
+    let rows_gu = [8usize, 4, 2, 1]
+        .into_iter()
+        .find(|&r| 2 * r * gu_row <= TILE && 2 * r <= INT4_LAYER_MAX_ROWS)?;
+    let rows_dn = [32usize, 16, 8, 4, 2, 1]
+        .into_iter()
+        .find(|&r| r * dn_row <= TILE && r <= INT4_LAYER_MAX_ROWS)?;
+    let stage_bytes = (2 * rows_gu * gu_row)
+        .max(rows_dn * dn_row)
+        .next_multiple_of(128);
+    let staged = d.max(slots * inter) * 4;
+    let stages = ((LAYER_SMEM_BYTES as usize).checked_sub(staged)? / stage_bytes).min(8);
+    (stages >= 2).then_some(LayerPlan {
+        rows_gu,
+        rows_dn,
+        stages,
+        stage_bytes,
+        // The grid-wide handoff needs every CTA resident: one per SM.
+        grid: sm_count,
+        smem: (stages * stage_bytes + staged) as u32,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -166,6 +212,20 @@ mod tests {
             ..shape
         };
         assert_eq!(stream_plan(tiny, SMS, 2304, 1024, 1, 0), None);
+    }
+
+    #[test]
+    fn the_48b_int4_layer_fits_one_launch() {
+        let plan = packed_layer_plan(SMS, 2304, 1024, 9).expect("fits");
+        assert_eq!((plan.rows_gu, plan.rows_dn, plan.grid), (8, 32, SMS));
+        // 16 rows of 2304 4-bit values (1,728 bytes each) per stage, 9 SwiGLU rows staged.
+        assert_eq!(plan.stage_bytes, 16 * 1728);
+        assert_eq!(plan.stages, 6);
+        assert!(plan.smem <= LAYER_SMEM_BYTES);
+        // Widths that are not whole words per lane, or past 3072, do not stream.
+        assert_eq!(packed_layer_plan(SMS, 2304, 96, 9), None);
+        assert_eq!(packed_layer_plan(SMS, 3328, 1024, 9), None);
+        assert!(packed_layer_plan(SMS, 3072, 256, 5).is_some());
     }
 
     #[test]

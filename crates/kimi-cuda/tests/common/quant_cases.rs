@@ -195,7 +195,21 @@ pub fn op_quant_embedding<B: Backend>(
 pub fn op_quant_moe<B: Backend>(b: &B, dtype: DType, n: usize) -> Res<Vec<Vec<f32>>> {
     // Q4_K's rows are whole 256-value super-blocks.
     let inter = if dtype == DType::Q4_K { 256 } else { 64 };
-    let (d, e) = (256usize, 16usize);
+    op_quant_moe_shaped(b, dtype, n, 256, inter, 2 * inter)
+}
+
+/// As [`op_quant_moe`] with hidden `d`, routed experts of width `inter` and a shared one of
+/// `shared_inter` (of the routed width, the streamed one-token layer runs it as one more
+/// slot).
+pub fn op_quant_moe_shaped<B: Backend>(
+    b: &B,
+    dtype: DType,
+    n: usize,
+    d: usize,
+    inter: usize,
+    shared_inter: usize,
+) -> Res<Vec<Vec<f32>>> {
+    let e = 16usize;
     let mut rng = Rng(83);
     let x = b.upload_f32(&[n, d], &rng.vec(n * d, 1.0))?;
     let router = weight(b, &[e, d], &rng.vec(e * d, 0.0625), DType::BF16)?;
@@ -208,7 +222,7 @@ pub fn op_quant_moe<B: Backend>(b: &B, dtype: DType, n: usize) -> Res<Vec<Vec<f3
         })
     };
     let experts = (0..e).map(|_| mlp(inter)).collect::<Res<Vec<_>>>()?;
-    let shared = Some(mlp(2 * inter)?);
+    let shared = Some(mlp(shared_inter)?);
     let w = MoeWeights {
         router,
         correction_bias: Some(bias),
@@ -295,6 +309,16 @@ pub fn cases() -> Vec<(String, Case)> {
             format!("quant {dt} moe 1 tok, 16e top4, d 256 (+ shared)"),
             quant_case!(move |b| op_quant_moe(b, dt, 1)),
         ));
+        // One token of 4-bit experts whose widths stream (`moe_int4_stream_layer`), the
+        // shared expert one more slot or (wider) an MLP.
+        if matches!(dt, DType::Q4Z | DType::Q4_0 | DType::Q4_1 | DType::Q4_K) {
+            for (d, inter, shared) in [(512usize, 256usize, 256usize), (768, 512, 1024)] {
+                out.push((
+                    format!("quant {dt} moe 1 tok streamed, 16e top4, d {d}, inter {inter} (+ shared {shared})"),
+                    quant_case!(move |b| op_quant_moe_shaped(b, dt, 1, d, inter, shared)),
+                ));
+            }
+        }
         out.push((
             format!("quant {dt} moe 6 tok, 16e top4, d 256 (+ shared)"),
             quant_case!(move |b| op_quant_moe(b, dt, 6)),
