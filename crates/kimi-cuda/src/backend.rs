@@ -48,6 +48,10 @@ pub struct CudaBackend {
     route_ticket: DevBuf,
     /// Two u32, zero between launches: `moe_stream_layer`'s grid-wide handoff counters.
     layer_sync: DevBuf,
+    /// Packed matrices that kernels read widened (MLA's decompression matrix), by address
+    /// and shape: the packed tensor (held, so that its address stays its own) and its bf16
+    /// copy, made once.
+    plain_copies: Mutex<quant::PlainCopies>,
 }
 
 fn shape_err(op: &'static str, detail: String) -> Error {
@@ -112,6 +116,7 @@ impl CudaBackend {
             bank_tables: Mutex::new(moe::RecentTables::default()),
             route_ticket,
             layer_sync,
+            plain_copies: Mutex::default(),
         })
     }
 

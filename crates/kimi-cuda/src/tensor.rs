@@ -33,6 +33,16 @@ impl std::fmt::Debug for CudaTensor {
 }
 
 impl CudaTensor {
+    /// Another handle on the same device memory (the buffer is shared, not copied).
+    pub(crate) fn share(&self) -> CudaTensor {
+        CudaTensor {
+            shape: self.shape.clone(),
+            dtype: self.dtype,
+            buf: self.buf.clone(),
+            offset: self.offset,
+        }
+    }
+
     /// Dimensions, outermost first.
     pub fn shape(&self) -> &[usize] {
         &self.shape
