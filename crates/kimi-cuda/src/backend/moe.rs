@@ -13,8 +13,8 @@ use super::{code, f32_rows, shape_err, CudaBackend};
 use crate::buffer::DevBuf;
 use crate::ops;
 use crate::plan::{
-    self, ExpertLayout, GroupedPath, MoeCall, MoePath, PackedBank, RoutePath, RouterFacts,
-    SharedExpert, StreamPasses,
+    self, ExpertLayout, GroupedPath, LayerPlan, MoeCall, MoePath, PackedBank, RoutePath,
+    RouterFacts, SharedExpert, StreamPasses,
 };
 use crate::tensor::{dtype_code, CudaTensor};
 
@@ -588,58 +588,37 @@ impl CudaBackend {
         let h = self.empty(&[rows, inter], DType::F32, OP)?;
         let y = self.empty(&[rows, d], DType::F32, OP)?;
         // What the launches rely on: the planner streamed only one token whose experts are
-        // bf16 gate/up [inter, d] and down [d, inter] (fold_shared: the shared one too, at
-        // table entry e), the table's weights and x 16-byte aligned (fresh allocations such
-        // as h are), with at most STREAM_MAX_SLOTS slots and the plans stream_plan /
-        // layer_plan made for these sizes; offsets/slots come from lists for p pairs; h and
-        // y hold `rows` rows.
+        // bf16 gate/up [inter, d] and down [d, inter] (Int4Layer: 4-bit ones of those shapes,
+        // whole matrices of one packed bank, `packed_bank`) (fold_shared: the shared one too,
+        // at table entry e, of the same kind), the table's weights and x 16-byte aligned
+        // (fresh allocations such as h are), with at most STREAM_MAX_SLOTS slots and the
+        // plans stream_plan / layer_plan / packed_layer_plan made for these sizes;
+        // offsets/slots come from lists for p pairs; h and y hold `rows` rows.
+        let layer = |plan: LayerPlan, int4: Option<bool>| -> Result<()> {
+            // SAFETY: see above; layer_sync is this backend's (zero between launches).
+            unsafe {
+                ops::moe::layer_stream(
+                    &self.dev,
+                    table,
+                    x.ptr(),
+                    k,
+                    offsets,
+                    e,
+                    slots,
+                    h.ptr(),
+                    y.ptr(),
+                    fold_shared,
+                    d,
+                    inter,
+                    plan,
+                    int4,
+                    Self::slice_ptr(&self.layer_sync),
+                )
+            }
+        };
         match passes {
-            StreamPasses::Layer(plan) => {
-                // SAFETY: see above; layer_sync is this backend's (zero between launches).
-                unsafe {
-                    ops::moe::layer_stream(
-                        &self.dev,
-                        table,
-                        x.ptr(),
-                        k,
-                        offsets,
-                        e,
-                        slots,
-                        h.ptr(),
-                        y.ptr(),
-                        fold_shared,
-                        d,
-                        inter,
-                        plan,
-                        None,
-                        Self::slice_ptr(&self.layer_sync),
-                    )?
-                };
-            }
-            StreamPasses::Int4Layer { plan, offset } => {
-                // SAFETY: see above, for 4-bit experts: the planner streamed them only as a
-                // packed bank of whole matrices (packed_bank), the shared one folded only
-                // when packed alike; layer_sync is this backend's (zero between launches).
-                unsafe {
-                    ops::moe::layer_stream(
-                        &self.dev,
-                        table,
-                        x.ptr(),
-                        k,
-                        offsets,
-                        e,
-                        slots,
-                        h.ptr(),
-                        y.ptr(),
-                        fold_shared,
-                        d,
-                        inter,
-                        plan,
-                        Some(offset),
-                        Self::slice_ptr(&self.layer_sync),
-                    )?
-                };
-            }
+            StreamPasses::Layer(plan) => layer(plan, None)?,
+            StreamPasses::Int4Layer { plan, offset } => layer(plan, Some(offset))?,
             StreamPasses::Two { gate_up, down } => {
                 // SAFETY: see above.
                 unsafe {
