@@ -60,7 +60,7 @@ if want ncu-int4; then
   cut_config "$CONFIG" "${INT4_LAYERS:-16}" /tmp/int4-config.json
   NCU="ncu --profile-from-start off --clock-control none --csv --page raw --print-units base --metrics gpu__time_duration.sum,dram__bytes_read.sum"
   for dt in bf16 q4z; do
-    CHECK_CONFIG=/tmp/int4-config.json CHECK_DTYPE=$dt KIMI_CUDA_PACKED_QUANT=1 NCU_BATCH=${NCU_BATCHES:-1} \
+    CHECK_CONFIG=/tmp/int4-config.json CHECK_DTYPE=$dt KIMI_CUDA_PACKED_QUANT=1 KIMI_CUDA_INT4_LAYER=${NCU_INT4_LAYER:-1} NCU_BATCH=${NCU_BATCHES:-1} \
       timeout ${NCU_TIMEOUT:-200} $NCU .device-bin/check ncu-step > "$OUT/ncu-int4-$dt.csv" 2> "$OUT/ncu-int4-$dt.err"
     echo "== $dt"; tail -3 "$OUT/ncu-int4-$dt.err"
     python3 scripts/cuda/ncu_summary.py "$OUT/ncu-int4-$dt.csv" 30 | tee "$OUT/ncu-int4-$dt.txt"
@@ -68,17 +68,22 @@ if want ncu-int4; then
   done
 fi
 if want int4-model; then
-  timeout ${QUANT_TIMEOUT:-150} .device-bin/check quant-ops k3-ops 2>&1 | tee "$OUT/int4-ops.txt" | grep -E "FAIL|ERROR|RESULT|cases" | tail -20
+  # The one-token 4-bit expert layer (`moe_int4_stream_layer`) is opt-in until this passes.
+  KIMI_CUDA_INT4_LAYER=1 timeout ${QUANT_TIMEOUT:-150} .device-bin/check quant-ops k3-ops 2>&1 | tee "$OUT/int4-ops.txt" | grep -E "FAIL|ERROR|RESULT|cases" | tail -20
   cfg=$CONFIG
   if [ -n "${INT4_LAYERS:-}" ]; then
     cut_config "$CONFIG" "$INT4_LAYERS" /tmp/int4-config.json
     cfg=/tmp/int4-config.json
   fi
-  for dt in bf16 q4z; do
-    KIMI_CUDA_PACKED_QUANT=1 timeout ${INT4_TIMEOUT:-150} .device-bin/kimi-infer bench --device cuda \
+  # q4z-layer: the same 4-bit model with the one-token expert layer in one launch.
+  for run in bf16 q4z q4z-layer; do
+    dt=${run%-layer}
+    layer=0; [ "$run" = q4z-layer ] && layer=1
+    echo "== $run"
+    KIMI_CUDA_PACKED_QUANT=1 KIMI_CUDA_INT4_LAYER=$layer timeout ${INT4_TIMEOUT:-150} .device-bin/kimi-infer bench --device cuda \
       --random-config "$cfg" --random-dtype $dt --prompt-len ${INT4_PROMPT:-2048} --gen-len 8 \
       --repeats 1 --decode-batch 1,16,64 --context 512 --decode-steps 16 \
-      --json "$OUT/int4-model-$dt.json" 2>&1 | tee "$OUT/int4-model-$dt.txt" | grep -E "^(prefill|decode|loaded|device mem)"
+      --json "$OUT/int4-model-$run.json" 2>&1 | tee "$OUT/int4-model-$run.txt" | grep -E "^(prefill|decode|loaded|device mem)"
   done
 fi
 # MLA over an FP8 E4M3 latent cache (`--kv-cache-dtype fp8`) against the CPU backend's FP8

@@ -240,6 +240,11 @@ pub struct KernelConfig {
     /// the small-output ones (`check quant-bench`), and prefill widens every packed matrix
     /// per call; not yet measured on a whole model.
     pub packed_quant_weights: bool,
+    /// One-token layers of 4-bit integer experts stream in one launch
+    /// (`moe_int4_stream_layer`, with `moe_layer`) instead of the tensor-core
+    /// `moe_int4_mma_*` (`KIMI_CUDA_INT4_LAYER`). Off until `check quant-ops` has passed
+    /// with it on a GPU: the kernel landed (2026-12-07) without a device run.
+    pub int4_stream_layer: bool,
     /// How MLA latent pools made from now on (`latent_zeros`) store their rows
     /// (`--kv-cache-dtype`): `Auto` / `F32` f32 rows, `Fp8` E4M3 rows with two f32 scales
     /// each (the CPU's layout). The mla op reads each pool by the type it was made with, so
@@ -273,6 +278,7 @@ impl Default for KernelConfig {
             pin_host_experts: true,
             mxfp4_device_fills: true,
             packed_quant_weights: false,
+            int4_stream_layer: false,
             kv_cache: kimi_ops::KvCacheDtype::Auto,
         }
     }

@@ -297,13 +297,13 @@ fn plan_streamed(cfg: &KernelConfig, c: &MoeCall, inter: usize) -> Option<MoePat
 }
 
 /// One token of 4-bit integer experts in one `moe_int4_stream_layer` launch, or `None`
-/// where it does not apply (more tokens, MXFP4, the layer launch off, widths its lanes do
-/// not divide, unaligned weights).
+/// where it does not apply (more tokens, MXFP4, the layer launch or `int4_stream_layer`
+/// off, widths its lanes do not divide, unaligned weights).
 fn plan_int4_streamed(cfg: &KernelConfig, c: &MoeCall, bank: PackedBank) -> Option<MoePath> {
     let PackedFormat::Int4 { offset } = bank.format else {
         return None;
     };
-    if c.tokens != 1 || !cfg.moe_stream || !cfg.moe_layer {
+    if c.tokens != 1 || !cfg.int4_stream_layer || !cfg.moe_stream || !cfg.moe_layer {
         return None;
     }
     if !c.weights_aligned || !c.input_aligned || bank.width != c.hidden {
@@ -565,7 +565,7 @@ mod tests {
 
     #[test]
     fn int4_experts_run_packed_at_every_batch() {
-        let cfg = KernelConfig::default();
+        let cfg = with(|c| c.int4_stream_layer = true);
         let bank = PackedBank {
             inter: 1024,
             width: 2304,
@@ -589,7 +589,7 @@ mod tests {
             );
         }
         // One token streams its layer in one launch, the shared expert folded in where it
-        // is packed like the routed ones; with the layer launch off, the tensor cores.
+        // is packed like the routed ones.
         let streamed = |shared| MoePath::Streamed {
             inter: 1024,
             fold_shared: shared == SharedExpert::Foldable,
@@ -608,14 +608,20 @@ mod tests {
             let call = MoeCall { shared, ..int4(1) };
             assert_eq!(experts(&cfg, &call), streamed(shared));
         }
-        let off = with(|c| c.moe_layer = false);
-        assert_eq!(
-            experts(&off, &int4(1)),
-            MoePath::PackedMma {
-                bank,
-                token_tiles: 1
-            }
-        );
+        // With the layer launch off, or by default (not yet run on a GPU), the tensor cores.
+        let off = with(|c| {
+            c.int4_stream_layer = true;
+            c.moe_layer = false
+        });
+        for cfg in [off, KernelConfig::default()] {
+            assert_eq!(
+                experts(&cfg, &int4(1)),
+                MoePath::PackedMma {
+                    bank,
+                    token_tiles: 1
+                }
+            );
+        }
         // MXFP4 experts have no streamed kernel yet.
         let mxfp4 = MoeCall {
             packed: Some(PackedBank {
