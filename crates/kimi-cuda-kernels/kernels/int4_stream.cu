@@ -160,15 +160,8 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
         fetch(u, queued);
       }
   };
-  if (threadIdx.x == 0) {
-    stream_bar_init(smem_addr(&xbar), 1);
-    for (int i = 0; i < stages; ++i) {
-      stream_bar_init(smem_addr(&s.full[i]), 1);
-      stream_bar_init(smem_addr(&s.empty[i]), STREAM_CONSUMERS);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  if (threadIdx.x == 0) stream_bar_init(smem_addr(&xbar), 1);
+  stream_init(s, stages);
   if (producer) {
     fill(0, shared);
     queue();

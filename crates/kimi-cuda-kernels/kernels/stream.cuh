@@ -40,7 +40,10 @@ __device__ __forceinline__ void stream_bar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
-__device__ __forceinline__ void stream_init(StreamSmem& s, int stages) {
+// Every stage's `full` (one arrival: the producer's copies) and `empty` (one per consumer
+// warp) barriers, then a block barrier. S: any shared struct with `full` and `empty` arrays.
+template <class S>
+__device__ __forceinline__ void stream_init(S& s, int stages) {
   if (threadIdx.x == 0) {
     for (int i = 0; i < stages; ++i) {
       stream_bar_init(smem_addr(&s.full[i]), 1);
