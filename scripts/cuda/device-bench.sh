@@ -60,7 +60,7 @@ if want ncu-int4; then
   cut_config "$CONFIG" "${INT4_LAYERS:-16}" /tmp/int4-config.json
   NCU="ncu --profile-from-start off --clock-control none --csv --page raw --print-units base --metrics gpu__time_duration.sum,dram__bytes_read.sum"
   for dt in bf16 q4z; do
-    CHECK_CONFIG=/tmp/int4-config.json CHECK_DTYPE=$dt KIMI_CUDA_PACKED_QUANT=1 KIMI_CUDA_INT4_LAYER=${NCU_INT4_LAYER:-1} NCU_BATCH=${NCU_BATCHES:-1} \
+    CHECK_CONFIG=/tmp/int4-config.json CHECK_DTYPE=$dt KIMI_CUDA_PACKED_QUANT=1 KIMI_CUDA_INT4_LAYER=${NCU_INT4_LAYER:-1} KIMI_CUDA_INT4_GEMV=${NCU_INT4_GEMV:-1} NCU_BATCH=${NCU_BATCHES:-1} \
       timeout ${NCU_TIMEOUT:-200} $NCU .device-bin/check ncu-step > "$OUT/ncu-int4-$dt.csv" 2> "$OUT/ncu-int4-$dt.err"
     echo "== $dt"; tail -3 "$OUT/ncu-int4-$dt.err"
     python3 scripts/cuda/ncu_summary.py "$OUT/ncu-int4-$dt.csv" 30 | tee "$OUT/ncu-int4-$dt.txt"
@@ -69,18 +69,20 @@ if want ncu-int4; then
 fi
 if want int4-model; then
   # The one-token 4-bit expert layer (`moe_int4_stream_layer`) is opt-in until this passes.
-  KIMI_CUDA_INT4_LAYER=1 timeout ${QUANT_TIMEOUT:-150} .device-bin/check quant-ops k3-ops 2>&1 | tee "$OUT/int4-ops.txt" | grep -E "FAIL|ERROR|RESULT|cases" | tail -20
+  KIMI_CUDA_INT4_LAYER=1 KIMI_CUDA_INT4_GEMV=1 timeout ${QUANT_TIMEOUT:-150} .device-bin/check quant-ops k3-ops 2>&1 | tee "$OUT/int4-ops.txt" | grep -E "FAIL|ERROR|RESULT|cases" | tail -20
   cfg=$CONFIG
   if [ -n "${INT4_LAYERS:-}" ]; then
     cut_config "$CONFIG" "$INT4_LAYERS" /tmp/int4-config.json
     cfg=/tmp/int4-config.json
   fi
-  # q4z-layer: the same 4-bit model with the one-token expert layer in one launch.
-  for run in bf16 q4z q4z-layer; do
-    dt=${run%-layer}
-    layer=0; [ "$run" = q4z-layer ] && layer=1
+  # q4z-layer: the same 4-bit model with the one-token expert layer in one launch;
+  # q4z-stream: and the one-token dense products streamed too.
+  for run in bf16 q4z q4z-layer q4z-stream; do
+    dt=${run%-*}
+    layer=0; [ "$run" != q4z ] && [ "$run" != bf16 ] && layer=1
+    gemv=0; [ "$run" = q4z-stream ] && gemv=1
     echo "== $run"
-    KIMI_CUDA_PACKED_QUANT=1 KIMI_CUDA_INT4_LAYER=$layer timeout ${INT4_TIMEOUT:-150} .device-bin/kimi-infer bench --device cuda \
+    KIMI_CUDA_PACKED_QUANT=1 KIMI_CUDA_INT4_LAYER=$layer KIMI_CUDA_INT4_GEMV=$gemv timeout ${INT4_TIMEOUT:-150} .device-bin/kimi-infer bench --device cuda \
       --random-config "$cfg" --random-dtype $dt --prompt-len ${INT4_PROMPT:-2048} --gen-len 8 \
       --repeats 1 --decode-batch 1,16,64 --context 512 --decode-steps 16 \
       --json "$OUT/int4-model-$run.json" 2>&1 | tee "$OUT/int4-model-$run.txt" | grep -E "^(prefill|decode|loaded|device mem)"

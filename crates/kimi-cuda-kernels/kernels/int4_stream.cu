@@ -1,3 +1,6 @@
+// One-token products of 4-bit integer weights streamed by persistent kernels: an MoE layer
+// (`moe_int4_stream_layer`) and a dense matrix (`quant_gemv_int4_stream_1`, at the end).
+//
 // A one-token MoE layer whose experts are 4-bit integers (Q4Z: AWQ, GPTQ, compressed-tensors
 // INT4; ggml's Q4_0, Q4_1, Q4_K), in one persistent launch: `moe_stream_layer`'s schedule
 // (stream.cuh: a producer warp queues whole tiles with the TMA engine into shared-memory
@@ -61,9 +64,10 @@ __device__ __forceinline__ float nib(uint32_t v, int k) {
   return __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7440u + k)) - 8388608.0f;
 }
 
-// Row r of a part of `nr` rows of `nb` blocks at `part` (shared memory) times the lane's
-// activations: the warp's sum, in every lane.
-__device__ __forceinline__ float row_dot(const uint8_t* part, int nr, int r, int nb,
+// Row r of a part of `nr` rows of `nb` blocks at `part` (shared memory), from code word c0
+// of the row on (a multiple of 32), times the lane's activations: the warp's sum, in every
+// lane.
+__device__ __forceinline__ float row_dot(const uint8_t* part, int nr, int r, int nb, int c0,
                                          const Xs& x, int words, int fmt3, int lane) {
   const uint32_t* code = reinterpret_cast<const uint32_t*>(part) + (size_t)r * nb * 4;
   const float2* head =
@@ -72,7 +76,7 @@ __device__ __forceinline__ float row_dot(const uint8_t* part, int nr, int r, int
 #pragma unroll
   for (int j = 0; j < I4S_MAX_WORDS; ++j)
     if (j < words) {
-      const int c = lane + 32 * j;
+      const int c = c0 + lane + 32 * j;
       const uint32_t w = code[c];
       const float2 hd = head[c >> 2];
       const uint32_t lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;
@@ -221,8 +225,8 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
     const uint8_t* tile = stream_buf + (size_t)stage * stage_bytes;
     for (int r = warp; r < 2 * nr; r += STREAM_CONSUMERS) {
       const bool up = r >= nr;
-      const float v = i4s::row_dot(tile + (up ? nr * gu_row : 0u), nr, up ? r - nr : r, nb0, xr,
-                                   d >> 8, fmt3, lane);
+      const float v = i4s::row_dot(tile + (up ? nr * gu_row : 0u), nr, up ? r - nr : r, nb0, 0,
+                                   xr, d >> 8, fmt3, lane);
       if (lane == 0) s.part[stage][r] = v;
     }
     __syncwarp();
@@ -244,8 +248,91 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
     bar_wait(smem_addr(&s.full[stage]), (i / stages) & 1);
     const uint8_t* tile = stream_buf + (size_t)stage * stage_bytes;
     for (int r = warp; r < nr; r += STREAM_CONSUMERS) {
-      const float val = i4s::row_dot(tile, nr, r, nb1, xr, inter >> 8, fmt3, lane);
+      const float val = i4s::row_dot(tile, nr, r, nb1, 0, xr, inter >> 8, fmt3, lane);
       if (lane == 0) s.part[stage][r] = val;
+    }
+    __syncwarp();
+    if (lane == 0) stream_bar_arrive(smem_addr(&s.empty[stage]));
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// One token's product y [o] = x [k] · wᵀ with a 4-bit matrix w [o, k] in the same planes
+// (decode at batch 1 of dense and attention projections): `gemv_stream_1`'s schedule — one
+// persistent CTA per SM walks tiles of `rows` whole packed rows through `stages` stages, a
+// producer warp queueing each tile with two bulk copies (the rows' codes, then their
+// headers) — with the layer's row products above. The packed GEMV (`quant_gemv_*` in
+// quant.cu) reached 1.3 TB/s at its widest and needed a second launch to add K splits on
+// narrow matrices; here a tile is in flight whole and each row is one warp's.
+//
+// Rows too wide for one lane's registers split into `slices` column slices (1, 2, 4 or 8;
+// cols / 256 / slices <= I4S_MAX_WORDS words per lane): consumer warp w takes slice
+// w % slices of rows w / slices, + 8 / slices, ..., and loads that slice of x once. The
+// producer adds a row's slices in order (the result does not depend on timing). Needs
+// cols % (256 * slices) == 0, rows * slices <= I4S_GEMV_UNITS, 16-byte aligned x; the
+// first `stages` tiles are queued before the wait on the previous kernel.
+#define I4S_GEMV_UNITS 64
+
+namespace i4s {
+struct GemvSmem {
+  uint64_t full[STREAM_MAX_STAGES];
+  uint64_t empty[STREAM_MAX_STAGES];
+  float part[STREAM_MAX_STAGES][I4S_GEMV_UNITS];
+};
+}  // namespace i4s
+
+// Dynamic smem: stages * stage_bytes (stage_bytes >= rows * cols / 32 * 24, a multiple of
+// 128). Grid <= ceil(o / rows), block STREAM_THREADS.
+extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
+    quant_gemv_int4_stream_1(const uint8_t* w, const float* x, float* y, int o, int k,
+                             int fmt3, int rows, int slices, int stages, int stage_bytes) {
+  extern __shared__ __align__(128) uint8_t stream_buf[];
+  __shared__ i4s::GemvSmem s;
+  const int nb = k >> 5;
+  const int tiles = (o + rows - 1) / rows;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool producer = warp == STREAM_CONSUMERS;
+  auto fetch = [&](int t, int stage) {
+    const int r0 = t * rows, nr = min(rows, o - r0);
+    const uint32_t bar = smem_addr(&s.full[stage]);
+    bar_expect(bar, (uint32_t)(nr * nb) * 24u);
+    i4s::part_fetch(stream_buf + (size_t)stage * stage_bytes, w, o, nb, r0, nr, bar);
+  };
+  stream_init(s, stages);
+  if (producer && lane == 0)
+    for (int i = 0; i < stages && blockIdx.x + i * gridDim.x < tiles; ++i)
+      fetch(blockIdx.x + i * gridDim.x, i);
+  pdl_enter();
+  if (producer) {
+    for (int i = 0;; ++i) {
+      const int t = blockIdx.x + i * gridDim.x;
+      if (t >= tiles) break;
+      const int stage = i % stages;
+      bar_wait(smem_addr(&s.empty[stage]), (i / stages) & 1);
+      const int nr = min(rows, o - t * rows);
+      if (lane < nr) {
+        float v = 0.0f;
+        for (int j = 0; j < slices; ++j) v += s.part[stage][lane * slices + j];
+        y[(size_t)t * rows + lane] = v;
+      }
+      __syncwarp();
+      if (lane == 0 && t + stages * (int)gridDim.x < tiles) fetch(t + stages * gridDim.x, stage);
+    }
+    return;
+  }
+  const int slice = warp % slices, words = (k >> 8) / slices, c0 = slice * 32 * words;
+  i4s::Xs xr;
+  i4s::load_x(xr, x + 8 * c0, words, lane);
+  for (int i = 0;; ++i) {
+    const int t = blockIdx.x + i * gridDim.x;
+    if (t >= tiles) break;
+    const int stage = i % stages;
+    const int nr = min(rows, o - t * rows);
+    bar_wait(smem_addr(&s.full[stage]), (i / stages) & 1);
+    const uint8_t* tile = stream_buf + (size_t)stage * stage_bytes;
+    for (int r = warp / slices; r < nr; r += STREAM_CONSUMERS / slices) {
+      const float v = i4s::row_dot(tile, nr, r, nb, c0, xr, words, fmt3, lane);
+      if (lane == 0) s.part[stage][r * slices + slice] = v;
     }
     __syncwarp();
     if (lane == 0) stream_bar_arrive(smem_addr(&s.empty[stage]));

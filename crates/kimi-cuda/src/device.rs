@@ -52,6 +52,7 @@ const BIG_SMEM_KERNELS: &[&str] = &[
     "kda_chunk_prep_blk_128",
     "gemv_stream_1",
     "moe_stream_1",
+    "quant_gemv_int4_stream_1",
     // A 48 KiB weight tile plus the kernel's static shared memory is over the default limit
     // (rows of 3072 or 6144 bf16: Kimi K3's shared experts).
     "gemv_bulk_1",

@@ -47,7 +47,10 @@ pub(crate) const KERNELS: &[(&str, &[&str])] = &[
             "mxfp4_to_f32",
         ],
     ),
-    ("int4_stream", &["moe_int4_stream_layer"]),
+    (
+        "int4_stream",
+        &["moe_int4_stream_layer", "quant_gemv_int4_stream_1"],
+    ),
     (
         "int4_experts",
         &[

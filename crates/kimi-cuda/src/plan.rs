@@ -18,9 +18,9 @@ mod stream;
 pub(crate) use bank::{plan_expert_bank, BankCall, BankPath, PackedBank, PackedFormat};
 pub use env::EnvVarError;
 pub(crate) use kernels::{
-    plan_gemv, plan_gemv_pair, plan_kda_chunk, plan_matmul, plan_mla_prefill, plan_quant_gemv,
-    GemvPath, KdaChunkPath, KdaPrep, MatmulPath, MlaPrefillFacts, MlaPrefillPath, GEMV_MAX_ROWS,
-    QUANT_GEMV_MAX_ROWS,
+    plan_gemv, plan_gemv_pair, plan_kda_chunk, plan_matmul, plan_mla_prefill, plan_quant_gemv_path,
+    GemvPath, KdaChunkPath, KdaPrep, MatmulPath, MlaPrefillFacts, MlaPrefillPath, QuantGemvPath,
+    QuantGemvPlan, GEMV_MAX_ROWS, QUANT_GEMV_MAX_ROWS,
 };
 pub(crate) use moe::{
     plan_moe, ExpertLayout, GroupedPath, MoeCall, MoePath, RoutePath, RouterFacts, SharedExpert,
@@ -245,6 +245,11 @@ pub struct KernelConfig {
     /// `moe_int4_mma_*` (`KIMI_CUDA_INT4_LAYER`). Off until `check quant-ops` has passed
     /// with it on a GPU: the kernel landed (2026-12-07) without a device run.
     pub int4_stream_layer: bool,
+    /// One-token products of packed 4-bit matrices (Q4Z, Q4_0, Q4_1, Q4_K; widths a multiple
+    /// of 256) stream through persistent CTAs (`quant_gemv_int4_stream_1`) instead of
+    /// `quant_gemv_*_1` and its K-split reduce (`KIMI_CUDA_INT4_GEMV`). Off until `check
+    /// quant-ops` has passed with it on a GPU.
+    pub int4_stream_gemv: bool,
     /// How MLA latent pools made from now on (`latent_zeros`) store their rows
     /// (`--kv-cache-dtype`): `Auto` / `F32` f32 rows, `Fp8` E4M3 rows with two f32 scales
     /// each (the CPU's layout). The mla op reads each pool by the type it was made with, so
@@ -279,6 +284,7 @@ impl Default for KernelConfig {
             mxfp4_device_fills: true,
             packed_quant_weights: false,
             int4_stream_layer: false,
+            int4_stream_gemv: false,
             kv_cache: kimi_ops::KvCacheDtype::Auto,
         }
     }

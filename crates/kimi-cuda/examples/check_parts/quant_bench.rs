@@ -3,7 +3,8 @@
 //! the bf16 GEMV on the same shapes. Each shape rotates over enough uploaded copies of its
 //! matrix (>= 320 MB) that every call streams from HBM, not L2; back-to-back calls in a
 //! replayed pass, as in a decode step. Prints µs per call, GB/s of weight bytes read, the
-//! fraction of the measured HBM read bandwidth, and the speed-up over bf16.
+//! fraction of the measured HBM read bandwidth, and the speed-up over bf16; at one row, Q4Z
+//! also on the streamed 4-bit kernel (`quant_gemv_int4_stream_1`).
 
 use std::io::Write;
 
@@ -100,20 +101,27 @@ pub fn quant_bench() -> Res<()> {
                             .sum::<f64>() as f32
                     })
                     .collect();
-                let err = rel_err(&be.to_f32(&be.matmul(&x, &ws[0])?)?, &want);
-                if err > 1e-4 {
-                    return Err(format!("{dt} {name} n={n}: rel err {err:.2e}").into());
+                // One row of Q4Z also on the streamed kernel (`quant_gemv_int4_stream_1`).
+                let streamed = n == 1 && *dt == DType::Q4Z;
+                for stream in [false, true].into_iter().filter(|&s| !s || streamed) {
+                    be.update_kernel_config(|c| c.int4_stream_gemv = stream)?;
+                    let err = rel_err(&be.to_f32(&be.matmul(&x, &ws[0])?)?, &want);
+                    if err > 1e-4 {
+                        return Err(format!("{dt} {name} n={n}: rel err {err:.2e}").into());
+                    }
+                    key += 1;
+                    let secs = per_call(&be, key, &x, ws)?;
+                    let bytes = dt.storage_bytes(o * k).unwrap_or(0) as f64;
+                    line += &format!(
+                        " | {dt}{} {:6.2} us {:5.0} GB/s ({:3.0}%) x{:.2}",
+                        if stream { " streamed" } else { "" },
+                        secs * 1e6,
+                        bytes / secs / 1e9,
+                        100.0 * bytes / secs / hbm,
+                        base / secs
+                    );
                 }
-                key += 1;
-                let secs = per_call(&be, key, &x, ws)?;
-                let bytes = dt.storage_bytes(o * k).unwrap_or(0) as f64;
-                line += &format!(
-                    " | {dt} {:6.2} us {:5.0} GB/s ({:3.0}%) x{:.2}",
-                    secs * 1e6,
-                    bytes / secs / 1e9,
-                    100.0 * bytes / secs / hbm,
-                    base / secs
-                );
+                be.update_kernel_config(|c| c.int4_stream_gemv = false)?;
             }
             println!("{line}");
             let _ = std::io::stdout().flush();

@@ -128,9 +128,10 @@ impl CudaBackend {
             return self.matmul_blocks(x, &self.widen_quant(w, DType::BF16, op)?, rows, op);
         }
         let y = self.empty(&[n, o], DType::F32, op)?;
+        let cfg = self.kernel_config();
         // SAFETY: w is an [o, k] matrix of its dtype in the device planes (k % 32 == 0); x
         // holds n <= 8 rows of k f32 at a 4-byte aligned address; y holds n*o f32.
-        unsafe { ops::quant::gemv(&self.dev, w.dtype, x.ptr(), w.ptr(), y.ptr(), n, k, o)? };
+        unsafe { ops::quant::gemv(&self.dev, &cfg, w.dtype, x.ptr(), w.ptr(), y.ptr(), n, k, o)? };
         if rows.len() == 1 {
             Ok(vec![y])
         } else {

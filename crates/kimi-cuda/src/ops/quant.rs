@@ -7,7 +7,8 @@ use kimi_ops::{Error, Result};
 
 use crate::device::{flat, grid, Device};
 use crate::error::OpContext;
-use crate::plan::plan_quant_gemv;
+use crate::ops::gemm::STREAM_THREADS;
+use crate::plan::{plan_quant_gemv_path, KernelConfig, QuantGemvPath, QuantGemvPlan};
 use crate::quant_layout::format_code;
 
 /// The most activation rows one `quant_gemv_*` launch takes.
@@ -22,8 +23,8 @@ fn fmt(dtype: DType) -> Result<i32> {
 }
 
 /// `y [n, o] = x [n, k] · wᵀ` for a packed `w [o, k]` of `dtype` (a type kept packed), f32
-/// activations and products, `1 <= n <= GEMV_MAX_ROWS`, launched as
-/// [`plan_quant_gemv`] says.
+/// activations and products, `1 <= n <= GEMV_MAX_ROWS`, with the kernel
+/// [`plan_quant_gemv_path`] picks under `cfg`.
 ///
 /// # Safety
 /// `w` holds an `[o, k]` matrix of `dtype` in the device planes (`k % 32 == 0`); `x` holds
@@ -31,6 +32,7 @@ fn fmt(dtype: DType) -> Result<i32> {
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gemv(
     dev: &Device,
+    cfg: &KernelConfig,
     dtype: DType,
     x: u64,
     w: u64,
@@ -42,27 +44,74 @@ pub(crate) unsafe fn gemv(
     if n == 0 || o == 0 {
         return Ok(());
     }
+    if n > GEMV_MAX_ROWS {
+        return Err(Error::Device(format!("quant_gemv: {n} rows, at most 8")));
+    }
+    let format = fmt(dtype)?;
+    let (oi, ki) = (int(o, "rows")?, int(k, "width")?);
+    // The kernels index blocks with 32 bits.
+    if !k.is_multiple_of(32) || u32::try_from(o * (k / 32)).is_err() {
+        return Err(Error::Unsupported(format!(
+            "quant_gemv: a [{o}, {k}] matrix (whole 32-value blocks, under 2^32 of them)"
+        )));
+    }
+    let aligned = x.is_multiple_of(16);
+    match plan_quant_gemv_path(cfg, dev.sm_count, format, n, k, o, aligned) {
+        QuantGemvPath::Int4Stream(plan) => {
+            let fmt3 = i32::from(format == 3);
+            let (rows, slices) = (int(plan.rows, "rows")?, int(plan.slices, "slices")?);
+            let (stages, stage_bytes) =
+                (int(plan.stages, "stages")?, int(plan.stage_bytes, "stage")?);
+            let mut b = dev.kernel("matmul", "quant_gemv_int4_stream_1")?;
+            b.arg(&w)
+                .arg(&x)
+                .arg(&y)
+                .arg(&oi)
+                .arg(&ki)
+                .arg(&fmt3)
+                .arg(&rows)
+                .arg(&slices)
+                .arg(&stages)
+                .arg(&stage_bytes);
+            let cfg = grid((plan.grid as u32, 1, 1), STREAM_THREADS, plan.smem);
+            // SAFETY: see the function's contract; `x` is 16-byte aligned, `packed_gemv_plan`
+            // checked k against the lanes' words and the slices, and sized the stages within
+            // the kernel's opted-in shared memory.
+            unsafe { b.launch(cfg) }.op("matmul")
+        }
+        QuantGemvPath::Blocks(plan) => unsafe { gemv_blocks(dev, format, x, w, y, n, k, o, plan) },
+    }
+}
+
+/// [`gemv`] on `quant_gemv_*`, then `quant_gemv_reduce` where K splits.
+///
+/// # Safety
+/// As [`gemv`], with the matrix checked there.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemv_blocks(
+    dev: &Device,
+    format: i32,
+    x: u64,
+    w: u64,
+    y: u64,
+    n: usize,
+    k: usize,
+    o: usize,
+    plan: QuantGemvPlan,
+) -> Result<()> {
     let tiles = match n {
         1 => "1",
         2 => "2",
         3..=4 => "4",
-        5..=GEMV_MAX_ROWS => "8",
-        _ => return Err(Error::Device(format!("quant_gemv: {n} rows, at most 8"))),
+        _ => "8",
     };
-    let family = match fmt(dtype)? {
+    let family = match format {
         0 => "q4z",
         1 => "q8z",
         2 => "f8s",
         _ => "q4a",
     };
     let (ni, oi, ki) = (int(n, "rows")?, int(o, "rows")?, int(k, "width")?);
-    // The kernel indexes blocks with 32 bits.
-    if !k.is_multiple_of(32) || u32::try_from(o * (k / 32)).is_err() {
-        return Err(Error::Unsupported(format!(
-            "quant_gemv: a [{o}, {k}] matrix (whole 32-value blocks, under 2^32 of them)"
-        )));
-    }
-    let plan = plan_quant_gemv(dev.sm_count, n, k, o);
     let (wk, chunk, span) = (
         int(plan.wk, "slices")?,
         int(plan.chunk, "chunk")?,

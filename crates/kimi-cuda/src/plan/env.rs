@@ -31,9 +31,10 @@ const PIN_HOST_EXPERTS: &str = "KIMI_CUDA_PIN_HOST_EXPERTS";
 const MXFP4_DEVICE_FILLS: &str = "KIMI_CUDA_MXFP4_DEVICE_FILLS";
 const PACKED_QUANT: &str = "KIMI_CUDA_PACKED_QUANT";
 const INT4_LAYER: &str = "KIMI_CUDA_INT4_LAYER";
+const INT4_GEMV: &str = "KIMI_CUDA_INT4_GEMV";
 
 /// Every variable [`KernelConfig::from_env`] reads.
-const VARS: [&str; 15] = [
+const VARS: [&str; 16] = [
     MLA_PREFILL,
     KDA_CHUNK,
     MOE_LAYER,
@@ -49,6 +50,7 @@ const VARS: [&str; 15] = [
     MXFP4_DEVICE_FILLS,
     PACKED_QUANT,
     INT4_LAYER,
+    INT4_GEMV,
 ];
 
 impl KernelConfig {
@@ -98,6 +100,7 @@ impl KernelConfig {
     /// | `KIMI_CUDA_MXFP4_DEVICE_FILLS` | `1`: MXFP4 slot fills laid out on the GPU; `0` |
     /// | `KIMI_CUDA_PACKED_QUANT` | `1`: integer/FP8/ggml weights kept packed; `0` |
     /// | `KIMI_CUDA_INT4_LAYER` | `1`: one-token 4-bit expert layers in one streamed launch; `0` |
+    /// | `KIMI_CUDA_INT4_GEMV` | `1`: one-token 4-bit products streamed by persistent CTAs; `0` |
     pub fn from_vars<'a>(
         vars: impl IntoIterator<Item = (&'a str, &'a str)>,
     ) -> (Self, Vec<EnvVarError>) {
@@ -176,6 +179,9 @@ impl KernelConfig {
             }
             INT4_LAYER => {
                 self.int4_stream_layer = flag(value).ok_or_else(|| invalid("`0` or `1`"))?
+            }
+            INT4_GEMV => {
+                self.int4_stream_gemv = flag(value).ok_or_else(|| invalid("`0` or `1`"))?
             }
             POOL_RELEASE => {
                 self.pool_keeps_memory = !flag(value).ok_or_else(|| invalid("`0` or `1`"))?
@@ -293,9 +299,11 @@ mod tests {
             (POOL_RELEASE, "0"),
             (PACKED_QUANT, "1"),
             (INT4_LAYER, "1"),
+            (INT4_GEMV, "1"),
         ]);
         assert!(errors.is_empty(), "{errors:?}");
         assert!(config.packed_quant_weights && config.int4_stream_layer);
+        assert!(config.int4_stream_gemv);
         assert_eq!(config.kda_chunk, KdaChunkKernel::F32);
         assert_eq!(config.cutlass_min_pairs.split, usize::MAX);
         assert_eq!(config.stream_shape.tile_bytes, 40 << 10);

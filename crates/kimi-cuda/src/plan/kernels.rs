@@ -1,6 +1,6 @@
 //! The planners of the dense products (GEMM or GEMV), chunked KDA and MLA prefill.
 
-use super::stream::{stream_plan, StreamPlan};
+use super::stream::{packed_gemv_plan, stream_plan, PackedGemvPlan, StreamPlan};
 use super::{GemmPrecision, GemvKernel, KdaChunkKernel, KernelConfig, MlaPrefillKernel};
 
 /// Up to this many rows, GEMMs against bf16 weights (either precision) run as an f32-product
@@ -133,6 +133,36 @@ pub(crate) fn quant_gemv_tile(n: usize) -> usize {
 /// `red[4][16][NT]` f32.
 fn quant_gemv_static_smem(n: usize) -> usize {
     4 * 16 * quant_gemv_tile(n) * 4
+}
+
+/// How `x [n, k] · wᵀ` runs for a packed `w [o, k]` and a few activation rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum QuantGemvPath {
+    /// `quant_gemv_*` (`kernels/quant.cu`), with `quant_gemv_reduce` after it when K splits.
+    Blocks(QuantGemvPlan),
+    /// One token of a 4-bit matrix: `quant_gemv_int4_stream_1` (`kernels/int4_stream.cu`).
+    Int4Stream(PackedGemvPlan),
+}
+
+/// The kernel for `n` rows of `x` (`x_aligned`: at a 16-byte address) against a packed
+/// `[o, k]` matrix of format `fmt` (`quant_layout::format_code`): the streamed 4-bit kernel
+/// at one row where `int4_stream_gemv` is on and its cut applies, else `quant_gemv_*`.
+pub(crate) fn plan_quant_gemv_path(
+    cfg: &KernelConfig,
+    sm_count: usize,
+    fmt: i32,
+    n: usize,
+    k: usize,
+    o: usize,
+    x_aligned: bool,
+) -> QuantGemvPath {
+    let four_bit = fmt == 0 || fmt == 3;
+    if n == 1 && four_bit && x_aligned && cfg.int4_stream_gemv {
+        if let Some(plan) = packed_gemv_plan(sm_count, k, o) {
+            return QuantGemvPath::Int4Stream(plan);
+        }
+    }
+    QuantGemvPath::Blocks(plan_quant_gemv(sm_count, n, k, o))
 }
 
 /// A launch of `quant_gemv_*` (`kernels/quant.cu`): `x [n, k] · wᵀ` for a packed `w [o, k]`.

@@ -1,5 +1,6 @@
 //! How the streamed one-token kernels (`kernels/stream.cuh`: `gemv_stream_1`,
-//! `moe_stream_1`, `moe_stream_layer`) are cut: tile rows, shared-memory stages, CTAs.
+//! `moe_stream_1`, `moe_stream_layer`; `kernels/int4_stream.cu`: `moe_int4_stream_layer`,
+//! `quant_gemv_int4_stream_1`) are cut: tile rows, shared-memory stages, CTAs.
 
 /// Kernels with more than 48 KiB of dynamic shared memory opt in to this much.
 pub(crate) const MAX_DYNAMIC_SMEM_BYTES: u32 = 200 * 1024;
@@ -190,6 +191,65 @@ pub(crate) fn packed_layer_plan(
     })
 }
 
+/// Tile rows × column slices of `quant_gemv_int4_stream_1` at most (`I4S_GEMV_UNITS` in
+/// `kernels/int4_stream.cu`).
+const INT4_GEMV_UNITS: usize = 64;
+
+/// How `quant_gemv_int4_stream_1` (`kernels/int4_stream.cu`) cuts a one-token product over
+/// a 4-bit `[o, k]` matrix: weight rows per tile, column slices per row, stages, CTAs and
+/// dynamic shared memory (the stages only: the activations sit in registers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PackedGemvPlan {
+    pub(crate) rows: usize,
+    pub(crate) slices: usize,
+    pub(crate) stages: usize,
+    pub(crate) stage_bytes: usize,
+    pub(crate) grid: usize,
+    pub(crate) smem: u32,
+}
+
+/// [`PackedGemvPlan`] for `o` rows of `k` 4-bit values (24 bytes per 32) on `sm_count` SMs,
+/// or `None` where it does not apply (`k` not whole words per lane: a multiple of 256).
+/// Rows wider than a lane's registers take (k / 256 words per lane past 12) split into the
+/// fewest column slices that bring them under. Tiles stay under 32 KiB, and the rows per
+/// tile are those whose busiest CTA streams the least, counting each tile as its bytes plus
+/// about 2 KiB for its round trip: large tiles on tall matrices, small ones where a few
+/// large tiles would leave SMs idle (o_proj's 2,304 rows of 4,096: tiles of 4 rows).
+pub(crate) fn packed_gemv_plan(sm_count: usize, k: usize, o: usize) -> Option<PackedGemvPlan> {
+    if k == 0 || o == 0 || sm_count == 0 || !k.is_multiple_of(256) {
+        return None;
+    }
+    let words = k / 256;
+    let slices = [1usize, 2, 4, 8]
+        .into_iter()
+        .find(|&s| words.is_multiple_of(s) && words / s <= INT4_LAYER_MAX_WORDS)?;
+    let row_bytes = k / 32 * 24;
+    const TILE: usize = 32 * 1024;
+    const TILE_COST: usize = 2 * 1024;
+    let busiest = |r: usize| {
+        let tiles = o.div_ceil(r);
+        tiles.div_ceil(tiles.min(sm_count)) * (r * row_bytes + TILE_COST)
+    };
+    let rows = [32usize, 16, 8, 4, 2, 1]
+        .into_iter()
+        .filter(|&r| r * slices <= INT4_GEMV_UNITS && r * row_bytes <= TILE)
+        .min_by_key(|&r| busiest(r))?;
+    let stage_bytes = (rows * row_bytes).next_multiple_of(128);
+    let tiles = o.div_ceil(rows);
+    let grid = tiles.min(sm_count);
+    let stages = (MAX_DYNAMIC_SMEM_BYTES as usize / stage_bytes)
+        .min(STREAM_MAX_STAGES)
+        .min(tiles.div_ceil(grid));
+    (stages >= 1).then_some(PackedGemvPlan {
+        rows,
+        slices,
+        stages,
+        stage_bytes,
+        grid,
+        smem: (stages * stage_bytes) as u32,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -233,5 +293,39 @@ mod tests {
         let plan = layer_plan(StreamShape::default(), SMS, 2304, 1024, 9).expect("fits");
         assert_eq!(plan.grid, SMS);
         assert!(plan.stages >= 2 && plan.smem <= LAYER_SMEM_BYTES);
+    }
+
+    #[test]
+    fn packed_gemv_plans_of_the_48b_decode_shapes() {
+        // o_proj (2,304 rows of 4,096): two slices of 8 words per lane, small tiles so that
+        // every SM streams about as much.
+        let o_proj = packed_gemv_plan(SMS, 4096, 2304).expect("fits");
+        assert_eq!((o_proj.rows, o_proj.slices, o_proj.grid), (4, 2, SMS));
+        // The fused q/k/v projection and the head: 16 rows of 2,304 (27 KiB) per tile.
+        for o in [12576usize, 163840] {
+            let p = packed_gemv_plan(SMS, 2304, o).expect("fits");
+            assert_eq!((p.rows, p.slices, p.stage_bytes), (16, 1, 16 * 1728));
+            assert!(p.stages >= 2 && p.smem <= MAX_DYNAMIC_SMEM_BYTES);
+        }
+        // Every plan covers its rows, stays within the kernel's limits and fits the SMs.
+        for (k, o) in [
+            (256usize, 37usize),
+            (512, 1),
+            (2304, 129),
+            (7168, 4096),
+            (18432, 7168),
+        ] {
+            let p = packed_gemv_plan(SMS, k, o).expect("fits");
+            assert!(p.rows * p.slices <= INT4_GEMV_UNITS, "{k} {o}: {p:?}");
+            assert!(
+                k / 256 / p.slices <= INT4_LAYER_MAX_WORDS && (k / 256).is_multiple_of(p.slices)
+            );
+            assert!(p.stage_bytes >= p.rows * k / 32 * 24 && p.stage_bytes.is_multiple_of(128));
+            assert!(p.grid <= SMS && p.grid * p.rows * p.stages.max(1) >= p.grid);
+            assert!(p.smem <= MAX_DYNAMIC_SMEM_BYTES && p.stages >= 1);
+        }
+        // Widths that are not whole words per lane do not stream.
+        assert_eq!(packed_gemv_plan(SMS, 128, 4096), None);
+        assert_eq!(packed_gemv_plan(SMS, 1056, 33), None);
     }
 }

@@ -268,6 +268,16 @@ pub fn cases() -> Vec<(String, Case)> {
                 ));
             }
         }
+        // One row of a 4-bit matrix whose width streams (`quant_gemv_int4_stream_1`): one
+        // slice, two slices (4,096: o_proj), tiles of many rows, a single output.
+        if matches!(dt, DType::Q4Z | DType::Q4_0 | DType::Q4_1 | DType::Q4_K) {
+            for (k, o) in [(4096usize, 300usize), (2304, 2304), (512, 1), (6144, 77)] {
+                out.push((
+                    format!("quant {dt} matmul gemv 1x{k}->{o} (streamed)"),
+                    quant_case!(move |b| op_quant_matmul(b, dt, 1, k, o)),
+                ));
+            }
+        }
         // Prefill: widened to bf16 for cuBLAS.
         for (n, k, o) in [(9usize, small, 37usize), (64, 2304, 129), (300, mid, 200)] {
             out.push((
