@@ -396,6 +396,62 @@ extern "C" __global__ void quant_gemv_reduce(const float* part, float* y, int le
 }
 
 // ---------------------------------------------------------------------------------------
+// Two one-token products of narrow 4-bit matrices in one launch (KDA's f_b and g_b: 4,096
+// rows of 128 columns each, where `quant_gemv_*_1` spent ~5 us a matrix waiting on one
+// round trip): a lane owns one 32-value block of one row, nb = k / 32 lanes a row (a power
+// of two, at most 32), so a warp takes 32 / nb rows and one load per lane brings the whole
+// matrix in flight. CTAs below ceil(o0 / rows) take y0 = x0 · w0ᵀ, the rest y1 = x1 · w1ᵀ
+// (rows = 8 warps · 32 / nb). The weights load before the wait on the previous kernel; the
+// lanes of a row meet by shuffles in a fixed order. Format 0 (Q4Z) or 3 (Q4A, `fmt3`); x0
+// and x1 16-byte aligned.
+template <int FMT>
+__device__ __forceinline__ void narrow_rows(const uint8_t* w, const float* x, float* y, int o,
+                                            int k, int cta) {
+  const int nb = k >> 5, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row = (cta * 8 + warp) * (32 / nb) + lane / nb, b = lane % nb;
+  qz::Blk blk = {};
+  if (row < o) blk = qz::load_blk<FMT>(w, w + (size_t)o * nb * 16, (size_t)row * nb + b);
+  pdl_enter();
+  float acc = 0.0f;
+  if (row < o) {
+    const float4* x4 = reinterpret_cast<const float4*>(x) + 8 * b;
+    float sx = 0.0f;
+#pragma unroll
+    for (int p = 0; p < 8; ++p) {
+      const float4 a = x4[p];
+      float v[4];
+      qz::quad<FMT>(blk, p, v);
+      acc = fmaf(v[0], a.x, acc);
+      acc = fmaf(v[1], a.y, acc);
+      acc = fmaf(v[2], a.z, acc);
+      acc = fmaf(v[3], a.w, acc);
+      sx += (a.x + a.y) + (a.z + a.w);
+    }
+    acc = fmaf(-blk.zd, sx, acc);
+  }
+  for (int off = nb >> 1; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (row < o && b == 0) y[row] = acc;
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    quant_gemv_narrow_pair(const uint8_t* w0, const float* x0, float* y0, int o0,
+                           const uint8_t* w1, const float* x1, float* y1, int o1, int k,
+                           int fmt3) {
+  const int rows = 8 * (32 / (k >> 5));
+  const int first = (o0 + rows - 1) / rows;
+  const bool second = (int)blockIdx.x >= first;
+  const int cta = second ? (int)blockIdx.x - first : (int)blockIdx.x;
+  const uint8_t* w = second ? w1 : w0;
+  const float* x = second ? x1 : x0;
+  float* y = second ? y1 : y0;
+  const int o = second ? o1 : o0;
+  if (fmt3)
+    narrow_rows<qz::Q4A>(w, x, y, o, k, cta);
+  else
+    narrow_rows<qz::Q4Z>(w, x, y, o, k, cta);
+}
+
+// ---------------------------------------------------------------------------------------
 // The packed matrix w [rows, cols] (format `fmt`: 0 = Q4Z, 1 = Q8Z, 2 = F8S, 3 = Q4A) widened to
 // `out`: bf16 (`bf16` != 0) for the prefill GEMM, else f32 (reading weights back). Each
 // value is (q - z) * d or e4m3(q) * d in f32, one rounding as on the CPU, then rounded to

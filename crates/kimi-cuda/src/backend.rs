@@ -877,15 +877,44 @@ impl Backend for CudaBackend {
     ) -> Result<(CudaTensor, CudaTensor)> {
         const OP: &str = "matmul";
         self.dev.enter(OP)?;
-        // One token through two bf16 matrices of one row length: one launch.
+        // One token through two matrices of one row length: one launch where both are bf16,
+        // or both packed 4-bit of a narrow width.
         let one_token = |(x, w): (&CudaTensor, &CudaTensor)| -> Option<(usize, usize)> {
             let (n, k) = f32_rows(x, OP).ok()?;
             match w.shape.as_slice() {
-                [o, wk] if n == 1 && *wk == k && w.dtype == DType::BF16 => Some((k, *o)),
+                [o, wk] if n == 1 && *wk == k => Some((k, *o)),
                 _ => None,
             }
         };
-        if let (Some((ka, oa)), Some((kb, ob))) = (one_token(a), one_token(b)) {
+        let packed = quant::is_planar(a.1.dtype) && quant::is_planar(b.1.dtype);
+        if let (true, Some((ka, oa)), Some((kb, ob))) = (packed, one_token(a), one_token(b)) {
+            if ka == kb {
+                let (ya, yb) = (
+                    self.empty(&[1, oa], DType::F32, OP)?,
+                    self.empty(&[1, ob], DType::F32, OP)?,
+                );
+                let cfg = self.kernel_config();
+                // SAFETY: each x holds k f32 (one row) and each w an [o, k] matrix of its
+                // packed type in the device planes; each y holds its o f32.
+                let done = unsafe {
+                    ops::quant::gemv_narrow_pair(
+                        &self.dev,
+                        &cfg,
+                        (a.1.dtype, b.1.dtype),
+                        [a.0.ptr(), a.1.ptr(), ya.ptr()],
+                        oa,
+                        [b.0.ptr(), b.1.ptr(), yb.ptr()],
+                        ob,
+                        ka,
+                    )?
+                };
+                if done {
+                    return Ok((ya, yb));
+                }
+            }
+        }
+        let bf16 = a.1.dtype == DType::BF16 && b.1.dtype == DType::BF16;
+        if let (true, Some((ka, oa)), Some((kb, ob))) = (bf16, one_token(a), one_token(b)) {
             let aligned = [a.0, a.1, b.0, b.1]
                 .iter()
                 .all(|t| t.ptr().is_multiple_of(16));

@@ -82,6 +82,7 @@ pub(crate) const KERNELS: &[(&str, &[&str])] = &[
             "quant_gemv_q4a_4",
             "quant_gemv_q4a_8",
             "quant_gemv_reduce",
+            "quant_gemv_narrow_pair",
             "quant_widen",
             "quant_embed",
         ],

@@ -18,9 +18,9 @@ mod stream;
 pub(crate) use bank::{plan_expert_bank, BankCall, BankPath, PackedBank, PackedFormat};
 pub use env::EnvVarError;
 pub(crate) use kernels::{
-    plan_gemv, plan_gemv_pair, plan_kda_chunk, plan_matmul, plan_mla_prefill, plan_quant_gemv_path,
-    GemvPath, KdaChunkPath, KdaPrep, MatmulPath, MlaPrefillFacts, MlaPrefillPath, QuantGemvPath,
-    QuantGemvPlan, GEMV_MAX_ROWS, QUANT_GEMV_MAX_ROWS,
+    plan_gemv, plan_gemv_pair, plan_kda_chunk, plan_matmul, plan_mla_prefill, plan_quant_gemv_pair,
+    plan_quant_gemv_path, GemvPath, KdaChunkPath, KdaPrep, MatmulPath, MlaPrefillFacts,
+    MlaPrefillPath, QuantGemvPath, QuantGemvPlan, GEMV_MAX_ROWS, QUANT_GEMV_MAX_ROWS,
 };
 pub(crate) use moe::{
     plan_moe, ExpertLayout, GroupedPath, MoeCall, MoePath, RoutePath, RouterFacts, SharedExpert,

@@ -8,7 +8,9 @@ use kimi_ops::{Error, Result};
 use crate::device::{flat, grid, Device};
 use crate::error::OpContext;
 use crate::ops::gemm::STREAM_THREADS;
-use crate::plan::{plan_quant_gemv_path, KernelConfig, QuantGemvPath, QuantGemvPlan};
+use crate::plan::{
+    plan_quant_gemv_pair, plan_quant_gemv_path, KernelConfig, QuantGemvPath, QuantGemvPlan,
+};
 use crate::quant_layout::format_code;
 
 /// The most activation rows one `quant_gemv_*` launch takes.
@@ -81,6 +83,54 @@ pub(crate) unsafe fn gemv(
         }
         QuantGemvPath::Blocks(plan) => unsafe { gemv_blocks(dev, format, x, w, y, n, k, o, plan) },
     }
+}
+
+/// `ya = xa·waᵀ` and `yb = xb·wbᵀ` for one token each against packed matrices of `k`
+/// columns (`da`, `db` their types), in one `quant_gemv_narrow_pair` launch where
+/// [`plan_quant_gemv_pair`] takes it under `cfg`. Returns false, launching nothing, where it
+/// does not: the caller then runs two products.
+///
+/// # Safety
+/// For each of `a` and `b` = `[x, w, y]`: `x` holds `k` f32, `w` an `[o, k]` matrix of its
+/// type in the device planes (`oa`, `ob`); `y` holds `o` f32.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemv_narrow_pair(
+    dev: &Device,
+    cfg: &KernelConfig,
+    (da, db): (DType, DType),
+    a: [u64; 3],
+    oa: usize,
+    b: [u64; 3],
+    ob: usize,
+    k: usize,
+) -> Result<bool> {
+    let (Some(fa), Some(fb)) = (format_code(da), format_code(db)) else {
+        return Ok(false);
+    };
+    let aligned = a[0].is_multiple_of(16) && b[0].is_multiple_of(16);
+    if !plan_quant_gemv_pair(cfg, fa, fb, k, aligned) {
+        return Ok(false);
+    }
+    let (oai, obi, ki, fmt3) = (
+        int(oa, "rows")?,
+        int(ob, "rows")?,
+        int(k, "width")?,
+        i32::from(fa == 3),
+    );
+    let mut l = dev.kernel("matmul", "quant_gemv_narrow_pair")?;
+    l.arg(&a[1]).arg(&a[0]).arg(&a[2]).arg(&oai);
+    l.arg(&b[1])
+        .arg(&b[0])
+        .arg(&b[2])
+        .arg(&obi)
+        .arg(&ki)
+        .arg(&fmt3);
+    // 8 warps of 32 / (k / 32) rows per CTA, `a`'s CTAs first.
+    let rows = 8 * (32 / (k / 32));
+    let ctas = oa.div_ceil(rows) + ob.div_ceil(rows);
+    // SAFETY: see the function's contract; the plan checked the width and the alignment.
+    unsafe { l.launch(grid((ctas as u32, 1, 1), 256, 0)) }.op("matmul")?;
+    Ok(true)
 }
 
 /// [`gemv`] on `quant_gemv_*`, then `quant_gemv_reduce` where K splits.

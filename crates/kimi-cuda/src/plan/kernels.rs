@@ -165,6 +165,28 @@ pub(crate) fn plan_quant_gemv_path(
     QuantGemvPath::Blocks(plan_quant_gemv(sm_count, n, k, o))
 }
 
+/// Whether two one-token products over packed matrices of formats `fmt_a` and `fmt_b` and
+/// `k` columns run in one `quant_gemv_narrow_pair` launch (`kernels/quant.cu`): with
+/// `int4_stream_gemv`, one 4-bit format, a lane per 32-value block of a row (k / 32 a power
+/// of two up to 32) and 16-byte aligned activations. KDA's f_b and g_b (128 columns) are the
+/// case: two `quant_gemv_*_1` launches of ~5 us each on an H100.
+pub(crate) fn plan_quant_gemv_pair(
+    cfg: &KernelConfig,
+    fmt_a: i32,
+    fmt_b: i32,
+    k: usize,
+    x_aligned: bool,
+) -> bool {
+    let nb = k / 32;
+    cfg.int4_stream_gemv
+        && fmt_a == fmt_b
+        && (fmt_a == 0 || fmt_a == 3)
+        && k.is_multiple_of(32)
+        && nb.is_power_of_two()
+        && nb <= 32
+        && x_aligned
+}
+
 /// A launch of `quant_gemv_*` (`kernels/quant.cu`): `x [n, k] · wᵀ` for a packed `w [o, k]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct QuantGemvPlan {

@@ -122,6 +122,24 @@ pub fn op_quant_matmul<B: Backend>(
     Ok(vec![b.to_f32(&b.matmul(&x, &w)?)?])
 }
 
+/// `matmul_pair` of one token each through two packed matrices of `k` columns (KDA's f_b
+/// and g_b): both products.
+pub fn op_quant_matmul_pair<B: Backend>(
+    b: &B,
+    dtype: DType,
+    k: usize,
+    oa: usize,
+    ob: usize,
+) -> Res<Vec<Vec<f32>>> {
+    let mut rng = Rng(71 + k as u64);
+    let wa = quant_weight(b, &mut rng, dtype, oa, k)?;
+    let wb = quant_weight(b, &mut rng, dtype, ob, k)?;
+    let xa = b.upload_f32(&[1, k], &rng.vec(k, 1.0))?;
+    let xb = b.upload_f32(&[1, k], &rng.vec(k, 1.0))?;
+    let (ya, yb) = b.matmul_pair((&xa, &wa), (&xb, &wb))?;
+    Ok(vec![b.to_f32(&ya)?, b.to_f32(&yb)?])
+}
+
 /// `matmul_split` of a packed weight stacked from `rows` blocks: every block's product.
 pub fn op_quant_matmul_split<B: Backend>(
     b: &B,
@@ -277,6 +295,19 @@ pub fn cases() -> Vec<(String, Case)> {
                     quant_case!(move |b| op_quant_matmul(b, dt, 1, k, o)),
                 ));
             }
+        }
+        // One token each through two narrow matrices (`quant_gemv_narrow_pair` for 4-bit
+        // types): KDA's f_b and g_b, one block per row, a width of 32 lanes.
+        let pairs: &[(usize, usize, usize)] = if k4 {
+            &[(256, 300, 77)]
+        } else {
+            &[(128, 4096, 4096), (32, 40, 9), (1024, 77, 300)]
+        };
+        for &(k, oa, ob) in pairs {
+            out.push((
+                format!("quant {dt} matmul_pair 1x{k}->{oa}, 1x{k}->{ob}"),
+                quant_case!(move |b| op_quant_matmul_pair(b, dt, k, oa, ob)),
+            ));
         }
         // Prefill: widened to bf16 for cuBLAS.
         for (n, k, o) in [(9usize, small, 37usize), (64, 2304, 129), (300, mid, 200)] {
