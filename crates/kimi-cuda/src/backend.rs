@@ -886,56 +886,30 @@ impl Backend for CudaBackend {
                 _ => None,
             }
         };
-        let packed = quant::is_planar(a.1.dtype) && quant::is_planar(b.1.dtype);
-        if let (true, Some((ka, oa)), Some((kb, ob))) = (packed, one_token(a), one_token(b)) {
-            if ka == kb {
-                let (ya, yb) = (
-                    self.empty(&[1, oa], DType::F32, OP)?,
-                    self.empty(&[1, ob], DType::F32, OP)?,
-                );
-                let cfg = self.kernel_config();
-                // SAFETY: each x holds k f32 (one row) and each w an [o, k] matrix of its
-                // packed type in the device planes; each y holds its o f32.
-                let done = unsafe {
-                    ops::quant::gemv_narrow_pair(
-                        &self.dev,
-                        &cfg,
-                        (a.1.dtype, b.1.dtype),
-                        [a.0.ptr(), a.1.ptr(), ya.ptr()],
-                        oa,
-                        [b.0.ptr(), b.1.ptr(), yb.ptr()],
-                        ob,
-                        ka,
-                    )?
-                };
-                if done {
-                    return Ok((ya, yb));
-                }
-            }
-        }
-        let bf16 = a.1.dtype == DType::BF16 && b.1.dtype == DType::BF16;
-        if let (true, Some((ka, oa)), Some((kb, ob))) = (bf16, one_token(a), one_token(b)) {
+        if let (Some((ka, oa)), Some((kb, ob))) = (one_token(a), one_token(b)) {
+            let packed = quant::is_planar(a.1.dtype) && quant::is_planar(b.1.dtype);
+            let bf16 = a.1.dtype == DType::BF16 && b.1.dtype == DType::BF16;
             let aligned = [a.0, a.1, b.0, b.1]
                 .iter()
                 .all(|t| t.ptr().is_multiple_of(16));
-            if ka == kb && ka.is_multiple_of(8) && aligned {
+            if ka == kb && (packed || (bf16 && ka.is_multiple_of(8) && aligned)) {
                 let (ya, yb) = (
                     self.empty(&[1, oa], DType::F32, OP)?,
                     self.empty(&[1, ob], DType::F32, OP)?,
                 );
                 let cfg = self.kernel_config();
-                // SAFETY: each x holds k f32 and each w [o, k] bf16, 16-byte aligned with
-                // k % 8 == 0 (checked above); each y holds its o f32.
+                let pa = [a.0.ptr(), a.1.ptr(), ya.ptr()];
+                let pb = [b.0.ptr(), b.1.ptr(), yb.ptr()];
+                // SAFETY: each x holds k f32 (one row), each w an [o, k] matrix of its type
+                // (packed: in the device planes; bf16: 16-byte aligned with k % 8 == 0, as
+                // checked above); each y holds its o f32.
                 let done = unsafe {
-                    ops::gemm::gemv_bf16_pair(
-                        &self.dev,
-                        &cfg,
-                        [a.0.ptr(), a.1.ptr(), ya.ptr()],
-                        oa,
-                        [b.0.ptr(), b.1.ptr(), yb.ptr()],
-                        ob,
-                        ka,
-                    )?
+                    if packed {
+                        let types = (a.1.dtype, b.1.dtype);
+                        ops::quant::gemv_narrow_pair(&self.dev, &cfg, types, pa, oa, pb, ob, ka)?
+                    } else {
+                        ops::gemm::gemv_bf16_pair(&self.dev, &cfg, pa, oa, pb, ob, ka)?
+                    }
                 };
                 if done {
                     return Ok((ya, yb));
