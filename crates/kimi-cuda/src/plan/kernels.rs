@@ -144,9 +144,18 @@ pub(crate) enum QuantGemvPath {
     Int4Stream(PackedGemvPlan),
 }
 
+/// The largest 4-bit matrix the streamed one-token kernel takes. On an H100 (`check
+/// quant-bench`, 2026-12-07) it beat `quant_gemv_*_1` up to o_proj's 7.1 MB (8.25 against
+/// 9.17 us; expert-sized matrices 5.9 against 11.6 us) and lost from MLA q_proj's 10.6 MB
+/// up (10.05 against 9.31 us; the 21.7 MB KDA projection 18.4 against 13.8): its f32
+/// products on 8 warps an SM top out near 1.1 TB/s, where the 16 warps of `quant_gemv_*`
+/// keep more in flight.
+pub(crate) const INT4_STREAM_GEMV_MAX_BYTES: usize = 8 << 20;
+
 /// The kernel for `n` rows of `x` (`x_aligned`: at a 16-byte address) against a packed
 /// `[o, k]` matrix of format `fmt` (`quant_layout::format_code`): the streamed 4-bit kernel
-/// at one row where `int4_stream_gemv` is on and its cut applies, else `quant_gemv_*`.
+/// at one row where `int4_stream_gemv` is on, the matrix is at most
+/// [`INT4_STREAM_GEMV_MAX_BYTES`] and its cut applies, else `quant_gemv_*`.
 pub(crate) fn plan_quant_gemv_path(
     cfg: &KernelConfig,
     sm_count: usize,
@@ -157,7 +166,8 @@ pub(crate) fn plan_quant_gemv_path(
     x_aligned: bool,
 ) -> QuantGemvPath {
     let four_bit = fmt == 0 || fmt == 3;
-    if n == 1 && four_bit && x_aligned && cfg.int4_stream_gemv {
+    let small = o.saturating_mul(k / 32 * 24) <= INT4_STREAM_GEMV_MAX_BYTES;
+    if n == 1 && four_bit && x_aligned && small && cfg.int4_stream_gemv {
         if let Some(plan) = packed_gemv_plan(sm_count, k, o) {
             return QuantGemvPath::Int4Stream(plan);
         }
@@ -452,6 +462,43 @@ mod tests {
         assert_eq!((down.wk, down.ctas, down.splits), (4, 144, 1));
         // Tiny products stay one launch.
         assert_eq!(plan_quant_gemv(132, 1, 96, 37).splits, 1);
+    }
+
+    #[test]
+    fn one_token_4bit_products_stream_up_to_8_mib() {
+        let cfg = KernelConfig::default();
+        let path = |fmt, n, k, o, aligned| plan_quant_gemv_path(&cfg, 132, fmt, n, k, o, aligned);
+        // o_proj (7.1 MB) and an expert-sized matrix stream, for Q4Z and format 3.
+        for fmt in [0, 3] {
+            assert!(matches!(
+                path(fmt, 1, 4096, 2304, true),
+                QuantGemvPath::Int4Stream(_)
+            ));
+            assert!(matches!(
+                path(fmt, 1, 2304, 1024, true),
+                QuantGemvPath::Int4Stream(_)
+            ));
+        }
+        // Larger matrices, more rows, 8-bit types, unaligned activations, widths that are
+        // not whole words per lane, or the choice off: `quant_gemv_*`.
+        let blocks = |p: QuantGemvPath| matches!(p, QuantGemvPath::Blocks(_));
+        assert!(blocks(path(0, 1, 2304, 6144, true)));
+        assert!(blocks(path(0, 2, 4096, 2304, true)));
+        assert!(blocks(path(1, 1, 4096, 2304, true)));
+        assert!(blocks(path(0, 1, 4096, 2304, false)));
+        assert!(blocks(path(0, 1, 1056, 33, true)));
+        let off = with(|c| c.int4_stream_gemv = false);
+        assert!(blocks(plan_quant_gemv_path(
+            &off, 132, 0, 1, 4096, 2304, true
+        )));
+        // KDA's f_b and g_b pair in one launch; 8-bit and mixed types do not.
+        assert!(plan_quant_gemv_pair(&cfg, 0, 0, 128, true));
+        assert!(plan_quant_gemv_pair(&cfg, 3, 3, 1024, true));
+        assert!(!plan_quant_gemv_pair(&cfg, 0, 3, 128, true));
+        assert!(!plan_quant_gemv_pair(&cfg, 1, 1, 128, true));
+        assert!(!plan_quant_gemv_pair(&cfg, 0, 0, 2048, true));
+        assert!(!plan_quant_gemv_pair(&cfg, 0, 0, 96, true));
+        assert!(!plan_quant_gemv_pair(&cfg, 0, 0, 128, false));
     }
 
     fn with(f: impl FnOnce(&mut KernelConfig)) -> KernelConfig {

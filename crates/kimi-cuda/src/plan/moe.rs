@@ -565,7 +565,7 @@ mod tests {
 
     #[test]
     fn int4_experts_run_packed_at_every_batch() {
-        let cfg = with(|c| c.int4_stream_layer = true);
+        let cfg = KernelConfig::default();
         let bank = PackedBank {
             inter: 1024,
             width: 2304,
@@ -608,12 +608,14 @@ mod tests {
             let call = MoeCall { shared, ..int4(1) };
             assert_eq!(experts(&cfg, &call), streamed(shared));
         }
-        // With the layer launch off, or by default (not yet run on a GPU), the tensor cores.
-        let off = with(|c| {
-            c.int4_stream_layer = true;
-            c.moe_layer = false
-        });
-        for cfg in [off, KernelConfig::default()] {
+        // The default; with the layer launch or the 4-bit layer off, the tensor cores.
+        assert_eq!(
+            experts(&KernelConfig::default(), &int4(1)),
+            streamed(SharedExpert::Separate)
+        );
+        let no_layer = with(|c| c.moe_layer = false);
+        let no_int4 = with(|c| c.int4_stream_layer = false);
+        for cfg in [no_layer, no_int4] {
             assert_eq!(
                 experts(&cfg, &int4(1)),
                 MoePath::PackedMma {
