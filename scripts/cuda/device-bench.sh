@@ -50,10 +50,10 @@ if want quant; then
   timeout ${QUANT_TIMEOUT:-150} .device-bin/check quant-bench 2>&1 | tee "$OUT/quant-bench.txt"
 fi
 # Issue 27's INT4 decode: the 48B model's random weights as bf16, then with its linear layers
-# 4-bit (`--random-dtype q4z`, kept packed: KIMI_CUDA_PACKED_QUANT=1; the routed experts on
-# `moe_int4_mma_*`), decode at batch 1/16/64 and prefill; INT4_LAYERS cuts the config (16 fit
-# an H100's bf16 baseline). `check quant-ops` and `k3-ops` first (the 4-bit and MXFP4 expert
-# kernels against the CPU).
+# 4-bit (`--random-dtype q4z`, kept packed: KIMI_CUDA_PACKED_QUANT=1), decode at batch
+# 1/16/64 and prefill, for the runs INT4_RUNS names (default `bf16 q4z q4z-mma`);
+# INT4_LAYERS cuts the config (16 fit an H100's bf16 baseline). `check quant-ops` and
+# `k3-ops` first (the 4-bit and MXFP4 expert kernels against the CPU).
 # One decode step at batch 1 (NCU_BATCHES) of the 48B cut to INT4_LAYERS (default 16) layers,
 # bf16 against 4-bit linear layers kept packed, op by op under Nsight Compute.
 if want ncu-int4; then
@@ -68,19 +68,18 @@ if want ncu-int4; then
   done
 fi
 if want int4-model; then
-  # The one-token 4-bit expert layer (`moe_int4_stream_layer`) is opt-in until this passes.
   KIMI_CUDA_INT4_LAYER=1 KIMI_CUDA_INT4_GEMV=1 timeout ${QUANT_TIMEOUT:-150} .device-bin/check quant-ops k3-ops 2>&1 | tee "$OUT/int4-ops.txt" | grep -E "FAIL|ERROR|RESULT|cases" | tail -20
   cfg=$CONFIG
   if [ -n "${INT4_LAYERS:-}" ]; then
     cut_config "$CONFIG" "$INT4_LAYERS" /tmp/int4-config.json
     cfg=/tmp/int4-config.json
   fi
-  # q4z-layer: the same 4-bit model with the one-token expert layer in one launch;
-  # q4z-stream: and the one-token dense products streamed too.
-  for run in bf16 q4z q4z-layer q4z-stream; do
+  # q4z: the 4-bit model as it runs by default (one-token layers and products streamed);
+  # q4z-mma: its experts on the tensor-core kernels and its products on `quant_gemv_*`.
+  for run in ${INT4_RUNS:-bf16 q4z q4z-mma}; do
     dt=${run%-*}
-    layer=0; [ "$run" != q4z ] && [ "$run" != bf16 ] && layer=1
-    gemv=0; [ "$run" = q4z-stream ] && gemv=1
+    layer=1; gemv=1
+    [ "$run" = q4z-mma ] && layer=0 && gemv=0
     echo "== $run"
     KIMI_CUDA_PACKED_QUANT=1 KIMI_CUDA_INT4_LAYER=$layer KIMI_CUDA_INT4_GEMV=$gemv timeout ${INT4_TIMEOUT:-150} .device-bin/kimi-infer bench --device cuda \
       --random-config "$cfg" --random-dtype $dt --prompt-len ${INT4_PROMPT:-2048} --gen-len 8 \
