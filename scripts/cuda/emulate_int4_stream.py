@@ -43,9 +43,16 @@ def row_dot(part, nr, r, nb, X, words, fmt3):
             w = int(code[c]); hd = head[c >> 2]
             lo = w & 0x0F0F0F0F; hi = (w >> 4) & 0x0F0F0F0F
             a, b, s = X[(lane, j)]
-            p = sum(((lo >> (8 * k)) & 0xFF) * a[k] for k in range(4)) + sum(((hi >> (8 * k)) & 0xFF) * b[k] for k in range(4))
-            c0 = hd[1] if fmt3 else hd[0] * hd[1]
-            acc += hd[0] * p - c0 * s
+            # Each value as the f32 0.5 + q/256 (`half_nib`), sums in f32 as the kernel does.
+            half = lambda v, k: np.float32(0.5 + ((v >> (8 * k)) & 0xFF) / 256.0)
+            p0 = np.float32(0); p1 = np.float32(0)
+            for k in range(4):
+                p0 = np.float32(p0 + half(lo, k) * a[k])
+                p1 = np.float32(p1 + half(hi, k) * b[k])
+            c0 = hd[1] if fmt3 else np.float32(hd[0] * hd[1])
+            off = np.float32(np.float32(128.0) * hd[0] + c0)
+            acc = np.float32(acc - off * s)
+            acc = np.float32(acc + np.float32(256.0) * hd[0] * np.float32(p0 + p1))
         tot += acc
     return tot
 for fmt3 in (0, 1):

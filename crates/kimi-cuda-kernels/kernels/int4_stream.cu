@@ -11,10 +11,9 @@
 //
 // At batch 1 the tensor-core kernels (`int4_experts.cu`) leave 7 of an MMA's 8 columns empty
 // and cannot keep enough bytes in flight: 571 GB/s on an H100. Here the products are f32 on
-// the CUDA cores, exact weights times f32 activations as on the CPU: a code word (8 values)
-// per lane, each value made by one PRMT into 2^23 + q and one FADD, one FMA into the word's
-// sum P; per word the block's scale and offset enter as d·P − c·S, with S the word's Σx and
-// c = z·d (or b). A lane takes the same words of every row (word lane + 32j of a row of
+// the CUDA cores, exact weights times f32 activations: a code word (8 values) per lane, each
+// value made by one PRMT (0.5 + q/256, see `half_nib`) and one FMA into the word's sum P;
+// per word the block's scale and offset enter through P and S, the word's Σx. A lane takes the same words of every row (word lane + 32j of a row of
 // cols / 8), so its activations sit in registers: loaded once for the gate/up tiles, and per
 // down tile from the staged SwiGLU row of the tile's slot; shared memory carries only the
 // weights.
@@ -59,14 +58,19 @@ __device__ __forceinline__ void load_x(Xs& r, const float* x, int words, int lan
     }
 }
 
-// Byte k of v (a nibble) as an exact float.
-__device__ __forceinline__ float nib(uint32_t v, int k) {
-  return __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7440u + k)) - 8388608.0f;
+// Nibble k of v (bytes of 0..15) as the float 0.5 + q/256, one PRMT: the nibble becomes the
+// top byte of the mantissa under the exponent of 0.5 (0x3F0q0000). Against an exact q (a
+// PRMT into 2^23 + q and an FADD) it saves the FADD; the 0.5 it carries is taken out per
+// word through the activations' sum.
+__device__ __forceinline__ float half_nib(uint32_t v, int k) {
+  return __uint_as_float(__byte_perm(v, 0x3F000000u, 0x7044u + (k << 8)));
 }
 
 // Row r of a part of `nr` rows of `nb` blocks at `part` (shared memory), from code word c0
 // of the row on (a multiple of 32), times the lane's activations: the warp's sum, in every
-// lane.
+// lane. Per word, P = Σ (0.5 + q/256)·x = S/2 + Σ q·x / 256 over its 8 values, so its
+// contribution d·Σ q·x − c·S (c = z·d, or b for fmt3) is 256·d·P − (128·d + c)·S. The S/2 in
+// P costs about 4 bits of its f32 rounding against Σ q·x / 256 (a relative error near 1e-6).
 __device__ __forceinline__ float row_dot(const uint8_t* part, int nr, int r, int nb, int c0,
                                          const Xs& x, int words, int fmt3, int lane) {
   const uint32_t* code = reinterpret_cast<const uint32_t*>(part) + (size_t)r * nb * 4;
@@ -81,15 +85,15 @@ __device__ __forceinline__ float row_dot(const uint8_t* part, int nr, int r, int
       const float2 hd = head[c >> 2];
       const uint32_t lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;
       const float4 a = x.a[j], b = x.b[j];
-      float p0 = nib(lo, 0) * a.x, p1 = nib(hi, 0) * b.x;
-      p0 = fmaf(nib(lo, 1), a.y, p0);
-      p1 = fmaf(nib(hi, 1), b.y, p1);
-      p0 = fmaf(nib(lo, 2), a.z, p0);
-      p1 = fmaf(nib(hi, 2), b.z, p1);
-      p0 = fmaf(nib(lo, 3), a.w, p0);
-      p1 = fmaf(nib(hi, 3), b.w, p1);
-      const float c0 = fmt3 ? hd.y : hd.x * hd.y;
-      acc = fmaf(hd.x, p0 + p1, fmaf(-c0, x.s[j], acc));
+      float p0 = half_nib(lo, 0) * a.x, p1 = half_nib(hi, 0) * b.x;
+      p0 = fmaf(half_nib(lo, 1), a.y, p0);
+      p1 = fmaf(half_nib(hi, 1), b.y, p1);
+      p0 = fmaf(half_nib(lo, 2), a.z, p0);
+      p1 = fmaf(half_nib(hi, 2), b.z, p1);
+      p0 = fmaf(half_nib(lo, 3), a.w, p0);
+      p1 = fmaf(half_nib(hi, 3), b.w, p1);
+      const float off = fmaf(128.0f, hd.x, fmt3 ? hd.y : hd.x * hd.y);
+      acc = fmaf(256.0f * hd.x, p0 + p1, fmaf(-off, x.s[j], acc));
     }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
