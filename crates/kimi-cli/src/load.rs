@@ -251,7 +251,7 @@ pub fn load<B: Backend + 'static>(
         let device = backend.memory_info();
         let utilization = args.gpu_memory_utilization;
         args.offload
-            .auto_offload(&mut options, ckpt.config(), device, utilization)?;
+            .auto_offload(&mut options, ckpt.config(), device, utilization, None)?;
     }
     let bar = crate::progress::watch_checkpoint(&mut ckpt);
     let loaded = match split {
@@ -448,12 +448,6 @@ pub fn load_random<B: Backend + 'static>(
     if split.is_some() {
         options.reopen = Some(random_reopener(dtype, routing_skew));
     }
-    if split.is_none() {
-        let device = backend.memory_info();
-        args.offload
-            .auto_offload(&mut options, &cfg, device, args.gpu_memory_utilization)?;
-    }
-    let options = &options;
     // Refuse up front what cannot fit, rather than dying half-way through filling it.
     // Dense matrices take `dtype` (Q4Z: counted as bf16, which its embeddings and head are
     // and its matrices become where the backend widens them); routed experts that the
@@ -478,6 +472,15 @@ pub fn load_random<B: Backend + 'static>(
             .params
             .saturating_mul(dense_dtype.size_bytes() as u64)
     };
+    // The automatic placement counts the experts as they will be stored (packed Q4Z: 6 bits
+    // a value, where the config's dtype would say 16).
+    if split.is_none() {
+        let device = backend.memory_info();
+        let utilization = args.gpu_memory_utilization;
+        args.offload
+            .auto_offload(&mut options, &cfg, device, utilization, Some(expert_bytes))?;
+    }
+    let options = &options;
     // Experts offloaded to host RAM (less the device slots caching them) are not on the
     // device.
     let off_device = match (&options.offload, cfg.moe.as_ref()) {

@@ -346,6 +346,25 @@ impl ModelSummary {
             .map_or_else(ComponentSize::default, |(_, s)| *s)
     }
 
+    /// This summary with the routed experts of every MoE layer taking `bytes` in all, for a
+    /// backend that keeps them in another format than the config's dtype (4-bit experts
+    /// kept packed: 6 bits a value, not bf16's 16), so that placing them counts what the
+    /// device will hold. Their read bytes scale alike; `layer_bytes` keep the config's sizes.
+    pub fn with_routed_expert_bytes(mut self, bytes: u64) -> Self {
+        for (c, s) in &mut self.components {
+            if *c == Component::RoutedExperts && s.bytes > 0 {
+                s.read_bytes =
+                    (u128::from(s.read_bytes) * u128::from(bytes) / u128::from(s.bytes)) as u64;
+                s.bytes = bytes;
+            }
+        }
+        let experts = self.num_experts * self.num_moe_layers as u64;
+        if let Some(per) = bytes.checked_div(experts) {
+            self.bytes_per_expert = per;
+        }
+        self
+    }
+
     /// Every stored byte.
     pub fn total_bytes(&self) -> u64 {
         self.components.iter().map(|(_, s)| s.bytes).sum()
