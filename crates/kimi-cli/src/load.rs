@@ -250,8 +250,23 @@ pub fn load<B: Backend + 'static>(
     if split.is_none() {
         let device = backend.memory_info();
         let utilization = args.gpu_memory_utilization;
-        args.offload
-            .auto_offload(&mut options, ckpt.config(), device, utilization, None)?;
+        // Experts written by a quantization tool are counted as the backend will hold them
+        // (packed, or widened to bf16). A tensor that cannot be read here fails the load
+        // below, which names it: this estimate stays quiet.
+        let expert_bytes = match (device, &options.offload) {
+            (Some(_), None) => kimi_model::CheckpointSource::new(&ckpt)
+                .and_then(|s| kimi_model::routed_expert_bytes_on(&backend, &s, ckpt.config()))
+                .ok()
+                .flatten(),
+            _ => None,
+        };
+        args.offload.auto_offload(
+            &mut options,
+            ckpt.config(),
+            device,
+            utilization,
+            expert_bytes,
+        )?;
     }
     let bar = crate::progress::watch_checkpoint(&mut ckpt);
     let loaded = match split {

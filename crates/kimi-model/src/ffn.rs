@@ -619,3 +619,62 @@ fn host_view(m: &MlpWeights<HostMatrix>) -> MlpWeights<HostTensor<'_>> {
         down: m.down.tensor(),
     }
 }
+
+/// The bytes a checkpoint's routed experts will take on `backend` where the config's dtype
+/// does not say it ([`crate::ModelSummary`] counts them in that dtype): experts written by
+/// a quantization tool (AWQ, GPTQ, compressed-tensors, FP8), decoded as the loader decodes
+/// them and kept packed where the backend's MoE kernels take their type, else widened to
+/// bf16; MXFP4 experts under a dense-format config. One expert of the first MoE layer is
+/// read and its bytes counted for every expert of every MoE layer. `None` where the
+/// config's arithmetic holds: no MoE, unquantized experts, MXFP4 experts the config
+/// declares.
+pub fn routed_expert_bytes_on<B: Backend>(
+    backend: &B,
+    source: &dyn crate::WeightSource,
+    cfg: &kimi_core::ModelConfig,
+) -> Result<Option<u64>> {
+    let Some(c) = &cfg.moe else { return Ok(None) };
+    let is_moe = |l: &&kimi_core::config::LayerSpec| l.ffn == kimi_core::config::Ffn::Moe;
+    let moe_layers = cfg.layers.iter().filter(is_moe).count() as u64;
+    let Some(first) = cfg.layers.iter().position(|l| is_moe(&l)) else {
+        return Ok(None);
+    };
+    let p = format!("model.layers.{first}.block_sparse_moe.experts.0");
+    let (width, expert_in) = (
+        c.expert_intermediate_size,
+        c.latent.map_or(cfg.hidden_size, |l| l.width),
+    );
+    let mut bytes = 0u64;
+    for (name, rows, cols) in [
+        ("w1", width, expert_in),
+        ("w3", width, expert_in),
+        ("w2", expert_in, width),
+    ] {
+        let (packed, plain) = (
+            format!("{p}.{name}.weight_packed"),
+            format!("{p}.{name}.weight"),
+        );
+        let values = (rows * cols) as u64;
+        let mxfp4 = match c.expert_format {
+            ExpertFormat::Mxfp4 => source.contains(&packed) || !source.contains(&plain),
+            ExpertFormat::Dense => !source.contains(&plain) && source.contains(&packed),
+        };
+        if mxfp4 {
+            if c.expert_format == ExpertFormat::Mxfp4 {
+                return Ok(None);
+            }
+            bytes += values * 17 / 32;
+            continue;
+        }
+        let (dtype, stored) = source.load(&plain, &[rows, cols])?;
+        if !dtype.is_quantized() {
+            return Ok(None);
+        }
+        let kept = !crate::layers::widen_everywhere() && backend.stores_experts(dtype);
+        bytes += match kept {
+            true => stored.len() as u64,
+            false => values * kimi_core::DType::BF16.size_bytes() as u64,
+        };
+    }
+    Ok(Some(bytes * c.num_experts as u64 * moe_layers))
+}

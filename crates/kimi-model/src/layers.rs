@@ -19,7 +19,7 @@ use crate::source::{quantized_to_bf16, WeightSource};
 use crate::Result;
 
 /// `KIMI_WIDEN_QUANT=1`: see [`Loader::upload`].
-fn widen_everywhere() -> bool {
+pub(crate) fn widen_everywhere() -> bool {
     std::env::var("KIMI_WIDEN_QUANT").is_ok_and(|v| v == "1")
 }
 

@@ -229,3 +229,53 @@ fn broken_quantized_tensors_name_themselves() {
     let err = Checkpoint::open(dir.path()).unwrap_err().to_string();
     assert!(err.contains("quant_method") && err.contains("hqq"), "{err}");
 }
+
+/// The automatic placement counts a quantized checkpoint's routed experts as the backend
+/// will hold them, not in the config's bf16: repacked 4-bit experts as Q4Z blocks, 8-bit as
+/// Q8Z, FP8 as F8S (the CPU backend keeps each packed); float experts leave it to the
+/// config's arithmetic.
+#[test]
+fn routed_experts_are_sized_as_the_backend_holds_them() {
+    for (name, dtype) in [
+        ("ct-w4a16-asym", DType::Q4Z),
+        ("awq-gemm", DType::Q4Z),
+        ("ct-w8a16", DType::Q8Z),
+        ("gptq-8bit-sym", DType::Q8Z),
+        ("ct-fp8", DType::F8S),
+        ("fp8-block", DType::F8S),
+    ] {
+        let ckpt = Checkpoint::open(&fixture(name)).unwrap();
+        let source = CheckpointSource::new(&ckpt).unwrap();
+        let cfg = ckpt.config();
+        let got = kimi_model::routed_expert_bytes_on(&CpuBackend::new(), &source, cfg)
+            .unwrap()
+            .unwrap_or_else(|| panic!("{name}: quantized experts"));
+        let moe = cfg.moe.as_ref().unwrap();
+        let moe_layers = cfg
+            .layers
+            .iter()
+            .filter(|l| l.ffn == kimi_core::config::Ffn::Moe)
+            .count();
+        let matrix = dtype
+            .storage_bytes(moe.expert_intermediate_size * cfg.hidden_size)
+            .unwrap();
+        assert_eq!(
+            got as usize,
+            3 * matrix * moe.num_experts * moe_layers,
+            "{name}"
+        );
+        let summary = kimi_model::ModelSummary::new(cfg);
+        let as_config = summary.routed_expert_bytes();
+        assert!(
+            got < as_config,
+            "{name}: {got} vs {as_config} in the config's dtype"
+        );
+    }
+    let ckpt = Checkpoint::open(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/kimi-linear/hub-bf16-freq2"),
+    )
+    .unwrap();
+    let source = CheckpointSource::new(&ckpt).unwrap();
+    let bytes = kimi_model::routed_expert_bytes_on(&CpuBackend::new(), &source, ckpt.config());
+    assert_eq!(bytes.unwrap(), None);
+}
