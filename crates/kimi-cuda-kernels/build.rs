@@ -33,6 +33,7 @@ fn main() {
         .collect();
     sources.sort();
     let mut entries = String::from("&[\n");
+    let mut jobs = Vec::new();
     for src in &sources {
         println!("cargo:rerun-if-changed={}", src.display());
         let stem = src
@@ -41,35 +42,58 @@ fn main() {
             .to_string_lossy()
             .into_owned();
         let cubin = out_dir.join(format!("{stem}.cubin"));
-        let status = Command::new(&nvcc)
-            .args([
-                "-std=c++17",
-                "-O3",
-                "-gencode=arch=compute_90a,code=sm_90a",
-                "-cubin",
-                "-Ikernels",
-                "-o",
-            ])
-            .arg(&cubin)
-            .arg(src)
-            .status()
-            .unwrap_or_else(|e| panic!("cannot run {}: {e}", nvcc.display()));
-        assert!(status.success(), "nvcc failed on {}", src.display());
+        let mut cmd = Command::new(&nvcc);
+        cmd.args([
+            "-std=c++17",
+            "-O3",
+            "-gencode=arch=compute_90a,code=sm_90a",
+            "-cubin",
+            "-Ikernels",
+            "-o",
+        ])
+        .arg(&cubin)
+        .arg(src);
+        jobs.push((src.clone(), cmd));
         entries.push_str(&format!(
             "    ({stem:?}, include_bytes!({:?}) as &[u8]),\n",
             cubin.display().to_string()
         ));
     }
     entries.push_str("]\n");
+    let (cutlass_jobs, objects) = cutlass_jobs(&nvcc, &out_dir);
+    jobs.extend(cutlass_jobs);
+    run_all(&nvcc, jobs);
     fs::write(&table, entries).expect("OUT_DIR is writable");
-    build_cutlass(&nvcc, &out_dir);
+    link_cutlass(&nvcc, &out_dir, &objects);
 }
 
-/// `cutlass/*.cu` and `flashinfer/*.cu` → `libkimi_cutlass.a`, plus the link lines for it
-/// and the static CUDA runtime (which loads the driver at run time: the binary still starts
-/// without one). One CUTLASS for both (the one FlashInfer bundles), so that no two versions
-/// of its inline host code meet in one binary.
-fn build_cutlass(nvcc: &Path, out_dir: &Path) {
+/// Runs the nvcc jobs `NUM_JOBS` at a time (cargo's `-j`): one at a time they were most
+/// of a CUDA build's wall time on two cores.
+fn run_all(nvcc: &Path, jobs: Vec<(PathBuf, Command)>) {
+    let workers = env::var("NUM_JOBS")
+        .ok()
+        .and_then(|n| n.parse::<usize>().ok())
+        .unwrap_or(1)
+        .clamp(1, jobs.len().max(1));
+    let queue = std::sync::Mutex::new(jobs.into_iter());
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            scope.spawn(|| loop {
+                let next = queue.lock().expect("no worker panics holding it").next();
+                let Some((src, mut cmd)) = next else { break };
+                let status = cmd
+                    .status()
+                    .unwrap_or_else(|e| panic!("cannot run {}: {e}", nvcc.display()));
+                assert!(status.success(), "nvcc failed on {}", src.display());
+            });
+        }
+    });
+}
+
+/// The nvcc jobs that compile `cutlass/*.cu` and `flashinfer/*.cu` into objects for
+/// `libkimi_cutlass.a` ([`link_cutlass`]). One CUTLASS for both (the one FlashInfer
+/// bundles), so that no two versions of its inline host code meet in one binary.
+fn cutlass_jobs(nvcc: &Path, out_dir: &Path) -> (Vec<(PathBuf, Command)>, Vec<PathBuf>) {
     println!("cargo:rerun-if-changed=cutlass");
     println!("cargo:rerun-if-changed=flashinfer");
     println!("cargo:rerun-if-env-changed=KIMI_FLASHINFER_DIR");
@@ -108,6 +132,7 @@ fn build_cutlass(nvcc: &Path, out_dir: &Path) {
         .filter(|p| p.extension().is_some_and(|x| x == "cu"))
         .collect();
     sources.sort();
+    let mut jobs = Vec::new();
     let mut objects = Vec::new();
     for src in &sources {
         println!("cargo:rerun-if-changed={}", src.display());
@@ -132,21 +157,27 @@ fn build_cutlass(nvcc: &Path, out_dir: &Path) {
         for inc in &includes {
             cmd.arg("-I").arg(inc);
         }
-        let status = cmd
-            .arg("-o")
-            .arg(&obj)
-            .arg(src)
-            .status()
-            .unwrap_or_else(|e| panic!("cannot run {}: {e}", nvcc.display()));
-        assert!(status.success(), "nvcc failed on {}", src.display());
+        cmd.arg("-o").arg(&obj).arg(src);
+        jobs.push((src.clone(), cmd));
         objects.push(obj);
     }
+    (jobs, objects)
+}
+
+/// `libkimi_cutlass.a` from the compiled objects, plus the link lines for it and the static
+/// CUDA runtime (which loads the driver at run time: the binary still starts without one).
+fn link_cutlass(nvcc: &Path, out_dir: &Path, objects: &[PathBuf]) {
+    let cuda_home = nvcc
+        .parent()
+        .and_then(Path::parent)
+        .expect("nvcc lives in $CUDA_HOME/bin")
+        .to_path_buf();
     let lib = out_dir.join("libkimi_cutlass.a");
     let _ = fs::remove_file(&lib);
     let status = Command::new("ar")
         .arg("crs")
         .arg(&lib)
-        .args(&objects)
+        .args(objects)
         .status()
         .unwrap_or_else(|e| panic!("cannot run ar: {e}"));
     assert!(status.success(), "ar failed on {}", lib.display());

@@ -2,7 +2,7 @@
 //! merged models, affinity, a replica killed mid-stream or before it answers, a replica that
 //! hangs, and a client that leaves.
 
-mod support;
+use crate::support;
 
 use std::collections::HashSet;
 use std::time::Duration;

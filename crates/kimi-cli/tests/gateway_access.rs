@@ -3,7 +3,7 @@
 //! `redis-server`), the response cache (in memory and in Redis), TLS with a certificate
 //! made here, and CORS.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

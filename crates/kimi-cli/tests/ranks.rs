@@ -3,7 +3,7 @@
 //! as the ranks as threads; a rank that never comes, or dies, ends the job with its rank
 //! named and never hangs; signals reach rank 0 through the launcher.
 
-mod support;
+use crate::support;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

@@ -2,7 +2,7 @@
 //! count in the file can make the reader allocate more than the file's size.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 
 use kimi_gguf::{GgmlType, GgufError, GgufFile};
 use rand::Rng;

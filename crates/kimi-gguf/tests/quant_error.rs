@@ -3,7 +3,7 @@
 //! Relative RMSE = rms(x - dequantize(quantize(x))) / rms(x), over 64 Ki values.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 
 use kimi_gguf::{dequantize, quantize, GgmlType, GgufError};
 use rand::Rng;

@@ -1,7 +1,7 @@
 //! Writer → reader round trips: every metadata type, every tensor type, alignment, v2.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 
 use kimi_gguf::{dequantize, quantize, Array, GgmlType, GgufError, GgufFile, GgufWriter, Value};
 use rand::Rng;

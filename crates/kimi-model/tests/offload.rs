@@ -7,7 +7,7 @@
 //! sum is rounded on its own, so they agree to f32 rounding. Both are also checked against
 //! the fixtures' float64 reference logits.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

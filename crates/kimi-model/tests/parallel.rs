@@ -10,7 +10,7 @@
 //! fixtures' heads split over 2 ranks; random-weight models of the same layouts with 4
 //! heads cover 4 ranks.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

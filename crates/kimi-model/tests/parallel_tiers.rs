@@ -6,7 +6,7 @@
 //! fills, cold experts; the others' run alike but report nowhere). Experts in tiers move
 //! between ranks too: each rank places its new share in tiers again, and the logits stay.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

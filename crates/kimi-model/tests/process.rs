@@ -4,7 +4,7 @@
 //! threads (`TensorParallel`) bit for bit, and a worker that dies ends the step at once with
 //! its rank named, and every later step too. Plus the control messages' byte form.
 
-mod common;
+use crate::common;
 
 use std::net::TcpListener;
 use std::path::Path;

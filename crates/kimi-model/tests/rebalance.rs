@@ -5,7 +5,7 @@
 //! the old placement's); moving back gives the first bits again; a rank that cannot read
 //! its new experts leaves every rank as it was, and a later try succeeds.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -3,7 +3,7 @@
 //! the server answers in bounded time and memory and stays healthy afterwards. The cases
 //! run one at a time (they measure this process's memory and sockets).
 
-mod common;
+use crate::common;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

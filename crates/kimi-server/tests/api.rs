@@ -1,7 +1,7 @@
 //! Black-box HTTP tests of every endpoint on the demo model (random weights: the text is
 //! gibberish, so tests check structure, determinism and constraints, not wording).
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::{json, Value};

@@ -1,7 +1,7 @@
 //! Every kind of bad input gets OpenAI's error JSON with the right status and `param`, and
 //! a corpus of malformed requests never crashes or hangs the server.
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::{json, Value};

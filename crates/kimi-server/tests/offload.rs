@@ -1,7 +1,7 @@
 //! A server whose model keeps its routed experts in host memory behind a forced tiny
 //! cache of device slots: `/metrics` reports where the experts are and what the tiers did.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -1,7 +1,7 @@
 //! The server under load: client disconnects free their sequences, concurrent greedy
 //! requests equal the same requests alone, overload gives 429, timeouts give 408.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -1,7 +1,7 @@
 //! The web page at `/` and its assets, over real HTTP (the browser test is
 //! scripts/web-test.sh): content types, the CSP, and that every asset the page names loads.
 
-mod common;
+use crate::common;
 
 use common::*;
 

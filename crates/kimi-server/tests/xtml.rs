@@ -2,7 +2,7 @@
 //! (`<|open|>` 959, `<|close|>` 960, `<|sep|>` 961, `<|end_of_msg|>` 958, no chat template).
 //! Random weights: tests check prompts, structure and constraints, not wording.
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::{json, Value};

@@ -1,6 +1,6 @@
 //! The embedded demo tokenizer (assets/demo-tokenizer, made by scripts/make_demo_tokenizer.py).
 
-mod common;
+use crate::common;
 
 use kimi_tokenizer::{StreamDecoder, Tokenizer};
 use serde_json::json;

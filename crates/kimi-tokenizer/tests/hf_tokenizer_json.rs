@@ -1,6 +1,6 @@
 //! The tokenizer.json path on a real-format byte-level BPE trained and saved by `tokenizers`.
 
-mod common;
+use crate::common;
 
 use kimi_tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
 use serde_json::json;

@@ -1,6 +1,6 @@
 //! Kimi Linear's chat template (assets/demo-tokenizer/chat_template.jinja) against spec §9.4.
 
-mod common;
+use crate::common;
 
 use kimi_tokenizer::{ChatTemplate, TokenizerError};
 use serde_json::json;

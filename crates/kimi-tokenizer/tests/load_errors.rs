@@ -1,6 +1,6 @@
 //! Loader errors name the file and the problem; odd inputs do not panic.
 
-mod common;
+use crate::common;
 
 use kimi_tokenizer::{Tokenizer, TokenizerError};
 

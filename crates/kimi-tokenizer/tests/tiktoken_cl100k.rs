@@ -1,7 +1,7 @@
 //! The Kimi tiktoken loader on OpenAI's real cl100k_base vocabulary (shipped inside
 //! tiktoken-rs), written out as a Kimi-style `tiktoken.model` + `tokenizer_config.json`.
 
-mod common;
+use crate::common;
 
 use std::sync::OnceLock;
 
