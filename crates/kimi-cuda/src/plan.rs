@@ -235,10 +235,12 @@ pub struct KernelConfig {
     pub mxfp4_device_fills: bool,
     /// Quantized weights (Q4Z, Q8Z, F8S; ggml Q4_0, Q4_1, Q8_0, Q4_K) stay packed on the device
     /// and run on the quant GEMV kernels, instead of being widened to bf16 at load
-    /// (`KIMI_CUDA_PACKED_QUANT`). Off: `check quant-ops` passed on an H100 (2026-12-06) and
-    /// the GEMV is 1.2-2.9x bf16 at most 48B shapes there, but still 0.5-0.6x at one row of
-    /// the small-output ones (`check quant-bench`), and prefill widens every packed matrix
-    /// per call; not yet measured on a whole model.
+    /// (`KIMI_CUDA_PACKED_QUANT`; `0` widens them). On: `check quant-ops` passed on an H100
+    /// (2026-12-06, and with every one-token 4-bit kernel 2026-12-07), and the 48B cut to 16
+    /// layers with 4-bit linear layers decodes at 1.11x / 1.76x / 1.66x bf16's tokens/s at
+    /// batch 1 / 16 / 64 in 0.40x the memory there (6a1d257); prefill, which widens each packed
+    /// dense matrix per call, is 0.93x. A checkpoint quantized to fit a GPU keeps fitting it,
+    /// as in other engines; widened, the 4-bit 48B (21.6 GiB) would need 91.5.
     pub packed_quant_weights: bool,
     /// One-token layers of 4-bit integer experts stream in one launch
     /// (`moe_int4_stream_layer`, with `moe_layer`) instead of the tensor-core
@@ -285,7 +287,7 @@ impl Default for KernelConfig {
             graph_arena_mb: 512,
             pin_host_experts: true,
             mxfp4_device_fills: true,
-            packed_quant_weights: false,
+            packed_quant_weights: true,
             int4_stream_layer: true,
             int4_stream_gemv: true,
             kv_cache: kimi_ops::KvCacheDtype::Auto,

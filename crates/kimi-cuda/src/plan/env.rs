@@ -98,7 +98,7 @@ impl KernelConfig {
     /// | `KIMI_CUDA_MXFP4_TOKEN_TILES` | `1`, `2` or `4`; `auto` |
     /// | `KIMI_CUDA_PIN_HOST_EXPERTS` | `0`: expert slots fill from pageable memory; `1` |
     /// | `KIMI_CUDA_MXFP4_DEVICE_FILLS` | `1`: MXFP4 slot fills laid out on the GPU; `0` |
-    /// | `KIMI_CUDA_PACKED_QUANT` | `1`: integer/FP8/ggml weights kept packed; `0` |
+    /// | `KIMI_CUDA_PACKED_QUANT` | `0`: integer/FP8/ggml weights widened to bf16 at load; `1` |
     /// | `KIMI_CUDA_INT4_LAYER` | `1`: one-token 4-bit expert layers in one streamed launch; `0` |
     /// | `KIMI_CUDA_INT4_GEMV` | `1`: one-token 4-bit products streamed by persistent CTAs; `0` |
     pub fn from_vars<'a>(
@@ -297,13 +297,13 @@ mod tests {
             (STREAM_SHAPE, "0,160"),
             (MOE_LAYER, "1"),
             (POOL_RELEASE, "0"),
-            (PACKED_QUANT, "1"),
-            (INT4_LAYER, "1"),
-            (INT4_GEMV, "1"),
+            (PACKED_QUANT, "0"),
+            (INT4_LAYER, "0"),
+            (INT4_GEMV, "0"),
         ]);
         assert!(errors.is_empty(), "{errors:?}");
-        assert!(config.packed_quant_weights && config.int4_stream_layer);
-        assert!(config.int4_stream_gemv);
+        assert!(!config.packed_quant_weights && !config.int4_stream_layer);
+        assert!(!config.int4_stream_gemv);
         assert_eq!(config.kda_chunk, KdaChunkKernel::F32);
         assert_eq!(config.cutlass_min_pairs.split, usize::MAX);
         assert_eq!(config.stream_shape.tile_bytes, 40 << 10);
