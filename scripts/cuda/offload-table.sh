@@ -5,9 +5,11 @@
 # against all of them on the GPU. Run on the device from the repository root after
 # scripts/cuda/build-check.sh:
 #   scripts/cuda/offload-table.sh OUT_DIR ROW...
-# where a ROW is NAME:HOST:SLOTS:SKEW — HOST experts per layer in pinned host RAM, SLOTS
+# where a ROW is NAME:HOST:SLOTS:SKEW[:DTYPE] — HOST experts per layer in pinned host RAM, SLOTS
 # device cache slots (the GPU holds 256 − HOST + SLOTS of them), SKEW `bench --routing-skew`
-# (0: about uniform routing, the cache's worst case). HOST 0 is the all-on-GPU baseline.
+# (0: about uniform routing, the cache's worst case), DTYPE `bench --random-dtype` (default
+# bf16; q4z: the linear layers and experts 4-bit, kept packed in every tier). HOST 0 is the
+# all-on-GPU baseline.
 # Every miss goes where the step ends sooner (`--offload-miss auto`).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -25,10 +27,10 @@ CONFIG=/tmp/offload-table-config.json
 cut_config crates/kimi-core/tests/data/kimi-linear-48b-a3b-instruct.config.json \
   "${OFFLOAD_LAYERS:-20}" "$CONFIG"
 for row in "$@"; do
-  IFS=: read -r name host slots skew <<<"$row"
-  flags=()
-  [ "$host" != 0 ] && flags=(--offload-experts "$host" --expert-cache-slots "$slots" --offload-miss auto)
-  echo "# $(date -u +%H:%M:%SZ) $name: host $host slots $slots skew $skew" | tee -a "$OUT/rows.txt"
+  IFS=: read -r name host slots skew dtype <<<"$row"
+  flags=(--random-dtype "${dtype:-bf16}")
+  [ "$host" != 0 ] && flags+=(--offload-experts "$host" --expert-cache-slots "$slots" --offload-miss auto)
+  echo "# $(date -u +%H:%M:%SZ) $name: host $host slots $slots skew $skew dtype ${dtype:-bf16}" | tee -a "$OUT/rows.txt"
   timeout "${OFFLOAD_TIMEOUT:-120}" .device-bin/kimi-infer bench --device cuda \
     --random-config "$CONFIG" --routing-skew "$skew" --prompt-len 256 --gen-len 8 --repeats 1 \
     --decode-batch 1,16 --context 256 --decode-steps "${OFFLOAD_STEPS:-16}" "${flags[@]}" \
