@@ -255,7 +255,10 @@ pub fn load<B: Backend + 'static>(
         // below, which names it: this estimate stays quiet.
         let expert_bytes = match (device, &options.offload) {
             (Some(_), None) => kimi_model::CheckpointSource::new(&ckpt)
-                .and_then(|s| kimi_model::routed_expert_bytes_on(&backend, &s, ckpt.config()))
+                .and_then(|s| {
+                    let keeps = |d| backend.stores_experts(d);
+                    kimi_model::routed_expert_bytes(&keeps, &s, ckpt.config())
+                })
                 .ok()
                 .flatten(),
             _ => None,

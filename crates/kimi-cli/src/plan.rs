@@ -44,6 +44,38 @@ pub fn plan(a: PlanArgs) -> anyhow::Result<()> {
     }
 }
 
+/// `summary` with a quantized checkpoint's routed experts counted as the CUDA backend will
+/// hold them (4-bit ones packed, other packed types widened to bf16:
+/// `KernelConfig::keeps_routed_experts` under this process's `KIMI_CUDA_*` settings) where
+/// the config's dtype says otherwise. Only a checkpoint directory whose config names a
+/// quantization tool is read (one expert's tensors); a config file, an unquantized
+/// checkpoint or one that cannot be read here is sized by its config, as before (`run`
+/// and `serve` name what is wrong with a checkpoint when they load it).
+fn as_held_on_gpus(
+    summary: ModelSummary,
+    path: &Path,
+    cfg: &kimi_core::ModelConfig,
+) -> ModelSummary {
+    if !path.is_dir() {
+        return summary;
+    }
+    let Ok(ckpt) = kimi_weights::Checkpoint::open(path) else {
+        return summary;
+    };
+    let Ok(source) = kimi_model::CheckpointSource::new(&ckpt) else {
+        return summary;
+    };
+    if source.quant_scheme().is_none() {
+        return summary;
+    }
+    let kernels = kimi_cuda::KernelConfig::from_env();
+    let keeps = |d| kernels.keeps_routed_experts(d);
+    match kimi_model::routed_expert_bytes(&keeps, &source, cfg) {
+        Ok(Some(bytes)) => summary.with_routed_expert_bytes(bytes),
+        _ => summary,
+    }
+}
+
 fn report(a: PlanArgs) -> anyhow::Result<()> {
     for (flag, value) in [
         ("--gpu-bw", a.gpu_bw),
@@ -57,8 +89,9 @@ fn report(a: PlanArgs) -> anyhow::Result<()> {
         );
     }
     anyhow::ensure!(a.batch >= 1, "--batch must be at least 1");
-    let cfg = crate::load::config_of(&crate::hub::resolve_model(&a.model, false)?)?;
-    let summary = ModelSummary::new(&cfg);
+    let path = crate::hub::resolve_model(&a.model, false)?;
+    let cfg = crate::load::config_of(&path)?;
+    let summary = as_held_on_gpus(ModelSummary::new(&cfg), &path, &cfg);
     let measured = a.measured.as_deref().map(Measured::read).transpose()?;
     let machine = Machine {
         gpus: a.gpus,

@@ -1566,3 +1566,38 @@ fn k3_bad_checkpoints_name_the_file_and_tensor() {
         "{err}"
     );
 }
+
+/// `plan` on a checkpoint AutoAWQ wrote counts its routed experts as the GPU will hold them:
+/// 4-bit, packed as Q4Z blocks, or with `KIMI_CUDA_PACKED_QUANT=0` widened to bf16; an
+/// 8-bit checkpoint's experts widened either way (CUDA's expert kernels take 4-bit packed
+/// experts only).
+#[test]
+fn plan_sizes_a_quantized_checkpoints_experts_as_the_gpu_holds_them() {
+    let quantized = |name: &str| {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/quantized")
+            .join(name)
+    };
+    let experts = |dir: &Path, packed: &str| -> u64 {
+        let o = bin()
+            .env("KIMI_CUDA_PACKED_QUANT", packed)
+            .args(["plan", "-m", dir.to_str().unwrap(), "--json"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["routed_expert_bytes"].as_u64().unwrap()
+    };
+    let awq = quantized("awq-gemm");
+    let widened = experts(&awq, "0");
+    let values = widened as usize / 2;
+    let packed = experts(&awq, "1");
+    assert_eq!(
+        Some(packed as usize),
+        kimi_core::DType::Q4Z.storage_bytes(values),
+        "{packed} bytes for {values} values"
+    );
+    assert!(packed * 2 < widened, "{packed} vs {widened}");
+    let int8 = quantized("ct-w8a16");
+    assert_eq!(experts(&int8, "1"), experts(&int8, "0"));
+}

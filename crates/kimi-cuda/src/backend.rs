@@ -547,14 +547,8 @@ impl Backend for CudaBackend {
             || (quant::is_planar(dtype) && self.kernel_config().packed_quant_weights)
     }
 
-    // MXFP4 experts, and with packed quantized weights the 4-bit integer ones (Q4Z, Q4_0,
-    // Q4_1, Q4_K), stay packed: the tensor-core expert kernels read them. Other packed
-    // experts (Q8Z, F8S, Q8_0) are widened to bf16, so that they keep the fused and
-    // streamed paths rather than the per-expert one.
     fn stores_experts(&self, dtype: DType) -> bool {
-        matches!(dtype, DType::F32 | DType::BF16 | DType::F16 | DType::MXFP4)
-            || (matches!(dtype, DType::Q4Z | DType::Q4_0 | DType::Q4_1 | DType::Q4_K)
-                && self.kernel_config().packed_quant_weights)
+        self.kernel_config().keeps_routed_experts(dtype)
     }
 
     fn synchronize(&self) -> Result<()> {

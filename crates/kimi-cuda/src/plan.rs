@@ -300,4 +300,17 @@ impl KernelConfig {
     pub(crate) fn split(&self) -> bool {
         self.precision == GemmPrecision::Split
     }
+
+    /// Whether routed experts of `dtype` stay as they are on the device (the backend's
+    /// `stores_experts`, and what `kimi-infer plan` sizes them by). MXFP4 experts, and with
+    /// packed quantized weights the 4-bit integer ones (Q4Z, Q4_0, Q4_1, Q4_K), stay packed:
+    /// the tensor-core and streamed expert kernels read them. Other packed experts (Q8Z,
+    /// F8S, Q8_0) are widened to bf16, so that they keep the fused and streamed paths rather
+    /// than the per-expert one.
+    pub fn keeps_routed_experts(&self, dtype: kimi_core::DType) -> bool {
+        use kimi_core::DType;
+        matches!(dtype, DType::F32 | DType::BF16 | DType::F16 | DType::MXFP4)
+            || (matches!(dtype, DType::Q4Z | DType::Q4_0 | DType::Q4_1 | DType::Q4_K)
+                && self.packed_quant_weights)
+    }
 }

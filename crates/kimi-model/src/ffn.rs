@@ -620,16 +620,17 @@ fn host_view(m: &MlpWeights<HostMatrix>) -> MlpWeights<HostTensor<'_>> {
     }
 }
 
-/// The bytes a checkpoint's routed experts will take on `backend` where the config's dtype
+/// The bytes a checkpoint's routed experts will take on a backend where the config's dtype
 /// does not say it ([`crate::ModelSummary`] counts them in that dtype): experts written by
 /// a quantization tool (AWQ, GPTQ, compressed-tensors, FP8), decoded as the loader decodes
-/// them and kept packed where the backend's MoE kernels take their type, else widened to
-/// bf16; MXFP4 experts under a dense-format config. One expert of the first MoE layer is
+/// them and kept packed where `keeps` says the backend's MoE kernels take their type
+/// ([`Backend::stores_experts`]), else widened to bf16; MXFP4 experts under a dense-format
+/// config. One expert of the first MoE layer is
 /// read and its bytes counted for every expert of every MoE layer. `None` where the
 /// config's arithmetic holds: no MoE, unquantized experts, MXFP4 experts the config
 /// declares.
-pub fn routed_expert_bytes_on<B: Backend>(
-    backend: &B,
+pub fn routed_expert_bytes(
+    keeps: &dyn Fn(kimi_core::DType) -> bool,
     source: &dyn crate::WeightSource,
     cfg: &kimi_core::ModelConfig,
 ) -> Result<Option<u64>> {
@@ -670,7 +671,7 @@ pub fn routed_expert_bytes_on<B: Backend>(
         if !dtype.is_quantized() {
             return Ok(None);
         }
-        let kept = !crate::layers::widen_everywhere() && backend.stores_experts(dtype);
+        let kept = !crate::layers::widen_everywhere() && keeps(dtype);
         bytes += match kept {
             true => stored.len() as u64,
             false => values * kimi_core::DType::BF16.size_bytes() as u64,

@@ -29,7 +29,7 @@ mod summary;
 use std::path::PathBuf;
 
 pub use cache::{CachePool, LayerPool, LayerSpec, SeqCache};
-pub use ffn::routed_expert_bytes_on;
+pub use ffn::routed_expert_bytes;
 pub use forward::{Batch, CausalLm, ForwardOptions, ForwardOutput, RowPicks, SINGLE_BLOCK_SIZE};
 pub use kimi_linear::KimiLinear;
 pub use kimi_ops::offload::{ExpertOffload, OffloadAmount, OffloadCounts, Placement};

@@ -16,7 +16,7 @@ use kimi_cpu::{CpuBackend, QuantMatmul};
 use kimi_model::{
     Batch, CausalLm, CheckpointSource, ForwardOptions, KimiLinear, SeqCache, WeightSource,
 };
-use kimi_ops::{KdaMode, MlaMode, Segment};
+use kimi_ops::{Backend, KdaMode, MlaMode, Segment};
 use kimi_weights::Checkpoint;
 use serde_json::Value;
 
@@ -247,7 +247,9 @@ fn routed_experts_are_sized_as_the_backend_holds_them() {
         let ckpt = Checkpoint::open(&fixture(name)).unwrap();
         let source = CheckpointSource::new(&ckpt).unwrap();
         let cfg = ckpt.config();
-        let got = kimi_model::routed_expert_bytes_on(&CpuBackend::new(), &source, cfg)
+        let cpu = CpuBackend::new();
+        let keeps = |d| cpu.stores_experts(d);
+        let got = kimi_model::routed_expert_bytes(&keeps, &source, cfg)
             .unwrap()
             .unwrap_or_else(|| panic!("{name}: quantized experts"));
         let moe = cfg.moe.as_ref().unwrap();
@@ -276,6 +278,6 @@ fn routed_experts_are_sized_as_the_backend_holds_them() {
     )
     .unwrap();
     let source = CheckpointSource::new(&ckpt).unwrap();
-    let bytes = kimi_model::routed_expert_bytes_on(&CpuBackend::new(), &source, ckpt.config());
+    let bytes = kimi_model::routed_expert_bytes(&|_| true, &source, ckpt.config());
     assert_eq!(bytes.unwrap(), None);
 }
