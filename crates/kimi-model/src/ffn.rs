@@ -605,10 +605,16 @@ fn load_tiered<B: Backend>(
 /// Whether `{base}` is stored as MXFP4 planes: the config says which form to expect; the
 /// other is taken where only it exists.
 fn is_mxfp4<B: Backend>(ld: &Loader<'_, B>, base: &str, c: &MoeConfig) -> bool {
+    stored_as_mxfp4(&|name| ld.contains(name), base, c)
+}
+
+/// Whether the expert matrix `base` is stored as MXFP4 (`weight_packed` and its scales)
+/// rather than as a `weight`, by the names `contains` finds.
+fn stored_as_mxfp4(contains: &dyn Fn(&str) -> bool, base: &str, c: &MoeConfig) -> bool {
     let (packed, plain) = (format!("{base}.weight_packed"), format!("{base}.weight"));
     match c.expert_format {
-        ExpertFormat::Mxfp4 => ld.contains(&packed) || !ld.contains(&plain),
-        ExpertFormat::Dense => !ld.contains(&plain) && ld.contains(&packed),
+        ExpertFormat::Mxfp4 => contains(&packed) || !contains(&plain),
+        ExpertFormat::Dense => !contains(&plain) && contains(&packed),
     }
 }
 
@@ -625,10 +631,9 @@ fn host_view(m: &MlpWeights<HostMatrix>) -> MlpWeights<HostTensor<'_>> {
 /// a quantization tool (AWQ, GPTQ, compressed-tensors, FP8), decoded as the loader decodes
 /// them and kept packed where `keeps` says the backend's MoE kernels take their type
 /// ([`Backend::stores_experts`]), else widened to bf16; MXFP4 experts under a dense-format
-/// config. One expert of the first MoE layer is
-/// read and its bytes counted for every expert of every MoE layer. `None` where the
-/// config's arithmetic holds: no MoE, unquantized experts, MXFP4 experts the config
-/// declares.
+/// config. One expert of the first MoE layer is read and its bytes counted for every expert
+/// of every MoE layer. `None` where the config's arithmetic holds: no MoE, unquantized
+/// experts, MXFP4 experts the config declares.
 pub fn routed_expert_bytes(
     keeps: &dyn Fn(kimi_core::DType) -> bool,
     source: &dyn crate::WeightSource,
@@ -651,23 +656,16 @@ pub fn routed_expert_bytes(
         ("w3", width, expert_in),
         ("w2", expert_in, width),
     ] {
-        let (packed, plain) = (
-            format!("{p}.{name}.weight_packed"),
-            format!("{p}.{name}.weight"),
-        );
+        let base = format!("{p}.{name}");
         let values = (rows * cols) as u64;
-        let mxfp4 = match c.expert_format {
-            ExpertFormat::Mxfp4 => source.contains(&packed) || !source.contains(&plain),
-            ExpertFormat::Dense => !source.contains(&plain) && source.contains(&packed),
-        };
-        if mxfp4 {
+        if stored_as_mxfp4(&|n| source.contains(n), &base, c) {
             if c.expert_format == ExpertFormat::Mxfp4 {
                 return Ok(None);
             }
-            bytes += values * 17 / 32;
+            bytes += values * 17 / 32; // 16 bytes of codes and one E8M0 scale per 32 values
             continue;
         }
-        let (dtype, stored) = source.load(&plain, &[rows, cols])?;
+        let (dtype, stored) = source.load(&format!("{base}.weight"), &[rows, cols])?;
         if !dtype.is_quantized() {
             return Ok(None);
         }
