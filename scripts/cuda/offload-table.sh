@@ -10,7 +10,8 @@
 # (0: about uniform routing, the cache's worst case), DTYPE `bench --random-dtype` (default
 # bf16; q4z: the linear layers and experts 4-bit, kept packed in every tier). HOST 0 is the
 # all-on-GPU baseline.
-# Every miss goes where the step ends sooner (`--offload-miss auto`).
+# Every miss goes where the step ends sooner (`--offload-miss auto`). KIMI_INFER names another
+# build to run (default .device-bin/kimi-infer), for two builds side by side in one lease.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="$1"
@@ -18,7 +19,7 @@ shift
 mkdir -p "$OUT"
 source scripts/cuda/device-env.sh
 {
-  echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ) binaries built from $(cat .device-bin/COMMIT 2>/dev/null || echo unknown)"
+  echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ) ${KIMI_INFER:-.device-bin/kimi-infer}, built from $(cat "$(dirname "${KIMI_INFER:-.device-bin/kimi-infer}")/COMMIT" 2>/dev/null || echo unknown)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1
   grep -m1 'model name' /proc/cpuinfo
   free -g | sed -n 2p
@@ -31,7 +32,7 @@ for row in "$@"; do
   flags=(--random-dtype "${dtype:-bf16}")
   [ "$host" != 0 ] && flags+=(--offload-experts "$host" --expert-cache-slots "$slots" --offload-miss auto)
   echo "# $(date -u +%H:%M:%SZ) $name: host $host slots $slots skew $skew dtype ${dtype:-bf16}" | tee -a "$OUT/rows.txt"
-  timeout "${OFFLOAD_TIMEOUT:-120}" .device-bin/kimi-infer bench --device cuda \
+  timeout "${OFFLOAD_TIMEOUT:-120}" "${KIMI_INFER:-.device-bin/kimi-infer}" bench --device cuda \
     --random-config "$CONFIG" --routing-skew "$skew" --prompt-len 256 --gen-len 8 --repeats 1 \
     --decode-batch 1,16 --context 256 --decode-steps "${OFFLOAD_STEPS:-16}" "${flags[@]}" \
     --json "$OUT/$name.json" >"$OUT/$name.txt" 2>&1

@@ -321,7 +321,8 @@ impl Backend for CpuBackend {
                 weights: w.to_vec(),
             })
             .collect();
-        // Pairs of experts held by other ranks (expert parallelism) count nothing here.
+        // Pairs of absent experts (held by other ranks, or a tiered bank's cold experts,
+        // computed by the caller) count nothing here.
         let routes: Vec<moe::Route> = match experts.has_absent() {
             false => routes,
             true => routes

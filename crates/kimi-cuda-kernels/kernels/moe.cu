@@ -368,17 +368,20 @@ __device__ __forceinline__ void lists_block(const uint32_t* ids, const float* we
   place_pairs(ids, weights, 0, P, E, top_k, cur, slots, rows, wsel, meta);
 }
 
-// Expert parallelism: the pairs routed to experts another rank holds (present[e] == 0) are
-// sent to `stand_in` (an expert held here) with weight 0, so that they add nothing; the
-// others are copied. ids/weights hold P entries, present one byte per expert.
+// Pairs routed to experts that are not here (present[e] == 0: held by another rank, or a
+// tiered bank's cold experts, computed on the host) get the id NO_EXPERT and weight 0; the
+// others are copied. moe_lists places no NO_EXPERT pair, so no kernel computes them, and
+// moe_combine skips pairs of weight 0 without reading their (unwritten) output rows.
+// ids/weights hold P entries, present one byte per expert.
+#define NO_EXPERT 0xFFFFFFFFu
 extern "C" __global__ void moe_mask_absent(const uint32_t* ids, const float* weights,
-                                           const uint8_t* present, uint32_t stand_in, int P,
-                                           uint32_t* ids_out, float* weights_out) {
+                                           const uint8_t* present, int P, uint32_t* ids_out,
+                                           float* weights_out) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= P) return;
   uint32_t e = ids[i];
   bool here = present[e] != 0;
-  ids_out[i] = here ? e : stand_in;
+  ids_out[i] = here ? e : NO_EXPERT;
   weights_out[i] = here ? weights[i] : 0.0f;
 }
 
@@ -845,7 +848,8 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 
 // out[t, i] (+)= sum_k weights[t*K + k] * y[row(t*K + k), i], row(p) = p (pair order) or,
 // with `inv`, inv[p] (rows in sorted pair order, `moe_gather_bf16`): each output element
-// owned by one thread, no atomics. `accumulate` = 0 overwrites `out`.
+// owned by one thread, no atomics. `accumulate` = 0 overwrites `out`. A pair of weight 0
+// adds nothing and its row is not read: an absent expert's pair (moe_mask_absent) has none.
 extern "C" __global__ void moe_combine(const float* y, const uint32_t* inv, const float* weights,
                                        float* out, int n, int d, int top_k, int accumulate) {
   pdl_enter();
@@ -856,8 +860,10 @@ extern "C" __global__ void moe_combine(const float* y, const uint32_t* inv, cons
     float acc = 0.0f;
     for (int k = 0; k < top_k; ++k) {
       const size_t pair = t * top_k + k;
+      const float w = weights[pair];
+      if (w == 0.0f) continue;
       const size_t row = inv ? inv[pair] : pair;
-      acc += weights[pair] * y[row * d + i];
+      acc += w * y[row * d + i];
     }
     out[idx] = accumulate ? out[idx] + acc : acc;
   }
@@ -868,17 +874,21 @@ extern "C" __global__ void moe_combine(const float* y, const uint32_t* inv, cons
 // rows in sorted order (expert e's pairs at offsets[e] .. offsets[e+1]).
 
 // out[pos] = bf16(x[rows[pos]]) for every sorted pair (and, with `split`, the lo terms
-// x - hi at out[P + pos]); inv[slots[pos]] = pos for `moe_combine_sorted`. One thread per
-// 8 columns; `d` % 8 == 0.
+// x - hi at out[P + pos]); inv[slots[pos]] = pos for `moe_combine`. Positions from
+// offsets[E] (the pairs moe_lists placed; fewer than P when some went to NO_EXPERT) on are
+// left alone. One thread per 8 columns; `d` % 8 == 0.
 extern "C" __global__ void moe_gather_bf16(const float* x, const uint32_t* rows,
-                                           const uint32_t* slots, __nv_bfloat16* out,
-                                           uint32_t* inv, int P, int d, int split) {
+                                           const uint32_t* slots, const uint32_t* offsets,
+                                           int E, __nv_bfloat16* out, uint32_t* inv, int P,
+                                           int d, int split) {
   pdl_enter();
   const int per_row = d >> 3;
   const size_t total = (size_t)P * per_row;
+  const size_t placed = offsets[E];
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
        i += (size_t)gridDim.x * blockDim.x) {
     const size_t pos = i / per_row;
+    if (pos >= placed) continue;
     const int c = (int)(i % per_row) * 8;
     if (c == 0) inv[slots[pos]] = (uint32_t)pos;
     const float4* src = reinterpret_cast<const float4*>(x + (size_t)rows[pos] * d + c);

@@ -231,7 +231,8 @@ impl<'a, T> ExpertView<'a, T> {
         }
     }
 
-    /// A view made for one call in which some experts are absent (held by other ranks):
+    /// A view made for one call in which some experts are absent (held by other ranks, or
+    /// a tiered bank's cold experts, which the host computes):
     /// `(weights, present)` per id, the weights of an absent one only a stand-in. A backend
     /// must skip the pairs of absent experts, or refuse the view
     /// ([`ExpertView::has_absent`]).

@@ -444,7 +444,7 @@ impl<T> TieredBank<T> {
         let mut sets = vec![&routes];
         sets.extend(next.as_ref().map(|n| &n.routes));
         let mut read = be.read_route_sets(&sets)?.into_iter();
-        let Some((ids, mut weights)) = read.next() else {
+        let Some((ids, weights)) = read.next() else {
             return Err(Error::Shape {
                 op: OP,
                 detail: "the routes were not read back".into(),
@@ -529,7 +529,6 @@ impl<T> TieredBank<T> {
                     expert: e as usize,
                     weight: weights[i],
                 });
-                weights[i] = 0.0;
             }
         }
         counts.cold_pairs = cold.len() as u64;
@@ -543,8 +542,9 @@ impl<T> TieredBank<T> {
         counts.device_pairs = (ids.len() - cold.len()) as u64;
 
         let out_width = self.host.out_width();
-        // Any device expert stands in for the cold ones, whose pairs weigh zero on the
-        // device (the backend's kernels need weights behind every id the routes name).
+        // The cold experts are absent from the device's view: the backend skips their pairs
+        // (the host adds them below). Any device expert stands in for their weights, as for
+        // the experts no route names.
         let stand_in = self
             .resident
             .iter()
@@ -553,24 +553,19 @@ impl<T> TieredBank<T> {
             .or(slots.weights.first());
         let (mut y, experts) = match stand_in {
             Some(stand_in) => {
-                let view: Vec<&MlpWeights<T>> = (0..e_count)
+                let view: Vec<(&MlpWeights<T>, bool)> = (0..e_count)
                     .map(|e| match (&self.resident[e], slots.cache.slot_of(e)) {
-                        (Some(w), _) => w,
-                        (None, Some(s)) => &slots.weights[s],
-                        (None, None) => stand_in,
+                        (Some(w), _) => (w, true),
+                        (None, Some(s)) => (&slots.weights[s], true),
+                        (None, None) => (stand_in, !is_cold[e]),
                     })
                     .collect();
-                // With cold pairs the weights go up with theirs zeroed; without, the
-                // device's own weights serve (one copy less per step).
-                let routes = if cold.is_empty() {
-                    routes
+                let view = if cold.is_empty() {
+                    ExpertView::per_call(view.into_iter().map(|(w, _)| w).collect())
                 } else {
-                    MoeRoutes {
-                        weights: be.upload_f32(&[n, k], &weights)?,
-                        ..routes
-                    }
+                    ExpertView::partial(view)
                 };
-                let y = be.moe_experts(x, &routes, &ExpertView::per_call(view), act)?;
+                let y = be.moe_experts(x, &routes, &view, act)?;
                 (y, routes.experts)
             }
             None => (be.zeros(&[n, out_width])?, routes.experts),

@@ -260,10 +260,11 @@ impl CudaBackend {
         Ok(lists)
     }
 
-    /// Routed experts of which some are held by other ranks (expert parallelism): the
-    /// pairs of an absent expert go to a present one with weight 0 (`ops::moe::mask_absent`),
-    /// so they add nothing, and the bank runs as it would whole. The absent pairs still
-    /// cost their share of the compute; skipping them is for later.
+    /// Routed experts of which some are absent (held by other ranks under expert
+    /// parallelism, or a tiered bank's cold experts, computed on the host): their pairs are
+    /// masked out on the device (`ops::moe::mask_absent`), so that no kernel computes them
+    /// and they add nothing; the present ones run as the whole bank would. The shapes stay
+    /// those of all the routes, so a captured graph replays it.
     pub(super) fn run_present_experts(
         &self,
         x: &CudaTensor,
@@ -271,12 +272,9 @@ impl CudaBackend {
         bank: &ExpertView<'_, CudaTensor>,
         act: Activation,
     ) -> Result<CudaTensor> {
-        const OP: &str = "moe_experts (expert parallel)";
+        const OP: &str = "moe_experts (absent experts)";
         self.dev.enter(OP)?;
         let present: Vec<u8> = (0..bank.len()).map(|e| bank.is_present(e) as u8).collect();
-        let Some(stand_in) = present.iter().position(|&p| p != 0) else {
-            return Err(shape_err(OP, "a rank without experts".into()));
-        };
         let shape = routes.experts.shape.clone();
         if routes.weights.shape != shape || shape.len() != 2 {
             return Err(shape_err(
@@ -291,14 +289,13 @@ impl CudaBackend {
             let mask = self.upload_bytes(&present, OP)?;
             // SAFETY: the routes hold p ids below the bank's length (route_moe chose them
             // among as many router rows) and p weights; ids/weights hold p 4-byte entries;
-            // the mask holds a byte per expert; `stand_in` is present.
+            // the mask holds a byte per expert.
             unsafe {
                 ops::moe::mask_absent(
                     &self.dev,
                     routes.experts.ptr(),
                     routes.weights.ptr(),
                     mask.ptr(),
-                    stand_in as u32,
                     p,
                     ids.ptr(),
                     weights.ptr(),
@@ -442,7 +439,12 @@ impl CudaBackend {
             .map(f32::to_bits)
             .collect();
         let (ids, counts) = meta.split_at(p);
-        if let Some(bad) = ids.iter().find(|&&i| i as usize >= e) {
+        // Masked pairs (NO_EXPERT) are not placed in the lists; any other id past the bank
+        // is an error.
+        if let Some(bad) = ids
+            .iter()
+            .find(|&&i| i as usize >= e && i != ops::moe::NO_EXPERT)
+        {
             return Err(shape_err(OP, format!("routes name expert {bad} of {e}")));
         }
         let out = self.zeroed(&[n, out_width], OP)?;

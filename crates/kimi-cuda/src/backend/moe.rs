@@ -824,13 +824,16 @@ impl CudaBackend {
         let a = self.empty(&[terms * p, d], DType::BF16, OP)?;
         let inv = self.raw(p * 4, OP)?;
         // SAFETY: x holds n rows of d f32 (16-byte aligned, d % 8 == 0: the planner checked);
-        // rows/slots hold p entries from moe_lists; a and inv are sized as the kernel needs.
+        // offsets (over e experts), rows and slots (p entries) come from moe_lists; a and inv
+        // are sized as the kernel needs.
         unsafe {
             ops::moe::gather_bf16(
                 &self.dev,
                 x.ptr(),
                 rows,
                 lists.slots,
+                lists.offsets,
+                e,
                 a.ptr(),
                 Self::slice_ptr(&inv),
                 p,

@@ -542,28 +542,31 @@ pub(crate) unsafe fn grouped_mma_pipelined(
 }
 
 /// Gathers the token rows of every sorted pair as bf16 (hi, then lo terms `p` rows further
-/// when `split`) into `out`, and writes `inv[slots[pos]] = pos` (for [`combine`]).
+/// when `split`) into `out`, and writes `inv[slots[pos]] = pos` (for [`combine`]), for the
+/// `offsets[experts]` pairs [`lists`] placed (all `p` unless some were [`mask_absent`]ed).
 ///
 /// # Safety
 /// `x` holds 16-byte aligned f32 rows of width `d` (`d % 8 == 0`) for every token `rows`
-/// names; `rows`/`slots` hold `p` entries from [`lists`]; `out` holds `p * d` bf16 (twice
-/// when `split`), `inv` `p` u32.
+/// names; `offsets` (over `experts`), `rows` and `slots` (`p` entries) come from [`lists`];
+/// `out` holds `p * d` bf16 (twice when `split`), `inv` `p` u32.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gather_bf16(
     dev: &Device,
     x: u64,
     rows: u64,
     slots: u64,
+    offsets: u64,
+    experts: usize,
     out: u64,
     inv: u64,
     p: usize,
     d: usize,
     split: bool,
 ) -> Result<()> {
-    let (pi, di, s) = (p as i32, d as i32, split as i32);
+    let (pi, di, s, ei) = (p as i32, d as i32, split as i32, experts as i32);
     let mut b = dev.kernel("moe", "moe_gather_bf16")?;
-    b.arg(&x).arg(&rows).arg(&slots).arg(&out).arg(&inv);
-    b.arg(&pi).arg(&di).arg(&s);
+    b.arg(&x).arg(&rows).arg(&slots).arg(&offsets).arg(&ei);
+    b.arg(&out).arg(&inv).arg(&pi).arg(&di).arg(&s);
     // SAFETY: see the function's contract.
     unsafe { b.launch(flat(p * d / 8)) }.op("moe")?;
     Ok(())
@@ -687,35 +690,34 @@ pub(crate) unsafe fn cutlass_gemm(
 }
 
 /// Copies `p` routed pairs (`ids` u32, `weights` f32) into `ids_out`/`weights_out`, those
-/// whose expert is absent (`present[e] == 0`: held by another rank) sent to `stand_in`
-/// with weight 0 (see `moe_mask_absent` in `kernels/moe.cu`).
+/// whose expert is absent (`present[e] == 0`: held by another rank, or computed on the host)
+/// given the id [`NO_EXPERT`] and weight 0: [`lists`] places none of them, so no expert
+/// kernel computes them, and [`combine`] skips them (see `moe_mask_absent` in
+/// `kernels/moe.cu`).
 ///
 /// # Safety
 /// `ids`, `weights`, `ids_out` and `weights_out` hold `p` 4-byte entries; every id is below
-/// the length of `present` (bytes); `stand_in` is an id whose expert is present.
-#[allow(clippy::too_many_arguments)]
+/// the length of `present` (bytes).
 pub(crate) unsafe fn mask_absent(
     dev: &Device,
     ids: u64,
     weights: u64,
     present: u64,
-    stand_in: u32,
     p: usize,
     ids_out: u64,
     weights_out: u64,
 ) -> Result<()> {
     let pi = p as i32;
     let mut b = dev.kernel("moe", "moe_mask_absent")?;
-    b.arg(&ids)
-        .arg(&weights)
-        .arg(&present)
-        .arg(&stand_in)
-        .arg(&pi);
+    b.arg(&ids).arg(&weights).arg(&present).arg(&pi);
     b.arg(&ids_out).arg(&weights_out);
     // SAFETY: see the function's contract; one thread per pair.
     unsafe { b.launch(flat(p)) }.op("moe")?;
     Ok(())
 }
+
+/// The expert id [`mask_absent`] gives a pair that no kernel is to compute.
+pub(crate) const NO_EXPERT: u32 = u32::MAX;
 
 /// `counts[e] +=` the number of the `n` ids (u32) equal to `e`, for `e < experts`: the
 /// first kernel of the multi-block [`lists`].

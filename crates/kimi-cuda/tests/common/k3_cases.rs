@@ -175,6 +175,52 @@ pub fn op_moe_experts<B: Backend>(
     Ok(vec![b.to_f32(&y)?, ids.iter().map(|&i| i as f32).collect()])
 }
 
+/// [`op_moe_experts`] over a view in which every third expert is absent (held by another
+/// rank, or a tiered bank's cold expert; its weights a present one's): their pairs add
+/// nothing. `act` SiLU takes the table paths (fused GEMV, grouped GEMMs) for bf16 banks;
+/// `format` Q4Z the packed tensor-core path.
+#[allow(clippy::too_many_arguments)]
+pub fn op_moe_experts_absent<B: Backend>(
+    b: &B,
+    n: usize,
+    d: usize,
+    inter: usize,
+    e: usize,
+    top_k: usize,
+    format: DType,
+    act: Activation,
+) -> Res<Vec<Vec<f32>>> {
+    let mut rng = Rng(43);
+    let x = b.upload_f32(&[n, d], &rng.vec(n * d, 1.0))?;
+    let router = b.upload_f32(&[e, d], &rng.vec(e * d, 0.5))?;
+    let mut experts = Vec::with_capacity(e);
+    for _ in 0..e {
+        let mut mat = |rows: usize, cols: usize| -> Res<B::Tensor> {
+            match format {
+                DType::MXFP4 => mxfp4_weight(b, &mut rng, rows, cols),
+                DType::BF16 => weight(b, &[rows, cols], &rng.vec(rows * cols, 0.2), DType::BF16),
+                q => super::quant_cases::quant_weight(b, &mut rng, q, rows, cols),
+            }
+        };
+        experts.push(MlpWeights {
+            gate: mat(inter, d)?,
+            up: mat(inter, d)?,
+            down: mat(d, inter)?,
+        });
+    }
+    let routes = b.moe_route(&x, &router, None, &routing(top_k))?;
+    let view = ExpertView::partial(
+        (0..e)
+            .map(|i| match i % 3 {
+                2 => (&experts[0], false),
+                _ => (&experts[i], true),
+            })
+            .collect(),
+    );
+    let y = b.moe_experts(&x, &routes, &view, act)?;
+    Ok(vec![b.to_f32(&y)?])
+}
+
 /// Every K3 case, named for the report.
 pub fn cases() -> Vec<(String, Case)> {
     let situ_no_linear = Activation::Situ {
@@ -252,6 +298,81 @@ pub fn cases() -> Vec<(String, Case)> {
         (
             "k3 moe_experts bf16 5 tok, 8e top3, d 64 inter 96 (one by one)".into(),
             k3_case!(|b| op_moe_experts(b, 5, 64, 96, 8, 3, DType::BF16)),
+        ),
+        // Absent experts (expert parallelism, a tiered bank's cold ones) on every path.
+        (
+            "moe_experts absent bf16 5 tok, 8e top3, d 64 inter 96 (one by one)".into(),
+            k3_case!(|b| op_moe_experts_absent(b, 5, 64, 96, 8, 3, DType::BF16, SITU)),
+        ),
+        (
+            "moe_experts absent bf16 1 tok, 32e top8, d 2304 inter 1024 (fused GEMV)".into(),
+            k3_case!(|b| op_moe_experts_absent(
+                b,
+                1,
+                2304,
+                1024,
+                32,
+                8,
+                DType::BF16,
+                Activation::Silu
+            )),
+        ),
+        (
+            "moe_experts absent bf16 520 tok, 32e top8, d 2304 inter 1024 (grouped)".into(),
+            k3_case!(|b| op_moe_experts_absent(
+                b,
+                520,
+                2304,
+                1024,
+                32,
+                8,
+                DType::BF16,
+                Activation::Silu
+            )),
+        ),
+        (
+            "moe_experts absent bf16 1100 tok, 64e top8, d 256 inter 192 (multi-block lists)"
+                .into(),
+            k3_case!(|b| op_moe_experts_absent(
+                b,
+                1100,
+                256,
+                192,
+                64,
+                8,
+                DType::BF16,
+                Activation::Silu
+            )),
+        ),
+        (
+            "moe_experts absent mxfp4 37 tok, 16e top4, d 64 inter 96".into(),
+            k3_case!(|b| op_moe_experts_absent(b, 37, 64, 96, 16, 4, DType::MXFP4, SITU)),
+        ),
+        (
+            "moe_experts absent q4z 1 tok, 16e top4, d 256 inter 128".into(),
+            k3_case!(|b| op_moe_experts_absent(
+                b,
+                1,
+                256,
+                128,
+                16,
+                4,
+                DType::Q4Z,
+                Activation::Silu
+            )),
+        ),
+        (
+            "moe_experts absent q4z 300 tok, 16e top4, d 256 inter 128".into(),
+            k3_case!(|b| op_moe_experts_absent(
+                b,
+                300,
+                256,
+                128,
+                16,
+                4,
+                DType::Q4Z,
+                Activation::Silu
+            )),
         ),
     ]
 }
