@@ -389,7 +389,11 @@ pub(crate) fn quantized_like_awq(name: &str, shape: &[usize]) -> bool {
 }
 
 /// A random [`DType::Q4Z`] matrix as an RTN quantizer with an integer zero point writes one:
-/// uniform codes, `z = 8`, `d = a / 8` (values in `[−a, 7a/8]`).
+/// codes uniform over 1..=15, `z = 8`, `d = a / 8` (values in `[−7a/8, 7a/8]`, mean zero).
+/// Code 0 is left out so that the values are symmetric: all 16 codes would give every row
+/// the same negative mean, hence every hidden state a common direction, and the routers
+/// would then send every token to the same few experts (as a model of such weights did:
+/// 10 % of the experts took every pair), unlike the bf16 random weights or a trained model.
 fn random_q4z(name: &str, shape: &[usize], n: usize, a: f32, seed: u64) -> Result<Vec<u8>> {
     let bytes = DType::Q4Z.storage_bytes(n);
     let mut out = zeroed_bytes(name, shape, bytes)?;
@@ -403,7 +407,7 @@ fn random_q4z(name: &str, shape: &[usize], n: usize, a: f32, seed: u64) -> Resul
             let mut state = seed ^ (ci as u64).wrapping_mul(0xd1b54a32d192ed03);
             for block in chunk.chunks_exact_mut(bb) {
                 let codes: [u8; 32] =
-                    std::array::from_fn(|_| (splitmix_unit(&mut state) * 16.0) as u8 & 0xF);
+                    std::array::from_fn(|_| 1 + ((splitmix_unit(&mut state) * 15.0) as u8).min(14));
                 kimi_core::qblocks::write_q4z(&codes, a / 8.0, 8.0, block);
             }
         });
@@ -478,8 +482,8 @@ mod tests {
     use super::*;
 
     /// `RandomWeights` of Q4Z: the linear layers as 4-bit blocks (integer zero point 8,
-    /// values within ±1/√in), everything AWQ keeps in 16 bits as bf16, the same bytes on
-    /// every call.
+    /// values within ±(7/8)/√in, symmetric about zero), everything AWQ keeps in 16 bits as
+    /// bf16, the same bytes on every call.
     #[test]
     fn random_q4z_weights_quantize_the_linear_layers_like_awq() {
         let source = RandomWeights {
@@ -498,9 +502,14 @@ mod tests {
             &mut values
         ));
         let a = 1.0 / 16.0;
-        assert!(values.iter().all(|v| (-a..=a * 7.0 / 8.0).contains(v)));
+        let edge = a * 7.0 / 8.0;
+        assert!(values.iter().all(|v| (-edge..=edge).contains(v)));
         // Codes spread over the range: both ends occur.
-        assert!(values.contains(&-a) && values.contains(&(a * 7.0 / 8.0)));
+        assert!(values.contains(&-edge) && values.contains(&edge));
+        // Zero mean (a common offset makes the routers pick the same experts for every
+        // token): the mean of 12,288 values of standard deviation 0.5a is within 0.02a.
+        let mean = values.iter().map(|&v| v as f64).sum::<f64>() / values.len() as f64;
+        assert!(mean.abs() < 0.02 * a as f64, "mean {mean}");
         for (name, shape) in [
             ("model.layers.1.block_sparse_moe.gate.weight", vec![8, 256]),
             ("model.layers.0.input_layernorm.weight", vec![256]),
