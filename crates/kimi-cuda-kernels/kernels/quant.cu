@@ -540,3 +540,82 @@ extern "C" __global__ void quant_embed(const uint8_t* w, int fmt, const uint32_t
     widen_any(w, fmt, out, 0, nblocks, i, (size_t)ids[t] * nb + b);
   }
 }
+
+// A slot fill's stored blocks (copied to the device as the checkpoint holds them) laid out
+// in the planes above, as `quant_layout::device_planes` lays them out on the host: one
+// thread per 32-value unit of `units`. `kind` is the stored type: 0 Q4Z, 1 Q8Z, 2 F8S
+// (header and codes as they are), 3 Q4_0 (d, z = 8), 4 Q8_0 (d, z = 128; codes + 128),
+// 5 Q4_1 (a = d, b = -m), 6 Q4_K (per 32-value sub-block a = d · scale, b = dmin · min, its
+// nibbles in Q4Z's order).
+namespace qfill {
+__device__ __forceinline__ float f16_at(const uint8_t* b) {
+  return __half2float(__ushort_as_half((unsigned short)(b[0] | (b[1] << 8))));
+}
+// ggml's get_scale_min_k4: sub-block j's 6-bit scale and min from the 12 scale bytes `s`.
+__device__ __forceinline__ void q4k_scale_min(int j, const uint8_t* s, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+}  // namespace qfill
+
+// One unit: its header (h0, h1) and code bytes into the planes.
+__device__ __forceinline__ void fill_unit(const uint8_t* blocks, uint8_t* planes, int kind,
+                                          uint32_t units, uint32_t u) {
+  // Code bytes and header bytes per unit, stored block bytes and units per stored block.
+  const int cb = (kind == 1 || kind == 2 || kind == 4) ? 32 : 16;
+  const int sb = kind == 2 ? 4 : 8;
+  const int bb = kind == 0 ? 24 : kind == 1 ? 40 : kind == 2 ? 36 : kind == 3 ? 18
+               : kind == 4 ? 34 : kind == 5 ? 20 : 144;
+  const int per = kind == 6 ? 8 : 1;
+  const uint8_t* b = blocks + (size_t)(u / per) * bb;
+  const int j = u % per;
+  __align__(16) uint8_t code[32];
+  float h0, h1 = 0.0f;
+  if (kind <= 2) {
+    // Q4Z, Q8Z, F8S: the f32 header (4-byte aligned: every block size is a multiple of 4),
+    // then the codes, as stored.
+    h0 = *reinterpret_cast<const float*>(b);
+    if (sb == 8) h1 = *reinterpret_cast<const float*>(b + 4);
+    for (int i = 0; i < cb; ++i) code[i] = b[sb + i];
+  } else if (kind == 3) {
+    h0 = qfill::f16_at(b);
+    h1 = 8.0f;
+    for (int i = 0; i < 16; ++i) code[i] = b[2 + i];
+  } else if (kind == 4) {
+    h0 = qfill::f16_at(b);
+    h1 = 128.0f;
+    for (int i = 0; i < 32; ++i) code[i] = b[2 + i] ^ 0x80;
+  } else if (kind == 5) {
+    h0 = qfill::f16_at(b);
+    h1 = -qfill::f16_at(b + 2);
+    for (int i = 0; i < 16; ++i) code[i] = b[4 + i];
+  } else {
+    int sc, m;
+    qfill::q4k_scale_min(j, b + 4, sc, m);
+    h0 = qfill::f16_at(b) * (float)sc;
+    h1 = qfill::f16_at(b + 2) * (float)m;
+    const uint8_t* qs = b + 16 + 32 * (j / 2);
+    const int sh = 4 * (j % 2);
+    for (int i = 0; i < 16; ++i)
+      code[i] = ((qs[i] >> sh) & 0xF) | (((qs[i + 16] >> sh) & 0xF) << 4);
+  }
+  uint4* dst = reinterpret_cast<uint4*>(planes + (size_t)u * cb);
+  dst[0] = *reinterpret_cast<const uint4*>(code);
+  if (cb == 32) dst[1] = *reinterpret_cast<const uint4*>(code + 16);
+  float* head = reinterpret_cast<float*>(planes + (size_t)units * cb + (size_t)u * sb);
+  head[0] = h0;
+  if (sb == 8) head[1] = h1;
+}
+
+extern "C" __global__ void quant_from_blocks(const uint8_t* blocks, uint8_t* planes, int kind,
+                                             uint32_t units) {
+  pdl_enter();
+  for (uint32_t u = blockIdx.x * blockDim.x + threadIdx.x; u < units;
+       u += gridDim.x * blockDim.x)
+    fill_unit(blocks, planes, kind, units, u);
+}

@@ -85,6 +85,7 @@ pub(crate) const KERNELS: &[(&str, &[&str])] = &[
             "quant_gemv_narrow_pair",
             "quant_widen",
             "quant_embed",
+            "quant_from_blocks",
         ],
     ),
     ("sampling", &["apply_penalties", "sample_rows"]),

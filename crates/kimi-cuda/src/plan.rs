@@ -233,6 +233,12 @@ pub struct KernelConfig {
     /// passed with it on an H100 (2026-12-06), where a K3 expert's fill took 0.43 ms instead
     /// of 4.8 ms.
     pub mxfp4_device_fills: bool,
+    /// Slots of experts kept packed (Q4Z, Q8Z, F8S, ggml Q4_0/Q4_1/Q8_0/Q4_K) fill by
+    /// copying the stored blocks and laying them out in the device planes on the GPU
+    /// (`quant_from_blocks`) instead of on the host before a staged copy
+    /// (`KIMI_CUDA_PACKED_DEVICE_FILLS`; `0` lays them out on the host, which took 2.7 ms
+    /// (2.0 GB/s) for a 4-bit 48B expert on an H100, 2026-12-07).
+    pub packed_device_fills: bool,
     /// Quantized weights (Q4Z, Q8Z, F8S; ggml Q4_0, Q4_1, Q8_0, Q4_K) stay packed on the device
     /// and run on the quant GEMV kernels, instead of being widened to bf16 at load
     /// (`KIMI_CUDA_PACKED_QUANT`; `0` widens them). On: `check quant-ops` passed on an H100
@@ -287,6 +293,7 @@ impl Default for KernelConfig {
             graph_arena_mb: 512,
             pin_host_experts: true,
             mxfp4_device_fills: true,
+            packed_device_fills: true,
             packed_quant_weights: true,
             int4_stream_layer: true,
             int4_stream_gemv: true,

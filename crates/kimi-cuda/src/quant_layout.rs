@@ -37,6 +37,21 @@ pub(crate) fn format_code(dtype: DType) -> Option<i32> {
     }
 }
 
+/// The stored type's code for `quant_from_blocks` (`kernels/quant.cu`), which lays out a
+/// slot fill's stored blocks on the device as [`device_planes`] does on the host.
+pub(crate) fn fill_kind(dtype: DType) -> Option<i32> {
+    Some(match dtype {
+        DType::Q4Z => 0,
+        DType::Q8Z => 1,
+        DType::F8S => 2,
+        DType::Q4_0 => 3,
+        DType::Q8_0 => 4,
+        DType::Q4_1 => 5,
+        DType::Q4_K => 6,
+        _ => return None,
+    })
+}
+
 /// `(header bytes, code bytes)` of one 32-value unit of a type kept packed.
 pub(crate) fn parts(dtype: DType) -> Option<(usize, usize)> {
     Some(match format_code(dtype)? {
@@ -130,6 +145,30 @@ pub(crate) fn device_planes(dtype: DType, blocks: &[u8]) -> Option<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every type kept packed can be laid out on the device when a slot fills
+    /// (`quant_from_blocks`), and no other type claims to.
+    #[test]
+    fn every_packed_type_fills_on_the_device() {
+        for dtype in [
+            DType::Q4Z,
+            DType::Q8Z,
+            DType::F8S,
+            DType::Q4_0,
+            DType::Q8_0,
+            DType::Q4_1,
+            DType::Q4_K,
+            DType::BF16,
+            DType::MXFP4,
+            DType::Q6_K,
+        ] {
+            assert_eq!(
+                fill_kind(dtype).is_some(),
+                format_code(dtype).is_some(),
+                "{dtype}"
+            );
+        }
+    }
     use kimi_core::qblocks;
     use kimi_ops::{Backend, HostTensor};
 

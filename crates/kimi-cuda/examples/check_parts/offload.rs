@@ -20,6 +20,7 @@ use kimi_ops::offload::{CachePolicy, HostBackend};
 
 use super::k3_cases::mxfp4_blocks;
 use super::op_cases::Rng;
+use super::quant_cases::quant_blocks;
 use super::{rel_err, run_model, Res};
 
 /// A slot fill of MXFP4 blocks laid out by the device (`upload_into`: the stored blocks
@@ -72,13 +73,74 @@ fn check_mxfp4_fills() -> Res<usize> {
     Ok(failures)
 }
 
+/// A slot fill of a packed type (Q4Z, Q8Z, F8S, ggml Q4_0, Q8_0, Q4_1, Q4_K), laid out in
+/// the device planes on the host or on the GPU (`quant_from_blocks`), must widen to the
+/// CPU's values of the new blocks bit for bit. Returns failures.
+fn check_packed_fills() -> Res<usize> {
+    use kimi_core::DType;
+    use kimi_ops::{Backend, HostTensor};
+    let mut rng = Rng(11);
+    let mut failures = 0;
+    let dtypes = [
+        DType::Q4Z,
+        DType::Q8Z,
+        DType::F8S,
+        DType::Q4_0,
+        DType::Q8_0,
+        DType::Q4_1,
+        DType::Q4_K,
+    ];
+    for dtype in dtypes {
+        for ((rows, cols), on_device) in [(37usize, 256usize), (1024, 2304)]
+            .into_iter()
+            .flat_map(|s| [(s, false), (s, true)])
+        {
+            let be = CudaBackend::new(0)?;
+            be.update_kernel_config(|c| c.packed_device_fills = on_device)?;
+            let (old, new) = (
+                quant_blocks(&mut rng, dtype, rows, cols),
+                quant_blocks(&mut rng, dtype, rows, cols),
+            );
+            let shape = [rows, cols];
+            let tensor = |bytes| HostTensor {
+                shape: &shape,
+                dtype,
+                bytes,
+            };
+            let mut slot = be.upload(tensor(&old))?;
+            be.upload_into(&mut slot, tensor(&new))?;
+            let got = be.to_f32(&slot)?;
+            let cpu = CpuBackend::with_quant_matmul(QuantMatmul::F32);
+            let want = cpu.to_f32(&cpu.upload(tensor(&new))?)?;
+            let same = got.len() == want.len()
+                && got
+                    .iter()
+                    .zip(&want)
+                    .all(|(g, w)| g.to_bits() == w.to_bits());
+            if !same {
+                failures += 1;
+            }
+            println!(
+                "{dtype} slot fill {rows} x {cols}, laid out on the {}: {}",
+                if on_device { "GPU" } else { "host" },
+                if same {
+                    "the CPU's values (ok)"
+                } else {
+                    "FAIL: not the CPU's values"
+                }
+            );
+        }
+    }
+    Ok(failures)
+}
+
 pub fn check_offload() -> Res<()> {
     println!(
         "== offload: fixtures with experts in tiers (host RAM + device slots + cold on the CPU) \
          against all resident, page-locked fills and staged ones"
     );
     let dirs = super::fixture_dirs()?;
-    let mut failures = check_mxfp4_fills()?;
+    let mut failures = check_mxfp4_fills()? + check_packed_fills()?;
     for dir in dirs {
         let name = dir
             .file_name()

@@ -31,6 +31,17 @@ pub(super) fn is_planar(dtype: DType) -> bool {
 impl CudaBackend {
     /// The device planes of a `[rows, cols]` matrix of stored blocks, or a shape error.
     pub(super) fn quant_planes(host: &HostTensor<'_>) -> Result<Vec<u8>> {
+        Self::check_quant_blocks(host)?;
+        device_planes(host.dtype, host.bytes).ok_or_else(|| {
+            shape_err(
+                "upload",
+                format!("{} bytes are not whole blocks", host.dtype),
+            )
+        })
+    }
+
+    /// Whether `host` is a `[rows, cols]` matrix of whole stored blocks, or a shape error.
+    pub(super) fn check_quant_blocks(host: &HostTensor<'_>) -> Result<()> {
         let n: usize = host.shape.iter().product();
         let cols = host.shape.last().copied().unwrap_or(0);
         let want = host.dtype.storage_bytes(n);
@@ -46,12 +57,7 @@ impl CudaBackend {
                 ),
             ));
         }
-        device_planes(host.dtype, host.bytes).ok_or_else(|| {
-            shape_err(
-                "upload",
-                format!("{} bytes are not whole blocks", host.dtype),
-            )
-        })
+        Ok(())
     }
 
     /// A weight of a type kept packed, from its stored blocks, into the device planes.

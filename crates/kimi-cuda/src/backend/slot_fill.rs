@@ -31,6 +31,26 @@ impl CudaBackend {
             && Arc::strong_count(&dst.buf) == 1;
         let fits = |len: usize| same && dst.len_bytes() == len;
         if quant::is_planar(host.dtype) {
+            let n: usize = host.shape.iter().product();
+            let device_len = crate::quant_layout::device_bytes(host.dtype, n);
+            if self.kernel_config().packed_device_fills
+                && Self::check_quant_blocks(&host).is_ok()
+                && device_len.is_some_and(fits)
+            {
+                // The stored blocks cross the link as they are (by DMA from a locked host
+                // store) and are laid out in the planes on the device.
+                let staging = self.raw(host.bytes.len(), "expert slot fill")?;
+                // SAFETY: `staging` holds the stored blocks' bytes (a fresh allocation:
+                // aligned), freed in stream order after the kernel below has read them;
+                // `dst` was uploaded by `upload_quant` at this shape and dtype, so it holds
+                // `device_bytes(dtype, n)` bytes; a locked source stays unwritten while
+                // locked.
+                return unsafe {
+                    self.dev
+                        .copy_from_host(staging.ptr(), host.bytes, "expert slot fill")?;
+                    ops::quant::from_blocks(&self.dev, host.dtype, staging.ptr(), dst.ptr(), n)
+                };
+            }
             // Laid out in planes on the host, then a copy the driver stages.
             let planes = Self::quant_planes(&host)?;
             if !fits(planes.len()) {

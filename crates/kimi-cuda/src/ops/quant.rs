@@ -11,7 +11,7 @@ use crate::ops::gemm::STREAM_THREADS;
 use crate::plan::{
     plan_quant_gemv_pair, plan_quant_gemv_path, KernelConfig, QuantGemvPath, QuantGemvPlan,
 };
-use crate::quant_layout::format_code;
+use crate::quant_layout::{fill_kind, format_code};
 
 /// The most activation rows one `quant_gemv_*` launch takes.
 pub(crate) use crate::plan::QUANT_GEMV_MAX_ROWS as GEMV_MAX_ROWS;
@@ -264,5 +264,32 @@ pub(crate) unsafe fn embed(
         .arg(&vi);
     // SAFETY: see the function's contract; one thread per 8 values.
     unsafe { b.launch(flat(n * d / 8)) }.op("embedding")?;
+    Ok(())
+}
+
+/// Lays out `n` values of `dtype`'s stored blocks, already on the device (`blocks`), in the
+/// device planes (`planes`, which holds `quant_layout::device_bytes(dtype, n)` bytes): a slot
+/// fill whose blocks crossed the host link as stored. The same bytes as
+/// `quant_layout::device_planes`.
+///
+/// # Safety
+/// `blocks` holds `dtype.storage_bytes(n)` bytes (4-byte aligned) and `planes`
+/// `device_bytes(dtype, n)` (16-byte aligned); the two do not overlap.
+pub(crate) unsafe fn from_blocks(
+    dev: &Device,
+    dtype: DType,
+    blocks: u64,
+    planes: u64,
+    n: usize,
+) -> Result<()> {
+    let kind = fill_kind(dtype).ok_or_else(|| {
+        Error::Unsupported(format!("slot fills laid out on the device for {dtype}"))
+    })?;
+    let units = u32::try_from(n / 32)
+        .map_err(|_| Error::Unsupported(format!("a slot fill of {n} values")))?;
+    let mut b = dev.kernel("quant", "quant_from_blocks")?;
+    b.arg(&blocks).arg(&planes).arg(&kind).arg(&units);
+    // SAFETY: see the function's contract; one thread per 32-value unit.
+    unsafe { b.launch(flat(n / 32)) }.op("from_blocks")?;
     Ok(())
 }

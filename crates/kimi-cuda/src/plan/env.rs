@@ -29,12 +29,13 @@ const GRAPH_ARENA_MB: &str = "KIMI_CUDA_GRAPH_ARENA_MB";
 const MXFP4_TOKEN_TILES: &str = "KIMI_CUDA_MXFP4_TOKEN_TILES";
 const PIN_HOST_EXPERTS: &str = "KIMI_CUDA_PIN_HOST_EXPERTS";
 const MXFP4_DEVICE_FILLS: &str = "KIMI_CUDA_MXFP4_DEVICE_FILLS";
+const PACKED_DEVICE_FILLS: &str = "KIMI_CUDA_PACKED_DEVICE_FILLS";
 const PACKED_QUANT: &str = "KIMI_CUDA_PACKED_QUANT";
 const INT4_LAYER: &str = "KIMI_CUDA_INT4_LAYER";
 const INT4_GEMV: &str = "KIMI_CUDA_INT4_GEMV";
 
 /// Every variable [`KernelConfig::from_env`] reads.
-const VARS: [&str; 16] = [
+const VARS: [&str; 17] = [
     MLA_PREFILL,
     KDA_CHUNK,
     MOE_LAYER,
@@ -48,6 +49,7 @@ const VARS: [&str; 16] = [
     MXFP4_TOKEN_TILES,
     PIN_HOST_EXPERTS,
     MXFP4_DEVICE_FILLS,
+    PACKED_DEVICE_FILLS,
     PACKED_QUANT,
     INT4_LAYER,
     INT4_GEMV,
@@ -98,6 +100,7 @@ impl KernelConfig {
     /// | `KIMI_CUDA_MXFP4_TOKEN_TILES` | `1`, `2` or `4`; `auto` |
     /// | `KIMI_CUDA_PIN_HOST_EXPERTS` | `0`: expert slots fill from pageable memory; `1` |
     /// | `KIMI_CUDA_MXFP4_DEVICE_FILLS` | `1`: MXFP4 slot fills laid out on the GPU; `0` |
+    /// | `KIMI_CUDA_PACKED_DEVICE_FILLS` | `1`: packed integer/FP8/ggml slot fills laid out on the GPU; `0` |
     /// | `KIMI_CUDA_PACKED_QUANT` | `0`: integer/FP8/ggml weights widened to bf16 at load; `1` |
     /// | `KIMI_CUDA_INT4_LAYER` | `1`: one-token 4-bit expert layers in one streamed launch; `0` |
     /// | `KIMI_CUDA_INT4_GEMV` | `1`: one-token 4-bit products streamed by persistent CTAs; `0` |
@@ -173,6 +176,9 @@ impl KernelConfig {
             }
             MXFP4_DEVICE_FILLS => {
                 self.mxfp4_device_fills = flag(value).ok_or_else(|| invalid("`0` or `1`"))?
+            }
+            PACKED_DEVICE_FILLS => {
+                self.packed_device_fills = flag(value).ok_or_else(|| invalid("`0` or `1`"))?
             }
             PACKED_QUANT => {
                 self.packed_quant_weights = flag(value).ok_or_else(|| invalid("`0` or `1`"))?
