@@ -243,9 +243,9 @@ pub struct KernelConfig {
     /// and run on the quant GEMV kernels, instead of being widened to bf16 at load
     /// (`KIMI_CUDA_PACKED_QUANT`; `0` widens them). On: `check quant-ops` passed on an H100
     /// (2026-12-06, and with every one-token 4-bit kernel 2026-12-07), and the 48B cut to 16
-    /// layers with 4-bit linear layers decodes at 1.11x / 1.76x / 1.66x bf16's tokens/s at
-    /// batch 1 / 16 / 64 in 0.40x the memory there (6a1d257); prefill, which widens each packed
-    /// dense matrix per call, is 0.93x. A checkpoint quantized to fit a GPU keeps fitting it,
+    /// layers with 4-bit linear layers decodes at 1.02x / 1.14x / 1.42x bf16's tokens/s at
+    /// batch 1 / 16 / 64 in 0.40x the memory there (1ebc72e); prefill, which widens each packed
+    /// dense matrix per call, is 0.76x. A checkpoint quantized to fit a GPU keeps fitting it,
     /// as in other engines; widened, the 4-bit 48B (21.6 GiB) would need 91.5.
     pub packed_quant_weights: bool,
     /// One-token layers of 4-bit integer experts stream in one launch
