@@ -1,7 +1,8 @@
 //! Times a MoE step's routed experts on the CPU (`Backend::ffn_many`, as a device's host
 //! tier computes its cold experts): bf16 SwiGLU experts at Kimi-Linear-48B's shapes
 //! (hidden 2304, intermediate 1024), more of them than the last-level cache holds, each on
-//! `n` tokens: `cargo run --release -p kimi-cpu --example experts_bench [threads] [experts]`.
+//! `n` tokens: `cargo run --release -p kimi-cpu --example experts_bench [threads] [experts]
+//! [bf16|q4z]` (q4z: 4-bit blocks with an integer zero point, as AWQ and GPTQ experts load).
 //! Prints the median step time, expert bytes per second and multiply-adds per second (f32
 //! products, `QuantMatmul::F32`, as a host tier's store makes them); then one expert for one
 //! token at a time after the threads were idle for a while (a tiered decode step's lone
@@ -16,25 +17,49 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let threads: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(2);
     let experts: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(24);
+    let dtype = match args.next().as_deref() {
+        None | Some("bf16") => DType::BF16,
+        Some("q4z") => DType::Q4Z,
+        Some(other) => {
+            eprintln!("experts_bench: weight type `{other}`: bf16 or q4z");
+            std::process::exit(2);
+        }
+    };
     kimi_cpu::set_num_threads(threads).unwrap();
-    run(&CpuBackend::with_quant_matmul(QuantMatmul::F32), experts);
+    run(
+        &CpuBackend::with_quant_matmul(QuantMatmul::F32),
+        experts,
+        dtype,
+    );
 }
 
-fn run(be: &CpuBackend, experts: usize) {
+/// `o * k` values as `dtype`'s stored bytes: bf16 values in ±0.05, or 4-bit codes 1..=15
+/// about a zero point of 8 with a scale of 0.05 / 7 (the same range).
+fn weight_bytes(dtype: DType, o: usize, k: usize, seed: usize) -> Vec<u8> {
+    let hash = |i: usize| ((i + seed) as u32).wrapping_mul(2654435761);
+    if dtype == DType::Q4Z {
+        let mut out = vec![0u8; DType::Q4Z.storage_bytes(o * k).unwrap()];
+        for (b, block) in out.chunks_exact_mut(DType::Q4Z.block_bytes()).enumerate() {
+            let codes: [u8; 32] = std::array::from_fn(|j| 1 + (hash(32 * b + j) % 15) as u8);
+            kimi_core::qblocks::write_q4z(&codes, 0.05 / 7.0, 8.0, block);
+        }
+        return out;
+    }
+    (0..o * k)
+        .flat_map(|i| {
+            let v = (hash(i) % 1000) as f32 / 1e4 - 0.05;
+            half::bf16::from_f32(v).to_le_bytes()
+        })
+        .collect()
+}
+
+fn run(be: &CpuBackend, experts: usize, dtype: DType) {
     let (hidden, inter) = (2304usize, 1024usize);
-    let bf16 = |o: usize, k: usize, seed: usize| -> Vec<u8> {
-        (0..o * k)
-            .flat_map(|i| {
-                let v = (((i + seed) as u32).wrapping_mul(2654435761) % 1000) as f32 / 1e4 - 0.05;
-                half::bf16::from_f32(v).to_le_bytes()
-            })
-            .collect()
-    };
     let upload = |o: usize, k: usize, seed: usize| {
         be.upload(HostTensor {
             shape: &[o, k],
-            dtype: DType::BF16,
-            bytes: &bf16(o, k, seed),
+            dtype,
+            bytes: &weight_bytes(dtype, o, k, seed),
         })
         .unwrap()
     };
@@ -45,7 +70,8 @@ fn run(be: &CpuBackend, experts: usize) {
             down: upload(hidden, inter, 3 * e + 2),
         })
         .collect();
-    let expert_bytes = 3 * hidden * inter * 2;
+    let expert_bytes = 3 * dtype.storage_bytes(hidden * inter).unwrap();
+    println!("{dtype} experts, {expert_bytes} bytes each");
     for n in [1usize, 2, 4, 8, 16, 32] {
         let x: Vec<f32> = (0..n * hidden)
             .map(|i| (i % 37) as f32 * 0.01 - 0.18)
@@ -66,7 +92,7 @@ fn run(be: &CpuBackend, experts: usize) {
             "{experts} experts x {n:>2} tokens: {:8.2} ms  {:6.1} GB/s of experts  {:6.1} GMAC/s",
             med * 1e3,
             (experts * expert_bytes) as f64 / med / 1e9,
-            (experts * n * expert_bytes / 2) as f64 / med / 1e9,
+            (experts * n * 3 * hidden * inter) as f64 / med / 1e9,
         );
     }
     lone(be, &weights, hidden, expert_bytes);
