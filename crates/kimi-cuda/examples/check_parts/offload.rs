@@ -23,12 +23,49 @@ use super::op_cases::Rng;
 use super::quant_cases::quant_blocks;
 use super::{rel_err, run_model, Res};
 
+/// Fills a slot holding `old` (stored blocks of `dtype`, `[rows, cols]`) with `new` on `be`
+/// and prints whether it widens to the CPU's values of `new` bit for bit; `true` if so.
+fn fill_gives_cpu_values(
+    be: &CudaBackend,
+    dtype: kimi_core::DType,
+    (rows, cols): (usize, usize),
+    old: &[u8],
+    new: &[u8],
+    on_device: bool,
+) -> Res<bool> {
+    use kimi_ops::{Backend, HostTensor};
+    let shape = [rows, cols];
+    let tensor = |bytes| HostTensor {
+        shape: &shape,
+        dtype,
+        bytes,
+    };
+    let mut slot = be.upload(tensor(old))?;
+    be.upload_into(&mut slot, tensor(new))?;
+    let got = be.to_f32(&slot)?;
+    let cpu = CpuBackend::with_quant_matmul(QuantMatmul::F32);
+    let want = cpu.to_f32(&cpu.upload(tensor(new))?)?;
+    let same = got.len() == want.len()
+        && got
+            .iter()
+            .zip(&want)
+            .all(|(g, w)| g.to_bits() == w.to_bits());
+    println!(
+        "{dtype} slot fill {rows} x {cols}, laid out on the {}: {}",
+        if on_device { "GPU" } else { "host" },
+        if same {
+            "the CPU's values (ok)"
+        } else {
+            "FAIL: not the CPU's values"
+        }
+    );
+    Ok(same)
+}
+
 /// A slot fill of MXFP4 blocks laid out by the device (`upload_into`: the stored blocks
 /// copied, then `mxfp4_from_blocks`) must widen to the CPU's values of the new blocks bit
 /// for bit, the tiles' padding included (37 x 96 pads rows and columns). Returns failures.
 fn check_mxfp4_fills() -> Res<usize> {
-    use kimi_core::DType;
-    use kimi_ops::{Backend, HostTensor};
     let mut rng = Rng(7);
     let mut failures = 0;
     for ((rows, cols), on_device) in [(37usize, 96usize), (64, 256), (3072, 3584)]
@@ -41,34 +78,10 @@ fn check_mxfp4_fills() -> Res<usize> {
             mxfp4_blocks(&mut rng, rows, cols, false),
             mxfp4_blocks(&mut rng, rows, cols, false),
         );
-        let shape = [rows, cols];
-        let tensor = |bytes| HostTensor {
-            shape: &shape,
-            dtype: DType::MXFP4,
-            bytes,
-        };
-        let mut slot = be.upload(tensor(&old))?;
-        be.upload_into(&mut slot, tensor(&new))?;
-        let got = be.to_f32(&slot)?;
-        let cpu = CpuBackend::with_quant_matmul(QuantMatmul::F32);
-        let want = cpu.to_f32(&cpu.upload(tensor(&new))?)?;
-        let same = got.len() == want.len()
-            && got
-                .iter()
-                .zip(&want)
-                .all(|(g, w)| g.to_bits() == w.to_bits());
-        if !same {
+        let dtype = kimi_core::DType::MXFP4;
+        if !fill_gives_cpu_values(&be, dtype, (rows, cols), &old, &new, on_device)? {
             failures += 1;
         }
-        println!(
-            "MXFP4 slot fill {rows} x {cols}, laid out on the {}: {}",
-            if on_device { "GPU" } else { "host" },
-            if same {
-                "the CPU's values (ok)"
-            } else {
-                "FAIL: not the CPU's values"
-            }
-        );
     }
     Ok(failures)
 }
@@ -78,7 +91,6 @@ fn check_mxfp4_fills() -> Res<usize> {
 /// CPU's values of the new blocks bit for bit. Returns failures.
 fn check_packed_fills() -> Res<usize> {
     use kimi_core::DType;
-    use kimi_ops::{Backend, HostTensor};
     let mut rng = Rng(11);
     let mut failures = 0;
     let dtypes = [
@@ -101,34 +113,9 @@ fn check_packed_fills() -> Res<usize> {
                 quant_blocks(&mut rng, dtype, rows, cols),
                 quant_blocks(&mut rng, dtype, rows, cols),
             );
-            let shape = [rows, cols];
-            let tensor = |bytes| HostTensor {
-                shape: &shape,
-                dtype,
-                bytes,
-            };
-            let mut slot = be.upload(tensor(&old))?;
-            be.upload_into(&mut slot, tensor(&new))?;
-            let got = be.to_f32(&slot)?;
-            let cpu = CpuBackend::with_quant_matmul(QuantMatmul::F32);
-            let want = cpu.to_f32(&cpu.upload(tensor(&new))?)?;
-            let same = got.len() == want.len()
-                && got
-                    .iter()
-                    .zip(&want)
-                    .all(|(g, w)| g.to_bits() == w.to_bits());
-            if !same {
+            if !fill_gives_cpu_values(&be, dtype, (rows, cols), &old, &new, on_device)? {
                 failures += 1;
             }
-            println!(
-                "{dtype} slot fill {rows} x {cols}, laid out on the {}: {}",
-                if on_device { "GPU" } else { "host" },
-                if same {
-                    "the CPU's values (ok)"
-                } else {
-                    "FAIL: not the CPU's values"
-                }
-            );
         }
     }
     Ok(failures)

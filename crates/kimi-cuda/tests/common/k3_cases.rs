@@ -141,6 +141,42 @@ fn routing(top_k: usize) -> MoeRouting {
     }
 }
 
+/// An MoE layer's input, router and routed experts.
+type Bank<B> = (
+    <B as Backend>::Tensor,
+    <B as Backend>::Tensor,
+    Vec<MlpWeights<<B as Backend>::Tensor>>,
+);
+
+/// Inputs `x [n, d]`, an f32 router over `e` experts and the experts' SwiGLU weights in
+/// `format` (MXFP4, bf16, or a type kept packed), drawn from `Rng(seed)`.
+fn random_bank<B: Backend>(
+    b: &B,
+    seed: u64,
+    (n, d, inter, e): (usize, usize, usize, usize),
+    format: DType,
+) -> Res<Bank<B>> {
+    let mut rng = Rng(seed);
+    let x = b.upload_f32(&[n, d], &rng.vec(n * d, 1.0))?;
+    let router = b.upload_f32(&[e, d], &rng.vec(e * d, 0.5))?;
+    let mut experts = Vec::with_capacity(e);
+    for _ in 0..e {
+        let mut mat = |rows: usize, cols: usize| -> Res<B::Tensor> {
+            match format {
+                DType::MXFP4 => mxfp4_weight(b, &mut rng, rows, cols),
+                DType::BF16 => weight(b, &[rows, cols], &rng.vec(rows * cols, 0.2), DType::BF16),
+                q => super::quant_cases::quant_weight(b, &mut rng, q, rows, cols),
+            }
+        };
+        experts.push(MlpWeights {
+            gate: mat(inter, d)?,
+            up: mat(inter, d)?,
+            down: mat(d, inter)?,
+        });
+    }
+    Ok((x, router, experts))
+}
+
 /// Routed experts of an `e`-expert bank at width `d` (the LatentMoE latent), routed by
 /// `moe_route`, in `format` (MXFP4 or bf16), with SiTU.
 pub fn op_moe_experts<B: Backend>(
@@ -152,23 +188,7 @@ pub fn op_moe_experts<B: Backend>(
     top_k: usize,
     format: DType,
 ) -> Res<Vec<Vec<f32>>> {
-    let mut rng = Rng(41);
-    let x = b.upload_f32(&[n, d], &rng.vec(n * d, 1.0))?;
-    let router = b.upload_f32(&[e, d], &rng.vec(e * d, 0.5))?;
-    let mut experts = Vec::with_capacity(e);
-    for _ in 0..e {
-        let mut mat = |rows: usize, cols: usize| -> Res<B::Tensor> {
-            match format {
-                DType::MXFP4 => mxfp4_weight(b, &mut rng, rows, cols),
-                _ => weight(b, &[rows, cols], &rng.vec(rows * cols, 0.2), DType::BF16),
-            }
-        };
-        experts.push(MlpWeights {
-            gate: mat(inter, d)?,
-            up: mat(inter, d)?,
-            down: mat(d, inter)?,
-        });
-    }
+    let (x, router, experts) = random_bank(b, 41, (n, d, inter, e), format)?;
     let routes = b.moe_route(&x, &router, None, &routing(top_k))?;
     let y = b.moe_experts(&x, &routes, &ExpertView::new(&experts), SITU)?;
     let ids = b.expert_ids(&routes.experts)?;
@@ -190,24 +210,7 @@ pub fn op_moe_experts_absent<B: Backend>(
     format: DType,
     act: Activation,
 ) -> Res<Vec<Vec<f32>>> {
-    let mut rng = Rng(43);
-    let x = b.upload_f32(&[n, d], &rng.vec(n * d, 1.0))?;
-    let router = b.upload_f32(&[e, d], &rng.vec(e * d, 0.5))?;
-    let mut experts = Vec::with_capacity(e);
-    for _ in 0..e {
-        let mut mat = |rows: usize, cols: usize| -> Res<B::Tensor> {
-            match format {
-                DType::MXFP4 => mxfp4_weight(b, &mut rng, rows, cols),
-                DType::BF16 => weight(b, &[rows, cols], &rng.vec(rows * cols, 0.2), DType::BF16),
-                q => super::quant_cases::quant_weight(b, &mut rng, q, rows, cols),
-            }
-        };
-        experts.push(MlpWeights {
-            gate: mat(inter, d)?,
-            up: mat(inter, d)?,
-            down: mat(d, inter)?,
-        });
-    }
+    let (x, router, experts) = random_bank(b, 43, (n, d, inter, e), format)?;
     let routes = b.moe_route(&x, &router, None, &routing(top_k))?;
     let view = ExpertView::partial(
         (0..e)
